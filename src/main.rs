@@ -1,0 +1,5 @@
+fn main() {
+    for m in flash_attention::methods::all() {
+        println!("{}: {}", m.name, m.about);
+    }
+}

@@ -1,0 +1,175 @@
+//! The checks every method runs before any work, and the error every method returns.
+
+use std::fmt;
+
+use ndarray::ArrayView4;
+
+/// The shape of one attention call: `[batch, heads, tokens, head_dim]`, as PyTorch lays it out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    pub batch: usize,
+    pub heads: usize,
+    pub tokens: usize,
+    pub head_dim: usize,
+}
+
+impl Shape {
+    pub fn new(batch: usize, heads: usize, tokens: usize, head_dim: usize) -> Self {
+        Shape {
+            batch,
+            heads,
+            tokens,
+            head_dim,
+        }
+    }
+
+    /// `[batch, heads, tokens, head_dim]`, for `Array4::zeros` and friends.
+    pub fn dims(&self) -> [usize; 4] {
+        [self.batch, self.heads, self.tokens, self.head_dim]
+    }
+
+    /// Number of values in one of q, k, v or the output.
+    pub fn len(&self) -> usize {
+        self.batch * self.heads * self.tokens * self.head_dim
+    }
+
+    /// True when there is nothing to compute: no sequence, no head or no token.
+    pub fn is_empty(&self) -> bool {
+        self.batch == 0 || self.heads == 0 || self.tokens == 0
+    }
+
+    /// The scale of the scores, `1/√d`.
+    pub fn scale(&self) -> f64 {
+        1.0 / (self.head_dim as f64).sqrt()
+    }
+
+    /// Floating-point operations of the causal forward pass as FlashAttention and Triton count
+    /// them: two products of `T·T·D` multiply-adds per head, halved by the mask.
+    pub fn forward_flops(&self) -> f64 {
+        4.0 * (self.batch * self.heads) as f64 * (self.tokens as f64).powi(2) * self.head_dim as f64
+            / 2.0
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "[batch {}, heads {}, tokens {}, head_dim {}]",
+            self.batch, self.heads, self.tokens, self.head_dim
+        )
+    }
+}
+
+/// Why an attention call refused its input or could not finish.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AttnError {
+    /// q, k and v (or an output gradient) do not all have one shape.
+    ShapeMismatch { what: String },
+    /// The head dim is zero, so the scale `1/√d` is undefined.
+    ZeroHeadDim,
+    /// The method handles only some head dims.
+    UnsupportedHeadDim { head_dim: usize, supported: String },
+    /// Some other size the method cannot take (too many tokens for its indices, say).
+    Unsupported { what: String },
+    /// Allocating `bytes` failed: the input is too large for this method on this machine.
+    OutOfMemory { what: String, bytes: u128 },
+    /// No usable device, or the device failed (no GPU, no NVRTC, a failed compile or launch).
+    Device { what: String },
+}
+
+impl fmt::Display for AttnError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AttnError::ShapeMismatch { what } => write!(
+                f,
+                "shape mismatch: {what}; q, k and v must all be [batch, heads, tokens, head_dim] with the same four sizes"
+            ),
+            AttnError::ZeroHeadDim => write!(
+                f,
+                "head_dim is 0: the scores are scaled by 1/sqrt(head_dim), so head_dim must be at least 1"
+            ),
+            AttnError::UnsupportedHeadDim {
+                head_dim,
+                supported,
+            } => {
+                write!(
+                    f,
+                    "head_dim {head_dim} is not supported by this method; supported: {supported}"
+                )
+            }
+            AttnError::Unsupported { what } => write!(f, "unsupported input: {what}"),
+            AttnError::OutOfMemory { what, bytes } => write!(
+                f,
+                "out of memory: {what} needs {:.1} MB; try fewer tokens, sequences or heads, or a method that keeps no T×T table",
+                *bytes as f64 / 1e6
+            ),
+            AttnError::Device { what } => write!(f, "device error: {what}"),
+        }
+    }
+}
+
+impl std::error::Error for AttnError {}
+
+// ANCHOR: check_qkv
+/// Checks q, k and v before any work and returns their common shape.
+///
+/// Accepted: three arrays `[batch, heads, tokens, head_dim]` of one shape, with `head_dim ≥ 1`.
+/// Zero sequences, heads or tokens are accepted and give an empty output.
+pub fn check_qkv<A>(
+    q: &ArrayView4<A>,
+    k: &ArrayView4<A>,
+    v: &ArrayView4<A>,
+) -> Result<Shape, AttnError> {
+    let (qd, kd, vd) = (q.dim(), k.dim(), v.dim());
+    if qd != kd || qd != vd {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "q is {:?}, k is {:?}, v is {:?}",
+                <[usize; 4]>::from(qd),
+                <[usize; 4]>::from(kd),
+                <[usize; 4]>::from(vd)
+            ),
+        });
+    }
+    let (batch, heads, tokens, head_dim) = qd;
+    if head_dim == 0 {
+        return Err(AttnError::ZeroHeadDim);
+    }
+    Ok(Shape {
+        batch,
+        heads,
+        tokens,
+        head_dim,
+    })
+}
+// ANCHOR_END: check_qkv
+
+/// Checks that a further array (an output gradient, say) has the shape of q.
+pub fn check_same<A>(name: &str, x: &ArrayView4<A>, shape: Shape) -> Result<(), AttnError> {
+    let d: [usize; 4] = x.dim().into();
+    if d != shape.dims() {
+        return Err(AttnError::ShapeMismatch {
+            what: format!("{name} is {d:?} but q, k and v are {:?}", shape.dims()),
+        });
+    }
+    Ok(())
+}
+
+/// Allocates `len` zeros, returning `OutOfMemory` instead of aborting the process when the
+/// allocator says no (or when `len` overflows).
+pub fn try_zeros<A: Clone + Default>(what: &str, len: Option<usize>) -> Result<Vec<A>, AttnError> {
+    let oom = |bytes: u128| AttnError::OutOfMemory {
+        what: what.to_string(),
+        bytes,
+    };
+    let size = std::mem::size_of::<A>() as u128;
+    let Some(len) = len else {
+        return Err(oom(u128::MAX / 2));
+    };
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(len)
+        .map_err(|_| oom(len as u128 * size))?;
+    buf.resize(len, A::default());
+    Ok(buf)
+}

@@ -1,0 +1,150 @@
+//! # Step 01: attention by hand
+//!
+//! Causal attention exactly as the formula reads, `softmax(mask(q·kᵀ/√d))·v`, with every
+//! intermediate kept: a table of scores with one row and one column per token, for every head
+//! of every sequence. Its memory grows with the square of the length; the later steps exist to
+//! remove it. This crate is also where every later step gets its footing: the input checks and
+//! the error type they all share, the seeded inputs, and the `f64` reference they are all
+//! checked against.
+//!
+//! ## Layout
+//!
+//! - [`attention`]: the method itself, in four visible stages ([`scores`], [`apply_causal_mask`],
+//!   [`softmax_rows`], then the product with v).
+//! - [`check`]: [`Shape`], [`AttnError`] and [`check_qkv`], run by every method before any work.
+//! - [`reference`]: the same computation in `f64`, and the one error measure.
+//! - [`inputs`]: seeded normal inputs, the same on every machine.
+
+pub mod check;
+pub mod inputs;
+pub mod reference;
+
+pub use check::{AttnError, Shape, check_qkv, check_same, try_zeros};
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{Array3, Array4, ArrayView4, s};
+
+/// What every forward method returns.
+#[derive(Clone, Debug)]
+pub struct Attention {
+    /// `[batch, heads, tokens, head_dim]`
+    pub out: Array4<f32>,
+    /// `[batch, heads, tokens]`: each row's natural log-sum-exp of its scaled scores, the one
+    /// number per row that lets the backward pass rebuild the probabilities (step 04).
+    pub lse: Array3<f32>,
+}
+
+impl Attention {
+    /// The output of an empty call (no sequence, head or token): arrays with a zero dimension.
+    pub fn empty(shape: Shape) -> Self {
+        Attention {
+            out: Array4::zeros(shape.dims()),
+            lse: Array3::zeros((shape.batch, shape.heads, shape.tokens)),
+        }
+    }
+}
+
+// ANCHOR: by_hand
+/// Causal attention by hand: `softmax(mask(q·kᵀ/√d))·v` for `[batch, heads, tokens, head_dim]`
+/// inputs, materialising the whole `[batch, heads, tokens, tokens]` table of scores.
+///
+/// Empty input (zero sequences, heads or tokens) gives an empty output. A table too large to
+/// allocate gives [`AttnError::OutOfMemory`].
+pub fn attention(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+) -> Result<Attention, AttnError> {
+    let shape = check_qkv(&q, &k, &v)?;
+    if shape.is_empty() {
+        return Ok(Attention::empty(shape));
+    }
+    let mut table = scores(q, k)?; // [b, h, T, T]: s_ij = q_i·k_j/√d
+    apply_causal_mask(&mut table); // s_ij = −∞ where j > i
+    let lse = softmax_rows(&mut table); // p_ij = e^(s_ij) / Σ_j e^(s_ij)
+    let mut out = Array4::zeros(shape.dims());
+    for b in 0..shape.batch {
+        for h in 0..shape.heads {
+            // out_i = Σ_j p_ij v_j: the table times v
+            let p = table.slice(s![b, h, .., ..]);
+            general_mat_mul(
+                1.0,
+                &p,
+                &v.slice(s![b, h, .., ..]),
+                0.0,
+                &mut out.slice_mut(s![b, h, .., ..]),
+            );
+        }
+    }
+    Ok(Attention { out, lse })
+}
+// ANCHOR_END: by_hand
+
+// ANCHOR: scores
+/// The table of scores, `s_ij = q_i·k_j / √d` for every query i and key j of every head: one
+/// `tokens × tokens` matrix per head, `4·T²` bytes each.
+pub fn scores(q: ArrayView4<f32>, k: ArrayView4<f32>) -> Result<Array4<f32>, AttnError> {
+    let shape = check_qkv(&q, &k, &k)?;
+    let [b_n, h_n, t_n, _] = shape.dims();
+    let len = b_n
+        .checked_mul(h_n)
+        .and_then(|n| n.checked_mul(t_n))
+        .and_then(|n| n.checked_mul(t_n));
+    let buf = try_zeros::<f32>(&format!("the table of scores for {shape}"), len)?;
+    let mut table = Array4::from_shape_vec((b_n, h_n, t_n, t_n), buf).expect("length is b·h·T·T");
+    let scale = shape.scale() as f32;
+    for b in 0..b_n {
+        for h in 0..h_n {
+            let (q, k) = (q.slice(s![b, h, .., ..]), k.slice(s![b, h, .., ..]));
+            general_mat_mul(
+                scale,
+                &q,
+                &k.t(),
+                0.0,
+                &mut table.slice_mut(s![b, h, .., ..]),
+            );
+        }
+    }
+    Ok(table)
+}
+// ANCHOR_END: scores
+
+// ANCHOR: causal_mask
+/// The causal mask: token i may look at tokens 0..=i only, so every score above the diagonal
+/// becomes −∞, which the softmax turns into a probability of exactly 0.
+pub fn apply_causal_mask(table: &mut Array4<f32>) {
+    let t_n = table.shape()[2];
+    for i in 0..t_n {
+        // row i of every head: the keys after i
+        table
+            .slice_mut(s![.., .., i, i + 1..])
+            .fill(f32::NEG_INFINITY);
+    }
+}
+// ANCHOR_END: causal_mask
+
+// ANCHOR: softmax
+/// Turns each row of scores into probabilities in place, `p_ij = e^(s_ij − m_i) / ℓ_i` with
+/// `m_i` the row's maximum (so no exponential overflows) and `ℓ_i = Σ_j e^(s_ij − m_i)`, and
+/// returns each row's log-sum-exp `m_i + ln ℓ_i`.
+pub fn softmax_rows(table: &mut Array4<f32>) -> Array3<f32> {
+    let [b_n, h_n, t_n, _] = <[usize; 4]>::try_from(table.shape()).expect("4 dimensions");
+    let mut lse = Array3::zeros((b_n, h_n, t_n));
+    for (mut row, lse) in table.rows_mut().into_iter().zip(lse.iter_mut()) {
+        let max = row.fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        row.mapv_inplace(|x| (x - max).exp());
+        let sum = row.sum();
+        row.mapv_inplace(|x| x / sum);
+        *lse = max + sum.ln();
+    }
+    lse
+}
+// ANCHOR_END: softmax
+
+/// The table of probabilities itself (scores, mask, softmax), for tests and the book.
+pub fn probabilities(q: ArrayView4<f32>, k: ArrayView4<f32>) -> Result<Array4<f32>, AttnError> {
+    let mut table = scores(q, k)?;
+    apply_causal_mask(&mut table);
+    softmax_rows(&mut table);
+    Ok(table)
+}

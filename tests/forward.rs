@@ -1,0 +1,70 @@
+//! Every method the registry lists, on every case of the table, against the f64 reference.
+
+use cross_step_tests::{F32_MAX_ABS, cases};
+use flash_attention::methods::{self, Device};
+use step01_naive::inputs::random_qkv;
+use step01_naive::reference::{attention_f64, error};
+
+#[test]
+fn every_cpu_method_matches_the_f64_reference() {
+    let methods: Vec<_> = methods::all()
+        .into_iter()
+        .filter(|m| m.device == Device::Cpu)
+        .collect();
+    assert!(!methods.is_empty());
+    for case in cases() {
+        let [q, k, v] = random_qkv(case.shape, case.seed);
+        let reference = attention_f64(q.view(), k.view(), v.view()).unwrap();
+        for m in &methods {
+            let got = (m.forward)(q.view(), k.view(), v.view())
+                .unwrap_or_else(|e| panic!("{} failed on {}: {e}", m.name, case.shape));
+            let out = error(&got.out, &reference.out);
+            let lse = error(&got.lse, &reference.lse);
+            println!("{:>16} {}: out {out}; lse {lse}", m.name, case.shape);
+            assert!(
+                out.max_abs < F32_MAX_ABS && lse.max_abs < F32_MAX_ABS,
+                "{} on {}: out {out}, lse {lse}; allowed max abs {F32_MAX_ABS:e}",
+                m.name,
+                case.shape
+            );
+        }
+    }
+}
+
+#[test]
+fn every_method_rejects_mismatched_shapes_and_zero_head_dim() {
+    use ndarray::Array4;
+    let a = Array4::<f32>::zeros((1, 2, 8, 16));
+    let b = Array4::<f32>::zeros((1, 2, 9, 16));
+    let z = Array4::<f32>::zeros((1, 2, 8, 0));
+    for m in methods::all() {
+        let err = (m.forward)(a.view(), b.view(), a.view())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("shape mismatch") && err.contains("[1, 2, 9, 16]"),
+            "{}: {err}",
+            m.name
+        );
+        let err = (m.forward)(z.view(), z.view(), z.view())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("head_dim is 0"), "{}: {err}", m.name);
+    }
+}
+
+#[test]
+fn every_cpu_method_returns_an_empty_output_for_empty_input() {
+    use ndarray::Array4;
+    for dims in [(1, 2, 0, 16), (0, 2, 5, 16), (1, 0, 5, 16)] {
+        let x = Array4::<f32>::zeros(dims);
+        for m in methods::all()
+            .into_iter()
+            .filter(|m| m.device == Device::Cpu)
+        {
+            let got = (m.forward)(x.view(), x.view(), x.view()).unwrap();
+            assert_eq!(got.out.dim(), dims, "{}", m.name);
+            assert_eq!(got.lse.dim(), (dims.0, dims.1, dims.2), "{}", m.name);
+        }
+    }
+}
