@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""PyTorch beside us: causal attention in PyTorch on the benchmark's shapes, measured by the
+benchmark's rules, written as the benchmark's JSON rows so the charts draw it next to our methods.
+
+Methods:
+  cpu:  pytorch_by_hand (q·kᵀ, mask, softmax, ·v, the whole table), pytorch_sdpa
+        (scaled_dot_product_attention, which runs PyTorch's CPU flash attention)
+  cuda: pytorch_by_hand, pytorch_sdpa_flash (the FLASH_ATTENTION backend, FlashAttention-2),
+        pytorch_sdpa_cudnn (the CUDNN_ATTENTION backend)
+
+Rules, as in `cargo run --release` (see book/src/measuring.md):
+  time  one warm-up call, then the median of --runs calls; the inputs are made before. On the
+        GPU each call is timed with CUDA events recorded around it.
+  peak  CPU: a fresh process per method and length, which makes its inputs, resets the resident
+        high-water mark (echo 5 > /proc/self/clear_refs) and reports the growth of VmHWM over one
+        call. GPU: torch.cuda.max_memory_allocated() after one call, minus what was allocated
+        before it (the inputs).
+  a call that runs out of memory gives a row whose error says so, and the sweep goes on.
+
+Usage (optional, outside the Rust build; needs only PyTorch):
+  python3 charts/peers/pytorch_peers.py --out charts/data/cpu-pytorch.json
+  python3 charts/peers/pytorch_peers.py --device cuda --out charts/data/gpu-pytorch.json
+  python3 charts/peers/pytorch_peers.py --device cuda --backward --out charts/data/gpu-pytorch-fwd-bwd.json
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+SEED = 2024
+EXIT_OOM = 3
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def by_hand(q, k, v):
+    t = q.shape[-2]
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def sdpa(backend=None):
+    def call(q, k, v):
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return call
+
+
+def methods(device):
+    """name -> (function, what runs)"""
+    if device == "cpu":
+        cap = torch.backends.cpu.get_cpu_capability()
+        return {
+            "pytorch_by_hand": (by_hand, f"torch {torch.__version__} by hand: matmul, masked_fill, softmax, matmul ({cap})"),
+            "pytorch_sdpa": (sdpa(), f"torch {torch.__version__} scaled_dot_product_attention: its CPU flash attention ({cap})"),
+        }
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "pytorch_by_hand": (by_hand, f"torch {torch.__version__} by hand: matmul, masked_fill, softmax, matmul"),
+        "pytorch_sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION), f"torch {torch.__version__} SDPA, FLASH_ATTENTION backend (FlashAttention-2)"),
+        "pytorch_sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION), f"torch {torch.__version__} SDPA, CUDNN_ATTENTION backend (cuDNN {torch.backends.cudnn.version()})"),
+    }
+
+
+def describe(device):
+    if device == "cpu":
+        model = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        return f"{model} ({torch.get_num_threads()} threads)"
+    p = torch.cuda.get_device_properties(0)
+    return f"{p.name} (sm_{p.major}{p.minor}, CUDA {torch.version.cuda})"
+
+
+def inputs(args, tokens, device):
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    g = torch.Generator(device=device).manual_seed(SEED)
+    shape = (args.batch, args.heads, tokens, args.head_dim)
+    q, k, v = (torch.randn(shape, generator=g, device=device, dtype=dtype) for _ in range(3))
+    if not args.backward:
+        return (q, k, v), None
+    dout = torch.randn(shape, generator=g, device=device, dtype=dtype)
+    return tuple(x.requires_grad_() for x in (q, k, v)), dout
+
+
+def one_call(fn, qkv, dout):
+    """The pass being measured: the forward, and for fwd+bwd the gradients of q, k and v."""
+    if dout is None:
+        with torch.no_grad():
+            return fn(*qkv)
+    o = fn(*qkv)
+    return o, torch.autograd.grad(o, qkv, dout)
+
+
+def hwm():
+    with open("/proc/self/status") as f:
+        return int(next(l for l in f if l.startswith("VmHWM")).split()[1]) * 1024
+
+
+def peak_child(args):
+    """The fresh process of one CPU peak: inputs, reset, one call, the growth."""
+    fn, _ = methods("cpu")[args.methods[0]]
+    qkv, dout = inputs(args, args.lengths[0], "cpu")
+    # no warm-up call here: memory it freed could stay in the allocator's heap, and the measured
+    # call would reuse it without raising the high-water mark
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # ru_maxrss would carry the parent's peak across fork+exec; VmHWM resets
+    before = hwm()
+    try:
+        result = one_call(fn, qkv, dout)
+    except RuntimeError as e:
+        if "memory" in str(e).lower():
+            print(f"out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
+            sys.exit(EXIT_OOM)
+        raise
+    print(hwm() - before)
+    del result
+
+
+def measure_cpu(args, name, fn, tokens):
+    cmd = [sys.executable, os.path.abspath(__file__), "--peak-child", "--methods", name,
+           "--lengths", str(tokens), "--batch", str(args.batch), "--heads", str(args.heads),
+           "--head-dim", str(args.head_dim), "--dtype", args.dtype]
+    if args.backward:
+        cmd.append("--backward")
+    child = subprocess.run(cmd, capture_output=True, text=True)
+    if child.returncode != 0:
+        last = (child.stderr.strip().splitlines() or [""])[-1]
+        if child.returncode == -9:
+            raise MemoryError("out of memory: the measuring process was killed (SIGKILL, as the kernel's OOM killer does)")
+        if child.returncode == EXIT_OOM:
+            raise MemoryError(last)
+        raise RuntimeError(f"the measuring process failed ({child.returncode}): {last}")
+    peak = int(child.stdout.strip())
+    qkv, dout = inputs(args, tokens, "cpu")
+    one_call(fn, qkv, dout)
+    times = []
+    for _ in range(args.runs):
+        start = time.perf_counter()
+        result = one_call(fn, qkv, dout)
+        times.append((time.perf_counter() - start) * 1e3)
+        del result
+    return statistics.median(times), peak
+
+
+def measure_cuda(args, name, fn, tokens):
+    qkv, dout = inputs(args, tokens, "cuda")
+    try:
+        one_call(fn, qkv, dout)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = one_call(fn, qkv, dout)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+            del result
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = one_call(fn, qkv, dout)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        del result
+        return statistics.median(times), peak
+    except torch.OutOfMemoryError as e:
+        raise MemoryError(f"out of memory: {str(e).splitlines()[0]}") from None
+    finally:
+        del qkv, dout
+        torch.cuda.empty_cache()
+
+
+def commit():
+    try:
+        out = subprocess.run(["git", "-C", HERE, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return out.stdout.strip() or "unknown" if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--methods", type=lambda s: [m for m in s.split(",") if m], default=None)
+    p.add_argument("--lengths", type=lambda s: [int(t) for t in s.split(",") if t], default=None)
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=["f32", "bf16", "f16"], default=None)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--backward", action="store_true", help="time forward and backward (pass fwd+bwd)")
+    p.add_argument("--out", help="write the rows as JSON (e.g. charts/data/cpu-pytorch.json)")
+    p.add_argument("--peak-child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    cuda = a.device == "cuda"
+    a.lengths = a.lengths or [1 << p for p in range(10, 15 if cuda else 14)]
+    a.batch = a.batch or (4 if cuda else 1)
+    a.dtype = a.dtype or ("bf16" if cuda else "f32")
+    known = methods("cpu") if not cuda else None
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    known = known or methods("cuda")
+    a.methods = a.methods or list(known)
+    unknown = [m for m in a.methods if m not in known]
+    if unknown:
+        p.error(f"unknown methods {unknown}; on {a.device} the methods are: {', '.join(known)}")
+    if min(a.lengths + [a.batch, a.heads, a.head_dim, a.runs]) < 1:
+        p.error("lengths, --batch, --heads, --head-dim and --runs must be at least 1")
+    return a
+
+
+def main(argv):
+    args = parse_args(argv)
+    if args.peak_child:
+        peak_child(args)
+        return
+    device = describe(args.device)
+    cuda = args.device == "cuda"
+    chosen = {n: m for n, m in methods(args.device).items() if n in args.methods}
+    pass_name = "fwd+bwd" if args.backward else "fwd"
+    print(f"device: {device}")
+    print(f"shape: batch {args.batch}, heads {args.heads}, head_dim {args.head_dim}, {args.dtype}, causal; "
+          f"pass {pass_name}; median of {args.runs} runs after a warm-up")
+    for name, (_, what) in chosen.items():
+        print(f"  {name:<20} {what}")
+    print(f"\n{'method':<20} {'pass':<8} {'tokens':>7} {'ms':>11} {'TFLOP/s' if cuda else 'GFLOP/s':>10} {'peak MB':>12}  note")
+    rows, sha = [], commit()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    total = len(args.lengths) * len(chosen)
+    for tokens in args.lengths:
+        for name, (fn, what) in chosen.items():
+            print(f"[{len(rows) + 1}/{total}] {name} at {tokens} tokens ({pass_name}) ...", file=sys.stderr, flush=True)
+            ms = peak = error = None
+            try:
+                ms, peak = (measure_cuda if cuda else measure_cpu)(args, name, fn, tokens)
+            except MemoryError as e:
+                error = str(e)
+            except RuntimeError as e:
+                error = f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            flops = 4 * args.batch * args.heads * tokens ** 2 * args.head_dim / 2 * (3.5 if args.backward else 1.0)
+            tflops = flops / (ms * 1e-3) / 1e12 if ms else None
+            row = dict(method=name, implementation=what, device=device, device_kind=args.device,
+                       tokens=tokens, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+                       dtype=args.dtype, runs=args.runs, ms=ms, tflops=tflops, peak_bytes=peak,
+                       commit=sha, date=date, error=error, **{"pass": pass_name})
+            rows.append(row)
+            rate = "-" if tflops is None else f"{tflops:.1f}" if cuda else f"{tflops * 1e3:.1f}"
+            print(f"{name:<20} {pass_name:<8} {tokens:>7} {'-' if ms is None else f'{ms:.3f}':>11} {rate:>10} "
+                  f"{'-' if peak is None else f'{peak / 1e6:.1f}':>12}  {error or ''}", flush=True)
+            if args.out:
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump(rows, f, indent=2, sort_keys=True)
+                    f.write("\n")
+    if args.out:
+        print(f"\nwrote {len(rows)} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

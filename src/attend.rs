@@ -1,0 +1,212 @@
+//! The `attend` command: run one method on q, k and v read from `.npy` files and write what it
+//! computes as `.npy` files, so anyone can check our results against their own framework.
+//!
+//! ```text
+//! flash-attention attend --method naive --q q.npy --k k.npy --v v.npy [--dout dout.npy] --out-dir DIR
+//! ```
+//!
+//! writes `DIR/out.npy` (`[batch, heads, tokens, head_dim]`) and `DIR/lse.npy` (`[batch, heads,
+//! tokens]`, the natural-log log-sum-exp of each row of scores), and with `--dout` also
+//! `dq.npy`, `dk.npy` and `dv.npy`.
+//!
+//! ## Layout
+//!
+//! - [`AttendArgs`]: what the command line gives.
+//! - [`attend`]: checks everything it can before any work (the method, its backward, the files
+//!   and their shapes), then runs the method and writes the files.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use ndarray::Array4;
+
+use crate::methods;
+use crate::npy;
+
+/// The `attend` command's arguments.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AttendArgs {
+    pub method: String,
+    pub q: PathBuf,
+    pub k: PathBuf,
+    pub v: PathBuf,
+    /// The gradient of the loss with respect to the output; asks for the backward pass.
+    pub dout: Option<PathBuf>,
+    pub out_dir: PathBuf,
+}
+
+/// Runs the method and writes its results; returns the paths written.
+pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
+    let method = methods::by_name(&args.method)?;
+    if args.dout.is_some() && method.backward.is_none() {
+        let with: Vec<_> = methods::all()
+            .into_iter()
+            .filter(|m| m.backward.is_some())
+            .map(|m| m.name)
+            .collect();
+        return Err(format!(
+            "--dout asks for the backward pass, and method {:?} has none; {}",
+            method.name,
+            if with.is_empty() {
+                "no method in this build has one yet".to_string()
+            } else {
+                format!("methods with a backward pass: {}", with.join(", "))
+            }
+        ));
+    }
+
+    let q = npy::read_f32_4d(&args.q).map_err(|e| e.to_string())?;
+    let k = npy::read_f32_4d(&args.k).map_err(|e| e.to_string())?;
+    let v = npy::read_f32_4d(&args.v).map_err(|e| e.to_string())?;
+    same_shape(&args.k, &k, &args.q, &q)?;
+    same_shape(&args.v, &v, &args.q, &q)?;
+    let dout = match &args.dout {
+        Some(path) => {
+            let d = npy::read_f32_4d(path).map_err(|e| e.to_string())?;
+            same_shape(path, &d, &args.q, &q)?;
+            Some(d)
+        }
+        None => None,
+    };
+
+    let result = (method.forward)(q.view(), k.view(), v.view())
+        .map_err(|e| format!("{} failed: {e}", method.name))?;
+    fs::create_dir_all(&args.out_dir)
+        .map_err(|e| format!("{}: cannot create it: {e}", args.out_dir.display()))?;
+    let mut written = Vec::new();
+    let mut write = |name: &str, a: ndarray::ArrayViewD<f32>| -> Result<(), String> {
+        let path = args.out_dir.join(name);
+        npy::write_f32(&path, a).map_err(|e| e.to_string())?;
+        written.push(path);
+        Ok(())
+    };
+    write("out.npy", result.out.view().into_dyn())?;
+    write("lse.npy", result.lse.view().into_dyn())?;
+    if let (Some(dout), Some(backward)) = (dout, method.backward) {
+        let grads = backward(q.view(), k.view(), v.view(), &result, dout.view())
+            .map_err(|e| format!("{} backward failed: {e}", method.name))?;
+        write("dq.npy", grads.dq.view().into_dyn())?;
+        write("dk.npy", grads.dk.view().into_dyn())?;
+        write("dv.npy", grads.dv.view().into_dyn())?;
+    }
+    Ok(written)
+}
+
+fn same_shape(path: &Path, x: &Array4<f32>, q_path: &Path, q: &Array4<f32>) -> Result<(), String> {
+    if x.shape() == q.shape() {
+        return Ok(());
+    }
+    Err(format!(
+        "{}: shape {:?} differs from {}'s {:?}; q, k, v (and dout) must share one shape \
+         [batch, heads, tokens, head_dim]",
+        path.display(),
+        x.shape(),
+        q_path.display(),
+        q.shape()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use step01_naive::Shape;
+    use step01_naive::inputs::random_qkv;
+
+    fn setup(name: &str, shape: Shape) -> (PathBuf, AttendArgs, [Array4<f32>; 3]) {
+        let dir = std::env::temp_dir().join(format!("attend-{name}-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let qkv = random_qkv(shape, 7);
+        for (name, x) in ["q", "k", "v"].iter().zip(&qkv) {
+            npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
+        }
+        let args = AttendArgs {
+            method: "naive".into(),
+            q: dir.join("q.npy"),
+            k: dir.join("k.npy"),
+            v: dir.join("v.npy"),
+            dout: None,
+            out_dir: dir.join("out"),
+        };
+        (dir, args, qkv)
+    }
+
+    #[test]
+    fn round_trip_matches_the_in_process_result_bit_for_bit() {
+        let (dir, args, [q, k, v]) = setup("round-trip", Shape::new(2, 3, 77, 16));
+        let written = attend(&args).unwrap();
+        assert_eq!(written.len(), 2);
+        let expected = step01_naive::attention(q.view(), k.view(), v.view()).unwrap();
+        let out = npy::read_f32_4d(&args.out_dir.join("out.npy")).unwrap();
+        let lse = npy::read_f32(&args.out_dir.join("lse.npy")).unwrap();
+        assert_eq!(out, expected.out);
+        assert_eq!(lse.shape(), &[2, 3, 77]);
+        assert_eq!(
+            lse.into_dimensionality::<ndarray::Ix3>().unwrap(),
+            expected.lse
+        );
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn with_dout_the_gradients_match_the_in_process_backward() {
+        let Some(m) = methods::all().into_iter().find(|m| m.backward.is_some()) else {
+            eprintln!("no method with a backward pass in this build; nothing to check");
+            return;
+        };
+        let shape = Shape::new(1, 2, 33, 8);
+        let (dir, mut args, [q, k, v]) = setup("backward", shape);
+        let dout = random_qkv(shape, 99)[0].clone();
+        npy::write_f32(&dir.join("dout.npy"), dout.view()).unwrap();
+        args.method = m.name.into();
+        args.dout = Some(dir.join("dout.npy"));
+        let written = attend(&args).unwrap();
+        assert_eq!(written.len(), 5);
+        let fwd = (m.forward)(q.view(), k.view(), v.view()).unwrap();
+        let grads = (m.backward.unwrap())(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
+        for (name, expected) in [("dq", &grads.dq), ("dk", &grads.dk), ("dv", &grads.dv)] {
+            let got = npy::read_f32_4d(&args.out_dir.join(format!("{name}.npy"))).unwrap();
+            assert_eq!(&got, expected, "{name} of {}", m.name);
+        }
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn bad_inputs_are_refused_with_the_file_and_what_was_expected() {
+        let (dir, mut args, _) = setup("bad", Shape::new(1, 2, 8, 4));
+        let k_other = random_qkv(Shape::new(1, 2, 9, 4), 1)[0].clone();
+        npy::write_f32(&dir.join("k9.npy"), k_other.view()).unwrap();
+
+        let mut bad = args.clone();
+        bad.k = dir.join("k9.npy");
+        let err = attend(&bad).unwrap_err();
+        assert!(
+            err.contains("k9.npy") && err.contains("[1, 2, 9, 4]") && err.contains("q.npy"),
+            "{err}"
+        );
+
+        let mut bad = args.clone();
+        bad.v = dir.join("nowhere.npy");
+        let err = attend(&bad).unwrap_err();
+        assert!(
+            err.contains("nowhere.npy") && err.contains("cannot read"),
+            "{err}"
+        );
+
+        let mut bad = args.clone();
+        bad.method = "no-such-method".into();
+        let err = attend(&bad).unwrap_err();
+        assert!(
+            err.contains("no-such-method") && err.contains("naive"),
+            "{err}"
+        );
+
+        // --dout for a method without a backward pass is refused before any work
+        if let Some(m) = methods::all().into_iter().find(|m| m.backward.is_none()) {
+            args.method = m.name.into();
+            args.dout = Some(dir.join("q.npy"));
+            let err = attend(&args).unwrap_err();
+            assert!(err.contains("backward") && err.contains(m.name), "{err}");
+        }
+        fs::remove_dir_all(dir).unwrap();
+    }
+}

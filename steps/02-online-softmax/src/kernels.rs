@@ -1,0 +1,825 @@
+//! The micro-kernels of the fast version: the two matrix products of one block pair and the
+//! softmax between them, each in three instruction sets (AVX-512F, AVX2 with FMA, and plain
+//! Rust), chosen at run time.
+//!
+//! The SIMD lanes run along the *queries* of a block. The block's queries are stored transposed
+//! once per block, and the scores come out transposed too, one row per key:
+//!
+//! - `qt`: `d × br`, the block's queries transposed and scaled by `log2(e)/√d` (zero past the
+//!   sequence's end);
+//! - `k`, `v`: `keys × d`, rows of the input as they are (no copy, no transpose);
+//! - `st`: `bc × br` scores `s_ij` stored at `[j][i]`, then probabilities;
+//! - `o`: `br × dp` running (unnormalised) outputs, `dp` = `d` rounded up to 16;
+//! - `m`, `l`, `alpha`: `br` running maxima, running sums and this block's correction factors.
+//!
+//! With a query per lane, the softmax's reductions over keys are element-wise maxima and sums
+//! across the rows of `st`, never a shuffle within a register. `br` is a multiple of [`LANES`].
+//!
+//! All `unsafe` of the crate is in this module. Its two kinds: calling a `#[target_feature]`
+//! function, sound only after the CPU was seen to have the feature, which [`Kernels::new`]
+//! checks once and a [`Kernels`] value stands for; and raw-pointer loads and stores inside the
+//! tiles, whose bounds each safe entry point asserts before the first one.
+
+// The tiles index their register arrays by row and column on purpose: the loops mirror the
+// tile's shape and unroll completely, with each element in its own register.
+#![allow(clippy::needless_range_loop)]
+
+use step01_naive::AttnError;
+
+/// Floats in one AVX-512 register: a query block is a multiple of it, and so is `dp`.
+pub const LANES: usize = 16;
+
+/// Which instructions the micro-kernels use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, no intrinsics: always available, and the reference for the two others.
+    Scalar,
+    /// 256-bit AVX2 with fused multiply-add.
+    Avx2,
+    /// 512-bit AVX-512F.
+    Avx512,
+}
+
+impl Isa {
+    /// The widest instruction set this CPU has.
+    pub fn detect() -> Isa {
+        [Isa::Avx512, Isa::Avx2]
+            .into_iter()
+            .find(|isa| isa.is_available())
+            .unwrap_or(Isa::Scalar)
+    }
+
+    /// Whether this CPU can run this instruction set.
+    pub fn is_available(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => is_x86_feature_detected!("avx512f"),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+}
+
+/// The sizes of one block pair, shared by the three kernels.
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    /// Queries in the block (a multiple of [`LANES`]).
+    pub br: usize,
+    /// Rows of `st` (keys per block).
+    pub bc: usize,
+    /// The head dim.
+    pub d: usize,
+    /// The head dim rounded up to a multiple of [`LANES`]: the row length of `o`.
+    pub dp: usize,
+}
+
+impl Dims {
+    fn check(&self, keys: usize) {
+        assert!(
+            self.br.is_multiple_of(LANES)
+                && self.dp == self.d.next_multiple_of(LANES)
+                && keys <= self.bc,
+            "{self:?} with {keys} keys: br must be a multiple of {LANES}, dp = d rounded up to \
+             {LANES}, keys ≤ bc"
+        );
+    }
+}
+
+/// The kernels of one instruction set, known to be available: holding a `Kernels` is the proof
+/// the `unsafe` calls below rely on.
+#[derive(Clone, Copy, Debug)]
+pub struct Kernels {
+    isa: Isa,
+}
+
+impl Kernels {
+    /// The kernels of `isa`, or an error when this CPU does not have it.
+    pub fn new(isa: Isa) -> Result<Kernels, AttnError> {
+        if isa.is_available() {
+            Ok(Kernels { isa })
+        } else {
+            Err(AttnError::Unsupported {
+                what: format!(
+                    "this CPU has no {isa:?} instructions; available here: {:?} (Isa::detect())",
+                    Isa::detect()
+                ),
+            })
+        }
+    }
+
+    pub fn isa(self) -> Isa {
+        self.isa
+    }
+
+    // ANCHOR: scores_dispatch
+    /// `st[j][i] = Σ_d k[j][d]·qt[d][i]` for the first `keys` rows of `st`: one block of scores,
+    /// transposed.
+    pub fn scores(self, qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, n: Dims) {
+        n.check(keys);
+        assert!(qt.len() >= n.d * n.br && k.len() >= keys * n.d && st.len() >= n.bc * n.br);
+        match self.isa {
+            // SAFETY: `self` exists only if the CPU has AVX-512F (`Kernels::new`); the asserts
+            // above bound every pointer the tiles form (keys < `keys`, d < n.d, queries < br).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512::scores(qt, k, st, keys, n) },
+            // SAFETY: as above, for AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { avx2::scores(qt, k, st, keys, n) },
+            _ => scalar::scores(qt, k, st, 0, keys, n),
+        }
+    }
+    // ANCHOR_END: scores_dispatch
+
+    /// The online softmax of one block, in place on `st`: per query i, `m_new = max(m_i,
+    /// max_j st[j][i])`, `alpha_i = 2^(m_i − m_new)`, `st[j][i] = 2^(st[j][i] − m_new)`,
+    /// `l_i = alpha_i·l_i + Σ_j st[j][i]`. With `FOLDED = false` the scores are in natural
+    /// units and every `2^x` is `e^x`. `fast_exp = false` takes the standard library's `exp2`
+    /// (or `exp`) one value at a time, to measure what the polynomial saves.
+    #[allow(clippy::too_many_arguments)]
+    pub fn softmax<const FOLDED: bool>(
+        self,
+        st: &mut [f32],
+        m: &mut [f32],
+        l: &mut [f32],
+        alpha: &mut [f32],
+        fast_exp: bool,
+        n: Dims,
+    ) {
+        n.check(0);
+        assert!(st.len() >= n.bc * n.br && m.len() >= n.br && l.len() >= n.br);
+        assert!(alpha.len() >= n.br);
+        match self.isa {
+            // SAFETY: `self` proves AVX-512F; the asserts above bound every pointer (rows < bc,
+            // queries < br).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if fast_exp => unsafe { avx512::softmax::<FOLDED>(st, m, l, alpha, n) },
+            // SAFETY: as above, for AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 if fast_exp => unsafe { avx2::softmax::<FOLDED>(st, m, l, alpha, n) },
+            _ => scalar::softmax::<FOLDED>(st, m, l, alpha, n),
+        }
+    }
+
+    /// `o[i] = alpha_i·o[i] + Σ_{j < keys} st[j][i]·v[j]`: rescale the running outputs and add
+    /// one block of values.
+    pub fn pv(self, pt: &[f32], v: &[f32], o: &mut [f32], alpha: &[f32], keys: usize, n: Dims) {
+        n.check(keys);
+        assert!(pt.len() >= n.bc * n.br && v.len() >= keys * n.d && o.len() >= n.br * n.dp);
+        assert!(alpha.len() >= n.br);
+        match self.isa {
+            // SAFETY: `self` proves AVX-512F; the asserts above bound every pointer (keys <
+            // `keys`, queries < br, dims < dp in o and, masked, < d in v).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512::pv(pt, v, o, alpha, keys, n) },
+            // SAFETY: as above, for AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { avx2::pv(pt, v, o, alpha, keys, n) },
+            _ => scalar::pv(pt, v, o, alpha, keys, n),
+        }
+    }
+}
+
+// ANCHOR: exp2_poly
+/// `2^f` for `f ∈ [−½, ½]`: the minimax polynomial of Cephes' `exp2f` (Moshier 1992), relative
+/// error about 2·10⁻⁷, highest degree first. `2^x = 2^n · 2^f` with `n = round(x)`, `f = x − n`,
+/// and `2^n` written straight into the exponent bits.
+const EXP2_POLY: [f32; 6] = [
+    1.535_336_2e-4,
+    1.339_887_4e-3,
+    9.618_438e-3,
+    5.550_332_5e-2,
+    2.402_264_8e-1,
+    6.931_472e-1,
+];
+/// `x` is clamped here first; `n = −127` makes the exponent bits those of 0.0, so a masked
+/// score, `−∞`, gives a probability of exactly 0, as `e^(−∞)` does (and so does everything below
+/// about `2^−126.5`, under the smallest normal `f32`).
+const EXP2_MIN: f32 = -127.0;
+// ANCHOR_END: exp2_poly
+
+/// The portable path: always correct, and the reference the SIMD paths are tested against.
+mod scalar {
+    use super::Dims;
+
+    /// Rows `from..keys` of the transposed scores.
+    pub fn scores(qt: &[f32], k: &[f32], st: &mut [f32], from: usize, keys: usize, n: Dims) {
+        for j in from..keys {
+            let s_j = &mut st[j * n.br..(j + 1) * n.br];
+            s_j.fill(0.0);
+            for d in 0..n.d {
+                let k_jd = k[j * n.d + d];
+                for (s, &q) in s_j.iter_mut().zip(&qt[d * n.br..(d + 1) * n.br]) {
+                    *s += k_jd * q;
+                }
+            }
+        }
+    }
+
+    pub fn softmax<const FOLDED: bool>(
+        st: &mut [f32],
+        m: &mut [f32],
+        l: &mut [f32],
+        alpha: &mut [f32],
+        n: Dims,
+    ) {
+        let exp = |x: f32| if FOLDED { x.exp2() } else { x.exp() };
+        let mut m_new = m[..n.br].to_vec();
+        for s_j in st[..n.bc * n.br].chunks_exact(n.br) {
+            for (m, &s) in m_new.iter_mut().zip(s_j) {
+                *m = m.max(s);
+            }
+        }
+        for i in 0..n.br {
+            alpha[i] = exp(m[i] - m_new[i]);
+            l[i] *= alpha[i];
+        }
+        for s_j in st[..n.bc * n.br].chunks_exact_mut(n.br) {
+            for i in 0..n.br {
+                s_j[i] = exp(s_j[i] - m_new[i]);
+                l[i] += s_j[i];
+            }
+        }
+        m[..n.br].copy_from_slice(&m_new);
+    }
+
+    pub fn pv(pt: &[f32], v: &[f32], o: &mut [f32], alpha: &[f32], keys: usize, n: Dims) {
+        for i in 0..n.br {
+            let o_i = &mut o[i * n.dp..i * n.dp + n.d];
+            o_i.iter_mut().for_each(|o| *o *= alpha[i]);
+            for j in 0..keys {
+                let p_ij = pt[j * n.br + i];
+                for (o, &v) in o_i.iter_mut().zip(&v[j * n.d..(j + 1) * n.d]) {
+                    *o += p_ij * v;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Dims, EXP2_MIN, EXP2_POLY, LANES, scalar};
+    use std::arch::x86_64::*;
+
+    /// Keys per scores tile, queries per output tile.
+    const R: usize = 8;
+
+    /// `2^x` for 16 lanes, `x ≤ 0`; exactly 0 for `x < −126.5` (−∞ included).
+    #[target_feature(enable = "avx512f")]
+    fn exp2(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(EXP2_MIN));
+        // n = round(x) (0x08: to nearest, exceptions suppressed), f = x − n ∈ [−½, ½]
+        let n = _mm512_roundscale_ps::<0x08>(x);
+        let f = _mm512_sub_ps(x, n);
+        let mut p = _mm512_set1_ps(EXP2_POLY[0]);
+        for &c in &EXP2_POLY[1..] {
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+        }
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0));
+        let n = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+        _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(n)))
+    }
+
+    // ANCHOR: scores_tile
+    /// One register tile of transposed scores: 8 keys × `16·NV` queries, `8·NV` accumulators.
+    /// Per dimension d: `NV` loads of `qt`'s row d, 8 broadcasts of k[j][d], `8·NV` fused
+    /// multiply-adds.
+    ///
+    /// SAFETY (caller): `qt` points at column c0 of a `d × br` block with `16·NV` columns left;
+    /// `k` at row j0 of a `· × d` block with 8 rows left; `st` at (j0, c0) of a `· × br` block.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scores_tile<const NV: usize>(qt: *const f32, k: *const f32, st: *mut f32, n: Dims) {
+        let mut acc = [[_mm512_setzero_ps(); NV]; R];
+        for d in 0..n.d {
+            let mut q = [_mm512_setzero_ps(); NV];
+            for c in 0..NV {
+                // SAFETY: d < n.d rows, 16·(c+1) ≤ 16·NV columns left
+                q[c] = unsafe { _mm512_loadu_ps(qt.add(d * n.br + LANES * c)) };
+            }
+            for j in 0..R {
+                // SAFETY: j < 8 rows left, d < n.d
+                let k_jd = _mm512_set1_ps(unsafe { *k.add(j * n.d + d) });
+                for c in 0..NV {
+                    acc[j][c] = _mm512_fmadd_ps(k_jd, q[c], acc[j][c]);
+                }
+            }
+        }
+        for j in 0..R {
+            for c in 0..NV {
+                // SAFETY: j < 8 rows, 16·(c+1) ≤ 16·NV columns left
+                unsafe { _mm512_storeu_ps(st.add(j * n.br + LANES * c), acc[j][c]) };
+            }
+        }
+    }
+    // ANCHOR_END: scores_tile
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores(qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, n: Dims) {
+        let full = keys - keys % R;
+        for j0 in (0..full).step_by(R) {
+            let mut c0 = 0;
+            // SAFETY (both calls): j0 + 8 ≤ keys rows of k and ≤ bc rows of st, c0 + 16·NV ≤ br
+            // columns; the slices hold d·br, keys·d and bc·br values (asserted by the caller)
+            unsafe {
+                let (k, st) = (k.as_ptr().add(j0 * n.d), st.as_mut_ptr().add(j0 * n.br));
+                while c0 + 2 * LANES <= n.br {
+                    scores_tile::<2>(qt.as_ptr().add(c0), k, st.add(c0), n);
+                    c0 += 2 * LANES;
+                }
+                if c0 < n.br {
+                    scores_tile::<1>(qt.as_ptr().add(c0), k, st.add(c0), n);
+                }
+            }
+        }
+        // the last keys % 8 keys, only ever in a sequence's last block
+        scalar::scores(qt, k, st, full, keys, n);
+    }
+
+    // ANCHOR: softmax_simd
+    /// The online softmax of one block, 16 queries at a time: every reduction over keys is an
+    /// element-wise max or add down the rows of `st`.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn softmax<const FOLDED: bool>(
+        st: &mut [f32],
+        m: &mut [f32],
+        l: &mut [f32],
+        alpha: &mut [f32],
+        n: Dims,
+    ) {
+        // natural units: e^x = 2^(x·log2 e), one multiply more per score
+        let to_log2 = _mm512_set1_ps(if FOLDED {
+            1.0
+        } else {
+            std::f32::consts::LOG2_E
+        });
+        for c in (0..n.br).step_by(LANES) {
+            // SAFETY: c + 16 ≤ br ≤ the lengths of m, l, alpha, and every row j < bc of st has
+            // br values (asserted by the caller)
+            unsafe {
+                let st = st.as_mut_ptr().add(c);
+                let m_old = _mm512_loadu_ps(m.as_ptr().add(c));
+                let mut m_new = m_old;
+                for j in 0..n.bc {
+                    m_new = _mm512_max_ps(m_new, _mm512_loadu_ps(st.add(j * n.br)));
+                }
+                // m_new is finite: key 0 (block 0) is seen by every query
+                let mut x = _mm512_sub_ps(m_old, m_new);
+                if !FOLDED {
+                    x = _mm512_mul_ps(x, to_log2);
+                }
+                let a = exp2(x); // m_old = −∞ on the first block: exactly 0
+                let mut sum = _mm512_setzero_ps();
+                for j in 0..n.bc {
+                    let mut x = _mm512_sub_ps(_mm512_loadu_ps(st.add(j * n.br)), m_new);
+                    if !FOLDED {
+                        x = _mm512_mul_ps(x, to_log2);
+                    }
+                    let p = exp2(x);
+                    _mm512_storeu_ps(st.add(j * n.br), p);
+                    sum = _mm512_add_ps(sum, p);
+                }
+                let l_new = _mm512_fmadd_ps(a, _mm512_loadu_ps(l.as_ptr().add(c)), sum);
+                _mm512_storeu_ps(l.as_mut_ptr().add(c), l_new);
+                _mm512_storeu_ps(m.as_mut_ptr().add(c), m_new);
+                _mm512_storeu_ps(alpha.as_mut_ptr().add(c), a);
+            }
+        }
+    }
+    // ANCHOR_END: softmax_simd
+
+    // ANCHOR: pv_tile
+    /// One register tile of the output: 8 queries × `16·NV` dims of o, loaded once and rescaled
+    /// by alpha, then per key j: `NV` (masked) loads of v's row j, 8 broadcasts of p[j][i],
+    /// `8·NV` fused multiply-adds; stored once. `mask[c]` selects the dims < d of vector c.
+    ///
+    /// SAFETY (caller): `pt` points at column i0 of a `· × br` block with `keys` rows and 8
+    /// columns left, `alpha` at alpha[i0]; `v` at column c0 of a `keys × d` block, whose
+    /// columns the masks keep below d; `o` at (i0, c0) of a `· × dp` block, `16·NV` columns left.
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv_tile<const NV: usize>(
+        pt: *const f32,
+        v: *const f32,
+        o: *mut f32,
+        alpha: *const f32,
+        mask: [__mmask16; NV],
+        keys: usize,
+        n: Dims,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); NV]; R];
+        for i in 0..R {
+            // SAFETY: i < 8 queries left
+            let a = _mm512_set1_ps(unsafe { *alpha.add(i) });
+            for c in 0..NV {
+                // SAFETY: i < 8 rows, 16·(c+1) ≤ 16·NV columns of o left
+                acc[i][c] =
+                    _mm512_mul_ps(a, unsafe { _mm512_loadu_ps(o.add(i * n.dp + LANES * c)) });
+            }
+        }
+        for j in 0..keys {
+            let mut vj = [_mm512_setzero_ps(); NV];
+            for c in 0..NV {
+                // SAFETY: j < keys rows of v; lanes at or past d are masked off, not read
+                vj[c] = unsafe { _mm512_maskz_loadu_ps(mask[c], v.add(j * n.d + LANES * c)) };
+            }
+            for i in 0..R {
+                // SAFETY: j < keys rows, i < 8 columns left
+                let p_ij = _mm512_set1_ps(unsafe { *pt.add(j * n.br + i) });
+                for c in 0..NV {
+                    acc[i][c] = _mm512_fmadd_ps(p_ij, vj[c], acc[i][c]);
+                }
+            }
+        }
+        for i in 0..R {
+            for c in 0..NV {
+                // SAFETY: as for the loads of o
+                unsafe { _mm512_storeu_ps(o.add(i * n.dp + LANES * c), acc[i][c]) };
+            }
+        }
+    }
+    // ANCHOR_END: pv_tile
+
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn pv(pt: &[f32], v: &[f32], o: &mut [f32], alpha: &[f32], keys: usize, n: Dims) {
+        // lanes of the dim vector starting at c0 that are real dims (< d)
+        let mask = |c0: usize| -> __mmask16 {
+            let left = n.d.saturating_sub(c0).min(LANES);
+            ((1u32 << left) - 1) as __mmask16
+        };
+        for i0 in (0..n.br).step_by(R) {
+            let mut c0 = 0;
+            // SAFETY (both calls): i0 + 8 ≤ br, c0 + 16·NV ≤ dp; masks keep v's reads below d;
+            // the slices hold bc·br, keys·d, br·dp and br values (asserted by the caller)
+            unsafe {
+                let (pt, a) = (pt.as_ptr().add(i0), alpha.as_ptr().add(i0));
+                let o = o.as_mut_ptr().add(i0 * n.dp);
+                while c0 + 2 * LANES <= n.dp {
+                    let masks = [mask(c0), mask(c0 + LANES)];
+                    pv_tile::<2>(pt, v.as_ptr().add(c0), o.add(c0), a, masks, keys, n);
+                    c0 += 2 * LANES;
+                }
+                if c0 < n.dp {
+                    pv_tile::<1>(pt, v.as_ptr().add(c0), o.add(c0), a, [mask(c0)], keys, n);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Dims, EXP2_MIN, EXP2_POLY, scalar};
+    use std::arch::x86_64::*;
+
+    /// Floats in one AVX2 register.
+    const W: usize = 8;
+    /// Keys per scores tile, queries per output tile: 4 × 2 registers, 8 of the 16.
+    const R: usize = 4;
+
+    /// `2^x` for 8 lanes, `x ≤ 0`; exactly 0 for `x < −126.5` (−∞ included).
+    #[target_feature(enable = "avx2,fma")]
+    fn exp2(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(x, _mm256_set1_ps(EXP2_MIN));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x);
+        let f = _mm256_sub_ps(x, n);
+        let mut p = _mm256_set1_ps(EXP2_POLY[0]);
+        for &c in &EXP2_POLY[1..] {
+            p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+        }
+        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0));
+        let n = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(n)))
+    }
+
+    /// 4 keys × 16 queries. SAFETY (caller): as `avx512::scores_tile` with 4 rows, 16 columns.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scores_tile(qt: *const f32, k: *const f32, st: *mut f32, n: Dims) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for d in 0..n.d {
+            // SAFETY: d < n.d rows, 16 columns left
+            let q = unsafe {
+                [
+                    _mm256_loadu_ps(qt.add(d * n.br)),
+                    _mm256_loadu_ps(qt.add(d * n.br + W)),
+                ]
+            };
+            for j in 0..R {
+                // SAFETY: j < 4 rows left, d < n.d
+                let k_jd = _mm256_set1_ps(unsafe { *k.add(j * n.d + d) });
+                for c in 0..2 {
+                    acc[j][c] = _mm256_fmadd_ps(k_jd, q[c], acc[j][c]);
+                }
+            }
+        }
+        for j in 0..R {
+            for c in 0..2 {
+                // SAFETY: j < 4 rows, 16 columns left
+                unsafe { _mm256_storeu_ps(st.add(j * n.br + W * c), acc[j][c]) };
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scores(qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, n: Dims) {
+        let full = keys - keys % R;
+        for j0 in (0..full).step_by(R) {
+            for c0 in (0..n.br).step_by(2 * W) {
+                // SAFETY: j0 + 4 ≤ keys ≤ bc, c0 + 16 ≤ br (a multiple of 16); the slices hold
+                // d·br, keys·d and bc·br values (asserted by the caller)
+                unsafe {
+                    scores_tile(
+                        qt.as_ptr().add(c0),
+                        k.as_ptr().add(j0 * n.d),
+                        st.as_mut_ptr().add(j0 * n.br + c0),
+                        n,
+                    )
+                };
+            }
+        }
+        scalar::scores(qt, k, st, full, keys, n);
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn softmax<const FOLDED: bool>(
+        st: &mut [f32],
+        m: &mut [f32],
+        l: &mut [f32],
+        alpha: &mut [f32],
+        n: Dims,
+    ) {
+        let to_log2 = _mm256_set1_ps(if FOLDED {
+            1.0
+        } else {
+            std::f32::consts::LOG2_E
+        });
+        for c in (0..n.br).step_by(W) {
+            // SAFETY: c + 8 ≤ br ≤ the lengths of m, l, alpha, and every row j < bc of st has
+            // br values (asserted by the caller)
+            unsafe {
+                let st = st.as_mut_ptr().add(c);
+                let m_old = _mm256_loadu_ps(m.as_ptr().add(c));
+                let mut m_new = m_old;
+                for j in 0..n.bc {
+                    m_new = _mm256_max_ps(m_new, _mm256_loadu_ps(st.add(j * n.br)));
+                }
+                let mut x = _mm256_sub_ps(m_old, m_new);
+                if !FOLDED {
+                    x = _mm256_mul_ps(x, to_log2);
+                }
+                let a = exp2(x);
+                let mut sum = _mm256_setzero_ps();
+                for j in 0..n.bc {
+                    let mut x = _mm256_sub_ps(_mm256_loadu_ps(st.add(j * n.br)), m_new);
+                    if !FOLDED {
+                        x = _mm256_mul_ps(x, to_log2);
+                    }
+                    let p = exp2(x);
+                    _mm256_storeu_ps(st.add(j * n.br), p);
+                    sum = _mm256_add_ps(sum, p);
+                }
+                let l_new = _mm256_fmadd_ps(a, _mm256_loadu_ps(l.as_ptr().add(c)), sum);
+                _mm256_storeu_ps(l.as_mut_ptr().add(c), l_new);
+                _mm256_storeu_ps(m.as_mut_ptr().add(c), m_new);
+                _mm256_storeu_ps(alpha.as_mut_ptr().add(c), a);
+            }
+        }
+    }
+
+    /// 4 queries × 16 dims of o. SAFETY (caller): as `avx512::pv_tile` with 4 rows, 16
+    /// columns; `mask` lanes are all ones for dims < d and zero past it.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv_tile(
+        pt: *const f32,
+        v: *const f32,
+        o: *mut f32,
+        alpha: *const f32,
+        mask: [__m256i; 2],
+        keys: usize,
+        n: Dims,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for i in 0..R {
+            // SAFETY: i < 4 rows, 16 columns of o left
+            unsafe {
+                let a = _mm256_set1_ps(*alpha.add(i));
+                for c in 0..2 {
+                    acc[i][c] = _mm256_mul_ps(a, _mm256_loadu_ps(o.add(i * n.dp + W * c)));
+                }
+            }
+        }
+        for j in 0..keys {
+            // SAFETY: j < keys rows of v; lanes at or past d are masked off, not read
+            let vj = unsafe {
+                [
+                    _mm256_maskload_ps(v.add(j * n.d), mask[0]),
+                    _mm256_maskload_ps(v.add(j * n.d + W), mask[1]),
+                ]
+            };
+            for i in 0..R {
+                // SAFETY: j < keys rows, i < 4 columns left
+                let p_ij = _mm256_set1_ps(unsafe { *pt.add(j * n.br + i) });
+                for c in 0..2 {
+                    acc[i][c] = _mm256_fmadd_ps(p_ij, vj[c], acc[i][c]);
+                }
+            }
+        }
+        for i in 0..R {
+            for c in 0..2 {
+                // SAFETY: as for the loads of o
+                unsafe { _mm256_storeu_ps(o.add(i * n.dp + W * c), acc[i][c]) };
+            }
+        }
+    }
+
+    /// All-ones lanes for the dims < d of the vector starting at dim c0.
+    #[target_feature(enable = "avx2,fma")]
+    fn mask(d: usize, c0: usize) -> __m256i {
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let left = _mm256_set1_epi32(d.saturating_sub(c0).min(W) as i32);
+        _mm256_cmpgt_epi32(left, lane)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn pv(pt: &[f32], v: &[f32], o: &mut [f32], alpha: &[f32], keys: usize, n: Dims) {
+        for i0 in (0..n.br).step_by(R) {
+            for c0 in (0..n.dp).step_by(2 * W) {
+                // SAFETY: i0 + 4 ≤ br, c0 + 16 ≤ dp; masks keep v's reads below d; the slices
+                // hold bc·br, keys·d, br·dp and br values (asserted by the caller)
+                unsafe {
+                    pv_tile(
+                        pt.as_ptr().add(i0),
+                        v.as_ptr().add(c0),
+                        o.as_mut_ptr().add(i0 * n.dp + c0),
+                        alpha.as_ptr().add(i0),
+                        [mask(n.d, c0), mask(n.d, c0 + W)],
+                        keys,
+                        n,
+                    )
+                };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in about [−2, 2].
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x as f32 / u32::MAX as f32) * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    fn simd() -> Vec<Kernels> {
+        [Isa::Avx512, Isa::Avx2]
+            .into_iter()
+            .filter_map(|isa| Kernels::new(isa).ok())
+            .collect()
+    }
+
+    fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= tol * (1.0 + y.abs()),
+                "{what}[{i}]: {x} vs scalar {y}"
+            );
+        }
+    }
+
+    fn dims(br: usize, bc: usize, d: usize) -> Dims {
+        Dims {
+            br,
+            bc,
+            d,
+            dp: d.next_multiple_of(LANES),
+        }
+    }
+
+    #[test]
+    fn unavailable_instruction_sets_are_refused_and_scalar_always_works() {
+        assert!(Kernels::new(Isa::Scalar).is_ok());
+        for isa in [Isa::Avx2, Isa::Avx512] {
+            assert_eq!(Kernels::new(isa).is_ok(), isa.is_available());
+        }
+        println!("detected: {:?}", Isa::detect());
+    }
+
+    #[test]
+    fn simd_products_equal_the_scalar_path() {
+        let scalar = Kernels::new(Isa::Scalar).unwrap();
+        // partial key blocks, query blocks of one and several tiles, head dims with a tail
+        for (br, bc, keys, d) in [
+            (16, 8, 8, 16),
+            (16, 16, 13, 1),
+            (48, 64, 64, 64),
+            (32, 24, 21, 70),
+            (64, 64, 37, 128),
+            (16, 32, 3, 33),
+        ] {
+            let n = dims(br, bc, d);
+            for kern in simd() {
+                let what = format!("{:?} {n:?}, {keys} keys", kern.isa());
+                let (qt, k) = (values(d * br, 1), values(keys * d, 2));
+                let (mut s1, mut s2) = (vec![0.0; bc * br], vec![0.0; bc * br]);
+                kern.scores(&qt, &k, &mut s1, keys, n);
+                scalar.scores(&qt, &k, &mut s2, keys, n);
+                close(&s1, &s2, 1e-5, &format!("scores, {what}"));
+
+                let (pt, v, alpha) = (values(bc * br, 3), values(keys * d, 4), values(br, 5));
+                let (mut o1, mut o2) = (values(br * n.dp, 6), values(br * n.dp, 6));
+                kern.pv(&pt, &v, &mut o1, &alpha, keys, n);
+                scalar.pv(&pt, &v, &mut o2, &alpha, keys, n);
+                // the padding dims (≥ d) of o are only rescaled, never read back
+                for i in 0..br {
+                    close(
+                        &o1[i * n.dp..i * n.dp + d],
+                        &o2[i * n.dp..i * n.dp + d],
+                        1e-5,
+                        &format!("pv, {what}"),
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn simd_softmax_equals_the_scalar_path() {
+        let scalar = Kernels::new(Isa::Scalar).unwrap();
+        let n = dims(32, 24, 64);
+        let mut st: Vec<f32> = values(n.bc * n.br, 7).iter().map(|x| x * 20.0).collect();
+        st[5] = f32::NEG_INFINITY; // a masked score
+        // a first block (m = −∞) and a later one (m finite, sometimes the largest)
+        for m0 in [f32::NEG_INFINITY, 15.0] {
+            for folded in [true, false] {
+                let mut runs = Vec::new();
+                for kern in [scalar].into_iter().chain(simd()) {
+                    let (mut st, mut m, mut l, mut a) =
+                        (st.clone(), vec![m0; n.br], vec![2.0; n.br], vec![0.0; n.br]);
+                    if folded {
+                        kern.softmax::<true>(&mut st, &mut m, &mut l, &mut a, true, n);
+                    } else {
+                        kern.softmax::<false>(&mut st, &mut m, &mut l, &mut a, true, n);
+                    }
+                    assert_eq!(
+                        st[5],
+                        0.0,
+                        "{:?}: a masked score gives exactly 0",
+                        kern.isa()
+                    );
+                    runs.push((kern.isa(), st, m, l, a));
+                }
+                let (_, st0, m0, l0, a0) = &runs[0];
+                for (isa, st, m, l, a) in &runs[1..] {
+                    let what = format!("{isa:?} (folded {folded})");
+                    close(st, st0, 1e-6, &format!("p, {what}"));
+                    assert_eq!(m, m0, "{what}: m");
+                    close(l, l0, 1e-6, &format!("l, {what}"));
+                    close(a, a0, 1e-6, &format!("alpha, {what}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_exp2_polynomial_is_accurate_to_a_few_ulp_and_flushes_to_exactly_zero() {
+        // one query lane, scores from 0 down to −130 in uneven steps: 2^(s − 0)
+        let xs: Vec<f32> = (0..4096)
+            .map(|i| -(i as f32) * 0.031_7)
+            .chain([f32::NEG_INFINITY, -200.0])
+            .collect();
+        let n = dims(LANES, xs.len(), 1);
+        for kern in simd() {
+            // the first lane of each row holds x; the other lanes hold 0
+            let mut st = vec![0.0f32; n.bc * n.br];
+            for (j, &x) in xs.iter().enumerate() {
+                st[j * n.br] = x;
+            }
+            let (mut m, mut l, mut a) = (vec![0.0; n.br], vec![0.0; n.br], vec![0.0; n.br]);
+            kern.softmax::<true>(&mut st, &mut m, &mut l, &mut a, true, n);
+            let mut worst = 0.0f64;
+            for (j, &x) in xs.iter().enumerate() {
+                let (got, want) = (st[j * n.br], (x as f64).exp2());
+                if x < -126.5 {
+                    assert_eq!(got, 0.0, "{:?}: 2^{x} must flush to 0", kern.isa());
+                } else if x >= -125.0 {
+                    worst = worst.max((got as f64 - want).abs() / want);
+                }
+            }
+            println!("{:?}: worst relative error of 2^x: {worst:.2e}", kern.isa());
+            assert!(worst < 4e-7, "{:?}: relative error {worst:e}", kern.isa());
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! The blockwise backward of FlashAttention-2 (Dao 2023, Algorithm 2), on the CPU.
+//!
+//! Nothing of size T×T is ever allocated. The probabilities are rebuilt a block at a time from
+//! the scores and the log-sum-exp the forward kept, `P_ij = exp(S_ij − lse_i)`, and used at
+//! once. The work is split so that every task writes only rows of its own:
+//!
+//! 1. [`delta`]: `δ_i = Σ_d dO_id·O_id`, once per row (FA-2 Algorithm 2, line 4; in the
+//!    FlashAttention code the "preprocessing" kernel).
+//! 2. The key pass: one task per (sequence, head, block of keys). It holds its block's dK and dV
+//!    and streams past it every block of queries that can see it (FA-2 Algorithm 2, lines 6–21
+//!    without line 16).
+//! 3. The query pass: one task per (sequence, head, block of queries). It holds its block's dQ
+//!    and streams past it every block of keys it can see.
+//!
+//! FlashAttention-2 computes dQ in the key pass too, adding each key block's share into dQ with
+//! atomic adds (its line 16). Here the shares are summed by the one task that owns the rows
+//! instead: the scores, probabilities and `dP` are computed a second time, but the sum happens in
+//! one fixed order, so the result is identical on every run and on any number of threads.
+
+use std::ops::Range;
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{Array2, Array3, Array4, ArrayView1, ArrayView2, ArrayView4, ArrayViewMut2, Axis};
+use ndarray::{Zip, s};
+use rayon::prelude::*;
+use step01_naive::{Attention, AttnError, try_zeros};
+
+use crate::{Grads, check_backward};
+
+/// How many queries and how many keys one block holds. Any sizes of at least 1 give the same
+/// gradients up to rounding; they only change the speed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockSizes {
+    /// Rows of a block: queries (and their `dO`, `lse`, `δ`).
+    pub queries: usize,
+    /// Columns of a block: keys and values.
+    pub keys: usize,
+}
+
+impl Default for BlockSizes {
+    /// 64 × 64: a block of `S`, `P` and `dS` is 16 KiB, and two of them and the four `64 × d`
+    /// slices they are made from stay in a core's L2 cache.
+    fn default() -> Self {
+        BlockSizes {
+            queries: 64,
+            keys: 64,
+        }
+    }
+}
+
+/// The gradients of q, k and v, blockwise, with the default block sizes. `fwd` is what a forward
+/// returned for these q, k and v: its output and the natural-log log-sum-exp of each row.
+pub fn backward(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    fwd: &Attention,
+    dout: ArrayView4<f32>,
+) -> Result<Grads, AttnError> {
+    backward_with_blocks(q, k, v, fwd, dout, BlockSizes::default())
+}
+
+// ANCHOR: blockwise_backward
+/// The gradients of q, k and v, blockwise, with the given block sizes.
+pub fn backward_with_blocks(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    fwd: &Attention,
+    dout: ArrayView4<f32>,
+    blocks: BlockSizes,
+) -> Result<Grads, AttnError> {
+    let shape = check_backward(&q, &k, &v, fwd, &dout)?;
+    if blocks.queries == 0 || blocks.keys == 0 {
+        return Err(AttnError::Unsupported {
+            what: format!("block sizes {blocks:?}: both must be at least 1"),
+        });
+    }
+    if shape.is_empty() {
+        return Ok(Grads::zeros(shape));
+    }
+    let delta = delta(fwd.out.view(), dout); // [b, h, T]: the only thing kept besides dq, dk, dv
+    let [_, h_n, t_n, d_n] = shape.dims();
+    let zeros = |what| try_zeros::<f32>(what, Some(shape.len()));
+    let (mut dq, mut dk, mut dv) = (zeros("dq")?, zeros("dk")?, zeros("dv")?);
+    let head = |bh: usize| {
+        let (b, h) = (bh / h_n, bh % h_n);
+        Head {
+            q: q.slice(s![b, h, .., ..]),
+            k: k.slice(s![b, h, .., ..]),
+            v: v.slice(s![b, h, .., ..]),
+            dout: dout.slice(s![b, h, .., ..]),
+            lse: fwd.lse.slice(s![b, h, ..]),
+            delta: delta.slice(s![b, h, ..]),
+            scale: shape.scale() as f32,
+            blocks,
+        }
+    };
+    // the key pass: one task per (sequence, head, block of keys), owning its rows of dK and dV
+    let per_head = t_n * d_n;
+    let per_key_block = blocks.keys * d_n;
+    dk.par_chunks_mut(per_head)
+        .zip(dv.par_chunks_mut(per_head))
+        .enumerate()
+        .flat_map(|(bh, (dk, dv))| {
+            let chunks = dk.par_chunks_mut(per_key_block);
+            let chunks = chunks.zip(dv.par_chunks_mut(per_key_block));
+            chunks.enumerate().map(move |(j, kv)| (bh, j, kv))
+        })
+        .for_each(|(bh, j, (dk, dv))| head(bh).key_block(j, dk, dv));
+    // the query pass: one task per (sequence, head, block of queries), owning its rows of dQ
+    let per_query_block = blocks.queries * d_n;
+    dq.par_chunks_mut(per_head)
+        .enumerate()
+        .flat_map(|(bh, dq)| {
+            let chunks = dq.par_chunks_mut(per_query_block).enumerate();
+            chunks.map(move |(i, dq)| (bh, i, dq))
+        })
+        .for_each(|(bh, i, dq)| head(bh).query_block(i, dq));
+    let grad = |buf| Array4::from_shape_vec(shape.dims(), buf).expect("length is b·h·T·d");
+    Ok(Grads {
+        dq: grad(dq),
+        dk: grad(dk),
+        dv: grad(dv),
+    })
+}
+// ANCHOR_END: blockwise_backward
+
+// ANCHOR: delta
+/// `δ_i = Σ_d dO_id·O_id` for every row, `[batch, heads, tokens]`: the row sums
+/// `Σ_j P_ij·dP_ij` that the softmax's gradient needs, without `P` or `dP`, since
+/// `Σ_j P_ij·(dO_i·v_j) = dO_i·Σ_j P_ij·v_j = dO_i·O_i`.
+pub fn delta(out: ArrayView4<f32>, dout: ArrayView4<f32>) -> Array3<f32> {
+    Zip::from(out.lanes(Axis(3)))
+        .and(dout.lanes(Axis(3)))
+        .map_collect(|o, g| o.dot(&g))
+}
+// ANCHOR_END: delta
+
+/// One head of one sequence: the `[T, d]` slices of the inputs and the `[T]` rows of `lse` and
+/// `δ`.
+struct Head<'a> {
+    q: ArrayView2<'a, f32>,
+    k: ArrayView2<'a, f32>,
+    v: ArrayView2<'a, f32>,
+    dout: ArrayView2<'a, f32>,
+    lse: ArrayView1<'a, f32>,
+    delta: ArrayView1<'a, f32>,
+    scale: f32,
+    blocks: BlockSizes,
+}
+
+impl Head<'_> {
+    // ANCHOR: key_pass
+    /// Key block `j`: `dK_j = Σ_i dS_ijᵀ·Q_i·scale` and `dV_j = Σ_i P_ijᵀ·dO_i` over the query
+    /// blocks `i` that see any of its keys, written into `dk` and `dv`, its `[keys, d]` rows.
+    fn key_block(&self, j: usize, dk: &mut [f32], dv: &mut [f32]) {
+        let (t_n, d_n) = self.q.dim();
+        let keys = j * self.blocks.keys..((j + 1) * self.blocks.keys).min(t_n);
+        let mut dk = ArrayViewMut2::from_shape((keys.len(), d_n), dk).expect("[keys, d]");
+        let mut dv = ArrayViewMut2::from_shape((keys.len(), d_n), dv).expect("[keys, d]");
+        let mut p = Array2::zeros((self.blocks.queries, keys.len()));
+        let mut ds = Array2::zeros((self.blocks.queries, keys.len()));
+        // causal: the blocks of queries before the one holding query `keys.start` see none of
+        // these keys (every query there comes before every key here), so they are skipped
+        let first = keys.start / self.blocks.queries * self.blocks.queries;
+        for start in (first..t_n).step_by(self.blocks.queries) {
+            let rows = start..(start + self.blocks.queries).min(t_n);
+            let mut p = p.slice_mut(s![..rows.len(), ..]);
+            let mut ds = ds.slice_mut(s![..rows.len(), ..]);
+            self.probabilities(rows.clone(), keys.clone(), &mut p);
+            self.grad_scores(rows.clone(), keys.clone(), &p.view(), &mut ds);
+            let dout = self.dout.slice(s![rows.clone(), ..]);
+            general_mat_mul(1.0, &p.t(), &dout, 1.0, &mut dv); // dV_j += P_ijᵀ·dO_i
+            let q = self.q.slice(s![rows, ..]);
+            general_mat_mul(self.scale, &ds.t(), &q, 1.0, &mut dk); // dK_j += dS_ijᵀ·Q_i·scale
+        }
+    }
+    // ANCHOR_END: key_pass
+
+    // ANCHOR: query_pass
+    /// Query block `i`: `dQ_i = Σ_j dS_ij·K_j·scale` over the key blocks `j` it sees, written
+    /// into `dq`, its `[queries, d]` rows.
+    fn query_block(&self, i: usize, dq: &mut [f32]) {
+        let (t_n, d_n) = self.q.dim();
+        let rows = i * self.blocks.queries..((i + 1) * self.blocks.queries).min(t_n);
+        let mut dq = ArrayViewMut2::from_shape((rows.len(), d_n), dq).expect("[queries, d]");
+        let mut p = Array2::zeros((rows.len(), self.blocks.keys));
+        let mut ds = Array2::zeros((rows.len(), self.blocks.keys));
+        // causal: the key blocks that start after the last query here are skipped
+        for start in (0..rows.end).step_by(self.blocks.keys) {
+            let keys = start..(start + self.blocks.keys).min(t_n);
+            let mut p = p.slice_mut(s![.., ..keys.len()]);
+            let mut ds = ds.slice_mut(s![.., ..keys.len()]);
+            self.probabilities(rows.clone(), keys.clone(), &mut p);
+            self.grad_scores(rows.clone(), keys.clone(), &p.view(), &mut ds);
+            let k = self.k.slice(s![keys, ..]);
+            general_mat_mul(self.scale, &ds, &k, 1.0, &mut dq); // dQ_i += dS_ij·K_j·scale
+        }
+    }
+    // ANCHOR_END: query_pass
+
+    // ANCHOR: probabilities_from_lse
+    /// The block of probabilities `P_ij = exp(S_ij − lse_i)` for queries `rows` and keys `cols`,
+    /// from the scores `S = Q·Kᵀ·scale` and the log-sum-exp the forward kept: no maximum and no
+    /// sum to find again, since `lse_i` already holds both. Masked entries (key after query)
+    /// are exactly 0.
+    fn probabilities(&self, rows: Range<usize>, cols: Range<usize>, p: &mut ArrayViewMut2<f32>) {
+        let (q, k) = (
+            self.q.slice(s![rows.clone(), ..]),
+            self.k.slice(s![cols.clone(), ..]),
+        );
+        general_mat_mul(self.scale, &q, &k.t(), 0.0, p); // S_ij
+        for (i, mut row) in rows.zip(p.rows_mut()) {
+            // query i sees keys 0..=i: the first `seen` columns of this block
+            let seen = (i + 1).saturating_sub(cols.start).min(cols.len());
+            let lse = self.lse[i];
+            row.slice_mut(s![..seen]).mapv_inplace(|s| (s - lse).exp());
+            row.slice_mut(s![seen..]).fill(0.0);
+        }
+    }
+    // ANCHOR_END: probabilities_from_lse
+
+    // ANCHOR: grad_scores
+    /// The block of score gradients `dS_ij = P_ij·(dP_ij − δ_i)`, with `dP = dO_i·V_jᵀ`.
+    /// Where `P` is masked to 0, so is `dS`.
+    fn grad_scores(
+        &self,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        p: &ArrayView2<f32>,
+        ds: &mut ArrayViewMut2<f32>,
+    ) {
+        let (dout, v) = (
+            self.dout.slice(s![rows.clone(), ..]),
+            self.v.slice(s![cols, ..]),
+        );
+        general_mat_mul(1.0, &dout, &v.t(), 0.0, ds); // dP_ij
+        for (i, (mut ds, p)) in rows.zip(ds.rows_mut().into_iter().zip(p.rows())) {
+            let delta = self.delta[i];
+            ds.zip_mut_with(&p, |d, &p| *d = p * (*d - delta));
+        }
+    }
+    // ANCHOR_END: grad_scores
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delta_is_the_row_dot_of_out_and_dout() {
+        let out = Array4::from_shape_vec((1, 1, 2, 3), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        let dout = Array4::from_shape_vec((1, 1, 2, 3), vec![1.0, 0.0, -1.0, 0.5, 0.5, 0.5]);
+        let d = delta(out.view(), dout.unwrap().view());
+        assert_eq!(d.into_raw_vec_and_offset().0, vec![-2.0, 7.5]);
+    }
+}

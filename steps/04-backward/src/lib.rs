@@ -1,0 +1,118 @@
+//! # Step 04: the backward pass
+//!
+//! The gradients of causal attention with respect to q, k and v, given the gradient of the
+//! output `dO`, three ways:
+//!
+//! - [`reference::backward_f64`]: in `f64`, by hand through the whole table of probabilities,
+//!   exactly as the chain rule reads. Every other backward is checked against it; it is itself
+//!   checked against finite differences.
+//! - [`backward_by_hand`]: the same formulas in `f32` on step 01's tables: the probabilities
+//!   `P` and their gradient `dP`, `[batch, heads, T, T]` each.
+//! - [`backward`]: blockwise, the way of FlashAttention-2 (Dao 2023, Algorithm 2): no table.
+//!   The probabilities are rebuilt a block at a time from the scores and the log-sum-exp the
+//!   forward kept, `P = exp(S − lse)`; one pass computes dK and dV per block of keys, a second
+//!   computes dQ per block of queries. Every task writes only its own rows, so the result is
+//!   the same on every run and on any number of threads. Parallel with rayon.
+//!
+//! With the output `O = P·V`, `P = softmax(S)` row by row and `S = Q·Kᵀ·scale` (masked):
+//!
+//! ```text
+//! dV = Pᵀ·dO      dP = dO·Vᵀ      dS = P ∘ (dP − δ),  δ_i = Σ_d dO_id·O_id
+//! dQ = dS·K·scale                 dK = dSᵀ·Q·scale
+//! ```
+//!
+//! ## A forward and a backward for training
+//!
+//! [`forward`] returns what the backward needs: the output and each row's natural-log
+//! log-sum-exp. Every backward here takes that [`Attention`] back together with q, k, v and
+//! `dO`, and returns [`Grads`]. Any forward that returns a correct output and the natural-log
+//! log-sum-exp of each row of scaled, masked scores will do: the one re-exported here is step
+//! 01's attention by hand; the online-softmax forward of step 02 returns the same two arrays
+//! without the table.
+//!
+//! ## Layout
+//!
+//! - [`Grads`], [`BackwardFn`] and [`check_backward`]: the result, the one shape of a backward
+//!   function, and the checks every backward runs before any work (CPU or GPU).
+//! - [`reference`](mod@reference): the `f64` backward, through the full table of probabilities.
+//! - [`by_hand`]: [`backward_by_hand`], `f32` through step 01's tables.
+//! - [`blockwise`]: [`backward`] and [`backward_with_blocks`], with the preprocessing
+//!   [`delta`](blockwise::delta), the pass over key blocks and the pass over query blocks.
+//!
+//! A GPU backward belongs in a module of its own next to these (its kernels in `.cu` files),
+//! returning the same [`Grads`] from the same checks.
+
+pub mod blockwise;
+pub mod by_hand;
+pub mod reference;
+
+pub use blockwise::{BlockSizes, backward, backward_with_blocks};
+pub use by_hand::backward_by_hand;
+/// The forward of this pair: step 01's attention by hand, which returns the output and the
+/// natural-log log-sum-exp of each row that every backward here needs.
+pub use step01_naive::attention as forward;
+pub use step01_naive::{Attention, AttnError, Shape};
+
+use ndarray::{Array4, ArrayView4};
+use step01_naive::{check_qkv, check_same};
+
+/// The gradients of a scalar loss with respect to q, k and v, each `[batch, heads, tokens,
+/// head_dim]` like the input it belongs to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Grads {
+    pub dq: Array4<f32>,
+    pub dk: Array4<f32>,
+    pub dv: Array4<f32>,
+}
+
+impl Grads {
+    /// Zero gradients of the given shape (also the gradients of an empty call).
+    pub fn zeros(shape: Shape) -> Self {
+        Grads {
+            dq: Array4::zeros(shape.dims()),
+            dk: Array4::zeros(shape.dims()),
+            dv: Array4::zeros(shape.dims()),
+        }
+    }
+}
+
+/// One backward method: q, k, v, what the forward returned for them, and the gradient of the
+/// output `dO`, all `f32`, in; dq, dk and dv out.
+pub type BackwardFn = fn(
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    &Attention,
+    ArrayView4<f32>,
+) -> Result<Grads, AttnError>;
+
+// ANCHOR: check_backward
+/// Checks the inputs of a backward pass before any work and returns their common shape.
+///
+/// Accepted: q, k and v as the forward accepts them (`[batch, heads, tokens, head_dim]`, one
+/// shape, `head_dim ≥ 1`); `dout` and `fwd.out` of that same shape; `fwd.lse` of shape
+/// `[batch, heads, tokens]`.
+pub fn check_backward<A>(
+    q: &ArrayView4<A>,
+    k: &ArrayView4<A>,
+    v: &ArrayView4<A>,
+    fwd: &Attention,
+    dout: &ArrayView4<A>,
+) -> Result<Shape, AttnError> {
+    let shape = check_qkv(q, k, v)?;
+    check_same("dout", dout, shape)?;
+    check_same("the forward's out", &fwd.out.view(), shape)?;
+    let lse: [usize; 3] = fwd.lse.dim().into();
+    let want = [shape.batch, shape.heads, shape.tokens];
+    if lse != want {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "the forward's lse is {lse:?} but must be [batch, heads, tokens] = {want:?} \
+                 to go with q, k and v of {:?}",
+                shape.dims()
+            ),
+        });
+    }
+    Ok(shape)
+}
+// ANCHOR_END: check_backward

@@ -1,0 +1,91 @@
+//! What holds for the blockwise backward on any shape and any block sizes, by proptest.
+
+use ndarray::{Array4, s};
+use proptest::prelude::*;
+use step01_naive::Shape;
+use step01_naive::inputs::{random_normal, random_qkv};
+use step04_backward::{
+    BlockSizes, Grads, backward, backward_by_hand, backward_with_blocks, forward,
+};
+
+fn shapes() -> impl Strategy<Value = (Shape, u64)> {
+    (1usize..3, 1usize..3, 1usize..90, 1usize..17, any::<u64>())
+        .prop_map(|(b, h, t, d, seed)| (Shape::new(b, h, t, d), seed))
+}
+
+fn blocks() -> impl Strategy<Value = BlockSizes> {
+    (1usize..40, 1usize..40).prop_map(|(queries, keys)| BlockSizes { queries, keys })
+}
+
+/// The largest |a − b| over dq, dk and dv, relative to the largest |b| (at least 1).
+fn max_rel_diff(a: &Grads, b: &Grads) -> f32 {
+    let diff = |x: &Array4<f32>, y: &Array4<f32>| {
+        let top = y.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+        x.iter()
+            .zip(y)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+            / top
+    };
+    diff(&a.dq, &b.dq)
+        .max(diff(&a.dk, &b.dk))
+        .max(diff(&a.dv, &b.dv))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Any block sizes give the gradients of the backward by hand, up to f32 rounding (the
+    /// blocks only change the order of the sums).
+    #[test]
+    fn any_block_sizes_give_the_same_gradients((shape, seed) in shapes(), blocks in blocks()) {
+        let [q, k, v] = random_qkv(shape, seed);
+        let dout = random_normal(shape, seed ^ 0xd0);
+        let fwd = forward(q.view(), k.view(), v.view()).unwrap();
+        let got = backward_with_blocks(q.view(), k.view(), v.view(), &fwd, dout.view(), blocks).unwrap();
+        let by_hand = backward_by_hand(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
+        let d = max_rel_diff(&got, &by_hand);
+        prop_assert!(d <= 1e-5, "{:?} on {}: differs from by hand by {:e} of the largest value", blocks, shape, d);
+    }
+
+    /// dq of tokens 0..=cut depends on tokens 0..=cut only: changing every later token's q, k, v
+    /// and dO leaves it bit for bit as it was.
+    #[test]
+    fn dq_is_causal((shape, seed) in shapes(), cut in 0usize..90, blocks in blocks()) {
+        let cut = cut % shape.tokens;
+        let [q, k, v] = random_qkv(shape, seed);
+        let dout = random_normal(shape, seed ^ 0xd0);
+        let mut changed = [q.clone(), k.clone(), v.clone(), dout.clone()];
+        let [q2, k2, v2] = random_qkv(shape, seed ^ 0x5eed);
+        let later = s![.., .., cut + 1.., ..];
+        for (x, new) in changed.iter_mut().zip([&q2, &k2, &v2, &q2]) {
+            x.slice_mut(later).assign(&new.slice(later));
+        }
+        let run = |[q, k, v, dout]: &[Array4<f32>; 4]| {
+            let fwd = forward(q.view(), k.view(), v.view()).unwrap();
+            backward_with_blocks(q.view(), k.view(), v.view(), &fwd, dout.view(), blocks).unwrap()
+        };
+        let (a, b) = (run(&[q, k, v, dout]), run(&changed));
+        let upto = s![.., .., ..=cut, ..];
+        prop_assert_eq!(a.dq.slice(upto), b.dq.slice(upto));
+    }
+}
+
+/// Every task writes only its own rows and sums in one fixed order: the gradients are the same
+/// bit for bit on one thread and on several.
+#[test]
+fn the_result_does_not_depend_on_the_number_of_threads() {
+    let shape = Shape::new(2, 3, 300, 32);
+    let [q, k, v] = random_qkv(shape, 5);
+    let dout = random_normal(shape, 6);
+    let fwd = forward(q.view(), k.view(), v.view()).unwrap();
+    let run = |threads| {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| backward(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap())
+    };
+    let one = run(1);
+    assert_eq!(one, run(4));
+    assert_eq!(one, run(3));
+}
