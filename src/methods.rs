@@ -204,6 +204,23 @@ pub fn all() -> Vec<Method> {
             "the online softmax, parallel over (sequence, head, query block), AVX-512/AVX2 micro-kernels, 2^x by polynomial; no T×T table",
             step02_online_softmax::attention,
         ),
+        Method::new(
+            "cuda_naive",
+            "03-cuda-forward",
+            Device::Cuda,
+            "attention by hand on the GPU: cuBLAS products and a softmax kernel through the whole [b·h, T, T] table in device memory",
+            crate::cuda::naive_forward,
+        )
+        .with_gpu(crate::cuda::NAIVE_HOOKS),
+        Method::new(
+            "cuda_flash",
+            "03-cuda-forward",
+            Device::Cuda,
+            "the FlashAttention forward kernel: tensor cores (mma.sync), keys and values streamed through shared memory, no T×T table",
+            crate::cuda::flash_forward,
+        )
+        .with_implementation(crate::cuda::flash_implementation)
+        .with_gpu(crate::cuda::FLASH_HOOKS),
     ]
 }
 

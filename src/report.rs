@@ -120,8 +120,13 @@ pub fn table_line(row: &Row, cuda: bool) -> String {
     )
 }
 
-/// `git rev-parse --short HEAD`, or "unknown" outside a git checkout.
+/// `$BENCH_COMMIT` if set, else `git rev-parse --short HEAD`, or "unknown" outside a git checkout.
 pub fn commit() -> String {
+    // a copy of the tree on another machine (a GPU box) is no git checkout: the caller names
+    // the commit it was copied from
+    if let Some(c) = std::env::var("BENCH_COMMIT").ok().filter(|c| !c.is_empty()) {
+        return c;
+    }
     Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
         .output()

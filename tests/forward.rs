@@ -68,3 +68,42 @@ fn every_cpu_method_returns_an_empty_output_for_empty_input() {
         }
     }
 }
+
+/// The CUDA methods of the registry on every case, in bf16, with FlashAttention's rule: max
+/// error against f64 at most twice that of attention by hand in bf16, plus a tiny margin.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_cuda_method_is_within_twice_by_hand_error_in_bf16() {
+    use step03_cuda_forward::Dtype as GpuDtype;
+    use step03_cuda_forward::host::{by_hand_low_precision, round_array};
+    let methods: Vec<_> = methods::all()
+        .into_iter()
+        .filter(|m| m.device == Device::Cuda)
+        .collect();
+    assert!(!methods.is_empty());
+    for case in cases() {
+        let [q, k, v] = random_qkv(case.shape, case.seed);
+        let rounded = [&q, &k, &v].map(|x| round_array(x.view(), GpuDtype::Bf16));
+        let reference =
+            attention_f64(rounded[0].view(), rounded[1].view(), rounded[2].view()).unwrap();
+        let by_hand = error(
+            &by_hand_low_precision(q.view(), k.view(), v.view(), GpuDtype::Bf16),
+            &reference.out,
+        );
+        for m in &methods {
+            let got = (m.forward)(q.view(), k.view(), v.view())
+                .unwrap_or_else(|e| panic!("{} failed on {}: {e}", m.name, case.shape));
+            let out = error(&got.out, &reference.out);
+            println!(
+                "{:>16} {}: out {out}; by hand in bf16 {by_hand}",
+                m.name, case.shape
+            );
+            assert!(
+                out.max_abs <= 2.0 * by_hand.max_abs + 1e-5,
+                "{} on {}: out {out}; by hand in bf16 {by_hand}",
+                m.name,
+                case.shape
+            );
+        }
+    }
+}

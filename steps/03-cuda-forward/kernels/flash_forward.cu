@@ -1,0 +1,379 @@
+// FlashAttention forward, causal, on the tensor cores (mma.sync m16n8k16, f32 accumulation).
+//
+// One thread block (CTA) per block of BLOCK_M = 128 queries of one head; its 4 warps own 32 query
+// rows each. The CTA streams the keys and values of its head through shared memory BLOCK_N = 64
+// at a time (cp.async, two stages), and each warp keeps, for each of its rows, the running
+// maximum m, the running sum l and the running output o in registers: the online softmax of
+// chapter 2, with the products on the tensor cores. Nothing of size T x T is ever stored.
+//
+// Compile-time parameters, given to NVRTC as -D options by src/kernel.rs:
+//   HEAD_DIM  32, 64 or 128
+//   IS_BF16   1 for bf16 inputs and output, 0 for f16
+//   WARPS       warps per block (default 4)
+//   M_TILES     16-row tiles of queries per warp (default 2: BLOCK_M = 4 x 32 = 128)
+//   BLOCK_N     keys per step (default 128)
+//   LAZY_RESCALE  1: skip rescaling o when no row of the warp found a new maximum (default 0:
+//                 the vote costs more than the multiplies it saves, measured by forward-tune)
+//   MIN_BLOCKS  blocks per multiprocessor the register budget must allow (default 1)
+//
+// The file includes no header: 16-bit values travel as raw `unsigned short`, and conversions,
+// copies and products are inline PTX, so it compiles wherever NVRTC runs.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#ifndef WARPS
+#define WARPS 4
+#endif
+#ifndef M_TILES
+#define M_TILES 2
+#endif
+// query rows per warp: M_TILES tiles of 16
+#define WARP_ROWS (M_TILES * 16)
+#define BLOCK_M (WARPS * WARP_ROWS)
+#ifndef BLOCK_N
+#define BLOCK_N 128
+#endif
+#ifndef LAZY_RESCALE
+#define LAZY_RESCALE 0
+#endif
+#define THREADS (WARPS * 32)
+// 16-byte chunks (8 values) per row of a tile
+#define CHUNKS (HEAD_DIM / 8)
+// chunks are swizzled within groups of at most 8 (128 bytes, all 32 banks)
+#define SWIZZLE (CHUNKS < 8 ? CHUNKS : 8)
+
+// -inf without math.h
+#define NEG_INF __int_as_float(0xff800000)
+
+#if IS_BF16
+#define MMA_TYPE "bf16"
+#define CVT_X2 "cvt.rn.bf16x2.f32"
+#else
+#define MMA_TYPE "f16"
+#define CVT_X2 "cvt.rn.f16x2.f32"
+#endif
+
+// ANCHOR: swizzle
+// Shared-memory offset, in elements, of chunk `chunk` of row `row` in a tile of HEAD_DIM-wide
+// rows. ldmatrix reads one 16-byte chunk from each of 8 consecutive rows; unswizzled, with
+// 128-byte rows those 8 chunks sit in the same 4 banks and the read takes 8 turns. XOR-ing the
+// chunk index with the row spreads them over all 32 banks, conflict-free.
+__device__ __forceinline__ u32 swizzled(int row, int chunk) {
+    return row * HEAD_DIM + ((chunk ^ (row & (SWIZZLE - 1))) << 3);
+}
+// ANCHOR_END: swizzle
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// Copies 16 bytes from global to shared memory without passing through registers; with
+// `valid` false it writes 16 zero bytes and reads nothing (rows past the end of the sequence).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
+    int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// waits until at most N of this thread's committed groups are still in flight
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ANCHOR: ldmatrix
+// Four 8x8 matrices of 16-bit values from shared memory, one register of each per thread:
+// lanes 8i..8i+7 give the addresses of matrix i's eight rows, and thread `lane` receives row
+// lane/4, columns 2(lane%4) and 2(lane%4)+1 of each matrix, the layout of an mma fragment.
+__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+// The same, each matrix transposed: thread `lane` receives rows 2(lane%4), 2(lane%4)+1 of
+// column lane/4.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+// ANCHOR_END: ldmatrix
+
+// ANCHOR: mma
+// c += a·b for a 16x16 tile a (row-major), a 16x8 tile b (column-major) and a 16x8 tile c in
+// f32, one warp together. With g = lane/4 and t = lane%4, thread `lane` holds
+//   a: a0 = a[g][2t..2t+1], a1 = a[g+8][2t..2t+1], a2 = a[g][2t+8..2t+9], a3 = a[g+8][2t+8..2t+9]
+//   b: b0 = b[2t..2t+1][g], b1 = b[2t+8..2t+9][g]
+//   c: c0, c1 = c[g][2t], c[g][2t+1];  c2, c3 = c[g+8][2t], c[g+8][2t+1]
+// (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type").
+__device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// ANCHOR_END: mma
+
+// Two f32 values rounded to 16 bits and packed, `lo` in the low half (the lower column).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+    asm("" CVT_X2 " %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Loads ROWS rows of a [T, HEAD_DIM] matrix starting at row `row0` into a swizzled tile; rows
+// at or past T become zeros. Thread i copies chunk i % CHUNKS of rows i / CHUNKS,
+// i / CHUNKS + THREADS / CHUNKS, ...: consecutive threads read consecutive 16-byte chunks.
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u16* tile, const u16* src, int row0, int T) {
+    const int chunk = threadIdx.x % CHUNKS;
+#pragma unroll
+    for (int r = threadIdx.x / CHUNKS; r < ROWS; r += THREADS / CHUNKS) {
+        bool valid = row0 + r < T;
+        const u16* g = src + (valid ? (long long)(row0 + r) * HEAD_DIM + chunk * 8 : 0);
+        cp_async_16(smem_addr(tile + swizzled(r, chunk)), g, valid);
+    }
+}
+
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
+
+// ANCHOR: kernel_signature
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
+    const u16* __restrict__ q,   // [B*H, T, HEAD_DIM] queries
+    const u16* __restrict__ k,   // [B*H, T, HEAD_DIM] keys
+    const u16* __restrict__ v,   // [B*H, T, HEAD_DIM] values
+    u16* __restrict__ out,       // [B*H, T, HEAD_DIM] output
+    float* __restrict__ lse,     // [B*H, T] natural log-sum-exp of each row's scaled scores
+    int T,                       // tokens per sequence
+    float scale_log2             // log2(e)/sqrt(HEAD_DIM): scores in base-2 units
+) {
+    // ANCHOR_END: kernel_signature
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sq = smem;                                     // [BLOCK_M][HEAD_DIM]
+    u16* sk = sq + BLOCK_M * HEAD_DIM;                  // [2][BLOCK_N][HEAD_DIM], two stages
+    u16* sv = sk + 2 * BLOCK_N * HEAD_DIM;              // [2][BLOCK_N][HEAD_DIM]
+
+    // the longest query blocks (most keys to see) start first, so the short ones fill the tail
+    const int q_block = gridDim.x - 1 - blockIdx.x;
+    const int q0 = q_block * BLOCK_M;
+    const long long head = (long long)blockIdx.y * T * HEAD_DIM;
+    q += head;
+    k += head;
+    v += head;
+    out += head;
+    lse += (long long)blockIdx.y * T;
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;    // fragment row and column pair (see mma_16816)
+    const int row0 = q0 + warp * WARP_ROWS;   // this warp's first query row
+
+    // ANCHOR: causal_blocks
+    // keys 0 .. min(q0 + BLOCK_M, T) - 1 are all this block's rows may see: the key blocks past
+    // the diagonal are never loaded.
+    const int n_blocks = (min(q0 + BLOCK_M, T) + BLOCK_N - 1) / BLOCK_N;
+    // ANCHOR_END: causal_blocks
+
+    load_tile<BLOCK_M>(sq, q, q0, T);
+    cp_async_commit();
+    load_tile<BLOCK_N>(sk, k, 0, T);
+    load_tile<BLOCK_N>(sv, v, 0, T);
+    cp_async_commit();
+
+    // ANCHOR: fragment_addresses
+    // Each lane's ldmatrix addresses, in bytes, computed once. A tile's rows 8 apart share their
+    // swizzle (it depends on row % 8), so moving to the next 8 or 16 rows is a constant offset
+    // the compiler folds into the instruction: only the column chunks need a register each.
+    //   q: row warp·WARP_ROWS + lane % 16, chunk 2kk + lane / 16       (+ 16 rows per m-tile)
+    //   k: row lane % 8 + 8·(lane / 16), chunk 2kk + (lane / 8) % 2      (+ 8 rows per n-tile)
+    //   v: row lane % 16, chunk n + lane / 16, for n = 0, 2, ...        (+ 16 rows per k-step)
+    u32 q_frag[HEAD_DIM / 16], k_frag[HEAD_DIM / 16], v_frag[HEAD_DIM / 16];
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+        q_frag[kk] = smem_addr(sq + swizzled(warp * WARP_ROWS + (lane & 15), 2 * kk + (lane >> 4)));
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) k_frag[kk] = 2 * swizzled((lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1));
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; n += 2) v_frag[n / 2] = 2 * swizzled(lane & 15, n + (lane >> 4));
+    const u32 sk_addr = smem_addr(sk), sv_addr = smem_addr(sv);
+    // ANCHOR_END: fragment_addresses
+
+    // ANCHOR: running_state
+    // Per thread, for each 16-row tile mt of the warp: rows g and g+8 (index h = 0, 1).
+    //   m[mt][h]: the largest raw score seen so far in the row
+    //   l[mt][h]: this thread's part of the row's sum of e^(s - m) (the 4 threads of a quad
+    //             hold the row's columns between them; their parts are added up at the end)
+    //   o[mt][n][..]: the row's unnormalised output, columns 8n + 2t and 8n + 2t + 1
+    float m[M_TILES][2], l[M_TILES][2];
+    float o[M_TILES][HEAD_DIM / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+        m[mt][0] = m[mt][1] = NEG_INF;
+        l[mt][0] = l[mt][1] = 0.f;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    }
+    // ANCHOR_END: running_state
+
+    for (int j = 0; j < n_blocks; ++j) {
+        const int stage = j & 1;
+        const int kv0 = j * BLOCK_N;
+        // start copying the next block into the other stage while this one is computed on
+        if (j + 1 < n_blocks) {
+            load_tile<BLOCK_N>(sk + (stage ^ 1) * BLOCK_N * HEAD_DIM, k, kv0 + BLOCK_N, T);
+            load_tile<BLOCK_N>(sv + (stage ^ 1) * BLOCK_N * HEAD_DIM, v, kv0 + BLOCK_N, T);
+        }
+        cp_async_commit();
+        // everything but the copy just issued has landed: q (on the first pass) and this block
+        cp_async_wait<1>();
+        __syncthreads();
+
+        // a warp whose rows all come before this block's first key has nothing to add
+        if (kv0 <= row0 + WARP_ROWS - 1) {
+            const u32 ks = sk_addr + stage * (BLOCK_N * HEAD_DIM * 2);
+            const u32 vs = sv_addr + stage * (BLOCK_N * HEAD_DIM * 2);
+
+            // ANCHOR: scores_mma
+            // s = q·kᵀ for the warp's rows x 64 keys, in 16x8 tiles. K is stored [key][dim],
+            // which is exactly the column-major B operand, so plain ldmatrix gives its
+            // fragments, and each one serves all M_TILES row tiles. q's A fragments are read
+            // again for each block, 32 columns at a time, rather than held across the loop:
+            // registers go to the output and the scores.
+            float s[M_TILES][BLOCK_N / 8][4];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int n = 0; n < BLOCK_N / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+                u32 qf[M_TILES][4];
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt)
+                    ldmatrix_x4(q_frag[kk] + mt * (16 * HEAD_DIM * 2), qf[mt][0], qf[mt][1], qf[mt][2], qf[mt][3]);
+#pragma unroll
+                for (int n = 0; n < BLOCK_N / 8; n += 2) {
+                    // keys 8n..8n+15, columns 16kk..16kk+15: the B fragments of two n-tiles
+                    u32 b0, b1, b2, b3;
+                    ldmatrix_x4(ks + k_frag[kk] + n * (8 * HEAD_DIM * 2), b0, b1, b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < M_TILES; ++mt) {
+                        mma_16816(s[mt][n], qf[mt], b0, b1);
+                        mma_16816(s[mt][n + 1], qf[mt], b2, b3);
+                    }
+                }
+            }
+            // ANCHOR_END: scores_mma
+
+            // ANCHOR: diagonal_mask
+            // only blocks that reach past this warp's first row need the mask; there, keys
+            // after the row (and so every key at or past T) get -inf
+            if (kv0 + BLOCK_N - 1 > row0) {
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                    for (int n = 0; n < BLOCK_N / 8; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            int key = kv0 + n * 8 + 2 * t + (e & 1);
+                            int row = row0 + mt * 16 + g + (e >> 1) * 8;
+                            if (key > row) s[mt][n][e] = NEG_INF;
+                        }
+            }
+            // ANCHOR_END: diagonal_mask
+
+            // ANCHOR: online_softmax
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float mx = m[mt][h];
+#pragma unroll
+                    for (int n = 0; n < BLOCK_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
+                    // the row's maximum over the 4 threads of the quad that hold it
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+                    // a new maximum shrinks what was summed so far by 2^((m_old - m_new)·scale_log2);
+                    // a row still all -inf (only rows past T can be) keeps its zeros
+                    float m_scaled = mx == NEG_INF ? 0.f : mx * scale_log2;
+                    float correction = fast_exp2(m[mt][h] * scale_log2 - m_scaled);
+                    m[mt][h] = mx;
+                    l[mt][h] *= correction;
+                    // once a row's maximum settles, the correction is exactly 1 and rescaling
+                    // o changes nothing: skip the 2·HEAD_DIM/8 multiplies when that holds for
+                    // the whole warp (the test is warp-uniform, so no thread diverges)
+                    if (!LAZY_RESCALE || __any_sync(0xffffffff, correction != 1.f)) {
+#pragma unroll
+                        for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                            o[mt][n][2 * h] *= correction;
+                            o[mt][n][2 * h + 1] *= correction;
+                        }
+                    }
+                    // p = 2^(s·scale_log2 - m·scale_log2) = e^((s - m)/sqrt(d)): one FMA and one ex2
+#pragma unroll
+                    for (int n = 0; n < BLOCK_N / 8; ++n) {
+                        s[mt][n][2 * h] = fast_exp2(fmaf(s[mt][n][2 * h], scale_log2, -m_scaled));
+                        s[mt][n][2 * h + 1] = fast_exp2(fmaf(s[mt][n][2 * h + 1], scale_log2, -m_scaled));
+                        l[mt][h] += s[mt][n][2 * h] + s[mt][n][2 * h + 1];
+                    }
+                }
+            // ANCHOR_END: online_softmax
+
+            // ANCHOR: pv_mma
+            // o += p·v. The accumulator layout of two neighbouring 16x8 tiles of p is the A
+            // fragment of one 16x16 tile, so p goes from registers to the tensor cores without
+            // touching shared memory. V is stored [key][dim]: its B fragments need the
+            // transposing ldmatrix, and each serves all M_TILES row tiles.
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                u32 pa[M_TILES][4];
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) {
+                    pa[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    pa[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    pa[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    pa[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int n = 0; n < HEAD_DIM / 8; n += 2) {
+                    u32 b0, b1, b2, b3;
+                    ldmatrix_x4_trans(vs + v_frag[n / 2] + kk * (16 * HEAD_DIM * 2), b0, b1, b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < M_TILES; ++mt) {
+                        mma_16816(o[mt][n], pa[mt], b0, b1);
+                        mma_16816(o[mt][n + 1], pa[mt], b2, b3);
+                    }
+                }
+            }
+            // ANCHOR_END: pv_mma
+        }
+        // every warp is done with this stage before the next iteration's copy overwrites it
+        __syncthreads();
+    }
+
+    // ANCHOR: finalise
+    // o / l, and the log-sum-exp m/sqrt(d) + ln l, for the rows inside the sequence
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float sum = l[mt][h];
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            sum += __shfl_xor_sync(0xffffffff, sum, 2);
+            int row = row0 + mt * 16 + g + h * 8;
+            if (row < T) {
+                float inv = 1.f / sum;
+                u16* dst = out + (long long)row * HEAD_DIM + 2 * t;
+#pragma unroll
+                for (int n = 0; n < HEAD_DIM / 8; ++n)
+                    *(u32*)(dst + n * 8) = pack2(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
+                // ln(sum e^(s/sqrt(d))) = (m·scale_log2 + log2 l) · ln 2
+                if (t == 0) lse[row] = (m[mt][h] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
+            }
+        }
+    // ANCHOR_END: finalise
+}

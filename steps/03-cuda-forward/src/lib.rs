@@ -1,0 +1,555 @@
+//! # Step 03: the forward pass as a CUDA kernel
+//!
+//! The online softmax of step 02, moved onto a GPU's tensor cores: one thread block per 128
+//! queries of a head, keys and values streamed through shared memory 64 at a time, `mma.sync`
+//! products in bf16 or f16 with f32 accumulation, and each row's log-sum-exp stored for the
+//! backward pass. The kernel lives in a real `.cu` file; NVRTC compiles it on first use (cached
+//! per dtype and head dim) and cudarc launches it. cudarc opens `libcuda` and `libnvrtc` at run
+//! time, so this crate builds and its CPU tests run on machines without CUDA: there, every call
+//! returns [`AttnError::Device`] saying what is missing.
+//!
+//! ## Kernels
+//!
+//! | kernel | what it does | H200, B=4 H=12 D=64 bf16 causal, TFLOP/s at 1k / 4k / 16k |
+//! | --- | --- | --- |
+//! | `kernels/flash_forward.cu` | 8 warps × 16 rows, `ldmatrix`, swizzled shared memory, `cp.async` two-stage K/V pipeline, `exp2` with log2 e folded into the scale, mask on diagonal blocks only | see the book's chapter 3 (measured by the benchmark, `charts/data/`) |
+//!
+//! ## Layout
+//!
+//! - [`Gpu`]: the context, stream and compiled kernels; [`Gpu::forward`] on device tensors,
+//!   [`Gpu::attention`] on host arrays.
+//! - [`DeviceTensor`]: a `[batch, heads, tokens, head_dim]` tensor of 16-bit values on the GPU.
+//! - [`kernel`]: the `.cu` sources and their NVRTC compilation.
+//! - [`host`]: rounding to bf16/f16 and back, and attention by hand in those precisions on the
+//!   CPU (the yardstick of the GPU tests).
+
+pub mod by_hand;
+pub mod host;
+pub mod kernel;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute, CUresult};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+};
+use ndarray::{Array3, Array4, ArrayView4};
+use step01_naive::{Attention, AttnError, Shape, check_qkv};
+
+pub use cudarc;
+pub use kernel::ForwardConfig;
+
+/// The 16-bit floating-point formats the kernels take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    Bf16,
+    F16,
+}
+
+impl Dtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::F16 => "f16",
+        }
+    }
+}
+
+/// A `[batch, heads, tokens, head_dim]` tensor of bf16 or f16 values in GPU memory, row-major.
+pub struct DeviceTensor {
+    pub data: CudaSlice<u16>,
+    pub shape: Shape,
+    pub dtype: Dtype,
+}
+
+/// What the forward kernel writes: the output and each row's natural log-sum-exp.
+pub struct DeviceAttention {
+    pub out: DeviceTensor,
+    /// `[batch, heads, tokens]`, f32
+    pub lse: CudaSlice<f32>,
+}
+
+/// One GPU: its context and stream, and the kernels compiled for it so far.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: &'static str,
+    kernels: Mutex<HashMap<String, CudaFunction>>,
+    blas: OnceLock<Result<cudarc::cublas::CudaBlas, AttnError>>,
+}
+
+pub(crate) fn device_error(what: &str) -> impl Fn(DriverError) -> AttnError + '_ {
+    move |e| match e.0 {
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY => AttnError::OutOfMemory {
+            what: what.to_string(),
+            bytes: 0,
+        },
+        _ => AttnError::Device {
+            what: format!("{what}: {e}"),
+        },
+    }
+}
+
+impl Gpu {
+    /// Opens GPU 0. Errors, each saying what is missing: no CUDA driver library, no NVRTC
+    /// library, no GPU, or a GPU older than compute capability 8.0 (bf16 `mma.sync` needs it).
+    pub fn new() -> Result<Gpu, AttnError> {
+        // SAFETY: only tries to open the shared library
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(AttnError::Device {
+                what: "no CUDA driver (libcuda.so) on this machine: the CUDA methods need an NVIDIA GPU and its driver".into(),
+            });
+        }
+        if !kernel::nvrtc_present() {
+            return Err(AttnError::Device {
+                what: "no NVRTC (libnvrtc.so) found: install the CUDA toolkit (or the nvidia-cuda-nvrtc wheel) and put its lib folder on LD_LIBRARY_PATH".into(),
+            });
+        }
+        let ctx = CudaContext::new(0).map_err(device_error("opening GPU 0"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(device_error("reading the compute capability"))?;
+        let arch = match (major, minor) {
+            (9, 0) => "sm_90",
+            (8, 0) => "sm_80",
+            (8, 6) => "sm_86",
+            (8, 9) => "sm_89",
+            (m, _) if m >= 10 => "sm_90",
+            _ => {
+                return Err(AttnError::Device {
+                    what: format!(
+                        "GPU 0 has compute capability {major}.{minor}; the kernels need 8.0 or newer (bf16 mma.sync)"
+                    ),
+                });
+            }
+        };
+        let stream = ctx.default_stream();
+        Ok(Gpu {
+            ctx,
+            stream,
+            arch,
+            kernels: Mutex::new(HashMap::new()),
+            blas: OnceLock::new(),
+        })
+    }
+
+    /// A process-wide GPU, opened on first use.
+    pub fn shared() -> Result<&'static Gpu, AttnError> {
+        static GPU: OnceLock<Result<Gpu, AttnError>> = OnceLock::new();
+        GPU.get_or_init(Gpu::new).as_ref().map_err(Clone::clone)
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Name, compute capability and driver version, for the benchmark's header.
+    pub fn describe(&self) -> String {
+        let name = self.ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let sms = self
+            .ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .unwrap_or(0);
+        let mut version = 0;
+        // SAFETY: the driver library is loaded (Gpu::new checked) and writes one int
+        let driver = match unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) } {
+            CUresult::CUDA_SUCCESS => format!("{}.{}", version / 1000, (version % 1000) / 10),
+            _ => "?".into(),
+        };
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: NVRTC's library is loaded (Gpu::new checked) and writes two ints
+        let nvrtc = match unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) } {
+            cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS => format!("{major}.{minor}"),
+            _ => "?".into(),
+        };
+        format!(
+            "{name} ({}, {sms} SMs, CUDA driver {driver}, NVRTC {nvrtc})",
+            self.arch
+        )
+    }
+
+    /// A kernel compiled by `compile` and loaded, once per `key`; `smem` is the dynamic shared
+    /// memory it will be launched with.
+    fn kernel(
+        &self,
+        key: String,
+        entry: &str,
+        smem: u32,
+        compile: impl FnOnce() -> Result<cudarc::nvrtc::Ptx, AttnError>,
+    ) -> Result<CudaFunction, AttnError> {
+        let mut kernels = self.kernels.lock().expect("kernel cache poisoned");
+        if let Some(f) = kernels.get(&key) {
+            return Ok(f.clone());
+        }
+        let module = self
+            .ctx
+            .load_module(compile()?)
+            .map_err(device_error("loading a compiled kernel"))?;
+        let f = module
+            .load_function(entry)
+            .map_err(device_error("finding a kernel's entry point"))?;
+        // more than 48 KiB of dynamic shared memory must be asked for
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(device_error("raising a kernel's shared-memory limit"))?;
+        kernels.insert(key, f.clone());
+        Ok(f)
+    }
+
+    fn forward_kernel(
+        &self,
+        dtype: Dtype,
+        head_dim: usize,
+        config: ForwardConfig,
+    ) -> Result<CudaFunction, AttnError> {
+        self.kernel(
+            format!("forward {dtype:?} {head_dim} {config:?}"),
+            kernel::FLASH_FORWARD,
+            config.smem_bytes(head_dim),
+            || kernel::compile_forward(dtype, head_dim, config, self.arch),
+        )
+    }
+
+    pub(crate) fn softmax_kernel(&self, dtype: Dtype) -> Result<CudaFunction, AttnError> {
+        self.kernel(
+            format!("softmax {dtype:?}"),
+            kernel::CAUSAL_SOFTMAX,
+            0,
+            || kernel::compile_softmax(dtype, self.arch),
+        )
+    }
+
+    pub(crate) fn blas(&self) -> Result<&cudarc::cublas::CudaBlas, AttnError> {
+        self.blas
+            .get_or_init(|| {
+                // SAFETY: only tries to open the shared library
+                if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+                    return Err(AttnError::Device {
+                        what:
+                            "no cuBLAS (libcublas.so) found: attention by hand on the GPU needs it"
+                                .into(),
+                    });
+                }
+                cudarc::cublas::CudaBlas::new(self.stream.clone()).map_err(|e| AttnError::Device {
+                    what: format!("creating a cuBLAS handle: {e:?}"),
+                })
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    /// Runs `f` and returns what it returned with the device memory it allocated at its
+    /// high-water mark, above what was allocated before: the stream-ordered pool's
+    /// `USED_MEM_HIGH`, reset before and read after (the analogue of PyTorch's
+    /// `max_memory_allocated`). None when the driver allocates without a pool.
+    pub fn peak_allocated<R>(
+        &self,
+        f: impl FnOnce() -> Result<R, AttnError>,
+    ) -> Result<(R, Option<u64>), AttnError> {
+        use cudarc::driver::sys::{
+            CUmemPool_attribute, CUmemoryPool, cuDeviceGetDefaultMemPool, cuMemPoolGetAttribute,
+            cuMemPoolSetAttribute,
+        };
+        let call = |r: CUresult, what: &str| match r {
+            CUresult::CUDA_SUCCESS => Ok(()),
+            e => Err(AttnError::Device {
+                what: format!("{what}: {e:?}"),
+            }),
+        };
+        if !self.ctx.has_async_alloc() {
+            return Ok((f()?, None));
+        }
+        self.stream
+            .synchronize()
+            .map_err(device_error("synchronising"))?;
+        let mut pool: CUmemoryPool = std::ptr::null_mut();
+        let (mut before, mut high, mut zero) = (0u64, 0u64, 0u64);
+        // SAFETY: the driver is loaded (a Gpu exists); each call reads or writes one u64
+        unsafe {
+            call(
+                cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()),
+                "finding the memory pool",
+            )?;
+            call(
+                cuMemPoolGetAttribute(
+                    pool,
+                    CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                    (&mut before as *mut u64).cast(),
+                ),
+                "reading the pool",
+            )?;
+            // setting the high-water mark to 0 resets it to what is in use now
+            call(
+                cuMemPoolSetAttribute(
+                    pool,
+                    CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut zero as *mut u64).cast(),
+                ),
+                "resetting the pool's high-water mark",
+            )?;
+        }
+        let result = f()?;
+        self.stream
+            .synchronize()
+            .map_err(device_error("synchronising"))?;
+        // SAFETY: as above
+        unsafe {
+            call(
+                cuMemPoolGetAttribute(
+                    pool,
+                    CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut high as *mut u64).cast(),
+                ),
+                "reading the pool's high-water mark",
+            )?;
+        }
+        Ok((result, Some(high.saturating_sub(before))))
+    }
+
+    /// Copies an `f32` array to the GPU, rounding each value to `dtype` (to nearest, ties to even).
+    pub fn upload(&self, x: ArrayView4<f32>, dtype: Dtype) -> Result<DeviceTensor, AttnError> {
+        let (b, h, t, d) = x.dim();
+        let bits = host::to_bits(x, dtype);
+        let data = self
+            .stream
+            .clone_htod(&bits)
+            .map_err(device_error("copying to the GPU"))?;
+        Ok(DeviceTensor {
+            data,
+            shape: Shape::new(b, h, t, d),
+            dtype,
+        })
+    }
+
+    /// Copies a tensor back, widening each value to `f32` (exactly).
+    pub fn download(&self, x: &DeviceTensor) -> Result<Array4<f32>, AttnError> {
+        let bits = self
+            .stream
+            .clone_dtoh(&x.data)
+            .map_err(device_error("copying from the GPU"))?;
+        Ok(host::from_bits(&bits, x.shape, x.dtype))
+    }
+
+    /// Allocates what [`Gpu::forward_into`] writes, for a given input.
+    pub fn alloc_output(&self, shape: Shape, dtype: Dtype) -> Result<DeviceAttention, AttnError> {
+        let out = self
+            .stream
+            .alloc_zeros::<u16>(shape.len())
+            .map_err(device_error("allocating the output"))?;
+        let lse = self
+            .stream
+            .alloc_zeros::<f32>(shape.batch * shape.heads * shape.tokens)
+            .map_err(device_error("allocating the log-sum-exp"))?;
+        Ok(DeviceAttention {
+            out: DeviceTensor {
+                data: out,
+                shape,
+                dtype,
+            },
+            lse,
+        })
+    }
+
+    // ANCHOR: forward
+    /// Causal attention on the GPU: `out = softmax(mask(q·kᵀ/√d))·v` and each row's log-sum-exp.
+    pub fn forward(
+        &self,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+    ) -> Result<DeviceAttention, AttnError> {
+        let mut result = self.alloc_output(q.shape, q.dtype)?;
+        self.forward_into(q, k, v, &mut result)?;
+        Ok(result)
+    }
+
+    /// [`Gpu::forward`] into buffers allocated before (the benchmark times this alone).
+    pub fn forward_into(
+        &self,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        result: &mut DeviceAttention,
+    ) -> Result<(), AttnError> {
+        self.forward_with(
+            ForwardConfig::for_head_dim(q.shape.head_dim),
+            q,
+            k,
+            v,
+            result,
+        )
+    }
+
+    /// [`Gpu::forward_into`] with a kernel of another tile shape (for tuning).
+    pub fn forward_with(
+        &self,
+        config: ForwardConfig,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        result: &mut DeviceAttention,
+    ) -> Result<(), AttnError> {
+        let shape = check_device(q, k, v)?;
+        if result.out.shape != shape
+            || result.out.dtype != q.dtype
+            || result.lse.len() != shape.batch * shape.heads * shape.tokens
+        {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "the output buffers are for {} {}, the inputs are {shape} {}",
+                    result.out.shape,
+                    result.out.dtype.name(),
+                    q.dtype.name()
+                ),
+            });
+        }
+        if shape.is_empty() {
+            return Ok(());
+        }
+        let f = self.forward_kernel(q.dtype, shape.head_dim, config)?;
+        let blocks = shape.tokens.div_ceil(config.block_m()) as u32;
+        let launch_config = LaunchConfig {
+            grid_dim: (blocks, (shape.batch * shape.heads) as u32, 1),
+            block_dim: (config.threads(), 1, 1),
+            shared_mem_bytes: config.smem_bytes(shape.head_dim),
+        };
+        let tokens = shape.tokens as i32;
+        let scale_log2 = (std::f64::consts::LOG2_E / (shape.head_dim as f64).sqrt()) as f32;
+        let mut launch = self.stream.launch_builder(&f);
+        launch
+            .arg(&q.data)
+            .arg(&k.data)
+            .arg(&v.data)
+            .arg(&mut result.out.data)
+            .arg(&mut result.lse)
+            .arg(&tokens)
+            .arg(&scale_log2);
+        // SAFETY: check_device proved q, k, v hold batch·heads·tokens·head_dim values of one
+        // dtype, the output was checked to match, lse holds batch·heads·tokens; the grid covers
+        // tokens in blocks of BLOCK_M and batch·heads heads, and the kernel writes only rows
+        // below `tokens`; the dynamic shared memory is what the kernel's tiles take.
+        unsafe { launch.launch(launch_config) }.map_err(device_error("launching flash_forward"))?;
+        Ok(())
+    }
+    // ANCHOR_END: forward
+
+    /// Host-side entry point: rounds `f32` inputs to `dtype`, runs [`Gpu::forward`] and returns
+    /// the output widened back to `f32`.
+    pub fn attention(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        self.on_host(q, k, v, dtype, |q, k, v| self.forward(q, k, v))
+    }
+
+    /// Host-side entry point for [`Gpu::by_hand`].
+    pub fn attention_by_hand(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        self.on_host(q, k, v, dtype, |q, k, v| self.by_hand(q, k, v))
+    }
+
+    fn on_host(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+        run: impl FnOnce(
+            &DeviceTensor,
+            &DeviceTensor,
+            &DeviceTensor,
+        ) -> Result<DeviceAttention, AttnError>,
+    ) -> Result<Attention, AttnError> {
+        let shape = check_qkv(&q, &k, &v)?;
+        check_head_dim(shape.head_dim)?;
+        if shape.is_empty() {
+            return Ok(Attention::empty(shape));
+        }
+        let (q, k, v) = (
+            self.upload(q, dtype)?,
+            self.upload(k, dtype)?,
+            self.upload(v, dtype)?,
+        );
+        let result = run(&q, &k, &v)?;
+        let out = self.download(&result.out)?;
+        let lse = self
+            .stream
+            .clone_dtoh(&result.lse)
+            .map_err(device_error("copying from the GPU"))?;
+        let lse = Array3::from_shape_vec((shape.batch, shape.heads, shape.tokens), lse)
+            .expect("b·h·T values");
+        Ok(Attention { out, lse })
+    }
+}
+
+fn check_head_dim(head_dim: usize) -> Result<(), AttnError> {
+    if kernel::HEAD_DIMS.contains(&head_dim) {
+        Ok(())
+    } else {
+        Err(kernel::unsupported_head_dim(head_dim))
+    }
+}
+
+/// The checks [`Gpu::forward`] makes before a launch: one shape and dtype for q, k and v, a
+/// supported head dim, buffers that hold what the shape says, and sizes the grid can take.
+pub fn check_device(
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+) -> Result<Shape, AttnError> {
+    if q.shape != k.shape || q.shape != v.shape {
+        return Err(AttnError::ShapeMismatch {
+            what: format!("q is {}, k is {}, v is {}", q.shape, k.shape, v.shape),
+        });
+    }
+    if q.dtype != k.dtype || q.dtype != v.dtype {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "q is {}, k is {}, v is {}: all three must have one dtype",
+                q.dtype.name(),
+                k.dtype.name(),
+                v.dtype.name()
+            ),
+        });
+    }
+    let shape = q.shape;
+    if shape.head_dim == 0 {
+        return Err(AttnError::ZeroHeadDim);
+    }
+    check_head_dim(shape.head_dim)?;
+    for (name, x) in [("q", q), ("k", k), ("v", v)] {
+        if x.data.len() != shape.len() {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "{name}'s buffer holds {} values but its shape {} needs {}",
+                    x.data.len(),
+                    shape,
+                    shape.len()
+                ),
+            });
+        }
+    }
+    if shape.batch * shape.heads > 65535 || shape.tokens > i32::MAX as usize / 2 {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "{shape}: the kernel takes at most 65535 sequences × heads and 2^30 tokens"
+            ),
+        });
+    }
+    Ok(shape)
+}

@@ -1,0 +1,213 @@
+//! The forward kernel on a GPU against the f64 reference, with FlashAttention's rule: its error
+//! is at most twice that of attention by hand computed in the same precision. Ignored where
+//! there is no GPU (`cargo test -- --include-ignored` runs them on one).
+
+use ndarray::s;
+use step01_naive::inputs::random_qkv;
+use step01_naive::reference::{attention_f64, error};
+use step01_naive::{AttnError, Shape};
+use step03_cuda_forward::host::{by_hand_low_precision, round_array};
+use step03_cuda_forward::{Dtype, Gpu};
+
+/// FlashAttention's rule: our max error ≤ 2 × by-hand's max error in the same precision, plus
+/// a margin for the case where both are (nearly) zero.
+const MARGIN: f64 = 1e-5;
+
+fn check(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64) {
+    check_method(gpu, shape, dtype, seed, "flash_forward", Gpu::attention);
+}
+
+type HostFn = fn(
+    &Gpu,
+    ndarray::ArrayView4<f32>,
+    ndarray::ArrayView4<f32>,
+    ndarray::ArrayView4<f32>,
+    Dtype,
+) -> Result<step01_naive::Attention, AttnError>;
+
+fn check_method(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64, name: &str, method: HostFn) {
+    let [q, k, v] = random_qkv(shape, seed);
+    let got = method(gpu, q.view(), k.view(), v.view(), dtype)
+        .unwrap_or_else(|e| panic!("{name} {shape} {}: {e}", dtype.name()));
+    // the reference sees exactly the values the GPU saw
+    let (qr, kr, vr) = (
+        round_array(q.view(), dtype),
+        round_array(k.view(), dtype),
+        round_array(v.view(), dtype),
+    );
+    let reference = attention_f64(qr.view(), kr.view(), vr.view()).unwrap();
+    let ours = error(&got.out, &reference.out);
+    let by_hand = error(
+        &by_hand_low_precision(q.view(), k.view(), v.view(), dtype),
+        &reference.out,
+    );
+    let lse = error(&got.lse, &reference.lse);
+    println!(
+        "{name} {shape} {}: ours {ours}; by hand {by_hand}; lse {lse}",
+        dtype.name()
+    );
+    assert!(
+        ours.max_abs <= 2.0 * by_hand.max_abs + MARGIN,
+        "{name} {shape} {}: out max abs error {:.3e} > 2 × by hand's {:.3e} (+{MARGIN:e})",
+        dtype.name(),
+        ours.max_abs,
+        by_hand.max_abs
+    );
+    // the log-sum-exp is accumulated in f32 from 16-bit products
+    assert!(
+        lse.max_abs < 1e-3,
+        "{name} {shape} {}: lse {lse}",
+        dtype.name()
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn by_hand_on_the_gpu_matches_the_reference() {
+    let gpu = Gpu::new().expect("a GPU");
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for (batch, heads, tokens, head_dim) in [
+            (1, 1, 1, 64),
+            (3, 5, 77, 64),
+            (2, 3, 300, 32),
+            (1, 2, 1024, 128),
+        ] {
+            check_method(
+                &gpu,
+                Shape::new(batch, heads, tokens, head_dim),
+                dtype,
+                tokens as u64,
+                "by_hand",
+                Gpu::attention_by_hand,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forward_matches_the_reference_within_twice_by_hand_error() {
+    let gpu = Gpu::new().expect("a GPU");
+    println!("{}", gpu.describe());
+    let mut seed = 100;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for (batch, heads, tokens) in [
+            (1, 1, 1),
+            (3, 5, 77),
+            (2, 3, 128),
+            (3, 1, 300),
+            (1, 3, 1024),
+            (1, 2, 4097),
+        ] {
+            seed += 1;
+            check(&gpu, Shape::new(batch, heads, tokens, 64), dtype, seed);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forward_supports_head_dims_32_and_128() {
+    let gpu = Gpu::new().expect("a GPU");
+    for head_dim in [32, 128] {
+        for tokens in [1, 190, 513] {
+            check(
+                &gpu,
+                Shape::new(2, 3, tokens, head_dim),
+                Dtype::Bf16,
+                tokens as u64 + head_dim as u64,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forward_is_causal_and_deterministic() {
+    let gpu = Gpu::new().expect("a GPU");
+    let shape = Shape::new(2, 2, 333, 64);
+    let [q, k, v] = random_qkv(shape, 5);
+    let a = gpu
+        .attention(q.view(), k.view(), v.view(), Dtype::Bf16)
+        .unwrap();
+    let again = gpu
+        .attention(q.view(), k.view(), v.view(), Dtype::Bf16)
+        .unwrap();
+    assert_eq!(
+        a.out, again.out,
+        "two runs on the same input differ: a race?"
+    );
+    let (mut k2, mut v2) = (k.clone(), v.clone());
+    k2.slice_mut(s![.., .., 200.., ..])
+        .mapv_inplace(|x| -3.0 * x);
+    v2.slice_mut(s![.., .., 200.., ..])
+        .mapv_inplace(|x| x + 1.0);
+    let b = gpu
+        .attention(q.view(), k2.view(), v2.view(), Dtype::Bf16)
+        .unwrap();
+    assert_eq!(
+        a.out.slice(s![.., .., ..200, ..]),
+        b.out.slice(s![.., .., ..200, ..])
+    );
+    assert_ne!(
+        a.out.slice(s![.., .., 200.., ..]),
+        b.out.slice(s![.., .., 200.., ..])
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_input_is_refused_before_launch() {
+    let gpu = Gpu::new().expect("a GPU");
+    let [q, k, _] = random_qkv(Shape::new(1, 2, 10, 64), 1);
+    let [_, _, v_short] = random_qkv(Shape::new(1, 2, 9, 64), 1);
+    let err = gpu
+        .attention(q.view(), k.view(), v_short.view(), Dtype::Bf16)
+        .unwrap_err();
+    assert!(matches!(err, AttnError::ShapeMismatch { .. }), "{err}");
+    let [q, k, v] = random_qkv(Shape::new(1, 2, 10, 48), 1);
+    let err = gpu
+        .attention(q.view(), k.view(), v.view(), Dtype::Bf16)
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("head_dim 48 is not supported")
+            && err.to_string().contains("32, 64, 128"),
+        "{err}"
+    );
+    // device tensors of different dtypes
+    let [q, k, v] = random_qkv(Shape::new(1, 1, 8, 64), 2);
+    let (q, k, v) = (
+        gpu.upload(q.view(), Dtype::Bf16).unwrap(),
+        gpu.upload(k.view(), Dtype::F16).unwrap(),
+        gpu.upload(v.view(), Dtype::Bf16).unwrap(),
+    );
+    let err = gpu.forward(&q, &k, &v).err().expect("mixed dtypes refused");
+    assert!(err.to_string().contains("must have one dtype"), "{err}");
+    // empty input: an empty output, no launch
+    let [q, k, v] = random_qkv(Shape::new(1, 2, 0, 64), 1);
+    let got = gpu
+        .attention(q.view(), k.view(), v.view(), Dtype::Bf16)
+        .unwrap();
+    assert_eq!(got.out.dim(), (1, 2, 0, 64));
+}
+
+/// Runs everywhere: without a CUDA driver, opening the GPU is an error that says so.
+#[test]
+fn no_gpu_is_an_error_not_a_panic() {
+    // SAFETY: only tries to open the shared library
+    let driver = unsafe { cudarc::driver::sys::is_culib_present() };
+    match Gpu::new() {
+        Ok(gpu) => assert!(
+            driver,
+            "opened {} without a driver library?",
+            gpu.describe()
+        ),
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(matches!(e, AttnError::Device { .. }), "{msg}");
+            if !driver {
+                assert!(msg.contains("no CUDA driver"), "{msg}");
+            }
+        }
+    }
+}
