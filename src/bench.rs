@@ -37,6 +37,8 @@ use crate::report::{self, Row};
 
 /// The seed of every benchmark input: the same inputs on every machine and in every process.
 const SEED: u64 = 2024;
+/// How long a GPU method runs before it is timed.
+const GPU_WARMUP_MS: f64 = 200.0;
 /// Exit code of a child whose method returned `AttnError::OutOfMemory`.
 const EXIT_OOM: i32 = 3;
 
@@ -322,7 +324,12 @@ pub fn measure_gpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measure
         seed: SEED,
     };
     let mut run = (hooks.prepare)(&spec).map_err(|e| describe_error(&e))?;
-    run.time_ms().map_err(|e| describe_error(&e))?;
+    // warm up for at least GPU_WARMUP_MS, so the clocks have left their idle state and the
+    // first measured run is not the slowest
+    let mut warm = 0.0;
+    while warm < GPU_WARMUP_MS {
+        warm += run.time_ms().map_err(|e| describe_error(&e))?.max(0.01);
+    }
     let times = (0..args.runs)
         .map(|_| run.time_ms())
         .collect::<Result<Vec<_>, _>>()

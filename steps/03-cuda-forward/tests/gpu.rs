@@ -13,8 +13,22 @@ use step03_cuda_forward::{Dtype, Gpu};
 /// a margin for the case where both are (nearly) zero.
 const MARGIN: f64 = 1e-5;
 
+/// The kernel's log-sum-exp is accumulated in f32 from the 16-bit inputs' exact products.
+const KERNEL_LSE: f64 = 1e-3;
+/// Attention by hand's is taken from scores rounded to 16 bits (bf16 keeps 8 bits: about 0.4%
+/// of scores up to ~5 in size).
+const BY_HAND_LSE: f64 = 3e-2;
+
 fn check(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64) {
-    check_method(gpu, shape, dtype, seed, "flash_forward", Gpu::attention);
+    check_method(
+        gpu,
+        shape,
+        dtype,
+        seed,
+        "flash_forward",
+        Gpu::attention,
+        KERNEL_LSE,
+    );
 }
 
 type HostFn = fn(
@@ -25,7 +39,15 @@ type HostFn = fn(
     Dtype,
 ) -> Result<step01_naive::Attention, AttnError>;
 
-fn check_method(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64, name: &str, method: HostFn) {
+fn check_method(
+    gpu: &Gpu,
+    shape: Shape,
+    dtype: Dtype,
+    seed: u64,
+    name: &str,
+    method: HostFn,
+    lse_bound: f64,
+) {
     let [q, k, v] = random_qkv(shape, seed);
     let got = method(gpu, q.view(), k.view(), v.view(), dtype)
         .unwrap_or_else(|e| panic!("{name} {shape} {}: {e}", dtype.name()));
@@ -53,10 +75,9 @@ fn check_method(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64, name: &str, me
         ours.max_abs,
         by_hand.max_abs
     );
-    // the log-sum-exp is accumulated in f32 from 16-bit products
     assert!(
-        lse.max_abs < 1e-3,
-        "{name} {shape} {}: lse {lse}",
+        lse.max_abs < lse_bound,
+        "{name} {shape} {}: lse {lse}, allowed {lse_bound:e}",
         dtype.name()
     );
 }
@@ -79,6 +100,7 @@ fn by_hand_on_the_gpu_matches_the_reference() {
                 tokens as u64,
                 "by_hand",
                 Gpu::attention_by_hand,
+                BY_HAND_LSE,
             );
         }
     }

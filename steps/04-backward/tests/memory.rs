@@ -67,10 +67,14 @@ fn the_blockwise_backward_keeps_no_table() {
             by_hand >= grads + 2 * table,
             "by hand at T = {tokens}: {by_hand} B"
         );
-        // blockwise: the gradients, δ and a few 64×64 blocks per thread, far below one table
+        // blockwise: the gradients, δ and a few 64×64 blocks of f32 per thread (at most 4 each,
+        // 64 KiB), whatever the length; far below one table
+        let per_thread = 4 * 64 * 64 * 4;
+        let threads = rayon::current_num_threads();
+        let delta = shape.batch * shape.heads * tokens * 4;
         assert!(
-            blockwise <= grads + table / 8,
-            "blockwise at T = {tokens}: {blockwise} B"
+            blockwise <= grads + delta + threads * per_thread && blockwise < table,
+            "blockwise at T = {tokens}: {blockwise} B with {threads} threads; one table is {table} B"
         );
         peaks.push(blockwise);
     }
