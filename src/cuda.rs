@@ -121,6 +121,8 @@ impl DeviceRun for Prepared {
         let device = |e: step03_cuda_forward::cudarc::driver::DriverError| AttnError::Device {
             what: format!("timing: {e}"),
         };
+        // the GPU stays busy while the host launches the call: the time is the call's kernels
+        self.gpu.spin(500)?;
         start.record(self.gpu.stream()).map_err(device)?;
         self.run_once()?;
         end.record(self.gpu.stream()).map_err(device)?;

@@ -151,6 +151,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     u16* __restrict__ out,       // [B*H, T, HEAD_DIM] output
     float* __restrict__ lse,     // [B*H, T] natural log-sum-exp of each row's scaled scores
     int T,                       // tokens per sequence
+    int heads,                   // B*H
+    int head_group,              // heads scheduled together (see block_order)
     float scale_log2             // log2(e)/sqrt(HEAD_DIM): scores in base-2 units
 ) {
     // ANCHOR_END: kernel_signature
@@ -159,15 +161,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     u16* sk = sq + BLOCK_M * HEAD_DIM;                  // [2][BLOCK_N][HEAD_DIM], two stages
     u16* sv = sk + 2 * BLOCK_N * HEAD_DIM;              // [2][BLOCK_N][HEAD_DIM]
 
-    // the longest query blocks (most keys to see) start first, so the short ones fill the tail
-    const int q_block = gridDim.x - 1 - blockIdx.x;
+    // ANCHOR: block_order
+    // Which (head, query block) this block computes. The grid is one-dimensional and blocks
+    // start roughly in index order, so the order is a choice: heads go in groups of head_group,
+    // and within a group the longest query blocks (the most keys to see) of every head come
+    // first, the shortest last, so the short ones fill the tail of the grid. Groups keep the
+    // keys and values being read at one time few enough to stay in the L2 cache.
+    const int q_blocks = (T + BLOCK_M - 1) / BLOCK_M;
+    const int group = blockIdx.x / (q_blocks * head_group);
+    const int in_group = blockIdx.x - group * (q_blocks * head_group);
+    const int group_heads = min(head_group, heads - group * head_group);
+    const int bh = group * head_group + in_group % group_heads;
+    const int q_block = q_blocks - 1 - in_group / group_heads;
+    // ANCHOR_END: block_order
     const int q0 = q_block * BLOCK_M;
-    const long long head = (long long)blockIdx.y * T * HEAD_DIM;
+    const long long head = (long long)bh * T * HEAD_DIM;
     q += head;
     k += head;
     v += head;
     out += head;
-    lse += (long long)blockIdx.y * T;
+    lse += (long long)bh * T;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;    // fragment row and column pair (see mma_16816)

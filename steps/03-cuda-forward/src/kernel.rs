@@ -10,6 +10,15 @@ use crate::Dtype;
 pub const FLASH_FORWARD_CU: &str = include_str!("../kernels/flash_forward.cu");
 /// The entry point in [`FLASH_FORWARD_CU`].
 pub const FLASH_FORWARD: &str = "flash_forward";
+/// A kernel that keeps the GPU busy for a given number of clock cycles. Queued before a timed
+/// call, it lets the host finish launching the call while the GPU is still busy, so the
+/// measured time is the call's kernels alone, not the host's work to start them.
+pub const SPIN_CU: &str = r#"
+extern "C" __global__ void spin(long long cycles) {  // cycles: how long to stay busy
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+"#;
 /// The softmax of attention by hand on the GPU.
 pub const CAUSAL_SOFTMAX_CU: &str = include_str!("../kernels/causal_softmax.cu");
 /// The entry point in [`CAUSAL_SOFTMAX_CU`].
@@ -29,6 +38,10 @@ pub struct ForwardConfig {
     pub block_n: u32,
     /// Skip rescaling the output when no row of a warp found a new maximum.
     pub lazy_rescale: bool,
+    /// Heads whose blocks are scheduled together, longest query blocks first (0: as many as
+    /// the L2 cache holds the keys and values of; see `head_group`). A launch parameter, not a
+    /// compile-time one.
+    pub head_group: u32,
     /// Thread blocks per multiprocessor the register budget must allow (`__launch_bounds__`).
     pub min_blocks: u32,
 }
@@ -45,6 +58,7 @@ impl ForwardConfig {
                 m_tiles: 2,
                 block_n: 128,
                 lazy_rescale: false,
+                head_group: 0,
                 min_blocks: 1,
             }
         } else {
@@ -53,6 +67,7 @@ impl ForwardConfig {
                 m_tiles: 1,
                 block_n: 64,
                 lazy_rescale: false,
+                head_group: 0,
                 min_blocks: 1,
             }
         }
@@ -70,6 +85,17 @@ impl ForwardConfig {
     /// Shared memory the kernel needs: a tile of q and two stages each of k and v.
     pub fn smem_bytes(&self, head_dim: usize) -> u32 {
         ((self.block_m() + 4 * self.block_n as usize) * head_dim * 2) as u32
+    }
+
+    /// How many heads to schedule together for `tokens` tokens and `heads` heads on a GPU with
+    /// `l2_bytes` of L2 cache: as many as keep their keys and values within half of it (at least
+    /// one), unless `head_group` says otherwise.
+    pub fn head_group(&self, tokens: usize, heads: usize, head_dim: usize, l2_bytes: usize) -> u32 {
+        if self.head_group > 0 {
+            return self.head_group.min(heads as u32);
+        }
+        let kv_bytes = (2 * tokens * head_dim * 2).max(1);
+        ((l2_bytes / 2) / kv_bytes).clamp(1, heads.max(1)) as u32
     }
 
     pub fn describe(&self) -> String {
@@ -133,6 +159,16 @@ pub fn compile_softmax(dtype: Dtype, arch: &'static str) -> Result<Ptx, AttnErro
     };
     compile_ptx_with_opts(CAUSAL_SOFTMAX_CU, options)
         .map_err(|e| compile_error("causal_softmax", e))
+}
+
+/// Compiles [`SPIN_CU`].
+pub fn compile_spin(arch: &'static str) -> Result<Ptx, AttnError> {
+    let options = CompileOptions {
+        arch: Some(arch),
+        name: Some("spin.cu".into()),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(SPIN_CU, options).map_err(|e| compile_error("spin", e))
 }
 
 pub(crate) fn unsupported_head_dim(head_dim: usize) -> AttnError {

@@ -75,6 +75,8 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: &'static str,
+    /// L2 cache size, for the order in which the forward kernel's blocks run.
+    l2_bytes: usize,
     kernels: Mutex<HashMap<String, CudaFunction>>,
     blas: OnceLock<Result<cudarc::cublas::CudaBlas, AttnError>>,
 }
@@ -125,10 +127,14 @@ impl Gpu {
             }
         };
         let stream = ctx.default_stream();
+        let l2_bytes = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .map_err(device_error("reading the L2 size"))? as usize;
         Ok(Gpu {
             ctx,
             stream,
             arch,
+            l2_bytes,
             kernels: Mutex::new(HashMap::new()),
             blas: OnceLock::new(),
         })
@@ -215,6 +221,23 @@ impl Gpu {
             config.smem_bytes(head_dim),
             || kernel::compile_forward(dtype, head_dim, config, self.arch),
         )
+    }
+
+    /// Keeps the GPU busy for about `micros` microseconds (at 2 GHz), queued on the stream:
+    /// see [`kernel::SPIN_CU`].
+    pub fn spin(&self, micros: u64) -> Result<(), AttnError> {
+        let f = self.kernel("spin".into(), "spin", 0, || kernel::compile_spin(self.arch))?;
+        let cycles = (micros * 2000) as i64;
+        let config = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = self.stream.launch_builder(&f);
+        launch.arg(&cycles);
+        // SAFETY: the kernel takes one integer and touches no memory
+        unsafe { launch.launch(config) }.map_err(device_error("launching spin"))?;
+        Ok(())
     }
 
     pub(crate) fn softmax_kernel(&self, dtype: Dtype) -> Result<CudaFunction, AttnError> {
@@ -414,13 +437,16 @@ impl Gpu {
             return Ok(());
         }
         let f = self.forward_kernel(q.dtype, shape.head_dim, config)?;
-        let blocks = shape.tokens.div_ceil(config.block_m()) as u32;
+        let heads = shape.batch * shape.heads;
+        let blocks = shape.tokens.div_ceil(config.block_m()) * heads;
         let launch_config = LaunchConfig {
-            grid_dim: (blocks, (shape.batch * shape.heads) as u32, 1),
+            grid_dim: (blocks as u32, 1, 1),
             block_dim: (config.threads(), 1, 1),
             shared_mem_bytes: config.smem_bytes(shape.head_dim),
         };
-        let tokens = shape.tokens as i32;
+        let (tokens, heads_arg) = (shape.tokens as i32, heads as i32);
+        let head_group =
+            config.head_group(shape.tokens, heads, shape.head_dim, self.l2_bytes) as i32;
         let scale_log2 = (std::f64::consts::LOG2_E / (shape.head_dim as f64).sqrt()) as f32;
         let mut launch = self.stream.launch_builder(&f);
         launch
@@ -430,6 +456,8 @@ impl Gpu {
             .arg(&mut result.out.data)
             .arg(&mut result.lse)
             .arg(&tokens)
+            .arg(&heads_arg)
+            .arg(&head_group)
             .arg(&scale_log2);
         // SAFETY: check_device proved q, k, v hold batch·heads·tokens·head_dim values of one
         // dtype, the output was checked to match, lse holds batch·heads·tokens; the grid covers
@@ -544,10 +572,12 @@ pub fn check_device(
             });
         }
     }
-    if shape.batch * shape.heads > 65535 || shape.tokens > i32::MAX as usize / 2 {
+    if shape.tokens.div_ceil(64) * shape.batch * shape.heads > i32::MAX as usize
+        || shape.tokens > i32::MAX as usize / 2
+    {
         return Err(AttnError::Unsupported {
             what: format!(
-                "{shape}: the kernel takes at most 65535 sequences × heads and 2^30 tokens"
+                "{shape}: the kernel takes at most 2^31 blocks of 64 queries (sequences × heads × tokens / 64) and 2^30 tokens"
             ),
         });
     }

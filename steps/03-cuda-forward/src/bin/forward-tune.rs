@@ -39,15 +39,21 @@ fn main() -> ExitCode {
     let configs = [
         base,
         ForwardConfig {
-            block_n: 64,
+            head_group: 1,
             ..base
         },
-        ForwardConfig { warps: 8, ..base },
         ForwardConfig {
-            lazy_rescale: true,
+            head_group: 4,
             ..base
         },
-        ForwardConfig { warps: 2, ..base },
+        ForwardConfig {
+            head_group: 16,
+            ..base
+        },
+        ForwardConfig {
+            head_group: 48,
+            ..base
+        },
     ];
     // --default-only: just the shape the library uses (for a profiler run)
     let configs: &[ForwardConfig] = if args.iter().any(|a| a == "--default-only") {
@@ -89,10 +95,11 @@ fn main() -> ExitCode {
         print!(
             " {:>18}",
             format!(
-                "w{}x{} n{}{}",
+                "w{}x{} n{} g{}{}",
                 c.warps,
                 c.m_tiles,
                 c.block_n,
+                c.head_group,
                 if c.lazy_rescale { " lazy" } else { "" }
             )
         );
@@ -117,6 +124,7 @@ fn main() -> ExitCode {
                 let end = ctx
                     .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                     .unwrap();
+                gpu.spin(500).unwrap();
                 start.record(gpu.stream()).unwrap();
                 gpu.forward_with(config, &q, &k, &v, &mut r).unwrap();
                 end.record(gpu.stream()).unwrap();
