@@ -152,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     float* __restrict__ lse,     // [B*H, T] natural log-sum-exp of each row's scaled scores
     int T,                       // tokens per sequence
     int heads,                   // B*H
-    int head_group,              // heads scheduled together (see block_order)
+    int head_group,              // heads scheduled together, 1..heads (see block_order)
     float scale_log2             // log2(e)/sqrt(HEAD_DIM): scores in base-2 units
 ) {
     // ANCHOR_END: kernel_signature
@@ -163,10 +163,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
 
     // ANCHOR: block_order
     // Which (head, query block) this block computes. The grid is one-dimensional and blocks
-    // start roughly in index order, so the order is a choice: heads go in groups of head_group,
-    // and within a group the longest query blocks (the most keys to see) of every head come
-    // first, the shortest last, so the short ones fill the tail of the grid. Groups keep the
-    // keys and values being read at one time few enough to stay in the L2 cache.
+    // start roughly in index order, so the order is a choice: the longest query blocks (the
+    // most keys to see) of every head come first, the shortest last, so the short ones fill
+    // the tail of the grid. Heads go in groups of head_group (all of them by default, the
+    // fastest on the H200); smaller groups keep fewer heads' keys and values in flight.
     const int q_blocks = (T + BLOCK_M - 1) / BLOCK_M;
     const int group = blockIdx.x / (q_blocks * head_group);
     const int in_group = blockIdx.x - group * (q_blocks * head_group);

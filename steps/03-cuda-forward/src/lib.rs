@@ -75,8 +75,6 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: &'static str,
-    /// L2 cache size, for the order in which the forward kernel's blocks run.
-    l2_bytes: usize,
     kernels: Mutex<HashMap<String, CudaFunction>>,
     blas: OnceLock<Result<cudarc::cublas::CudaBlas, AttnError>>,
 }
@@ -127,14 +125,10 @@ impl Gpu {
             }
         };
         let stream = ctx.default_stream();
-        let l2_bytes = ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-            .map_err(device_error("reading the L2 size"))? as usize;
         Ok(Gpu {
             ctx,
             stream,
             arch,
-            l2_bytes,
             kernels: Mutex::new(HashMap::new()),
             blas: OnceLock::new(),
         })
@@ -445,8 +439,7 @@ impl Gpu {
             shared_mem_bytes: config.smem_bytes(shape.head_dim),
         };
         let (tokens, heads_arg) = (shape.tokens as i32, heads as i32);
-        let head_group =
-            config.head_group(shape.tokens, heads, shape.head_dim, self.l2_bytes) as i32;
+        let head_group = config.head_group(heads) as i32;
         let scale_log2 = (std::f64::consts::LOG2_E / (shape.head_dim as f64).sqrt()) as f32;
         let mut launch = self.stream.launch_builder(&f);
         launch

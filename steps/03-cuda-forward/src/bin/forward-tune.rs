@@ -43,17 +43,14 @@ fn main() -> ExitCode {
             ..base
         },
         ForwardConfig {
-            head_group: 4,
-            ..base
-        },
-        ForwardConfig {
             head_group: 16,
             ..base
         },
         ForwardConfig {
-            head_group: 48,
+            block_n: 64,
             ..base
         },
+        ForwardConfig { warps: 8, ..base },
     ];
     // --default-only: just the shape the library uses (for a profiler run)
     let configs: &[ForwardConfig] = if args.iter().any(|a| a == "--default-only") {
