@@ -264,6 +264,8 @@ fn short_number(v: f64) -> String {
         format!("{v:.1}")
     } else if v >= 0.01 {
         format!("{v:.2}")
+    } else if v == 0.0 {
+        "0".into()
     } else {
         format!("{v:.0e}")
     }
@@ -282,7 +284,13 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
     );
     let subtitle = format!(
         "{} · batch {}, heads {}, head dim {} · {}",
-        distinct(rows, |r| r.device.clone()),
+        // the machine's name; the table under each chart carries the full descriptions
+        distinct(rows, |r| r
+            .device
+            .split(" (")
+            .next()
+            .unwrap_or(&r.device)
+            .to_string()),
         distinct(rows, |r| r.batch.to_string()),
         distinct(rows, |r| r.heads.to_string()),
         distinct(rows, |r| r.head_dim.to_string()),
@@ -488,7 +496,8 @@ mod tests {
         let (_, memory) = &charts[0];
         for text in [
             "Peak memory above the inputs, causal forward",
-            "Test CPU (2 threads)",
+            // the machine by name; the full description is in the table under the chart
+            "Test CPU · batch 1",
             "batch 1, heads 12, head dim 64",
             "f32",
             "sequence length (tokens, log scale)",

@@ -8,7 +8,8 @@
 //!
 //! Each number is the median of several timed runs after one untimed warm-up; the result is
 //! checked against step 01's f64 reference once per length first (only up to 1024 tokens,
-//! where the reference is quick). GFLOP/s use the causal count of ANCHORS.md.
+//! where the reference is quick). GFLOP/s use FlashAttention's causal count
+//! (`Shape::forward_flops`).
 
 use std::time::Instant;
 

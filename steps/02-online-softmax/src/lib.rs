@@ -23,8 +23,8 @@
 //! ## Versions and what they measured
 //!
 //! `cargo run --release -p step02-online-softmax --example speed [-- variants]`, 1 sequence × 12
-//! heads × head dim 64, f32, causal, median of 5–9 runs, on the 2-core AVX-512 machine of
-//! ANCHORS.md while other work shared it (about one of its two cores was ours: the example
+//! heads × head dim 64, f32, causal, median of 5–9 runs, on the 2-core AVX-512 machine of the
+//! book's CPU numbers while other work shared it (about one of its two cores was ours: the example
 //! prints the cores it got), so these are per-core figures more than whole-machine ones:
 //!
 //! | version | 1024 tokens | 4096 tokens |
