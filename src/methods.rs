@@ -203,7 +203,9 @@ pub fn all() -> Vec<Method> {
             Device::Cpu,
             "the online softmax, parallel over (sequence, head, query block), AVX-512/AVX2 micro-kernels, 2^x by polynomial; no T×T table",
             step02_online_softmax::attention,
-        ),
+        )
+        // the blockwise backward: P rebuilt from the log-sum-exp a block at a time
+        .with_backward(step04_backward::backward),
         Method::new(
             "cuda_naive",
             "03-cuda-forward",

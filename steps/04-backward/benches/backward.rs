@@ -1,7 +1,7 @@
 //! `cargo bench -p step04-backward`: the backward by hand and the blockwise backward on the
 //! tutorial's CPU shape (one sequence, 12 heads, head dim 64), at lengths short enough for
 //! criterion's many samples. The forward is run once, outside the timing; the throughput is the
-//! backward's FLOP count, 2.5 × the forward's (ANCHORS.md).
+//! backward's FLOP count, 2.5 × the forward's (FlashAttention's count).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use step01_naive::inputs::{random_normal, random_qkv};
