@@ -3,12 +3,12 @@
 //! pool's high-water mark.
 
 use ndarray::ArrayView4;
-use step01_naive::inputs::random_qkv;
+use step01_naive::inputs::{random_normal, random_qkv};
 use step01_naive::{Attention, AttnError, check_qkv};
 use step03_cuda_forward::cudarc::driver::sys::CUevent_flags;
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype as GpuDtype, ForwardConfig, Gpu};
 
-use crate::methods::{DeviceHooks, DeviceRun, DeviceRunSpec, Dtype};
+use crate::methods::{DeviceHooks, DeviceRun, DeviceRunSpec, Dtype, Grads};
 
 fn gpu_dtype(dtype: Dtype) -> Result<GpuDtype, AttnError> {
     match dtype {
@@ -47,6 +47,43 @@ pub fn naive_forward(
     Gpu::shared()?.attention_by_hand(q, k, v, GpuDtype::Bf16)
 }
 
+/// The backward kernels on host arrays, in bf16, after a forward that returned `fwd`.
+pub fn flash_backward(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    fwd: &Attention,
+    dout: ArrayView4<f32>,
+) -> Result<Grads, AttnError> {
+    let shape = step04_backward::check_backward(&q, &k, &v, fwd, &dout)?;
+    let gpu = Gpu::shared()?;
+    if shape.is_empty() {
+        let z = || ndarray::Array4::zeros(shape.dims());
+        return Ok(Grads {
+            dq: z(),
+            dk: z(),
+            dv: z(),
+        });
+    }
+    let up = |x: ArrayView4<f32>| gpu.upload(x, GpuDtype::Bf16);
+    let (q, k, v, dout) = (up(q)?, up(k)?, up(v)?, up(dout)?);
+    let lse_host = fwd.lse.as_standard_layout();
+    let lse = gpu
+        .stream()
+        .clone_htod(lse_host.as_slice().expect("standard layout"))
+        .map_err(step03_cuda_forward::device_error("copying to the GPU"))?;
+    let fwd = DeviceAttention {
+        out: up(fwd.out.view())?,
+        lse,
+    };
+    let g = step04_backward::cuda::backward(gpu, &q, &k, &v, &fwd, &dout)?;
+    Ok(Grads {
+        dq: gpu.download(&g.dq)?,
+        dk: gpu.download(&g.dk)?,
+        dv: gpu.download(&g.dv)?,
+    })
+}
+
 pub fn flash_implementation() -> String {
     let c = ForwardConfig::for_head_dim(64);
     format!(
@@ -69,12 +106,14 @@ struct Prepared {
     v: DeviceTensor,
     /// The kernel's output buffers, allocated once so that a timed run is the kernel alone.
     out: Option<DeviceAttention>,
+    /// The output's gradient, for a forward and backward run.
+    dout: Option<DeviceTensor>,
 }
 
 fn prepare(which: Which, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
-    if spec.backward {
+    if spec.backward && matches!(which, Which::ByHand) {
         return Err(AttnError::Unsupported {
-            what: "no CUDA backward yet (step 04 adds it)".into(),
+            what: "attention by hand on the GPU has no backward".into(),
         });
     }
     let gpu = Gpu::shared()?;
@@ -89,6 +128,10 @@ fn prepare(which: Which, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, Att
         Which::Flash => Some(gpu.alloc_output(spec.shape, dtype)?),
         Which::ByHand => None,
     };
+    let dout = match spec.backward {
+        true => Some(gpu.upload(random_normal(spec.shape, spec.seed + 3).view(), dtype)?),
+        false => None,
+    };
     Ok(Box::new(Prepared {
         gpu,
         which,
@@ -96,13 +139,22 @@ fn prepare(which: Which, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, Att
         k,
         v,
         out,
+        dout,
     }))
 }
 
 impl Prepared {
     fn run_once(&mut self) -> Result<(), AttnError> {
         match (self.which, &mut self.out) {
-            (Which::Flash, Some(out)) => self.gpu.forward_into(&self.q, &self.k, &self.v, out),
+            (Which::Flash, Some(out)) => {
+                self.gpu.forward_into(&self.q, &self.k, &self.v, out)?;
+                if let Some(dout) = &self.dout {
+                    step04_backward::cuda::backward(
+                        self.gpu, &self.q, &self.k, &self.v, out, dout,
+                    )?;
+                }
+                Ok(())
+            }
             _ => self.gpu.by_hand(&self.q, &self.k, &self.v).map(drop),
         }
     }
@@ -133,9 +185,22 @@ impl DeviceRun for Prepared {
     fn peak_bytes(&mut self) -> Result<u64, AttnError> {
         // the whole call as a user makes it, output allocation included
         let (q, k, v) = (&self.q, &self.k, &self.v);
-        let (_, peak) = match self.which {
-            Which::Flash => self.gpu.peak_allocated(|| self.gpu.forward(q, k, v))?,
-            Which::ByHand => self.gpu.peak_allocated(|| self.gpu.by_hand(q, k, v))?,
+        let peak = match self.which {
+            Which::Flash => {
+                self.gpu
+                    .peak_allocated(|| {
+                        let fwd = self.gpu.forward(q, k, v)?;
+                        match &self.dout {
+                            Some(dout) => {
+                                step04_backward::cuda::backward(self.gpu, q, k, v, &fwd, dout)
+                                    .map(drop)
+                            }
+                            None => Ok(()),
+                        }
+                    })?
+                    .1
+            }
+            Which::ByHand => self.gpu.peak_allocated(|| self.gpu.by_hand(q, k, v))?.1,
         };
         peak.ok_or_else(|| AttnError::Device {
             what: "this driver has no stream-ordered memory pool to read a peak from".into(),

@@ -221,6 +221,8 @@ pub fn all() -> Vec<Method> {
             "the FlashAttention forward kernel: tensor cores (mma.sync), keys and values streamed through shared memory, no T×T table",
             crate::cuda::flash_forward,
         )
+        // the backward kernels of step 04: δ, dK and dV per key block, dQ per query block
+        .with_backward(crate::cuda::flash_backward)
         .with_implementation(crate::cuda::flash_implementation)
         .with_gpu(crate::cuda::FLASH_HOOKS),
     ]

@@ -175,7 +175,8 @@ pub(crate) fn unsupported_head_dim(head_dim: usize) -> AttnError {
     }
 }
 
-fn compile_error(kernel: &str, e: CompileError) -> AttnError {
+/// An NVRTC failure as an [`AttnError`], with the compile log.
+pub fn compile_error(kernel: &str, e: CompileError) -> AttnError {
     let what = match e {
         CompileError::CompileError { log, options, .. } => {
             format!(

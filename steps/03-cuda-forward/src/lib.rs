@@ -32,6 +32,7 @@
 pub mod by_hand;
 pub mod host;
 pub mod kernel;
+pub mod ptxas;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -85,7 +86,8 @@ pub struct Gpu {
     blas: OnceLock<Result<cudarc::cublas::CudaBlas, AttnError>>,
 }
 
-pub(crate) fn device_error(what: &str) -> impl Fn(DriverError) -> AttnError + '_ {
+/// Turns a driver error into an [`AttnError`], out-of-memory as such.
+pub fn device_error(what: &str) -> impl Fn(DriverError) -> AttnError + '_ {
     move |e| match e.0 {
         CUresult::CUDA_ERROR_OUT_OF_MEMORY => AttnError::OutOfMemory {
             what: what.to_string(),
@@ -146,6 +148,11 @@ impl Gpu {
         GPU.get_or_init(Gpu::new).as_ref().map_err(Clone::clone)
     }
 
+    /// The `--gpu-architecture` NVRTC compiles for on this GPU (`sm_90` on an H200).
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
@@ -180,8 +187,8 @@ impl Gpu {
     }
 
     /// A kernel compiled by `compile` and loaded, once per `key`; `smem` is the dynamic shared
-    /// memory it will be launched with.
-    fn kernel(
+    /// memory it will be launched with. Later steps compile their kernels through this cache.
+    pub fn kernel(
         &self,
         key: String,
         entry: &str,

@@ -39,11 +39,12 @@
 //! - [`blockwise`]: [`backward`] and [`backward_with_blocks`], with the preprocessing
 //!   [`delta`](blockwise::delta), the pass over key blocks and the pass over query blocks.
 //!
-//! A GPU backward belongs in a module of its own next to these (its kernels in `.cu` files),
-//! returning the same [`Grads`] from the same checks.
+//! - [`cuda`]: the backward on the GPU, `kernels/flash_backward.cu` (δ, then dK and dV per
+//!   block of keys, then dQ per block of queries), through step 03's [`Gpu`](step03_cuda_forward::Gpu).
 
 pub mod blockwise;
 pub mod by_hand;
+pub mod cuda;
 pub mod reference;
 
 pub use blockwise::{BlockSizes, backward, backward_with_blocks};

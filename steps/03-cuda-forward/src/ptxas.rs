@@ -1,0 +1,183 @@
+//! What the kernel-check binaries share: compile kernels with NVRTC, assemble the PTX with
+//! `ptxas -v`, and read registers, shared memory and spills per entry point off its report.
+//! Needs no GPU, so CI runs it with NVRTC and ptxas from NVIDIA's Python wheels.
+
+use std::path::Path;
+use std::process::{Command, ExitCode};
+
+use cudarc::nvrtc::Ptx;
+use step01_naive::AttnError;
+
+use crate::kernel::nvrtc_present;
+
+/// One entry point as ptxas reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Report {
+    pub function: String,
+    pub registers: u64,
+    pub smem_bytes: u64,
+    pub spill_stores: u64,
+    pub spill_loads: u64,
+}
+
+/// Reads every "Compiling entry function" section of a `ptxas -v` log.
+pub fn parse(log: &str) -> Vec<Report> {
+    log.split("Compiling entry function '")
+        .skip(1)
+        .filter_map(|section| {
+            let function = section.split('\'').next()?.to_string();
+            // "Used 96 registers, used 1 barriers, 512 bytes smem" and "0 bytes spill stores":
+            // the number just before each name
+            let number_before = |what: &str| {
+                section
+                    .split([',', '\n'])
+                    .find(|part| part.contains(what))
+                    .and_then(|part| {
+                        part[..part.find(what)?]
+                            .split_whitespace()
+                            .rev()
+                            .find_map(|w| w.parse::<u64>().ok())
+                    })
+            };
+            Some(Report {
+                function,
+                registers: number_before("registers")?,
+                smem_bytes: number_before("bytes smem").unwrap_or(0),
+                spill_stores: number_before("spill stores").unwrap_or(0),
+                spill_loads: number_before("spill loads").unwrap_or(0),
+            })
+        })
+        .collect()
+}
+
+fn assemble(ptx: &Ptx, arch: &str, ptxas: &str, file: &Path) -> Result<String, String> {
+    std::fs::write(file, ptx.to_src()).map_err(|e| format!("writing {}: {e}", file.display()))?;
+    let output = Command::new(ptxas)
+        .args([&format!("-arch={arch}"), "-v", "-o", "/dev/null"])
+        .arg(file)
+        .output()
+        .map_err(|e| format!("cannot run {ptxas}: {e}; give --ptxas PATH or set PTXAS"))?;
+    let log = String::from_utf8_lossy(&output.stderr).into_owned()
+        + &String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        return Err(format!("ptxas failed:\n{log}"));
+    }
+    Ok(log)
+}
+
+/// The whole kernel-check program: `[--arch sm_90] [--ptxas PATH] [--verbose]`. `kernels`
+/// compiles every variant for an architecture, each with a name. Prints one line per entry
+/// point; fails on a failed compile, a failed assembly, or any spill.
+pub fn main(kernels: impl Fn(&'static str) -> Vec<(String, Result<Ptx, AttnError>)>) -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let value = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!(
+            "[--arch sm_90] [--ptxas PATH] [--verbose]: compile every kernel with NVRTC, assemble with ptxas -v, fail on spills"
+        );
+        return ExitCode::SUCCESS;
+    }
+    let arch: &'static str = Box::leak(
+        value("--arch")
+            .unwrap_or_else(|| "sm_90".into())
+            .into_boxed_str(),
+    );
+    let ptxas = value("--ptxas")
+        .or_else(|| std::env::var("PTXAS").ok())
+        .unwrap_or_else(|| "ptxas".into());
+    if !nvrtc_present() {
+        eprintln!("NVRTC (libnvrtc.so) not found; put its lib folder on LD_LIBRARY_PATH");
+        return ExitCode::FAILURE;
+    }
+    let dir = std::env::temp_dir().join(format!("kernel-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a temporary folder");
+    let mut failed = false;
+    println!(
+        "{:<40} {:>9} {:>12} {:>12} {:>12}",
+        "kernel", "registers", "shared (B)", "spill st (B)", "spill ld (B)"
+    );
+    for (name, ptx) in kernels(arch) {
+        let log = ptx
+            .map_err(|e| e.to_string())
+            .and_then(|ptx| assemble(&ptx, arch, &ptxas, &dir.join(format!("{name}.ptx"))));
+        let log = match log {
+            Ok(log) => log,
+            Err(e) => {
+                eprintln!("{name}: {e}");
+                failed = true;
+                continue;
+            }
+        };
+        if args.iter().any(|a| a == "--verbose") {
+            println!("{log}");
+        }
+        let reports = parse(&log);
+        if reports.is_empty() {
+            eprintln!("{name}: no entry point in ptxas's report:\n{log}");
+            failed = true;
+        }
+        for r in reports {
+            let label = format!("{name} {}", r.function);
+            println!(
+                "{label:<40} {:>9} {:>12} {:>12} {:>12}",
+                r.registers, r.smem_bytes, r.spill_stores, r.spill_loads
+            );
+            if r.spill_stores > 0 || r.spill_loads > 0 {
+                eprintln!("{label}: spills registers to local memory");
+                failed = true;
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_every_entry_of_a_ptxas_report() {
+        let log = "ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'a' for 'sm_90'
+ptxas info    : Function properties for a
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 20 registers, used 0 barriers
+ptxas info    : Compiling entry function 'b' for 'sm_90'
+ptxas info    : Function properties for b
+    8 bytes stack frame, 16 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 33280 bytes smem
+";
+        let r = parse(log);
+        assert_eq!(r.len(), 2);
+        assert_eq!(
+            r[0],
+            Report {
+                function: "a".into(),
+                registers: 20,
+                smem_bytes: 0,
+                spill_stores: 0,
+                spill_loads: 0
+            }
+        );
+        assert_eq!(
+            r[1],
+            Report {
+                function: "b".into(),
+                registers: 255,
+                smem_bytes: 33280,
+                spill_stores: 16,
+                spill_loads: 12
+            }
+        );
+    }
+}

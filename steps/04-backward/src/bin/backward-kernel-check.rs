@@ -1,0 +1,24 @@
+//! Compiles every backward kernel variant with NVRTC for `sm_90` and assembles it with
+//! `ptxas -v`; fails on a failed compile or any spill. Needs no GPU.
+//!
+//! `cargo run -p step04-backward --bin backward-kernel-check [-- --arch sm_90] [--ptxas PATH]`
+
+use std::process::ExitCode;
+
+use step03_cuda_forward::{Dtype, ptxas};
+use step04_backward::cuda::{HEAD_DIMS, compile_backward};
+
+fn main() -> ExitCode {
+    ptxas::main(|arch| {
+        let mut kernels = Vec::new();
+        for dtype in [Dtype::Bf16, Dtype::F16] {
+            for head_dim in HEAD_DIMS {
+                kernels.push((
+                    format!("flash_backward_{}_d{head_dim}", dtype.name()),
+                    compile_backward(dtype, head_dim, arch),
+                ));
+            }
+        }
+        kernels
+    })
+}

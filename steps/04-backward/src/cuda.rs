@@ -1,0 +1,323 @@
+//! The backward pass on the GPU: `kernels/flash_backward.cu`, compiled by NVRTC through step
+//! 03's [`Gpu`] and launched after the same kind of checks. Three launches: δ for every row,
+//! then dK and dV with one block per 64 keys, then dQ with one block per 64 queries. Each block
+//! writes only its own rows: no atomics, the same bits on every run.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use ndarray::{Array4, ArrayView4};
+use step01_naive::{Attention, AttnError, Shape, check_qkv, check_same};
+use step03_cuda_forward::kernel::compile_error;
+use step03_cuda_forward::{
+    DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, cudarc, device_error,
+};
+
+use crate::Grads;
+
+/// The backward kernels, embedded so that binaries carry them.
+pub const FLASH_BACKWARD_CU: &str = include_str!("../kernels/flash_backward.cu");
+/// The head dims the backward kernels are compiled for (their four 64-row tiles must fit in
+/// 48 KiB of static shared memory).
+pub const HEAD_DIMS: [usize; 2] = [32, 64];
+/// Rows (keys or queries) per thread block (`BLOCK` in the source).
+pub const BLOCK: usize = 64;
+
+/// dq, dk and dv on the GPU, in the inputs' dtype.
+pub struct DeviceGrads {
+    pub dq: DeviceTensor,
+    pub dk: DeviceTensor,
+    pub dv: DeviceTensor,
+}
+
+// ANCHOR: compile_backward
+/// Compiles the three backward kernels for one dtype and head dim.
+pub fn compile_backward(
+    dtype: Dtype,
+    head_dim: usize,
+    arch: &'static str,
+) -> Result<cudarc::nvrtc::Ptx, AttnError> {
+    if !HEAD_DIMS.contains(&head_dim) {
+        return Err(AttnError::UnsupportedHeadDim {
+            head_dim,
+            supported: "32, 64".into(),
+        });
+    }
+    let options = CompileOptions {
+        arch: Some(arch),
+        options: vec![
+            format!("-DHEAD_DIM={head_dim}"),
+            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
+            "--std=c++17".into(),
+        ],
+        name: Some(format!("flash_backward_{}_d{head_dim}.cu", dtype.name())),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(FLASH_BACKWARD_CU, options)
+        .map_err(|e| compile_error("flash_backward", e))
+}
+// ANCHOR_END: compile_backward
+
+fn kernel(
+    gpu: &Gpu,
+    dtype: Dtype,
+    head_dim: usize,
+    entry: &str,
+) -> Result<cudarc::driver::CudaFunction, AttnError> {
+    let arch = gpu.arch();
+    gpu.kernel(
+        format!("backward {entry} {dtype:?} {head_dim}"),
+        entry,
+        0,
+        || compile_backward(dtype, head_dim, arch),
+    )
+}
+
+fn same(name: &str, x: &DeviceTensor, q: &DeviceTensor) -> Result<(), AttnError> {
+    if x.shape != q.shape || x.dtype != q.dtype || x.data.len() != q.shape.len() {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "{name} is {} {} but q is {} {}",
+                x.shape,
+                x.dtype.name(),
+                q.shape,
+                q.dtype.name()
+            ),
+        });
+    }
+    Ok(())
+}
+
+// ANCHOR: backward_gpu
+/// The gradients of q, k and v on the GPU, given the forward's output and log-sum-exp (from
+/// [`Gpu::forward`]) and the output's gradient `dout`.
+pub fn backward(
+    gpu: &Gpu,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<DeviceGrads, AttnError> {
+    let shape = check_device(q, k, v)?;
+    same("dout", dout, q)?;
+    same("the forward's output", &fwd.out, q)?;
+    let rows = shape.batch * shape.heads * shape.tokens;
+    if fwd.lse.len() != rows {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "the forward's lse holds {} values; {shape} needs {rows}",
+                fwd.lse.len()
+            ),
+        });
+    }
+    if !HEAD_DIMS.contains(&shape.head_dim) {
+        return Err(AttnError::UnsupportedHeadDim {
+            head_dim: shape.head_dim,
+            supported: "32, 64".into(),
+        });
+    }
+    let stream = gpu.stream();
+    let alloc = |what: &str| {
+        stream
+            .alloc_zeros::<u16>(shape.len())
+            .map_err(device_error(what))
+    };
+    let grads = DeviceGrads {
+        dq: DeviceTensor {
+            data: alloc("allocating dq")?,
+            shape,
+            dtype: q.dtype,
+        },
+        dk: DeviceTensor {
+            data: alloc("allocating dk")?,
+            shape,
+            dtype: q.dtype,
+        },
+        dv: DeviceTensor {
+            data: alloc("allocating dv")?,
+            shape,
+            dtype: q.dtype,
+        },
+    };
+    let mut grads = grads;
+    if shape.is_empty() {
+        return Ok(grads);
+    }
+    let mut delta: CudaSlice<f32> = stream
+        .alloc_zeros(rows)
+        .map_err(device_error("allocating delta"))?;
+    let (t, scale) = (shape.tokens as i32, 1.0 / (shape.head_dim as f32).sqrt());
+    let heads = (shape.batch * shape.heads) as u32;
+    let blocks = shape.tokens.div_ceil(BLOCK) as u32;
+    // SAFETY (all three launches): check_device and the checks above proved every buffer holds
+    // what the shape says; each kernel reads rows below T and writes only its own rows of
+    // delta, dk/dv or dq; their static shared memory is within the 48 KiB every launch may use.
+    {
+        let f = kernel(gpu, q.dtype, shape.head_dim, "backward_delta")?;
+        let rows_i = rows as i64;
+        let mut launch = stream.launch_builder(&f);
+        launch
+            .arg(&fwd.out.data)
+            .arg(&dout.data)
+            .arg(&mut delta)
+            .arg(&rows_i);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.div_ceil(8) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_delta"))?;
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, heads, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    {
+        let f = kernel(gpu, q.dtype, shape.head_dim, "backward_dkdv")?;
+        let mut launch = stream.launch_builder(&f);
+        launch
+            .arg(&q.data)
+            .arg(&k.data)
+            .arg(&v.data)
+            .arg(&dout.data)
+            .arg(&fwd.lse)
+            .arg(&delta);
+        launch
+            .arg(&mut grads.dk.data)
+            .arg(&mut grads.dv.data)
+            .arg(&t)
+            .arg(&scale);
+        unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_dkdv"))?;
+    }
+    {
+        let f = kernel(gpu, q.dtype, shape.head_dim, "backward_dq")?;
+        let mut launch = stream.launch_builder(&f);
+        launch
+            .arg(&q.data)
+            .arg(&k.data)
+            .arg(&v.data)
+            .arg(&dout.data)
+            .arg(&fwd.lse)
+            .arg(&delta);
+        launch.arg(&mut grads.dq.data).arg(&t).arg(&scale);
+        unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_dq"))?;
+    }
+    Ok(grads)
+}
+// ANCHOR_END: backward_gpu
+
+/// Forward and backward on host arrays: inputs rounded to `dtype`, the forward kernel of step
+/// 03, then [`backward`]; everything widened back to `f32`.
+pub fn forward_backward(
+    gpu: &Gpu,
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dout: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<(Attention, Grads), AttnError> {
+    let shape = check_qkv(&q, &k, &v)?;
+    check_same("dout", &dout, shape)?;
+    if shape.is_empty() {
+        let z = || Array4::zeros(shape.dims());
+        return Ok((
+            Attention::empty(shape),
+            Grads {
+                dq: z(),
+                dk: z(),
+                dv: z(),
+            },
+        ));
+    }
+    let up = |x: ArrayView4<f32>| gpu.upload(x, dtype);
+    let (q, k, v, dout) = (up(q)?, up(k)?, up(v)?, up(dout)?);
+    let fwd = gpu.forward(&q, &k, &v)?;
+    let grads = backward(gpu, &q, &k, &v, &fwd, &dout)?;
+    let lse = gpu
+        .stream()
+        .clone_dtoh(&fwd.lse)
+        .map_err(device_error("copying from the GPU"))?;
+    let attention = Attention {
+        out: gpu.download(&fwd.out)?,
+        lse: ndarray::Array3::from_shape_vec((shape.batch, shape.heads, shape.tokens), lse)
+            .expect("b·h·T values"),
+    };
+    let grads = Grads {
+        dq: gpu.download(&grads.dq)?,
+        dk: gpu.download(&grads.dk)?,
+        dv: gpu.download(&grads.dv)?,
+    };
+    Ok((attention, grads))
+}
+
+/// The backward by hand as PyTorch's autograd computes it on a GPU in `dtype`: every product's
+/// result and the softmax's gradient rounded to `dtype`, arithmetic in f32. The baseline of
+/// FlashAttention's rule for the gradients.
+pub fn backward_by_hand_low_precision(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dout: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Grads {
+    use ndarray::linalg::general_mat_mul;
+    use ndarray::{Array2, s};
+    use step03_cuda_forward::host::{round, round_array};
+    let (q, k, v, dout) = (
+        round_array(q, dtype),
+        round_array(k, dtype),
+        round_array(v, dtype),
+        round_array(dout, dtype),
+    );
+    let shape = Shape::new(q.dim().0, q.dim().1, q.dim().2, q.dim().3);
+    let [b_n, h_n, t_n, _] = shape.dims();
+    let scale = round(shape.scale() as f32, dtype);
+    let r = |a: &mut Array2<f32>| a.mapv_inplace(|x| round(x, dtype));
+    let mut grads = Grads {
+        dq: Array4::zeros(shape.dims()),
+        dk: Array4::zeros(shape.dims()),
+        dv: Array4::zeros(shape.dims()),
+    };
+    for b in 0..b_n {
+        for h in 0..h_n {
+            let (qh, kh, vh, doh) = (
+                q.slice(s![b, h, .., ..]),
+                k.slice(s![b, h, .., ..]),
+                v.slice(s![b, h, .., ..]),
+                dout.slice(s![b, h, .., ..]),
+            );
+            // the forward by hand, rounded as step 03's by_hand_low_precision rounds it
+            let mut p = Array2::<f32>::zeros((t_n, t_n));
+            general_mat_mul(1.0, &qh, &kh.t(), 0.0, &mut p);
+            for (i, mut row) in p.rows_mut().into_iter().enumerate() {
+                row.mapv_inplace(|x| round(round(x, dtype) * scale, dtype));
+                row.slice_mut(s![i + 1..]).fill(f32::NEG_INFINITY);
+                let max = row.fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                row.mapv_inplace(|x| (x - max).exp());
+                let sum = row.sum();
+                row.mapv_inplace(|x| round(x / sum, dtype));
+            }
+            let mut dv = grads.dv.slice_mut(s![b, h, .., ..]);
+            general_mat_mul(1.0, &p.t(), &doh, 0.0, &mut dv);
+            dv.mapv_inplace(|x| round(x, dtype));
+            let mut dp = Array2::<f32>::zeros((t_n, t_n));
+            general_mat_mul(1.0, &doh, &vh.t(), 0.0, &mut dp);
+            r(&mut dp);
+            // softmax's gradient: ds = p ∘ (dp − rowsum(p ∘ dp)), then through the scale
+            for (mut dprow, prow) in dp.rows_mut().into_iter().zip(p.rows()) {
+                let dot: f32 = dprow.iter().zip(prow.iter()).map(|(a, b)| a * b).sum();
+                for (x, &pv) in dprow.iter_mut().zip(prow.iter()) {
+                    *x = round(round(pv * (*x - dot), dtype) * scale, dtype);
+                }
+            }
+            let mut dq = grads.dq.slice_mut(s![b, h, .., ..]);
+            general_mat_mul(1.0, &dp, &kh, 0.0, &mut dq);
+            dq.mapv_inplace(|x| round(x, dtype));
+            let mut dk = grads.dk.slice_mut(s![b, h, .., ..]);
+            general_mat_mul(1.0, &dp.t(), &qh, 0.0, &mut dk);
+            dk.mapv_inplace(|x| round(x, dtype));
+        }
+    }
+    grads
+}

@@ -1,0 +1,129 @@
+//! The backward kernels on a GPU against the f64 reference backward, with FlashAttention's rule
+//! for each of out, dq, dk and dv: at most twice the error of attention by hand (forward and
+//! autograd backward) in the same precision. Ignored where there is no GPU.
+
+use ndarray::Array4;
+use step01_naive::Shape;
+use step01_naive::inputs::{random_normal, random_qkv};
+use step01_naive::reference::{attention_f64, error};
+use step03_cuda_forward::host::{by_hand_low_precision, round_array};
+use step03_cuda_forward::{Dtype, Gpu};
+use step04_backward::cuda::{backward_by_hand_low_precision, forward_backward};
+use step04_backward::reference::backward_f64;
+
+fn check(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64) {
+    let [q, k, v] = random_qkv(shape, seed);
+    let dout = random_normal(shape, seed + 99);
+    let (fwd, grads) = forward_backward(gpu, q.view(), k.view(), v.view(), dout.view(), dtype)
+        .unwrap_or_else(|e| panic!("{shape} {}: {e}", dtype.name()));
+    // the reference sees exactly the values the GPU saw
+    let [qr, kr, vr, dr] = [&q, &k, &v, &dout].map(|x| round_array(x.view(), dtype));
+    let want_out = attention_f64(qr.view(), kr.view(), vr.view()).unwrap();
+    let want = backward_f64(qr.view(), kr.view(), vr.view(), dr.view()).unwrap();
+    let hand_out = by_hand_low_precision(q.view(), k.view(), v.view(), dtype);
+    let hand = backward_by_hand_low_precision(q.view(), k.view(), v.view(), dout.view(), dtype);
+    let size = |x: &Array4<f64>| x.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    let checks = [
+        (
+            "out",
+            error(&fwd.out, &want_out.out),
+            error(&hand_out, &want_out.out),
+            size(&want_out.out),
+        ),
+        (
+            "dq",
+            error(&grads.dq, &want.dq),
+            error(&hand.dq, &want.dq),
+            size(&want.dq),
+        ),
+        (
+            "dk",
+            error(&grads.dk, &want.dk),
+            error(&hand.dk, &want.dk),
+            size(&want.dk),
+        ),
+        (
+            "dv",
+            error(&grads.dv, &want.dv),
+            error(&hand.dv, &want.dv),
+            size(&want.dv),
+        ),
+    ];
+    for (name, ours, by_hand, size) in checks {
+        println!(
+            "{shape} {} {name}: ours {ours}; by hand {by_hand}",
+            dtype.name()
+        );
+        // a margin of 1e-5 of the gradient's size for errors that are (nearly) zero both ways
+        let margin = 1e-5 * size;
+        assert!(
+            ours.max_abs <= 2.0 * by_hand.max_abs + margin,
+            "{shape} {}: {name} max abs error {:.3e} > 2 × by hand's {:.3e} (+{margin:.1e})",
+            dtype.name(),
+            ours.max_abs,
+            by_hand.max_abs
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn backward_matches_the_reference_within_twice_by_hand_error() {
+    let gpu = Gpu::new().expect("a GPU");
+    let mut seed = 500;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for (batch, heads, tokens, head_dim) in [
+            (1, 1, 1, 64),
+            (3, 5, 77, 64),
+            (2, 3, 128, 64),
+            (3, 1, 300, 64),
+            (1, 3, 1024, 64),
+            (2, 3, 190, 32),
+        ] {
+            seed += 1;
+            check(
+                &gpu,
+                Shape::new(batch, heads, tokens, head_dim),
+                dtype,
+                seed,
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn backward_is_deterministic_and_refuses_bad_input() {
+    let gpu = Gpu::new().expect("a GPU");
+    let shape = Shape::new(2, 2, 333, 64);
+    let [q, k, v] = random_qkv(shape, 5);
+    let dout = random_normal(shape, 6);
+    let a = forward_backward(&gpu, q.view(), k.view(), v.view(), dout.view(), Dtype::Bf16)
+        .unwrap()
+        .1;
+    let b = forward_backward(&gpu, q.view(), k.view(), v.view(), dout.view(), Dtype::Bf16)
+        .unwrap()
+        .1;
+    assert!(
+        a.dq == b.dq && a.dk == b.dk && a.dv == b.dv,
+        "two runs differ: a race?"
+    );
+    let [q, k, v] = random_qkv(Shape::new(1, 1, 16, 128), 1);
+    let err =
+        forward_backward(&gpu, q.view(), k.view(), v.view(), q.view(), Dtype::Bf16).unwrap_err();
+    assert!(
+        err.to_string().contains("head_dim 128 is not supported"),
+        "{err}"
+    );
+    let short = random_normal(Shape::new(1, 1, 15, 128), 2);
+    let err = forward_backward(
+        &gpu,
+        q.view(),
+        k.view(),
+        v.view(),
+        short.view(),
+        Dtype::Bf16,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("dout"), "{err}");
+}
