@@ -27,9 +27,9 @@ pub struct Config {
 }
 
 impl Default for Config {
-    /// 64 queries × 64 keys, the widest instructions, the polynomial, log2(e) folded: the fastest
-    /// on the 2-core AVX-512 machine of the book's CPU numbers (the crate docs list what else was
-    /// measured).
+    /// 64 queries × 64 keys, the widest instructions, the polynomial, log2(e) folded: the fastest,
+    /// or within 1% of it, on the 2-core AVX-512 machine of the book's CPU numbers (the crate docs
+    /// list what else was measured).
     fn default() -> Self {
         Config {
             isa: Isa::detect(),

@@ -22,23 +22,21 @@
 //!
 //! ## Versions and what they measured
 //!
-//! `cargo run --release -p step02-online-softmax --example speed [-- variants]`, 1 sequence × 12
-//! heads × head dim 64, f32, causal, median of 5–9 runs, on the 2-core AVX-512 machine of the
-//! book's CPU numbers while other work shared it (about one of its two cores was ours: the example
-//! prints the cores it got), so these are per-core figures more than whole-machine ones:
+//! `cargo run --release -p step02-online-softmax --example speed -- variants`, 1 sequence × 12
+//! heads × head dim 64, f32, causal, median of several runs, on the idle 2-core AMD EPYC
+//! (AVX-512) of the book's CPU numbers; the full output is `measurements/variants.txt`:
 //!
 //! | version | 1024 tokens | 4096 tokens |
 //! | --- | --- | --- |
-//! | `online` (AVX-512, blocks 64 × 64, polynomial `2^x`) | 19–20 ms, 81–85 GFLOP/s | 303–317 ms, 81–85 GFLOP/s |
-//! | the same with AVX2 | 22.7 ms | 620 ms (0.7 cores) |
-//! | the same with the scalar fallback | 99.6 ms | 1516 ms |
-//! | the same with the standard library's `exp2` per value | 31.4 ms | 621 ms |
-//! | `log2(e)` not folded (one multiply more per score) | 19.2 ms | 327 ms (within the noise) |
-//! | the online softmax on `ndarray`'s matrix product, blocks of 64 | 50.8 ms | 763 ms |
-//! | `online_loop` (plain loops, one thread) | 461 ms, 3.5 GFLOP/s | |
+//! | `online` (AVX-512, blocks 64 × 64, polynomial `2^x`, log2 e folded) | 10.0 ms, 161 GFLOP/s | 154.9 ms, 166 GFLOP/s |
+//! | the same with AVX2 | 24.1 ms | 227.1 ms |
+//! | the same with the scalar fallback | 80.7 ms | 790.7 ms |
+//! | the same with the standard library's `exp2` per value | 20.7 ms | 303.0 ms |
+//! | `log2(e)` not folded (one multiply more per score) | 9.9 ms | 167.9 ms |
+//! | the online softmax on `ndarray`'s matrix product, blocks of 64 | 35.8 ms | 427.3 ms |
 //!
-//! Blocks of 64 × 64, 64 × 128, 128 × 64, 128 × 128 and 256 × 64 were within 10% of each other;
-//! 32 × 64 and 64 × 32 were 15–20% slower at 4096 tokens. The book's numbers come from the
+//! Blocks of 32 × 64 to 256 × 64 were within 10% of 64 × 64 at 4096 tokens (128 × 64 and larger
+//! a little faster there, 256 × 64 23% slower at 1024). The book's numbers come from the
 //! repository's benchmark, not from this table.
 //!
 //! ## Layout
