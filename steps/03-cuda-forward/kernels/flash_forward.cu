@@ -1,7 +1,7 @@
 // FlashAttention forward, causal, on the tensor cores (mma.sync m16n8k16, f32 accumulation).
 //
 // One thread block (CTA) per block of BLOCK_M = 128 queries of one head; its 4 warps own 32 query
-// rows each. The CTA streams the keys and values of its head through shared memory BLOCK_N = 64
+// rows each. The CTA streams the keys and values of its head through shared memory BLOCK_N = 128
 // at a time (cp.async, two stages), and each warp keeps, for each of its rows, the running
 // maximum m, the running sum l and the running output o in registers: the online softmax of
 // chapter 2, with the products on the tensor cores. Nothing of size T x T is ever stored.
@@ -16,11 +16,8 @@
 //                 the vote costs more than the multiplies it saves, measured by forward-tune)
 //   MIN_BLOCKS  blocks per multiprocessor the register budget must allow (default 1)
 //
-// The file includes no header: 16-bit values travel as raw `unsigned short`, and conversions,
-// copies and products are inline PTX, so it compiles wherever NVRTC runs.
-
-typedef unsigned short u16;
-typedef unsigned int u32;
+// src/kernel.rs prepends tensor_cores.cuh (the types, the swizzle and the tensor-core
+// instructions this file uses) before NVRTC compiles it.
 
 #ifndef WARPS
 #define WARPS 4
@@ -38,92 +35,6 @@ typedef unsigned int u32;
 #define LAZY_RESCALE 0
 #endif
 #define THREADS (WARPS * 32)
-// 16-byte chunks (8 values) per row of a tile
-#define CHUNKS (HEAD_DIM / 8)
-// chunks are swizzled within groups of at most 8 (128 bytes, all 32 banks)
-#define SWIZZLE (CHUNKS < 8 ? CHUNKS : 8)
-
-// -inf without math.h
-#define NEG_INF __int_as_float(0xff800000)
-
-#if IS_BF16
-#define MMA_TYPE "bf16"
-#define CVT_X2 "cvt.rn.bf16x2.f32"
-#else
-#define MMA_TYPE "f16"
-#define CVT_X2 "cvt.rn.f16x2.f32"
-#endif
-
-// ANCHOR: swizzle
-// Shared-memory offset, in elements, of chunk `chunk` of row `row` in a tile of HEAD_DIM-wide
-// rows. ldmatrix reads one 16-byte chunk from each of 8 consecutive rows; unswizzled, with
-// 128-byte rows those 8 chunks sit in the same 4 banks and the read takes 8 turns. XOR-ing the
-// chunk index with the row spreads them over all 32 banks, conflict-free.
-__device__ __forceinline__ u32 swizzled(int row, int chunk) {
-    return row * HEAD_DIM + ((chunk ^ (row & (SWIZZLE - 1))) << 3);
-}
-// ANCHOR_END: swizzle
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    return (u32)__cvta_generic_to_shared(p);
-}
-
-// Copies 16 bytes from global to shared memory without passing through registers; with
-// `valid` false it writes 16 zero bytes and reads nothing (rows past the end of the sequence).
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
-    int src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// waits until at most N of this thread's committed groups are still in flight
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-// ANCHOR: ldmatrix
-// Four 8x8 matrices of 16-bit values from shared memory, one register of each per thread:
-// lanes 8i..8i+7 give the addresses of matrix i's eight rows, and thread `lane` receives row
-// lane/4, columns 2(lane%4) and 2(lane%4)+1 of each matrix, the layout of an mma fragment.
-__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-// The same, each matrix transposed: thread `lane` receives rows 2(lane%4), 2(lane%4)+1 of
-// column lane/4.
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr));
-}
-// ANCHOR_END: ldmatrix
-
-// ANCHOR: mma
-// c += a·b for a 16x16 tile a (row-major), a 16x8 tile b (column-major) and a 16x8 tile c in
-// f32, one warp together. With g = lane/4 and t = lane%4, thread `lane` holds
-//   a: a0 = a[g][2t..2t+1], a1 = a[g+8][2t..2t+1], a2 = a[g][2t+8..2t+9], a3 = a[g+8][2t+8..2t+9]
-//   b: b0 = b[2t..2t+1][g], b1 = b[2t+8..2t+9][g]
-//   c: c0, c1 = c[g][2t], c[g][2t+1];  c2, c3 = c[g+8][2t], c[g+8][2t+1]
-// (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type").
-__device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// ANCHOR_END: mma
-
-// Two f32 values rounded to 16 bits and packed, `lo` in the low half (the lower column).
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-    asm("" CVT_X2 " %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // Loads ROWS rows of a [T, HEAD_DIM] matrix starting at row `row0` into a swizzled tile; rows
 // at or past T become zeros. Thread i copies chunk i % CHUNKS of rows i / CHUNKS,

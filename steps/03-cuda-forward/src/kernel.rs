@@ -6,8 +6,15 @@ use step01_naive::AttnError;
 
 use crate::Dtype;
 
-/// The forward kernel, embedded so that binaries carry it wherever they run.
-pub const FLASH_FORWARD_CU: &str = include_str!("../kernels/flash_forward.cu");
+/// What every attention kernel starts with: the types, the shared-memory swizzle and the
+/// tensor-core instructions (`kernels/tensor_cores.cuh`), prepended to each kernel's source.
+pub const TENSOR_CORES_CUH: &str = include_str!("../kernels/tensor_cores.cuh");
+/// The forward kernel with [`TENSOR_CORES_CUH`] in front, embedded so that binaries carry it
+/// wherever they run.
+pub const FLASH_FORWARD_CU: &str = concat!(
+    include_str!("../kernels/tensor_cores.cuh"),
+    include_str!("../kernels/flash_forward.cu")
+);
 /// The entry point in [`FLASH_FORWARD_CU`].
 pub const FLASH_FORWARD: &str = "flash_forward";
 /// A kernel that keeps the GPU busy for a given number of clock cycles. Queued before a timed

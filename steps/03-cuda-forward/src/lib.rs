@@ -25,7 +25,8 @@
 //! - [`Gpu`]: the context, stream and compiled kernels; [`Gpu::forward`] on device tensors,
 //!   [`Gpu::attention`] on host arrays.
 //! - [`DeviceTensor`]: a `[batch, heads, tokens, head_dim]` tensor of 16-bit values on the GPU.
-//! - [`kernel`]: the `.cu` sources and their NVRTC compilation.
+//! - [`kernel`]: the `.cu` sources (with `kernels/tensor_cores.cuh`, the helpers every kernel
+//!   shares, in front) and their NVRTC compilation.
 //! - [`host`]: rounding to bf16/f16 and back, and attention by hand in those precisions on the
 //!   CPU (the yardstick of the GPU tests).
 

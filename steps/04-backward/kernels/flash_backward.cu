@@ -8,57 +8,14 @@
 //                   dQ += dS K accumulates in registers
 // with P = exp(S - lse) rebuilt from the forward's log-sum-exp and dS = P o (dP - delta).
 //
-// Compile-time parameters (NVRTC -D options): HEAD_DIM (32, 64, 128), IS_BF16 (1 bf16, 0 f16).
-// Like the forward kernel, the file needs no header: 16-bit values are raw `unsigned short`.
-
-typedef unsigned short u16;
-typedef unsigned int u32;
+// Compile-time parameters (NVRTC -D options): HEAD_DIM (32, 64), IS_BF16 (1 bf16, 0 f16).
+// src/cuda.rs prepends step 03's tensor_cores.cuh (types, swizzle, cp.async, ldmatrix, mma).
 
 #define BLOCK 64            // keys (dkdv) or queries (dq) per thread block, 16 per warp
 #define WARPS 4
 #define THREADS (WARPS * 32)
-#define CHUNKS (HEAD_DIM / 8)
-#define SWIZZLE (CHUNKS < 8 ? CHUNKS : 8)
-#define NEG_INF __int_as_float(0xff800000)
 #define LOG2E 1.4426950408889634f
 
-#if IS_BF16
-#define MMA_TYPE "bf16"
-#define CVT_X2 "cvt.rn.bf16x2.f32"
-#else
-#define MMA_TYPE "f16"
-#define CVT_X2 "cvt.rn.f16x2.f32"
-#endif
-
-__device__ __forceinline__ u32 swizzled(int row, int chunk) {
-    return row * HEAD_DIM + ((chunk ^ (row & (SWIZZLE - 1))) << 3);
-}
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32* r) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32* r) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-// c += a·b, fragments as in the forward kernel (PTX ISA, mma.m16n8k16)
-__device__ __forceinline__ void mma(float* c, const u32* a, u32 b0, u32 b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-    asm("" CVT_X2 " %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
 __device__ __forceinline__ float lo16(u32 x) {
 #if IS_BF16
     return __uint_as_float(x << 16);
@@ -77,11 +34,6 @@ __device__ __forceinline__ float hi16(u32 x) {
     return f;
 #endif
 }
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // BLOCK rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are 0
 __device__ __forceinline__ void load_tile(u16* tile, const u16* src, int row0, int T) {
@@ -97,7 +49,7 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* src, int row0, i
 __device__ __forceinline__ void load_a(const u16* tile, int warp, int lane, u32 (&f)[HEAD_DIM / 16][4]) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        ldsm_x4(smem_addr(tile + swizzled(warp * 16 + (lane & 15), 2 * kk + (lane >> 4))), f[kk]);
+        ldmatrix_x4(smem_addr(tile + swizzled(warp * 16 + (lane & 15), 2 * kk + (lane >> 4))), f[kk][0], f[kk][1], f[kk][2], f[kk][3]);
 }
 
 // acc[n] += a · tileᵀ for 64 rows of `tile` as the columns: B fragments straight from the rows
@@ -108,9 +60,9 @@ __device__ __forceinline__ void mma_abt(float (&acc)[BLOCK / 8][4], const u32 (&
 #pragma unroll
         for (int n = 0; n < BLOCK / 8; n += 2) {
             u32 b[4];
-            ldsm_x4(smem_addr(tile + swizzled(n * 8 + (lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1))), b);
-            mma(acc[n], a[kk], b[0], b[1]);
-            mma(acc[n + 1], a[kk], b[2], b[3]);
+            ldmatrix_x4(smem_addr(tile + swizzled(n * 8 + (lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1))), b[0], b[1], b[2], b[3]);
+            mma_16816(acc[n], a[kk], b[0], b[1]);
+            mma_16816(acc[n + 1], a[kk], b[2], b[3]);
         }
 }
 
@@ -124,9 +76,9 @@ __device__ __forceinline__ void mma_pb(float (&acc)[HEAD_DIM / 8][4], const floa
 #pragma unroll
         for (int n = 0; n < HEAD_DIM / 8; n += 2) {
             u32 b[4];
-            ldsm_x4_t(smem_addr(tile + swizzled(kk * 16 + (lane & 15), n + (lane >> 4))), b);
-            mma(acc[n], a, b[0], b[1]);
-            mma(acc[n + 1], a, b[2], b[3]);
+            ldmatrix_x4_trans(smem_addr(tile + swizzled(kk * 16 + (lane & 15), n + (lane >> 4))), b[0], b[1], b[2], b[3]);
+            mma_16816(acc[n], a, b[0], b[1]);
+            mma_16816(acc[n + 1], a, b[2], b[3]);
         }
     }
 }
@@ -187,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) backward_dkdv(
     load_tile(sk, k, kv0, T);
     load_tile(sv, v, kv0, T);
     cp_async_commit();
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
     u32 kf[HEAD_DIM / 16][4], vf[HEAD_DIM / 16][4];
     load_a(sk, warp, lane, kf);
@@ -211,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) backward_dkdv(
             slse[i] = valid ? lse[q0 + i] * LOG2E : 0.f;
             sdelta[i] = valid ? delta[q0 + i] : 0.f;
         }
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();
 
         // sT = k·qᵀ (16 keys of this warp x 64 queries), then pT = e^(s/√d - lse) of each query
@@ -271,7 +223,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) backward_dq(
         lse2[h] = row < T ? lse[row] * LOG2E : 0.f;
         dl[h] = row < T ? delta[row] : 0.f;
     }
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();
     u32 qf[HEAD_DIM / 16][4], dof[HEAD_DIM / 16][4];
     load_a(sq, warp, lane, qf);
@@ -287,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) backward_dq(
         load_tile(sk, k, kv0, T);
         load_tile(sv, v, kv0, T);
         cp_async_commit();
-        cp_async_wait_all();
+        cp_async_wait<0>();
         __syncthreads();
         if (kv0 > row0 + 15) continue;  // every key of this block comes after this warp's rows
 

@@ -14,7 +14,8 @@ use step03_cuda_forward::{
 
 use crate::Grads;
 
-/// The backward kernels, embedded so that binaries carry them.
+/// The backward kernels, embedded so that binaries carry them; compiled with step 03's
+/// [`TENSOR_CORES_CUH`](step03_cuda_forward::kernel::TENSOR_CORES_CUH) in front.
 pub const FLASH_BACKWARD_CU: &str = include_str!("../kernels/flash_backward.cu");
 /// The head dims the backward kernels are compiled for (their four 64-row tiles must fit in
 /// 48 KiB of static shared memory).
@@ -52,8 +53,12 @@ pub fn compile_backward(
         name: Some(format!("flash_backward_{}_d{head_dim}.cu", dtype.name())),
         ..Default::default()
     };
-    compile_ptx_with_opts(FLASH_BACKWARD_CU, options)
-        .map_err(|e| compile_error("flash_backward", e))
+    let source = [
+        step03_cuda_forward::kernel::TENSOR_CORES_CUH,
+        FLASH_BACKWARD_CU,
+    ]
+    .concat();
+    compile_ptx_with_opts(source, options).map_err(|e| compile_error("flash_backward", e))
 }
 // ANCHOR_END: compile_backward
 
