@@ -1,7 +1,7 @@
 //! # Step 03: the forward pass as a CUDA kernel
 //!
 //! The online softmax of step 02, moved onto a GPU's tensor cores: one thread block per 128
-//! queries of a head, keys and values streamed through shared memory 64 at a time, `mma.sync`
+//! queries of a head, keys and values streamed through shared memory 128 at a time, `mma.sync`
 //! products in bf16 or f16 with f32 accumulation, and each row's log-sum-exp stored for the
 //! backward pass. The kernel lives in a real `.cu` file; NVRTC compiles it on first use (cached
 //! per dtype and head dim) and cudarc launches it. cudarc opens `libcuda` and `libnvrtc` at run
