@@ -3,7 +3,7 @@
 
 use half::{bf16, f16};
 use ndarray::linalg::general_mat_mul;
-use ndarray::{Array2, Array4, ArrayView4, s};
+use ndarray::{Array2, Array4, ArrayView2, ArrayView4, s};
 
 use crate::Dtype;
 use step01_naive::Shape;
@@ -60,34 +60,46 @@ pub fn by_hand_low_precision(
         round_array(v, dtype),
     );
     let (b_n, h_n, t_n, d_n) = q.dim();
-    let scale = round(1.0 / (d_n as f32).sqrt(), dtype);
     let mut out = Array4::<f32>::zeros((b_n, h_n, t_n, d_n));
-    let mut table = Array2::<f32>::zeros((t_n, t_n));
     for b in 0..b_n {
         for h in 0..h_n {
-            general_mat_mul(
-                1.0,
-                &q.slice(s![b, h, .., ..]),
-                &k.slice(s![b, h, .., ..]).t(),
-                0.0,
-                &mut table,
+            let p = probabilities_low_precision(
+                q.slice(s![b, h, .., ..]),
+                k.slice(s![b, h, .., ..]),
+                dtype,
             );
-            for (i, mut row) in table.rows_mut().into_iter().enumerate() {
-                row.mapv_inplace(|x| round(round(x, dtype) * scale, dtype));
-                row.slice_mut(s![i + 1..]).fill(f32::NEG_INFINITY);
-                let max = row.fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                row.mapv_inplace(|x| (x - max).exp());
-                let sum = row.sum();
-                row.mapv_inplace(|x| round(x / sum, dtype));
-            }
             let mut o = out.slice_mut(s![b, h, .., ..]);
-            general_mat_mul(1.0, &table, &v.slice(s![b, h, .., ..]), 0.0, &mut o);
+            general_mat_mul(1.0, &p, &v.slice(s![b, h, .., ..]), 0.0, &mut o);
             o.mapv_inplace(|x| round(x, dtype));
         }
     }
     out
 }
 // ANCHOR_END: by_hand_low_precision
+
+/// One head's table of probabilities as [`by_hand_low_precision`] computes it: `q` and `k`
+/// (`[tokens, head_dim]`, values already in `dtype`) multiplied with f32 accumulation, the
+/// scores rounded, scaled by the rounded `1/√d` and rounded again, masked, softmaxed in f32 and
+/// rounded. The backward by hand in low precision (step 04) starts from the same table.
+pub fn probabilities_low_precision(
+    q: ArrayView2<f32>,
+    k: ArrayView2<f32>,
+    dtype: Dtype,
+) -> Array2<f32> {
+    let (t_n, d_n) = q.dim();
+    let scale = round(1.0 / (d_n as f32).sqrt(), dtype);
+    let mut table = Array2::<f32>::zeros((t_n, t_n));
+    general_mat_mul(1.0, &q, &k.t(), 0.0, &mut table);
+    for (i, mut row) in table.rows_mut().into_iter().enumerate() {
+        row.mapv_inplace(|x| round(round(x, dtype) * scale, dtype));
+        row.slice_mut(s![i + 1..]).fill(f32::NEG_INFINITY);
+        let max = row.fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        row.mapv_inplace(|x| (x - max).exp());
+        let sum = row.sum();
+        row.mapv_inplace(|x| round(x / sum, dtype));
+    }
+    table
+}
 
 #[cfg(test)]
 mod tests {

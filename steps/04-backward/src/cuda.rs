@@ -127,7 +127,7 @@ pub fn backward(
             .alloc_zeros::<u16>(shape.len())
             .map_err(device_error(what))
     };
-    let grads = DeviceGrads {
+    let mut grads = DeviceGrads {
         dq: DeviceTensor {
             data: alloc("allocating dq")?,
             shape,
@@ -144,7 +144,6 @@ pub fn backward(
             dtype: q.dtype,
         },
     };
-    let mut grads = grads;
     if shape.is_empty() {
         return Ok(grads);
     }
@@ -268,7 +267,7 @@ pub fn backward_by_hand_low_precision(
 ) -> Grads {
     use ndarray::linalg::general_mat_mul;
     use ndarray::{Array2, s};
-    use step03_cuda_forward::host::{round, round_array};
+    use step03_cuda_forward::host::{probabilities_low_precision, round, round_array};
     let (q, k, v, dout) = (
         round_array(q, dtype),
         round_array(k, dtype),
@@ -292,17 +291,8 @@ pub fn backward_by_hand_low_precision(
                 v.slice(s![b, h, .., ..]),
                 dout.slice(s![b, h, .., ..]),
             );
-            // the forward by hand, rounded as step 03's by_hand_low_precision rounds it
-            let mut p = Array2::<f32>::zeros((t_n, t_n));
-            general_mat_mul(1.0, &qh, &kh.t(), 0.0, &mut p);
-            for (i, mut row) in p.rows_mut().into_iter().enumerate() {
-                row.mapv_inplace(|x| round(round(x, dtype) * scale, dtype));
-                row.slice_mut(s![i + 1..]).fill(f32::NEG_INFINITY);
-                let max = row.fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                row.mapv_inplace(|x| (x - max).exp());
-                let sum = row.sum();
-                row.mapv_inplace(|x| round(x / sum, dtype));
-            }
+            // the forward by hand's table, rounded as step 03's by_hand_low_precision rounds it
+            let p = probabilities_low_precision(qh, kh, dtype);
             let mut dv = grads.dv.slice_mut(s![b, h, .., ..]);
             general_mat_mul(1.0, &p.t(), &doh, 0.0, &mut dv);
             dv.mapv_inplace(|x| round(x, dtype));
