@@ -2,19 +2,48 @@
 //
 // Three kernels, each program writing only its own rows, so results are deterministic:
 //   backward_delta  delta_i = sum_d dO_id * O_id, once per row (FlashAttention-2, Alg. 2 line 4)
-//   backward_dkdv   one block per 64 keys of a head: the queries that see them stream past;
+//   backward_dkdv   one block per 128 keys of a head: the queries that see them stream past;
 //                   dV += P^T dO and dK += dS^T Q accumulate in registers
-//   backward_dq     one block per 64 queries of a head: the keys they see stream past;
+//   backward_dq     one block per 128 queries of a head: the keys they see stream past;
 //                   dQ += dS K accumulates in registers
 // with P = exp(S - lse) rebuilt from the forward's log-sum-exp and dS = P o (dP - delta).
 //
-// Compile-time parameters (NVRTC -D options): HEAD_DIM (32, 64), IS_BF16 (1 bf16, 0 f16).
+// The shapes are the forward kernel's (chapter 3): four warps of 32 rows (two 16-row tiles, so
+// each B fragment read from shared memory feeds two mma), the other side streamed through
+// shared memory 64 rows at a time in two stages, the next copy in flight while the tensor
+// cores work on the current one.
+//
+// Compile-time parameters (NVRTC -D options): HEAD_DIM (32, 64), IS_BF16 (1 bf16, 0 f16), and
+// the four tile sizes below.
 // src/cuda.rs prepends step 03's tensor_cores.cuh (types, swizzle, cp.async, ldmatrix, mma).
 
-#define BLOCK 64            // keys (dkdv) or queries (dq) per thread block, 16 per warp
 #define WARPS 4
 #define THREADS (WARPS * 32)
+#define M_TILES 2                          // 16-row tiles per warp
+#define WARP_ROWS (M_TILES * 16)           // keys (dkdv) or queries (dq) per warp
+#define BLOCK_ROWS (WARPS * WARP_ROWS)     // 128 per thread block
+// the tile shapes src/cuda.rs's BackwardConfig may change (defaults: the fastest measured)
+#ifndef DKDV_STREAM
+#define DKDV_STREAM 64                     // queries streamed past dkdv's keys per stage
+#endif
+#ifndef DQ_STREAM
+#define DQ_STREAM 64                       // keys streamed past dq's queries per stage
+#endif
+#ifndef DKDV_SUB
+#define DKDV_SUB 16                        // queries per step of dkdv's inner loop
+#endif
+#ifndef DQ_SUB
+#define DQ_SUB 32                          // keys per step of dq's inner loop
+#endif
+#ifndef DQ_HOLD
+#define DQ_HOLD 1                          // dq keeps its rows' q and dO fragments in registers
+#endif
+#ifndef DQ_MIN_BLOCKS
+#define DQ_MIN_BLOCKS 2                    // dq's blocks per multiprocessor (register budget)
+#endif
+#define ROW_BYTES (HEAD_DIM * 2)
 #define LOG2E 1.4426950408889634f
+#define POS_INF __int_as_float(0x7f800000)
 
 __device__ __forceinline__ float lo16(u32 x) {
 #if IS_BF16
@@ -35,64 +64,131 @@ __device__ __forceinline__ float hi16(u32 x) {
 #endif
 }
 
-// BLOCK rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are 0
+// ROWS rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are 0
+template <int ROWS>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* src, int row0, int T) {
     const int chunk = threadIdx.x % CHUNKS;
 #pragma unroll
-    for (int r = threadIdx.x / CHUNKS; r < BLOCK; r += THREADS / CHUNKS) {
+    for (int r = threadIdx.x / CHUNKS; r < ROWS; r += THREADS / CHUNKS) {
         bool valid = row0 + r < T;
         cp_async_16(smem_addr(tile + swizzled(r, chunk)), src + (valid ? (long long)(row0 + r) * HEAD_DIM + chunk * 8 : 0), valid);
     }
 }
 
-// A fragments of this warp's 16 rows of a tile (rows 16·warp ..), one per 16 columns
-__device__ __forceinline__ void load_a(const u16* tile, int warp, int lane, u32 (&f)[HEAD_DIM / 16][4]) {
+// A fragments of this warp's 32 rows of a tile (rows 32·warp ..), per 16-row tile and 16 columns
+__device__ __forceinline__ void load_a(const u16* tile, int warp, int lane, u32 (&f)[M_TILES][HEAD_DIM / 16][4]) {
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        ldmatrix_x4(smem_addr(tile + swizzled(warp * 16 + (lane & 15), 2 * kk + (lane >> 4))), f[kk][0], f[kk][1], f[kk][2], f[kk][3]);
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            ldmatrix_x4(smem_addr(tile + swizzled(warp * WARP_ROWS + mt * 16 + (lane & 15), 2 * kk + (lane >> 4))),
+                        f[mt][kk][0], f[mt][kk][1], f[mt][kk][2], f[mt][kk][3]);
 }
 
-// acc[n] += a · tileᵀ for 64 rows of `tile` as the columns: B fragments straight from the rows
-// (the tile is [col][k]), as q·kᵀ in the forward kernel
-__device__ __forceinline__ void mma_abt(float (&acc)[BLOCK / 8][4], const u32 (&a)[HEAD_DIM / 16][4], const u16* tile, int lane) {
+// Each lane's ldmatrix offsets in a tile, in bytes, for rows 0..15 (moving on by 8 or 16 rows
+// adds a constant: rows 8 apart share their swizzle).
+//   abt[kk]: B fragments of a·tileᵀ, the tile's rows as the columns (as k in q·kᵀ)
+//   ab[n/2]: B fragments of a·tile, the tile's rows as k (as v in p·v), transposing ldmatrix
+struct Offsets {
+    u32 abt[HEAD_DIM / 16], ab[HEAD_DIM / 16];
+    __device__ __forceinline__ Offsets(int lane) {
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) abt[kk] = 2 * swizzled((lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1));
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; n += 2) ab[n / 2] = 2 * swizzled(lane & 15, n + (lane >> 4));
+    }
+};
+
+// acc[mt][n] += a[mt] · tileᵀ for the tile's rows r0 .. r0 + COLS - 1 as the columns
+template <int COLS>
+__device__ __forceinline__ void mma_abt(float (&acc)[M_TILES][COLS / 8][4], const u32 (&a)[M_TILES][HEAD_DIM / 16][4],
+                                        u32 tile, int r0, const Offsets& off) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
 #pragma unroll
-        for (int n = 0; n < BLOCK / 8; n += 2) {
-            u32 b[4];
-            ldmatrix_x4(smem_addr(tile + swizzled(n * 8 + (lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1))), b[0], b[1], b[2], b[3]);
-            mma_16816(acc[n], a[kk], b[0], b[1]);
-            mma_16816(acc[n + 1], a[kk], b[2], b[3]);
+        for (int n = 0; n < COLS / 8; n += 2) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4(tile + off.abt[kk] + (r0 + n * 8) * ROW_BYTES, b0, b1, b2, b3);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                mma_16816(acc[mt][n], a[mt][kk], b0, b1);
+                mma_16816(acc[mt][n + 1], a[mt][kk], b2, b3);
+            }
         }
 }
 
-// acc[n] += p · tile for p a 16 x 64 accumulator (converted to A fragments in registers) and
-// tile [64 rows = k][HEAD_DIM = n]: B fragments by the transposing ldmatrix, as p·v forward
-__device__ __forceinline__ void mma_pb(float (&acc)[HEAD_DIM / 8][4], const float (&p)[BLOCK / 8][4], const u16* tile, int lane) {
+// the same with a's fragments read from shared memory (a_tile's rows 32·warp ..) as they are used
+template <int COLS>
+__device__ __forceinline__ void mma_abt_smem(float (&acc)[M_TILES][COLS / 8][4], u32 a_tile, int warp, int lane,
+                                             u32 tile, int r0, const Offsets& off) {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK / 16; ++kk) {
-        u32 a[4] = {pack2(p[2 * kk][0], p[2 * kk][1]), pack2(p[2 * kk][2], p[2 * kk][3]),
-                    pack2(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack2(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        u32 a[M_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+            ldmatrix_x4(a_tile + 2 * swizzled(warp * WARP_ROWS + mt * 16 + (lane & 15), 2 * kk + (lane >> 4)), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+#pragma unroll
+        for (int n = 0; n < COLS / 8; n += 2) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4(tile + off.abt[kk] + (r0 + n * 8) * ROW_BYTES, b0, b1, b2, b3);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                mma_16816(acc[mt][n], a[mt], b0, b1);
+                mma_16816(acc[mt][n + 1], a[mt], b2, b3);
+            }
+        }
+    }
+}
+
+// acc[mt] += p[mt] · tile[r0 .. r0 + K - 1] for p the accumulators of a·bᵀ over K columns,
+// turned into A fragments in registers (two neighbouring 16x8 tiles make one 16x16 A tile)
+template <int K>
+__device__ __forceinline__ void mma_pb(float (&acc)[M_TILES][HEAD_DIM / 8][4], const float (&p)[M_TILES][K / 8][4],
+                                       u32 tile, int r0, const Offsets& off) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[M_TILES][4];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt) {
+            a[mt][0] = pack2(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+            a[mt][1] = pack2(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+            a[mt][2] = pack2(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+            a[mt][3] = pack2(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int n = 0; n < HEAD_DIM / 8; n += 2) {
-            u32 b[4];
-            ldmatrix_x4_trans(smem_addr(tile + swizzled(kk * 16 + (lane & 15), n + (lane >> 4))), b[0], b[1], b[2], b[3]);
-            mma_16816(acc[n], a, b[0], b[1]);
-            mma_16816(acc[n + 1], a, b[2], b[3]);
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4_trans(tile + off.ab[n / 2] + (r0 + kk * 16) * ROW_BYTES, b0, b1, b2, b3);
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                mma_16816(acc[mt][n], a[mt], b0, b1);
+                mma_16816(acc[mt][n + 1], a[mt], b2, b3);
+            }
         }
     }
 }
 
-__device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[HEAD_DIM / 8][4], float scale, int row0, int g, int t, int T) {
+template <int N>
+__device__ __forceinline__ void zero(float (&x)[M_TILES][N][4]) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        int row = row0 + g + 8 * h;
-        if (row < T) {
+    for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-            for (int n = 0; n < HEAD_DIM / 8; ++n)
-                *(u32*)(dst + (long long)row * HEAD_DIM + n * 8 + 2 * t) = pack2(acc[n][2 * h] * scale, acc[n][2 * h + 1] * scale);
+        for (int n = 0; n < N; ++n) x[mt][n][0] = x[mt][n][1] = x[mt][n][2] = x[mt][n][3] = 0.f;
+}
+
+// this warp's rows row0 .. row0 + 31 of acc · scale, those before T
+__device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[M_TILES][HEAD_DIM / 8][4], float scale, int row0, int g, int t, int T) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int row = row0 + mt * 16 + g + 8 * h;
+            if (row < T) {
+#pragma unroll
+                for (int n = 0; n < HEAD_DIM / 8; ++n)
+                    *(u32*)(dst + (long long)row * HEAD_DIM + n * 8 + 2 * t) = pack2(acc[mt][n][2 * h] * scale, acc[mt][n][2 * h + 1] * scale);
+            }
         }
-    }
 }
 
 // ANCHOR: delta
@@ -114,8 +210,23 @@ extern "C" __global__ void backward_delta(
 }
 // ANCHOR_END: delta
 
+// Stage `stage` of the queries' tiles: rows q0 .. q0 + DKDV_STREAM - 1 of q and dO (cp.async), and
+// their log-sum-exp in base 2 and δ. A query past T gets lse = +inf, so its p is 0.
+__device__ __forceinline__ void load_queries(u16* sq, u16* sdo, float* slse, float* sdelta, const u16* q, const u16* dout,
+                                             const float* lse, const float* delta, int q0, int T) {
+    load_tile<DKDV_STREAM>(sq, q, q0, T);
+    load_tile<DKDV_STREAM>(sdo, dout, q0, T);
+    for (int i = threadIdx.x; i < DKDV_STREAM; i += THREADS) {
+        bool valid = q0 + i < T;
+        slse[i] = valid ? lse[q0 + i] * LOG2E : POS_INF;
+        sdelta[i] = valid ? delta[q0 + i] : 0.f;
+    }
+}
+
 // ANCHOR: dkdv
-extern "C" __global__ void __launch_bounds__(THREADS) backward_dkdv(
+// dK and dV for keys 128·kb .. of head bh (one thread block)
+__device__ __forceinline__ void dkdv_block(
+    int bh, int kb,
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,  // [B*H, T, D]
     const u16* __restrict__ dout,    // [B*H, T, D] gradient of the output
     const float* __restrict__ lse,   // [B*H, T] the forward's natural log-sum-exp
@@ -124,76 +235,101 @@ extern "C" __global__ void __launch_bounds__(THREADS) backward_dkdv(
     int T,                           // tokens
     float scale                      // 1/sqrt(HEAD_DIM)
 ) {
-    __shared__ __align__(128) u16 sk[BLOCK * HEAD_DIM], sv[BLOCK * HEAD_DIM], sq[BLOCK * HEAD_DIM], sdo[BLOCK * HEAD_DIM];
-    __shared__ float slse[BLOCK], sdelta[BLOCK];
-    const int blocks = (T + BLOCK - 1) / BLOCK;
-    // the key blocks near the end see the fewest queries: start with the first (most work)
-    const int kb = blockIdx.x, bh = blockIdx.y;
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sk = smem;                             // [BLOCK_ROWS][HEAD_DIM], read once into registers
+    u16* sv = sk + BLOCK_ROWS * HEAD_DIM;
+    u16* sq = sv + BLOCK_ROWS * HEAD_DIM;       // [2][DKDV_STREAM][HEAD_DIM], two stages
+    u16* sdo = sq + 2 * DKDV_STREAM * HEAD_DIM;      // [2][DKDV_STREAM][HEAD_DIM]
+    float* slse = (float*)(sdo + 2 * DKDV_STREAM * HEAD_DIM);  // [2][DKDV_STREAM]
+    float* sdelta = slse + 2 * DKDV_STREAM;                    // [2][DKDV_STREAM]
+
     const long long head = (long long)bh * T * HEAD_DIM;
     q += head; k += head; v += head; dout += head; dk += head; dv += head;
     lse += (long long)bh * T;
     delta += (long long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int kv0 = kb * BLOCK, key0 = kv0 + warp * 16;  // this warp's first key
+    const int kv0 = kb * BLOCK_ROWS, key0 = kv0 + warp * WARP_ROWS;  // this warp's first key
+    const float scale_log2 = scale * LOG2E;
+    const Offsets off(lane);
 
-    load_tile(sk, k, kv0, T);
-    load_tile(sv, v, kv0, T);
+    // queries kv0 .. T-1 see these keys (a query sees the keys up to itself)
+    const int first = kv0 / DKDV_STREAM, q_blocks = (T + DKDV_STREAM - 1) / DKDV_STREAM;
+    load_tile<BLOCK_ROWS>(sk, k, kv0, T);
+    load_tile<BLOCK_ROWS>(sv, v, kv0, T);
     cp_async_commit();
-    cp_async_wait<0>();
+    load_queries(sq, sdo, slse, sdelta, q, dout, lse, delta, first * DKDV_STREAM, T);
+    cp_async_commit();
+    cp_async_wait<1>();
     __syncthreads();
-    u32 kf[HEAD_DIM / 16][4], vf[HEAD_DIM / 16][4];
+    u32 kf[M_TILES][HEAD_DIM / 16][4], vf[M_TILES][HEAD_DIM / 16][4];
     load_a(sk, warp, lane, kf);
     load_a(sv, warp, lane, vf);
 
-    float dk_acc[HEAD_DIM / 8][4], dv_acc[HEAD_DIM / 8][4];
-#pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.f;
+    float dk_acc[M_TILES][HEAD_DIM / 8][4], dv_acc[M_TILES][HEAD_DIM / 8][4];
+    zero(dk_acc);
+    zero(dv_acc);
 
-    // queries kv0 .. T-1 see these keys (a query sees the keys up to itself)
-    for (int qb = kb; qb < blocks; ++qb) {
-        const int q0 = qb * BLOCK;
-        __syncthreads();  // the previous block's tiles are no longer read
-        load_tile(sq, q, q0, T);
-        load_tile(sdo, dout, q0, T);
+    for (int j = first; j < q_blocks; ++j) {
+        const int stage = (j - first) & 1, q0 = j * DKDV_STREAM;
+        // the next queries' copy runs while this block is computed on
+        if (j + 1 < q_blocks)
+            load_queries(sq + (stage ^ 1) * DKDV_STREAM * HEAD_DIM, sdo + (stage ^ 1) * DKDV_STREAM * HEAD_DIM, slse + (stage ^ 1) * DKDV_STREAM,
+                         sdelta + (stage ^ 1) * DKDV_STREAM, q, dout, lse, delta, q0 + DKDV_STREAM, T);
         cp_async_commit();
-        for (int i = threadIdx.x; i < BLOCK; i += THREADS) {
-            bool valid = q0 + i < T;
-            slse[i] = valid ? lse[q0 + i] * LOG2E : 0.f;
-            sdelta[i] = valid ? delta[q0 + i] : 0.f;
-        }
-        cp_async_wait<0>();
+        cp_async_wait<1>();
         __syncthreads();
+        const u32 tq = smem_addr(sq + stage * DKDV_STREAM * HEAD_DIM), tdo = smem_addr(sdo + stage * DKDV_STREAM * HEAD_DIM);
+        const float* tl = slse + stage * DKDV_STREAM;
+        const float* td = sdelta + stage * DKDV_STREAM;
 
-        // sT = k·qᵀ (16 keys of this warp x 64 queries), then pT = e^(s/√d - lse) of each query
-        float p[BLOCK / 8][4], dp[BLOCK / 8][4];
 #pragma unroll
-        for (int n = 0; n < BLOCK / 8; ++n)
+        for (int sub = 0; sub < DKDV_STREAM / DKDV_SUB; ++sub) {
+            const int c0 = sub * DKDV_SUB, qs0 = q0 + c0;
+            if (qs0 + DKDV_SUB - 1 < key0) continue;  // these queries all come before this warp's keys
+            // sT = k·qᵀ (this warp's 32 keys x DKDV_SUB queries) and dpT = v·dOᵀ
+            float p[M_TILES][DKDV_SUB / 8][4], dp[M_TILES][DKDV_SUB / 8][4];
+            zero(p);
+            zero(dp);
+            mma_abt<DKDV_SUB>(p, kf, tq, c0, off);
+            mma_abt<DKDV_SUB>(dp, vf, tdo, c0, off);
+            // pT = e^(s/√d - lse) of each query, 0 where the query comes before the key;
+            // dsT = pT o (dpT - delta)
+            const bool diagonal = qs0 < key0 + WARP_ROWS - 1;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) p[n][e] = dp[n][e] = 0.f;
-        mma_abt(p, kf, sq, lane);
-        mma_abt(dp, vf, sdo, lane);  // dpT = v·dOᵀ
+            for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int n = 0; n < BLOCK / 8; ++n)
+                for (int n = 0; n < DKDV_SUB / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int col = n * 8 + 2 * t + (e & 1);            // query within the block
-                int key = key0 + g + 8 * (e >> 1), query = q0 + col;
-                float pe = (query < key || query >= T) ? 0.f : fast_exp2(p[n][e] * (scale * LOG2E) - slse[col]);
-                p[n][e] = pe;
-                dp[n][e] = pe * (dp[n][e] - sdelta[col]);   // dsT = pT o (dpT - delta)
-            }
-        mma_pb(dv_acc, p, sdo, lane);   // dV += pT · dO
-        mma_pb(dk_acc, dp, sq, lane);   // dK += dsT · q   (· scale at the end)
+                    for (int e = 0; e < 4; ++e) {
+                        const int col = c0 + n * 8 + 2 * t + (e & 1);  // query within the stage
+                        float pe = fast_exp2(fmaf(p[mt][n][e], scale_log2, -tl[col]));
+                        if (diagonal && q0 + col < key0 + mt * 16 + g + 8 * (e >> 1)) pe = 0.f;
+                        p[mt][n][e] = pe;
+                        dp[mt][n][e] = pe * (dp[mt][n][e] - td[col]);
+                    }
+            mma_pb<DKDV_SUB>(dv_acc, p, tdo, c0, off);  // dV += pT · dO
+            mma_pb<DKDV_SUB>(dk_acc, dp, tq, c0, off);  // dK += dsT · q   (· scale at the end)
+        }
+        // every warp is done with this stage before the next iteration's copy overwrites it
+        __syncthreads();
     }
     store_rows(dk, dk_acc, scale, key0, g, t, T);
     store_rows(dv, dv_acc, 1.f, key0, g, t, T);
 }
 // ANCHOR_END: dkdv
 
+// One thread block per 128 keys of a head. blockIdx.x is the head, so every head's first key
+// blocks, which the most queries see, start first and the short ones fill the end of the grid.
+extern "C" __global__ void __launch_bounds__(THREADS, 2) backward_dkdv(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dk, u16* __restrict__ dv, int T, float scale) {
+    dkdv_block(blockIdx.x, blockIdx.y, q, k, v, dout, lse, delta, dk, dv, T, scale);
+}
+
 // ANCHOR: dq
-extern "C" __global__ void __launch_bounds__(THREADS) backward_dq(
+// dQ for queries 128·qb .. of head bh (one thread block)
+__device__ __forceinline__ void dq_block(
+    int bh, int qb,
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,  // [B*H, T, D]
     const u16* __restrict__ dout,    // [B*H, T, D]
     const float* __restrict__ lse,   // [B*H, T]
@@ -202,64 +338,114 @@ extern "C" __global__ void __launch_bounds__(THREADS) backward_dq(
     int T,
     float scale
 ) {
-    __shared__ __align__(128) u16 sq[BLOCK * HEAD_DIM], sdo[BLOCK * HEAD_DIM], sk[BLOCK * HEAD_DIM], sv[BLOCK * HEAD_DIM];
-    const int blocks = (T + BLOCK - 1) / BLOCK;
-    const int qb = blocks - 1 - blockIdx.x, bh = blockIdx.y;  // longest first
+    extern __shared__ __align__(128) u16 smem[];
+    u16* sq = smem;                             // [BLOCK_ROWS][HEAD_DIM], read once into registers
+    u16* sdo = sq + BLOCK_ROWS * HEAD_DIM;
+    u16* sk = sdo + BLOCK_ROWS * HEAD_DIM;      // [2][DQ_STREAM][HEAD_DIM], two stages
+    u16* sv = sk + 2 * DQ_STREAM * HEAD_DIM;       // [2][DQ_STREAM][HEAD_DIM]
+
     const long long head = (long long)bh * T * HEAD_DIM;
     q += head; k += head; v += head; dout += head; dq += head;
     lse += (long long)bh * T;
     delta += (long long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int q0 = qb * BLOCK, row0 = q0 + warp * 16;
+    const int q0 = qb * BLOCK_ROWS, row0 = q0 + warp * WARP_ROWS;
+    const float scale_log2 = scale * LOG2E;
+    const Offsets off(lane);
+    // keys 0 .. min(q0 + BLOCK_ROWS, T) - 1 are all this block's rows may see
+    const int kv_blocks = (min(q0 + BLOCK_ROWS, T) + DQ_STREAM - 1) / DQ_STREAM;
 
-    load_tile(sq, q, q0, T);
-    load_tile(sdo, dout, q0, T);
+    load_tile<BLOCK_ROWS>(sq, q, q0, T);
+    load_tile<BLOCK_ROWS>(sdo, dout, q0, T);
     cp_async_commit();
-    // this thread's two rows: lse in base 2, and delta
-    float lse2[2], dl[2];
+    load_tile<DQ_STREAM>(sk, k, 0, T);
+    load_tile<DQ_STREAM>(sv, v, 0, T);
+    cp_async_commit();
+    // this thread's rows: lse in base 2, and delta
+    float lse2[M_TILES][2], dl[M_TILES][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        int row = row0 + g + 8 * h;
-        lse2[h] = row < T ? lse[row] * LOG2E : 0.f;
-        dl[h] = row < T ? delta[row] : 0.f;
-    }
-    cp_async_wait<0>();
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int row = row0 + mt * 16 + g + 8 * h;
+            lse2[mt][h] = row < T ? lse[row] * LOG2E : POS_INF;
+            dl[mt][h] = row < T ? delta[row] : 0.f;
+        }
+    cp_async_wait<1>();
     __syncthreads();
-    u32 qf[HEAD_DIM / 16][4], dof[HEAD_DIM / 16][4];
+#if DQ_HOLD
+    u32 qf[M_TILES][HEAD_DIM / 16][4], dof[M_TILES][HEAD_DIM / 16][4];
     load_a(sq, warp, lane, qf);
     load_a(sdo, warp, lane, dof);
+#endif
 
-    float dq_acc[HEAD_DIM / 8][4];
-#pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; ++n) dq_acc[n][0] = dq_acc[n][1] = dq_acc[n][2] = dq_acc[n][3] = 0.f;
+    float dq_acc[M_TILES][HEAD_DIM / 8][4];
+    zero(dq_acc);
 
-    for (int kb = 0; kb <= qb; ++kb) {
-        const int kv0 = kb * BLOCK;
-        __syncthreads();
-        load_tile(sk, k, kv0, T);
-        load_tile(sv, v, kv0, T);
+    for (int j = 0; j < kv_blocks; ++j) {
+        const int stage = j & 1, kv0 = j * DQ_STREAM;
+        if (j + 1 < kv_blocks) {
+            load_tile<DQ_STREAM>(sk + (stage ^ 1) * DQ_STREAM * HEAD_DIM, k, kv0 + DQ_STREAM, T);
+            load_tile<DQ_STREAM>(sv + (stage ^ 1) * DQ_STREAM * HEAD_DIM, v, kv0 + DQ_STREAM, T);
+        }
         cp_async_commit();
-        cp_async_wait<0>();
+        cp_async_wait<1>();
         __syncthreads();
-        if (kv0 > row0 + 15) continue;  // every key of this block comes after this warp's rows
+        const u32 tk = smem_addr(sk + stage * DQ_STREAM * HEAD_DIM), tv = smem_addr(sv + stage * DQ_STREAM * HEAD_DIM);
 
-        float s[BLOCK / 8][4], dp[BLOCK / 8][4];
 #pragma unroll
-        for (int n = 0; n < BLOCK / 8; ++n)
+        for (int sub = 0; sub < DQ_STREAM / DQ_SUB; ++sub) {
+            const int c0 = sub * DQ_SUB, ks0 = kv0 + c0;
+            if (ks0 > row0 + WARP_ROWS - 1) continue;  // these keys all come after this warp's rows
+            float s[M_TILES][DQ_SUB / 8][4], dp[M_TILES][DQ_SUB / 8][4];
+            zero(s);
+            zero(dp);
+#if DQ_HOLD
+            mma_abt<DQ_SUB>(s, qf, tk, c0, off);    // s = q·kᵀ
+            mma_abt<DQ_SUB>(dp, dof, tv, c0, off);  // dp = dO·vᵀ
+#else
+            mma_abt_smem<DQ_SUB>(s, smem_addr(sq), warp, lane, tk, c0, off);
+            mma_abt_smem<DQ_SUB>(dp, smem_addr(sdo), warp, lane, tv, c0, off);
+#endif
+            const bool diagonal = ks0 + DQ_SUB - 1 > row0;
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-        mma_abt(s, qf, sk, lane);    // s = q·kᵀ
-        mma_abt(dp, dof, sv, lane);  // dp = dO·vᵀ
+            for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int n = 0; n < BLOCK / 8; ++n)
+                for (int n = 0; n < DQ_SUB / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int h = e >> 1, key = kv0 + n * 8 + 2 * t + (e & 1), row = row0 + g + 8 * h;
-                float pe = key > row ? 0.f : fast_exp2(s[n][e] * (scale * LOG2E) - lse2[h]);
-                s[n][e] = pe * (dp[n][e] - dl[h]);  // ds = p o (dp - delta)
-            }
-        mma_pb(dq_acc, s, sk, lane);  // dQ += ds · k   (· scale at the end)
+                    for (int e = 0; e < 4; ++e) {
+                        const int h = e >> 1;
+                        float pe = fast_exp2(fmaf(s[mt][n][e], scale_log2, -lse2[mt][h]));
+                        if (diagonal && ks0 + n * 8 + 2 * t + (e & 1) > row0 + mt * 16 + g + 8 * h) pe = 0.f;
+                        s[mt][n][e] = pe * (dp[mt][n][e] - dl[mt][h]);  // ds = p o (dp - delta)
+                    }
+            mma_pb<DQ_SUB>(dq_acc, s, tk, c0, off);  // dQ += ds · k   (· scale at the end)
+        }
+        __syncthreads();
     }
     store_rows(dq, dq_acc, scale, row0, g, t, T);
 }
 // ANCHOR_END: dq
+
+// One thread block per 128 queries of a head: the last query blocks see the most keys, so they
+// go first, every head's together.
+extern "C" __global__ void __launch_bounds__(THREADS, DQ_MIN_BLOCKS) backward_dq(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dq, int T, float scale) {
+    dq_block(blockIdx.x, gridDim.y - 1 - blockIdx.y, q, k, v, dout, lse, delta, dq, T, scale);
+}
+
+// ANCHOR: one_launch
+// Both in one grid: the blocks alternate, dK/dV for keys 128·i and dQ for the i-th last queries,
+// so the longest of either kind go first and neither kernel's short tail runs alone.
+extern "C" __global__ void __launch_bounds__(THREADS, 2) backward_dkdv_dq(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dq, u16* __restrict__ dk,
+    u16* __restrict__ dv, int T, float scale) {
+    const int i = blockIdx.y / 2, blocks = gridDim.y / 2;
+    if (blockIdx.y % 2 == 0)
+        dkdv_block(blockIdx.x, i, q, k, v, dout, lse, delta, dk, dv, T, scale);
+    else
+        dq_block(blockIdx.x, blocks - 1 - i, q, k, v, dout, lse, delta, dq, T, scale);
+}
+// ANCHOR_END: one_launch

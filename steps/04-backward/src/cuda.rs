@@ -1,7 +1,7 @@
 //! The backward pass on the GPU: `kernels/flash_backward.cu`, compiled by NVRTC through step
 //! 03's [`Gpu`] and launched after the same kind of checks. Three launches: δ for every row,
-//! then dK and dV with one block per 64 keys, then dQ with one block per 64 queries. Each block
-//! writes only its own rows: no atomics, the same bits on every run.
+//! then dK and dV with one block per 128 keys, then dQ with one block per 128 queries. Each
+//! block writes only its own rows: no atomics, the same bits on every run.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
@@ -17,11 +17,78 @@ use crate::Grads;
 /// The backward kernels, embedded so that binaries carry them; compiled with step 03's
 /// [`TENSOR_CORES_CUH`](step03_cuda_forward::kernel::TENSOR_CORES_CUH) in front.
 pub const FLASH_BACKWARD_CU: &str = include_str!("../kernels/flash_backward.cu");
-/// The head dims the backward kernels are compiled for (their four 64-row tiles must fit in
-/// 48 KiB of static shared memory).
+/// The head dims the backward kernels are compiled for (a warp's 32 rows of two operands and
+/// of two gradients must fit in its registers).
 pub const HEAD_DIMS: [usize; 2] = [32, 64];
-/// Rows (keys or queries) per thread block (`BLOCK` in the source).
-pub const BLOCK: usize = 64;
+/// Rows (keys or queries) per thread block (`BLOCK_ROWS` in the source).
+pub const BLOCK: usize = 128;
+
+/// The tile sizes of the backward kernels that may change without changing the result's
+/// meaning (other sizes sum in another order). [`BackwardConfig::default`] is the fastest
+/// measured on the H200 (`backward-tune`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BackwardConfig {
+    /// Queries streamed past `backward_dkdv`'s keys per stage: 64 or 128.
+    pub dkdv_stream: usize,
+    /// Keys streamed past `backward_dq`'s queries per stage: 64 or 128.
+    pub dq_stream: usize,
+    /// Queries per step of `backward_dkdv`'s inner loop: 16 or 32.
+    pub dkdv_sub: usize,
+    /// Keys per step of `backward_dq`'s inner loop: 16, 32 or 64.
+    pub dq_sub: usize,
+    /// Whether `backward_dq` holds its rows' q and dO fragments in registers (or reads them
+    /// from shared memory at each use).
+    pub dq_hold: bool,
+    /// The blocks of `backward_dq` each multiprocessor must fit (the register budget): 2 or 3.
+    pub dq_min_blocks: usize,
+    /// dK/dV and dQ blocks in one grid (`backward_dkdv_dq`) rather than two launches.
+    pub one_launch: bool,
+}
+
+impl Default for BackwardConfig {
+    fn default() -> Self {
+        BackwardConfig {
+            dkdv_stream: 64,
+            dq_stream: 64,
+            dkdv_sub: 16,
+            dq_sub: 32,
+            dq_hold: true,
+            dq_min_blocks: 2,
+            one_launch: false,
+        }
+    }
+}
+
+impl BackwardConfig {
+    /// Dynamic shared memory of `backward_dkdv`: its own 128 rows of k and v, and two stages of
+    /// queries' q and dO with their log-sum-exp and δ.
+    pub fn dkdv_smem_bytes(&self, head_dim: usize) -> u32 {
+        ((2 * BLOCK + 4 * self.dkdv_stream) * head_dim * 2 + 4 * self.dkdv_stream * 4) as u32
+    }
+
+    /// Dynamic shared memory of `backward_dq`: its own 128 rows of q and dO, and two stages of
+    /// keys' k and v.
+    pub fn dq_smem_bytes(&self, head_dim: usize) -> u32 {
+        ((2 * BLOCK + 4 * self.dq_stream) * head_dim * 2) as u32
+    }
+
+    fn check(&self) -> Result<(), AttnError> {
+        let ok = matches!(self.dkdv_stream, 64 | 128)
+            && matches!(self.dq_stream, 64 | 128)
+            && matches!(self.dkdv_sub, 16 | 32)
+            && matches!(self.dq_sub, 16 | 32 | 64)
+            && matches!(self.dq_min_blocks, 2 | 3);
+        if ok {
+            Ok(())
+        } else {
+            Err(AttnError::Unsupported {
+                what: format!(
+                    "{self:?}: streams must be 64 or 128, dkdv_sub 16 or 32, dq_sub 16, 32 or 64, dq_min_blocks 2 or 3"
+                ),
+            })
+        }
+    }
+}
 
 /// dq, dk and dv on the GPU, in the inputs' dtype.
 pub struct DeviceGrads {
@@ -31,10 +98,11 @@ pub struct DeviceGrads {
 }
 
 // ANCHOR: compile_backward
-/// Compiles the three backward kernels for one dtype and head dim.
+/// Compiles the three backward kernels for one dtype, head dim and tile shape.
 pub fn compile_backward(
     dtype: Dtype,
     head_dim: usize,
+    config: BackwardConfig,
     arch: &'static str,
 ) -> Result<cudarc::nvrtc::Ptx, AttnError> {
     if !HEAD_DIMS.contains(&head_dim) {
@@ -43,11 +111,18 @@ pub fn compile_backward(
             supported: "32, 64".into(),
         });
     }
+    config.check()?;
     let options = CompileOptions {
         arch: Some(arch),
         options: vec![
             format!("-DHEAD_DIM={head_dim}"),
             format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
+            format!("-DDKDV_STREAM={}", config.dkdv_stream),
+            format!("-DDQ_STREAM={}", config.dq_stream),
+            format!("-DDKDV_SUB={}", config.dkdv_sub),
+            format!("-DDQ_SUB={}", config.dq_sub),
+            format!("-DDQ_HOLD={}", config.dq_hold as u8),
+            format!("-DDQ_MIN_BLOCKS={}", config.dq_min_blocks),
             "--std=c++17".into(),
         ],
         name: Some(format!("flash_backward_{}_d{head_dim}.cu", dtype.name())),
@@ -66,14 +141,16 @@ fn kernel(
     gpu: &Gpu,
     dtype: Dtype,
     head_dim: usize,
+    config: BackwardConfig,
     entry: &str,
+    smem: u32,
 ) -> Result<cudarc::driver::CudaFunction, AttnError> {
     let arch = gpu.arch();
     gpu.kernel(
-        format!("backward {entry} {dtype:?} {head_dim}"),
+        format!("backward {entry} {dtype:?} {head_dim} {config:?}"),
         entry,
-        0,
-        || compile_backward(dtype, head_dim, arch),
+        smem,
+        || compile_backward(dtype, head_dim, config, arch),
     )
 }
 
@@ -103,6 +180,19 @@ pub fn backward(
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
+    backward_with(gpu, BackwardConfig::default(), q, k, v, fwd, dout)
+}
+
+/// [`backward`] with the given tile shape.
+pub fn backward_with(
+    gpu: &Gpu,
+    config: BackwardConfig,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<DeviceGrads, AttnError> {
     let shape = check_device(q, k, v)?;
     same("dout", dout, q)?;
     same("the forward's output", &fwd.out, q)?;
@@ -121,12 +211,20 @@ pub fn backward(
             supported: "32, 64".into(),
         });
     }
+    config.check()?;
+    // the grid is (heads, 2 × blocks of 128 rows): its second dimension stops at 65,535
+    if shape.tokens.div_ceil(BLOCK) > 32_767 || shape.batch * shape.heads > i32::MAX as usize {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "{shape}: the backward kernels take at most 32,767 blocks of {BLOCK} tokens (4,194,176 tokens) and 2^31 sequences × heads"
+            ),
+        });
+    }
     let stream = gpu.stream();
-    let alloc = |what: &str| {
-        stream
-            .alloc_zeros::<u16>(shape.len())
-            .map_err(device_error(what))
-    };
+    // SAFETY: left uninitialised, as every row of every head is written below before anything
+    // reads it (an empty shape has no rows)
+    let alloc =
+        |what: &str| unsafe { stream.alloc::<u16>(shape.len()) }.map_err(device_error(what));
     let mut grads = DeviceGrads {
         dq: DeviceTensor {
             data: alloc("allocating dq")?,
@@ -147,17 +245,18 @@ pub fn backward(
     if shape.is_empty() {
         return Ok(grads);
     }
-    let mut delta: CudaSlice<f32> = stream
-        .alloc_zeros(rows)
-        .map_err(device_error("allocating delta"))?;
+    // SAFETY: as above, backward_delta writes every row
+    let mut delta: CudaSlice<f32> =
+        unsafe { stream.alloc(rows) }.map_err(device_error("allocating delta"))?;
     let (t, scale) = (shape.tokens as i32, 1.0 / (shape.head_dim as f32).sqrt());
     let heads = (shape.batch * shape.heads) as u32;
     let blocks = shape.tokens.div_ceil(BLOCK) as u32;
-    // SAFETY (all three launches): check_device and the checks above proved every buffer holds
-    // what the shape says; each kernel reads rows below T and writes only its own rows of
-    // delta, dk/dv or dq; their static shared memory is within the 48 KiB every launch may use.
+    // SAFETY (every launch): check_device and the checks above proved every buffer holds what
+    // the shape says; each kernel reads rows below T and writes only its own rows of delta,
+    // dk/dv or dq, and together they write all of them; each gets the dynamic shared memory its
+    // layout needs, which Gpu::kernel has allowed it.
     {
-        let f = kernel(gpu, q.dtype, shape.head_dim, "backward_delta")?;
+        let f = kernel(gpu, q.dtype, shape.head_dim, config, "backward_delta", 0)?;
         let rows_i = rows as i64;
         let mut launch = stream.launch_builder(&f);
         launch
@@ -172,13 +271,53 @@ pub fn backward(
         };
         unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_delta"))?;
     }
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, heads, 1),
+    // the head is blockIdx.x, so the longest blocks of every head go first
+    let cfg = |grid_y, smem| LaunchConfig {
+        grid_dim: (heads, grid_y, 1),
         block_dim: (128, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
+    let (dkdv_smem, dq_smem) = (
+        config.dkdv_smem_bytes(shape.head_dim),
+        config.dq_smem_bytes(shape.head_dim),
+    );
+    if config.one_launch {
+        let smem = dkdv_smem.max(dq_smem);
+        let f = kernel(
+            gpu,
+            q.dtype,
+            shape.head_dim,
+            config,
+            "backward_dkdv_dq",
+            smem,
+        )?;
+        let mut launch = stream.launch_builder(&f);
+        launch
+            .arg(&q.data)
+            .arg(&k.data)
+            .arg(&v.data)
+            .arg(&dout.data)
+            .arg(&fwd.lse)
+            .arg(&delta);
+        launch
+            .arg(&mut grads.dq.data)
+            .arg(&mut grads.dk.data)
+            .arg(&mut grads.dv.data)
+            .arg(&t)
+            .arg(&scale);
+        unsafe { launch.launch(cfg(2 * blocks, smem)) }
+            .map_err(device_error("launching backward_dkdv_dq"))?;
+        return Ok(grads);
+    }
     {
-        let f = kernel(gpu, q.dtype, shape.head_dim, "backward_dkdv")?;
+        let f = kernel(
+            gpu,
+            q.dtype,
+            shape.head_dim,
+            config,
+            "backward_dkdv",
+            dkdv_smem,
+        )?;
         let mut launch = stream.launch_builder(&f);
         launch
             .arg(&q.data)
@@ -192,10 +331,11 @@ pub fn backward(
             .arg(&mut grads.dv.data)
             .arg(&t)
             .arg(&scale);
-        unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_dkdv"))?;
+        unsafe { launch.launch(cfg(blocks, dkdv_smem)) }
+            .map_err(device_error("launching backward_dkdv"))?;
     }
     {
-        let f = kernel(gpu, q.dtype, shape.head_dim, "backward_dq")?;
+        let f = kernel(gpu, q.dtype, shape.head_dim, config, "backward_dq", dq_smem)?;
         let mut launch = stream.launch_builder(&f);
         launch
             .arg(&q.data)
@@ -205,7 +345,8 @@ pub fn backward(
             .arg(&fwd.lse)
             .arg(&delta);
         launch.arg(&mut grads.dq.data).arg(&t).arg(&scale);
-        unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_dq"))?;
+        unsafe { launch.launch(cfg(blocks, dq_smem)) }
+            .map_err(device_error("launching backward_dq"))?;
     }
     Ok(grads)
 }

@@ -6,7 +6,7 @@
 use std::process::ExitCode;
 
 use step03_cuda_forward::{Dtype, ptxas};
-use step04_backward::cuda::{HEAD_DIMS, compile_backward};
+use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, compile_backward};
 
 fn main() -> ExitCode {
     ptxas::main(|arch| {
@@ -15,7 +15,7 @@ fn main() -> ExitCode {
             for head_dim in HEAD_DIMS {
                 kernels.push((
                     format!("flash_backward_{}_d{head_dim}", dtype.name()),
-                    compile_backward(dtype, head_dim, arch),
+                    compile_backward(dtype, head_dim, BackwardConfig::default(), arch),
                 ));
             }
         }

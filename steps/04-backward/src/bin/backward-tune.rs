@@ -1,0 +1,146 @@
+//! Times the backward kernels in several tile shapes on the tutorial's GPU shape (4 sequences,
+//! 12 heads, head dim 64, bf16, causal) and checks that they all give the same gradients: the
+//! measurements behind the choice of `BackwardConfig::default()`.
+//!
+//! `backward-tune [--lengths 4096,16384] [--runs 20]`
+
+use std::process::ExitCode;
+
+use cudarc::driver::sys::CUevent_flags;
+use step01_naive::Shape;
+use step01_naive::inputs::random_normal;
+use step03_cuda_forward::{Dtype, Gpu, cudarc};
+use step04_backward::cuda::{BackwardConfig, backward_with};
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let value = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let lengths: Vec<usize> = value("--lengths")
+        .unwrap_or_else(|| "4096,16384".into())
+        .split(',')
+        .map(|s| s.parse().expect("--lengths: numbers separated by commas"))
+        .collect();
+    let runs: usize = value("--runs")
+        .map(|s| s.parse().expect("--runs: a number"))
+        .unwrap_or(20);
+    let gpu = match Gpu::new() {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            eprintln!("backward-tune: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("{}", gpu.describe());
+    let base = BackwardConfig::default();
+    let configs = [
+        base,
+        BackwardConfig { dq_sub: 64, ..base },
+        BackwardConfig {
+            one_launch: true,
+            ..base
+        },
+        BackwardConfig {
+            one_launch: true,
+            dq_sub: 64,
+            ..base
+        },
+        BackwardConfig {
+            dkdv_stream: 128,
+            dq_stream: 128,
+            one_launch: true,
+            dq_sub: 64,
+            ..base
+        },
+    ];
+    // every tile shape computes the same gradients, within a few bf16 roundings (other sizes
+    // sum in another order)
+    let shape = Shape::new(2, 3, 1000, 64);
+    let x = |seed| {
+        gpu.upload(random_normal(shape, seed).view(), Dtype::Bf16)
+            .unwrap()
+    };
+    let (q, k, v, dout) = (x(1), x(2), x(3), x(4));
+    let fwd = gpu.forward(&q, &k, &v).unwrap();
+    let mut first = None;
+    for &config in &configs {
+        let g = backward_with(&gpu, config, &q, &k, &v, &fwd, &dout).unwrap();
+        let got = [&g.dq, &g.dk, &g.dv].map(|t| gpu.download(t).unwrap());
+        match &first {
+            None => first = Some(got),
+            Some(f) => {
+                let diff = f
+                    .iter()
+                    .zip(&got)
+                    .map(|(a, b)| (a - b).fold(0.0f32, |m, x| m.max(x.abs())))
+                    .fold(0.0f32, f32::max);
+                println!("{config:?}: max abs difference from the first {diff:.2e}");
+                if diff.is_nan() || diff > 0.05 {
+                    eprintln!("backward-tune: {config:?} differs from {base:?} by {diff}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
+    }
+
+    print!("{:>7}", "T");
+    for c in &configs {
+        print!(
+            " {:>22}",
+            format!(
+                "s{}/{} sub{}/{}{}{}",
+                c.dkdv_stream,
+                c.dq_stream,
+                c.dkdv_sub,
+                c.dq_sub,
+                if c.dq_hold { "" } else { " smem" },
+                if c.one_launch { " one" } else { "" }
+            )
+        );
+    }
+    println!("   (backward TFLOP/s, 2.5 x the forward's FLOPs; median of {runs})");
+    for &tokens in &lengths {
+        let shape = Shape::new(4, 12, tokens, 64);
+        let x = |seed| {
+            gpu.upload(random_normal(shape, seed).view(), Dtype::Bf16)
+                .unwrap()
+        };
+        let (q, k, v, dout) = (x(1), x(2), x(3), x(4));
+        let fwd = gpu.forward(&q, &k, &v).unwrap();
+        print!("{tokens:>7}");
+        for &config in &configs {
+            let ctx = gpu.context();
+            let mut times = Vec::new();
+            for i in 0..runs + 3 {
+                let start = ctx
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .unwrap();
+                let end = ctx
+                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .unwrap();
+                gpu.spin(500).unwrap();
+                start.record(gpu.stream()).unwrap();
+                let g = backward_with(&gpu, config, &q, &k, &v, &fwd, &dout).unwrap();
+                end.record(gpu.stream()).unwrap();
+                end.synchronize().unwrap();
+                drop(g);
+                if i >= 3 {
+                    times.push(start.elapsed_ms(&end).unwrap() as f64);
+                }
+            }
+            times.sort_by(f64::total_cmp);
+            let ms = times[times.len() / 2];
+            print!(
+                " {:>13.1} {:>6.3}ms",
+                2.5 * shape.forward_flops() / ms / 1e9,
+                ms
+            );
+        }
+        println!();
+    }
+    ExitCode::SUCCESS
+}
