@@ -223,6 +223,28 @@ __device__ __forceinline__ void load_queries(u16* sq, u16* sdo, float* slse, flo
     }
 }
 
+// pT = e^(sT/√d - lse) for a warp's keys and DKDV_SUB queries from column c0 of the stage, and
+// dsT = pT o (dpT - delta), in place. With MASK, pT is 0 where the query comes before the key;
+// `rel` is the stage's first query minus the warp's first key.
+template <bool MASK>
+__device__ __forceinline__ void dkdv_probabilities(float (&p)[M_TILES][DKDV_SUB / 8][4], float (&dp)[M_TILES][DKDV_SUB / 8][4],
+                                                   const float* tl, const float* td, int c0, int rel, float scale_log2, int g, int t) {
+#pragma unroll
+    for (int n = 0; n < DKDV_SUB / 8; ++n) {
+        const int col = c0 + n * 8 + 2 * t;  // this thread's two queries: col, col + 1
+        const float2 l2 = *(const float2*)(tl + col), d2 = *(const float2*)(td + col);
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float pe = fast_exp2(fmaf(p[mt][n][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+                if (MASK && rel + col + (e & 1) < mt * 16 + g + 8 * (e >> 1)) pe = 0.f;
+                p[mt][n][e] = pe;
+                dp[mt][n][e] = pe * (dp[mt][n][e] - ((e & 1) ? d2.y : d2.x));
+            }
+    }
+}
+
 // ANCHOR: dkdv
 // dK and dV for keys 128·kb .. of head bh (one thread block)
 __device__ __forceinline__ void dkdv_block(
@@ -292,21 +314,11 @@ __device__ __forceinline__ void dkdv_block(
             zero(dp);
             mma_abt<DKDV_SUB>(p, kf, tq, c0, off);
             mma_abt<DKDV_SUB>(dp, vf, tdo, c0, off);
-            // pT = e^(s/√d - lse) of each query, 0 where the query comes before the key;
-            // dsT = pT o (dpT - delta)
-            const bool diagonal = qs0 < key0 + WARP_ROWS - 1;
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                for (int n = 0; n < DKDV_SUB / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = c0 + n * 8 + 2 * t + (e & 1);  // query within the stage
-                        float pe = fast_exp2(fmaf(p[mt][n][e], scale_log2, -tl[col]));
-                        if (diagonal && q0 + col < key0 + mt * 16 + g + 8 * (e >> 1)) pe = 0.f;
-                        p[mt][n][e] = pe;
-                        dp[mt][n][e] = pe * (dp[mt][n][e] - td[col]);
-                    }
+            // only steps that reach a query before one of this warp's keys need the mask
+            if (qs0 < key0 + WARP_ROWS - 1)
+                dkdv_probabilities<true>(p, dp, tl, td, c0, q0 - key0, scale_log2, g, t);
+            else
+                dkdv_probabilities<false>(p, dp, tl, td, c0, q0 - key0, scale_log2, g, t);
             mma_pb<DKDV_SUB>(dv_acc, p, tdo, c0, off);  // dV += pT · dO
             mma_pb<DKDV_SUB>(dk_acc, dp, tq, c0, off);  // dK += dsT · q   (· scale at the end)
         }
@@ -324,6 +336,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) backward_dkdv(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dk, u16* __restrict__ dv, int T, float scale) {
     dkdv_block(blockIdx.x, blockIdx.y, q, k, v, dout, lse, delta, dk, dv, T, scale);
+}
+
+// ds = p o (dp - delta) in place, p = e^(s/√d - lse), for a warp's rows and DQ_SUB keys. With
+// MASK, p is 0 where the key comes after the row; `rel` is the first key minus the warp's first row.
+template <bool MASK>
+__device__ __forceinline__ void dq_probabilities(float (&s)[M_TILES][DQ_SUB / 8][4], const float (&dp)[M_TILES][DQ_SUB / 8][4],
+                                                 const float (&lse2)[M_TILES][2], const float (&dl)[M_TILES][2], int rel,
+                                                 float scale_log2, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int n = 0; n < DQ_SUB / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e >> 1;
+                float pe = fast_exp2(fmaf(s[mt][n][e], scale_log2, -lse2[mt][h]));
+                if (MASK && rel + n * 8 + 2 * t + (e & 1) > mt * 16 + g + 8 * h) pe = 0.f;
+                s[mt][n][e] = pe * (dp[mt][n][e] - dl[mt][h]);
+            }
 }
 
 // ANCHOR: dq
@@ -407,18 +438,11 @@ __device__ __forceinline__ void dq_block(
             mma_abt_smem<DQ_SUB>(s, smem_addr(sq), warp, lane, tk, c0, off);
             mma_abt_smem<DQ_SUB>(dp, smem_addr(sdo), warp, lane, tv, c0, off);
 #endif
-            const bool diagonal = ks0 + DQ_SUB - 1 > row0;
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                for (int n = 0; n < DQ_SUB / 8; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int h = e >> 1;
-                        float pe = fast_exp2(fmaf(s[mt][n][e], scale_log2, -lse2[mt][h]));
-                        if (diagonal && ks0 + n * 8 + 2 * t + (e & 1) > row0 + mt * 16 + g + 8 * h) pe = 0.f;
-                        s[mt][n][e] = pe * (dp[mt][n][e] - dl[mt][h]);  // ds = p o (dp - delta)
-                    }
+            // only steps that reach a key after one of this warp's rows need the mask
+            if (ks0 + DQ_SUB - 1 > row0)
+                dq_probabilities<true>(s, dp, lse2, dl, ks0 - row0, scale_log2, g, t);
+            else
+                dq_probabilities<false>(s, dp, lse2, dl, ks0 - row0, scale_log2, g, t);
             mma_pb<DQ_SUB>(dq_acc, s, tk, c0, off);  // dQ += ds · k   (· scale at the end)
         }
         __syncthreads();
@@ -434,18 +458,3 @@ extern "C" __global__ void __launch_bounds__(THREADS, DQ_MIN_BLOCKS) backward_dq
     const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dq, int T, float scale) {
     dq_block(blockIdx.x, gridDim.y - 1 - blockIdx.y, q, k, v, dout, lse, delta, dq, T, scale);
 }
-
-// ANCHOR: one_launch
-// Both in one grid: the blocks alternate, dK/dV for keys 128·i and dQ for the i-th last queries,
-// so the longest of either kind go first and neither kernel's short tail runs alone.
-extern "C" __global__ void __launch_bounds__(THREADS, 2) backward_dkdv_dq(
-    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
-    const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dq, u16* __restrict__ dk,
-    u16* __restrict__ dv, int T, float scale) {
-    const int i = blockIdx.y / 2, blocks = gridDim.y / 2;
-    if (blockIdx.y % 2 == 0)
-        dkdv_block(blockIdx.x, i, q, k, v, dout, lse, delta, dk, dv, T, scale);
-    else
-        dq_block(blockIdx.x, blocks - 1 - i, q, k, v, dout, lse, delta, dq, T, scale);
-}
-// ANCHOR_END: one_launch

@@ -41,20 +41,17 @@ pub struct BackwardConfig {
     pub dq_hold: bool,
     /// The blocks of `backward_dq` each multiprocessor must fit (the register budget): 2 or 3.
     pub dq_min_blocks: usize,
-    /// dK/dV and dQ blocks in one grid (`backward_dkdv_dq`) rather than two launches.
-    pub one_launch: bool,
 }
 
 impl Default for BackwardConfig {
     fn default() -> Self {
         BackwardConfig {
-            dkdv_stream: 64,
+            dkdv_stream: 128,
             dq_stream: 64,
             dkdv_sub: 16,
             dq_sub: 32,
             dq_hold: true,
             dq_min_blocks: 2,
-            one_launch: false,
         }
     }
 }
@@ -70,6 +67,33 @@ impl BackwardConfig {
     /// keys' k and v.
     pub fn dq_smem_bytes(&self, head_dim: usize) -> u32 {
         ((2 * BLOCK + 4 * self.dq_stream) * head_dim * 2) as u32
+    }
+
+    /// The default and the shapes `backward-tune` compares it with, one change at a time.
+    pub fn candidates() -> Vec<BackwardConfig> {
+        let base = BackwardConfig::default();
+        vec![
+            base,
+            BackwardConfig {
+                dkdv_stream: 64,
+                ..base
+            },
+            BackwardConfig {
+                dq_stream: 128,
+                ..base
+            },
+            BackwardConfig {
+                dkdv_sub: 32,
+                ..base
+            },
+            BackwardConfig { dq_sub: 64, ..base },
+            BackwardConfig {
+                dq_hold: false,
+                dq_min_blocks: 3,
+                dq_sub: 16,
+                ..base
+            },
+        ]
     }
 
     fn check(&self) -> Result<(), AttnError> {
@@ -212,11 +236,11 @@ pub fn backward_with(
         });
     }
     config.check()?;
-    // the grid is (heads, 2 × blocks of 128 rows): its second dimension stops at 65,535
-    if shape.tokens.div_ceil(BLOCK) > 32_767 || shape.batch * shape.heads > i32::MAX as usize {
+    // the grid is (heads, blocks of 128 rows): its second dimension stops at 65,535
+    if shape.tokens.div_ceil(BLOCK) > 65_535 || shape.batch * shape.heads > i32::MAX as usize {
         return Err(AttnError::Unsupported {
             what: format!(
-                "{shape}: the backward kernels take at most 32,767 blocks of {BLOCK} tokens (4,194,176 tokens) and 2^31 sequences × heads"
+                "{shape}: the backward kernels take at most 65,535 blocks of {BLOCK} tokens (8,388,480 tokens) and 2^31 sequences × heads"
             ),
         });
     }
@@ -281,34 +305,6 @@ pub fn backward_with(
         config.dkdv_smem_bytes(shape.head_dim),
         config.dq_smem_bytes(shape.head_dim),
     );
-    if config.one_launch {
-        let smem = dkdv_smem.max(dq_smem);
-        let f = kernel(
-            gpu,
-            q.dtype,
-            shape.head_dim,
-            config,
-            "backward_dkdv_dq",
-            smem,
-        )?;
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(&q.data)
-            .arg(&k.data)
-            .arg(&v.data)
-            .arg(&dout.data)
-            .arg(&fwd.lse)
-            .arg(&delta);
-        launch
-            .arg(&mut grads.dq.data)
-            .arg(&mut grads.dk.data)
-            .arg(&mut grads.dv.data)
-            .arg(&t)
-            .arg(&scale);
-        unsafe { launch.launch(cfg(2 * blocks, smem)) }
-            .map_err(device_error("launching backward_dkdv_dq"))?;
-        return Ok(grads);
-    }
     {
         let f = kernel(
             gpu,

@@ -36,27 +36,8 @@ fn main() -> ExitCode {
         }
     };
     println!("{}", gpu.describe());
-    let base = BackwardConfig::default();
-    let configs = [
-        base,
-        BackwardConfig { dq_sub: 64, ..base },
-        BackwardConfig {
-            one_launch: true,
-            ..base
-        },
-        BackwardConfig {
-            one_launch: true,
-            dq_sub: 64,
-            ..base
-        },
-        BackwardConfig {
-            dkdv_stream: 128,
-            dq_stream: 128,
-            one_launch: true,
-            dq_sub: 64,
-            ..base
-        },
-    ];
+    let configs = BackwardConfig::candidates();
+    let base = configs[0];
     // every tile shape computes the same gradients, within a few bf16 roundings (other sizes
     // sum in another order)
     let shape = Shape::new(2, 3, 1000, 64);
@@ -98,7 +79,7 @@ fn main() -> ExitCode {
                 c.dkdv_sub,
                 c.dq_sub,
                 if c.dq_hold { "" } else { " smem" },
-                if c.one_launch { " one" } else { "" }
+                if c.dq_min_blocks == 2 { "" } else { " b3" }
             )
         );
     }
