@@ -87,8 +87,9 @@ pub fn flash_backward(
 pub fn flash_implementation() -> String {
     let c = ForwardConfig::for_head_dim(64);
     format!(
-        "flash_forward.cu: {} (head dim 64), mma.sync m16n8k16, cp.async two stages, NVRTC",
-        c.describe()
+        "flash_forward.cu: {} (head dim 64), mma.sync m16n8k16, cp.async two stages, NVRTC; backward (flash_backward.cu): {}",
+        c.describe(),
+        step04_backward::cuda::BackwardConfig::default().describe()
     )
 }
 

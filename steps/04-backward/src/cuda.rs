@@ -69,6 +69,14 @@ impl BackwardConfig {
         ((2 * BLOCK + 4 * self.dq_stream) * head_dim * 2) as u32
     }
 
+    /// A line for reports: the blocks and streams of both kernels.
+    pub fn describe(&self) -> String {
+        format!(
+            "dK/dV per {BLOCK} keys with {} queries a stage, dQ per {BLOCK} queries with {} keys a stage, 4 warps of 32 rows",
+            self.dkdv_stream, self.dq_stream
+        )
+    }
+
     /// The default and the shapes `backward-tune` compares it with, one change at a time.
     pub fn candidates() -> Vec<BackwardConfig> {
         let base = BackwardConfig::default();
