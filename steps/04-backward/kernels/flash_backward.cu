@@ -223,6 +223,7 @@ __device__ __forceinline__ void load_queries(u16* sq, u16* sdo, float* slse, flo
     }
 }
 
+// ANCHOR: dkdv_probabilities
 // pT = e^(sT/√d - lse) for a warp's keys and DKDV_SUB queries from column c0 of the stage, and
 // dsT = pT o (dpT - delta), in place. With MASK, pT is 0 where the query comes before the key;
 // `rel` is the stage's first query minus the warp's first key.
@@ -244,6 +245,7 @@ __device__ __forceinline__ void dkdv_probabilities(float (&p)[M_TILES][DKDV_SUB 
             }
     }
 }
+// ANCHOR_END: dkdv_probabilities
 
 // ANCHOR: dkdv
 // dK and dV for keys 128·kb .. of head bh (one thread block)

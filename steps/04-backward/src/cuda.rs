@@ -225,6 +225,22 @@ pub fn backward_with(
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
+    backward_marked(gpu, config, q, k, v, fwd, dout, &mut || Ok(()))
+}
+
+/// [`backward_with`], calling `mark` before the first launch and after each of the three (to
+/// record an event on the stream there, say: `backward-tune --split` times each kernel so).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_marked(
+    gpu: &Gpu,
+    config: BackwardConfig,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+    mark: &mut dyn FnMut() -> Result<(), AttnError>,
+) -> Result<DeviceGrads, AttnError> {
     let shape = check_device(q, k, v)?;
     same("dout", dout, q)?;
     same("the forward's output", &fwd.out, q)?;
@@ -287,6 +303,7 @@ pub fn backward_with(
     // the shape says; each kernel reads rows below T and writes only its own rows of delta,
     // dk/dv or dq, and together they write all of them; each gets the dynamic shared memory its
     // layout needs, which Gpu::kernel has allowed it.
+    mark()?;
     {
         let f = kernel(gpu, q.dtype, shape.head_dim, config, "backward_delta", 0)?;
         let rows_i = rows as i64;
@@ -303,6 +320,7 @@ pub fn backward_with(
         };
         unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_delta"))?;
     }
+    mark()?;
     // the head is blockIdx.x, so the longest blocks of every head go first
     let cfg = |grid_y, smem| LaunchConfig {
         grid_dim: (heads, grid_y, 1),
@@ -338,6 +356,7 @@ pub fn backward_with(
         unsafe { launch.launch(cfg(blocks, dkdv_smem)) }
             .map_err(device_error("launching backward_dkdv"))?;
     }
+    mark()?;
     {
         let f = kernel(gpu, q.dtype, shape.head_dim, config, "backward_dq", dq_smem)?;
         let mut launch = stream.launch_builder(&f);
@@ -352,6 +371,7 @@ pub fn backward_with(
         unsafe { launch.launch(cfg(blocks, dq_smem)) }
             .map_err(device_error("launching backward_dq"))?;
     }
+    mark()?;
     Ok(grads)
 }
 // ANCHOR_END: backward_gpu

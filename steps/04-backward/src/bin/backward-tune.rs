@@ -2,7 +2,10 @@
 //! 12 heads, head dim 64, bf16, causal) and checks that they all give the same gradients: the
 //! measurements behind the choice of `BackwardConfig::default()`.
 //!
-//! `backward-tune [--lengths 4096,16384] [--runs 20]`
+//! `backward-tune [--lengths 4096,16384] [--runs 20] [--split]`
+//!
+//! `--split` times, for the default shape only, the forward and each backward kernel on its
+//! own (events between the launches), with each kernel's rate in the products it really does.
 
 use std::process::ExitCode;
 
@@ -10,7 +13,7 @@ use cudarc::driver::sys::CUevent_flags;
 use step01_naive::Shape;
 use step01_naive::inputs::random_normal;
 use step03_cuda_forward::{Dtype, Gpu, cudarc};
-use step04_backward::cuda::{BackwardConfig, backward_with};
+use step04_backward::cuda::{BackwardConfig, backward_marked, backward_with};
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -36,6 +39,10 @@ fn main() -> ExitCode {
         }
     };
     println!("{}", gpu.describe());
+    if args.iter().any(|a| a == "--split") {
+        split(&gpu, &lengths, runs);
+        return ExitCode::SUCCESS;
+    }
     let configs = BackwardConfig::candidates();
     let base = configs[0];
     // every tile shape computes the same gradients, within a few bf16 roundings (other sizes
@@ -124,4 +131,64 @@ fn main() -> ExitCode {
         println!();
     }
     ExitCode::SUCCESS
+}
+
+/// Median milliseconds of the forward and of the three backward kernels, each between events.
+fn split(gpu: &Gpu, lengths: &[usize], runs: usize) {
+    let config = BackwardConfig::default();
+    println!("{}", config.describe());
+    println!(
+        "{:>7} {:>9} {:>9} {:>9} {:>9}   TFLOP/s of the products each kernel does (forward 2, dK/dV 4, dQ 3)",
+        "T", "fwd ms", "delta ms", "dkdv ms", "dq ms"
+    );
+    for &tokens in lengths {
+        let shape = Shape::new(4, 12, tokens, 64);
+        let x = |seed| {
+            gpu.upload(random_normal(shape, seed).view(), Dtype::Bf16)
+                .unwrap()
+        };
+        let (q, k, v, dout) = (x(1), x(2), x(3), x(4));
+        let ctx = gpu.context();
+        let event = || {
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .unwrap()
+        };
+        let mut times: [Vec<f64>; 4] = Default::default();
+        for i in 0..runs + 3 {
+            gpu.spin(500).unwrap();
+            let marks = [event(), event(), event(), event(), event()];
+            marks[0].record(gpu.stream()).unwrap();
+            let fwd = gpu.forward(&q, &k, &v).unwrap();
+            let mut next = 1;
+            let g = backward_marked(gpu, config, &q, &k, &v, &fwd, &dout, &mut || {
+                // the first mark (before δ) ends the forward and the allocations
+                marks[next].record(gpu.stream()).unwrap();
+                next += 1;
+                Ok(())
+            })
+            .unwrap();
+            marks[4].synchronize().unwrap();
+            drop(g);
+            if i >= 3 {
+                for (j, t) in times.iter_mut().enumerate() {
+                    t.push(marks[j].elapsed_ms(&marks[j + 1]).unwrap() as f64);
+                }
+            }
+        }
+        let ms = times.map(|mut t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        });
+        let f = shape.forward_flops();
+        println!(
+            "{tokens:>7} {:>9.3} {:>9.3} {:>9.3} {:>9.3}   forward {:.1}, dK/dV {:.1}, dQ {:.1}",
+            ms[0],
+            ms[1],
+            ms[2],
+            ms[3],
+            f / ms[0] / 1e9,
+            2.0 * f / ms[2] / 1e9,
+            1.5 * f / ms[3] / 1e9
+        );
+    }
 }
