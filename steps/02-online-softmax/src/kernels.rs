@@ -180,6 +180,21 @@ impl Kernels {
             _ => scalar::pv(pt, v, o, alpha, keys, n),
         }
     }
+
+    /// `x = 2^(x·scale − shift)` for every element, with the softmax's polynomial: for
+    /// arguments at most 0 (probabilities), exactly 0 below about −126.5. Step 04 rebuilds its
+    /// probabilities with it.
+    pub fn exp2_shifted(self, x: &mut [f32], scale: f32, shift: f32) {
+        match self.isa {
+            // SAFETY: `self` proves AVX-512F; the loads and stores stay inside `x`.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512::exp2_shifted(x, scale, shift) },
+            // SAFETY: as above, for AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { avx2::exp2_shifted(x, scale, shift) },
+            _ => scalar::exp2_shifted(x, scale, shift),
+        }
+    }
 }
 
 // ANCHOR: exp2_poly
@@ -203,6 +218,13 @@ const EXP2_MIN: f32 = -127.0;
 /// The portable path: always correct, and the reference the SIMD paths are tested against.
 mod scalar {
     use super::Dims;
+
+    /// `x = 2^(x·scale − shift)`, one value at a time with the standard library's `exp2`.
+    pub fn exp2_shifted(x: &mut [f32], scale: f32, shift: f32) {
+        for x in x {
+            *x = (*x * scale - shift).exp2();
+        }
+    }
 
     /// Rows `from..keys` of the transposed scores.
     pub fn scores(qt: &[f32], k: &[f32], st: &mut [f32], from: usize, keys: usize, n: Dims) {
@@ -281,6 +303,21 @@ mod avx512 {
         p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0));
         let n = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
         _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(n)))
+    }
+
+    /// SAFETY (caller): the CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn exp2_shifted(x: &mut [f32], scale: f32, shift: f32) {
+        let (a, b) = (_mm512_set1_ps(scale), _mm512_set1_ps(-shift));
+        let mut chunks = x.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            // SAFETY: `c` holds LANES floats
+            unsafe {
+                let v = _mm512_loadu_ps(c.as_ptr());
+                _mm512_storeu_ps(c.as_mut_ptr(), exp2(_mm512_fmadd_ps(v, a, b)));
+            }
+        }
+        scalar::exp2_shifted(chunks.into_remainder(), scale, shift);
     }
 
     // ANCHOR: scores_tile
@@ -492,6 +529,21 @@ mod avx2 {
         p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0));
         let n = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
         _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(n)))
+    }
+
+    /// SAFETY (caller): the CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn exp2_shifted(x: &mut [f32], scale: f32, shift: f32) {
+        let (a, b) = (_mm256_set1_ps(scale), _mm256_set1_ps(-shift));
+        let mut chunks = x.chunks_exact_mut(W);
+        for c in &mut chunks {
+            // SAFETY: `c` holds W floats
+            unsafe {
+                let v = _mm256_loadu_ps(c.as_ptr());
+                _mm256_storeu_ps(c.as_mut_ptr(), exp2(_mm256_fmadd_ps(v, a, b)));
+            }
+        }
+        scalar::exp2_shifted(chunks.into_remainder(), scale, shift);
     }
 
     /// 4 keys × 16 queries. SAFETY (caller): as `avx512::scores_tile` with 4 rows, 16 columns.
@@ -788,6 +840,29 @@ mod tests {
                     assert_eq!(m, m0, "{what}: m");
                     close(l, l0, 1e-6, &format!("l, {what}"));
                     close(a, a0, 1e-6, &format!("alpha, {what}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn exp2_shifted_matches_the_scalar_path_on_every_length() {
+        // lengths that leave every tail size of both register widths
+        for len in [0, 1, 7, 8, 15, 16, 17, 33, 130] {
+            let mut want = values(len, len as u32 + 1);
+            // two exact zeros: −∞ and a value far below −126.5 after the shift
+            if len > 2 {
+                want[0] = f32::NEG_INFINITY;
+                want[1] = -1000.0;
+            }
+            let x = want.clone();
+            scalar::exp2_shifted(&mut want, 1.5, 0.25);
+            for k in simd() {
+                let mut got = x.clone();
+                k.exp2_shifted(&mut got, 1.5, 0.25);
+                close(&got, &want, 1e-6, &format!("{:?} exp2_shifted", k.isa()));
+                if len > 2 {
+                    assert_eq!((got[0], got[1]), (0.0, 0.0), "{:?}", k.isa());
                 }
             }
         }

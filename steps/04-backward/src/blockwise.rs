@@ -2,20 +2,23 @@
 //!
 //! Nothing of size T×T is ever allocated. The probabilities are rebuilt a block at a time from
 //! the scores and the log-sum-exp the forward kept, `P_ij = exp(S_ij − lse_i)`, and used at
-//! once. The work is split so that every task writes only rows of its own:
+//! once. First [`delta`]: `δ_i = Σ_d dO_i·O_i`, once per row (FA-2 Algorithm 2, line 4; in the
+//! FlashAttention code the "preprocessing" kernel). Then one of two ways:
 //!
-//! 1. [`delta`]: `δ_i = Σ_d dO_id·O_id`, once per row (FA-2 Algorithm 2, line 4; in the
-//!    FlashAttention code the "preprocessing" kernel).
-//! 2. The key pass: one task per (sequence, head, block of keys). It holds its block's dK and dV
-//!    and streams past it every block of queries that can see it (FA-2 Algorithm 2, lines 6–21
-//!    without line 16).
-//! 3. The query pass: one task per (sequence, head, block of queries). It holds its block's dQ
-//!    and streams past it every block of keys it can see.
+//! - [`backward`] (and [`backward_with_blocks`]): Algorithm 2 as written, one pass. A task
+//!   takes a run of a head's key blocks; for each it streams past every block of queries that
+//!   can see it, adding into its rows of dK and dV and into the queries' rows of dQ. The task
+//!   owns a whole dQ for its head to add into, so no two tasks ever add to the same number:
+//!   when a head is split into several runs (so that there are enough tasks for the threads),
+//!   each run has its own dQ, and they are summed in a fixed order at the end. Five products
+//!   per block pair.
+//! - [`backward_two_pass`]: the split of the GPU kernels (chapter 4). The key pass has one task
+//!   per (sequence, head, block of keys), owning its block's dK and dV; the query pass one task
+//!   per (sequence, head, block of queries), owning its block's dQ. The scores, probabilities
+//!   and `dP` are computed twice: seven products per block pair.
 //!
-//! FlashAttention-2 computes dQ in the key pass too, adding each key block's share into dQ with
-//! atomic adds (its line 16). Here the shares are summed by the one task that owns the rows
-//! instead: the scores, probabilities and `dP` are computed a second time, but the sum happens in
-//! one fixed order, so the result is identical on every run and on any number of threads.
+//! Both sum every gradient in one fixed order, chosen from the shape alone: the result is
+//! identical on every run and on any number of threads.
 
 use std::ops::Range;
 
@@ -23,7 +26,8 @@ use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array3, Array4, ArrayView1, ArrayView2, ArrayView4, ArrayViewMut2, Axis};
 use ndarray::{Zip, s};
 use rayon::prelude::*;
-use step01_naive::{Attention, AttnError, try_zeros};
+use step01_naive::{Attention, AttnError, Shape, try_zeros};
+use step02_online_softmax::{Isa, kernels::Kernels};
 
 use crate::{Grads, check_backward};
 
@@ -38,12 +42,13 @@ pub struct BlockSizes {
 }
 
 impl Default for BlockSizes {
-    /// 64 × 64: a block of `S`, `P` and `dS` is 16 KiB, and two of them and the four `64 × d`
-    /// slices they are made from stay in a core's L2 cache.
+    /// 128 × 128: a block of `P` or `dS` is 64 KiB, and the two of them and the four `128 × d`
+    /// slices they are made from stay in a core's L2 cache; the products of `ndarray` run
+    /// faster on them than on 64 × 64 blocks.
     fn default() -> Self {
         BlockSizes {
-            queries: 64,
-            keys: 64,
+            queries: 128,
+            keys: 128,
         }
     }
 }
@@ -61,7 +66,7 @@ pub fn backward(
 }
 
 // ANCHOR: blockwise_backward
-/// The gradients of q, k and v, blockwise, with the given block sizes.
+/// The gradients of q, k and v in one pass, with the given block sizes.
 pub fn backward_with_blocks(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -71,31 +76,135 @@ pub fn backward_with_blocks(
     blocks: BlockSizes,
 ) -> Result<Grads, AttnError> {
     let shape = check_backward(&q, &k, &v, fwd, &dout)?;
+    check_blocks(blocks)?;
+    if shape.is_empty() {
+        return Ok(Grads::zeros(shape));
+    }
+    let delta = delta(fwd.out.view(), dout); // [b, h, T]
+    let [_, _, t_n, d_n] = shape.dims();
+    let zeros = |what, len| try_zeros::<f32>(what, Some(len));
+    let (mut dq, mut dk, mut dv) = (
+        zeros("dq", shape.len())?,
+        zeros("dk", shape.len())?,
+        zeros("dv", shape.len())?,
+    );
+    let kernels = Kernels::new(Isa::detect())?;
+    let head = |bh: usize| Head::new(bh, shape, &q, &k, &v, &dout, fwd, &delta, blocks, kernels);
+    // each head's key blocks in runs of about equal work, `ends[r]..ends[r + 1]`; the runs after
+    // the first add into a dQ of their own, [head][run - 1][T][d]
+    let ends = runs(shape, blocks);
+    let per_head = t_n * d_n;
+    let extra_per_head = (ends.len() - 2) * per_head;
+    let heads_n = shape.batch * shape.heads;
+    let mut extra = zeros("a copy of dq per extra run", heads_n * extra_per_head)?;
+    let mut tasks = Vec::new();
+    let mut extras = extra.as_mut_slice();
+    let heads = dq
+        .chunks_mut(per_head)
+        .zip(dk.chunks_mut(per_head))
+        .zip(dv.chunks_mut(per_head));
+    for (bh, ((dq, mut dk), mut dv)) in heads.enumerate() {
+        let (extra, rest) = extras.split_at_mut(extra_per_head);
+        extras = rest;
+        let mut dqs = std::iter::once(dq).chain(extra.chunks_mut(per_head));
+        let mut done = 0; // key rows handed out so far
+        for run in ends.windows(2) {
+            let rows = (run[1] * blocks.keys).min(t_n) - done;
+            let (dk_run, dk_rest) = dk.split_at_mut(rows * d_n);
+            let (dv_run, dv_rest) = dv.split_at_mut(rows * d_n);
+            (dk, dv) = (dk_rest, dv_rest);
+            let dq = dqs.next().expect("one dq per run");
+            tasks.push((bh, run[0]..run[1], dk_run, dv_run, dq));
+            done += rows;
+        }
+    }
+    tasks
+        .into_par_iter()
+        .for_each(|(bh, run, dk, dv, dq)| head(bh).key_run(run, dk, dv, dq));
+    // dQ = the first run's + the others', in order
+    if extra_per_head > 0 {
+        dq.par_chunks_mut(per_head)
+            .zip(extra.par_chunks(extra_per_head))
+            .for_each(|(dq, extra)| {
+                for part in extra.chunks(per_head) {
+                    dq.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+                }
+            });
+    }
+    Ok(grads(shape, dq, dk, dv))
+}
+// ANCHOR_END: blockwise_backward
+
+// ANCHOR: runs
+/// Where a head's key blocks are cut into runs: `ends[r]..ends[r + 1]` is run r. As many runs
+/// as make about 16 tasks in all (at most 4 per head, at least 2 blocks each), cut so that each
+/// run sees about the same number of queries (the first key blocks are seen by the most). A
+/// function of the shape alone, never of the thread count, so the sums run in the same order
+/// on any machine.
+fn runs(shape: Shape, blocks: BlockSizes) -> Vec<usize> {
+    let (t_n, bc) = (shape.tokens, blocks.keys);
+    let n = t_n.div_ceil(bc);
+    let count = 16usize
+        .div_ceil(shape.batch * shape.heads)
+        .min(4)
+        .min(n / 2)
+        .max(1);
+    // key block j is seen by the queries from its first key on: T − j·bc of them
+    let work = |j: usize| t_n - j * bc;
+    let total: usize = (0..n).map(work).sum();
+    let mut ends = vec![0];
+    let mut sum = 0;
+    for j in 0..n {
+        sum += work(j);
+        if sum * count >= ends.len() * total && ends.len() < count {
+            ends.push(j + 1);
+        }
+    }
+    ends.push(n);
+    ends
+}
+// ANCHOR_END: runs
+
+fn check_blocks(blocks: BlockSizes) -> Result<(), AttnError> {
     if blocks.queries == 0 || blocks.keys == 0 {
         return Err(AttnError::Unsupported {
             what: format!("block sizes {blocks:?}: both must be at least 1"),
         });
     }
+    Ok(())
+}
+
+fn grads(shape: Shape, dq: Vec<f32>, dk: Vec<f32>, dv: Vec<f32>) -> Grads {
+    let grad = |buf| Array4::from_shape_vec(shape.dims(), buf).expect("length is b·h·T·d");
+    Grads {
+        dq: grad(dq),
+        dk: grad(dk),
+        dv: grad(dv),
+    }
+}
+
+// ANCHOR: two_pass_backward
+/// The gradients of q, k and v in two passes, as the GPU kernels compute them: dK and dV per
+/// block of keys, then dQ per block of queries.
+pub fn backward_two_pass(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    fwd: &Attention,
+    dout: ArrayView4<f32>,
+    blocks: BlockSizes,
+) -> Result<Grads, AttnError> {
+    let shape = check_backward(&q, &k, &v, fwd, &dout)?;
+    check_blocks(blocks)?;
     if shape.is_empty() {
         return Ok(Grads::zeros(shape));
     }
     let delta = delta(fwd.out.view(), dout); // [b, h, T]: the only thing kept besides dq, dk, dv
-    let [_, h_n, t_n, d_n] = shape.dims();
+    let [_, _, t_n, d_n] = shape.dims();
     let zeros = |what| try_zeros::<f32>(what, Some(shape.len()));
     let (mut dq, mut dk, mut dv) = (zeros("dq")?, zeros("dk")?, zeros("dv")?);
-    let head = |bh: usize| {
-        let (b, h) = (bh / h_n, bh % h_n);
-        Head {
-            q: q.slice(s![b, h, .., ..]),
-            k: k.slice(s![b, h, .., ..]),
-            v: v.slice(s![b, h, .., ..]),
-            dout: dout.slice(s![b, h, .., ..]),
-            lse: fwd.lse.slice(s![b, h, ..]),
-            delta: delta.slice(s![b, h, ..]),
-            scale: shape.scale() as f32,
-            blocks,
-        }
-    };
+    let kernels = Kernels::new(Isa::detect())?;
+    let head = |bh: usize| Head::new(bh, shape, &q, &k, &v, &dout, fwd, &delta, blocks, kernels);
     // the key pass: one task per (sequence, head, block of keys), owning its rows of dK and dV
     let per_head = t_n * d_n;
     let per_key_block = blocks.keys * d_n;
@@ -117,14 +226,9 @@ pub fn backward_with_blocks(
             chunks.map(move |(i, dq)| (bh, i, dq))
         })
         .for_each(|(bh, i, dq)| head(bh).query_block(i, dq));
-    let grad = |buf| Array4::from_shape_vec(shape.dims(), buf).expect("length is b·h·T·d");
-    Ok(Grads {
-        dq: grad(dq),
-        dk: grad(dk),
-        dv: grad(dv),
-    })
+    Ok(grads(shape, dq, dk, dv))
 }
-// ANCHOR_END: blockwise_backward
+// ANCHOR_END: two_pass_backward
 
 // ANCHOR: delta
 /// `δ_i = Σ_d dO_id·O_id` for every row, `[batch, heads, tokens]`: the row sums
@@ -148,9 +252,76 @@ struct Head<'a> {
     delta: ArrayView1<'a, f32>,
     scale: f32,
     blocks: BlockSizes,
+    kernels: Kernels,
 }
 
-impl Head<'_> {
+impl<'a> Head<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        bh: usize,
+        shape: Shape,
+        q: &'a ArrayView4<f32>,
+        k: &'a ArrayView4<f32>,
+        v: &'a ArrayView4<f32>,
+        dout: &'a ArrayView4<f32>,
+        fwd: &'a Attention,
+        delta: &'a Array3<f32>,
+        blocks: BlockSizes,
+        kernels: Kernels,
+    ) -> Head<'a> {
+        let (b, h) = (bh / shape.heads, bh % shape.heads);
+        Head {
+            q: q.slice(s![b, h, .., ..]),
+            k: k.slice(s![b, h, .., ..]),
+            v: v.slice(s![b, h, .., ..]),
+            dout: dout.slice(s![b, h, .., ..]),
+            lse: fwd.lse.slice(s![b, h, ..]),
+            delta: delta.slice(s![b, h, ..]),
+            scale: shape.scale() as f32,
+            blocks,
+            kernels,
+        }
+    }
+
+    // ANCHOR: one_pass
+    /// Key blocks `run` of the head: for each, `dV_j = Σ_i P_ijᵀ·dO_i`, `dK_j = Σ_i
+    /// dS_ijᵀ·Q_i·scale` into `dk` and `dv` (the run's rows, from its first key on), and
+    /// `dQ_i += dS_ij·K_j·scale` into `dq` (a whole `[T, d]` dQ this run owns).
+    fn key_run(&self, run: Range<usize>, dk: &mut [f32], dv: &mut [f32], dq: &mut [f32]) {
+        let (t_n, d_n) = self.q.dim();
+        let (br, bc) = (self.blocks.queries, self.blocks.keys);
+        let first_key = run.start * bc;
+        let mut dk = ArrayViewMut2::from_shape((dk.len() / d_n, d_n), dk).expect("[keys, d]");
+        let mut dv = ArrayViewMut2::from_shape((dv.len() / d_n, d_n), dv).expect("[keys, d]");
+        let mut dq = ArrayViewMut2::from_shape((t_n, d_n), dq).expect("[T, d]");
+        let mut p = Array2::zeros((br, bc));
+        let mut ds = Array2::zeros((br, bc));
+        for j in run {
+            let keys = j * bc..((j + 1) * bc).min(t_n);
+            let local = keys.start - first_key..keys.end - first_key;
+            let mut dk = dk.slice_mut(s![local.clone(), ..]);
+            let mut dv = dv.slice_mut(s![local, ..]);
+            let k = self.k.slice(s![keys.clone(), ..]);
+            // causal: the query blocks before the one holding the first key see none of them
+            for start in (keys.start / br * br..t_n).step_by(br) {
+                let rows = start..(start + br).min(t_n);
+                let mut p = p.slice_mut(s![..rows.len(), ..keys.len()]);
+                let mut ds = ds.slice_mut(s![..rows.len(), ..keys.len()]);
+                self.probabilities(rows.clone(), keys.clone(), &mut p);
+                self.grad_scores(rows.clone(), keys.clone(), &p.view(), &mut ds);
+                let (q, dout) = (
+                    self.q.slice(s![rows.clone(), ..]),
+                    self.dout.slice(s![rows.clone(), ..]),
+                );
+                general_mat_mul(1.0, &p.t(), &dout, 1.0, &mut dv); // dV_j += P_ijᵀ·dO_i
+                general_mat_mul(self.scale, &ds.t(), &q, 1.0, &mut dk); // dK_j += dS_ijᵀ·Q_i·scale
+                let mut dq = dq.slice_mut(s![rows, ..]);
+                general_mat_mul(self.scale, &ds, &k, 1.0, &mut dq); // dQ_i += dS_ij·K_j·scale
+            }
+        }
+    }
+    // ANCHOR_END: one_pass
+
     // ANCHOR: key_pass
     /// Key block `j`: `dK_j = Σ_i dS_ijᵀ·Q_i·scale` and `dV_j = Σ_i P_ijᵀ·dO_i` over the query
     /// blocks `i` that see any of its keys, written into `dk` and `dv`, its `[keys, d]` rows.
@@ -210,13 +381,17 @@ impl Head<'_> {
             self.q.slice(s![rows.clone(), ..]),
             self.k.slice(s![cols.clone(), ..]),
         );
-        general_mat_mul(self.scale, &q, &k.t(), 0.0, p); // S_ij
+        general_mat_mul(1.0, &q, &k.t(), 0.0, p); // S_ij / scale
+        // e^(s·scale − lse) = 2^(s·scale·log2 e − lse·log2 e), with step 02's polynomial
+        let c = self.scale * std::f32::consts::LOG2_E;
         for (i, mut row) in rows.zip(p.rows_mut()) {
             // query i sees keys 0..=i: the first `seen` columns of this block
             let seen = (i + 1).saturating_sub(cols.start).min(cols.len());
-            let lse = self.lse[i];
-            row.slice_mut(s![..seen]).mapv_inplace(|s| (s - lse).exp());
-            row.slice_mut(s![seen..]).fill(0.0);
+            let row = row.as_slice_mut().expect("a block's rows are contiguous");
+            let (live, masked) = row.split_at_mut(seen);
+            self.kernels
+                .exp2_shifted(live, c, self.lse[i] * std::f32::consts::LOG2_E);
+            masked.fill(0.0);
         }
     }
     // ANCHOR_END: probabilities_from_lse

@@ -47,7 +47,7 @@ pub mod by_hand;
 pub mod cuda;
 pub mod reference;
 
-pub use blockwise::{BlockSizes, backward, backward_with_blocks};
+pub use blockwise::{BlockSizes, backward, backward_two_pass, backward_with_blocks};
 pub use by_hand::backward_by_hand;
 /// The forward of this pair: step 01's attention by hand, which returns the output and the
 /// natural-log log-sum-exp of each row that every backward here needs.

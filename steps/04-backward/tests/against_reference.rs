@@ -1,4 +1,4 @@
-//! Both f32 backwards against the f64 reference backward, and their errors for bad input.
+//! Every f32 backward against the f64 reference backward, and their errors for bad input.
 
 use ndarray::{Array3, Array4};
 use step01_naive::Shape;
@@ -6,8 +6,8 @@ use step01_naive::inputs::{random_normal, random_qkv};
 use step01_naive::reference::{Error, error};
 use step04_backward::reference::{ReferenceGrads, backward_f64};
 use step04_backward::{
-    AttnError, BackwardFn, BlockSizes, Grads, backward, backward_by_hand, backward_with_blocks,
-    forward,
+    AttnError, BackwardFn, BlockSizes, Grads, backward, backward_by_hand, backward_two_pass,
+    backward_with_blocks, forward,
 };
 
 /// The largest max-abs error of an f32 gradient against the f64 reference, relative to the
@@ -37,10 +37,32 @@ fn blockwise_odd(
     backward_with_blocks(q, k, v, fwd, dout, ODD_BLOCKS)
 }
 
-const METHODS: [(&str, BackwardFn); 3] = [
+fn two_pass(
+    q: ndarray::ArrayView4<f32>,
+    k: ndarray::ArrayView4<f32>,
+    v: ndarray::ArrayView4<f32>,
+    fwd: &step04_backward::Attention,
+    dout: ndarray::ArrayView4<f32>,
+) -> Result<Grads, AttnError> {
+    backward_two_pass(q, k, v, fwd, dout, BlockSizes::default())
+}
+
+fn two_pass_odd(
+    q: ndarray::ArrayView4<f32>,
+    k: ndarray::ArrayView4<f32>,
+    v: ndarray::ArrayView4<f32>,
+    fwd: &step04_backward::Attention,
+    dout: ndarray::ArrayView4<f32>,
+) -> Result<Grads, AttnError> {
+    backward_two_pass(q, k, v, fwd, dout, ODD_BLOCKS)
+}
+
+const METHODS: [(&str, BackwardFn); 5] = [
     ("by hand", backward_by_hand),
     ("blockwise", backward),
     ("blockwise 48×80", blockwise_odd),
+    ("two passes", two_pass),
+    ("two passes 48×80", two_pass_odd),
 ];
 
 /// The errors of dq, dk and dv, and the largest each may be.

@@ -67,17 +67,21 @@ fn the_blockwise_backward_keeps_no_table() {
             by_hand >= grads + 2 * table,
             "by hand at T = {tokens}: {by_hand} B"
         );
-        // blockwise: the gradients, δ and a few 64×64 blocks of f32 per thread (at most 4 each,
-        // 64 KiB), whatever the length; far below one table
-        let per_thread = 4 * 64 * 64 * 4;
+        // blockwise: the gradients, δ, at most three more copies of dQ (one per extra run of
+        // key blocks) and at most 512 KiB per thread (the 128×128 blocks P and dS, 128 KiB, and
+        // the buffers the products pack their operands into), whatever the length; far below
+        // one table
+        let per_thread = 512 * 1024;
         let threads = rayon::current_num_threads();
         let delta = shape.batch * shape.heads * tokens * 4;
+        let dq_copies = 3 * shape.len() * 4;
         assert!(
-            blockwise <= grads + delta + threads * per_thread && blockwise < table,
+            blockwise <= grads + delta + dq_copies + threads * per_thread && blockwise < table,
             "blockwise at T = {tokens}: {blockwise} B with {threads} threads; one table is {table} B"
         );
         peaks.push(blockwise);
     }
-    // four times the tokens: at most four times the memory (sixteen times for a table)
-    assert!(peaks[1] <= 4 * peaks[0], "peaks {peaks:?}");
+    // four times the tokens: about four times the memory (a little more here, as the head is
+    // cut into more runs of key blocks, each with its dQ), where a table takes sixteen times
+    assert!(peaks[1] <= 5 * peaks[0], "peaks {peaks:?}");
 }

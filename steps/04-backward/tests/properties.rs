@@ -1,11 +1,12 @@
-//! What holds for the blockwise backward on any shape and any block sizes, by proptest.
+//! What holds for the blockwise backwards (one pass and two) on any shape and any block sizes,
+//! by proptest.
 
 use ndarray::{Array4, s};
 use proptest::prelude::*;
 use step01_naive::Shape;
 use step01_naive::inputs::{random_normal, random_qkv};
 use step04_backward::{
-    BlockSizes, Grads, backward, backward_by_hand, backward_with_blocks, forward,
+    BlockSizes, Grads, backward, backward_by_hand, backward_two_pass, backward_with_blocks, forward,
 };
 
 fn shapes() -> impl Strategy<Value = (Shape, u64)> {
@@ -41,10 +42,13 @@ proptest! {
         let [q, k, v] = random_qkv(shape, seed);
         let dout = random_normal(shape, seed ^ 0xd0);
         let fwd = forward(q.view(), k.view(), v.view()).unwrap();
-        let got = backward_with_blocks(q.view(), k.view(), v.view(), &fwd, dout.view(), blocks).unwrap();
         let by_hand = backward_by_hand(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
-        let d = max_rel_diff(&got, &by_hand);
-        prop_assert!(d <= 1e-5, "{:?} on {}: differs from by hand by {:e} of the largest value", blocks, shape, d);
+        let one = backward_with_blocks(q.view(), k.view(), v.view(), &fwd, dout.view(), blocks).unwrap();
+        let two = backward_two_pass(q.view(), k.view(), v.view(), &fwd, dout.view(), blocks).unwrap();
+        for (name, got) in [("one pass", one), ("two passes", two)] {
+            let d = max_rel_diff(&got, &by_hand);
+            prop_assert!(d <= 1e-5, "{} {:?} on {}: differs from by hand by {:e} of the largest value", name, blocks, shape, d);
+        }
     }
 
     /// dq of tokens 0..=cut depends on tokens 0..=cut only: changing every later token's q, k, v
@@ -83,7 +87,12 @@ fn the_result_does_not_depend_on_the_number_of_threads() {
             .num_threads(threads)
             .build()
             .unwrap();
-        pool.install(|| backward(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap())
+        pool.install(|| {
+            let blocks = BlockSizes::default();
+            let one = backward(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
+            let two = backward_two_pass(q.view(), k.view(), v.view(), &fwd, dout.view(), blocks);
+            (one, two.unwrap())
+        })
     };
     let one = run(1);
     assert_eq!(one, run(4));

@@ -1,0 +1,92 @@
+//! Milliseconds of the CPU backward alone (from the forward's output and log-sum-exp to dq, dk
+//! and dv) on the tutorial's CPU shape, 1 sequence × 12 heads × T × 64, f32, causal: one pass
+//! with several block sizes, and the two passes of the GPU's split. The measurements behind
+//! `BlockSizes::default()` and the choice of one pass.
+//!
+//! ```sh
+//! cargo run --release -p step04-backward --example speed [-- 1024,2048,4096]
+//! ```
+//!
+//! Each number is the median of 5 timed runs (3 from 4,096 tokens) after one untimed warm-up.
+//! Every variant's gradients are checked against the default's first. GFLOP/s use
+//! FlashAttention's count: the backward is 2.5 × the forward.
+
+use std::time::Instant;
+
+use ndarray::Array4;
+use step01_naive::Shape;
+use step01_naive::inputs::{random_normal, random_qkv};
+use step04_backward::{BlockSizes, Grads, backward_two_pass, backward_with_blocks, forward};
+
+fn median_ms(runs: usize, f: &dyn Fn() -> Grads) -> f64 {
+    f(); // warm-up
+    let mut ms: Vec<f64> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    ms.sort_by(f64::total_cmp);
+    ms[runs / 2]
+}
+
+fn max_diff(a: &Grads, b: &Grads) -> f32 {
+    let d = |x: &Array4<f32>, y: &Array4<f32>| {
+        x.iter()
+            .zip(y)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()))
+    };
+    d(&a.dq, &b.dq).max(d(&a.dk, &b.dk)).max(d(&a.dv, &b.dv))
+}
+
+fn main() {
+    let lengths: Vec<usize> = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "1024,2048,4096".into())
+        .split(',')
+        .map(|s| s.parse().expect("lengths: numbers separated by commas"))
+        .collect();
+    let b = |queries, keys| BlockSizes { queries, keys };
+    let variants: [(&str, BlockSizes, bool); 5] = [
+        ("one pass 128×128", BlockSizes::default(), false),
+        ("one pass 64×64", b(64, 64), false),
+        ("one pass 256×256", b(256, 256), false),
+        ("one pass 64×256", b(64, 256), false),
+        ("two passes 128×128", BlockSizes::default(), true),
+    ];
+    println!(
+        "1 × 12 heads × T × 64, f32, causal; {} threads; backward only, ms (GFLOP/s)",
+        rayon::current_num_threads()
+    );
+    print!("{:>7}", "T");
+    for (name, ..) in &variants {
+        print!(" {name:>20}");
+    }
+    println!();
+    for tokens in lengths {
+        let shape = Shape::new(1, 12, tokens, 64);
+        let [q, k, v] = random_qkv(shape, 0);
+        let dout = random_normal(shape, 1);
+        let fwd = forward(q.view(), k.view(), v.view()).unwrap();
+        let run = |blocks, two| {
+            let f = if two {
+                backward_two_pass
+            } else {
+                backward_with_blocks
+            };
+            f(q.view(), k.view(), v.view(), &fwd, dout.view(), blocks).unwrap()
+        };
+        let first = run(BlockSizes::default(), false);
+        let runs = if tokens >= 4096 { 3 } else { 5 };
+        print!("{tokens:>7}");
+        for &(name, blocks, two) in &variants {
+            let d = max_diff(&run(blocks, two), &first);
+            assert!(d < 1e-4, "{name}: differs from the default by {d}");
+            let ms = median_ms(runs, &|| run(blocks, two));
+            let gflops = 2.5 * shape.forward_flops() / ms / 1e6;
+            print!(" {:>20}", format!("{ms:.1} ({gflops:.0})"));
+        }
+        println!();
+    }
+}
