@@ -4,10 +4,11 @@
 //! `BlockSizes::default()` and the choice of one pass.
 //!
 //! ```sh
-//! cargo run --release -p step04-backward --example speed [-- 1024,2048,4096]
+//! cargo run --release -p step04-backward --example speed [-- 1024,2048,4096,8192]
 //! ```
 //!
 //! Each number is the median of 5 timed runs (3 from 4,096 tokens) after one untimed warm-up.
+//! The output is a Markdown table (`measurements/cpu-speed.txt`, included by chapter 4).
 //! Every variant's gradients are checked against the default's first. GFLOP/s use
 //! FlashAttention's count: the backward is 2.5 × the forward.
 
@@ -43,7 +44,7 @@ fn max_diff(a: &Grads, b: &Grads) -> f32 {
 fn main() {
     let lengths: Vec<usize> = std::env::args()
         .nth(1)
-        .unwrap_or_else(|| "1024,2048,4096".into())
+        .unwrap_or_else(|| "1024,2048,4096,8192".into())
         .split(',')
         .map(|s| s.parse().expect("lengths: numbers separated by commas"))
         .collect();
@@ -55,15 +56,18 @@ fn main() {
         ("one pass 64×256", b(64, 256), false),
         ("two passes 128×128", BlockSizes::default(), true),
     ];
+    // a Markdown table: the book includes the output as it is
     println!(
-        "1 × 12 heads × T × 64, f32, causal; {} threads; backward only, ms (GFLOP/s)",
+        "Backward alone, ms (GFLOP/s), 1 × 12 heads × T × 64, f32, causal, {} threads:",
         rayon::current_num_threads()
     );
-    print!("{:>7}", "T");
+    println!();
+    print!("| T |");
     for (name, ..) in &variants {
-        print!(" {name:>20}");
+        print!(" {name} |");
     }
     println!();
+    println!("| ---: |{}", " ---: |".repeat(variants.len()));
     for tokens in lengths {
         let shape = Shape::new(1, 12, tokens, 64);
         let [q, k, v] = random_qkv(shape, 0);
@@ -79,13 +83,13 @@ fn main() {
         };
         let first = run(BlockSizes::default(), false);
         let runs = if tokens >= 4096 { 3 } else { 5 };
-        print!("{tokens:>7}");
+        print!("| {tokens} |");
         for &(name, blocks, two) in &variants {
             let d = max_diff(&run(blocks, two), &first);
             assert!(d < 1e-4, "{name}: differs from the default by {d}");
             let ms = median_ms(runs, &|| run(blocks, two));
             let gflops = 2.5 * shape.forward_flops() / ms / 1e6;
-            print!(" {:>20}", format!("{ms:.1} ({gflops:.0})"));
+            print!(" {ms:.1} ({gflops:.0}) |");
         }
         println!();
     }

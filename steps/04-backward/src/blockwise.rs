@@ -53,8 +53,23 @@ impl Default for BlockSizes {
     }
 }
 
-/// The gradients of q, k and v, blockwise, with the default block sizes. `fwd` is what a forward
-/// returned for these q, k and v: its output and the natural-log log-sum-exp of each row.
+impl BlockSizes {
+    /// The sizes [`backward`] takes for a sequence of `tokens`: 128 × 128, and 256 × 256 from
+    /// 4,096 tokens, where the longer products outweigh the larger blocks' longer tail (on the
+    /// 2-core EPYC of chapter 2, 3–10% faster at 4,096 and 8,192 tokens and 4–8% slower at
+    /// 2,048: `examples/speed.rs`).
+    pub fn for_tokens(tokens: usize) -> BlockSizes {
+        let side = if tokens >= 4096 { 256 } else { 128 };
+        BlockSizes {
+            queries: side,
+            keys: side,
+        }
+    }
+}
+
+/// The gradients of q, k and v, blockwise, with the block sizes of
+/// [`BlockSizes::for_tokens`]. `fwd` is what a forward returned for these q, k and v: its
+/// output and the natural-log log-sum-exp of each row.
 pub fn backward(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -62,7 +77,8 @@ pub fn backward(
     fwd: &Attention,
     dout: ArrayView4<f32>,
 ) -> Result<Grads, AttnError> {
-    backward_with_blocks(q, k, v, fwd, dout, BlockSizes::default())
+    let blocks = BlockSizes::for_tokens(q.dim().2);
+    backward_with_blocks(q, k, v, fwd, dout, blocks)
 }
 
 // ANCHOR: blockwise_backward

@@ -10,9 +10,11 @@
 //!   `P` and their gradient `dP`, `[batch, heads, T, T]` each.
 //! - [`backward`]: blockwise, the way of FlashAttention-2 (Dao 2023, Algorithm 2): no table.
 //!   The probabilities are rebuilt a block at a time from the scores and the log-sum-exp the
-//!   forward kept, `P = exp(S − lse)`; one pass computes dK and dV per block of keys, a second
-//!   computes dQ per block of queries. Every task writes only its own rows, so the result is
-//!   the same on every run and on any number of threads. Parallel with rayon.
+//!   forward kept, `P = exp(S − lse)`. One pass: a task takes a run of a head's key blocks,
+//!   owns their dK and dV and a whole dQ to add into, so every sum runs in one fixed order and
+//!   the result is the same on every run and on any number of threads. Parallel with rayon.
+//! - [`backward_two_pass`]: the split of the GPU kernels: dK and dV per block of keys, then dQ
+//!   per block of queries, the scores computed twice.
 //!
 //! With the output `O = P·V`, `P = softmax(S)` row by row and `S = Q·Kᵀ·scale` (masked):
 //!
@@ -36,8 +38,8 @@
 //!   function, and the checks every backward runs before any work (CPU or GPU).
 //! - [`reference`](mod@reference): the `f64` backward, through the full table of probabilities.
 //! - [`by_hand`]: [`backward_by_hand`], `f32` through step 01's tables.
-//! - [`blockwise`]: [`backward`] and [`backward_with_blocks`], with the preprocessing
-//!   [`delta`](blockwise::delta), the pass over key blocks and the pass over query blocks.
+//! - [`blockwise`]: [`backward`], [`backward_with_blocks`] and [`backward_two_pass`], with
+//!   the preprocessing [`delta`](blockwise::delta).
 //!
 //! - [`cuda`]: the backward on the GPU, `kernels/flash_backward.cu` (δ, then dK and dV per
 //!   block of keys, then dQ per block of queries), through step 03's [`Gpu`](step03_cuda_forward::Gpu).
