@@ -56,7 +56,7 @@ impl Default for BlockSizes {
 impl BlockSizes {
     /// The sizes [`backward`] takes for a sequence of `tokens`: 128 × 128, and 256 × 256 from
     /// 4,096 tokens, where the longer products outweigh the larger blocks' longer tail (on the
-    /// 2-core EPYC of chapter 2, 3–10% faster at 4,096 and 8,192 tokens and 4–8% slower at
+    /// 2-core EPYC of chapter 2, 1–10% faster at 4,096 and 8,192 tokens and 4–8% slower at
     /// 2,048: `examples/speed.rs`).
     pub fn for_tokens(tokens: usize) -> BlockSizes {
         let side = if tokens >= 4096 { 256 } else { 128 };
