@@ -34,6 +34,7 @@ pub mod by_hand;
 pub mod host;
 pub mod kernel;
 pub mod ptxas;
+pub mod tool;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -69,14 +69,9 @@ fn assemble(ptx: &Ptx, arch: &str, ptxas: &str, file: &Path) -> Result<String, S
 /// compiles every variant for an architecture, each with a name. Prints one line per entry
 /// point; fails on a failed compile, a failed assembly, or any spill.
 pub fn main(kernels: impl Fn(&'static str) -> Vec<(String, Result<Ptx, AttnError>)>) -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let value = |flag: &str| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
-    };
-    if args.iter().any(|a| a == "--help" || a == "-h") {
+    let flags = crate::tool::Flags::from_env();
+    let value = |flag: &str| flags.value(flag);
+    if flags.has("--help") || flags.has("-h") {
         println!(
             "[--arch sm_90] [--ptxas PATH] [--verbose]: compile every kernel with NVRTC, assemble with ptxas -v, fail on spills"
         );
@@ -113,7 +108,7 @@ pub fn main(kernels: impl Fn(&'static str) -> Vec<(String, Result<Ptx, AttnError
                 continue;
             }
         };
-        if args.iter().any(|a| a == "--verbose") {
+        if flags.has("--verbose") {
             println!("{log}");
         }
         let reports = parse(&log);

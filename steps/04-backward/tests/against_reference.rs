@@ -27,42 +27,18 @@ const ODD_BLOCKS: BlockSizes = BlockSizes {
     keys: 80,
 };
 
-fn blockwise_odd(
-    q: ndarray::ArrayView4<f32>,
-    k: ndarray::ArrayView4<f32>,
-    v: ndarray::ArrayView4<f32>,
-    fwd: &step04_backward::Attention,
-    dout: ndarray::ArrayView4<f32>,
-) -> Result<Grads, AttnError> {
-    backward_with_blocks(q, k, v, fwd, dout, ODD_BLOCKS)
-}
-
-fn two_pass(
-    q: ndarray::ArrayView4<f32>,
-    k: ndarray::ArrayView4<f32>,
-    v: ndarray::ArrayView4<f32>,
-    fwd: &step04_backward::Attention,
-    dout: ndarray::ArrayView4<f32>,
-) -> Result<Grads, AttnError> {
-    backward_two_pass(q, k, v, fwd, dout, BlockSizes::default())
-}
-
-fn two_pass_odd(
-    q: ndarray::ArrayView4<f32>,
-    k: ndarray::ArrayView4<f32>,
-    v: ndarray::ArrayView4<f32>,
-    fwd: &step04_backward::Attention,
-    dout: ndarray::ArrayView4<f32>,
-) -> Result<Grads, AttnError> {
-    backward_two_pass(q, k, v, fwd, dout, ODD_BLOCKS)
-}
-
 const METHODS: [(&str, BackwardFn); 5] = [
     ("by hand", backward_by_hand),
     ("blockwise", backward),
-    ("blockwise 48×80", blockwise_odd),
-    ("two passes", two_pass),
-    ("two passes 48×80", two_pass_odd),
+    ("blockwise 48×80", |q, k, v, fwd, dout| {
+        backward_with_blocks(q, k, v, fwd, dout, ODD_BLOCKS)
+    }),
+    ("two passes", |q, k, v, fwd, dout| {
+        backward_two_pass(q, k, v, fwd, dout, BlockSizes::default())
+    }),
+    ("two passes 48×80", |q, k, v, fwd, dout| {
+        backward_two_pass(q, k, v, fwd, dout, ODD_BLOCKS)
+    }),
 ];
 
 /// The errors of dq, dk and dv, and the largest each may be.

@@ -6,35 +6,16 @@
 
 use std::process::ExitCode;
 
-use cudarc::driver::sys::CUevent_flags;
 use step01_naive::Shape;
-use step01_naive::inputs::random_normal;
-use step03_cuda_forward::{Dtype, ForwardConfig, Gpu};
+use step03_cuda_forward::tool::{Tool, median_ms, random_input};
+use step03_cuda_forward::{Dtype, ForwardConfig};
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let value = |flag: &str| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
+    let tool = match Tool::start("forward-tune", "1024,2048,4096,8192,16384", 20) {
+        Ok(tool) => tool,
+        Err(code) => return code,
     };
-    let lengths: Vec<usize> = value("--lengths")
-        .unwrap_or_else(|| "1024,2048,4096,8192,16384".into())
-        .split(',')
-        .map(|s| s.parse().expect("--lengths: numbers separated by commas"))
-        .collect();
-    let runs: usize = value("--runs")
-        .map(|s| s.parse().expect("--runs: a number"))
-        .unwrap_or(20);
-    let gpu = match Gpu::new() {
-        Ok(gpu) => gpu,
-        Err(e) => {
-            eprintln!("forward-tune: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    println!("{}", gpu.describe());
+    let (gpu, lengths, runs) = (&tool.gpu, &tool.lengths, tool.runs);
     let base = ForwardConfig::for_head_dim(64);
     let configs = [
         base,
@@ -53,7 +34,7 @@ fn main() -> ExitCode {
         ForwardConfig { warps: 8, ..base },
     ];
     // --default-only: just the shape the library uses (for a profiler run)
-    let configs: &[ForwardConfig] = if args.iter().any(|a| a == "--default-only") {
+    let configs: &[ForwardConfig] = if tool.flags.has("--default-only") {
         &configs[..1]
     } else {
         &configs
@@ -61,10 +42,7 @@ fn main() -> ExitCode {
     // every tile shape computes the same function: outputs within a few bf16 roundings of each
     // other (other key-block sizes sum in another order, so bit-equality is not expected)
     let shape = Shape::new(2, 3, 1000, 64);
-    let x = |seed| {
-        gpu.upload(random_normal(shape, seed).view(), Dtype::Bf16)
-            .unwrap()
-    };
+    let x = |seed| random_input(gpu, shape, seed);
     let (q, k, v) = (x(1), x(2), x(3));
     let mut first = None;
     for &config in configs {
@@ -102,36 +80,16 @@ fn main() -> ExitCode {
         );
     }
     println!("   (TFLOP/s, median of {runs})");
-    for &tokens in &lengths {
+    for &tokens in lengths {
         let shape = Shape::new(4, 12, tokens, 64);
-        let x = |seed| {
-            gpu.upload(random_normal(shape, seed).view(), Dtype::Bf16)
-                .unwrap()
-        };
+        let x = |seed| random_input(gpu, shape, seed);
         let (q, k, v) = (x(1), x(2), x(3));
         let mut r = gpu.alloc_output(shape, Dtype::Bf16).unwrap();
         print!("{tokens:>7}");
         for &config in configs {
-            let ctx = gpu.context();
-            let mut times = Vec::new();
-            for i in 0..runs + 3 {
-                let start = ctx
-                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .unwrap();
-                let end = ctx
-                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .unwrap();
-                gpu.spin(500).unwrap();
-                start.record(gpu.stream()).unwrap();
+            let ms = median_ms(gpu, runs, || {
                 gpu.forward_with(config, &q, &k, &v, &mut r).unwrap();
-                end.record(gpu.stream()).unwrap();
-                end.synchronize().unwrap();
-                if i >= 3 {
-                    times.push(start.elapsed_ms(&end).unwrap() as f64);
-                }
-            }
-            times.sort_by(f64::total_cmp);
-            let ms = times[times.len() / 2];
+            });
             print!(" {:>9.1} {:>7.3}ms", shape.forward_flops() / ms / 1e9, ms);
         }
         println!();

@@ -11,36 +11,18 @@ use std::process::ExitCode;
 
 use cudarc::driver::sys::CUevent_flags;
 use step01_naive::Shape;
-use step01_naive::inputs::random_normal;
-use step03_cuda_forward::{Dtype, Gpu, cudarc};
+use step03_cuda_forward::tool::{Tool, median_ms, random_input};
+use step03_cuda_forward::{Gpu, cudarc};
 use step04_backward::cuda::{BackwardConfig, backward_marked, backward_with};
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let value = |flag: &str| {
-        args.iter()
-            .position(|a| a == flag)
-            .and_then(|i| args.get(i + 1))
-            .cloned()
+    let tool = match Tool::start("backward-tune", "4096,16384", 20) {
+        Ok(tool) => tool,
+        Err(code) => return code,
     };
-    let lengths: Vec<usize> = value("--lengths")
-        .unwrap_or_else(|| "4096,16384".into())
-        .split(',')
-        .map(|s| s.parse().expect("--lengths: numbers separated by commas"))
-        .collect();
-    let runs: usize = value("--runs")
-        .map(|s| s.parse().expect("--runs: a number"))
-        .unwrap_or(20);
-    let gpu = match Gpu::new() {
-        Ok(gpu) => gpu,
-        Err(e) => {
-            eprintln!("backward-tune: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    println!("{}", gpu.describe());
-    if args.iter().any(|a| a == "--split") {
-        split(&gpu, &lengths, runs);
+    let (gpu, lengths, runs) = (&tool.gpu, &tool.lengths, tool.runs);
+    if tool.flags.has("--split") {
+        split(gpu, lengths, runs);
         return ExitCode::SUCCESS;
     }
     let configs = BackwardConfig::candidates();
@@ -48,15 +30,12 @@ fn main() -> ExitCode {
     // every tile shape computes the same gradients, within a few bf16 roundings (other sizes
     // sum in another order)
     let shape = Shape::new(2, 3, 1000, 64);
-    let x = |seed| {
-        gpu.upload(random_normal(shape, seed).view(), Dtype::Bf16)
-            .unwrap()
-    };
+    let x = |seed| random_input(gpu, shape, seed);
     let (q, k, v, dout) = (x(1), x(2), x(3), x(4));
     let fwd = gpu.forward(&q, &k, &v).unwrap();
     let mut first = None;
     for &config in &configs {
-        let g = backward_with(&gpu, config, &q, &k, &v, &fwd, &dout).unwrap();
+        let g = backward_with(gpu, config, &q, &k, &v, &fwd, &dout).unwrap();
         let got = [&g.dq, &g.dk, &g.dv].map(|t| gpu.download(t).unwrap());
         match &first {
             None => first = Some(got),
@@ -91,37 +70,16 @@ fn main() -> ExitCode {
         );
     }
     println!("   (backward TFLOP/s, 2.5 x the forward's FLOPs; median of {runs})");
-    for &tokens in &lengths {
+    for &tokens in lengths {
         let shape = Shape::new(4, 12, tokens, 64);
-        let x = |seed| {
-            gpu.upload(random_normal(shape, seed).view(), Dtype::Bf16)
-                .unwrap()
-        };
+        let x = |seed| random_input(gpu, shape, seed);
         let (q, k, v, dout) = (x(1), x(2), x(3), x(4));
         let fwd = gpu.forward(&q, &k, &v).unwrap();
         print!("{tokens:>7}");
         for &config in &configs {
-            let ctx = gpu.context();
-            let mut times = Vec::new();
-            for i in 0..runs + 3 {
-                let start = ctx
-                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .unwrap();
-                let end = ctx
-                    .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .unwrap();
-                gpu.spin(500).unwrap();
-                start.record(gpu.stream()).unwrap();
-                let g = backward_with(&gpu, config, &q, &k, &v, &fwd, &dout).unwrap();
-                end.record(gpu.stream()).unwrap();
-                end.synchronize().unwrap();
-                drop(g);
-                if i >= 3 {
-                    times.push(start.elapsed_ms(&end).unwrap() as f64);
-                }
-            }
-            times.sort_by(f64::total_cmp);
-            let ms = times[times.len() / 2];
+            let ms = median_ms(gpu, runs, || {
+                backward_with(gpu, config, &q, &k, &v, &fwd, &dout).unwrap()
+            });
             print!(
                 " {:>13.1} {:>6.3}ms",
                 2.5 * shape.forward_flops() / ms / 1e9,
@@ -143,10 +101,7 @@ fn split(gpu: &Gpu, lengths: &[usize], runs: usize) {
     );
     for &tokens in lengths {
         let shape = Shape::new(4, 12, tokens, 64);
-        let x = |seed| {
-            gpu.upload(random_normal(shape, seed).view(), Dtype::Bf16)
-                .unwrap()
-        };
+        let x = |seed| random_input(gpu, shape, seed);
         let (q, k, v, dout) = (x(1), x(2), x(3), x(4));
         let ctx = gpu.context();
         let event = || {
