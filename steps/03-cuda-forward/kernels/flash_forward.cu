@@ -110,20 +110,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     cp_async_commit();
 
     // ANCHOR: fragment_addresses
-    // Each lane's ldmatrix addresses, in bytes, computed once. A tile's rows 8 apart share their
-    // swizzle (it depends on row % 8), so moving to the next 8 or 16 rows is a constant offset
-    // the compiler folds into the instruction: only the column chunks need a register each.
-    //   q: row warp·WARP_ROWS + lane % 16, chunk 2kk + lane / 16       (+ 16 rows per m-tile)
-    //   k: row lane % 8 + 8·(lane / 16), chunk 2kk + (lane / 8) % 2      (+ 8 rows per n-tile)
-    //   v: row lane % 16, chunk n + lane / 16, for n = 0, 2, ...        (+ 16 rows per k-step)
-    u32 q_frag[HEAD_DIM / 16], k_frag[HEAD_DIM / 16], v_frag[HEAD_DIM / 16];
+    // Each lane's ldmatrix addresses, in bytes, computed once: for q's A fragments
+    //   row warp·WARP_ROWS + lane % 16, chunk 2kk + lane / 16           (+ 16 rows per m-tile)
+    // and for the B fragments of k and v the offsets of BOffsets (tensor_cores.cuh).
+    u32 q_frag[HEAD_DIM / 16];
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
         q_frag[kk] = smem_addr(sq + swizzled(warp * WARP_ROWS + (lane & 15), 2 * kk + (lane >> 4)));
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) k_frag[kk] = 2 * swizzled((lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1));
-#pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; n += 2) v_frag[n / 2] = 2 * swizzled(lane & 15, n + (lane >> 4));
+    const BOffsets off(lane);
     const u32 sk_addr = smem_addr(sk), sv_addr = smem_addr(sv);
     // ANCHOR_END: fragment_addresses
 
@@ -183,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
                 for (int n = 0; n < BLOCK_N / 8; n += 2) {
                     // keys 8n..8n+15, columns 16kk..16kk+15: the B fragments of two n-tiles
                     u32 b0, b1, b2, b3;
-                    ldmatrix_x4(ks + k_frag[kk] + n * (8 * HEAD_DIM * 2), b0, b1, b2, b3);
+                    ldmatrix_x4(ks + off.abt[kk] + n * (8 * HEAD_DIM * 2), b0, b1, b2, b3);
 #pragma unroll
                     for (int mt = 0; mt < M_TILES; ++mt) {
                         mma_16816(s[mt][n], qf[mt], b0, b1);
@@ -256,16 +250,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
             for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
                 u32 pa[M_TILES][4];
 #pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) {
-                    pa[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    pa[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    pa[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    pa[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                }
+                for (int mt = 0; mt < M_TILES; ++mt) accumulators_to_a(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
 #pragma unroll
                 for (int n = 0; n < HEAD_DIM / 8; n += 2) {
                     u32 b0, b1, b2, b3;
-                    ldmatrix_x4_trans(vs + v_frag[n / 2] + kk * (16 * HEAD_DIM * 2), b0, b1, b2, b3);
+                    ldmatrix_x4_trans(vs + off.ab[n / 2] + kk * (16 * HEAD_DIM * 2), b0, b1, b2, b3);
 #pragma unroll
                     for (int mt = 0; mt < M_TILES; ++mt) {
                         mma_16816(o[mt][n], pa[mt], b0, b1);

@@ -36,6 +36,26 @@ __device__ __forceinline__ u32 swizzled(int row, int chunk) {
 }
 // ANCHOR_END: swizzle
 
+// ANCHOR: b_offsets
+// Each lane's ldmatrix offsets, in bytes, into a tile of HEAD_DIM-wide rows, for the B operands
+// of attention's products, computed once. A tile's rows 8 apart share their swizzle (it depends
+// on row % 8), so moving on by 8 or 16 rows is a constant offset the compiler folds into the
+// instruction: only the column chunks need a register each.
+//   abt[kk]: B of a·tileᵀ, the tile's rows as the columns (k in q·kᵀ), plain ldmatrix:
+//            row lane % 8 + 8·(lane / 16), chunk 2kk + (lane / 8) % 2   (+ 8 rows per n-tile)
+//   ab[n/2]: B of a·tile, the tile's rows as k (v in p·v), transposing ldmatrix:
+//            row lane % 16, chunk n + lane / 16, for n = 0, 2, ...      (+ 16 rows per k-step)
+struct BOffsets {
+    u32 abt[HEAD_DIM / 16], ab[HEAD_DIM / 16];
+    __device__ __forceinline__ BOffsets(int lane) {
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) abt[kk] = 2 * swizzled((lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1));
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; n += 2) ab[n / 2] = 2 * swizzled(lane & 15, n + (lane >> 4));
+    }
+};
+// ANCHOR_END: b_offsets
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }
@@ -90,6 +110,18 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     asm("" CVT_X2 " %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+
+// ANCHOR: accumulators_to_a
+// Two neighbouring 16x8 accumulator tiles (columns 16kk..16kk+15 of a product) as the A
+// fragment of one 16x16 tile, rounded to 16 bits: the layouts match (see mma_16816), so a
+// product's result feeds the next product from registers.
+__device__ __forceinline__ void accumulators_to_a(const float (&lo)[4], const float (&hi)[4], u32 (&a)[4]) {
+    a[0] = pack2(lo[0], lo[1]);
+    a[1] = pack2(lo[2], lo[3]);
+    a[2] = pack2(hi[0], hi[1]);
+    a[3] = pack2(hi[2], hi[3]);
+}
+// ANCHOR_END: accumulators_to_a
 
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;

@@ -85,48 +85,34 @@ __device__ __forceinline__ void load_a(const u16* tile, int warp, int lane, u32 
                         f[mt][kk][0], f[mt][kk][1], f[mt][kk][2], f[mt][kk][3]);
 }
 
-// Each lane's ldmatrix offsets in a tile, in bytes, for rows 0..15 (moving on by 8 or 16 rows
-// adds a constant: rows 8 apart share their swizzle).
-//   abt[kk]: B fragments of a·tileᵀ, the tile's rows as the columns (as k in q·kᵀ)
-//   ab[n/2]: B fragments of a·tile, the tile's rows as k (as v in p·v), transposing ldmatrix
-struct Offsets {
-    u32 abt[HEAD_DIM / 16], ab[HEAD_DIM / 16];
-    __device__ __forceinline__ Offsets(int lane) {
+// A's fragments for mma_abt, columns 16kk .. 16kk + 15 of the warp's 32 rows: held in registers
+// for the whole loop, or read from shared memory (rows 32·warp .. of a tile) at each use
+struct HeldA {
+    const u32 (&f)[M_TILES][HEAD_DIM / 16][4];
+    __device__ __forceinline__ void operator()(int kk, u32 (&a)[M_TILES][4]) const {
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) abt[kk] = 2 * swizzled((lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1));
+        for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; n += 2) ab[n / 2] = 2 * swizzled(lane & 15, n + (lane >> 4));
+            for (int i = 0; i < 4; ++i) a[mt][i] = f[mt][kk][i];
+    }
+};
+struct SharedA {
+    u32 tile;
+    int warp, lane;
+    __device__ __forceinline__ void operator()(int kk, u32 (&a)[M_TILES][4]) const {
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+            ldmatrix_x4(tile + 2 * swizzled(warp * WARP_ROWS + mt * 16 + (lane & 15), 2 * kk + (lane >> 4)), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
     }
 };
 
 // acc[mt][n] += a[mt] · tileᵀ for the tile's rows r0 .. r0 + COLS - 1 as the columns
-template <int COLS>
-__device__ __forceinline__ void mma_abt(float (&acc)[M_TILES][COLS / 8][4], const u32 (&a)[M_TILES][HEAD_DIM / 16][4],
-                                        u32 tile, int r0, const Offsets& off) {
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-#pragma unroll
-        for (int n = 0; n < COLS / 8; n += 2) {
-            u32 b0, b1, b2, b3;
-            ldmatrix_x4(tile + off.abt[kk] + (r0 + n * 8) * ROW_BYTES, b0, b1, b2, b3);
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-                mma_16816(acc[mt][n], a[mt][kk], b0, b1);
-                mma_16816(acc[mt][n + 1], a[mt][kk], b2, b3);
-            }
-        }
-}
-
-// the same with a's fragments read from shared memory (a_tile's rows 32·warp ..) as they are used
-template <int COLS>
-__device__ __forceinline__ void mma_abt_smem(float (&acc)[M_TILES][COLS / 8][4], u32 a_tile, int warp, int lane,
-                                             u32 tile, int r0, const Offsets& off) {
+template <int COLS, class A>
+__device__ __forceinline__ void mma_abt(float (&acc)[M_TILES][COLS / 8][4], const A& a_at, u32 tile, int r0, const BOffsets& off) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         u32 a[M_TILES][4];
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-            ldmatrix_x4(a_tile + 2 * swizzled(warp * WARP_ROWS + mt * 16 + (lane & 15), 2 * kk + (lane >> 4)), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
+        a_at(kk, a);
 #pragma unroll
         for (int n = 0; n < COLS / 8; n += 2) {
             u32 b0, b1, b2, b3;
@@ -144,17 +130,12 @@ __device__ __forceinline__ void mma_abt_smem(float (&acc)[M_TILES][COLS / 8][4],
 // turned into A fragments in registers (two neighbouring 16x8 tiles make one 16x16 A tile)
 template <int K>
 __device__ __forceinline__ void mma_pb(float (&acc)[M_TILES][HEAD_DIM / 8][4], const float (&p)[M_TILES][K / 8][4],
-                                       u32 tile, int r0, const Offsets& off) {
+                                       u32 tile, int r0, const BOffsets& off) {
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         u32 a[M_TILES][4];
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) {
-            a[mt][0] = pack2(p[mt][2 * kk][0], p[mt][2 * kk][1]);
-            a[mt][1] = pack2(p[mt][2 * kk][2], p[mt][2 * kk][3]);
-            a[mt][2] = pack2(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
-            a[mt][3] = pack2(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
-        }
+        for (int mt = 0; mt < M_TILES; ++mt) accumulators_to_a(p[mt][2 * kk], p[mt][2 * kk + 1], a[mt]);
 #pragma unroll
         for (int n = 0; n < HEAD_DIM / 8; n += 2) {
             u32 b0, b1, b2, b3;
@@ -274,7 +255,7 @@ __device__ __forceinline__ void dkdv_block(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int kv0 = kb * BLOCK_ROWS, key0 = kv0 + warp * WARP_ROWS;  // this warp's first key
     const float scale_log2 = scale * LOG2E;
-    const Offsets off(lane);
+    const BOffsets off(lane);
 
     // queries kv0 .. T-1 see these keys (a query sees the keys up to itself)
     const int first = kv0 / DKDV_STREAM, q_blocks = (T + DKDV_STREAM - 1) / DKDV_STREAM;
@@ -314,8 +295,8 @@ __device__ __forceinline__ void dkdv_block(
             float p[M_TILES][DKDV_SUB / 8][4], dp[M_TILES][DKDV_SUB / 8][4];
             zero(p);
             zero(dp);
-            mma_abt<DKDV_SUB>(p, kf, tq, c0, off);
-            mma_abt<DKDV_SUB>(dp, vf, tdo, c0, off);
+            mma_abt<DKDV_SUB>(p, HeldA{kf}, tq, c0, off);
+            mma_abt<DKDV_SUB>(dp, HeldA{vf}, tdo, c0, off);
             // only steps that reach a query before one of this warp's keys need the mask
             if (qs0 < key0 + WARP_ROWS - 1)
                 dkdv_probabilities<true>(p, dp, tl, td, c0, q0 - key0, scale_log2, g, t);
@@ -384,7 +365,7 @@ __device__ __forceinline__ void dq_block(
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int q0 = qb * BLOCK_ROWS, row0 = q0 + warp * WARP_ROWS;
     const float scale_log2 = scale * LOG2E;
-    const Offsets off(lane);
+    const BOffsets off(lane);
     // keys 0 .. min(q0 + BLOCK_ROWS, T) - 1 are all this block's rows may see
     const int kv_blocks = (min(q0 + BLOCK_ROWS, T) + DQ_STREAM - 1) / DQ_STREAM;
 
@@ -434,11 +415,11 @@ __device__ __forceinline__ void dq_block(
             zero(s);
             zero(dp);
 #if DQ_HOLD
-            mma_abt<DQ_SUB>(s, qf, tk, c0, off);    // s = q·kᵀ
-            mma_abt<DQ_SUB>(dp, dof, tv, c0, off);  // dp = dO·vᵀ
+            mma_abt<DQ_SUB>(s, HeldA{qf}, tk, c0, off);    // s = q·kᵀ
+            mma_abt<DQ_SUB>(dp, HeldA{dof}, tv, c0, off);  // dp = dO·vᵀ
 #else
-            mma_abt_smem<DQ_SUB>(s, smem_addr(sq), warp, lane, tk, c0, off);
-            mma_abt_smem<DQ_SUB>(dp, smem_addr(sdo), warp, lane, tv, c0, off);
+            mma_abt<DQ_SUB>(s, SharedA{smem_addr(sq), warp, lane}, tk, c0, off);
+            mma_abt<DQ_SUB>(dp, SharedA{smem_addr(sdo), warp, lane}, tv, c0, off);
 #endif
             // only steps that reach a key after one of this warp's rows need the mask
             if (ks0 + DQ_SUB - 1 > row0)
