@@ -30,14 +30,17 @@ pub struct AttendArgs {
     pub q: PathBuf,
     pub k: PathBuf,
     pub v: PathBuf,
+    // [step 04]
     /// The gradient of the loss with respect to the output; asks for the backward pass.
     pub dout: Option<PathBuf>,
+    // [/step 04]
     pub out_dir: PathBuf,
 }
 
 /// Runs the method and writes its results; returns the paths written.
 pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     let method = methods::by_name(&args.method)?;
+    // [step 04]
     if args.dout.is_some() && method.backward.is_none() {
         let with: Vec<_> = methods::all()
             .into_iter()
@@ -54,12 +57,14 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
             }
         ));
     }
+    // [/step 04]
 
     let q = npy::read_f32_4d(&args.q).map_err(|e| e.to_string())?;
     let k = npy::read_f32_4d(&args.k).map_err(|e| e.to_string())?;
     let v = npy::read_f32_4d(&args.v).map_err(|e| e.to_string())?;
     same_shape(&args.k, &k, &args.q, &q)?;
     same_shape(&args.v, &v, &args.q, &q)?;
+    // [step 04]
     let dout = match &args.dout {
         Some(path) => {
             let d = npy::read_f32_4d(path).map_err(|e| e.to_string())?;
@@ -68,6 +73,7 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
         }
         None => None,
     };
+    // [/step 04]
 
     let result = (method.forward)(q.view(), k.view(), v.view())
         .map_err(|e| format!("{} failed: {e}", method.name))?;
@@ -82,6 +88,7 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     };
     write("out.npy", result.out.view().into_dyn())?;
     write("lse.npy", result.lse.view().into_dyn())?;
+    // [step 04]
     if let (Some(dout), Some(backward)) = (dout, method.backward) {
         let grads = backward(q.view(), k.view(), v.view(), &result, dout.view())
             .map_err(|e| format!("{} backward failed: {e}", method.name))?;
@@ -89,6 +96,7 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
         write("dk.npy", grads.dk.view().into_dyn())?;
         write("dv.npy", grads.dv.view().into_dyn())?;
     }
+    // [/step 04]
     Ok(written)
 }
 
@@ -109,8 +117,8 @@ fn same_shape(path: &Path, x: &Array4<f32>, q_path: &Path, q: &Array4<f32>) -> R
 #[cfg(test)]
 mod tests {
     use super::*;
-    use step01_naive::Shape;
-    use step01_naive::inputs::random_qkv;
+    use flash_core::Shape;
+    use flash_core::inputs::random_qkv;
 
     fn setup(name: &str, shape: Shape) -> (PathBuf, AttendArgs, [Array4<f32>; 3]) {
         let dir = std::env::temp_dir().join(format!("attend-{name}-{}", std::process::id()));
@@ -124,7 +132,7 @@ mod tests {
             q: dir.join("q.npy"),
             k: dir.join("k.npy"),
             v: dir.join("v.npy"),
-            dout: None,
+            dout: None, // [step 04]
             out_dir: dir.join("out"),
         };
         (dir, args, qkv)
@@ -147,6 +155,7 @@ mod tests {
         fs::remove_dir_all(dir).unwrap();
     }
 
+    // [step 04]
     #[test]
     fn with_dout_the_gradients_match_the_in_process_backward() {
         let Some(m) = methods::all().into_iter().find(|m| m.backward.is_some()) else {
@@ -169,10 +178,11 @@ mod tests {
         }
         fs::remove_dir_all(dir).unwrap();
     }
+    // [/step 04]
 
     #[test]
     fn bad_inputs_are_refused_with_the_file_and_what_was_expected() {
-        let (dir, mut args, _) = setup("bad", Shape::new(1, 2, 8, 4));
+        let (dir, args, _) = setup("bad", Shape::new(1, 2, 8, 4));
         let k_other = random_qkv(Shape::new(1, 2, 9, 4), 1)[0].clone();
         npy::write_f32(&dir.join("k9.npy"), k_other.view()).unwrap();
 
@@ -200,13 +210,16 @@ mod tests {
             "{err}"
         );
 
+        // [step 04]
         // --dout for a method without a backward pass is refused before any work
         if let Some(m) = methods::all().into_iter().find(|m| m.backward.is_none()) {
+            let mut args = args.clone();
             args.method = m.name.into();
             args.dout = Some(dir.join("q.npy"));
             let err = attend(&args).unwrap_err();
             assert!(err.contains("backward") && err.contains(m.name), "{err}");
         }
+        // [/step 04]
         fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -1,19 +1,164 @@
-//! The command line, parsed by hand: a dozen flags do not need a parser crate's compile time.
+//! The command line, parsed by clap: the benchmark (no subcommand), `attend`, and the hidden
+//! child that measures one peak. Every argument error, whether clap finds it or a check after
+//! it does, prints in clap's style and exits with status 2 ([`EXIT_USAGE`]).
 //!
 //! ## Layout
 //!
-//! - [`Command`]: the benchmark (no subcommand), `attend`, help, and the hidden child that
-//!   measures one peak.
-//! - [`parse`]: arguments to a [`Command`], or an error that says what is accepted.
-//! - [`HELP`]: the text of `--help`.
+//! - [`Cli`]: the flags as clap reads them.
+//! - [`parse`]: arguments to a [`Command`], every flag checked before any work.
+//! - [`BenchArgs`]: the benchmark's flags with their defaults filled in.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, Subcommand};
+use flash_core::Pass;
 
 use crate::attend::AttendArgs;
-use crate::methods::{Device, Dtype};
+use crate::methods::{self, Device, Dtype, Method};
 
-/// The hidden first argument with which the benchmark runs itself to measure one peak.
+/// The hidden subcommand with which the benchmark runs itself to measure one peak.
 pub const PEAK_CHILD: &str = "__measure-peak";
+
+/// Exit status of an argument error.
+pub const EXIT_USAGE: u8 = 2;
+
+const EXAMPLES: &str = "\
+EXIT STATUS
+    0  every row was measured       2  bad arguments
+    1  nothing ran (an error before the sweep, or writing --out failed)
+    3  some rows could not run (out of memory, an unsupported shape, a device error)
+    4  a method's result was wrong: the check before timing failed
+
+EXAMPLES
+    cargo run --release
+    cargo run --release -- --methods naive --lengths 512,1024 --runs 3
+    cargo run --release -- --out charts/data/cpu.json && cargo run -p charts
+    cargo run --release -- attend --method naive --q q.npy --k k.npy --v v.npy --out-dir out/";
+
+/// The causal attention benchmark: every chosen method at every length, time and peak memory,
+/// each result checked against the f64 reference before it is timed.
+#[derive(Parser, Debug)]
+#[command(
+    name = "flash-attention",
+    args_conflicts_with_subcommands = true,
+    after_help = EXAMPLES,
+    long_about = "The causal attention benchmark: every chosen method at every length, each result \
+checked against the f64 reference before it is timed.\n\nTime is the median of --runs calls after \
+a warm-up, the call alone (inputs are made before). Peak memory is measured in a fresh process per \
+method and length: the growth of the resident high-water mark over one call, on top of the inputs. \
+A length that does not fit in memory is reported as out of memory, and the sweep goes on."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Option<Sub>,
+    #[command(flatten)]
+    bench: BenchFlags,
+}
+
+#[derive(Subcommand, Debug)]
+enum Sub {
+    /// Run one method on q, k, v from .npy files and write out.npy and lse.npy (and, with
+    /// --dout, dq.npy, dk.npy, dv.npy), to check it against any framework.
+    Attend(AttendFlags),
+    #[command(name = PEAK_CHILD, hide = true)]
+    PeakChild(BenchFlags),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+struct BenchFlags {
+    /// Where to run: cpu, or cuda once step 03 is there
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    device: Device,
+    /// Methods to run, separated by commas (default: every method of the device); the list
+    /// is under METHODS below
+    #[arg(long, value_delimiter = ',', value_parser = non_empty)]
+    methods: Vec<String>,
+    /// Sequence lengths in tokens [default: 1024,2048,4096,8192; on cuda up to 16384]
+    #[arg(long, value_delimiter = ',', value_parser = at_least_one)]
+    lengths: Vec<usize>,
+    /// Sequences [default: 1; on cuda 4]
+    #[arg(long, value_parser = at_least_one)]
+    batch: Option<usize>,
+    /// Heads
+    #[arg(long, default_value_t = 12, value_parser = at_least_one)]
+    heads: usize,
+    /// Head dim
+    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
+    head_dim: usize,
+    /// Element type; the CPU methods take f32 [default: f32; on cuda bf16]
+    #[arg(long, value_parser = parse_dtype)]
+    dtype: Option<Dtype>,
+    /// Timed runs after the warm-up; the median is reported
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
+    runs: usize,
+    // [step 04]
+    /// Time the forward and the backward together (pass fwd+bwd) instead of the forward
+    #[arg(long)]
+    backward: bool,
+    // [/step 04]
+    /// Also write the rows as JSON (charts/data/ feeds the charts); checked before any work
+    #[arg(long, value_name = "FILE.json")]
+    out: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+struct AttendFlags {
+    /// The method to run (the list is in the benchmark's --help)
+    #[arg(long)]
+    method: String,
+    /// q: a float32 .npy array [batch, heads, tokens, head_dim]
+    #[arg(long, value_name = "FILE.npy")]
+    q: PathBuf,
+    /// k, of q's shape
+    #[arg(long, value_name = "FILE.npy")]
+    k: PathBuf,
+    /// v, of q's shape
+    #[arg(long, value_name = "FILE.npy")]
+    v: PathBuf,
+    // [step 04]
+    /// The output's gradient, of q's shape: asks for the backward too (dq, dk, dv)
+    #[arg(long, value_name = "FILE.npy")]
+    dout: Option<PathBuf>,
+    // [/step 04]
+    /// Where to write the results
+    #[arg(long, value_name = "DIR")]
+    out_dir: PathBuf,
+}
+
+fn parse_device(s: &str) -> Result<Device, String> {
+    Device::ALL
+        .iter()
+        .find(|d| d.name() == s)
+        .copied()
+        .ok_or_else(|| format!("accepted: {}", names(Device::ALL.iter().map(|d| d.name()))))
+}
+
+fn parse_dtype(s: &str) -> Result<Dtype, String> {
+    Dtype::ALL
+        .iter()
+        .find(|d| d.name() == s)
+        .copied()
+        .ok_or_else(|| format!("accepted: {}", names(Dtype::ALL.iter().map(|d| d.name()))))
+}
+
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err("a whole number of at least 1".into()),
+    }
+}
+
+fn non_empty(s: &str) -> Result<String, String> {
+    match s.trim() {
+        "" => Err("a method name; the list is under METHODS in --help".into()),
+        name => Ok(name.to_string()),
+    }
+}
+
+fn names<'a>(xs: impl Iterator<Item = &'a str>) -> String {
+    xs.collect::<Vec<_>>().join(", ")
+}
 
 /// What to measure: the benchmark's flags with their defaults filled in.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -27,216 +172,229 @@ pub struct BenchArgs {
     pub head_dim: usize,
     pub dtype: Dtype,
     pub runs: usize,
+    // [step 04]
     pub backward: bool,
+    // [/step 04]
     pub out: Option<PathBuf>,
+}
+
+impl BenchArgs {
+    /// The pass the flags ask for.
+    pub fn pass(&self) -> Pass {
+        // [step 04]
+        if self.backward {
+            return Pass::ForwardBackward;
+        }
+        // [/step 04]
+        Pass::Forward
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Command {
-    Help,
     Bench(BenchArgs),
     Attend(AttendArgs),
     /// Run one method once at one length and print the growth of the resident high-water mark.
     PeakChild(BenchArgs),
 }
 
-pub const HELP: &str = "\
-flash-attention: the causal attention benchmark, and the `attend` command
+/// The methods with their devices and steps, for the end of `--help`.
+fn method_list() -> String {
+    let mut text = String::from("METHODS\n");
+    for m in methods::all() {
+        text += &format!(
+            "    {:<14} {:<5} step {}: {}\n",
+            m.name,
+            m.device.name(),
+            m.step,
+            m.about
+        );
+    }
+    text
+}
 
-USAGE
-    cargo run --release -- [FLAGS]                    the benchmark
-    cargo run --release -- attend [ATTEND FLAGS]      one method on .npy files
+/// The clap command with the method list appended to its help.
+pub fn command() -> clap::Command {
+    Cli::command()
+        .before_long_help(method_list())
+        .after_long_help(format!("{}\n\n{EXAMPLES}", method_list()))
+}
 
-BENCHMARK FLAGS
-    --device cpu|cuda        where to run (default cpu)
-    --methods a,b            methods to run (default: every method of the device)
-    --lengths 1024,2048      sequence lengths in tokens
-                             (default 1024,2048,4096,8192; on cuda 1024,...,16384)
-    --batch N                sequences (default 1; on cuda 4)
-    --heads N                heads (default 12)
-    --head-dim N             head dim (default 64)
-    --dtype f32|bf16|f16     element type (default f32; on cuda bf16); CPU methods take f32
-    --runs N                 timed runs after one warm-up; the median is reported (default 5)
-    --backward               time forward and backward (pass fwd+bwd) instead of the forward
-    --out FILE.json          also write the rows as JSON (charts/data/ feeds the charts)
-    -h, --help               this text
-
-    Time is the median of --runs calls after a warm-up, the call alone (inputs are made
-    before). Peak memory is measured in a fresh process per method and length: the growth of
-    the resident high-water mark over one call, on top of the inputs. A length that does not
-    fit in memory is reported as out of memory, and the sweep goes on.
-
-ATTEND FLAGS
-    --method NAME            the method to run
-    --q FILE --k FILE --v FILE
-                             float32 .npy arrays of shape [batch, heads, tokens, head_dim]
-    --dout FILE              optional: the output's gradient; also writes dq, dk, dv
-    --out-dir DIR            where to write out.npy, lse.npy (and dq.npy, dk.npy, dv.npy)
-
-EXAMPLES
-    cargo run --release
-    cargo run --release -- --methods naive --lengths 512,1024 --runs 3
-    cargo run --release -- --out charts/data/cpu.json && cargo run -p charts
-    cargo run --release -- --device cuda --backward --out charts/data/gpu-fwd-bwd.json
-    cargo run --release -- attend --method naive --q q.npy --k k.npy --v v.npy --out-dir out/
-";
-
-const BENCH_FLAGS: &str = "--device, --methods, --lengths, --batch, --heads, --head-dim, \
-                           --dtype, --runs, --backward, --out, --help";
-const ATTEND_FLAGS: &str = "--method, --q, --k, --v, --dout, --out-dir";
-
-/// Splits `--flag value` and `--flag=value` into (flag, value) pairs; flags without values
-/// (`--backward`, `--help`) get `None`.
-fn pairs(args: &[String], switches: &[&str]) -> Result<Vec<(String, Option<String>)>, String> {
-    let mut out = Vec::new();
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        if !arg.starts_with('-') {
-            return Err(format!("unexpected argument {arg:?}: flags start with --"));
+/// Parses the arguments (the program's name first) and checks every flag that can be checked
+/// before any work; on an error, returns clap's error, which prints itself and knows its exit
+/// status.
+pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Error> {
+    let mut cmd = command();
+    let matches = cmd.try_get_matches_from_mut(args)?;
+    let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches)
+        .map_err(|e| e.format(&mut cmd))?;
+    let invalid = |cmd: &mut clap::Command, why: String| cmd.error(ErrorKind::ValueValidation, why);
+    match cli.command {
+        Some(Sub::Attend(a)) => {
+            methods::by_name(&a.method).map_err(|e| invalid(&mut cmd, format!("--method: {e}")))?;
+            Ok(Command::Attend(AttendArgs {
+                method: a.method,
+                q: a.q,
+                k: a.k,
+                v: a.v,
+                // [step 04]
+                dout: a.dout,
+                // [/step 04]
+                out_dir: a.out_dir,
+            }))
         }
-        if let Some((flag, value)) = arg.split_once('=') {
-            out.push((flag.to_string(), Some(value.to_string())));
-        } else if switches.contains(&arg.as_str()) {
-            out.push((arg.clone(), None));
-        } else {
-            let value = it
-                .next()
-                .ok_or_else(|| format!("{arg} needs a value"))?
-                .clone();
-            out.push((arg.clone(), Some(value)));
+        Some(Sub::PeakChild(b)) => Ok(Command::PeakChild(bench_args(b))),
+        None => {
+            let args = bench_args(cli.bench);
+            choose(&args).map_err(|why| invalid(&mut cmd, why))?;
+            for &tokens in &args.lengths {
+                let shape = flash_core::Shape::new(args.batch, args.heads, tokens, args.head_dim);
+                shape
+                    .checked_len()
+                    .map_err(|e| invalid(&mut cmd, e.to_string()))?;
+            }
+            if let Some(out) = &args.out {
+                check_writable(out).map_err(|why| invalid(&mut cmd, why))?;
+            }
+            Ok(Command::Bench(args))
         }
     }
-    Ok(out)
 }
 
-fn count(flag: &str, value: &str) -> Result<usize, String> {
-    match value.parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err(format!(
-            "{flag} takes a whole number of at least 1, not {value:?}"
-        )),
-    }
-}
-
-fn list(value: &str) -> impl Iterator<Item = &str> {
-    value.split(',').map(str::trim).filter(|s| !s.is_empty())
-}
-
-/// Parses the arguments after the program's name.
-pub fn parse(args: &[String]) -> Result<Command, String> {
-    match args.first().map(String::as_str) {
-        Some("attend") => parse_attend(&args[1..]),
-        Some(PEAK_CHILD) => parse_bench(&args[1..]).map(|c| match c {
-            Command::Bench(b) => Command::PeakChild(b),
-            other => other,
-        }),
-        _ => parse_bench(args),
-    }
-}
-
-fn parse_bench(args: &[String]) -> Result<Command, String> {
-    let mut device = Device::Cpu;
-    let (mut methods, mut lengths, mut batch, mut dtype) = (Vec::new(), None, None, None);
-    let (mut heads, mut head_dim, mut runs, mut backward, mut out) = (12, 64, 5, false, None);
-    for (flag, value) in pairs(args, &["--backward", "--help", "-h"])? {
-        let value = value.unwrap_or_default();
-        match flag.as_str() {
-            "--help" | "-h" => return Ok(Command::Help),
-            "--backward" => backward = true,
-            "--device" => {
-                device = match value.as_str() {
-                    "cpu" => Device::Cpu,
-                    "cuda" => Device::Cuda,
-                    _ => return Err(format!("--device takes cpu or cuda, not {value:?}")),
-                }
-            }
-            "--methods" => methods = list(&value).map(String::from).collect(),
-            "--lengths" => {
-                lengths = Some(
-                    list(&value)
-                        .map(|t| count("--lengths", t))
-                        .collect::<Result<Vec<_>, _>>()?,
-                )
-            }
-            "--batch" => batch = Some(count(&flag, &value)?),
-            "--heads" => heads = count(&flag, &value)?,
-            "--head-dim" => head_dim = count(&flag, &value)?,
-            "--dtype" => dtype = Some(Dtype::parse(&value)?),
-            "--runs" => runs = count(&flag, &value)?,
-            "--out" => out = Some(PathBuf::from(value)),
-            "--method" | "--q" | "--out-dir" => {
+/// The methods the flags choose, checked against the device, the dtype and the pass: an
+/// unknown name, or a method of another device, is an argument error.
+pub fn choose(args: &BenchArgs) -> Result<Vec<Method>, String> {
+    let of_device: Vec<Method> = methods::all()
+        .into_iter()
+        .filter(|m| m.device == args.device)
+        .collect();
+    let names = |ms: &[Method]| ms.iter().map(|m| m.name).collect::<Vec<_>>().join(", ");
+    let chosen: Vec<Method> = if args.methods.is_empty() {
+        of_device.clone()
+    } else {
+        let mut chosen = Vec::new();
+        for name in &args.methods {
+            let m = methods::by_name(name)?;
+            if m.device != args.device {
                 return Err(format!(
-                    "{flag} belongs to the attend command: `attend {flag} ...`"
+                    "method {name:?} runs on {}, not {}; the {} methods are: {}",
+                    m.device.name(),
+                    args.device.name(),
+                    args.device.name(),
+                    names(&of_device)
                 ));
             }
-            _ => {
-                return Err(format!(
-                    "unknown flag {flag}; the benchmark takes {BENCH_FLAGS}"
-                ));
+            chosen.push(m);
+        }
+        chosen
+    };
+    if args.device == Device::Cpu && args.dtype != Dtype::F32 {
+        return Err(format!(
+            "--dtype {}: the CPU methods compute in f32; bf16 and f16 are for --device cuda",
+            args.dtype
+        ));
+    }
+    // [step 04]
+    if args.backward {
+        let without: Vec<&str> = chosen
+            .iter()
+            .filter(|m| m.backward.is_none())
+            .map(|m| m.name)
+            .collect();
+        let with: Vec<Method> = of_device
+            .iter()
+            .filter(|m| m.backward.is_some())
+            .copied()
+            .collect();
+        if !without.is_empty() {
+            if args.methods.is_empty() {
+                return Ok(with);
             }
+            return Err(format!(
+                "--backward: {} has no backward pass; the methods with one are: {}",
+                without.join(", "),
+                names(&with)
+            ));
         }
     }
-    let cuda = device == Device::Cuda;
-    let lengths = lengths.unwrap_or_else(|| {
+    // [/step 04]
+    Ok(chosen)
+}
+
+fn bench_args(b: BenchFlags) -> BenchArgs {
+    let cuda = b.device != Device::Cpu;
+    let lengths = if b.lengths.is_empty() {
         let top = if cuda { 16384 } else { 8192 };
         (10..).map(|p| 1 << p).take_while(|&t| t <= top).collect()
-    });
-    if lengths.is_empty() {
-        return Err("--lengths takes a comma-separated list such as 1024,2048".into());
-    }
-    Ok(Command::Bench(BenchArgs {
-        device,
-        methods,
+    } else {
+        b.lengths
+    };
+    let dtype = Dtype::F32;
+    // [step 03]
+    let dtype = if cuda { Dtype::Bf16 } else { dtype };
+    // [/step 03]
+    BenchArgs {
+        device: b.device,
+        methods: b.methods,
         lengths,
-        batch: batch.unwrap_or(if cuda { 4 } else { 1 }),
-        heads,
-        head_dim,
-        dtype: dtype.unwrap_or(if cuda { Dtype::Bf16 } else { Dtype::F32 }),
-        runs,
-        backward,
-        out,
-    }))
+        batch: b.batch.unwrap_or(if cuda { 4 } else { 1 }),
+        heads: b.heads,
+        head_dim: b.head_dim,
+        dtype: b.dtype.unwrap_or(dtype),
+        runs: b.runs,
+        // [step 04]
+        backward: b.backward,
+        // [/step 04]
+        out: b.out,
+    }
 }
 
-fn parse_attend(args: &[String]) -> Result<Command, String> {
-    let (mut method, mut q, mut k, mut v, mut dout, mut out_dir) =
-        (None, None, None, None, None, None);
-    for (flag, value) in pairs(args, &["--help", "-h"])? {
-        let path = value.clone().map(PathBuf::from);
-        match flag.as_str() {
-            "--help" | "-h" => return Ok(Command::Help),
-            "--method" => method = value,
-            "--q" => q = path,
-            "--k" => k = path,
-            "--v" => v = path,
-            "--dout" => dout = path,
-            "--out-dir" => out_dir = path,
-            _ => return Err(format!("unknown flag {flag}; attend takes {ATTEND_FLAGS}")),
-        }
+/// `--out` must name a file that can be written: not a folder, in a folder that exists or can
+/// be made. Checked by creating the file's folder and opening the file for appending (which
+/// leaves an existing file as it is), so that a sweep of minutes does not end in an error.
+fn check_writable(out: &Path) -> Result<(), String> {
+    if out.is_dir() {
+        return Err(format!(
+            "--out {}: is a folder; give a file name such as {}/rows.json",
+            out.display(),
+            out.display()
+        ));
     }
-    let need = |x: Option<PathBuf>, flag: &str| {
-        x.ok_or_else(|| format!("attend needs {flag}; it takes {ATTEND_FLAGS}"))
-    };
-    Ok(Command::Attend(AttendArgs {
-        method: method.ok_or_else(|| format!("attend needs --method; it takes {ATTEND_FLAGS}"))?,
-        q: need(q, "--q FILE.npy")?,
-        k: need(k, "--k FILE.npy")?,
-        v: need(v, "--v FILE.npy")?,
-        dout,
-        out_dir: need(out_dir, "--out-dir DIR")?,
-    }))
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            format!(
+                "--out {}: cannot make its folder {}: {e}",
+                out.display(),
+                dir.display()
+            )
+        })?;
+    }
+    let existed = out.exists();
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(out)
+        .map_err(|e| format!("--out {}: cannot write it: {e}", out.display()))?;
+    if !existed {
+        // leave nothing behind if the run then fails before its first row
+        let _ = std::fs::remove_file(out);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn args(s: &str) -> Vec<String> {
-        s.split_whitespace().map(String::from).collect()
+    fn parse_line(s: &str) -> Result<Command, clap::Error> {
+        parse(
+            std::iter::once("flash-attention".to_string())
+                .chain(s.split_whitespace().map(String::from)),
+        )
     }
 
     fn bench(s: &str) -> BenchArgs {
-        match parse(&args(s)).unwrap() {
+        match parse_line(s).unwrap() {
             Command::Bench(b) => b,
             other => panic!("{s}: {other:?}"),
         }
@@ -251,41 +409,61 @@ mod tests {
             (1, 12, 64, 5)
         );
         assert_eq!(cpu.dtype, Dtype::F32);
+        // [step 03]
         let gpu = bench("--device cuda");
         assert_eq!(gpu.lengths, [1024, 2048, 4096, 8192, 16384]);
         assert_eq!((gpu.batch, gpu.dtype), (4, Dtype::Bf16));
+        // [/step 03]
     }
 
     #[test]
     fn flags_take_both_spellings() {
-        let b = bench(
-            "--methods naive,x --lengths=16,32 --batch 2 --head-dim=8 --runs 1 --backward --out a.json",
-        );
+        let b = bench("--methods naive,x --lengths=16,32 --batch 2 --head-dim=8 --runs 1");
         assert_eq!(b.methods, ["naive", "x"]);
         assert_eq!(b.lengths, [16, 32]);
-        assert_eq!((b.batch, b.head_dim, b.runs, b.backward), (2, 8, 1, true));
-        assert_eq!(b.out, Some(PathBuf::from("a.json")));
-        assert_eq!(parse(&args("attend --help")).unwrap(), Command::Help);
+        assert_eq!((b.batch, b.head_dim, b.runs), (2, 8, 1));
         assert!(matches!(
-            parse(&args("__measure-peak --lengths 8")).unwrap(),
+            parse_line("__measure-peak --lengths 8").unwrap(),
             Command::PeakChild(_)
         ));
     }
 
     #[test]
-    fn bad_flags_say_what_is_accepted() {
+    fn bad_flags_say_what_is_accepted_with_one_exit_status() {
         for (line, says) in [
-            ("--device tpu", "cpu or cuda"),
-            ("--dtype f64", "f32, bf16, f16"),
+            ("--device tpu", "accepted: cpu"),
+            ("--dtype f64", "accepted: f32"),
             ("--runs 0", "at least 1"),
             ("--lengths 1k", "whole number"),
-            ("--frobnicate 3", "--lengths"),
-            ("--heads", "needs a value"),
+            ("--lengths ,", "whole number"),
+            ("--methods ,", "method name"),
+            ("--methods=", "method name"),
+            ("--frobnicate", "unexpected argument '--frobnicate'"),
+            ("--frobnicate 3", "unexpected argument '--frobnicate'"),
+            ("--heads", "a value is required"),
             ("attend --method naive --q q.npy", "--k"),
-            ("attend --bogus x", "--out-dir"),
+            ("attend --bogus x", "unexpected argument '--bogus'"),
+            (
+                "attend --method nope --q a --k b --v c --out-dir d",
+                "no method named \"nope\"",
+            ),
+            ("--q q.npy", "unexpected argument '--q'"),
+            ("--k k.npy", "unexpected argument '--k'"),
+            ("--out /", "is a folder"),
         ] {
-            let err = parse(&args(line)).unwrap_err();
-            assert!(err.contains(says), "{line}: {err}");
+            let err = parse_line(line).unwrap_err();
+            let text = err.render().to_string();
+            assert!(text.contains(says), "{line}: {text}");
+            assert_eq!(err.exit_code(), EXIT_USAGE as i32, "{line}");
         }
+    }
+
+    #[test]
+    fn help_lists_the_methods() {
+        let help = command().render_long_help().to_string();
+        for m in methods::all() {
+            assert!(help.contains(m.name), "{help}");
+        }
+        assert!(help.contains("EXIT STATUS"), "{help}");
     }
 }

@@ -9,14 +9,12 @@
 //!
 //! - [`methods`]: the registry of every method, behind one shape of function.
 //! - [`cli`]: the command line.
-//! - [`cuda`]: step 03's GPU methods behind the registry's device hooks.
 //! - [`bench`]: the sweep, the timing and the peak-memory child.
-//! - [`report`]: the rows, the table and the JSON schema.
+//! - [`report`]: the printed table.
 //! - [`attend`] and [`npy`]: the interop command and its `.npy` reader and writer.
 pub mod attend;
 pub mod bench;
 pub mod cli;
-pub mod cuda;
 pub mod methods;
 pub mod npy;
 pub mod report;

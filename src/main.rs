@@ -1,5 +1,5 @@
 //! `cargo run --release`: the attention benchmark; `cargo run --release -- attend ...`: one
-//! method on `.npy` files. `--help` lists the flags.
+//! method on `.npy` files. `--help` lists the flags, the methods and the exit statuses.
 
 use std::process::ExitCode;
 
@@ -7,20 +7,19 @@ use flash_attention::cli::{self, Command};
 use flash_attention::{attend, bench};
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let command = match cli::parse(&args) {
+    let command = match cli::parse(std::env::args()) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("error: {e}\n(--help lists the flags, with examples)");
-            return ExitCode::from(2);
+            // clap's own output: the error with a hint (status 2), or --help (status 0)
+            let _ = e.print();
+            return ExitCode::from(e.exit_code() as u8);
         }
     };
     let result = match command {
-        Command::Help => {
-            print!("{}", cli::HELP);
-            Ok(())
-        }
-        Command::Bench(args) => bench::run(&args).map(|_| ()),
+        Command::Bench(args) => match bench::run(&args) {
+            Ok(rows) => return ExitCode::from(bench::exit_status(&rows)),
+            Err(e) => Err(e),
+        },
         Command::Attend(args) => attend::attend(&args).map(|written| {
             for path in written {
                 println!("wrote {}", path.display());

@@ -7,9 +7,9 @@
 
 use cross_step_tests::cases;
 use flash_attention::methods::{self, Device};
+use flash_core::inputs::{random_normal, random_qkv};
+use flash_core::reference::error;
 use ndarray::Array4;
-use step01_naive::inputs::{random_normal, random_qkv};
-use step01_naive::reference::error;
 use step04_backward::reference::{ReferenceGrads, backward_f64};
 use step04_backward::{Grads, backward, backward_by_hand};
 

@@ -2,8 +2,8 @@
 
 use cross_step_tests::{F32_MAX_ABS, cases};
 use flash_attention::methods::{self, Device};
-use step01_naive::inputs::random_qkv;
-use step01_naive::reference::{attention_f64, error};
+use flash_core::inputs::random_qkv;
+use flash_core::reference::{attention_f64, error};
 
 #[test]
 fn every_cpu_method_matches_the_f64_reference() {
@@ -69,6 +69,7 @@ fn every_cpu_method_returns_an_empty_output_for_empty_input() {
     }
 }
 
+// [step 03]
 /// The CUDA methods of the registry on every case, in bf16, with FlashAttention's rule: max
 /// error against f64 at most twice that of attention by hand in bf16, plus a tiny margin.
 #[test]
@@ -107,3 +108,4 @@ fn every_cuda_method_is_within_twice_by_hand_error_in_bf16() {
         }
     }
 }
+// [/step 03]

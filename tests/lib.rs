@@ -1,6 +1,6 @@
 //! The table of cases every method runs, and the tolerance rule results are held to.
 
-use step01_naive::Shape;
+use flash_core::Shape;
 
 /// One case of the table: a shape and a seed.
 #[derive(Clone, Copy, Debug)]

@@ -2,7 +2,9 @@
 //! 12 heads, head dim 64) at lengths short enough for criterion's many samples.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use step01_naive::{Shape, attention, inputs::random_qkv};
+use flash_core::Shape;
+use flash_core::inputs::random_qkv;
+use step01_naive::attention;
 
 fn by_hand(c: &mut Criterion) {
     let mut group = c.benchmark_group("naive");

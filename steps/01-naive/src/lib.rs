@@ -3,45 +3,29 @@
 //! Causal attention exactly as the formula reads, `softmax(mask(q·kᵀ/√d))·v`, with every
 //! intermediate kept: a table of scores with one row and one column per token, for every head
 //! of every sequence. Its memory grows with the square of the length; the later steps exist to
-//! remove it. This crate is also where every later step gets its footing: the input checks and
-//! the error type they all share, the seeded inputs, and the `f64` reference they are all
-//! checked against.
+//! remove it. Its result is what every later step is checked against, through the `f64`
+//! reference of the shared core (`steps/00-core`), where the input checks, the error type and
+//! the seeded inputs live too.
 //!
 //! ## Layout
 //!
 //! - [`attention`]: the method itself, in four visible stages ([`scores`], [`apply_causal_mask`],
 //!   [`softmax_rows`], then the product with v).
-//! - [`check`]: [`Shape`], [`AttnError`] and [`check_qkv`], run by every method before any work.
-//! - [`reference`]: the same computation in `f64`, and the one error measure.
-//! - [`inputs`]: seeded normal inputs, the same on every machine.
+//! - [`methods`]: what this step adds to the benchmark's registry.
 
-pub mod check;
-pub mod inputs;
-pub mod reference;
-
-pub use check::{AttnError, Shape, check_qkv, check_same, try_zeros};
-
+use flash_core::{Attention, AttnError, Device, Method, check_qkv, try_zeros};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array3, Array4, ArrayView4, s};
 
-/// What every forward method returns.
-#[derive(Clone, Debug)]
-pub struct Attention {
-    /// `[batch, heads, tokens, head_dim]`
-    pub out: Array4<f32>,
-    /// `[batch, heads, tokens]`: each row's natural log-sum-exp of its scaled scores, the one
-    /// number per row that lets the backward pass rebuild the probabilities (step 04).
-    pub lse: Array3<f32>,
-}
-
-impl Attention {
-    /// The output of an empty call (no sequence, head or token): arrays with a zero dimension.
-    pub fn empty(shape: Shape) -> Self {
-        Attention {
-            out: Array4::zeros(shape.dims()),
-            lse: Array3::zeros((shape.batch, shape.heads, shape.tokens)),
-        }
-    }
+/// This step's methods, as the benchmark and the cross-step tests run them.
+pub fn methods() -> Vec<Method> {
+    vec![Method::new(
+        "naive",
+        "01-naive",
+        Device::Cpu,
+        "attention by hand: the whole [b, h, T, T] table of scores, single-threaded",
+        attention,
+    )]
 }
 
 // ANCHOR: by_hand

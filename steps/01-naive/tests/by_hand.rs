@@ -1,9 +1,10 @@
 //! Attention by hand against the f64 reference, and its errors for bad input.
 
+use flash_core::inputs::random_qkv;
+use flash_core::reference::{attention_f64, error};
+use flash_core::{AttnError, Shape};
 use ndarray::Array4;
-use step01_naive::inputs::random_qkv;
-use step01_naive::reference::{attention_f64, error};
-use step01_naive::{AttnError, Shape, attention};
+use step01_naive::attention;
 
 #[test]
 fn matches_the_f64_reference() {
@@ -72,7 +73,7 @@ fn empty_sequences_give_an_empty_output() {
 #[test]
 fn a_table_too_large_to_allocate_is_an_error_not_an_abort() {
     // 2^40 tokens would need a 2^80-entry table: the size overflows before any allocation.
-    let err = step01_naive::try_zeros::<f32>(
+    let err = flash_core::try_zeros::<f32>(
         "a table",
         1usize.checked_shl(63).and_then(|n| n.checked_mul(4)),
     )
@@ -82,7 +83,7 @@ fn a_table_too_large_to_allocate_is_an_error_not_an_abort() {
         "{err}"
     );
     // and a real but impossible allocation is refused, not aborted
-    let err = step01_naive::try_zeros::<f32>("a table", Some(usize::MAX / 8)).unwrap_err();
+    let err = flash_core::try_zeros::<f32>("a table", Some(usize::MAX / 8)).unwrap_err();
     assert!(matches!(err, AttnError::OutOfMemory { .. }), "{err}");
 }
 

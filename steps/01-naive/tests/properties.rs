@@ -1,10 +1,11 @@
 //! Properties of attention by hand that hold for any shape, checked by proptest on random shapes
 //! and seeded random inputs.
 
+use flash_core::Shape;
+use flash_core::inputs::random_qkv;
 use ndarray::{Array4, Axis, s};
 use proptest::prelude::*;
-use step01_naive::inputs::random_qkv;
-use step01_naive::{Shape, attention, probabilities};
+use step01_naive::{attention, probabilities};
 
 fn shapes() -> impl Strategy<Value = (Shape, u64)> {
     (1usize..3, 1usize..4, 1usize..40, 1usize..33, any::<u64>())

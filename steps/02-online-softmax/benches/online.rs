@@ -3,7 +3,8 @@
 //! FLOP count (`Shape::forward_flops`), so criterion's "elem/s" reads as FLOP/s.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use step01_naive::{Shape, inputs::random_qkv};
+use flash_core::Shape;
+use flash_core::inputs::random_qkv;
 use step02_online_softmax::{attention, attention_loop};
 
 fn online(c: &mut Criterion) {

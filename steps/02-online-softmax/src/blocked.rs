@@ -1,8 +1,8 @@
 //! The online softmax written to be read next to its derivation: one block of queries against one
 //! block of keys at a time, single-threaded, in plain loops over `ndarray` views.
 
+use flash_core::{Attention, AttnError, check_qkv};
 use ndarray::{Array3, Array4, ArrayView4, s};
-use step01_naive::{Attention, AttnError, check_qkv};
 
 /// The block size of [`attention_loop`]: 64 queries against 64 keys, the tile FlashAttention-2
 /// uses for head dim 64.

@@ -3,9 +3,9 @@
 
 use std::f32::consts::{LN_2, LOG2_E};
 
+use flash_core::{Attention, AttnError, check_qkv, try_zeros};
 use ndarray::{Array3, Array4, ArrayView4};
 use rayon::prelude::*;
-use step01_naive::{Attention, AttnError, check_qkv, try_zeros};
 
 use crate::kernels::{Dims, Isa, Kernels, LANES};
 
@@ -39,6 +39,18 @@ impl Default for Config {
             fold_log2e: true,
         }
     }
+}
+
+/// What [`attention`] runs on this machine: the instruction set, the blocks and the threads.
+pub fn implementation() -> String {
+    let c = Config::default();
+    format!(
+        "the online softmax: {:?} micro-kernels, blocks of {} queries × {} keys, 2^x by polynomial, {} threads; no T×T table",
+        c.isa,
+        c.block_q,
+        c.block_k,
+        rayon::current_num_threads()
+    )
 }
 
 /// Causal attention by the online softmax, fast: [`attention_with`] and [`Config::default`].

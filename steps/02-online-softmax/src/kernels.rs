@@ -24,7 +24,7 @@
 // tile's shape and unroll completely, with each element in its own register.
 #![allow(clippy::needless_range_loop)]
 
-use step01_naive::AttnError;
+use flash_core::AttnError;
 
 /// Floats in one AVX-512 register: a query block is a multiple of it, and so is `dp`.
 pub const LANES: usize = 16;

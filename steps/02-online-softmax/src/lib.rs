@@ -22,7 +22,7 @@
 //!
 //! ## Versions and what they measured
 //!
-//! `cargo run --release -p step02-online-softmax --example speed -- variants`, 1 sequence × 12
+//! `cargo run --release -p step02-online-softmax --example online-speed -- variants`, 1 sequence × 12
 //! heads × head dim 64, f32, causal, median of several runs, on the idle 2-core AMD EPYC
 //! (AVX-512) of the book's CPU numbers; the full output is `measurements/variants.txt`:
 //!
@@ -46,7 +46,8 @@
 //!   one head's keys and values, then runs the query blocks in parallel.
 //! - [`kernels`]: the micro-kernels in three instruction sets ([`Isa`]), the `2^x` polynomial,
 //!   and all of the crate's `unsafe`.
-//! - `examples/speed.rs`: milliseconds and GFLOP/s at 1k–8k tokens, and the alternatives
+//! - [`methods`]: what this step adds to the benchmark's registry.
+//! - `examples/online-speed.rs`: milliseconds and GFLOP/s at 1k–8k tokens, and the alternatives
 //!   measured; `benches/online.rs`: criterion.
 
 pub mod blocked;
@@ -56,3 +57,26 @@ pub mod kernels;
 pub use blocked::{DEFAULT_BLOCK, attention_blocked, attention_loop};
 pub use fast::{Config, attention, attention_with};
 pub use kernels::Isa;
+
+use flash_core::{Device, Method};
+
+/// This step's methods, as the benchmark and the cross-step tests run them.
+pub fn methods() -> Vec<Method> {
+    vec![
+        Method::new(
+            "online_loop",
+            "02-online-softmax",
+            Device::Cpu,
+            "the online softmax as plain loops, blocks of 64: a running max, sum and output per row, no T×T table; single-threaded",
+            attention_loop,
+        ),
+        Method::new(
+            "online",
+            "02-online-softmax",
+            Device::Cpu,
+            "the online softmax, parallel over (sequence, head, query block), AVX-512/AVX2 micro-kernels, 2^x by polynomial; no T×T table",
+            attention,
+        )
+        .with_implementation(fast::implementation),
+    ]
+}

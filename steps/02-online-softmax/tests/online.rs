@@ -1,10 +1,10 @@
 //! Both versions of the online softmax against the f64 reference and against step 01, every
 //! instruction set against the scalar path, and their errors for bad input.
 
+use flash_core::inputs::{random_normal, random_qkv};
+use flash_core::reference::{attention_f64, error};
+use flash_core::{Attention, AttnError, Shape};
 use ndarray::{Array4, ArrayView4};
-use step01_naive::inputs::{random_normal, random_qkv};
-use step01_naive::reference::{attention_f64, error};
-use step01_naive::{Attention, AttnError, Shape};
 use step02_online_softmax::{
     Config, Isa, attention, attention_blocked, attention_loop, attention_with,
 };

@@ -1,11 +1,11 @@
 //! Properties of the online softmax that hold for any shape and any block size, checked by
 //! proptest on small random shapes and seeded random inputs.
 
+use flash_core::inputs::random_qkv;
+use flash_core::reference::error;
+use flash_core::{Attention, Shape};
 use ndarray::s;
 use proptest::prelude::*;
-use step01_naive::inputs::random_qkv;
-use step01_naive::reference::error;
-use step01_naive::{Attention, Shape};
 use step02_online_softmax::{Config, Isa, attention, attention_blocked, attention_with};
 
 fn shapes() -> impl Strategy<Value = (Shape, u64)> {

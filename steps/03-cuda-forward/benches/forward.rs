@@ -3,8 +3,8 @@
 //! Without a GPU it says so and measures nothing.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use step01_naive::Shape;
-use step01_naive::inputs::random_qkv;
+use flash_core::Shape;
+use flash_core::inputs::random_qkv;
 use step03_cuda_forward::{Dtype, Gpu};
 
 fn forward(c: &mut Criterion) {

@@ -6,8 +6,8 @@
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use flash_core::AttnError;
 use half::{bf16, f16};
-use step01_naive::AttnError;
 
 use crate::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error};
 
@@ -65,6 +65,9 @@ impl Gpu {
                 self.gemm(s, &k.data, &q.data, &mut table)?;
                 self.softmax(q.dtype, &mut table, &mut result.lse, shape.tokens, rows)?;
                 self.gemm(w, &v.data, &table, &mut result.out.data)?;
+            }
+            Dtype::F32 => {
+                crate::half_dtype(q.dtype)?;
             }
         }
         Ok(result)

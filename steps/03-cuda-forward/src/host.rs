@@ -6,7 +6,7 @@ use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array4, ArrayView2, ArrayView4, s};
 
 use crate::Dtype;
-use step01_naive::Shape;
+use flash_core::Shape;
 
 /// Each value rounded to `dtype` (to nearest, ties to even), as raw 16 bits.
 pub fn to_bits(x: ArrayView4<f32>, dtype: Dtype) -> Vec<u16> {
@@ -18,6 +18,7 @@ pub fn to_bits(x: ArrayView4<f32>, dtype: Dtype) -> Vec<u16> {
             .map(|&v| bf16::from_f32(v).to_bits())
             .collect(),
         Dtype::F16 => values.iter().map(|&v| f16::from_f32(v).to_bits()).collect(),
+        Dtype::F32 => unreachable!("16-bit values only: the callers check with half_dtype"),
     }
 }
 
@@ -26,6 +27,7 @@ pub fn from_bits(bits: &[u16], shape: Shape, dtype: Dtype) -> Array4<f32> {
     let values: Vec<f32> = match dtype {
         Dtype::Bf16 => bits.iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
         Dtype::F16 => bits.iter().map(|&b| f16::from_bits(b).to_f32()).collect(),
+        Dtype::F32 => unreachable!("16-bit values only: the callers check with half_dtype"),
     };
     Array4::from_shape_vec(shape.dims(), values).expect("shape matches the buffer")
 }
@@ -35,6 +37,7 @@ pub fn round(x: f32, dtype: Dtype) -> f32 {
     match dtype {
         Dtype::Bf16 => bf16::from_f32(x).to_f32(),
         Dtype::F16 => f16::from_f32(x).to_f32(),
+        Dtype::F32 => x,
     }
 }
 
@@ -123,8 +126,8 @@ mod tests {
 
     #[test]
     fn low_precision_by_hand_is_close_to_the_f64_reference() {
-        use step01_naive::inputs::random_qkv;
-        use step01_naive::reference::{attention_f64, error};
+        use flash_core::inputs::random_qkv;
+        use flash_core::reference::{attention_f64, error};
         let shape = Shape::new(1, 2, 50, 64);
         let [q, k, v] = random_qkv(shape, 3);
         for (dtype, bound) in [(Dtype::Bf16, 0.05), (Dtype::F16, 0.01)] {

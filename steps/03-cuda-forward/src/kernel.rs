@@ -2,7 +2,7 @@
 //! (dtype, head dim) pair into PTX, used by the launcher and by the register and spill check.
 
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
-use step01_naive::AttnError;
+use flash_core::AttnError;
 
 use crate::Dtype;
 

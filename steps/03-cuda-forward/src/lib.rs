@@ -33,8 +33,11 @@
 pub mod by_hand;
 pub mod host;
 pub mod kernel;
+pub mod methods;
 pub mod ptxas;
 pub mod tool;
+
+pub use methods::methods;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -43,25 +46,23 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute, CUresult};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
 };
+use flash_core::{Attention, AttnError, Shape, check_qkv};
 use ndarray::{Array3, Array4, ArrayView4};
-use step01_naive::{Attention, AttnError, Shape, check_qkv};
 
 pub use cudarc;
 pub use kernel::ForwardConfig;
 
-/// The 16-bit floating-point formats the kernels take.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    Bf16,
-    F16,
-}
+/// The element types: the kernels take the 16-bit ones, bf16 and f16 ([`half_dtype`]).
+pub use flash_core::Dtype;
 
-impl Dtype {
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::Bf16 => "bf16",
-            Dtype::F16 => "f16",
-        }
+/// `dtype` if the kernels take it, else an error saying which they take.
+pub fn half_dtype(dtype: Dtype) -> Result<Dtype, AttnError> {
+    match dtype {
+        Dtype::Bf16 | Dtype::F16 => Ok(dtype),
+        Dtype::F32 => Err(AttnError::Unsupported {
+            what: "the CUDA methods compute in bf16 or f16, not f32: pass --dtype bf16 or f16"
+                .into(),
+        }),
     }
 }
 
@@ -345,9 +346,37 @@ impl Gpu {
         Ok((result, Some(high.saturating_sub(before))))
     }
 
+    /// Runs `f` once and returns how long its work took on the GPU, in milliseconds: CUDA
+    /// events recorded on the stream just before and just after it, with a 0.5 ms spin kernel
+    /// in front so that the GPU is still busy while the host launches `f`'s kernels (the time
+    /// is theirs, not the launch's). Whatever `f` returns is dropped after its end is recorded.
+    /// Every GPU timing of the repository goes through here and the core's timing loop.
+    pub fn time_ms<T>(&self, f: impl FnOnce() -> Result<T, AttnError>) -> Result<f64, AttnError> {
+        use cudarc::driver::sys::CUevent_flags;
+        let event = || {
+            self.ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(device_error("creating an event"))
+        };
+        let (start, end) = (event()?, event()?);
+        self.spin(500)?;
+        start
+            .record(&self.stream)
+            .map_err(device_error("recording an event"))?;
+        let result = f()?;
+        end.record(&self.stream)
+            .map_err(device_error("recording an event"))?;
+        end.synchronize().map_err(device_error("the timed call"))?;
+        drop(result);
+        Ok(start
+            .elapsed_ms(&end)
+            .map_err(device_error("reading an elapsed time"))? as f64)
+    }
+
     /// Copies an `f32` array to the GPU, rounding each value to `dtype` (to nearest, ties to even).
     pub fn upload(&self, x: ArrayView4<f32>, dtype: Dtype) -> Result<DeviceTensor, AttnError> {
         let (b, h, t, d) = x.dim();
+        let dtype = half_dtype(dtype)?;
         let bits = host::to_bits(x, dtype);
         let data = self
             .stream
@@ -371,6 +400,7 @@ impl Gpu {
 
     /// Allocates what [`Gpu::forward_into`] writes, for a given input.
     pub fn alloc_output(&self, shape: Shape, dtype: Dtype) -> Result<DeviceAttention, AttnError> {
+        let dtype = half_dtype(dtype)?;
         let out = self
             .stream
             .alloc_zeros::<u16>(shape.len())
@@ -522,6 +552,12 @@ impl Gpu {
             self.upload(v, dtype)?,
         );
         let result = run(&q, &k, &v)?;
+        self.download_attention(&result)
+    }
+
+    /// Copies a result back: the output widened to `f32`, the log-sum-exp as it is.
+    pub fn download_attention(&self, result: &DeviceAttention) -> Result<Attention, AttnError> {
+        let shape = result.out.shape;
         let out = self.download(&result.out)?;
         let lse = self
             .stream

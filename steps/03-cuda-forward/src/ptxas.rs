@@ -6,7 +6,7 @@ use std::path::Path;
 use std::process::{Command, ExitCode};
 
 use cudarc::nvrtc::Ptx;
-use step01_naive::AttnError;
+use flash_core::AttnError;
 
 use crate::kernel::nvrtc_present;
 

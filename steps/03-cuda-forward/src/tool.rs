@@ -4,6 +4,9 @@
 
 use std::process::ExitCode;
 
+use flash_core::AttnError;
+use flash_core::timing::{Warmup, median_ms as median_ms_of};
+
 use crate::Gpu;
 
 /// The arguments after the program's name.
@@ -74,35 +77,22 @@ impl Tool {
 }
 
 /// A `bf16` tensor of `shape` on the GPU, normal random values from `seed`.
-pub fn random_input(gpu: &Gpu, shape: step01_naive::Shape, seed: u64) -> crate::DeviceTensor {
-    let x = step01_naive::inputs::random_normal(shape, seed);
+pub fn random_input(gpu: &Gpu, shape: flash_core::Shape, seed: u64) -> crate::DeviceTensor {
+    let x = flash_core::inputs::random_normal(shape, seed);
     gpu.upload(x.view(), crate::Dtype::Bf16)
         .expect("room on the GPU for a tool's inputs")
 }
 
-/// The median milliseconds of `runs` calls of `f` after 3 untimed ones, each timed between two
-/// CUDA events on the GPU's stream, with a 0.5 ms spin kernel before it so that the host's
-/// launch time is not counted. What a call returns is dropped after its end is recorded.
-pub fn median_ms<T>(gpu: &Gpu, runs: usize, mut f: impl FnMut() -> T) -> f64 {
-    use cudarc::driver::sys::CUevent_flags;
-    let event = || {
-        gpu.context()
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .expect("a CUDA event")
-    };
-    let mut times = Vec::new();
-    for i in 0..runs + 3 {
-        let (start, end) = (event(), event());
-        gpu.spin(500).expect("the spin kernel");
-        start.record(gpu.stream()).expect("recording an event");
-        let out = f();
-        end.record(gpu.stream()).expect("recording an event");
-        end.synchronize().expect("the timed call");
-        drop(out);
-        if i >= 3 {
-            times.push(start.elapsed_ms(&end).expect("an elapsed time") as f64);
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
+/// The median milliseconds of `runs` calls of `f` after 3 untimed ones, each timed by
+/// [`Gpu::time_ms`]; on an error, prints it after the tool's name and gives the exit code to
+/// end with.
+pub fn median_ms<T>(
+    gpu: &Gpu,
+    runs: usize,
+    mut f: impl FnMut() -> Result<T, AttnError>,
+) -> Result<f64, ExitCode> {
+    median_ms_of(Warmup::Calls(3), runs, || gpu.time_ms(&mut f)).map_err(|e| {
+        eprintln!("error: {e}");
+        ExitCode::FAILURE
+    })
 }

@@ -2,10 +2,10 @@
 //! is at most twice that of attention by hand computed in the same precision. Ignored where
 //! there is no GPU (`cargo test -- --include-ignored` runs them on one).
 
+use flash_core::inputs::random_qkv;
+use flash_core::reference::{attention_f64, error};
+use flash_core::{AttnError, Shape};
 use ndarray::s;
-use step01_naive::inputs::random_qkv;
-use step01_naive::reference::{attention_f64, error};
-use step01_naive::{AttnError, Shape};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step03_cuda_forward::{Dtype, Gpu};
 
@@ -37,7 +37,7 @@ type HostFn = fn(
     ndarray::ArrayView4<f32>,
     ndarray::ArrayView4<f32>,
     Dtype,
-) -> Result<step01_naive::Attention, AttnError>;
+) -> Result<flash_core::Attention, AttnError>;
 
 fn check_method(
     gpu: &Gpu,

@@ -4,7 +4,7 @@
 //! backward's FLOP count, 2.5 × the forward's (FlashAttention's count).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use step01_naive::inputs::{random_normal, random_qkv};
+use flash_core::inputs::{random_normal, random_qkv};
 use step04_backward::{BackwardFn, Shape, backward, backward_by_hand, forward};
 
 fn backwards(c: &mut Criterion) {
@@ -17,7 +17,7 @@ fn backwards(c: &mut Criterion) {
             let [q, k, v] = random_qkv(shape, 0);
             let dout = random_normal(shape, 3);
             let fwd = forward(q.view(), k.view(), v.view()).unwrap();
-            group.throughput(Throughput::Elements((2.5 * shape.forward_flops()) as u64));
+            group.throughput(Throughput::Elements(shape.backward_flops() as u64));
             group.bench_with_input(BenchmarkId::from_parameter(tokens), &tokens, |b, _| {
                 b.iter(|| method(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap())
             });

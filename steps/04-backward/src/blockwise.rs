@@ -22,11 +22,11 @@
 
 use std::ops::Range;
 
+use flash_core::{Attention, AttnError, Shape, try_zeros};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array3, Array4, ArrayView1, ArrayView2, ArrayView4, ArrayViewMut2, Axis};
 use ndarray::{Zip, s};
 use rayon::prelude::*;
-use step01_naive::{Attention, AttnError, Shape, try_zeros};
 use step02_online_softmax::{Isa, kernels::Kernels};
 
 use crate::{Grads, check_backward};
@@ -57,7 +57,7 @@ impl BlockSizes {
     /// The sizes [`backward`] takes for a sequence of `tokens`: 128 × 128, and 256 × 256 from
     /// 4,096 tokens, where the longer products outweigh the larger blocks' longer tail (on the
     /// 2-core EPYC of chapter 2, 1–10% faster at 4,096 and 8,192 tokens and 4–8% slower at
-    /// 2,048: `examples/speed.rs`).
+    /// 2,048: `examples/backward-speed.rs`).
     pub fn for_tokens(tokens: usize) -> BlockSizes {
         let side = if tokens >= 4096 { 256 } else { 128 };
         BlockSizes {

@@ -6,9 +6,9 @@
 //! forward's result is used only for its shape. Its memory is `2·B·H·T²·4` bytes, twice the
 //! forward's; a table too large to allocate gives [`AttnError::OutOfMemory`].
 
+use flash_core::{Attention, AttnError, Shape, try_zeros};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array4, ArrayView4, s};
-use step01_naive::{Attention, AttnError, Shape, try_zeros};
 
 use crate::{Grads, check_backward};
 

@@ -5,8 +5,8 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use flash_core::{Attention, AttnError, Shape, check_qkv, check_same};
 use ndarray::{Array4, ArrayView4};
-use step01_naive::{Attention, AttnError, Shape, check_qkv, check_same};
 use step03_cuda_forward::kernel::compile_error;
 use step03_cuda_forward::{
     DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, cudarc, device_error,

@@ -34,8 +34,11 @@
 //!
 //! ## Layout
 //!
-//! - [`Grads`], [`BackwardFn`] and [`check_backward`]: the result, the one shape of a backward
-//!   function, and the checks every backward runs before any work (CPU or GPU).
+//! - [`check_backward`]: the checks every backward runs before any work (CPU or GPU); the
+//!   result, [`Grads`], and the one shape of a backward function, [`BackwardFn`], are the shared
+//!   core's, so the registry can hold them.
+//! - [`add_backwards`]: what this step adds to the benchmark's registry: a backward for each
+//!   method that has one, by name.
 //! - [`reference`](mod@reference): the `f64` backward, through the full table of probabilities.
 //! - [`by_hand`]: [`backward_by_hand`], `f32` through step 01's tables.
 //! - [`blockwise`]: [`backward`], [`backward_with_blocks`] and [`backward_two_pass`], with
@@ -47,47 +50,21 @@
 pub mod blockwise;
 pub mod by_hand;
 pub mod cuda;
+pub mod methods;
 pub mod reference;
+
+pub use methods::add_backwards;
 
 pub use blockwise::{BlockSizes, backward, backward_two_pass, backward_with_blocks};
 pub use by_hand::backward_by_hand;
+pub use flash_core::method::{BackwardFn, Grads};
+pub use flash_core::{Attention, AttnError, Shape};
 /// The forward of this pair: step 01's attention by hand, which returns the output and the
 /// natural-log log-sum-exp of each row that every backward here needs.
 pub use step01_naive::attention as forward;
-pub use step01_naive::{Attention, AttnError, Shape};
 
-use ndarray::{Array4, ArrayView4};
-use step01_naive::{check_qkv, check_same};
-
-/// The gradients of a scalar loss with respect to q, k and v, each `[batch, heads, tokens,
-/// head_dim]` like the input it belongs to.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Grads {
-    pub dq: Array4<f32>,
-    pub dk: Array4<f32>,
-    pub dv: Array4<f32>,
-}
-
-impl Grads {
-    /// Zero gradients of the given shape (also the gradients of an empty call).
-    pub fn zeros(shape: Shape) -> Self {
-        Grads {
-            dq: Array4::zeros(shape.dims()),
-            dk: Array4::zeros(shape.dims()),
-            dv: Array4::zeros(shape.dims()),
-        }
-    }
-}
-
-/// One backward method: q, k, v, what the forward returned for them, and the gradient of the
-/// output `dO`, all `f32`, in; dq, dk and dv out.
-pub type BackwardFn = fn(
-    ArrayView4<f32>,
-    ArrayView4<f32>,
-    ArrayView4<f32>,
-    &Attention,
-    ArrayView4<f32>,
-) -> Result<Grads, AttnError>;
+use flash_core::{check_qkv, check_same};
+use ndarray::ArrayView4;
 
 // ANCHOR: check_backward
 /// Checks the inputs of a backward pass before any work and returns their common shape.
@@ -95,7 +72,7 @@ pub type BackwardFn = fn(
 /// Accepted: q, k and v as the forward accepts them (`[batch, heads, tokens, head_dim]`, one
 /// shape, `head_dim ≥ 1`); `dout` and `fwd.out` of that same shape; `fwd.lse` of shape
 /// `[batch, heads, tokens]`.
-pub fn check_backward<A>(
+pub fn check_backward<A: Copy + Into<f64>>(
     q: &ArrayView4<A>,
     k: &ArrayView4<A>,
     v: &ArrayView4<A>,

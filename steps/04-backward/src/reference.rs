@@ -6,8 +6,8 @@
 //! method's own. Its own correctness is checked against finite differences of the `f64`
 //! forward (`tests/finite_differences.rs`).
 
+use flash_core::{AttnError, check_qkv, check_same};
 use ndarray::{Array2, Array4, ArrayView2, ArrayView4, s};
-use step01_naive::{AttnError, check_qkv, check_same};
 
 /// The gradients in `f64`, each `[batch, heads, tokens, head_dim]`.
 #[derive(Clone, Debug)]

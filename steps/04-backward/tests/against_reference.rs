@@ -1,9 +1,9 @@
 //! Every f32 backward against the f64 reference backward, and their errors for bad input.
 
+use flash_core::Shape;
+use flash_core::inputs::{random_normal, random_qkv};
+use flash_core::reference::{Error, error};
 use ndarray::{Array3, Array4};
-use step01_naive::Shape;
-use step01_naive::inputs::{random_normal, random_qkv};
-use step01_naive::reference::{Error, error};
 use step04_backward::reference::{ReferenceGrads, backward_f64};
 use step04_backward::{
     AttnError, BackwardFn, BlockSizes, Grads, backward, backward_by_hand, backward_two_pass,

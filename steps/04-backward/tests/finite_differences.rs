@@ -1,11 +1,11 @@
 //! The f64 reference backward against central finite differences of the f64 forward: the check
 //! that the reference itself, and so every comparison made with it, is right.
 
+use flash_core::Shape;
+use flash_core::inputs::{random_normal, random_qkv};
+use flash_core::reference::attention_f64;
 use ndarray::Array4;
 use proptest::prelude::*;
-use step01_naive::Shape;
-use step01_naive::inputs::{random_normal, random_qkv};
-use step01_naive::reference::attention_f64;
 use step04_backward::reference::backward_f64;
 
 /// The step of the central difference. Its error is `h²/6·f'''` from truncation (≈ 1e-11 here)

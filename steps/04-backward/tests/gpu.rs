@@ -2,10 +2,10 @@
 //! for each of out, dq, dk and dv: at most twice the error of attention by hand (forward and
 //! autograd backward) in the same precision. Ignored where there is no GPU.
 
+use flash_core::Shape;
+use flash_core::inputs::{random_normal, random_qkv};
+use flash_core::reference::{attention_f64, error};
 use ndarray::Array4;
-use step01_naive::Shape;
-use step01_naive::inputs::{random_normal, random_qkv};
-use step01_naive::reference::{attention_f64, error};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step03_cuda_forward::{Dtype, Gpu};
 use step04_backward::cuda::{backward_by_hand_low_precision, forward_backward};

@@ -1,9 +1,9 @@
 //! The baseline of the GPU tests' rule, checked where it runs (on the CPU): the backward by hand
 //! in bf16 and f16 rounds (its error against f64 is not zero) but stays at the dtype's scale.
 
-use step01_naive::Shape;
-use step01_naive::inputs::{random_normal, random_qkv};
-use step01_naive::reference::error;
+use flash_core::Shape;
+use flash_core::inputs::{random_normal, random_qkv};
+use flash_core::reference::error;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::host::round_array;
 use step04_backward::cuda::backward_by_hand_low_precision;

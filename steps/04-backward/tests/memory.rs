@@ -7,8 +7,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-use step01_naive::Shape;
-use step01_naive::inputs::{random_normal, random_qkv};
+use flash_core::Shape;
+use flash_core::inputs::{random_normal, random_qkv};
 use step04_backward::{backward, backward_by_hand, forward};
 
 /// The system allocator, keeping the bytes in use and their high-water mark.

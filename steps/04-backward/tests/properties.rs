@@ -1,10 +1,10 @@
 //! What holds for the blockwise backwards (one pass and two) on any shape and any block sizes,
 //! by proptest.
 
+use flash_core::Shape;
+use flash_core::inputs::{random_normal, random_qkv};
 use ndarray::{Array4, s};
 use proptest::prelude::*;
-use step01_naive::Shape;
-use step01_naive::inputs::{random_normal, random_qkv};
 use step04_backward::{
     BlockSizes, Grads, backward, backward_by_hand, backward_two_pass, backward_with_blocks, forward,
 };

@@ -6,7 +6,7 @@
 
 use std::process::ExitCode;
 
-use step01_naive::Shape;
+use flash_core::Shape;
 use step03_cuda_forward::tool::{Tool, median_ms, random_input};
 use step03_cuda_forward::{Dtype, ForwardConfig};
 
@@ -87,9 +87,10 @@ fn main() -> ExitCode {
         let mut r = gpu.alloc_output(shape, Dtype::Bf16).unwrap();
         print!("{tokens:>7}");
         for &config in configs {
-            let ms = median_ms(gpu, runs, || {
-                gpu.forward_with(config, &q, &k, &v, &mut r).unwrap();
-            });
+            let ms = match median_ms(gpu, runs, || gpu.forward_with(config, &q, &k, &v, &mut r)) {
+                Ok(ms) => ms,
+                Err(code) => return code,
+            };
             print!(" {:>9.1} {:>7.3}ms", shape.forward_flops() / ms / 1e9, ms);
         }
         println!();

@@ -10,7 +10,8 @@
 use std::process::ExitCode;
 
 use cudarc::driver::sys::CUevent_flags;
-use step01_naive::Shape;
+use flash_core::Shape;
+use flash_core::timing::median;
 use step03_cuda_forward::tool::{Tool, median_ms, random_input};
 use step03_cuda_forward::{Gpu, cudarc};
 use step04_backward::cuda::{BackwardConfig, backward_marked, backward_with};
@@ -77,14 +78,13 @@ fn main() -> ExitCode {
         let fwd = gpu.forward(&q, &k, &v).unwrap();
         print!("{tokens:>7}");
         for &config in &configs {
-            let ms = median_ms(gpu, runs, || {
-                backward_with(gpu, config, &q, &k, &v, &fwd, &dout).unwrap()
-            });
-            print!(
-                " {:>13.1} {:>6.3}ms",
-                2.5 * shape.forward_flops() / ms / 1e9,
-                ms
-            );
+            let ms = match median_ms(gpu, runs, || {
+                backward_with(gpu, config, &q, &k, &v, &fwd, &dout)
+            }) {
+                Ok(ms) => ms,
+                Err(code) => return code,
+            };
+            print!(" {:>13.1} {:>6.3}ms", shape.backward_flops() / ms / 1e9, ms);
         }
         println!();
     }
@@ -130,10 +130,7 @@ fn split(gpu: &Gpu, lengths: &[usize], runs: usize) {
                 }
             }
         }
-        let ms = times.map(|mut t| {
-            t.sort_by(f64::total_cmp);
-            t[t.len() / 2]
-        });
+        let ms = times.map(median);
         let f = shape.forward_flops();
         println!(
             "{tokens:>7} {:>9.3} {:>9.3} {:>9.3} {:>9.3}   forward {:.1}, dK/dV {:.1}, dQ {:.1}",

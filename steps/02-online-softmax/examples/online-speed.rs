@@ -2,8 +2,8 @@
 //! heads × T × 64, f32, causal, and of the alternatives that chose the fast version's design.
 //!
 //! ```sh
-//! cargo run --release -p step02-online-softmax --example speed               # online, online_loop
-//! cargo run --release -p step02-online-softmax --example speed -- variants   # the alternatives
+//! cargo run --release -p step02-online-softmax --example online-speed               # online, online_loop
+//! cargo run --release -p step02-online-softmax --example online-speed -- variants   # the alternatives
 //! ```
 //!
 //! Each number is the median of several timed runs after one untimed warm-up; the result is
@@ -13,12 +13,12 @@
 
 use std::time::Instant;
 
+use flash_core::inputs::random_qkv;
+use flash_core::reference::{attention_f64, error};
+use flash_core::{Attention, AttnError, Shape};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array3, Array4, ArrayView2, ArrayView4, s};
 use rayon::prelude::*;
-use step01_naive::inputs::random_qkv;
-use step01_naive::reference::{attention_f64, error};
-use step01_naive::{Attention, AttnError, Shape};
 use step02_online_softmax::{Config, Isa, attention, attention_loop, attention_with};
 
 type Forward =
@@ -82,7 +82,7 @@ fn ndarray_blocks(
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
 ) -> Result<Attention, AttnError> {
-    let shape = step01_naive::check_qkv(&q, &k, &v)?;
+    let shape = flash_core::check_qkv(&q, &k, &v)?;
     let [b_n, h_n, t_n, d_n] = shape.dims();
     let scale = shape.scale() as f32;
     let blk = 64;

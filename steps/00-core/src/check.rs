@@ -3,6 +3,7 @@
 use std::fmt;
 
 use ndarray::ArrayView4;
+use serde::{Deserialize, Serialize};
 
 /// The shape of one attention call: `[batch, heads, tokens, head_dim]`, as PyTorch lays it out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,6 +34,19 @@ impl Shape {
         self.batch * self.heads * self.tokens * self.head_dim
     }
 
+    /// [`Shape::len`], or an error naming the shape when it overflows the machine's word, so a
+    /// caller can check a shape it was given before it allocates anything.
+    pub fn checked_len(&self) -> Result<usize, AttnError> {
+        self.batch
+            .checked_mul(self.heads)
+            .and_then(|n| n.checked_mul(self.tokens))
+            .and_then(|n| n.checked_mul(self.head_dim))
+            .filter(|&n| n <= isize::MAX as usize / 4)
+            .ok_or_else(|| AttnError::Unsupported {
+                what: format!("{self} has more values than this machine can address"),
+            })
+    }
+
     /// True when there is nothing to compute: no sequence, no head or no token.
     pub fn is_empty(&self) -> bool {
         self.batch == 0 || self.heads == 0 || self.tokens == 0
@@ -43,11 +57,77 @@ impl Shape {
         1.0 / (self.head_dim as f64).sqrt()
     }
 
-    /// Floating-point operations of the causal forward pass as FlashAttention and Triton count
-    /// them: two products of `T·T·D` multiply-adds per head, halved by the mask.
+    // ANCHOR: flops
+    /// Floating-point operations of the causal forward pass as FlashAttention, Triton and the
+    /// series this book follows count them: two products of `T·T·D` multiply-adds per head,
+    /// halved by the mask, `4·B·H·T²·D / 2`.
     pub fn forward_flops(&self) -> f64 {
-        4.0 * (self.batch * self.heads) as f64 * (self.tokens as f64).powi(2) * self.head_dim as f64
+        4.0 * self.batch as f64
+            * self.heads as f64
+            * (self.tokens as f64).powi(2)
+            * self.head_dim as f64
             / 2.0
+    }
+
+    // [step 04]
+    /// The backward pass counted the same way: five products where the forward has two, so
+    /// 2.5 forwards.
+    pub fn backward_flops(&self) -> f64 {
+        2.5 * self.forward_flops()
+    }
+    // [/step 04]
+
+    /// The FLOPs of one measured pass.
+    pub fn flops(&self, pass: Pass) -> f64 {
+        match pass {
+            Pass::Forward => self.forward_flops(),
+            // [step 04]
+            Pass::ForwardBackward => self.forward_flops() + self.backward_flops(),
+            // [/step 04]
+        }
+    }
+    // ANCHOR_END: flops
+}
+
+/// What a measurement times: the forward pass, or the forward and the backward after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Pass {
+    #[serde(rename = "fwd")]
+    Forward,
+    // [step 04]
+    #[serde(rename = "fwd+bwd")]
+    ForwardBackward,
+    // [/step 04]
+}
+
+impl Pass {
+    /// Every pass, in the order the charts draw them.
+    pub const ALL: &[Pass] = &[
+        Pass::Forward,
+        // [step 04]
+        Pass::ForwardBackward,
+        // [/step 04]
+    ];
+
+    /// The name the JSON rows carry: `fwd`, `fwd+bwd`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pass::Forward => "fwd",
+            // [step 04]
+            Pass::ForwardBackward => "fwd+bwd",
+            // [/step 04]
+        }
+    }
+
+    /// The pass a JSON row names.
+    pub fn parse(name: &str) -> Option<Pass> {
+        Pass::ALL.iter().copied().find(|p| p.name() == name)
+    }
+}
+
+impl fmt::Display for Pass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -72,6 +152,9 @@ pub enum AttnError {
     UnsupportedHeadDim { head_dim: usize, supported: String },
     /// Some other size the method cannot take (too many tokens for its indices, say).
     Unsupported { what: String },
+    /// An input holds a NaN or an infinity: `what` names the tensor, the first such value and
+    /// its position.
+    NonFinite { what: String },
     /// Allocating `bytes` failed: the input is too large for this method on this machine.
     OutOfMemory { what: String, bytes: u128 },
     /// No usable device, or the device failed (no GPU, no NVRTC, a failed compile or launch).
@@ -99,6 +182,10 @@ impl fmt::Display for AttnError {
                 )
             }
             AttnError::Unsupported { what } => write!(f, "unsupported input: {what}"),
+            AttnError::NonFinite { what } => write!(
+                f,
+                "non-finite input: {what}; every value of q, k, v (and dout) must be a finite number"
+            ),
             AttnError::OutOfMemory { what, bytes } => write!(
                 f,
                 "out of memory: {what} needs {:.1} MB; try fewer tokens, sequences or heads, or a method that keeps no T×T table",
@@ -114,9 +201,12 @@ impl std::error::Error for AttnError {}
 // ANCHOR: check_qkv
 /// Checks q, k and v before any work and returns their common shape.
 ///
-/// Accepted: three arrays `[batch, heads, tokens, head_dim]` of one shape, with `head_dim ≥ 1`.
-/// Zero sequences, heads or tokens are accepted and give an empty output.
-pub fn check_qkv<A>(
+/// Accepted: three arrays `[batch, heads, tokens, head_dim]` of one shape, with `head_dim ≥ 1`,
+/// holding finite numbers. Zero sequences, heads or tokens are accepted and give an empty
+/// output. A NaN or an infinity is refused rather than computed with: a method would spread it
+/// over whatever it shares a block with (a masked probability of 0 times an infinite value is
+/// NaN), so the answer would depend on the method's block size.
+pub fn check_qkv<A: Copy + Into<f64>>(
     q: &ArrayView4<A>,
     k: &ArrayView4<A>,
     v: &ArrayView4<A>,
@@ -136,6 +226,9 @@ pub fn check_qkv<A>(
     if head_dim == 0 {
         return Err(AttnError::ZeroHeadDim);
     }
+    check_finite("q", q)?;
+    check_finite("k", k)?;
+    check_finite("v", v)?;
     Ok(Shape {
         batch,
         heads,
@@ -145,15 +238,30 @@ pub fn check_qkv<A>(
 }
 // ANCHOR_END: check_qkv
 
-/// Checks that a further array (an output gradient, say) has the shape of q.
-pub fn check_same<A>(name: &str, x: &ArrayView4<A>, shape: Shape) -> Result<(), AttnError> {
+/// Refuses an array that holds a NaN or an infinity, naming it and the first such position.
+pub fn check_finite<A: Copy + Into<f64>>(name: &str, x: &ArrayView4<A>) -> Result<(), AttnError> {
+    match x.indexed_iter().find(|(_, v)| !(**v).into().is_finite()) {
+        None => Ok(()),
+        Some(((b, h, t, d), v)) => Err(AttnError::NonFinite {
+            what: format!("{name}[{b}, {h}, {t}, {d}] is {}", (*v).into()),
+        }),
+    }
+}
+
+/// Checks that a further array (an output gradient, say) has the shape of q and holds finite
+/// numbers.
+pub fn check_same<A: Copy + Into<f64>>(
+    name: &str,
+    x: &ArrayView4<A>,
+    shape: Shape,
+) -> Result<(), AttnError> {
     let d: [usize; 4] = x.dim().into();
     if d != shape.dims() {
         return Err(AttnError::ShapeMismatch {
             what: format!("{name} is {d:?} but q, k and v are {:?}", shape.dims()),
         });
     }
-    Ok(())
+    check_finite(name, x)
 }
 
 /// Allocates `len` zeros, returning `OutOfMemory` instead of aborting the process when the

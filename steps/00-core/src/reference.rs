@@ -62,6 +62,45 @@ pub fn attention_f64<A: Copy + Into<f64>>(
     Ok(Reference { out, lse })
 }
 
+/// The reference for a few rows only, `(batch, head, token)` each: that row's output and
+/// log-sum-exp in `f64`. A row of causal attention needs only its own query and the keys and
+/// values up to it, so checking a sample of rows costs `O(T·D)` each, where the whole
+/// reference costs `O(T²·D)` per head: what lets a long run be checked before it is timed.
+pub fn rows_f64<A: Copy + Into<f64>>(
+    q: ArrayView4<A>,
+    k: ArrayView4<A>,
+    v: ArrayView4<A>,
+    rows: &[(usize, usize, usize)],
+) -> Result<Vec<(Vec<f64>, f64)>, AttnError> {
+    let shape = check_qkv(&q, &k, &v)?;
+    let scale = shape.scale();
+    let mut out = Vec::with_capacity(rows.len());
+    for &(b, h, i) in rows {
+        let s: Vec<f64> = (0..=i)
+            .map(|j| {
+                let dot: f64 = (0..shape.head_dim)
+                    .map(|d| q[[b, h, i, d]].into() * k[[b, h, j, d]].into())
+                    .sum();
+                dot * scale
+            })
+            .collect();
+        let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let p: Vec<f64> = s.iter().map(|x| (x - max).exp()).collect();
+        let sum: f64 = p.iter().sum();
+        let o = (0..shape.head_dim)
+            .map(|d| {
+                p.iter()
+                    .enumerate()
+                    .map(|(j, p)| p * v[[b, h, j, d]].into())
+                    .sum::<f64>()
+                    / sum
+            })
+            .collect();
+        out.push((o, max + sum.ln()));
+    }
+    Ok(out)
+}
+
 /// How far a result is from the reference.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Error {

@@ -4,7 +4,7 @@
 //! `BlockSizes::default()` and the choice of one pass.
 //!
 //! ```sh
-//! cargo run --release -p step04-backward --example speed [-- 1024,2048,4096,8192]
+//! cargo run --release -p step04-backward --example backward-speed [-- 1024,2048,4096,8192]
 //! ```
 //!
 //! Each number is the median of 5 timed runs (3 from 4,096 tokens) after one untimed warm-up.
@@ -14,9 +14,9 @@
 
 use std::time::Instant;
 
+use flash_core::Shape;
+use flash_core::inputs::{random_normal, random_qkv};
 use ndarray::Array4;
-use step01_naive::Shape;
-use step01_naive::inputs::{random_normal, random_qkv};
 use step04_backward::{BlockSizes, Grads, backward_two_pass, backward_with_blocks, forward};
 
 fn median_ms(runs: usize, f: &dyn Fn() -> Grads) -> f64 {
@@ -88,7 +88,7 @@ fn main() {
             let d = max_diff(&run(blocks, two), &first);
             assert!(d < 1e-4, "{name}: differs from the default by {d}");
             let ms = median_ms(runs, &|| run(blocks, two));
-            let gflops = 2.5 * shape.forward_flops() / ms / 1e6;
+            let gflops = shape.backward_flops() / ms / 1e6;
             print!(" {ms:.1} ({gflops:.0}) |");
         }
         println!();

@@ -1,0 +1,146 @@
+//! One measurement as `charts/data/*.json` holds it: the benchmark writes these rows, the
+//! charts read them, and the PyTorch peer script (`charts/peers/pytorch_peers.py`) writes the
+//! same keys. A file is a JSON list of rows.
+
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::check::Pass;
+use crate::method::{Device, Dtype};
+
+/// One measurement: a method at one shape and pass, or why it could not be measured.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    pub method: String,
+    /// What ran: the method's implementation line (SIMD path, threads, kernel).
+    pub implementation: String,
+    /// One line about the machine: the CPU model and threads, or the GPU.
+    pub device: String,
+    /// Which charts the row belongs to.
+    pub device_kind: Device,
+    pub tokens: usize,
+    pub batch: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub dtype: Dtype,
+    pub pass: Pass,
+    pub runs: usize,
+    /// Median milliseconds of one call.
+    pub ms: Option<f64>,
+    /// FLOPs as FlashAttention counts them ([`Shape::flops`](crate::Shape::flops)) over the
+    /// median time, in TFLOP/s.
+    pub tflops: Option<f64>,
+    /// Memory one call needs on top of its inputs.
+    pub peak_bytes: Option<u64>,
+    pub commit: String,
+    pub date: String,
+    /// Why the row has no time: "out of memory: ...", an unsupported shape, a device error, a
+    /// wrong result.
+    pub error: Option<String>,
+}
+
+impl Row {
+    /// The shape the row measured.
+    pub fn shape(&self) -> crate::Shape {
+        crate::Shape::new(self.batch, self.heads, self.tokens, self.head_dim)
+    }
+}
+
+/// The rows as a file holds them: a list, one object per row.
+pub fn to_json(rows: &[Row]) -> String {
+    let mut text = serde_json::to_string_pretty(rows).expect("rows are plain values");
+    text.push('\n');
+    text
+}
+
+/// The rows of one file; `source` names it in the error.
+pub fn from_json(json: &str, source: &str) -> Result<Vec<Row>, String> {
+    serde_json::from_str(json).map_err(|e| format!("{source}: not a list of benchmark rows: {e}"))
+}
+
+/// `$BENCH_COMMIT` if set, else `git rev-parse --short HEAD`, or "unknown" outside a git checkout.
+pub fn commit() -> String {
+    // a copy of the tree on another machine (a GPU box) is no git checkout: the caller names
+    // the commit it was copied from
+    if let Some(c) = std::env::var("BENCH_COMMIT").ok().filter(|c| !c.is_empty()) {
+        return c;
+    }
+    Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// The time now in UTC as `YYYY-MM-DDTHH:MM:SSZ`.
+pub fn utc_now() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    utc(secs)
+}
+
+fn utc(secs: u64) -> String {
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // days since 1970-01-01 to a civil date (Howard Hinnant's `civil_from_days`)
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_are_civil_utc() {
+        assert_eq!(utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(utc(1_798_761_599), "2026-12-31T23:59:59Z");
+    }
+
+    #[test]
+    fn rows_round_trip_with_the_keys_the_peers_write() {
+        // a row as charts/peers/pytorch_peers.py writes it
+        let peer = r#"[{"batch": 1, "commit": "5b8e78e", "date": "2026-11-30T00:28:38Z",
+            "device": "AMD EPYC (2 threads)", "device_kind": "cpu", "dtype": "f32", "error": null,
+            "head_dim": 64, "heads": 12, "implementation": "torch SDPA", "method": "pytorch_sdpa",
+            "ms": 15.0, "pass": "fwd", "peak_bytes": 7500000, "runs": 5, "tflops": 0.107,
+            "tokens": 1024}]"#;
+        let rows = from_json(peer, "peer").unwrap();
+        assert_eq!(rows[0].pass, Pass::Forward);
+        assert_eq!(rows[0].device_kind, Device::Cpu);
+        assert_eq!(from_json(&to_json(&rows), "again").unwrap(), rows);
+        let bad = from_json(r#"[{"method": "x"}]"#, "bad.json").unwrap_err();
+        assert!(
+            bad.starts_with("bad.json: ") && bad.contains("missing field"),
+            "{bad}"
+        );
+    }
+
+    #[test]
+    fn flops_follow_the_anchors() {
+        // FlashAttention's count: at T = 16384, B = 4, H = 12, D = 64, a 5.447 ms forward is 302.8 TFLOP/s
+        let shape = crate::Shape::new(4, 12, 16384, 64);
+        let tf = shape.flops(Pass::Forward) / 5.447e-3 / 1e12;
+        assert!((tf - 302.8).abs() < 0.1, "{tf}");
+    }
+}
