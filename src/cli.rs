@@ -418,8 +418,8 @@ mod tests {
 
     #[test]
     fn flags_take_both_spellings() {
-        let b = bench("--methods naive,x --lengths=16,32 --batch 2 --head-dim=8 --runs 1");
-        assert_eq!(b.methods, ["naive", "x"]);
+        let b = bench("--methods naive,naive --lengths=16,32 --batch 2 --head-dim=8 --runs 1");
+        assert_eq!(b.methods, ["naive", "naive"]);
         assert_eq!(b.lengths, [16, 32]);
         assert_eq!((b.batch, b.head_dim, b.runs), (2, 8, 1));
         assert!(matches!(

@@ -157,10 +157,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
             const u32 vs = sv_addr + stage * (BLOCK_N * HEAD_DIM * 2);
 
             // ANCHOR: scores_mma
-            // s = q·kᵀ for the warp's rows x 64 keys, in 16x8 tiles. K is stored [key][dim],
+            // s = q·kᵀ for the warp's rows x BLOCK_N keys, in 16x8 tiles. K is stored [key][dim],
             // which is exactly the column-major B operand, so plain ldmatrix gives its
             // fragments, and each one serves all M_TILES row tiles. q's A fragments are read
-            // again for each block, 32 columns at a time, rather than held across the loop:
+            // again for each block, 16 head dims at a time, rather than held across the loop:
             // registers go to the output and the scores.
             float s[M_TILES][BLOCK_N / 8][4];
 #pragma unroll
