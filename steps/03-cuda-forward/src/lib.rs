@@ -33,6 +33,7 @@
 pub mod by_hand;
 pub mod host;
 pub mod kernel;
+pub mod ladder;
 pub mod ptxas;
 pub mod tool;
 
@@ -48,6 +49,7 @@ use step01_naive::{Attention, AttnError, Shape, check_qkv};
 
 pub use cudarc;
 pub use kernel::ForwardConfig;
+pub use ladder::Rung;
 
 /// The 16-bit floating-point formats the kernels take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -429,19 +431,7 @@ impl Gpu {
         result: &mut DeviceAttention,
     ) -> Result<(), AttnError> {
         let shape = check_device(q, k, v)?;
-        if result.out.shape != shape
-            || result.out.dtype != q.dtype
-            || result.lse.len() != shape.batch * shape.heads * shape.tokens
-        {
-            return Err(AttnError::ShapeMismatch {
-                what: format!(
-                    "the output buffers are for {} {}, the inputs are {shape} {}",
-                    result.out.shape,
-                    result.out.dtype.name(),
-                    q.dtype.name()
-                ),
-            });
-        }
+        check_output(shape, q.dtype, result)?;
         if shape.is_empty() {
             return Ok(());
         }
@@ -539,6 +529,28 @@ fn check_head_dim(head_dim: usize) -> Result<(), AttnError> {
     } else {
         Err(kernel::unsupported_head_dim(head_dim))
     }
+}
+
+/// That the output buffers were allocated for inputs of this shape and dtype.
+pub(crate) fn check_output(
+    shape: Shape,
+    dtype: Dtype,
+    result: &DeviceAttention,
+) -> Result<(), AttnError> {
+    if result.out.shape != shape
+        || result.out.dtype != dtype
+        || result.lse.len() != shape.batch * shape.heads * shape.tokens
+    {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "the output buffers are for {} {}, the inputs are {shape} {}",
+                result.out.shape,
+                result.out.dtype.name(),
+                dtype.name()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The checks [`Gpu::forward`] makes before a launch: one shape and dtype for q, k and v, a
