@@ -52,7 +52,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK_M) ladder_rows(
     // m: the largest score seen so far; l: the sum of 2^((s - m)·scale_log2) over those keys
     float m = NEG_INF, l = 0.f;
 
-    // ANCHOR: rows_loop
     // causal: row `row` sees keys 0..row, and no others are read
     for (int j = 0; j <= row; ++j) {
         const u16* kj = k + (long long)j * HEAD_DIM;
@@ -70,7 +69,6 @@ extern "C" __global__ void __launch_bounds__(BLOCK_M) ladder_rows(
         for (int c = 0; c < HEAD_DIM; ++c) o[c] = fmaf(o[c], correction, p * to_f32(vj[c]));
         m = m_new;
     }
-    // ANCHOR_END: rows_loop
 
     // o / l, and ln(sum e^(s/sqrt(d))) = (m·scale_log2 + log2 l)·ln 2
     const float inv = 1.f / l;

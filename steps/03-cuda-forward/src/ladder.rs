@@ -237,7 +237,6 @@ impl Gpu {
         Ok(result)
     }
 
-    // ANCHOR: ladder_forward_into
     /// [`Gpu::ladder_forward`] into buffers allocated before (what a benchmark times). Rung 4
     /// is [`Gpu::forward_into`] itself.
     pub fn ladder_forward_into(
@@ -289,7 +288,6 @@ impl Gpu {
         unsafe { launch.launch(config) }.map_err(device_error("launching a ladder kernel"))?;
         Ok(())
     }
-    // ANCHOR_END: ladder_forward_into
 
     /// Host-side entry point for a rung, as [`Gpu::attention`] is for rung 4: rounds `f32`
     /// inputs to `dtype`, runs [`Gpu::ladder_forward`] and returns the output widened back to
