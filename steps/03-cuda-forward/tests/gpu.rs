@@ -194,6 +194,7 @@ fn causal_and_deterministic(gpu: &Gpu, name: &str, method: impl HostFn) {
     );
 }
 
+// ANCHOR: check_rung
 /// One rung of the ladder on the lengths of the step's table (1, 77, 128, 300, 1024: partial
 /// and whole blocks) in bf16 and f16 at head dim 64, then at its other head dims.
 fn check_rung(rung: Rung) {
@@ -234,6 +235,7 @@ fn check_rung(rung: Rung) {
         }
     }
 }
+// ANCHOR_END: check_rung
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
