@@ -250,7 +250,13 @@ impl Gpu {
         if rung == Rung::Flash {
             return self.forward_into(q, k, v, result);
         }
-        let shape = check_device(q, k, v)?;
+        // a head dim no kernel takes is refused naming the head dims this rung takes
+        let shape = check_device(q, k, v).map_err(|e| match e {
+            AttnError::UnsupportedHeadDim { head_dim, .. } => {
+                rung.check_head_dim(head_dim).err().unwrap_or(e)
+            }
+            e => e,
+        })?;
         rung.check_head_dim(shape.head_dim)?;
         check_output(shape, q.dtype, result)?;
         if shape.is_empty() {
