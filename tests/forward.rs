@@ -75,6 +75,7 @@ fn every_cpu_method_returns_an_empty_output_for_empty_input() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_cuda_method_is_within_twice_by_hand_error_in_bf16() {
+    use flash_core::AttnError;
     use step03_cuda_forward::Dtype as GpuDtype;
     use step03_cuda_forward::host::{by_hand_low_precision, round_array};
     let methods: Vec<_> = methods::all()
@@ -92,8 +93,15 @@ fn every_cuda_method_is_within_twice_by_hand_error_in_bf16() {
             &reference.out,
         );
         for m in &methods {
-            let got = (m.forward)(q.view(), k.view(), v.view())
-                .unwrap_or_else(|e| panic!("{} failed on {}: {e}", m.name, case.shape));
+            let got = match (m.forward)(q.view(), k.view(), v.view()) {
+                Ok(got) => got,
+                // the first rungs of the ladder keep a row in registers: not every head dim
+                Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
+                    println!("{:>16} {}: {e}", m.name, case.shape);
+                    continue;
+                }
+                Err(e) => panic!("{} failed on {}: {e}", m.name, case.shape),
+            };
             let out = error(&got.out, &reference.out);
             println!(
                 "{:>16} {}: out {out}; by hand in bf16 {by_hand}",

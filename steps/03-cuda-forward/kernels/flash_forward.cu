@@ -103,11 +103,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     const int n_blocks = (min(q0 + BLOCK_M, T) + BLOCK_N - 1) / BLOCK_N;
     // ANCHOR_END: causal_blocks
 
+    // ANCHOR: pipeline_start
+    // two groups of copies in flight before the loop: q, then the first block of keys and values
     load_tile<BLOCK_M>(sq, q, q0, T);
     cp_async_commit();
     load_tile<BLOCK_N>(sk, k, 0, T);
     load_tile<BLOCK_N>(sv, v, 0, T);
     cp_async_commit();
+    // ANCHOR_END: pipeline_start
 
     // ANCHOR: fragment_addresses
     // Each lane's ldmatrix addresses, in bytes, computed once: for q's A fragments
@@ -138,6 +141,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     }
     // ANCHOR_END: running_state
 
+    // ANCHOR: main_loop
     for (int j = 0; j < n_blocks; ++j) {
         const int stage = j & 1;
         const int kv0 = j * BLOCK_N;
@@ -267,6 +271,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
         // every warp is done with this stage before the next iteration's copy overwrites it
         __syncthreads();
     }
+    // ANCHOR_END: main_loop
 
     // ANCHOR: finalise
     // o / l, and the log-sum-exp m/sqrt(d) + ln l, for the rows inside the sequence

@@ -21,9 +21,11 @@ typedef unsigned int u32;
 #if IS_BF16
 #define MMA_TYPE "bf16"
 #define CVT_X2 "cvt.rn.bf16x2.f32"
+#define CVT_1 "cvt.rn.bf16.f32"
 #else
 #define MMA_TYPE "f16"
 #define CVT_X2 "cvt.rn.f16x2.f32"
+#define CVT_1 "cvt.rn.f16.f32"
 #endif
 
 // ANCHOR: swizzle
@@ -103,6 +105,24 @@ __device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // ANCHOR_END: mma
+
+// One 16-bit value widened to f32 (exactly): bf16 is the top half of an f32, f16 needs cvt.
+__device__ __forceinline__ float to_f32(u16 x) {
+#if IS_BF16
+    return __uint_as_float((u32)x << 16);
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+    return f;
+#endif
+}
+
+// One f32 value rounded to 16 bits (to nearest, ties to even), as raw bits.
+__device__ __forceinline__ u16 from_f32(float x) {
+    u16 h;
+    asm("" CVT_1 " %0, %1;\n" : "=h"(h) : "f"(x));
+    return h;
+}
 
 // Two f32 values rounded to 16 bits and packed, `lo` in the low half (the lower column).
 __device__ __forceinline__ u32 pack2(float lo, float hi) {

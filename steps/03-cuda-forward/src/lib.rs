@@ -10,9 +10,16 @@
 //!
 //! ## Kernels
 //!
+//! The step's kernel is the last of four rungs of a ladder ([`ladder`]): each of the first three
+//! is the same causal forward one idea slower, so that the book can build the fast kernel up one
+//! idea at a time.
+//!
 //! | kernel | what it does | H200, B=4 H=12 D=64 bf16 causal: TFLOP/s at 1k / 4k / 16k (× FA2) |
 //! | --- | --- | --- |
-//! | `kernels/flash_forward.cu` | 4 warps × 32 rows, 128 keys a step, `ldmatrix` from swizzled shared memory, `cp.async` two-stage K/V pipeline, `exp2` with log2 e folded into the scale, mask on diagonal blocks only, every head's longest query blocks first | 204 / 292 / 320 (1.43× / 1.15× / 1.04×), `charts/data/gpu.json` |
+//! | `kernels/ladder_1_rows.cu` (rung 1, `cuda_rows`) | one thread per query row, f32, keys and values read from global memory one value at a time | TBD |
+//! | `kernels/ladder_2_shared.cu` (rung 2, `cuda_shared`) | rung 1 with keys and values staged through shared memory, 64 at a time, widened to f32 once | TBD |
+//! | `kernels/ladder_3_tensor_cores.cu` (rung 3, `cuda_mma_sync_loads`) | rung 4's tiles, `mma.sync` and swizzled `ldmatrix`, but copies through registers that the products wait for, and blocks in grid order | TBD |
+//! | `kernels/flash_forward.cu` (rung 4, `cuda_flash`) | 4 warps × 32 rows, 128 keys a step, `ldmatrix` from swizzled shared memory, `cp.async` two-stage K/V pipeline, `exp2` with log2 e folded into the scale, mask on diagonal blocks only, every head's longest query blocks first | 204 / 292 / 320 (1.43× / 1.15× / 1.04×), `charts/data/gpu.json` |
 //! | `kernels/causal_softmax.cu` (with cuBLAS) | attention by hand: the whole table in device memory | 43 / 34 / 28 |
 //!
 //! The tile shape came from `forward-tune` (`measurements/README.md`, the tuning log): 16 rows a
@@ -25,6 +32,8 @@
 //! - [`Gpu`]: the context, stream and compiled kernels; [`Gpu::forward`] on device tensors,
 //!   [`Gpu::attention`] on host arrays.
 //! - [`DeviceTensor`]: a `[batch, heads, tokens, head_dim]` tensor of 16-bit values on the GPU.
+//! - [`ladder`]: the rungs ([`Rung`]), run by [`Gpu::ladder_forward_into`] on device tensors
+//!   and [`Gpu::ladder_attention`] on host arrays.
 //! - [`kernel`]: the `.cu` sources (with `kernels/tensor_cores.cuh`, the helpers every kernel
 //!   shares, in front) and their NVRTC compilation.
 //! - [`host`]: rounding to bf16/f16 and back, and attention by hand in those precisions on the
@@ -33,6 +42,7 @@
 pub mod by_hand;
 pub mod host;
 pub mod kernel;
+pub mod ladder;
 pub mod methods;
 pub mod ptxas;
 pub mod tool;
@@ -51,6 +61,7 @@ use ndarray::{Array3, Array4, ArrayView4};
 
 pub use cudarc;
 pub use kernel::ForwardConfig;
+pub use ladder::Rung;
 
 /// The element types: the kernels take the 16-bit ones, bf16 and f16 ([`half_dtype`]).
 pub use flash_core::Dtype;
@@ -459,19 +470,7 @@ impl Gpu {
         result: &mut DeviceAttention,
     ) -> Result<(), AttnError> {
         let shape = check_device(q, k, v)?;
-        if result.out.shape != shape
-            || result.out.dtype != q.dtype
-            || result.lse.len() != shape.batch * shape.heads * shape.tokens
-        {
-            return Err(AttnError::ShapeMismatch {
-                what: format!(
-                    "the output buffers are for {} {}, the inputs are {shape} {}",
-                    result.out.shape,
-                    result.out.dtype.name(),
-                    q.dtype.name()
-                ),
-            });
-        }
+        check_output(shape, q.dtype, result)?;
         if shape.is_empty() {
             return Ok(());
         }
@@ -575,6 +574,28 @@ fn check_head_dim(head_dim: usize) -> Result<(), AttnError> {
     } else {
         Err(kernel::unsupported_head_dim(head_dim))
     }
+}
+
+/// That the output buffers were allocated for inputs of this shape and dtype.
+pub(crate) fn check_output(
+    shape: Shape,
+    dtype: Dtype,
+    result: &DeviceAttention,
+) -> Result<(), AttnError> {
+    if result.out.shape != shape
+        || result.out.dtype != dtype
+        || result.lse.len() != shape.batch * shape.heads * shape.tokens
+    {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "the output buffers are for {} {}, the inputs are {shape} {}",
+                result.out.shape,
+                result.out.dtype.name(),
+                dtype.name()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The checks [`Gpu::forward`] makes before a launch: one shape and dtype for q, k and v, a

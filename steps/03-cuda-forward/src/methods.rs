@@ -8,11 +8,36 @@ use flash_core::method::{DeviceHooks, DeviceRun, DeviceRunSpec};
 use flash_core::{Attention, AttnError, Device, Dtype, Method, check_qkv};
 use ndarray::ArrayView4;
 
-use crate::{DeviceAttention, DeviceTensor, ForwardConfig, Gpu, half_dtype};
+use crate::{DeviceAttention, DeviceTensor, ForwardConfig, Gpu, Rung, half_dtype};
 
 /// This step's methods, as the benchmark and the cross-step tests run them.
 pub fn methods() -> Vec<Method> {
     vec![
+        // the ladder of kernels that leads to the FlashAttention kernel, rung by rung
+        Method::new(
+            "cuda_rows",
+            "03-cuda-forward",
+            Device::Cuda,
+            "ladder rung 1: one thread per query row, keys and values read from global memory, f32 arithmetic",
+            ladder_forward::<0>,
+        )
+        .with_gpu(LADDER_HOOKS[0]),
+        Method::new(
+            "cuda_shared",
+            "03-cuda-forward",
+            Device::Cuda,
+            "ladder rung 2: rung 1 with keys and values staged through shared memory a block at a time",
+            ladder_forward::<1>,
+        )
+        .with_gpu(LADDER_HOOKS[1]),
+        Method::new(
+            "cuda_mma_sync_loads",
+            "03-cuda-forward",
+            Device::Cuda,
+            "ladder rung 3: tensor cores (mma.sync, ldmatrix, swizzle) with synchronous loads, blocks in grid order",
+            ladder_forward::<2>,
+        )
+        .with_gpu(LADDER_HOOKS[2]),
         Method::new(
             "cuda_naive",
             "03-cuda-forward",
@@ -49,6 +74,16 @@ pub fn flash_forward(
     Gpu::shared()?.attention(q, k, v, Dtype::Bf16)
 }
 
+/// A rung of the ladder (`Rung::ALL[R]`) on host arrays, in bf16.
+pub fn ladder_forward<const R: usize>(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+) -> Result<Attention, AttnError> {
+    check_qkv(&q, &k, &v)?;
+    Gpu::shared()?.ladder_attention(Rung::ALL[R], q, k, v, Dtype::Bf16)
+}
+
 /// Attention by hand on the GPU on host arrays, in bf16: cuBLAS, the whole table, a softmax
 /// kernel.
 pub fn naive_forward(
@@ -73,6 +108,7 @@ pub fn flash_implementation() -> String {
 enum Which {
     Flash,
     ByHand,
+    Ladder(Rung),
 }
 
 /// A forward prepared on the device: its inputs, and for the kernel its output buffers,
@@ -103,7 +139,7 @@ fn prepare(which: Which, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, Att
     let gpu = Gpu::shared()?;
     let [q, k, v] = prepare_inputs(spec)?;
     let out = match which {
-        Which::Flash => Some(gpu.alloc_output(spec.shape, q.dtype)?),
+        Which::Flash | Which::Ladder(_) => Some(gpu.alloc_output(spec.shape, q.dtype)?),
         Which::ByHand => None,
     };
     Ok(Box::new(Prepared {
@@ -121,6 +157,9 @@ impl DeviceRun for Prepared {
         let (gpu, q, k, v) = (self.gpu, &self.q, &self.k, &self.v);
         match (self.which, &mut self.out) {
             (Which::Flash, Some(out)) => gpu.time_ms(|| gpu.forward_into(q, k, v, out)),
+            (Which::Ladder(rung), Some(out)) => {
+                gpu.time_ms(|| gpu.ladder_forward_into(rung, q, k, v, out))
+            }
             _ => gpu.time_ms(|| gpu.by_hand(q, k, v)),
         }
     }
@@ -130,6 +169,7 @@ impl DeviceRun for Prepared {
         let (gpu, q, k, v) = (self.gpu, &self.q, &self.k, &self.v);
         let peak = match self.which {
             Which::Flash => gpu.peak_allocated(|| gpu.forward(q, k, v))?.1,
+            Which::Ladder(rung) => gpu.peak_allocated(|| gpu.ladder_forward(rung, q, k, v))?.1,
             Which::ByHand => gpu.peak_allocated(|| gpu.by_hand(q, k, v))?.1,
         };
         peak.ok_or_else(|| AttnError::Device {
@@ -141,6 +181,7 @@ impl DeviceRun for Prepared {
         let (gpu, q, k, v) = (self.gpu, &self.q, &self.k, &self.v);
         let r = match self.which {
             Which::Flash => gpu.forward(q, k, v)?,
+            Which::Ladder(rung) => gpu.ladder_forward(rung, q, k, v)?,
             Which::ByHand => gpu.by_hand(q, k, v)?,
         };
         gpu.download_attention(&r)
@@ -151,6 +192,21 @@ pub const FLASH_HOOKS: DeviceHooks = DeviceHooks {
     describe,
     prepare: |spec| prepare(Which::Flash, spec),
 };
+/// Rungs 1 to 3 of the ladder, in order.
+pub const LADDER_HOOKS: [DeviceHooks; 3] = [
+    DeviceHooks {
+        describe,
+        prepare: |spec| prepare(Which::Ladder(Rung::ALL[0]), spec),
+    },
+    DeviceHooks {
+        describe,
+        prepare: |spec| prepare(Which::Ladder(Rung::ALL[1]), spec),
+    },
+    DeviceHooks {
+        describe,
+        prepare: |spec| prepare(Which::Ladder(Rung::ALL[2]), spec),
+    },
+];
 pub const NAIVE_HOOKS: DeviceHooks = DeviceHooks {
     describe,
     prepare: |spec| prepare(Which::ByHand, spec),

@@ -1,13 +1,14 @@
-//! The forward kernel on a GPU against the f64 reference, with FlashAttention's rule: its error
-//! is at most twice that of attention by hand computed in the same precision. Ignored where
-//! there is no GPU (`cargo test -- --include-ignored` runs them on one).
+//! The forward kernel, and every rung of the ladder that leads to it, on a GPU against the f64
+//! reference, with FlashAttention's rule: its error is at most twice that of attention by hand
+//! computed in the same precision. Ignored where there is no GPU (`cargo test --
+//! --include-ignored` runs them on one).
 
 use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
-use flash_core::{AttnError, Shape};
-use ndarray::s;
+use flash_core::{Attention, AttnError, Shape};
+use ndarray::{ArrayView4, s};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
-use step03_cuda_forward::{Dtype, Gpu};
+use step03_cuda_forward::{Dtype, Gpu, Rung};
 
 /// FlashAttention's rule: our max error ≤ 2 × by-hand's max error in the same precision, plus
 /// a margin for the case where both are (nearly) zero.
@@ -31,13 +32,27 @@ fn check(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64) {
     );
 }
 
-type HostFn = fn(
-    &Gpu,
-    ndarray::ArrayView4<f32>,
-    ndarray::ArrayView4<f32>,
-    ndarray::ArrayView4<f32>,
-    Dtype,
-) -> Result<flash_core::Attention, AttnError>;
+/// A method on host arrays: `Gpu::attention`, `Gpu::attention_by_hand`, or a rung of the ladder
+/// through `Gpu::ladder_attention`.
+trait HostFn:
+    Fn(&Gpu, ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>, Dtype) -> Result<Attention, AttnError>
+{
+}
+impl<F> HostFn for F where
+    F: Fn(
+        &Gpu,
+        ArrayView4<f32>,
+        ArrayView4<f32>,
+        ArrayView4<f32>,
+        Dtype,
+    ) -> Result<Attention, AttnError>
+{
+}
+
+/// A rung of the ladder as a [`HostFn`].
+fn rung_method(rung: Rung) -> impl HostFn {
+    move |gpu: &Gpu, q, k, v, dtype| gpu.ladder_attention(rung, q, k, v, dtype)
+}
 
 fn check_method(
     gpu: &Gpu,
@@ -45,7 +60,7 @@ fn check_method(
     dtype: Dtype,
     seed: u64,
     name: &str,
-    method: HostFn,
+    method: impl HostFn,
     lse_bound: f64,
 ) {
     let [q, k, v] = random_qkv(shape, seed);
@@ -147,34 +162,124 @@ fn forward_supports_head_dims_32_and_128() {
 #[ignore = "needs a CUDA GPU"]
 fn forward_is_causal_and_deterministic() {
     let gpu = Gpu::new().expect("a GPU");
+    causal_and_deterministic(&gpu, "flash_forward", Gpu::attention);
+}
+
+/// Two runs give the same bits (no race), and changing the keys and values of tokens 200 on
+/// leaves the outputs of tokens before 200 alone (and changes the others).
+fn causal_and_deterministic(gpu: &Gpu, name: &str, method: impl HostFn) {
     let shape = Shape::new(2, 2, 333, 64);
     let [q, k, v] = random_qkv(shape, 5);
-    let a = gpu
-        .attention(q.view(), k.view(), v.view(), Dtype::Bf16)
-        .unwrap();
-    let again = gpu
-        .attention(q.view(), k.view(), v.view(), Dtype::Bf16)
-        .unwrap();
+    let a = method(gpu, q.view(), k.view(), v.view(), Dtype::Bf16).unwrap();
+    let again = method(gpu, q.view(), k.view(), v.view(), Dtype::Bf16).unwrap();
     assert_eq!(
         a.out, again.out,
-        "two runs on the same input differ: a race?"
+        "{name}: two runs on the same input differ: a race?"
     );
     let (mut k2, mut v2) = (k.clone(), v.clone());
     k2.slice_mut(s![.., .., 200.., ..])
         .mapv_inplace(|x| -3.0 * x);
     v2.slice_mut(s![.., .., 200.., ..])
         .mapv_inplace(|x| x + 1.0);
-    let b = gpu
-        .attention(q.view(), k2.view(), v2.view(), Dtype::Bf16)
-        .unwrap();
+    let b = method(gpu, q.view(), k2.view(), v2.view(), Dtype::Bf16).unwrap();
     assert_eq!(
         a.out.slice(s![.., .., ..200, ..]),
-        b.out.slice(s![.., .., ..200, ..])
+        b.out.slice(s![.., .., ..200, ..]),
+        "{name}: later tokens changed earlier outputs"
     );
     assert_ne!(
         a.out.slice(s![.., .., 200.., ..]),
-        b.out.slice(s![.., .., 200.., ..])
+        b.out.slice(s![.., .., 200.., ..]),
+        "{name}"
     );
+}
+
+// ANCHOR: check_rung
+/// One rung of the ladder on the lengths of the step's table (1, 77, 128, 300, 1024: partial
+/// and whole blocks) in bf16 and f16 at head dim 64, then at its other head dims.
+fn check_rung(rung: Rung) {
+    let gpu = Gpu::new().expect("a GPU");
+    let mut seed = 1000 * rung.number() as u64;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for (batch, heads, tokens) in [
+            (1, 1, 1),
+            (3, 5, 77),
+            (2, 3, 128),
+            (3, 1, 300),
+            (1, 3, 1024),
+        ] {
+            seed += 1;
+            check_method(
+                &gpu,
+                Shape::new(batch, heads, tokens, 64),
+                dtype,
+                seed,
+                rung.name(),
+                rung_method(rung),
+                KERNEL_LSE,
+            );
+        }
+        for &head_dim in rung.head_dims().iter().filter(|&&d| d != 64) {
+            for tokens in [77, 300] {
+                seed += 1;
+                check_method(
+                    &gpu,
+                    Shape::new(2, 3, tokens, head_dim),
+                    dtype,
+                    seed,
+                    rung.name(),
+                    rung_method(rung),
+                    KERNEL_LSE,
+                );
+            }
+        }
+    }
+}
+// ANCHOR_END: check_rung
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ladder_rung_1_rows_matches_the_reference_within_twice_by_hand_error() {
+    check_rung(Rung::Rows);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ladder_rung_2_shared_matches_the_reference_within_twice_by_hand_error() {
+    check_rung(Rung::Shared);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ladder_rung_3_mma_sync_loads_matches_the_reference_within_twice_by_hand_error() {
+    check_rung(Rung::MmaSyncLoads);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ladder_rung_4_flash_matches_the_reference_within_twice_by_hand_error() {
+    check_rung(Rung::Flash);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ladder_rungs_are_causal_deterministic_and_refuse_head_dims_they_lack() {
+    let gpu = Gpu::new().expect("a GPU");
+    for rung in Rung::ALL {
+        causal_and_deterministic(&gpu, rung.name(), rung_method(rung));
+    }
+    let [q, k, v] = random_qkv(Shape::new(1, 2, 10, 128), 1);
+    for rung in [Rung::Rows, Rung::Shared] {
+        let err = gpu
+            .ladder_attention(rung, q.view(), k.view(), v.view(), Dtype::Bf16)
+            .unwrap_err();
+        assert!(
+            matches!(err, AttnError::UnsupportedHeadDim { head_dim: 128, .. })
+                && err.to_string().contains("32, 64"),
+            "{}: {err}",
+            rung.name()
+        );
+    }
 }
 
 #[test]

@@ -1,18 +1,27 @@
 //! Compiles every forward kernel variant with NVRTC for `sm_90` and assembles it with
 //! `ptxas -v`, printing registers, shared memory and spills; exits non-zero on a failed compile
-//! or any spill. Needs no GPU: CI runs it with NVRTC and ptxas from PyPI.
+//! or any spill. Needs no GPU: CI runs it with NVRTC and ptxas from PyPI. The rungs of the
+//! ladder (`ladder.rs`) come first, the step's kernel (rung 4) with its tile shapes after them.
 //!
 //! `cargo run -p step03-cuda-forward --bin kernel-check [-- --arch sm_90] [--ptxas PATH]`
 
 use std::process::ExitCode;
 
 use step03_cuda_forward::kernel::{HEAD_DIMS, compile_forward, compile_softmax};
-use step03_cuda_forward::{Dtype, ForwardConfig, ptxas};
+use step03_cuda_forward::{Dtype, ForwardConfig, Rung, ptxas};
 
 fn main() -> ExitCode {
     ptxas::main(|arch| {
         let mut kernels = Vec::new();
         for dtype in [Dtype::Bf16, Dtype::F16] {
+            for rung in Rung::ALL.into_iter().filter(|&r| r != Rung::Flash) {
+                for &head_dim in rung.head_dims() {
+                    kernels.push((
+                        format!("rung{}_{}_d{head_dim}", rung.number(), dtype.name()),
+                        rung.compile(dtype, head_dim, arch),
+                    ));
+                }
+            }
             for head_dim in HEAD_DIMS {
                 let ptx =
                     compile_forward(dtype, head_dim, ForwardConfig::for_head_dim(head_dim), arch);

@@ -1,0 +1,387 @@
+//! The ladder: one causal forward written four times, each kernel one idea faster than the one
+//! before it, the way llm.c's `dev/cuda` and siboehm's SGEMM kernels teach. Every rung takes
+//! the same `[batch, heads, tokens, head_dim]` bf16 or f16 tensors and writes the same output
+//! and natural log-sum-exp, so the tests hold each one to the same rule and the benchmark can
+//! time each one on the same inputs.
+//!
+//! | rung | kernel | what changed |
+//! | --- | --- | --- |
+//! | 1 [`Rung::Rows`] | `kernels/ladder_1_rows.cu` | chapter 2's loop, one thread per query row, f32, keys read from global memory one at a time |
+//! | 2 [`Rung::Shared`] | `kernels/ladder_2_shared.cu` | keys and values staged through shared memory 64 at a time, copied once per block of 128 rows |
+//! | 3 [`Rung::MmaSyncLoads`] | `kernels/ladder_3_tensor_cores.cu` | `mma.sync` on the tensor cores, fragments by `ldmatrix` from swizzled tiles; copies and products take turns |
+//! | 4 [`Rung::Flash`] | `kernels/flash_forward.cu` | `cp.async` copies of the next block overlap the products on this one; every head's longest query blocks first |
+//!
+//! ## Layout
+//!
+//! - [`Rung`]: which kernel, its file, entry point, head dims and NVRTC compilation.
+//! - [`Gpu::ladder_forward_into`], [`Gpu::ladder_forward`]: a rung on device tensors;
+//!   [`Gpu::ladder_attention`]: on host arrays, as [`Gpu::attention`] is for rung 4.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use flash_core::{Attention, AttnError, check_qkv};
+use ndarray::ArrayView4;
+
+use crate::kernel::{self, ForwardConfig, compile_error};
+use crate::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, check_output, device_error};
+
+/// Rung 1's source (with `tensor_cores.cuh` in front, for the 16-bit conversions and `ex2`).
+pub const LADDER_1_ROWS_CU: &str = concat!(
+    include_str!("../kernels/tensor_cores.cuh"),
+    include_str!("../kernels/ladder_1_rows.cu")
+);
+/// Rung 2's source.
+pub const LADDER_2_SHARED_CU: &str = concat!(
+    include_str!("../kernels/tensor_cores.cuh"),
+    include_str!("../kernels/ladder_2_shared.cu")
+);
+/// Rung 3's source.
+pub const LADDER_3_TENSOR_CORES_CU: &str = concat!(
+    include_str!("../kernels/tensor_cores.cuh"),
+    include_str!("../kernels/ladder_3_tensor_cores.cu")
+);
+
+/// Query rows (one a thread) per thread block of rungs 1 and 2.
+pub const ROWS_BLOCK_M: usize = 128;
+/// Keys and values rung 2 stages in shared memory at a time: 32 KiB of f32 at head dim 64,
+/// within the 48 KiB a block may take without asking.
+pub const SHARED_BLOCK_N: usize = 64;
+
+/// A rung of the ladder of forward kernels, slowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Rung {
+    /// One thread per query row, f32, keys and values read from global memory one at a time.
+    Rows,
+    /// As [`Rung::Rows`], with keys and values staged through shared memory a block at a time.
+    Shared,
+    /// Tensor cores (`mma.sync`, `ldmatrix`, swizzled tiles), copies and products in turn.
+    MmaSyncLoads,
+    /// The step's kernel, `flash_forward.cu`: copies overlapped with the products, longest
+    /// query blocks first.
+    Flash,
+}
+
+impl Rung {
+    /// Every rung, in the order of the ladder.
+    pub const ALL: [Rung; 4] = [Rung::Rows, Rung::Shared, Rung::MmaSyncLoads, Rung::Flash];
+
+    /// The method name the registry lists the rung under.
+    pub fn name(self) -> &'static str {
+        match self {
+            Rung::Rows => "cuda_rows",
+            Rung::Shared => "cuda_shared",
+            Rung::MmaSyncLoads => "cuda_mma_sync_loads",
+            Rung::Flash => "cuda_flash",
+        }
+    }
+
+    /// The rung with this method name.
+    pub fn by_name(name: &str) -> Option<Rung> {
+        Rung::ALL.into_iter().find(|r| r.name() == name)
+    }
+
+    /// 1 to 4.
+    pub fn number(self) -> usize {
+        self as usize + 1
+    }
+
+    /// The kernel's file, under the crate's folder.
+    pub fn file(self) -> &'static str {
+        match self {
+            Rung::Rows => "kernels/ladder_1_rows.cu",
+            Rung::Shared => "kernels/ladder_2_shared.cu",
+            Rung::MmaSyncLoads => "kernels/ladder_3_tensor_cores.cu",
+            Rung::Flash => "kernels/flash_forward.cu",
+        }
+    }
+
+    /// The kernel's entry point.
+    pub fn entry(self) -> &'static str {
+        match self {
+            Rung::Rows => "ladder_rows",
+            Rung::Shared => "ladder_shared",
+            Rung::MmaSyncLoads => "ladder_mma_sync_loads",
+            Rung::Flash => kernel::FLASH_FORWARD,
+        }
+    }
+
+    /// What this rung changes from the one before, in a line (for the registry and tables).
+    pub fn describe(self) -> &'static str {
+        match self {
+            Rung::Rows => {
+                "ladder rung 1: chapter 2's loop on the GPU, one thread per query row, f32, keys and values read from global memory one at a time"
+            }
+            Rung::Shared => {
+                "ladder rung 2: rung 1 with keys and values staged through shared memory, 64 at a time, once per block of 128 rows"
+            }
+            Rung::MmaSyncLoads => {
+                "ladder rung 3: the products on the tensor cores (mma.sync, ldmatrix from swizzled tiles); copies and products take turns"
+            }
+            Rung::Flash => {
+                "ladder rung 4: the step's kernel, cp.async copies overlapped with the products, every head's longest query blocks first"
+            }
+        }
+    }
+
+    /// The head dims the rung is compiled for. Rungs 1 and 2 keep a row of q and one of the
+    /// output in one thread's registers, 2·head_dim of them in f32: at 128 that is more than
+    /// the 255 a thread can have, so they stop at 64.
+    pub fn head_dims(self) -> &'static [usize] {
+        match self {
+            Rung::Rows | Rung::Shared => &[32, 64],
+            Rung::MmaSyncLoads | Rung::Flash => &kernel::HEAD_DIMS,
+        }
+    }
+
+    /// An [`AttnError::UnsupportedHeadDim`] naming the head dims the rung takes, or `Ok`.
+    pub fn check_head_dim(self, head_dim: usize) -> Result<(), AttnError> {
+        if self.head_dims().contains(&head_dim) {
+            Ok(())
+        } else {
+            Err(AttnError::UnsupportedHeadDim {
+                head_dim,
+                supported: self
+                    .head_dims()
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            })
+        }
+    }
+
+    /// Threads per block, query rows per block and dynamic shared memory in bytes, for a head
+    /// dim.
+    fn launch_shape(self, head_dim: usize) -> (u32, usize, u32) {
+        match self {
+            Rung::Rows | Rung::Shared => (ROWS_BLOCK_M as u32, ROWS_BLOCK_M, 0),
+            Rung::MmaSyncLoads => {
+                let c = ForwardConfig::for_head_dim(head_dim);
+                // a tile of q and one stage of k and v (rung 4 keeps two)
+                let smem = (c.block_m() + 2 * c.block_n as usize) * head_dim * 2;
+                (c.threads(), c.block_m(), smem as u32)
+            }
+            Rung::Flash => {
+                let c = ForwardConfig::for_head_dim(head_dim);
+                (c.threads(), c.block_m(), c.smem_bytes(head_dim))
+            }
+        }
+    }
+
+    /// Compiles the rung's kernel for one dtype and head dim, for `arch` (`sm_90` on an H200).
+    pub fn compile(
+        self,
+        dtype: Dtype,
+        head_dim: usize,
+        arch: &'static str,
+    ) -> Result<Ptx, AttnError> {
+        self.check_head_dim(head_dim)?;
+        let (source, mut defines) = match self {
+            Rung::Rows => (LADDER_1_ROWS_CU, vec![format!("-DBLOCK_M={ROWS_BLOCK_M}")]),
+            Rung::Shared => (
+                LADDER_2_SHARED_CU,
+                vec![
+                    format!("-DBLOCK_M={ROWS_BLOCK_M}"),
+                    format!("-DBLOCK_N={SHARED_BLOCK_N}"),
+                ],
+            ),
+            Rung::MmaSyncLoads => {
+                // the final kernel's tile, so that rungs 3 and 4 differ only in their copies
+                // and their order
+                let c = ForwardConfig::for_head_dim(head_dim);
+                (
+                    LADDER_3_TENSOR_CORES_CU,
+                    vec![
+                        format!("-DWARPS={}", c.warps),
+                        format!("-DM_TILES={}", c.m_tiles),
+                        format!("-DBLOCK_N={}", c.block_n),
+                    ],
+                )
+            }
+            Rung::Flash => {
+                return kernel::compile_forward(
+                    dtype,
+                    head_dim,
+                    ForwardConfig::for_head_dim(head_dim),
+                    arch,
+                );
+            }
+        };
+        defines.extend([
+            format!("-DHEAD_DIM={head_dim}"),
+            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
+            "--std=c++17".into(),
+        ]);
+        let options = CompileOptions {
+            arch: Some(arch),
+            options: defines,
+            name: Some(format!("{}_{}_d{head_dim}.cu", self.entry(), dtype.name())),
+            ..Default::default()
+        };
+        compile_ptx_with_opts(source, options).map_err(|e| compile_error(self.entry(), e))
+    }
+}
+
+impl Gpu {
+    /// Runs a rung of the ladder: causal attention and each row's log-sum-exp, into a new
+    /// output.
+    pub fn ladder_forward(
+        &self,
+        rung: Rung,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+    ) -> Result<DeviceAttention, AttnError> {
+        let mut result = self.alloc_output(q.shape, q.dtype)?;
+        self.ladder_forward_into(rung, q, k, v, &mut result)?;
+        Ok(result)
+    }
+
+    /// [`Gpu::ladder_forward`] into buffers allocated before (what a benchmark times). Rung 4
+    /// is [`Gpu::forward_into`] itself.
+    pub fn ladder_forward_into(
+        &self,
+        rung: Rung,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        result: &mut DeviceAttention,
+    ) -> Result<(), AttnError> {
+        if rung == Rung::Flash {
+            return self.forward_into(q, k, v, result);
+        }
+        // a head dim no kernel takes is refused naming the head dims this rung takes
+        let shape = check_device(q, k, v).map_err(|e| match e {
+            AttnError::UnsupportedHeadDim { head_dim, .. } => {
+                rung.check_head_dim(head_dim).err().unwrap_or(e)
+            }
+            e => e,
+        })?;
+        rung.check_head_dim(shape.head_dim)?;
+        check_output(shape, q.dtype, result)?;
+        if shape.is_empty() {
+            return Ok(());
+        }
+        let (threads, block_m, smem) = rung.launch_shape(shape.head_dim);
+        let f = self.kernel(
+            format!("ladder {rung:?} {:?} {}", q.dtype, shape.head_dim),
+            rung.entry(),
+            smem,
+            || rung.compile(q.dtype, shape.head_dim, self.arch),
+        )?;
+        // one block per block_m queries of each head, head after head
+        let blocks = shape.tokens.div_ceil(block_m) * shape.batch * shape.heads;
+        let config = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let tokens = shape.tokens as i32;
+        let scale_log2 = (std::f64::consts::LOG2_E / (shape.head_dim as f64).sqrt()) as f32;
+        let mut launch = self.stream.launch_builder(&f);
+        launch
+            .arg(&q.data)
+            .arg(&k.data)
+            .arg(&v.data)
+            .arg(&mut result.out.data)
+            .arg(&mut result.lse)
+            .arg(&tokens)
+            .arg(&scale_log2);
+        // SAFETY: check_device proved q, k, v hold batch·heads·tokens·head_dim values of one
+        // dtype and a head dim the kernel is compiled for; check_output that out and lse match
+        // them; the grid covers tokens in blocks of block_m for every head, and each kernel
+        // writes only rows below `tokens`; smem is what the kernel's tiles take.
+        unsafe { launch.launch(config) }.map_err(device_error("launching a ladder kernel"))?;
+        Ok(())
+    }
+
+    /// Host-side entry point for a rung, as [`Gpu::attention`] is for rung 4: rounds `f32`
+    /// inputs to `dtype`, runs [`Gpu::ladder_forward`] and returns the output widened back to
+    /// `f32`.
+    pub fn ladder_attention(
+        &self,
+        rung: Rung,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        // a head dim the rung does not take is refused before anything is copied
+        rung.check_head_dim(check_qkv(&q, &k, &v)?.head_dim)?;
+        self.on_host(q, k, v, dtype, |q, k, v| self.ladder_forward(rung, q, k, v))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rungs_have_distinct_names_files_and_entry_points() {
+        for (i, a) in Rung::ALL.iter().enumerate() {
+            assert_eq!(a.number(), i + 1);
+            assert_eq!(Rung::by_name(a.name()), Some(*a));
+            for b in &Rung::ALL[i + 1..] {
+                assert_ne!(a.name(), b.name());
+                assert_ne!(a.file(), b.file());
+                assert_ne!(a.entry(), b.entry());
+            }
+        }
+        assert_eq!(Rung::by_name("cuda_nothing"), None);
+    }
+
+    #[test]
+    fn each_source_defines_its_entry_point() {
+        for (rung, source) in [
+            (Rung::Rows, LADDER_1_ROWS_CU),
+            (Rung::Shared, LADDER_2_SHARED_CU),
+            (Rung::MmaSyncLoads, LADDER_3_TENSOR_CORES_CU),
+            (Rung::Flash, kernel::FLASH_FORWARD_CU),
+        ] {
+            assert!(
+                source.contains(&format!("{}(", rung.entry())),
+                "{} has no entry point {}",
+                rung.file(),
+                rung.entry()
+            );
+        }
+    }
+
+    #[test]
+    fn a_head_dim_a_rung_does_not_take_is_refused_with_what_it_takes() {
+        let err = Rung::Rows.check_head_dim(128).unwrap_err();
+        assert!(
+            matches!(err, AttnError::UnsupportedHeadDim { head_dim: 128, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("supported: 32, 64"), "{err}");
+        assert!(Rung::Shared.check_head_dim(48).is_err());
+        assert!(Rung::MmaSyncLoads.check_head_dim(128).is_ok());
+        for rung in Rung::ALL {
+            assert!(rung.check_head_dim(64).is_ok());
+            assert!(rung.compile(Dtype::Bf16, 96, "sm_90").is_err());
+        }
+    }
+
+    /// Compiles every rung with NVRTC for sm_90 where NVRTC can be opened; kernel-check (in CI)
+    /// also assembles them and checks for spills. Without NVRTC there is nothing to run, and
+    /// the test says so on its output rather than failing.
+    #[test]
+    fn every_rung_compiles_where_nvrtc_is_present() {
+        if !kernel::nvrtc_present() {
+            eprintln!(
+                "skipped: no NVRTC (libnvrtc.so) on this machine; kernel-check compiles the rungs in CI"
+            );
+            return;
+        }
+        for rung in Rung::ALL {
+            for &head_dim in rung.head_dims() {
+                for dtype in [Dtype::Bf16, Dtype::F16] {
+                    if let Err(e) = rung.compile(dtype, head_dim, "sm_90") {
+                        panic!("{} {} d{head_dim}: {e}", rung.name(), dtype.name());
+                    }
+                }
+            }
+        }
+    }
+}
