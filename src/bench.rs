@@ -394,8 +394,7 @@ pub fn peak_in_child(m: &Method, shape: Shape, pass: Pass) -> Result<u64, PeakEr
     let last = |s: &str| {
         s.lines()
             .map(str::trim)
-            .filter(|l| !l.is_empty() && !l.starts_with("note: ") && !l.contains("panicked at"))
-            .last()
+            .rfind(|l| !l.is_empty() && !l.starts_with("note: ") && !l.contains("panicked at"))
             .unwrap_or("(it printed nothing)")
             .to_string()
     };

@@ -1,14 +1,15 @@
-//! A small reader and writer of NumPy's `.npy` format, for the `float32` arrays the `attend`
-//! command exchanges with other frameworks.
+//! Reading and writing NumPy's `.npy` files, for the `float32` arrays the `attend` command
+//! exchanges with other frameworks.
 //!
-//! The format (NumPy's `numpy.lib.format`): the magic `\x93NUMPY`, a major and a minor version
-//! byte, the header's length (two bytes little-endian in version 1, four in versions 2 and 3),
-//! then the header, a Python dict literal such as
-//! `{'descr': '<f4', 'fortran_order': False, 'shape': (1, 12, 1024, 64), }` padded with spaces
-//! to a multiple of 64 bytes and ended by a newline, then the data.
+//! The format itself (NumPy's `numpy.lib.format`: a magic string, a version, a header that is a
+//! Python dict literal such as `{'descr': '<f4', 'fortran_order': False, 'shape': (1, 12, 1024,
+//! 64), }`, then the data) is the `ndarray-npy` crate's business. What this module adds is the
+//! errors: each names the file, says what was wrong with it and what we accept, and, where NumPy
+//! can fix it, how.
 //!
-//! We read only what the attention methods take, and say so when a file is anything else:
-//! little-endian `float32` (`'<f4'`) in C order. We write version 1.0, which every NumPy reads.
+//! We read only what the attention methods take: `float32` (`'<f4'`; a big-endian `'>f4'` is
+//! converted as it is read) in C order. We write little-endian `float32` in C order, whatever the
+//! memory layout of the array we are given.
 //!
 //! ## Layout
 //!
@@ -18,13 +19,12 @@
 //! - [`NpyError`]: the file and what was wrong with it.
 
 use std::fmt;
-use std::fs;
-use std::io::{BufWriter, Write};
+use std::fs::File;
+use std::io::{self, BufReader, BufWriter, Read};
 use std::path::{Path, PathBuf};
 
-use ndarray::{Array4, ArrayD, ArrayView, Dimension, IxDyn};
-
-const MAGIC: &[u8] = b"\x93NUMPY";
+use ndarray::{Array4, ArrayD, ArrayView, Dimension};
+use ndarray_npy::{ReadNpyError, ReadNpyExt, WriteNpyExt};
 
 /// What was wrong with one `.npy` file.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -48,18 +48,18 @@ fn error(path: &Path, what: impl Into<String>) -> NpyError {
     }
 }
 
-/// Reads a little-endian `float32` C-order array of any number of dimensions.
+/// Reads a `float32` C-order array of any number of dimensions.
 pub fn read_f32(path: &Path) -> Result<ArrayD<f32>, NpyError> {
-    let bytes = fs::read(path).map_err(|e| {
+    let file = File::open(path).map_err(|e| {
         error(
             path,
             format!("cannot read it ({e}); expected a float32 .npy file"),
         )
     })?;
-    parse_f32(&bytes).map_err(|what| error(path, what))
+    parse_f32(BufReader::new(file)).map_err(|what| error(path, what))
 }
 
-/// Reads a little-endian `float32` C-order array of shape `[batch, heads, tokens, head_dim]`.
+/// Reads a `float32` C-order array of shape `[batch, heads, tokens, head_dim]`.
 pub fn read_f32_4d(path: &Path) -> Result<Array4<f32>, NpyError> {
     let array = read_f32(path)?;
     let shape = array.shape().to_vec();
@@ -75,119 +75,62 @@ pub fn read_f32_4d(path: &Path) -> Result<Array4<f32>, NpyError> {
     })
 }
 
-/// Parses the bytes of a whole `.npy` file holding `float32` data.
-fn parse_f32(bytes: &[u8]) -> Result<ArrayD<f32>, String> {
-    if bytes.len() < 10 || &bytes[..6] != MAGIC {
-        return Err("not a .npy file: it does not start with the magic \\x93NUMPY".into());
-    }
-    let major = bytes[6];
-    let (header_len, header_start) = match major {
-        1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
-        2 | 3 if bytes.len() >= 12 => (
-            u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize,
-            12,
-        ),
-        _ => {
-            return Err(format!(
-                ".npy format version {major}.{} is not one we read; expected 1.0, 2.0 or 3.0",
-                bytes[7]
-            ));
-        }
-    };
-    let data_start = header_start + header_len;
-    let header = bytes
-        .get(header_start..data_start)
-        .ok_or("the file ends inside its header")?;
-    let header = std::str::from_utf8(header).map_err(|_| "the header is not text")?;
-
-    let descr = dict_value(header, "descr")?;
-    let descr = descr.trim_matches(|c| c == '\'' || c == '"');
-    match descr {
-        "<f4" => {}
-        ">f4" => {
-            return Err(
-                "dtype is big-endian float32 ('>f4'); expected little-endian float32 ('<f4'): \
-                 save x.astype('<f4')"
-                    .into(),
-            );
-        }
-        other => {
-            return Err(format!(
-                "dtype is {other:?}{}; expected float32 ('<f4'): save x.astype(np.float32)",
-                dtype_name(other)
-                    .map(|n| format!(" ({n})"))
-                    .unwrap_or_default()
-            ));
-        }
-    }
-    match dict_value(header, "fortran_order")? {
-        "False" => {}
-        "True" => {
-            return Err(
-                "the data is in Fortran (column-major) order; expected C order: \
-                 save np.ascontiguousarray(x)"
-                    .into(),
-            );
-        }
-        other => return Err(format!("fortran_order is {other:?}; expected False")),
-    }
-    let shape = parse_shape(dict_value(header, "shape")?)?;
-
-    let data = &bytes[data_start..];
-    let count = shape
-        .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .ok_or("the shape's element count overflows")?;
-    if data.len() != count * 4 {
+/// Reads a whole `.npy` file holding `float32` data, and says in words what was wrong if it
+/// cannot.
+fn parse_f32(reader: impl Read) -> Result<ArrayD<f32>, String> {
+    let array = ArrayD::<f32>::read_npy(reader).map_err(|e| explain(&e))?;
+    // ndarray-npy reads a Fortran-order file into an array of Fortran layout; the methods
+    // take C order. (Where the two orders coincide, as for one dimension, the layout is
+    // standard either way and the file is as good as C order.)
+    if !array.is_standard_layout() {
         return Err(format!(
-            "shape {} needs {} bytes of float32 data, the file holds {}",
-            python_shape(&shape),
-            count * 4,
-            data.len()
+            "the data of shape {} is in Fortran (column-major) order; expected C order: \
+             save np.ascontiguousarray(x)",
+            python_shape(array.shape())
         ));
     }
-    let values: Vec<f32> = data
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    ArrayD::from_shape_vec(IxDyn(&shape), values).map_err(|e| e.to_string())
+    Ok(array)
 }
 
-/// The text of one value of the header dict, up to the next top-level comma.
-fn dict_value<'h>(header: &'h str, key: &str) -> Result<&'h str, String> {
-    let at = [format!("'{key}'"), format!("\"{key}\"")]
-        .iter()
-        .find_map(|k| header.find(k.as_str()).map(|i| i + k.len()))
-        .ok_or_else(|| format!("the header has no {key:?}: {header:?}"))?;
-    let rest = header[at..].trim_start();
-    let rest = rest
-        .strip_prefix(':')
-        .ok_or_else(|| format!("malformed header near {key:?}: {header:?}"))?
-        .trim_start();
-    // a tuple runs to its closing parenthesis; anything else to the next comma or brace
-    let end = if rest.starts_with('(') {
-        rest.find(')').map(|i| i + 1)
-    } else {
-        rest.find([',', '}'])
+/// ndarray-npy's error as a sentence that says what was wrong and what we accept.
+fn explain(e: &ReadNpyError) -> String {
+    use ndarray_npy::ReadNpyError::*;
+    match e {
+        // the header is read with read_exact: a file that ends inside it is an UnexpectedEof
+        Io(io) if io.kind() == io::ErrorKind::UnexpectedEof => {
+            "the file ends inside its .npy header; expected a float32 .npy file".into()
+        }
+        Io(io) => format!("cannot read it ({io}); expected a float32 .npy file"),
+        ParseHeader(header) => {
+            let header = header.to_string();
+            if header.contains("magic") {
+                "not a .npy file: it does not start with the magic \\x93NUMPY".into()
+            } else if let Some(version) = header.strip_prefix("unknown version number: ") {
+                format!(
+                    ".npy format version {version} is not one we read; expected 1.0, 2.0 or 3.0"
+                )
+            } else {
+                format!("its .npy header is malformed ({header}); expected one numpy.save writes")
+            }
+        }
+        WrongDescriptor(descr) => {
+            let descr = descr.to_string();
+            let name = dtype_name(descr.trim_matches(['\'', '"']))
+                .map(|n| format!(" ({n})"))
+                .unwrap_or_default();
+            format!("dtype is {descr}{name}; expected float32 ('<f4'): save x.astype(np.float32)")
+        }
+        MissingData => "the data ends before the number of float32 values its shape needs; \
+                        the file is cut short"
+            .into(),
+        ExtraBytes(n) => format!(
+            "{n} bytes follow the float32 values its shape needs; expected the file to end there"
+        ),
+        LengthOverflow => "the shape's element count overflows".into(),
+        ParseData(data) => format!("cannot parse its data ({data}); expected float32"),
+        // we read into ArrayD, which takes any number of dimensions
+        WrongNdim(_, ndim) => format!("unexpected number of dimensions {ndim}"),
     }
-    .ok_or_else(|| format!("malformed header near {key:?}: {header:?}"))?;
-    Ok(rest[..end].trim())
-}
-
-fn parse_shape(tuple: &str) -> Result<Vec<usize>, String> {
-    let inner = tuple
-        .strip_prefix('(')
-        .and_then(|t| t.strip_suffix(')'))
-        .ok_or_else(|| format!("shape {tuple:?} is not a tuple"))?;
-    inner
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| {
-            s.parse()
-                .map_err(|_| format!("shape {tuple:?} has a size {s:?} that is not a count"))
-        })
-        .collect()
 }
 
 fn dtype_name(descr: &str) -> Option<&'static str> {
@@ -218,29 +161,13 @@ fn python_shape(shape: &[usize]) -> String {
     }
 }
 
-/// Writes an array as a version 1.0 `.npy` file of little-endian `float32` in C order.
+/// Writes an array as a `.npy` file of little-endian `float32` in C order.
 pub fn write_f32<D: Dimension>(path: &Path, array: ArrayView<f32, D>) -> Result<(), NpyError> {
-    let mut header = format!(
-        "{{'descr': '<f4', 'fortran_order': False, 'shape': {}, }}",
-        python_shape(array.shape())
-    );
-    // magic (6) + version (2) + length (2) + header, a multiple of 64 ending in a newline
-    let unpadded = MAGIC.len() + 4 + header.len() + 1;
-    header.push_str(&" ".repeat((64 - unpadded % 64) % 64));
-    header.push('\n');
-    let len = u16::try_from(header.len()).expect("a header of a few dims fits in 64 KiB");
-
-    let write = || -> std::io::Result<()> {
-        let mut w = BufWriter::new(fs::File::create(path)?);
-        w.write_all(MAGIC)?;
-        w.write_all(&[1, 0])?;
-        w.write_all(&len.to_le_bytes())?;
-        w.write_all(header.as_bytes())?;
-        // iter() walks the array in logical (C) order whatever its memory layout
-        for x in array.iter() {
-            w.write_all(&x.to_le_bytes())?;
-        }
-        w.flush()
+    // ndarray-npy writes a transposed array in Fortran order to save a copy; we read only C
+    // order, so copy such an array into C order first (a C-order one is borrowed as it is)
+    let array = array.as_standard_layout();
+    let write = || -> Result<(), ndarray_npy::WriteNpyError> {
+        array.write_npy(BufWriter::new(File::create(path)?))
     };
     write().map_err(|e| error(path, format!("cannot write it: {e}")))
 }
@@ -249,6 +176,7 @@ pub fn write_f32<D: Dimension>(path: &Path, array: ArrayView<f32, D>) -> Result<
 mod tests {
     use super::*;
     use ndarray::{Array, Array4};
+    use std::fs;
 
     fn temp_dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("npy-{name}-{}", std::process::id()));
@@ -260,7 +188,7 @@ mod tests {
     fn npy_bytes(version: u8, descr: &str, fortran: &str, shape: &str, data: &[u8]) -> Vec<u8> {
         let header =
             format!("{{'descr': '{descr}', 'fortran_order': {fortran}, 'shape': {shape}, }}\n");
-        let mut b = MAGIC.to_vec();
+        let mut b = b"\x93NUMPY".to_vec();
         b.extend([version, 0]);
         if version == 1 {
             b.extend((header.len() as u16).to_le_bytes());
@@ -270,6 +198,33 @@ mod tests {
         b.extend(header.as_bytes());
         b.extend(data);
         b
+    }
+
+    fn le_bytes(values: &[f32]) -> Vec<u8> {
+        values.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn reads_a_file_as_numpy_writes_it() {
+        // np.save(f, np.arange(6, dtype=np.float32).reshape(2, 3) / 4), byte for byte: NumPy
+        // sorts the keys, leaves 20 spaces of room for the first axis to grow, pads the header
+        // so the data starts at byte 128 (a multiple of 64) and ends it with a newline
+        let dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }";
+        let header = format!("{dict}{}\n", " ".repeat(58));
+        let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+        bytes.extend((header.len() as u16).to_le_bytes());
+        bytes.extend(header.as_bytes());
+        assert_eq!(bytes.len(), 128);
+        bytes.extend(le_bytes(&[0.0, 0.25, 0.5, 0.75, 1.0, 1.25]));
+
+        let a = parse_f32(&bytes[..]).unwrap();
+        assert_eq!(a.shape(), &[2, 3]);
+        assert_eq!(
+            a[[1, 0]],
+            0.75,
+            "row-major: the second row starts at the fourth value"
+        );
+        assert_eq!(a.as_slice().unwrap(), &[0.0, 0.25, 0.5, 0.75, 1.0, 1.25]);
     }
 
     #[test]
@@ -295,9 +250,11 @@ mod tests {
                 .all(|(x, y)| x.to_bits() == y.to_bits())
         );
 
-        // a transposed view is written in logical order, not memory order
+        // a transposed view is written in logical (C) order, not memory order, so it reads back
         let t = a.view().permuted_axes([3, 2, 1, 0]);
         write_f32(&path, t).unwrap();
+        let header = String::from_utf8_lossy(&fs::read(&path).unwrap()[..128]).into_owned();
+        assert!(header.contains("'fortran_order': False"), "{header}");
         let back = read_f32(&path).unwrap();
         assert_eq!(back.shape(), &[7, 5, 3, 2]);
         assert!(back.iter().zip(t.iter()).all(|(x, y)| x == y));
@@ -305,15 +262,22 @@ mod tests {
     }
 
     #[test]
-    fn reads_versions_two_and_three_and_one_dim_shapes() {
-        let data: Vec<u8> = [1.5f32, -2.0]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
+    fn reads_versions_two_and_three_one_dim_shapes_and_big_endian() {
+        let data = le_bytes(&[1.5, -2.0]);
         for version in [2, 3] {
-            let a = parse_f32(&npy_bytes(version, "<f4", "False", "(2,)", &data)).unwrap();
+            let a = parse_f32(&npy_bytes(version, "<f4", "False", "(2,)", &data)[..]).unwrap();
             assert_eq!(a.as_slice().unwrap(), &[1.5, -2.0]);
         }
+        // '>f4' is converted as it is read, not refused
+        let big: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|x| x.to_be_bytes())
+            .collect();
+        let a = parse_f32(&npy_bytes(1, ">f4", "False", "(2,)", &big)[..]).unwrap();
+        assert_eq!(a.as_slice().unwrap(), &[1.5, -2.0]);
+        // in one dimension Fortran and C order are the same bytes
+        let a = parse_f32(&npy_bytes(1, "<f4", "True", "(2,)", &data)[..]).unwrap();
+        assert_eq!(a.as_slice().unwrap(), &[1.5, -2.0]);
     }
 
     #[test]
@@ -326,9 +290,9 @@ mod tests {
                 "float64",
             ),
             (
-                npy_bytes(1, ">f4", "False", "(4,)", &four),
-                "little-endian",
-                "'>f4'",
+                npy_bytes(1, "<i4", "False", "(4,)", &four),
+                "np.float32",
+                "int32",
             ),
             (
                 npy_bytes(1, "<f4", "True", "(2, 2)", &four),
@@ -337,18 +301,24 @@ mod tests {
             ),
             (
                 npy_bytes(1, "<f4", "False", "(2, 3)", &four),
-                "24 bytes",
-                "holds 16",
+                "float32 values its shape needs",
+                "cut short",
+            ),
+            (
+                npy_bytes(1, "<f4", "False", "(3,)", &four),
+                "expected the file to end",
+                "4 bytes follow",
             ),
             (b"PK\x03\x04 a zip file".to_vec(), "magic", "not a .npy"),
+            (b"\x93NUM".to_vec(), "float32 .npy", "ends inside"),
             (
                 npy_bytes(9, "<f4", "False", "(4,)", &four),
-                "version 9",
+                "version 9.0",
                 "1.0",
             ),
         ];
         for (bytes, expected, found) in cases {
-            let err = parse_f32(&bytes).unwrap_err();
+            let err = parse_f32(&bytes[..]).unwrap_err();
             assert!(
                 err.contains(expected) && err.contains(found),
                 "{err:?} should mention {expected:?} and {found:?}"
@@ -380,6 +350,30 @@ mod tests {
             err.contains("two_d.npy") && err.contains("(2, 3)") && err.contains("expected 4"),
             "{err}"
         );
+
+        // what the reader refuses is reported against the file, too
+        for (name, bytes, says) in [
+            (
+                "fortran.npy",
+                npy_bytes(1, "<f4", "True", "(2, 2)", &[0; 16]),
+                "Fortran",
+            ),
+            (
+                "float64.npy",
+                npy_bytes(1, "<f8", "False", "(2,)", &[0; 16]),
+                "float64",
+            ),
+        ] {
+            let path = dir.join(name);
+            fs::write(&path, bytes).unwrap();
+            let err = read_f32(&path).unwrap_err();
+            assert_eq!(err.path, path);
+            let err = err.to_string();
+            assert!(
+                err.starts_with(&*path.to_string_lossy()) && err.contains(says),
+                "{err}"
+            );
+        }
         fs::remove_dir_all(dir).unwrap();
     }
 }

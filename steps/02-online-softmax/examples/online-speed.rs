@@ -13,6 +13,7 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
 use flash_core::{Attention, AttnError, Shape};
@@ -158,12 +159,49 @@ fn one_block(
     (q0, o, l)
 }
 
+/// Milliseconds and GFLOP/s of the online softmax on 1 sequence × 12 heads × T × 64, f32,
+/// causal (each the median of several timed runs after one untimed warm-up, checked against
+/// step 01's f64 reference first up to 1024 tokens), as a Markdown table.
+#[derive(Parser, Debug)]
+#[command(name = "online-speed")]
+struct Args {
+    /// What to time: nothing for `online` at 1k to 8k tokens and `online_loop` at 1k and 2k;
+    /// `variants` for the alternatives that chose the fast version's design (block sizes,
+    /// log2(e) folding, exp2, instruction sets, ndarray's matrix product) at 1k and 4k;
+    /// `quick` for `online` alone, to iterate on the kernels; `T=2048` for `online` at that
+    /// length only, unchecked, for profiling
+    #[arg(value_parser = what)]
+    what: Option<What>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum What {
+    Variants,
+    Quick,
+    Only(usize),
+}
+
+fn what(s: &str) -> Result<What, String> {
+    match s {
+        "variants" => Ok(What::Variants),
+        "quick" => Ok(What::Quick),
+        _ => s
+            .strip_prefix("T=")
+            .and_then(|t| t.parse().ok())
+            .filter(|&t| t > 0)
+            .map(What::Only)
+            .ok_or_else(|| "expected `variants`, `quick` or `T=<tokens>`, such as T=2048".into()),
+    }
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let variants = args.iter().any(|a| a == "variants");
-    let quick = args.iter().any(|a| a == "quick"); // online only, to iterate on the kernels
-    // `T=2048`: that length only, unchecked, for profiling
-    let only: Option<usize> = args.iter().find_map(|a| a.strip_prefix("T=")?.parse().ok());
+    let what = Args::parse().what;
+    let variants = matches!(what, Some(What::Variants));
+    let quick = matches!(what, Some(What::Quick));
+    let only = match what {
+        Some(What::Only(t)) => Some(t),
+        _ => None,
+    };
     let lengths = [1024, 2048, 4096, 8192];
     println!(
         "1 × 12 heads × T × 64, f32, causal; {} threads; median ms",

@@ -65,24 +65,31 @@ fn assemble(ptx: &Ptx, arch: &str, ptxas: &str, file: &Path) -> Result<String, S
     Ok(log)
 }
 
-/// The whole kernel-check program: `[--arch sm_90] [--ptxas PATH] [--verbose]`. `kernels`
-/// compiles every variant for an architecture, each with a name. Prints one line per entry
-/// point; fails on a failed compile, a failed assembly, or any spill.
-pub fn main(kernels: impl Fn(&'static str) -> Vec<(String, Result<Ptx, AttnError>)>) -> ExitCode {
-    let flags = crate::tool::Flags::from_env();
-    let value = |flag: &str| flags.value(flag);
-    if flags.has("--help") || flags.has("-h") {
-        println!(
-            "[--arch sm_90] [--ptxas PATH] [--verbose]: compile every kernel with NVRTC, assemble with ptxas -v, fail on spills"
-        );
-        return ExitCode::SUCCESS;
-    }
-    let arch: &'static str = Box::leak(
-        value("--arch")
-            .unwrap_or_else(|| "sm_90".into())
-            .into_boxed_str(),
-    );
-    let ptxas = value("--ptxas")
+/// The flags of both kernel-check binaries (each flattens these into its own `Parser`).
+#[derive(clap::Args, Debug)]
+pub struct Flags {
+    /// The GPU architecture to compile and assemble for (NVRTC's and ptxas's `-arch`)
+    #[arg(long, default_value = "sm_90")]
+    pub arch: String,
+    /// The ptxas to run [default: $PTXAS, else `ptxas` on the PATH]
+    #[arg(long, value_name = "PATH")]
+    pub ptxas: Option<String>,
+    /// Also print ptxas's whole report for every kernel
+    #[arg(long)]
+    pub verbose: bool,
+}
+
+/// The whole kernel-check program, once its flags are parsed. `kernels` compiles every variant
+/// for an architecture, each with a name. Prints one line per entry point; fails on a failed
+/// compile, a failed assembly, or any spill.
+pub fn main(
+    flags: Flags,
+    kernels: impl Fn(&'static str) -> Vec<(String, Result<Ptx, AttnError>)>,
+) -> ExitCode {
+    // the compile functions take the architecture for as long as the program runs
+    let arch: &'static str = Box::leak(flags.arch.into_boxed_str());
+    let ptxas = flags
+        .ptxas
         .or_else(|| std::env::var("PTXAS").ok())
         .unwrap_or_else(|| "ptxas".into());
     if !nvrtc_present() {
@@ -108,7 +115,7 @@ pub fn main(kernels: impl Fn(&'static str) -> Vec<(String, Result<Ptx, AttnError
                 continue;
             }
         };
-        if flags.has("--verbose") {
+        if flags.verbose {
             println!("{log}");
         }
         let reports = parse(&log);

@@ -6,12 +6,33 @@
 
 use std::process::ExitCode;
 
+use clap::Parser;
 use flash_core::Shape;
-use step03_cuda_forward::tool::{Tool, median_ms, random_input};
+use step03_cuda_forward::tool::{Tool, at_least_one, median_ms, random_input};
 use step03_cuda_forward::{Dtype, ForwardConfig};
 
+/// Times the forward kernel in several tile shapes (4 sequences, 12 heads, head dim 64, bf16,
+/// causal) after checking that they all give the same output. Needs a CUDA GPU.
+///
+/// Prints, per length, each tile shape's TFLOP/s and milliseconds (the median of --runs timed
+/// launches after 3 untimed ones): the measurements behind `ForwardConfig::default()`.
+#[derive(Parser, Debug)]
+#[command(name = "forward-tune")]
+struct Args {
+    /// Sequence lengths to time, in tokens, separated by commas
+    #[arg(long, value_delimiter = ',', value_parser = at_least_one, default_value = "1024,2048,4096,8192,16384")]
+    lengths: Vec<usize>,
+    /// Timed launches per measurement; each number printed is their median
+    #[arg(long, value_parser = at_least_one, default_value_t = 20)]
+    runs: usize,
+    /// Time only the tile shape the library uses (for a profiler run)
+    #[arg(long)]
+    default_only: bool,
+}
+
 fn main() -> ExitCode {
-    let tool = match Tool::start("forward-tune", "1024,2048,4096,8192,16384", 20) {
+    let args = Args::parse();
+    let tool = match Tool::start("forward-tune", args.lengths, args.runs) {
         Ok(tool) => tool,
         Err(code) => return code,
     };
@@ -34,7 +55,7 @@ fn main() -> ExitCode {
         ForwardConfig { warps: 8, ..base },
     ];
     // --default-only: just the shape the library uses (for a profiler run)
-    let configs: &[ForwardConfig] = if tool.flags.has("--default-only") {
+    let configs: &[ForwardConfig] = if args.default_only {
         &configs[..1]
     } else {
         &configs

@@ -7,11 +7,24 @@
 
 use std::process::ExitCode;
 
+use clap::Parser;
 use step03_cuda_forward::kernel::{HEAD_DIMS, compile_forward, compile_softmax};
 use step03_cuda_forward::{Dtype, ForwardConfig, Rung, ptxas};
 
+/// Compiles every forward kernel variant (bf16 and f16, every head dim) with NVRTC and assembles
+/// it with `ptxas -v`, printing registers, shared memory and spills per kernel.
+///
+/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so on
+/// LD_LIBRARY_PATH) and ptxas, but no GPU.
+#[derive(Parser, Debug)]
+#[command(name = "kernel-check")]
+struct Args {
+    #[command(flatten)]
+    flags: ptxas::Flags,
+}
+
 fn main() -> ExitCode {
-    ptxas::main(|arch| {
+    ptxas::main(Args::parse().flags, |arch| {
         let mut kernels = Vec::new();
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for rung in Rung::ALL.into_iter().filter(|&r| r != Rung::Flash) {

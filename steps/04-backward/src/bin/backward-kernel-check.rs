@@ -5,11 +5,25 @@
 
 use std::process::ExitCode;
 
+use clap::Parser;
 use step03_cuda_forward::{Dtype, ptxas};
 use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, compile_backward};
 
+/// Compiles every backward kernel variant (bf16 and f16, every head dim, the default tile shape)
+/// with NVRTC and assembles it with `ptxas -v`, printing registers, shared memory and spills per
+/// kernel.
+///
+/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so on
+/// LD_LIBRARY_PATH) and ptxas, but no GPU.
+#[derive(Parser, Debug)]
+#[command(name = "backward-kernel-check")]
+struct Args {
+    #[command(flatten)]
+    flags: ptxas::Flags,
+}
+
 fn main() -> ExitCode {
-    ptxas::main(|arch| {
+    ptxas::main(Args::parse().flags, |arch| {
         let mut kernels = Vec::new();
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for head_dim in HEAD_DIMS {

@@ -9,20 +9,44 @@
 
 use std::process::ExitCode;
 
+use clap::Parser;
 use cudarc::driver::sys::CUevent_flags;
 use flash_core::Shape;
 use flash_core::timing::median;
-use step03_cuda_forward::tool::{Tool, median_ms, random_input};
+use step03_cuda_forward::tool::{Tool, at_least_one, median_ms, random_input};
 use step03_cuda_forward::{Gpu, cudarc};
 use step04_backward::cuda::{BackwardConfig, backward_marked, backward_with};
 
+/// Times the backward kernels in several tile shapes (4 sequences, 12 heads, head dim 64, bf16,
+/// causal) after checking that they all give the same gradients. Needs a CUDA GPU.
+///
+/// Prints, per length, each candidate `BackwardConfig`'s backward TFLOP/s (2.5 x the forward's
+/// FLOPs) and milliseconds (the median of --runs timed calls after 3 untimed ones): the
+/// measurements behind `BackwardConfig::default()`.
+#[derive(Parser, Debug)]
+#[command(name = "backward-tune")]
+struct Args {
+    /// Sequence lengths to time, in tokens, separated by commas
+    #[arg(long, value_delimiter = ',', value_parser = at_least_one, default_value = "4096,16384")]
+    lengths: Vec<usize>,
+    /// Timed calls per measurement; each number printed is their median
+    #[arg(long, value_parser = at_least_one, default_value_t = 20)]
+    runs: usize,
+    /// For the default tile shape only, time the forward and each backward kernel on its own
+    /// (CUDA events between the launches), with each kernel's rate in the products it really
+    /// does
+    #[arg(long)]
+    split: bool,
+}
+
 fn main() -> ExitCode {
-    let tool = match Tool::start("backward-tune", "4096,16384", 20) {
+    let args = Args::parse();
+    let tool = match Tool::start("backward-tune", args.lengths, args.runs) {
         Ok(tool) => tool,
         Err(code) => return code,
     };
     let (gpu, lengths, runs) = (&tool.gpu, &tool.lengths, tool.runs);
-    if tool.flags.has("--split") {
+    if args.split {
         split(gpu, lengths, runs);
         return ExitCode::SUCCESS;
     }
