@@ -32,7 +32,7 @@ use flash_core::{AttnError, Shape};
 use ndarray::Array4;
 
 use flash_core::row::{self, Row};
-use flash_core::timing::{Warmup, median_ms};
+use flash_core::timing::{Warmup, cpu_median_ms, median_ms};
 use flash_core::{Attention, Dtype, Pass, reference};
 
 use crate::cli::{BenchArgs, PEAK_CHILD, choose};
@@ -309,13 +309,8 @@ pub fn measure_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measure
         (m.forward)(qkv[0].view(), qkv[1].view(), qkv[2].view()).map_err(|e| describe_error(&e))?;
     check_result(&qkv, &first, args.dtype)?;
     drop(first);
-    let ms = median_ms(Warmup::Calls(0), args.runs, || {
-        let start = Instant::now();
-        let result = call_once(m, &qkv, dout.as_ref());
-        let ms = start.elapsed().as_secs_f64() * 1e3;
-        // freeing the result is not part of the call
-        drop(result?);
-        Ok(ms)
+    let ms = cpu_median_ms(Warmup::Calls(0), args.runs, || {
+        call_once(m, &qkv, dout.as_ref())
     })
     .map_err(|e| describe_error(&e))?;
     Ok(Measured { ms, peak_bytes })

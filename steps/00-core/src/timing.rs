@@ -55,10 +55,14 @@ pub fn median_ms<E>(
     Ok(median(times))
 }
 
-/// Times `call` on this thread's clock: one untimed call, then the median of `runs`. Whatever
+/// Times `call` on this thread's clock: the warm-up, then the median of `runs`. Whatever
 /// `call` returns is dropped after its clock stops: freeing a result is not part of the call.
-pub fn cpu_median_ms<T, E>(runs: usize, mut call: impl FnMut() -> Result<T, E>) -> Result<f64, E> {
-    median_ms(Warmup::Calls(1), runs, || {
+pub fn cpu_median_ms<T, E>(
+    warmup: Warmup,
+    runs: usize,
+    mut call: impl FnMut() -> Result<T, E>,
+) -> Result<f64, E> {
+    median_ms(warmup, runs, || {
         let start = Instant::now();
         let result = call();
         let ms = start.elapsed().as_secs_f64() * 1e3;
@@ -98,7 +102,7 @@ mod tests {
 
     #[test]
     fn an_error_stops_the_loop() {
-        let r = cpu_median_ms(5, || Err::<(), _>("no"));
+        let r = cpu_median_ms(Warmup::Calls(1), 5, || Err::<(), _>("no"));
         assert_eq!(r, Err("no"));
     }
 }

@@ -13,6 +13,8 @@
 
 use std::time::Instant;
 
+use flash_core::timing::{Warmup, cpu_median_ms};
+
 use clap::Parser;
 use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
@@ -40,20 +42,13 @@ fn cpu_seconds() -> f64 {
     f.iter().sum::<f64>() / 100.0 // clock ticks of 1/100 s
 }
 
-/// The median of `runs` timed runs after one warm-up, in ms, and the cores used on average.
+/// The median of `runs` timed runs after one warm-up (the core's timing loop), in ms, and the
+/// cores used on average over them.
 fn median_ms(runs: usize, f: &dyn Fn()) -> (f64, f64) {
-    f(); // warm-up
     let (cpu0, wall0) = (cpu_seconds(), Instant::now());
-    let mut ms: Vec<f64> = (0..runs)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
+    let ms = cpu_median_ms(Warmup::Calls(1), runs, || Ok::<_, ()>(f())).expect("no errors");
     let cores = (cpu_seconds() - cpu0) / wall0.elapsed().as_secs_f64();
-    ms.sort_by(f64::total_cmp);
-    (ms[runs / 2], cores)
+    (ms, cores)
 }
 
 fn row(name: &str, tokens: usize, runs: usize, forward: &Forward) {

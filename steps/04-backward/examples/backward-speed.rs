@@ -12,11 +12,10 @@
 //! Every variant's gradients are checked against the default's first. GFLOP/s use
 //! FlashAttention's count: the backward is 2.5 × the forward.
 
-use std::time::Instant;
-
 use clap::Parser;
 use flash_core::Shape;
 use flash_core::inputs::{random_normal, random_qkv};
+use flash_core::timing::{Warmup, cpu_median_ms};
 use ndarray::Array4;
 use step03_cuda_forward::tool::at_least_one;
 use step04_backward::{BlockSizes, Grads, backward_two_pass, backward_with_blocks, forward};
@@ -35,17 +34,9 @@ struct Args {
     lengths: Vec<usize>,
 }
 
+/// The median of `runs` timed runs after one warm-up: the core's timing loop.
 fn median_ms(runs: usize, f: &dyn Fn() -> Grads) -> f64 {
-    f(); // warm-up
-    let mut ms: Vec<f64> = (0..runs)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    ms.sort_by(f64::total_cmp);
-    ms[runs / 2]
+    cpu_median_ms(Warmup::Calls(1), runs, || Ok::<_, ()>(f())).expect("no errors")
 }
 
 fn max_diff(a: &Grads, b: &Grads) -> f32 {
