@@ -4,9 +4,17 @@ benchmark's rules, written as the benchmark's JSON rows so the charts draw it ne
 
 Methods:
   cpu:  pytorch_by_hand (q·kᵀ, mask, softmax, ·v, the whole table), pytorch_sdpa
-        (scaled_dot_product_attention, which runs PyTorch's CPU flash attention)
+        (scaled_dot_product_attention as PyTorch chooses it)
   cuda: pytorch_by_hand, pytorch_sdpa_flash (the FLASH_ATTENTION backend, FlashAttention-2),
-        pytorch_sdpa_cudnn (the CUDNN_ATTENTION backend)
+        pytorch_sdpa_cudnn (the CUDNN_ATTENTION backend), pytorch_sdpa (no backend forced:
+        PyTorch's default)
+
+Which attention the default runs: after the sweep, at each length pytorch_sdpa measured, one
+warm-up call and then one call under torch.profiler, which names the SDPA operation PyTorch
+dispatched to (aten::_scaled_dot_product_cudnn_attention, ..._flash_attention,
+..._efficient_attention, ..._flash_attention_for_cpu, ...) and, on the GPU, the CUDA kernels it
+launched. The script prints them and adds them to the row's implementation string; no timed
+call runs after the profiler has started.
 
 Rules, as in `cargo run --release` (see book/src/measuring.md):
   time  one warm-up call, then the median of --runs calls; the inputs are made before. On the
@@ -33,12 +41,23 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError as e:  # --help and the checks of the flags still work; main() says what is missing
+    torch = F = None
+    TORCH_MISSING = str(e)
 
 SEED = 2024
 EXIT_OOM = 3
 HERE = os.path.dirname(os.path.abspath(__file__))
+# the methods of each device; pytorch_sdpa is the default (no backend forced) on both, and the
+# one whose operation and kernels the profiler names
+METHODS = {
+    "cpu": ("pytorch_by_hand", "pytorch_sdpa"),
+    "cuda": ("pytorch_by_hand", "pytorch_sdpa_flash", "pytorch_sdpa_cudnn", "pytorch_sdpa"),
+}
+PROFILED = "pytorch_sdpa"
 
 
 def by_hand(q, k, v):
@@ -65,17 +84,71 @@ def methods(device):
     """name -> (function, what runs)"""
     if device == "cpu":
         cap = torch.backends.cpu.get_cpu_capability()
-        return {
+        found = {
             "pytorch_by_hand": (by_hand, f"torch {torch.__version__} by hand: matmul, masked_fill, softmax, matmul ({cap})"),
-            "pytorch_sdpa": (sdpa(), f"torch {torch.__version__} scaled_dot_product_attention: its CPU flash attention ({cap})"),
+            "pytorch_sdpa": (sdpa(), f"torch {torch.__version__} SDPA default ({cap})"),
         }
-    from torch.nn.attention import SDPBackend
+    else:
+        from torch.nn.attention import SDPBackend
 
-    return {
-        "pytorch_by_hand": (by_hand, f"torch {torch.__version__} by hand: matmul, masked_fill, softmax, matmul"),
-        "pytorch_sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION), f"torch {torch.__version__} SDPA, FLASH_ATTENTION backend (FlashAttention-2)"),
-        "pytorch_sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION), f"torch {torch.__version__} SDPA, CUDNN_ATTENTION backend (cuDNN {torch.backends.cudnn.version()})"),
-    }
+        found = {
+            "pytorch_by_hand": (by_hand, f"torch {torch.__version__} by hand: matmul, masked_fill, softmax, matmul"),
+            "pytorch_sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION), f"torch {torch.__version__} SDPA, FLASH_ATTENTION backend (FlashAttention-2)"),
+            "pytorch_sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION), f"torch {torch.__version__} SDPA, CUDNN_ATTENTION backend (cuDNN {torch.backends.cudnn.version()})"),
+            "pytorch_sdpa": (sdpa(), f"torch {torch.__version__} SDPA default (no backend forced)"),
+        }
+    assert tuple(found) == METHODS[device]
+    return found
+
+
+def kernel_name(name):
+    """A CUDA kernel as the profiler names it, less its return type, template arguments and
+    parameters: `void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<...>, ...>(...)`
+    -> `pytorch_flash::flash_fwd_kernel`. cuDNN's generated kernels have no template and stay
+    whole (their names carry the architecture, the instruction and the tile)."""
+    name = name.replace("(anonymous namespace)::", "")
+    if name.startswith("void "):
+        name = name[len("void "):]
+    for stop in "<(":
+        name = name.split(stop, 1)[0]
+    return name.strip()
+
+
+def first_seen(names):
+    return list(dict.fromkeys(names))
+
+
+def what_ran(fn, qkv, dout, cuda):
+    """One call under torch.profiler: (the SDPA operations PyTorch dispatched to, the kernels
+    they launched). On the CPU the operation is what runs; there are no kernels to list."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        result = one_call(fn, qkv, dout)
+        if cuda:
+            torch.cuda.synchronize()
+    del result
+    events = prof.events()
+    # aten::scaled_dot_product_attention is the front door; the operation it chose is
+    # aten::_scaled_dot_product_<backend>..., and the backward's is that name with _backward
+    ops = first_seen(e.name for e in events if e.name.startswith("aten::_scaled_dot_product_"))
+    kernels = []
+    if cuda:
+        kernels = first_seen(
+            kernel_name(e.name)
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+        )
+    return ops, kernels
+
+
+def ran_line(what, ops, kernels, cuda):
+    """The implementation string of a profiled row: what it is, then what ran."""
+    line = f"{what} → {', '.join(ops) or 'no aten::_scaled_dot_product_* operation recorded'}"
+    if cuda:
+        line += f"; kernels: {', '.join(kernels) or 'none recorded (the profiler saw no CUDA kernels)'}"
+    return line
 
 
 def describe(device):
@@ -203,6 +276,45 @@ def measure_cuda(args, name, fn, tokens):
         torch.cuda.empty_cache()
 
 
+def profile_default(args, fn, rows, cuda):
+    """What PyTorch's default ran at each length it was measured at: one warm-up call (cuDNN
+    builds its graph on the first), then one call under the profiler. It runs after the sweep,
+    so that no timed call runs after the profiler has been started in this process. Adds what
+    ran to each row's implementation string."""
+    print(f"\nwhat {PROFILED}, PyTorch's default, ran (torch.profiler, one call per length after a warm-up):")
+    said = None
+    for row in rows:
+        if row["method"] != PROFILED or row["error"]:
+            continue
+        qkv, dout = inputs(args, row["tokens"], args.device)
+        try:
+            one_call(fn, qkv, dout)
+            ran = what_ran(fn, qkv, dout, cuda)
+        except RuntimeError as e:  # torch.OutOfMemoryError is one
+            print(f"  {row['tokens']:>7} tokens: not profiled: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            continue
+        finally:
+            del qkv, dout
+            if cuda:
+                torch.cuda.empty_cache()
+        ops, kernels = ran
+        row["implementation"] = ran_line(row["implementation"], ops, kernels, cuda)
+        print(f"  {row['tokens']:>7} tokens: {', '.join(ops) or 'no aten::_scaled_dot_product_* operation recorded'}")
+        if cuda and ran != said:
+            for k in kernels or ["none recorded (the profiler saw no CUDA kernels)"]:
+                print(f"                  kernel {k}")
+        elif cuda:
+            print("                  (the same kernels)")
+        said = ran
+
+
+def write_rows(path, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=2, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
+
+
 def commit():
     # a copy of the tree on another machine is no git checkout: the caller names the commit
     if os.environ.get("BENCH_COMMIT"):
@@ -232,14 +344,13 @@ def parse_args(argv):
     a.lengths = a.lengths or [1 << p for p in range(10, 15 if cuda else 14)]
     a.batch = a.batch or (4 if cuda else 1)
     a.dtype = a.dtype or ("bf16" if cuda else "f32")
-    known = methods("cpu") if not cuda else None
-    if cuda and not torch.cuda.is_available():
-        p.error("--device cuda: torch sees no CUDA device")
-    known = known or methods("cuda")
+    known = METHODS[a.device]
     a.methods = a.methods or list(known)
-    unknown = [m for m in a.methods if m not in known]
-    if unknown:
-        p.error(f"unknown methods {unknown}; on {a.device} the methods are: {', '.join(known)}")
+    for m in a.methods:
+        if m not in known:
+            other = "cuda" if a.device == "cpu" else "cpu"
+            where = f" ({m} is a {other} method: add --device {other})" if m in METHODS[other] else ""
+            p.error(f"unknown method '{m}' on {a.device}{where}; the {a.device} methods are: {', '.join(known)}")
     if min(a.lengths + [a.batch, a.heads, a.head_dim, a.runs]) < 1:
         p.error("lengths, --batch, --heads, --head-dim and --runs must be at least 1")
     return a
@@ -247,6 +358,13 @@ def parse_args(argv):
 
 def main(argv):
     args = parse_args(argv)
+    if torch is None:
+        print(f"pytorch_peers.py needs PyTorch ({TORCH_MISSING}): pip install torch numpy", file=sys.stderr)
+        sys.exit(1)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("pytorch_peers.py: --device cuda, but torch sees no CUDA device "
+              f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})", file=sys.stderr)
+        sys.exit(2)
     if args.peak_child:
         peak_child(args)
         return
@@ -259,6 +377,8 @@ def main(argv):
           f"pass {pass_name}; median of {args.runs} runs after a warm-up")
     for name, (_, what) in chosen.items():
         print(f"  {name:<20} {what}")
+    if PROFILED in chosen:
+        print(f"  ({PROFILED}: what it runs is named by torch.profiler after the sweep)")
     print(f"\n{'method':<20} {'pass':<8} {'tokens':>7} {'ms':>11} {'TFLOP/s' if cuda else 'GFLOP/s':>10} {'peak MB':>12}  note")
     rows, sha = [], commit()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -284,10 +404,11 @@ def main(argv):
             print(f"{name:<20} {pass_name:<8} {tokens:>7} {'-' if ms is None else f'{ms:.3f}':>11} {rate:>10} "
                   f"{'-' if peak is None else f'{peak / 1e6:.1f}':>12}  {error or ''}", flush=True)
             if args.out:
-                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                with open(args.out, "w") as f:
-                    json.dump(rows, f, indent=2, sort_keys=True)
-                    f.write("\n")
+                write_rows(args.out, rows)
+    if PROFILED in chosen:
+        profile_default(args, chosen[PROFILED][0], rows, cuda)
+        if args.out:
+            write_rows(args.out, rows)
     if args.out:
         print(f"\nwrote {len(rows)} rows to {args.out}")
 

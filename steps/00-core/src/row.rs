@@ -137,6 +137,55 @@ mod tests {
     }
 
     #[test]
+    fn rows_carry_what_the_profiler_saw_pytorch_run() {
+        // pytorch_sdpa rows as the peer script writes them after profiling PyTorch's default:
+        // the operation (and on the GPU the kernels) after an arrow, in UTF-8 or escaped. The
+        // CPU rows are from a run of the script; the GPU row has the shape of one.
+        let cpu = r#"[{"batch": 1, "commit": "c31a26e", "date": "2026-11-30T14:05:31Z",
+            "device": "AMD EPYC (2 threads)", "device_kind": "cpu", "dtype": "f32", "error": null,
+            "head_dim": 64, "heads": 12,
+            "implementation": "torch 2.15.0+cu132 SDPA default (AVX512) → aten::_scaled_dot_product_flash_attention_for_cpu",
+            "method": "pytorch_sdpa", "ms": 16.000205000182177, "pass": "fwd",
+            "peak_bytes": 3846144, "runs": 1, "tflops": 0.00629137539168116, "tokens": 256}]"#;
+        let rows = from_json(cpu, "cpu").unwrap();
+        assert!(
+            rows[0]
+                .implementation
+                .ends_with(" → aten::_scaled_dot_product_flash_attention_for_cpu")
+        );
+        assert_eq!(from_json(&to_json(&rows), "again").unwrap(), rows);
+        // [step 03]
+        let gpu = r#"[{"batch": 4, "commit": "c31a26e", "date": "2026-11-30T14:07:43Z",
+            "device": "NVIDIA H200 (sm_90, CUDA 12.8)", "device_kind": "cuda", "dtype": "bf16",
+            "error": null, "head_dim": 64, "heads": 12,
+            "implementation": "torch 2.11 SDPA default (no backend forced) \u2192 aten::_scaled_dot_product_cudnn_attention; kernels: cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0",
+            "method": "pytorch_sdpa", "ms": 3.5, "pass": "fwd", "peak_bytes": 100663296,
+            "runs": 20, "tflops": 471.2, "tokens": 16384}]"#;
+        let rows = from_json(gpu, "gpu").unwrap();
+        assert_eq!(rows[0].device_kind, Device::Cuda);
+        assert!(
+            rows[0].implementation.contains(
+                " → aten::_scaled_dot_product_cudnn_attention; kernels: cudnn_generated_"
+            )
+        );
+        assert_eq!(from_json(&to_json(&rows), "again").unwrap(), rows);
+        // [/step 03]
+        // [step 04]
+        let bwd = r#"[{"batch": 1, "commit": "c31a26e", "date": "2026-11-30T14:07:43Z",
+            "device": "AMD EPYC (2 threads)", "device_kind": "cpu", "dtype": "f32", "error": null,
+            "head_dim": 64, "heads": 12,
+            "implementation": "torch 2.15.0+cu132 SDPA default (AVX512) → aten::_scaled_dot_product_flash_attention_for_cpu, aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+            "method": "pytorch_sdpa", "ms": 52.06883800019568, "pass": "fwd+bwd",
+            "peak_bytes": 45748224, "runs": 1, "tflops": 0.006766456666435996, "tokens": 256}]"#;
+        let rows = from_json(bwd, "bwd").unwrap();
+        assert_eq!(rows[0].pass, Pass::ForwardBackward);
+        assert!(rows[0].implementation.ends_with(
+            "_flash_attention_for_cpu, aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+        ));
+        // [/step 04]
+    }
+
+    #[test]
     fn flops_follow_the_anchors() {
         // FlashAttention's count: at T = 16384, B = 4, H = 12, D = 64, a 5.447 ms forward is 302.8 TFLOP/s
         let shape = crate::Shape::new(4, 12, 16384, 64);
