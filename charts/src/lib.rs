@@ -380,7 +380,7 @@ fn failure(error: &str) -> &'static str {
 }
 
 /// Three significant digits, and all the digits of the whole part: `0.0318`, `9.18`, `68.8`,
-/// `236`, `34,940`; so the fast methods on the GPU are told apart.
+/// `236`, `34,940`; so the fastest methods are told apart.
 fn three_digits(v: f64) -> String {
     if !v.is_finite() || v <= 0.0 {
         return "0".into();
