@@ -5,9 +5,17 @@
 //!
 //! - CPU: peak memory against length, and time against length, both on log scales (one pair
 //!   for each pass found, `fwd` and `fwd+bwd`);
-//! - GPU: TFLOP/s against length, one chart for `fwd` and one for `fwd+bwd`;
-//! - for each of those groups, the rows as a Markdown table (`cpu.md`, `gpu-fwd.md`, ...) that the
-//!   book includes, so the book's numbers are the JSON's.
+//! - GPU: TFLOP/s against length, and peak memory against length on a log scale, for `fwd` and
+//!   for `fwd+bwd`;
+//! - for each of those groups, the rows as Markdown tables (`cpu.md`, `gpu-fwd.md`, ...) that the
+//!   book includes, so the book's numbers are the JSON's: a row per length, a column per method,
+//!   and our best method's speed against the peers of `VERSUS`.
+//!
+//! Every method looks the same wherever it appears: one colour, one marker and one legend in
+//! words, from `STYLES` (ours in blues and greens with filled markers and solid lines, the
+//! peers in oranges, reds and greys with hollow markers and dashed lines); a method the table
+//! does not know gets a look from its name. The SVGs carry a `viewBox` and no fixed size, so
+//! they scale to the book's column.
 //!
 //! The drawing is a pure function of the rows: the same JSON gives byte-identical SVG, so
 //! regenerating the committed charts shows no diff (a test checks both).
@@ -23,7 +31,9 @@ use std::path::Path;
 
 pub use flash_core::Row;
 use flash_core::{Device, Pass, row};
+use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 /// Every row of every `*.json` file in `dir`, the files taken in name order.
 pub fn read_dir(dir: &Path) -> Result<Vec<Row>, String> {
@@ -80,6 +90,213 @@ impl Quantity {
     }
 }
 
+/// How one method looks everywhere it appears: the same colour, marker and words in every chart
+/// and every table, whatever else the data holds.
+struct Style {
+    /// the method's name in the JSON rows
+    name: &'static str,
+    /// the device kind (`"cpu"`, ...) the entry is for; `""` for every device
+    device: &'static str,
+    /// the legend's words, without the step
+    words: &'static str,
+    /// a table's column head: a word or two, spelled out by the legend under the table
+    short: &'static str,
+    /// the step that brings the method, `None` for a peer
+    step: Option<u8>,
+    colour: RGBColor,
+    marker: Marker,
+    /// the method whose peak memory this one's is, byte for byte: the memory charts and tables
+    /// leave this one out, as its line would only hide under the other's
+    same_memory_as: Option<&'static str>,
+}
+
+/// Shapes that tell the methods apart in grey as well as in colour; ours are filled, the peers'
+/// hollow (and their lines dashed).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Marker {
+    Circle,
+    Square,
+    Triangle,
+    TriangleDown,
+    Diamond,
+    Cross,
+}
+
+const fn ours(
+    name: &'static str,
+    words: &'static str,
+    short: &'static str,
+    step: u8,
+    colour: RGBColor,
+    marker: Marker,
+) -> Style {
+    Style {
+        name,
+        device: "",
+        words,
+        short,
+        step: Some(step),
+        colour,
+        marker,
+        same_memory_as: None,
+    }
+}
+
+const fn peer(
+    name: &'static str,
+    device: &'static str,
+    words: &'static str,
+    short: &'static str,
+    colour: RGBColor,
+    marker: Marker,
+) -> Style {
+    Style {
+        name,
+        device,
+        words,
+        short,
+        step: None,
+        colour,
+        marker,
+        same_memory_as: None,
+    }
+}
+
+/// Every method's look, ours in blues and greens, the peers in oranges, reds and greys; charts
+/// and tables list the methods in this order, ours first.
+#[rustfmt::skip]
+const STYLES: &[Style] = &[
+    ours("naive", "attention by hand", "by hand", 1, RGBColor(0x08, 0x51, 0x9c), Marker::Circle),
+    // [step 02]
+    ours("online_loop", "online softmax, plain loops", "loops", 2, RGBColor(0x66, 0xc2, 0xa4), Marker::Triangle),
+    ours("online", "online softmax, SIMD", "online", 2, RGBColor(0x23, 0x8b, 0x45), Marker::Square),
+    // [/step 02]
+    // [step 03]
+    ours("cuda_naive", "attention by hand, cuBLAS", "by hand", 3, RGBColor(0x25, 0x34, 0x94), Marker::Circle),
+    Style {
+        same_memory_as: Some("cuda_flash"),
+        ..ours("cuda_rows", "ladder rung 1: a thread per row", "rung 1", 3, RGBColor(0x6b, 0xae, 0xd6), Marker::Triangle)
+    },
+    Style {
+        same_memory_as: Some("cuda_flash"),
+        ..ours("cuda_shared", "ladder rung 2: shared memory", "rung 2", 3, RGBColor(0x2b, 0x8c, 0xbe), Marker::Diamond)
+    },
+    Style {
+        same_memory_as: Some("cuda_flash"),
+        ..ours("cuda_mma_sync_loads", "ladder rung 3: tensor cores", "rung 3", 3, RGBColor(0x74, 0xc4, 0x76), Marker::TriangleDown)
+    },
+    ours("cuda_flash", "FlashAttention kernel", "flash", 3, RGBColor(0x00, 0x6d, 0x2c), Marker::Square),
+    // [/step 03]
+    // [step 02]
+    peer("pytorch_by_hand", "", "PyTorch by hand", "PyTorch by hand", RGBColor(0x52, 0x52, 0x52), Marker::Circle),
+    peer("pytorch_sdpa", "cpu", "PyTorch SDPA (CPU flash attention)", "PyTorch SDPA", RGBColor(0xe6, 0x55, 0x0d), Marker::Square),
+    // [/step 02]
+    // [step 03]
+    peer("pytorch_sdpa_flash", "", "FlashAttention-2 via PyTorch", "FA-2", RGBColor(0xd6, 0x27, 0x28), Marker::Triangle),
+    peer("pytorch_sdpa_cudnn", "", "cuDNN via PyTorch", "cuDNN", RGBColor(0xa6, 0x36, 0x03), Marker::Diamond),
+    peer("pytorch_sdpa_efficient", "", "memory-efficient SDPA via PyTorch", "mem-eff.", RGBColor(0x96, 0x96, 0x96), Marker::TriangleDown),
+    peer("pytorch_sdpa", "cuda", "PyTorch's default SDPA", "SDPA", RGBColor(0xfd, 0x8d, 0x3c), Marker::Square),
+    // [/step 03]
+];
+
+/// Our best method at each length against the peer it is compared with, in the tables: the
+/// peer's time over ours, so above 1 ours is faster.
+const VERSUS: &[(&str, &str)] = &[
+    // [step 02]
+    ("online", "pytorch_sdpa"),
+    // [/step 02]
+    // [step 03]
+    ("cuda_flash", "pytorch_sdpa_flash"),
+    ("cuda_flash", "pytorch_sdpa_cudnn"),
+    // [/step 03]
+];
+
+/// Colours for a method the table does not know, picked by its name so it keeps them.
+const FALLBACK: [RGBColor; 4] = [
+    RGBColor(0x75, 0x6b, 0xb1),
+    RGBColor(0x8c, 0x6d, 0x31),
+    RGBColor(0xce, 0x6d, 0xbd),
+    RGBColor(0x7f, 0x7f, 0x7f),
+];
+const MARKERS: [Marker; 6] = [
+    Marker::Circle,
+    Marker::Square,
+    Marker::Triangle,
+    Marker::TriangleDown,
+    Marker::Diamond,
+    Marker::Cross,
+];
+
+/// A method's look as drawn: the table's entry, or for a name it lacks, one chosen from the
+/// name's hash (so a new method draws without an edit here, and the same way every time).
+struct Look {
+    /// where the method sorts: its place in `STYLES`, unknown names after
+    rank: usize,
+    ours: bool,
+    colour: RGBColor,
+    marker: Marker,
+    words: String,
+    short: String,
+    step: Option<u8>,
+    same_memory_as: Option<&'static str>,
+}
+
+fn look(method: &str, device: Device) -> Look {
+    let kind = device.to_string();
+    let found = STYLES
+        .iter()
+        .position(|s| s.name == method && s.device == kind)
+        .or_else(|| {
+            STYLES
+                .iter()
+                .position(|s| s.name == method && s.device.is_empty())
+        });
+    match found {
+        Some(i) => {
+            let s = &STYLES[i];
+            Look {
+                rank: i,
+                ours: s.step.is_some(),
+                colour: s.colour,
+                marker: s.marker,
+                words: s.words.to_string(),
+                short: s.short.to_string(),
+                step: s.step,
+                same_memory_as: s.same_memory_as,
+            }
+        }
+        None => {
+            // FNV-1a: a hash that is the same on every machine and in every version
+            let hash = method.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+            });
+            Look {
+                rank: STYLES.len(),
+                ours: !method.starts_with("pytorch"),
+                colour: FALLBACK[(hash % FALLBACK.len() as u64) as usize],
+                marker: MARKERS[((hash >> 8) % MARKERS.len() as u64) as usize],
+                words: method.to_string(),
+                short: method.to_string(),
+                step: None,
+                same_memory_as: None,
+            }
+        }
+    }
+}
+
+impl Look {
+    /// The legend's words with the step that brings the method: `(step 02)`; a pass with the
+    /// backward adds the step that brings every backward, `(steps 02 and 04)`, `(steps 03–04)`.
+    fn label(&self, pass: Pass) -> String {
+        match self.step {
+            None => self.words.clone(),
+            Some(s) if pass == Pass::Forward || s >= 4 => format!("{} (step {s:02})", self.words),
+            Some(3) => format!("{} (steps 03–04)", self.words),
+            Some(s) => format!("{} (steps {s:02} and 04)", self.words),
+        }
+    }
+}
+
 /// Every chart the rows call for, as `(file name, SVG)`, and the book's table of each group of
 /// rows, as `(file name, Markdown)`, in a fixed order.
 pub fn render_all(rows: &[Row]) -> Result<Vec<(String, String)>, String> {
@@ -103,7 +320,7 @@ pub fn render_all(rows: &[Row]) -> Result<Vec<(String, String)>, String> {
                 format!("cpu-time{suffix}.svg"),
                 render(&cpu, Quantity::Time)?,
             ));
-            charts.push((format!("cpu{suffix}.md"), table(&cpu, "pytorch_sdpa")));
+            charts.push((format!("cpu{suffix}.md"), table(&cpu)));
         }
         let gpu: Vec<&Row> = rows
             .iter()
@@ -119,65 +336,229 @@ pub fn render_all(rows: &[Row]) -> Result<Vec<(String, String)>, String> {
                 format!("gpu-tflops-{name}.svg"),
                 render(&gpu, Quantity::Tflops)?,
             ));
-            charts.push((format!("gpu-{name}.md"), table(&gpu, "pytorch_sdpa_flash")));
+            // without the methods that allocate exactly what another one does
+            let memory: Vec<&Row> = gpu
+                .iter()
+                .copied()
+                .filter(|r| look(&r.method, r.device_kind).same_memory_as.is_none())
+                .collect();
+            charts.push((
+                format!("gpu-peak-memory-{name}.svg"),
+                render(&memory, Quantity::PeakMemory)?,
+            ));
+            charts.push((format!("gpu-{name}.md"), table(&gpu)));
         }
     }
     Ok(charts)
 }
 
-/// The rows as a Markdown table for the book, first line the command that writes it; `peer` is
-/// the method whose time each row is compared with at the same length (above 1: faster).
-fn table(rows: &[&Row], peer: &str) -> String {
-    let cuda = rows[0].device_kind != Device::Cpu;
-    let mut md = format!(
-        "<!-- written by `cargo run -p charts` from charts/data/*.json: {} -->\n\n\
-         | method | tokens | ms | {} | peak MB | speed vs {peer} | note |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: | --- |\n",
-        distinct(rows, |r| r.device.clone()),
-        if cuda { "TFLOP/s" } else { "GFLOP/s" }
-    );
-    let order = method_order(rows);
-    let mut sorted: Vec<&&Row> = rows.iter().collect();
-    sorted.sort_by_key(|r| (r.tokens, order.iter().position(|m| *m == r.method)));
-    for r in sorted {
-        let peer_ms = rows
-            .iter()
-            .find(|p| p.method == peer && p.tokens == r.tokens)
-            .and_then(|p| p.ms);
-        let cell = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("–".to_string(), f);
-        md.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} |\n",
-            r.method,
-            r.tokens,
-            cell(r.ms, &|v| format!("{v:.2}")),
-            cell(r.tflops, &|v| format!(
-                "{:.1}",
-                if cuda { v } else { v * 1e3 }
-            )),
-            cell(r.peak_bytes.map(|b| b as f64), &|v| format!(
-                "{:.1}",
-                v / 1e6
-            )),
-            cell(peer_ms.zip(r.ms).map(|(p, m)| p / m), &|v| format!(
-                "{v:.2}×"
-            )),
-            r.error.as_deref().unwrap_or("").replace('|', "/"),
-        ));
-    }
-    md
-}
-
-/// The methods in the order of the data, ours before the peers (`pytorch_*`), so that colours
-/// and table rows do not depend on how the files are named.
+/// The methods found in the rows, in the order of `STYLES`, ours before the peers, so that
+/// neither colours nor columns depend on how the files are named or ordered.
 fn method_order<'a>(rows: &[&'a Row]) -> Vec<&'a str> {
-    let mut methods: Vec<&str> = Vec::new();
+    let mut methods: Vec<(&str, Device)> = Vec::new();
     for r in rows {
-        if !methods.contains(&r.method.as_str()) {
-            methods.push(&r.method);
+        if !methods.iter().any(|(m, _)| *m == r.method) {
+            methods.push((&r.method, r.device_kind));
         }
     }
-    methods.sort_by_key(|m| m.starts_with("pytorch"));
-    methods
+    methods.sort_by_key(|&(m, d)| {
+        let l = look(m, d);
+        (!l.ours, l.rank, m)
+    });
+    methods.into_iter().map(|(m, _)| m).collect()
+}
+
+/// What a failed measurement says in a table cell, in place of a number.
+fn failure(error: &str) -> &'static str {
+    if error.contains("out of memory") {
+        "out of memory"
+    } else if error.contains("wrong result") {
+        "wrong result"
+    } else {
+        "failed"
+    }
+}
+
+/// Three significant digits, and all the digits of the whole part: `0.0318`, `9.18`, `68.8`,
+/// `236`, `34,940`; so the fastest methods are told apart.
+fn three_digits(v: f64) -> String {
+    if !v.is_finite() || v <= 0.0 {
+        return "0".into();
+    }
+    if v >= 99.95 {
+        let whole = format!("{v:.0}");
+        // thousands separated by commas, as in the book's text
+        let mut out = String::new();
+        for (i, c) in whole.chars().enumerate() {
+            if i > 0 && (whole.len() - i) % 3 == 0 {
+                out.push(',');
+            }
+            out.push(c);
+        }
+        return out;
+    }
+    let decimals = (2 - v.log10().floor() as i32).max(0) as usize;
+    format!("{v:.decimals$}")
+}
+
+/// The rows as the book's tables, first line the command that writes them: a row per length and
+/// a column per method, for time (with the rate under it) and then for peak memory, with our
+/// best method's speed against each peer of `VERSUS` found in the rows.
+fn table(rows: &[&Row]) -> String {
+    let cpu = rows[0].device_kind == Device::Cpu;
+    let pass = rows[0].pass;
+    let methods = method_order(rows);
+    let looks: Vec<Look> = methods
+        .iter()
+        .map(|m| look(m, rows[0].device_kind))
+        .collect();
+    let mut lengths: Vec<usize> = rows.iter().map(|r| r.tokens).collect();
+    lengths.sort();
+    lengths.dedup();
+    let find = |m: &str, t: usize| rows.iter().find(|r| r.method == m && r.tokens == t);
+    let versus: Vec<(&str, &str)> = VERSUS
+        .iter()
+        .copied()
+        .filter(|(a, b)| methods.contains(a) && methods.contains(b))
+        .collect();
+    let short = |m: &str| {
+        methods
+            .iter()
+            .position(|x| *x == m)
+            .map_or(m.to_string(), |i| looks[i].short.clone())
+    };
+
+    let mut md = format!(
+        "<!-- written by `cargo run -p charts` from charts/data/*.json: {} -->\n\n",
+        distinct(rows, |r| r.device.clone()),
+    );
+    md.push_str(&format!(
+        "**Time per call**, ms, with {} under it",
+        if cpu { "GFLOP/s" } else { "TFLOP/s" }
+    ));
+    // the comparisons, grouped by our method: `vs FA-2`, `vs cuDNN`: the peer's time over ours
+    let mut ours_seen: Vec<&str> = Vec::new();
+    for (a, _) in &versus {
+        if ours_seen.contains(a) {
+            continue;
+        }
+        ours_seen.push(a);
+        let peers: Vec<String> = versus
+            .iter()
+            .filter(|(x, _)| x == a)
+            .map(|(_, b)| format!("*vs {}*", short(b)))
+            .collect();
+        md.push_str(&format!(
+            "; {}: the peer's time over *{}*'s, above 1× *{}* is faster",
+            peers.join(", "),
+            short(a),
+            short(a)
+        ));
+    }
+    md.push_str(".\n\n");
+    let heads: Vec<String> = looks.iter().map(|l| l.short.clone()).collect();
+    let vs_heads: Vec<String> = versus
+        .iter()
+        .map(|(_, b)| format!("vs {}", short(b)))
+        .collect();
+    md.push_str(&format!(
+        "| tokens | {} |{}\n| ---: |{}{}\n",
+        heads.join(" | "),
+        vs_heads
+            .iter()
+            .map(|h| format!(" {h} |"))
+            .collect::<String>(),
+        " ---: |".repeat(heads.len()),
+        " ---: |".repeat(vs_heads.len()),
+    ));
+    for &t in &lengths {
+        md.push_str(&format!("| {t} |"));
+        for m in &methods {
+            let cell = match find(m, t) {
+                None => "–".to_string(),
+                Some(r) => match (r.ms, &r.error) {
+                    (_, Some(e)) => failure(e).to_string(),
+                    (Some(ms), None) => {
+                        let rate = r.tflops.map_or("–".to_string(), |v| {
+                            three_digits(if cpu { v * 1e3 } else { v })
+                        });
+                        format!("{}<br>{rate}", three_digits(ms))
+                    }
+                    (None, None) => "–".to_string(),
+                },
+            };
+            md.push_str(&format!(" {cell} |"));
+        }
+        for (a, b) in &versus {
+            let ms = |m: &str| find(m, t).and_then(|r| r.ms).filter(|v| *v > 0.0);
+            let cell = ms(a)
+                .zip(ms(b))
+                .map_or("–".to_string(), |(a, b)| format!("{:.2}×", b / a));
+            md.push_str(&format!(" {cell} |"));
+        }
+        md.push('\n');
+    }
+
+    // the memory as in the memory charts: a method that allocates exactly what another does is
+    // left out, and said so
+    let memory: Vec<usize> = (0..methods.len())
+        .filter(|&i| looks[i].same_memory_as.is_none())
+        .collect();
+    let mut same = String::new();
+    for i in 0..methods.len() {
+        if let Some(other) = looks[i].same_memory_as {
+            same.push_str(&format!(
+                "{}*{}*",
+                if same.is_empty() { " (" } else { ", " },
+                looks[i].short
+            ));
+            if !looks[i + 1..]
+                .iter()
+                .any(|l| l.same_memory_as == Some(other))
+            {
+                same.push_str(&format!(" allocate what *{}* does", short(other)));
+            }
+        }
+    }
+    if !same.is_empty() {
+        same.push(')');
+    }
+    md.push_str(&format!(
+        "\n**Peak memory** above the inputs, MB{same}.\n\n"
+    ));
+    md.push_str(&format!(
+        "| tokens |{}\n| ---: |{}\n",
+        memory
+            .iter()
+            .map(|&i| format!(" {} |", heads[i]))
+            .collect::<String>(),
+        " ---: |".repeat(memory.len())
+    ));
+    for &t in &lengths {
+        md.push_str(&format!("| {t} |"));
+        for &i in &memory {
+            let cell = match find(methods[i], t) {
+                None => "–".to_string(),
+                Some(r) => match (r.peak_bytes, &r.error) {
+                    (_, Some(e)) => failure(e).to_string(),
+                    (Some(b), None) => three_digits(b as f64 / 1e6),
+                    (None, None) => "–".to_string(),
+                },
+            };
+            md.push_str(&format!(" {cell} |"));
+        }
+        md.push('\n');
+    }
+    // what the short column heads stand for, where they are not the words themselves
+    let heads_meaning: Vec<String> = looks
+        .iter()
+        .filter(|l| l.short != l.label(pass))
+        .map(|l| format!("*{}*: {}", l.short, l.label(pass)))
+        .collect();
+    if !heads_meaning.is_empty() {
+        md.push_str(&format!("\nColumns: {}.\n", heads_meaning.join("; ")));
+    }
+    md
 }
 
 /// The distinct values of a field, in first-seen order, joined for a title.
@@ -191,18 +572,6 @@ fn distinct<'a>(rows: &[&'a Row], field: impl Fn(&'a Row) -> String) -> String {
     }
     seen.join(" / ")
 }
-
-// Colours fixed by a method's place in the data, so a chart does not change colour between runs.
-const PALETTE: [RGBColor; 8] = [
-    RGBColor(0x1f, 0x77, 0xb4),
-    RGBColor(0xd6, 0x27, 0x28),
-    RGBColor(0x2c, 0xa0, 0x2c),
-    RGBColor(0xff, 0x7f, 0x0e),
-    RGBColor(0x94, 0x67, 0xbd),
-    RGBColor(0x8c, 0x56, 0x4b),
-    RGBColor(0xe3, 0x77, 0xc2),
-    RGBColor(0x7f, 0x7f, 0x7f),
-];
 
 /// `1234.5` → `1235`, `12.3` → `12`, `2.5`, `0.12`: enough digits to read, an exponent only
 /// below 0.01.
@@ -220,12 +589,83 @@ fn short_number(v: f64) -> String {
     }
 }
 
+/// Draws a method's marker centred on `(x, y)` (pixels of `area`): filled for ours, hollow for
+/// the peers.
+fn draw_marker(
+    area: &DrawingArea<SVGBackend, Shift>,
+    marker: Marker,
+    (x, y): (i32, i32),
+    colour: RGBColor,
+    filled: bool,
+) -> Result<(), String> {
+    let e = |e: &dyn std::fmt::Display| e.to_string();
+    let fill = if filled { colour } else { WHITE };
+    let outline = colour.stroke_width(2);
+    let polygon = |points: Vec<(i32, i32)>| -> Result<(), String> {
+        let points: Vec<(i32, i32)> = points.iter().map(|(a, b)| (x + a, y + b)).collect();
+        area.draw(&Polygon::new(points.clone(), fill.filled()))
+            .map_err(|x| e(&x))?;
+        let mut closed = points.clone();
+        closed.push(points[0]);
+        area.draw(&PathElement::new(closed, outline))
+            .map_err(|x| e(&x))
+    };
+    match marker {
+        Marker::Circle => {
+            area.draw(&Circle::new((x, y), 5, fill.filled()))
+                .map_err(|x| e(&x))?;
+            area.draw(&Circle::new((x, y), 5, outline))
+                .map_err(|x| e(&x))
+        }
+        Marker::Square => polygon(vec![(-5, -5), (5, -5), (5, 5), (-5, 5)]),
+        Marker::Triangle => polygon(vec![(0, -7), (6, 4), (-6, 4)]),
+        Marker::TriangleDown => polygon(vec![(0, 7), (6, -4), (-6, -4)]),
+        Marker::Diamond => polygon(vec![(0, -7), (7, 0), (0, 7), (-7, 0)]),
+        Marker::Cross => {
+            area.draw(&PathElement::new(
+                vec![(x - 5, y - 5), (x + 5, y + 5)],
+                outline,
+            ))
+            .map_err(|x| e(&x))?;
+            area.draw(&PathElement::new(
+                vec![(x - 5, y + 5), (x + 5, y - 5)],
+                outline,
+            ))
+            .map_err(|x| e(&x))
+        }
+    }
+}
+
+/// plotters writes a fixed size (`<svg width="900" height="560" viewBox=...`); the book's
+/// column is narrower than that, so the chart gets only its `viewBox` and the column's width.
+fn scalable(svg: String) -> String {
+    match (svg.find("<svg "), svg.find("viewBox=")) {
+        (Some(start), Some(view)) if view > start => {
+            let mut out = String::with_capacity(svg.len());
+            out.push_str(&svg[..start]);
+            out.push_str("<svg width=\"100%\" ");
+            out.push_str(&svg[view..]);
+            out
+        }
+        _ => svg,
+    }
+}
+
+/// Width and row height of the legend under a chart, in pixels, and its font size.
+const WIDTH: u32 = 900;
+const PLOT_HEIGHT: u32 = 500;
+const LEGEND_ROW: u32 = 30;
+const LEGEND_FONT: u32 = 21;
+
+/// One line of a chart: the method's look, its legend, its points.
+type Series = (Look, String, Vec<(f64, f64)>);
+
 fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
-    let pass = &rows[0].pass;
+    let pass = rows[0].pass;
     let title = format!(
         "{}, causal {}",
         q.title(),
-        if *pass == Pass::Forward {
+        if pass == Pass::Forward {
             "forward"
         } else {
             "forward + backward"
@@ -248,12 +688,15 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
 
     // one series per method; failed lengths noted in the legend
     let methods = method_order(rows);
-    let series: Vec<(String, Vec<(f64, f64)>)> = methods
+    // each method's look, legend and points (log2 of the length, value)
+    let series: Vec<Series> = methods
         .iter()
         .map(|&m| {
             let mine: Vec<&&Row> = rows.iter().filter(|r| r.method == m).collect();
+            let l = look(m, mine[0].device_kind);
             let mut points: Vec<(f64, f64)> = mine
                 .iter()
+                .filter(|r| r.error.is_none())
                 .filter_map(|r| q.value(r).map(|v| ((r.tokens as f64).log2(), v)))
                 .collect();
             points.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -262,6 +705,7 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
                 .filter(|r| r.error.is_some())
                 .map(|r| r.tokens)
                 .collect();
+            let words = l.label(pass);
             let label = match failed.first() {
                 Some(t)
                     if mine.iter().any(|r| {
@@ -270,12 +714,12 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
                             .is_some_and(|e| e.contains("out of memory"))
                     }) =>
                 {
-                    format!("{m} (out of memory at {t} tokens)")
+                    format!("{words} (out of memory at {t} tokens)")
                 }
-                Some(t) => format!("{m} (failed at {t} tokens)"),
-                None => m.to_string(),
+                Some(t) => format!("{words} (failed at {t} tokens)"),
+                None => words,
             };
-            (label, points)
+            (l, label, points)
         })
         .collect();
 
@@ -286,7 +730,7 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
     );
     let ys: Vec<f64> = series
         .iter()
-        .flat_map(|(_, p)| p.iter().map(|&(_, y)| y))
+        .flat_map(|(_, _, p)| p.iter().map(|&(_, y)| y))
         .collect();
     let (mut y_lo, mut y_hi) = (
         ys.iter().copied().fold(f64::INFINITY, f64::min),
@@ -296,21 +740,37 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
         (y_lo, y_hi) = (1.0, 10.0);
     }
 
+    // the legend under the plot, in two columns when the labels are short enough (a label's
+    // width estimated at 9 pixels a character, about half the font's size)
+    let longest = series
+        .iter()
+        .map(|(_, l, _)| l.chars().count())
+        .max()
+        .unwrap_or(0) as u32;
+    let columns: u32 = if 30 + 48 + longest * 9 <= WIDTH / 2 {
+        2
+    } else {
+        1
+    };
+    let legend_rows = (series.len() as u32).div_ceil(columns);
+    let height = 62 + PLOT_HEIGHT + 10 + legend_rows * LEGEND_ROW + 10;
+
     let mut svg = String::new();
     {
-        let root = SVGBackend::with_string(&mut svg, (900, 560)).into_drawing_area();
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, height)).into_drawing_area();
         let e = |e: &dyn std::fmt::Display| e.to_string();
         root.fill(&WHITE).map_err(|x| e(&x))?;
-        let (top, body) = root.split_vertically(62);
+        let (top, rest) = root.split_vertically(62);
+        let (body, legend) = rest.split_vertically(PLOT_HEIGHT);
         top.draw_text(
             &title,
-            &TextStyle::from(("sans-serif", 27).into_font()).color(&BLACK),
-            (20, 10),
+            &TextStyle::from(("sans-serif", 28).into_font()).color(&BLACK),
+            (20, 8),
         )
         .map_err(|x| e(&x))?;
         top.draw_text(
             &subtitle,
-            &TextStyle::from(("sans-serif", 19).into_font()).color(&RGBColor(0x44, 0x44, 0x44)),
+            &TextStyle::from(("sans-serif", 21).into_font()).color(&RGBColor(0x44, 0x44, 0x44)),
             (20, 38),
         )
         .map_err(|x| e(&x))?;
@@ -323,6 +783,8 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
             }
         };
         let ticks = (x_hi.floor() - x_lo.ceil()) as usize + 1;
+        // each series' points in the root's pixels, for the markers drawn on top of the lines
+        let mut pixels: Vec<Vec<(i32, i32)>> = Vec::new();
         macro_rules! draw {
             ($chart:expr) => {{
                 let mut chart = $chart;
@@ -334,34 +796,30 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
                     .x_label_formatter(&x_label)
                     .y_label_formatter(&|y: &f64| short_number(*y))
                     .light_line_style(RGBColor(0xee, 0xee, 0xee))
-                    .label_style(("sans-serif", 17))
-                    .axis_desc_style(("sans-serif", 18))
+                    .label_style(("sans-serif", 20))
+                    .axis_desc_style(("sans-serif", 20))
                     .draw()
                     .map_err(|x| e(&x))?;
-                for (i, (label, points)) in series.iter().enumerate() {
-                    let color = PALETTE[i % PALETTE.len()];
-                    chart
-                        .draw_series(LineSeries::new(
-                            points.iter().copied(),
-                            color.stroke_width(2),
-                        ))
-                        .map_err(|x| e(&x))?
-                        .label(label.as_str())
-                        .legend(move |(x, y)| {
-                            PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-                        });
-                    chart
-                        .draw_series(points.iter().map(|&p| Circle::new(p, 4, color.filled())))
-                        .map_err(|x| e(&x))?;
+                for (l, _, points) in &series {
+                    if l.ours {
+                        chart
+                            .draw_series(LineSeries::new(
+                                points.iter().copied(),
+                                l.colour.stroke_width(2),
+                            ))
+                            .map_err(|x| e(&x))?;
+                    } else {
+                        chart
+                            .draw_series(DashedLineSeries::new(
+                                points.iter().copied(),
+                                8,
+                                5,
+                                l.colour.stroke_width(2),
+                            ))
+                            .map_err(|x| e(&x))?;
+                    }
+                    pixels.push(points.iter().map(|p| chart.backend_coord(p)).collect());
                 }
-                chart
-                    .configure_series_labels()
-                    .position(SeriesLabelPosition::UpperLeft)
-                    .background_style(WHITE.mix(0.9))
-                    .border_style(RGBColor(0xcc, 0xcc, 0xcc))
-                    .label_font(("sans-serif", 17))
-                    .draw()
-                    .map_err(|x| e(&x))?;
             }};
         }
         let mut builder = ChartBuilder::on(&body);
@@ -369,8 +827,8 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
             .margin_left(10)
             .margin_right(30)
             .margin_bottom(10)
-            .x_label_area_size(50)
-            .y_label_area_size(80);
+            .x_label_area_size(55)
+            .y_label_area_size(85);
         if q.log() {
             let y = (y_lo / 2.0)..(y_hi * 2.0);
             draw!(
@@ -385,9 +843,42 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
                     .map_err(|x| e(&x))?
             );
         }
+        for ((l, _, _), points) in series.iter().zip(&pixels) {
+            for &p in points {
+                draw_marker(&root, l.marker, p, l.colour, l.ours)?;
+            }
+        }
+
+        // the legend: a stretch of the line with the marker on it, then the words
+        let (legend_x, legend_y) = legend.get_base_pixel();
+        let column_width = WIDTH as i32 / columns as i32;
+        for (i, (l, label, _)) in series.iter().enumerate() {
+            let (row, column) = (i as u32 / columns, i as u32 % columns);
+            let x = legend_x + 30 + column as i32 * column_width;
+            let y = legend_y + 10 + (row * LEGEND_ROW + LEGEND_ROW / 2) as i32;
+            let line = l.colour.stroke_width(2);
+            if l.ours {
+                root.draw(&PathElement::new(vec![(x, y), (x + 36, y)], line))
+                    .map_err(|x| e(&x))?;
+            } else {
+                for s in [x, x + 14, x + 28] {
+                    root.draw(&PathElement::new(vec![(s, y), (s + 8, y)], line))
+                        .map_err(|x| e(&x))?;
+                }
+            }
+            draw_marker(&root, l.marker, (x + 18, y), l.colour, l.ours)?;
+            root.draw_text(
+                label,
+                &TextStyle::from(("sans-serif", LEGEND_FONT).into_font())
+                    .color(&BLACK)
+                    .pos(Pos::new(HPos::Left, VPos::Center)),
+                (x + 48, y),
+            )
+            .map_err(|x| e(&x))?;
+        }
         root.present().map_err(|x| e(&x))?;
     }
-    Ok(svg)
+    Ok(scalable(svg))
 }
 
 #[cfg(test)]
@@ -415,7 +906,8 @@ mod tests {
         for t in [1024u64, 2048, 4096, 8192] {
             let x = t as f64;
             items.push(row("naive", "cpu", "fwd", t, (t < 8192).then_some(x * x)));
-            items.push(row("online", "cpu", "fwd", t, Some(x * 3.0)));
+            // a name the table of looks does not know: drawn with a look from its name
+            items.push(row("blocked", "cpu", "fwd", t, Some(x * 3.0)));
             // [step 04]
             items.push(row("flash", "cuda", "fwd+bwd", t, Some(x / 100.0)));
             // [/step 04]
@@ -437,6 +929,7 @@ mod tests {
                 "cpu.md",
                 // [step 04]
                 "gpu-tflops-fwd-bwd.svg",
+                "gpu-peak-memory-fwd-bwd.svg",
                 "gpu-fwd-bwd.md",
                 // [/step 04]
             ]
@@ -456,8 +949,9 @@ mod tests {
             "f32",
             "sequence length (tokens, log scale)",
             "MB, log scale",
-            "naive (out of memory at 8192 tokens)",
-            "\nonline\n",
+            // the legend in words, with the step that brings the method
+            "\nattention by hand (step 01) (out of memory at 8192 tokens)\n",
+            "\nblocked\n",
             "\n4096\n",
         ] {
             assert!(memory.contains(text), "{text:?} missing from the SVG");
@@ -471,9 +965,124 @@ mod tests {
             md.starts_with("<!-- written by `cargo run -p charts`"),
             "{md}"
         );
-        // naive at 4096 in the sample: 4096² ms, and no pytorch_sdpa row to compare with
-        assert!(md.contains("| naive | 4096 | 16777216.00 |"), "{md}");
-        assert!(md.contains("| – |") && md.contains("out of memory"), "{md}");
+        // a row per length, a column per method: naive at 4096 in the sample takes 4096² ms,
+        // at 4096³·10⁻³ GFLOP/s; a failed cell says why, and no empty note column is left
+        assert!(md.contains("| tokens | by hand | blocked |"), "{md}");
+        assert!(
+            md.contains("| 4096 | 16,777,216<br>16,777,216,000 | 12,288<br>12,288,000 |"),
+            "{md}"
+        );
+        assert!(md.contains("| 8192 | out of memory | 24,576<br>"), "{md}");
+        assert!(!md.contains("note"), "{md}");
+        assert!(
+            md.contains("*by hand*: attention by hand (step 01)"),
+            "{md}"
+        );
+    }
+
+    #[test]
+    fn charts_scale_to_the_column() {
+        for (name, svg) in render_all(&sample()).unwrap() {
+            if name.ends_with(".svg") {
+                assert!(
+                    svg.starts_with("<svg width=\"100%\" viewBox=\"0 0 900 "),
+                    "{name}: {}",
+                    &svg[..80]
+                );
+                let root = svg.lines().next().unwrap();
+                assert!(
+                    !root.contains("height="),
+                    "{name}: a fixed height in {root}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_method_keeps_its_colour_and_marker_across_charts() {
+        // naive first in one set of rows, last and beside other methods in the other
+        let rows = sample();
+        let reordered: Vec<Row> = rows.iter().rev().cloned().collect();
+        let only_blocked: Vec<Row> = rows
+            .iter()
+            .filter(|r| r.method == "blocked")
+            .cloned()
+            .collect();
+        let colour = |m: &str| {
+            let c = look(m, Device::Cpu).colour;
+            format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2)
+        };
+        let (naive, blocked) = (colour("naive"), colour("blocked"));
+        assert_ne!(naive, blocked);
+        for set in [&rows, &reordered] {
+            let charts = render_all(set).unwrap();
+            for (name, svg) in charts.iter().filter(|(n, _)| n.starts_with("cpu-")) {
+                assert!(svg.contains(&naive), "{name}: no {naive} for naive");
+                assert!(svg.contains(&blocked), "{name}: no {blocked} for blocked");
+            }
+        }
+        let charts = render_all(&only_blocked).unwrap();
+        assert!(
+            !charts[0].1.contains(&naive),
+            "naive's colour drawn without naive"
+        );
+        assert!(charts[0].1.contains(&blocked));
+        // a name nobody listed gets the same look every time, from the name alone
+        let (a, b) = (
+            look("new_method", Device::Cpu),
+            look("new_method", Device::Cpu),
+        );
+        assert_eq!((a.colour, a.marker), (b.colour, b.marker));
+        assert!(a.ours && !look("pytorch_new", Device::Cpu).ours);
+        // every listed method has a look of its own
+        for (i, x) in STYLES.iter().enumerate() {
+            for y in &STYLES[i + 1..] {
+                assert!(
+                    x.name != y.name || x.device != y.device,
+                    "{} listed twice",
+                    x.name
+                );
+                assert!(
+                    x.colour != y.colour,
+                    "{} and {} share a colour",
+                    x.name,
+                    y.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn numbers_have_three_significant_digits() {
+        for (v, s) in [
+            (0.031_84, "0.0318"),
+            (0.152_3, "0.152"),
+            (9.183, "9.18"),
+            (68.81, "68.8"),
+            (236.03, "236"),
+            (34_939.65, "34,940"),
+            (1_234_567.0, "1,234,567"),
+        ] {
+            assert_eq!(three_digits(v), s);
+        }
+    }
+
+    #[test]
+    fn labels_name_the_step() {
+        assert_eq!(
+            look("naive", Device::Cpu).label(Pass::Forward),
+            "attention by hand (step 01)"
+        );
+        // [step 04]
+        assert_eq!(
+            look("naive", Device::Cpu).label(Pass::ForwardBackward),
+            "attention by hand (steps 01 and 04)"
+        );
+        assert_eq!(
+            look("cuda_flash", Device::Cuda).label(Pass::ForwardBackward),
+            "FlashAttention kernel (steps 03–04)"
+        );
+        // [/step 04]
     }
 
     #[test]
