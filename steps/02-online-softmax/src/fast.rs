@@ -1,13 +1,13 @@
 //! The fast version: the same online softmax, parallel over (sequence, head, query block), with
 //! register-blocked SIMD micro-kernels for the two products and a polynomial `2^x`.
 
-use std::f32::consts::{LN_2, LOG2_E};
+use std::f32::consts::LN_2;
 
 use flash_core::{Attention, AttnError, check_qkv, try_zeros};
 use ndarray::{Array3, Array4, ArrayView4};
 use rayon::prelude::*;
 
-use crate::kernels::{Dims, Isa, Kernels, LANES};
+use crate::kernels::{Dims, Isa, Kernels, LANES, log2e_rounding};
 
 /// How [`attention_with`] runs. [`Config::default`] is what [`attention`] uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,8 +21,9 @@ pub struct Config {
     pub block_k: usize,
     /// `2^x` by the SIMD polynomial (true) or by the standard library one value at a time.
     pub fast_exp: bool,
-    /// Fold `log2(e)` into the scale of q, so the softmax takes `2^(s − m)` directly (true), or
-    /// keep natural units and multiply every `s − m` by `log2(e)` before `2^x` (false).
+    /// Fold the multiply by `log2(e)` into the subtraction of the maximum, `2^(s·log2 e − M)`
+    /// with one fused multiply-add per score (true), or subtract first and multiply every
+    /// `s − m` by `log2(e)` before `2^x` (false).
     pub fold_log2e: bool,
 }
 
@@ -64,12 +65,12 @@ pub fn attention(
 
 /// One query block's buffers, reused from block to block by the thread that owns them.
 struct Scratch {
-    qt: Vec<f32>,    // d × br: the block's queries, transposed, scaled, zero past the end
+    qt: Vec<f32>,    // d × br: the block's queries, transposed, zero past the end
     st: Vec<f32>,    // bc × br: one block of scores (transposed), then of probabilities
     o: Vec<f32>,     // br × dp: running outputs, not yet divided by ℓ
-    m: Vec<f32>,     // br: running maxima (in log2 units when log2(e) is folded)
+    m: Vec<f32>,     // br: running maxima of the scores
     l: Vec<f32>,     // br: running sums
-    alpha: Vec<f32>, // br: this block's correction factors, 2^(m_old − m_new)
+    alpha: Vec<f32>, // br: this block's correction factors, e^(m_old − m_new)
 }
 
 impl Scratch {
@@ -89,9 +90,9 @@ impl Scratch {
 struct Plan {
     kernels: Kernels,
     cfg: Config,
-    n: Dims,      // block sizes and head dim
-    t_n: usize,   // tokens
-    q_scale: f32, // 1/√d, times log2(e) when folded
+    n: Dims,    // block sizes and head dim
+    t_n: usize, // tokens
+    scale: f32, // 1/√d
 }
 
 /// One task: a block of queries of one head, and the rows of the output it owns.
@@ -138,7 +139,7 @@ pub fn attention_with(
             dp: d_n.next_multiple_of(LANES),
         },
         t_n,
-        q_scale: shape.scale() as f32 * if cfg.fold_log2e { LOG2_E } else { 1.0 },
+        scale: shape.scale() as f32,
     };
     // Contiguous [b, h, T, d] rows whatever the views' strides (a copy only when needed).
     let (q, k, v) = (
@@ -191,12 +192,14 @@ pub fn attention_with(
 fn query_block(plan: &Plan, q: &[f32], k: &[f32], v: &[f32], task: Task, scratch: &mut Scratch) {
     let (kernels, n, t_n) = (plan.kernels, plan.n, plan.t_n);
     let (q0, rows) = (task.qb * n.br, task.lse.len());
-    // The block's queries, transposed (a SIMD register holds one dim of 16 queries) and scaled
-    // by log2(e)/√d; queries past the sequence's end are zero.
+    // The block's queries, transposed (a SIMD register holds one dim of 16 queries); queries
+    // past the sequence's end are zero. Not scaled: the scale multiplies each finished dot
+    // product, as in step 01, so that the scores are step 01's to the last bit (the backward
+    // of step 04 depends on it).
     scratch.qt.fill(0.0);
     for i in 0..rows {
         for (d, &x) in q[(q0 + i) * n.d..(q0 + i + 1) * n.d].iter().enumerate() {
-            scratch.qt[d * n.br + i] = x * plan.q_scale;
+            scratch.qt[d * n.br + i] = x;
         }
     }
     scratch.m.fill(f32::NEG_INFINITY);
@@ -211,7 +214,7 @@ fn query_block(plan: &Plan, q: &[f32], k: &[f32], v: &[f32], task: Task, scratch
             &v[k0 * n.d..(k0 + keys) * n.d],
         );
         let st = &mut scratch.st;
-        kernels.scores(&scratch.qt, k, st, keys, n);
+        kernels.scores(&scratch.qt, k, st, keys, plan.scale, n);
         // rows past the sequence's end (a last, partial key block) see nothing
         st[keys * n.br..].fill(f32::NEG_INFINITY);
         // only a block whose last key comes after the block's first query needs the mask:
@@ -230,8 +233,9 @@ fn query_block(plan: &Plan, q: &[f32], k: &[f32], v: &[f32], task: Task, scratch
         }
         kernels.pv(st, v, &mut scratch.o, alpha, keys, n);
     }
-    // o/ℓ, and the log-sum-exp back in natural units: ln Σ e^s = (m₂ + log2 ℓ)·ln 2 when m₂ is
-    // the maximum of the scores times log2(e)
+    // o/ℓ, and the log-sum-exp ln Σ e^s = m + ln ℓ. Folded, ℓ is 2^e times the sum of e^(s − m)
+    // (e, the rounding of m·log2 e, is the same for the whole row and cancels in o/ℓ), so
+    // ln ℓ = (log2 ℓ − e)·ln 2. m stays exact: a score, the very number the backward computes.
     for i in 0..rows {
         let inv = 1.0 / scratch.l[i];
         let o = &scratch.o[i * n.dp..i * n.dp + n.d];
@@ -239,7 +243,8 @@ fn query_block(plan: &Plan, q: &[f32], k: &[f32], v: &[f32], task: Task, scratch
             *out = o * inv;
         }
         task.lse[i] = if plan.cfg.fold_log2e {
-            (scratch.m[i] + scratch.l[i].log2()) * LN_2
+            let m = scratch.m[i];
+            m + (scratch.l[i].log2() - log2e_rounding(m)) * LN_2
         } else {
             scratch.m[i] + scratch.l[i].ln()
         };

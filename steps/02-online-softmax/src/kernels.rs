@@ -5,10 +5,9 @@
 //! The SIMD lanes run along the *queries* of a block. The block's queries are stored transposed
 //! once per block, and the scores come out transposed too, one row per key:
 //!
-//! - `qt`: `d × br`, the block's queries transposed and scaled by `log2(e)/√d` (zero past the
-//!   sequence's end);
+//! - `qt`: `d × br`, the block's queries transposed (zero past the sequence's end);
 //! - `k`, `v`: `keys × d`, rows of the input as they are (no copy, no transpose);
-//! - `st`: `bc × br` scores `s_ij` stored at `[j][i]`, then probabilities;
+//! - `st`: `bc × br` scores `s_ij = (q_i·k_j)·scale` stored at `[j][i]`, then probabilities;
 //! - `o`: `br × dp` running (unnormalised) outputs, `dp` = `d` rounded up to 16;
 //! - `m`, `l`, `alpha`: `br` running maxima, running sums and this block's correction factors.
 //!
@@ -23,6 +22,8 @@
 // The tiles index their register arrays by row and column on purpose: the loops mirror the
 // tile's shape and unroll completely, with each element in its own register.
 #![allow(clippy::needless_range_loop)]
+
+use std::f32::consts::LOG2_E;
 
 use flash_core::AttnError;
 
@@ -115,29 +116,43 @@ impl Kernels {
     }
 
     // ANCHOR: scores_dispatch
-    /// `st[j][i] = Σ_d k[j][d]·qt[d][i]` for the first `keys` rows of `st`: one block of scores,
-    /// transposed.
-    pub fn scores(self, qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, n: Dims) {
+    /// `st[j][i] = (Σ_d k[j][d]·qt[d][i])·scale` for the first `keys` rows of `st`: one block
+    /// of scores, transposed.
+    ///
+    /// The sum runs over d in order, one fused multiply-add at a time, and is multiplied by
+    /// `scale` once at the end: the same rounding as `ndarray`'s matrix product, so on x86-64
+    /// with AVX2 and FMA or AVX-512 these are step 01's scores bit for bit (head dims up to
+    /// 256, where `matrixmultiply` sums in one piece). The backward of step 04 rebuilds the
+    /// probabilities from its own scores and the log-sum-exp made from these: the two must
+    /// agree to the last bit, or every probability of a row is off by the difference, which
+    /// grows with the scores (chapter 4).
+    pub fn scores(self, qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, scale: f32, n: Dims) {
         n.check(keys);
         assert!(qt.len() >= n.d * n.br && k.len() >= keys * n.d && st.len() >= n.bc * n.br);
         match self.isa {
             // SAFETY: `self` exists only if the CPU has AVX-512F (`Kernels::new`); the asserts
             // above bound every pointer the tiles form (keys < `keys`, d < n.d, queries < br).
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::scores(qt, k, st, keys, n) },
+            Isa::Avx512 => unsafe { avx512::scores(qt, k, st, keys, scale, n) },
             // SAFETY: as above, for AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { avx2::scores(qt, k, st, keys, n) },
-            _ => scalar::scores(qt, k, st, 0, keys, n),
+            Isa::Avx2 => unsafe { avx2::scores(qt, k, st, keys, scale, n) },
+            _ => scalar::scores(qt, k, st, 0, keys, scale, n),
         }
     }
     // ANCHOR_END: scores_dispatch
 
     /// The online softmax of one block, in place on `st`: per query i, `m_new = max(m_i,
-    /// max_j st[j][i])`, `alpha_i = 2^(m_i − m_new)`, `st[j][i] = 2^(st[j][i] − m_new)`,
-    /// `l_i = alpha_i·l_i + Σ_j st[j][i]`. With `FOLDED = false` the scores are in natural
-    /// units and every `2^x` is `e^x`. `fast_exp = false` takes the standard library's `exp2`
-    /// (or `exp`) one value at a time, to measure what the polynomial saves.
+    /// max_j st[j][i])`, `st[j][i] = e^(st[j][i] − m_new)`, `alpha_i = e^(m_i − m_new)`,
+    /// `l_i = alpha_i·l_i + Σ_j st[j][i]`, every `e^x` as `2^(x·log2 e)`.
+    ///
+    /// With `FOLDED` the multiply by `log2 e` is folded into the subtraction of the maximum, one
+    /// fused multiply-add per score: `2^(s·log2 e − M)` with `M = m_new·log2 e` rounded to
+    /// `f32`. Every value of a row then carries the same factor `2^(m_new·log2 e − M)`, which
+    /// cancels in the output and which [`log2e_rounding`] gives back for the log-sum-exp.
+    /// Without, `2^((s − m_new)·log2 e)`: one multiply more per score. `fast_exp = false` takes
+    /// the standard library's `exp2` one value at a time, to measure what the polynomial
+    /// saves.
     #[allow(clippy::too_many_arguments)]
     pub fn softmax<const FOLDED: bool>(
         self,
@@ -181,20 +196,29 @@ impl Kernels {
         }
     }
 
-    /// `x = 2^(x·scale − shift)` for every element, with the softmax's polynomial: for
+    /// `x = 2^((x − shift)·scale)` for every element, with the softmax's polynomial: for
     /// arguments at most 0 (probabilities), exactly 0 below about −126.5. Step 04 rebuilds its
-    /// probabilities with it.
-    pub fn exp2_shifted(self, x: &mut [f32], scale: f32, shift: f32) {
+    /// probabilities with it, `e^(s − lse)`: the subtraction comes first, so two scores close
+    /// to the log-sum-exp cancel exactly (Sterbenz) and the error is that of `x − shift`, not
+    /// that of `x` or `shift`.
+    pub fn exp2_shifted(self, x: &mut [f32], shift: f32, scale: f32) {
         match self.isa {
             // SAFETY: `self` proves AVX-512F; the loads and stores stay inside `x`.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::exp2_shifted(x, scale, shift) },
+            Isa::Avx512 => unsafe { avx512::exp2_shifted(x, shift, scale) },
             // SAFETY: as above, for AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { avx2::exp2_shifted(x, scale, shift) },
-            _ => scalar::exp2_shifted(x, scale, shift),
+            Isa::Avx2 => unsafe { avx2::exp2_shifted(x, shift, scale) },
+            _ => scalar::exp2_shifted(x, shift, scale),
         }
     }
+}
+
+/// What the folded softmax leaves in a row's sum: `e = m·log2 e − M` with `M = m·log2 e`
+/// rounded to `f32`, exactly (one fused multiply-add gives the rounding error of a product).
+/// The sum is `2^e` times the true one, so `ln ℓ = (log2 ℓ_folded − e)·ln 2`.
+pub fn log2e_rounding(m: f32) -> f32 {
+    m.mul_add(LOG2_E, -(m * LOG2_E))
 }
 
 // ANCHOR: exp2_poly
@@ -218,25 +242,41 @@ const EXP2_MIN: f32 = -127.0;
 /// The portable path: always correct, and the reference the SIMD paths are tested against.
 mod scalar {
     use super::Dims;
+    use std::f32::consts::LOG2_E;
 
-    /// `x = 2^(x·scale − shift)`, one value at a time with the standard library's `exp2`.
-    pub fn exp2_shifted(x: &mut [f32], scale: f32, shift: f32) {
+    /// `x = 2^((x − shift)·scale)`, one value at a time with the standard library's `exp2`.
+    pub fn exp2_shifted(x: &mut [f32], shift: f32, scale: f32) {
         for x in x {
-            *x = (*x * scale - shift).exp2();
+            *x = ((*x - shift) * scale).exp2();
         }
     }
 
-    /// Rows `from..keys` of the transposed scores.
-    pub fn scores(qt: &[f32], k: &[f32], st: &mut [f32], from: usize, keys: usize, n: Dims) {
+    /// Rows `from..keys` of the transposed scores. Fused multiply-adds where `matrixmultiply`'s
+    /// kernels for this target fuse them (aarch64), separate ones where they do not (an x86
+    /// CPU without AVX2 and FMA, the only one `Isa::detect` chooses this path on).
+    pub fn scores(
+        qt: &[f32],
+        k: &[f32],
+        st: &mut [f32],
+        from: usize,
+        keys: usize,
+        scale: f32,
+        n: Dims,
+    ) {
         for j in from..keys {
             let s_j = &mut st[j * n.br..(j + 1) * n.br];
             s_j.fill(0.0);
             for d in 0..n.d {
                 let k_jd = k[j * n.d + d];
                 for (s, &q) in s_j.iter_mut().zip(&qt[d * n.br..(d + 1) * n.br]) {
-                    *s += k_jd * q;
+                    *s = if cfg!(target_arch = "aarch64") {
+                        k_jd.mul_add(q, *s)
+                    } else {
+                        *s + k_jd * q
+                    };
                 }
             }
+            s_j.iter_mut().for_each(|s| *s *= scale);
         }
     }
 
@@ -247,20 +287,27 @@ mod scalar {
         alpha: &mut [f32],
         n: Dims,
     ) {
-        let exp = |x: f32| if FOLDED { x.exp2() } else { x.exp() };
         let mut m_new = m[..n.br].to_vec();
         for s_j in st[..n.bc * n.br].chunks_exact(n.br) {
             for (m, &s) in m_new.iter_mut().zip(s_j) {
                 *m = m.max(s);
             }
         }
+        // folded: 2^(s·log2 e − M) = 2^((s − m)·log2 e + e), e = m·log2 e − M exactly, which
+        // gives the SIMD paths' values without a fused multiply-add per score
+        let e: Vec<f32> = m_new.iter().map(|&m| super::log2e_rounding(m)).collect();
         for i in 0..n.br {
-            alpha[i] = exp(m[i] - m_new[i]);
+            alpha[i] = if FOLDED {
+                (m[i] * LOG2_E - m_new[i] * LOG2_E).exp2()
+            } else {
+                ((m[i] - m_new[i]) * LOG2_E).exp2()
+            };
             l[i] *= alpha[i];
         }
         for s_j in st[..n.bc * n.br].chunks_exact_mut(n.br) {
             for i in 0..n.br {
-                s_j[i] = exp(s_j[i] - m_new[i]);
+                let x = (s_j[i] - m_new[i]) * LOG2_E;
+                s_j[i] = if FOLDED { x + e[i] } else { x }.exp2();
                 l[i] += s_j[i];
             }
         }
@@ -307,28 +354,34 @@ mod avx512 {
 
     /// SAFETY (caller): the CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn exp2_shifted(x: &mut [f32], scale: f32, shift: f32) {
-        let (a, b) = (_mm512_set1_ps(scale), _mm512_set1_ps(-shift));
+    pub unsafe fn exp2_shifted(x: &mut [f32], shift: f32, scale: f32) {
+        let (a, b) = (_mm512_set1_ps(scale), _mm512_set1_ps(shift));
         let mut chunks = x.chunks_exact_mut(LANES);
         for c in &mut chunks {
             // SAFETY: `c` holds LANES floats
             unsafe {
-                let v = _mm512_loadu_ps(c.as_ptr());
-                _mm512_storeu_ps(c.as_mut_ptr(), exp2(_mm512_fmadd_ps(v, a, b)));
+                let v = _mm512_sub_ps(_mm512_loadu_ps(c.as_ptr()), b);
+                _mm512_storeu_ps(c.as_mut_ptr(), exp2(_mm512_mul_ps(v, a)));
             }
         }
-        scalar::exp2_shifted(chunks.into_remainder(), scale, shift);
+        scalar::exp2_shifted(chunks.into_remainder(), shift, scale);
     }
 
     // ANCHOR: scores_tile
     /// One register tile of transposed scores: 8 keys × `16·NV` queries, `8·NV` accumulators.
     /// Per dimension d: `NV` loads of `qt`'s row d, 8 broadcasts of k[j][d], `8·NV` fused
-    /// multiply-adds.
+    /// multiply-adds; at the end one multiply by the scale per score.
     ///
     /// SAFETY (caller): `qt` points at column c0 of a `d × br` block with `16·NV` columns left;
     /// `k` at row j0 of a `· × d` block with 8 rows left; `st` at (j0, c0) of a `· × br` block.
     #[target_feature(enable = "avx512f")]
-    unsafe fn scores_tile<const NV: usize>(qt: *const f32, k: *const f32, st: *mut f32, n: Dims) {
+    unsafe fn scores_tile<const NV: usize>(
+        qt: *const f32,
+        k: *const f32,
+        st: *mut f32,
+        scale: __m512,
+        n: Dims,
+    ) {
         let mut acc = [[_mm512_setzero_ps(); NV]; R];
         for d in 0..n.d {
             let mut q = [_mm512_setzero_ps(); NV];
@@ -346,16 +399,18 @@ mod avx512 {
         }
         for j in 0..R {
             for c in 0..NV {
+                let s = _mm512_mul_ps(acc[j][c], scale);
                 // SAFETY: j < 8 rows, 16·(c+1) ≤ 16·NV columns left
-                unsafe { _mm512_storeu_ps(st.add(j * n.br + LANES * c), acc[j][c]) };
+                unsafe { _mm512_storeu_ps(st.add(j * n.br + LANES * c), s) };
             }
         }
     }
     // ANCHOR_END: scores_tile
 
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn scores(qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, n: Dims) {
+    pub unsafe fn scores(qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, scale: f32, n: Dims) {
         let full = keys - keys % R;
+        let scale = _mm512_set1_ps(scale);
         for j0 in (0..full).step_by(R) {
             let mut c0 = 0;
             // SAFETY (both calls): j0 + 8 ≤ keys rows of k and ≤ bc rows of st, c0 + 16·NV ≤ br
@@ -363,16 +418,35 @@ mod avx512 {
             unsafe {
                 let (k, st) = (k.as_ptr().add(j0 * n.d), st.as_mut_ptr().add(j0 * n.br));
                 while c0 + 2 * LANES <= n.br {
-                    scores_tile::<2>(qt.as_ptr().add(c0), k, st.add(c0), n);
+                    scores_tile::<2>(qt.as_ptr().add(c0), k, st.add(c0), scale, n);
                     c0 += 2 * LANES;
                 }
                 if c0 < n.br {
-                    scores_tile::<1>(qt.as_ptr().add(c0), k, st.add(c0), n);
+                    scores_tile::<1>(qt.as_ptr().add(c0), k, st.add(c0), scale, n);
                 }
             }
         }
-        // the last keys % 8 keys, only ever in a sequence's last block
-        scalar::scores(qt, k, st, full, keys, n);
+        // the last keys % 8 keys, only ever in a sequence's last block: one key at a time,
+        // with the same fused multiply-adds as the tiles
+        for j in full..keys {
+            for c0 in (0..n.br).step_by(LANES) {
+                let mut acc = _mm512_setzero_ps();
+                for d in 0..n.d {
+                    // SAFETY: j < keys rows of k, d < n.d, c0 + 16 ≤ br columns of qt's row d
+                    unsafe {
+                        let q = _mm512_loadu_ps(qt.as_ptr().add(d * n.br + c0));
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(k[j * n.d + d]), q, acc);
+                    }
+                }
+                // SAFETY: j < bc rows of st, c0 + 16 ≤ br columns
+                unsafe {
+                    _mm512_storeu_ps(
+                        st.as_mut_ptr().add(j * n.br + c0),
+                        _mm512_mul_ps(acc, scale),
+                    )
+                };
+            }
+        }
     }
 
     // ANCHOR: softmax_simd
@@ -386,12 +460,8 @@ mod avx512 {
         alpha: &mut [f32],
         n: Dims,
     ) {
-        // natural units: e^x = 2^(x·log2 e), one multiply more per score
-        let to_log2 = _mm512_set1_ps(if FOLDED {
-            1.0
-        } else {
-            std::f32::consts::LOG2_E
-        });
+        // e^x = 2^(x·log2 e)
+        let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
         for c in (0..n.br).step_by(LANES) {
             // SAFETY: c + 16 ≤ br ≤ the lengths of m, l, alpha, and every row j < bc of st has
             // br values (asserted by the caller)
@@ -402,18 +472,24 @@ mod avx512 {
                 for j in 0..n.bc {
                     m_new = _mm512_max_ps(m_new, _mm512_loadu_ps(st.add(j * n.br)));
                 }
-                // m_new is finite: key 0 (block 0) is seen by every query
-                let mut x = _mm512_sub_ps(m_old, m_new);
-                if !FOLDED {
-                    x = _mm512_mul_ps(x, to_log2);
-                }
+                // m_new is finite: key 0 (block 0) is seen by every query. Folded, the
+                // maxima go to base 2 rounded, M = m·log2 e, and so does everything summed
+                let (mm_old, mm_new) = (_mm512_mul_ps(m_old, log2e), _mm512_mul_ps(m_new, log2e));
+                let x = if FOLDED {
+                    _mm512_sub_ps(mm_old, mm_new)
+                } else {
+                    _mm512_mul_ps(_mm512_sub_ps(m_old, m_new), log2e)
+                };
                 let a = exp2(x); // m_old = −∞ on the first block: exactly 0
                 let mut sum = _mm512_setzero_ps();
                 for j in 0..n.bc {
-                    let mut x = _mm512_sub_ps(_mm512_loadu_ps(st.add(j * n.br)), m_new);
-                    if !FOLDED {
-                        x = _mm512_mul_ps(x, to_log2);
-                    }
+                    let s = _mm512_loadu_ps(st.add(j * n.br));
+                    let x = if FOLDED {
+                        // s·log2 e − M, rounded once
+                        _mm512_fmsub_ps(s, log2e, mm_new)
+                    } else {
+                        _mm512_mul_ps(_mm512_sub_ps(s, m_new), log2e)
+                    };
                     let p = exp2(x);
                     _mm512_storeu_ps(st.add(j * n.br), p);
                     sum = _mm512_add_ps(sum, p);
@@ -533,22 +609,22 @@ mod avx2 {
 
     /// SAFETY (caller): the CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn exp2_shifted(x: &mut [f32], scale: f32, shift: f32) {
-        let (a, b) = (_mm256_set1_ps(scale), _mm256_set1_ps(-shift));
+    pub unsafe fn exp2_shifted(x: &mut [f32], shift: f32, scale: f32) {
+        let (a, b) = (_mm256_set1_ps(scale), _mm256_set1_ps(shift));
         let mut chunks = x.chunks_exact_mut(W);
         for c in &mut chunks {
             // SAFETY: `c` holds W floats
             unsafe {
-                let v = _mm256_loadu_ps(c.as_ptr());
-                _mm256_storeu_ps(c.as_mut_ptr(), exp2(_mm256_fmadd_ps(v, a, b)));
+                let v = _mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), b);
+                _mm256_storeu_ps(c.as_mut_ptr(), exp2(_mm256_mul_ps(v, a)));
             }
         }
-        scalar::exp2_shifted(chunks.into_remainder(), scale, shift);
+        scalar::exp2_shifted(chunks.into_remainder(), shift, scale);
     }
 
     /// 4 keys × 16 queries. SAFETY (caller): as `avx512::scores_tile` with 4 rows, 16 columns.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn scores_tile(qt: *const f32, k: *const f32, st: *mut f32, n: Dims) {
+    unsafe fn scores_tile(qt: *const f32, k: *const f32, st: *mut f32, scale: __m256, n: Dims) {
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         for d in 0..n.d {
             // SAFETY: d < n.d rows, 16 columns left
@@ -568,15 +644,17 @@ mod avx2 {
         }
         for j in 0..R {
             for c in 0..2 {
+                let s = _mm256_mul_ps(acc[j][c], scale);
                 // SAFETY: j < 4 rows, 16 columns left
-                unsafe { _mm256_storeu_ps(st.add(j * n.br + W * c), acc[j][c]) };
+                unsafe { _mm256_storeu_ps(st.add(j * n.br + W * c), s) };
             }
         }
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn scores(qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, n: Dims) {
+    pub unsafe fn scores(qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, scale: f32, n: Dims) {
         let full = keys - keys % R;
+        let scale = _mm256_set1_ps(scale);
         for j0 in (0..full).step_by(R) {
             for c0 in (0..n.br).step_by(2 * W) {
                 // SAFETY: j0 + 4 ≤ keys ≤ bc, c0 + 16 ≤ br (a multiple of 16); the slices hold
@@ -586,12 +664,32 @@ mod avx2 {
                         qt.as_ptr().add(c0),
                         k.as_ptr().add(j0 * n.d),
                         st.as_mut_ptr().add(j0 * n.br + c0),
+                        scale,
                         n,
                     )
                 };
             }
         }
-        scalar::scores(qt, k, st, full, keys, n);
+        // the last keys % 4 keys: as `avx512::scores`
+        for j in full..keys {
+            for c0 in (0..n.br).step_by(W) {
+                let mut acc = _mm256_setzero_ps();
+                for d in 0..n.d {
+                    // SAFETY: j < keys rows of k, d < n.d, c0 + 8 ≤ br columns of qt's row d
+                    unsafe {
+                        let q = _mm256_loadu_ps(qt.as_ptr().add(d * n.br + c0));
+                        acc = _mm256_fmadd_ps(_mm256_set1_ps(k[j * n.d + d]), q, acc);
+                    }
+                }
+                // SAFETY: j < bc rows of st, c0 + 8 ≤ br columns
+                unsafe {
+                    _mm256_storeu_ps(
+                        st.as_mut_ptr().add(j * n.br + c0),
+                        _mm256_mul_ps(acc, scale),
+                    )
+                };
+            }
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -602,11 +700,7 @@ mod avx2 {
         alpha: &mut [f32],
         n: Dims,
     ) {
-        let to_log2 = _mm256_set1_ps(if FOLDED {
-            1.0
-        } else {
-            std::f32::consts::LOG2_E
-        });
+        let log2e = _mm256_set1_ps(std::f32::consts::LOG2_E);
         for c in (0..n.br).step_by(W) {
             // SAFETY: c + 8 ≤ br ≤ the lengths of m, l, alpha, and every row j < bc of st has
             // br values (asserted by the caller)
@@ -617,17 +711,22 @@ mod avx2 {
                 for j in 0..n.bc {
                     m_new = _mm256_max_ps(m_new, _mm256_loadu_ps(st.add(j * n.br)));
                 }
-                let mut x = _mm256_sub_ps(m_old, m_new);
-                if !FOLDED {
-                    x = _mm256_mul_ps(x, to_log2);
-                }
+                // as `avx512::softmax`
+                let (mm_old, mm_new) = (_mm256_mul_ps(m_old, log2e), _mm256_mul_ps(m_new, log2e));
+                let x = if FOLDED {
+                    _mm256_sub_ps(mm_old, mm_new)
+                } else {
+                    _mm256_mul_ps(_mm256_sub_ps(m_old, m_new), log2e)
+                };
                 let a = exp2(x);
                 let mut sum = _mm256_setzero_ps();
                 for j in 0..n.bc {
-                    let mut x = _mm256_sub_ps(_mm256_loadu_ps(st.add(j * n.br)), m_new);
-                    if !FOLDED {
-                        x = _mm256_mul_ps(x, to_log2);
-                    }
+                    let s = _mm256_loadu_ps(st.add(j * n.br));
+                    let x = if FOLDED {
+                        _mm256_fmsub_ps(s, log2e, mm_new)
+                    } else {
+                        _mm256_mul_ps(_mm256_sub_ps(s, m_new), log2e)
+                    };
                     let p = exp2(x);
                     _mm256_storeu_ps(st.add(j * n.br), p);
                     sum = _mm256_add_ps(sum, p);
@@ -786,8 +885,8 @@ mod tests {
                 let what = format!("{:?} {n:?}, {keys} keys", kern.isa());
                 let (qt, k) = (values(d * br, 1), values(keys * d, 2));
                 let (mut s1, mut s2) = (vec![0.0; bc * br], vec![0.0; bc * br]);
-                kern.scores(&qt, &k, &mut s1, keys, n);
-                scalar.scores(&qt, &k, &mut s2, keys, n);
+                kern.scores(&qt, &k, &mut s1, keys, 0.3, n);
+                scalar.scores(&qt, &k, &mut s2, keys, 0.3, n);
                 close(&s1, &s2, 1e-5, &format!("scores, {what}"));
 
                 let (pt, v, alpha) = (values(bc * br, 3), values(keys * d, 4), values(br, 5));
@@ -802,6 +901,51 @@ mod tests {
                         1e-5,
                         &format!("pv, {what}"),
                     );
+                }
+            }
+        }
+    }
+
+    /// The scores are step 01's, bit for bit, for head dims whose scale is a power of two and
+    /// for others: the backward of step 04 rebuilds the probabilities from step 01's scores and
+    /// the log-sum-exp that this step made from its own.
+    #[test]
+    fn the_scores_are_step_01s_to_the_last_bit() {
+        let detected = Kernels::new(Isa::detect()).unwrap();
+        let fused = simd();
+        // the scalar path matches only where `matrixmultiply` does not fuse either
+        let kernels = if fused.is_empty() {
+            vec![detected]
+        } else {
+            fused
+        };
+        for (t, d) in [(37, 64), (50, 48), (21, 128), (19, 5)] {
+            let shape = flash_core::Shape::new(1, 1, t, d);
+            let [q, k, _] = flash_core::inputs::random_qkv(shape, d as u64);
+            // large values, so that a different rounding would show in many scores
+            let q = q * 30.0;
+            let want = step01_naive::scores(q.view(), k.view()).unwrap();
+            let (br, bc) = (t.next_multiple_of(LANES), t);
+            let n = dims(br, bc, d);
+            let mut qt = vec![0.0f32; d * br];
+            for i in 0..t {
+                for dd in 0..d {
+                    qt[dd * br + i] = q[[0, 0, i, dd]];
+                }
+            }
+            let k = k.as_slice().unwrap();
+            for kern in &kernels {
+                let mut st = vec![0.0f32; bc * br];
+                kern.scores(&qt, k, &mut st, t, shape.scale() as f32, n);
+                for i in 0..t {
+                    for j in 0..t {
+                        let (got, want) = (st[j * br + i], want[[0, 0, i, j]]);
+                        assert!(
+                            got.to_bits() == want.to_bits(),
+                            "{:?}, T {t}, d {d}: s[{i}][{j}] = {got} but step 01 has {want}",
+                            kern.isa()
+                        );
+                    }
                 }
             }
         }
@@ -870,23 +1014,17 @@ mod tests {
 
     #[test]
     fn the_exp2_polynomial_is_accurate_to_a_few_ulp_and_flushes_to_exactly_zero() {
-        // one query lane, scores from 0 down to −130 in uneven steps: 2^(s − 0)
+        // from 0 down to −130 in uneven steps: 2^((x − 0)·1), the polynomial's own error
         let xs: Vec<f32> = (0..4096)
             .map(|i| -(i as f32) * 0.031_7)
             .chain([f32::NEG_INFINITY, -200.0])
             .collect();
-        let n = dims(LANES, xs.len(), 1);
         for kern in simd() {
-            // the first lane of each row holds x; the other lanes hold 0
-            let mut st = vec![0.0f32; n.bc * n.br];
-            for (j, &x) in xs.iter().enumerate() {
-                st[j * n.br] = x;
-            }
-            let (mut m, mut l, mut a) = (vec![0.0; n.br], vec![0.0; n.br], vec![0.0; n.br]);
-            kern.softmax::<true>(&mut st, &mut m, &mut l, &mut a, true, n);
+            let mut got = xs.clone();
+            kern.exp2_shifted(&mut got, 0.0, 1.0);
             let mut worst = 0.0f64;
-            for (j, &x) in xs.iter().enumerate() {
-                let (got, want) = (st[j * n.br], (x as f64).exp2());
+            for (&got, &x) in got.iter().zip(&xs) {
+                let want = (x as f64).exp2();
                 if x < -126.5 {
                     assert_eq!(got, 0.0, "{:?}: 2^{x} must flush to 0", kern.isa());
                 } else if x >= -125.0 {

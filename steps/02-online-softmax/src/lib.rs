@@ -14,8 +14,9 @@
 //!    the derivation (the book includes it piece by piece).
 //! 2. [`attention`] / [`attention_with`]: parallel over (sequence, head, query block) with rayon;
 //!    register-blocked micro-kernels for `S = Q·Kᵀ` and `O += P·V` in AVX-512F, AVX2+FMA or
-//!    plain Rust, chosen at run time; `log2(e)` folded into the scale of q so the softmax takes
-//!    `2^x`, by a SIMD polynomial.
+//!    plain Rust, chosen at run time; `log2(e)` folded into the subtraction of the row maximum
+//!    so the softmax takes `2^x`, by a SIMD polynomial. The scores are rounded exactly as step
+//!    01 rounds them, which step 04's backward relies on ([`Kernels::scores`](kernels::Kernels::scores)).
 //!
 //! Both return the output and each row's natural log-sum-exp, like every method of the
 //! repository, and are checked against step 01's `f64` reference.

@@ -392,21 +392,27 @@ impl<'a> Head<'a> {
     /// from the scores `S = Q·Kᵀ·scale` and the log-sum-exp the forward kept: no maximum and no
     /// sum to find again, since `lse_i` already holds both. Masked entries (key after query)
     /// are exactly 0.
+    ///
+    /// `S_ij − lse_i` is small where `P_ij` is large, while both may be in the hundreds: an
+    /// error of one part in 10⁷ in either is an error of 10⁻⁵ in `P_ij`. So the scores are
+    /// rounded exactly as the forwards of steps 01 and 02 round theirs (`ndarray`'s product
+    /// with the scale as its `alpha`, one rounding of the finished dot product), and the
+    /// subtraction comes before anything else, where it is exact for a score near the
+    /// log-sum-exp.
     fn probabilities(&self, rows: Range<usize>, cols: Range<usize>, p: &mut ArrayViewMut2<f32>) {
         let (q, k) = (
             self.q.slice(s![rows.clone(), ..]),
             self.k.slice(s![cols.clone(), ..]),
         );
-        general_mat_mul(1.0, &q, &k.t(), 0.0, p); // S_ij / scale
-        // e^(s·scale − lse) = 2^(s·scale·log2 e − lse·log2 e), with step 02's polynomial
-        let c = self.scale * std::f32::consts::LOG2_E;
+        general_mat_mul(self.scale, &q, &k.t(), 0.0, p); // S_ij
         for (i, mut row) in rows.zip(p.rows_mut()) {
             // query i sees keys 0..=i: the first `seen` columns of this block
             let seen = (i + 1).saturating_sub(cols.start).min(cols.len());
             let row = row.as_slice_mut().expect("a block's rows are contiguous");
             let (live, masked) = row.split_at_mut(seen);
+            // e^(s − lse) = 2^((s − lse)·log2 e), with step 02's polynomial
             self.kernels
-                .exp2_shifted(live, c, self.lse[i] * std::f32::consts::LOG2_E);
+                .exp2_shifted(live, self.lse[i], std::f32::consts::LOG2_E);
             masked.fill(0.0);
         }
     }
