@@ -42,7 +42,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// Every file under `dir` whose name ends in one of `exts` (all files when `exts` is empty),
 /// sorted, skipping hidden files and folders.
-fn files_under(dir: &Path, exts: &[&str], out: &mut Vec<PathBuf>) -> Result<(), TrainError> {
+pub fn files_under(dir: &Path, exts: &[&str], out: &mut Vec<PathBuf>) -> Result<(), TrainError> {
     let entries = fs::read_dir(dir).map_err(|e| TrainError::io(dir, e))?;
     let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
     paths.sort();
@@ -95,6 +95,17 @@ impl Corpus {
         Ok(corpus)
     }
 
+    /// `files` split by their paths below `root`: the same split wherever the folder is.
+    pub fn from_files(
+        source: String,
+        root: &Path,
+        files: &[PathBuf],
+    ) -> Result<Corpus, TrainError> {
+        let keyed: Vec<(String, PathBuf)> =
+            files.iter().map(|f| (key(root, f), f.clone())).collect();
+        Corpus::split_files(source, &keyed)
+    }
+
     /// One file split at nine tenths of its bytes.
     fn split_file(source: String, bytes: Vec<u8>) -> Corpus {
         let cut = bytes.len() - bytes.len() / HELDOUT_ONE_IN as usize;
@@ -121,9 +132,7 @@ impl Corpus {
         if path.is_dir() {
             let mut files = Vec::new();
             files_under(path, &[], &mut files)?;
-            let keyed: Vec<(String, PathBuf)> =
-                files.into_iter().map(|f| (key(path, &f), f)).collect();
-            return Corpus::split_files(source, &keyed);
+            return Corpus::from_files(source, path, &files);
         }
         let bytes = fs::read(path).map_err(|e| TrainError::io(path, e))?;
         if bytes.starts_with(MAGIC) {
