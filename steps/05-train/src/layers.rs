@@ -188,7 +188,6 @@ pub fn layernorm_backward<A: Float>(
 }
 // ANCHOR_END: layernorm
 
-// ANCHOR: linear
 /// A fully connected layer on rows: `y = x · W + b`, `x` `[rows, in]`, `W` `[in, out]` (the
 /// layout of GPT-2's `Conv1D` weights), `b` `[out]`.
 pub fn linear<A: Float>(x: ArrayView2<A>, w: ArrayView2<A>, b: ArrayView1<A>) -> Array2<A> {
@@ -211,7 +210,6 @@ pub fn linear_backward<A: Float>(
     db += &dy.sum_axis(Axis(0));
     general_mat_mul(A::one(), &dy, &w.t(), A::one(), dx);
 }
-// ANCHOR_END: linear
 
 // ANCHOR: gelu
 /// √(2/π), of the tanh approximation of GELU.
@@ -233,7 +231,6 @@ pub fn gelu_grad<A: Float>(x: A) -> A {
 }
 // ANCHOR_END: gelu
 
-// ANCHOR: cross_entropy
 /// Softmax over each row of `logits` (`[rows, vocab]`), in place: the probabilities.
 pub fn softmax_rows<A: Float>(logits: &mut Array2<A>) {
     for mut row in logits.rows_mut() {
@@ -264,7 +261,6 @@ pub fn cross_entropy_backward<A: Float>(probs: ArrayView2<A>, targets: &[u8]) ->
     d.mapv_inplace(|x| x / n);
     d
 }
-// ANCHOR_END: cross_entropy
 
 // ANCHOR: heads
 /// `[batch·tokens, heads·head_dim]`, one row per token with its heads side by side (what a

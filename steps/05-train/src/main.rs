@@ -110,6 +110,9 @@ struct TrainArgs {
     /// Batches of the held-out loss
     #[arg(long, default_value_t = 8)]
     eval_batches: usize,
+    /// Print every this many steps (every held-out loss is printed)
+    #[arg(long, default_value_t = 1)]
+    print_every: usize,
     /// Write the run (every step and held-out loss) as JSON
     #[arg(long)]
     out: Option<PathBuf>,
@@ -205,12 +208,14 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
         settings.seq_len,
         rayon::current_num_threads()
     );
+    let print_every = args.print_every.max(1);
     let run = train(&mut trainer, &corpus, &settings, |event| {
         match event {
-            Event::Step(s) => println!(
+            Event::Step(s) if s.step % print_every == 0 || s.step == settings.steps => println!(
                 "step {:>5}/{} | loss {:.4} | lr {:.2e} | norm {:.3} | {:.1} ms | {:.0} tokens/s",
                 s.step, settings.steps, s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s
             ),
+            Event::Step(_) => {}
             Event::Eval(e) => println!("step {:>5} | held-out loss {:.4}", e.step, e.loss),
         }
         let _ = std::io::stdout().flush();

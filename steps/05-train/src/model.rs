@@ -164,7 +164,6 @@ impl<A: Float> Params<A> {
         }
     }
 
-    // ANCHOR: init
     /// GPT-2's initialisation (Radford et al. 2019, §2.3; Hugging Face's `_init_weights`):
     /// every matrix normal with σ = 0.02, and the two projections that add into the residual
     /// stream with σ = 0.02/√(2·layers), so the stream's variance does not grow with depth;
@@ -189,7 +188,6 @@ impl<A: Float> Params<A> {
         }
         Ok(p)
     }
-    // ANCHOR_END: init
 
     /// Every tensor by name, in one fixed order.
     pub fn tensors(&self) -> Vec<(String, ArrayViewD<'_, A>)> {

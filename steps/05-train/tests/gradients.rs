@@ -59,6 +59,7 @@ fn every_tensor_matches_central_differences() {
     let acts32 = forward(&p32, inputs.view()).unwrap();
     let g32 = backward(&p32, &acts32, inputs.view(), targets.view()).unwrap();
 
+    // ANCHOR: gradient_check
     let h = 1e-5;
     let (mut worst64, mut worst32) = (0.0f64, 0.0f64);
     let names: Vec<String> = p64.tensors().into_iter().map(|(n, _)| n).collect();
@@ -90,6 +91,7 @@ fn every_tensor_matches_central_differences() {
                  the tensor's largest gradient {scale:.2e}",
                 grad32[j]
             );
+            // ANCHOR_END: gradient_check
             worst64 = worst64.max(e64 / (1e-8 + fd.abs()));
             worst32 = worst32.max(e32 / scale);
         }
