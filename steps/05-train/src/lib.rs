@@ -1,0 +1,91 @@
+//! # Step 05: training a GPT with our kernels
+//!
+//! A GPT-2-style decoder (Radford et al. 2019) over bytes, trained on real text, whose
+//! attention is ours: step 02's online-softmax forward, which keeps each row's log-sum-exp, and
+//! step 04's blockwise backward, which rebuilds the probabilities from it. Everything around
+//! them is written here by hand, forward and backward, on `ndarray` in `f32`: the embeddings,
+//! LayerNorm, the fused q/k/v projection, the MLP with GELU, the tied output layer and the
+//! cross-entropy; then AdamW, the learning rate's schedule and gradient clipping. This is the
+//! CPU model, the one CI trains; the GPU trainer is checked against it, as llm.c checks its
+//! CUDA trainer against its C one.
+//!
+//! The layers are generic over the float type ([`layers::Float`]): in `f64`, with the `f64`
+//! references of steps 01 and 04 in place of our kernels, the same code gives the gradients
+//! that the `f32` model's are checked against, and finite differences of its loss check those.
+//!
+//! ## Layout
+//!
+//! - [`layers`]: each layer's forward and backward, and the float types.
+//! - [`model`]: [`Config`], [`Params`] (one struct of arrays, named as GPT-2's, with a flat
+//!   view by name for the optimizer and the checkpoints), [`forward`] and [`backward`].
+//! - [`optim`]: [`AdamW`], the [`Schedule`] of the learning rate, [`clip_grad_norm`].
+//! - [`data`]: the [`Corpus`] (split by file into training and held-out bytes) and the
+//!   batches, drawn from a seed and the step.
+//! - [`checkpoint`]: [`Checkpoint`]s as safetensors files.
+//! - [`train`](mod@train): [`Trainer`], the loop and its record, and [`sample`].
+//! - `src/main.rs`: the command, `train` and `sample`.
+
+pub mod checkpoint;
+pub mod data;
+pub mod layers;
+pub mod model;
+pub mod optim;
+pub mod train;
+
+use std::fmt;
+use std::path::Path;
+
+pub use checkpoint::Checkpoint;
+pub use data::{Batch, Corpus};
+pub use model::{Config, Params, backward, forward, loss};
+pub use optim::{AdamW, AdamWSettings, Schedule, clip_grad_norm};
+pub use train::{RunRecord, Settings, Trainer, sample, train};
+
+use flash_core::AttnError;
+
+/// What can go wrong, each with a message that says what was wrong and what is accepted.
+#[derive(Debug)]
+pub enum TrainError {
+    /// A model or run that cannot be: a shape, a length, a flag.
+    Config(String),
+    /// A corpus that cannot be trained on.
+    Data(String),
+    /// A checkpoint that cannot be read or does not fit.
+    Checkpoint(String),
+    /// A file that could not be read or written.
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    /// The attention refused its inputs.
+    Attention(AttnError),
+}
+
+impl TrainError {
+    pub fn io(path: &Path, source: std::io::Error) -> TrainError {
+        TrainError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}
+
+impl fmt::Display for TrainError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TrainError::Config(m) | TrainError::Data(m) | TrainError::Checkpoint(m) => {
+                f.write_str(m)
+            }
+            TrainError::Io { path, source } => write!(f, "{path}: {source}"),
+            TrainError::Attention(e) => write!(f, "attention: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for TrainError {}
+
+impl From<AttnError> for TrainError {
+    fn from(e: AttnError) -> Self {
+        TrainError::Attention(e)
+    }
+}

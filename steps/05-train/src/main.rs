@@ -1,0 +1,266 @@
+//! `train`: a GPT-2-style model over bytes, on the CPU; `sample`: text from a checkpoint.
+//!
+//! ```sh
+//! cargo run --release -p step05-train -- train --steps 2000 --save gpt.safetensors --out run.json
+//! cargo run --release -p step05-train -- sample --checkpoint gpt.safetensors --prompt "fn " --tokens 200
+//! ```
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use step05_train::optim::{AdamWSettings, Schedule};
+use step05_train::train::Event;
+use step05_train::{Checkpoint, Config, Corpus, Settings, TrainError, Trainer, sample, train};
+
+#[derive(Parser)]
+#[command(about = "Train a GPT-2-style model over bytes with our attention kernels, on the CPU")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model (or go on training one, with --resume).
+    Train(TrainArgs),
+    /// Generate text from a checkpoint.
+    Sample(SampleArgs),
+}
+
+/// The model's shape: with --resume, the checkpoint's, and any of these given must agree.
+#[derive(Args)]
+struct ModelArgs {
+    /// Transformer blocks [default: 4]
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Width of the residual stream [default: 128]
+    #[arg(long)]
+    d_model: Option<usize>,
+    /// Attention heads (d_model / heads dimensions each) [default: 4]
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Positions the model has [default: 128]
+    #[arg(long)]
+    context: Option<usize>,
+}
+
+impl ModelArgs {
+    fn config(&self, base: Config) -> Config {
+        Config {
+            layers: self.layers.unwrap_or(base.layers),
+            d_model: self.d_model.unwrap_or(base.d_model),
+            heads: self.heads.unwrap_or(base.heads),
+            context: self.context.unwrap_or(base.context),
+            vocab: base.vocab,
+        }
+    }
+}
+
+const DEFAULT_MODEL: Config = Config {
+    layers: 4,
+    d_model: 128,
+    heads: 4,
+    context: 128,
+    vocab: 256,
+};
+
+#[derive(Args)]
+struct TrainArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// A text file, a folder of text files (all, sorted) or a token file from --save-tokens;
+    /// by default the Rust sources of the crates Cargo.lock pins, from cargo's registry
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Write the corpus, split, as a token file, to train on it again with --data
+    #[arg(long)]
+    save_tokens: Option<PathBuf>,
+    /// Sequences per step
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+    /// Tokens per sequence [default: the model's context]
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Steps of the whole run (the learning rate reaches its minimum at the last)
+    #[arg(long, default_value_t = 1000)]
+    steps: usize,
+    /// The largest learning rate, reached after the warm-up
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f32,
+    /// The last learning rate, as a fraction of --lr
+    #[arg(long, default_value_t = 0.1)]
+    min_lr_frac: f32,
+    /// Steps of linear warm-up
+    #[arg(long, default_value_t = 50)]
+    warmup: usize,
+    /// AdamW's weight decay, on matrices only
+    #[arg(long, default_value_t = 0.1)]
+    weight_decay: f32,
+    /// The gradients' largest global norm
+    #[arg(long, default_value_t = 1.0)]
+    clip: f32,
+    /// Seed of the initial weights and of the batches
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// The held-out loss every this many steps
+    #[arg(long, default_value_t = 100)]
+    eval_every: usize,
+    /// Batches of the held-out loss
+    #[arg(long, default_value_t = 8)]
+    eval_batches: usize,
+    /// Print every this many steps (every held-out loss is printed)
+    #[arg(long, default_value_t = 1)]
+    print_every: usize,
+    /// Write the run (every step and held-out loss) as JSON
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Write a checkpoint (weights and optimizer) at the end
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Go on from a checkpoint: its weights, optimizer and step
+    #[arg(long)]
+    resume: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct SampleArgs {
+    /// A checkpoint written by `train --save`
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// The text to go on from
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    /// Bytes to generate
+    #[arg(long, default_value_t = 200)]
+    tokens: usize,
+    /// Below 1 sharper, above 1 flatter; 0 always takes the likeliest byte
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+}
+
+fn run_train(args: TrainArgs) -> Result<(), TrainError> {
+    let resumed = args.resume.as_deref().map(Checkpoint::load).transpose()?;
+    let config = match &resumed {
+        Some(ckpt) => {
+            let want = args.model.config(ckpt.params.config);
+            ckpt.check_config(&want)?;
+            want
+        }
+        None => args.model.config(DEFAULT_MODEL),
+    };
+    config.check()?;
+    let settings = Settings {
+        batch: args.batch,
+        seq_len: args.seq_len.unwrap_or(config.context),
+        steps: args.steps,
+        schedule: Schedule {
+            max: args.lr,
+            min: args.lr * args.min_lr_frac,
+            warmup: args.warmup,
+            steps: args.steps,
+        },
+        adamw: AdamWSettings {
+            weight_decay: args.weight_decay,
+            ..AdamWSettings::default()
+        },
+        clip: args.clip,
+        seed: args.seed,
+        eval_every: args.eval_every,
+        eval_batches: args.eval_batches,
+    };
+    let corpus = match &args.data {
+        Some(path) => Corpus::load(path)?,
+        None => Corpus::default_corpus()?,
+    };
+    println!("corpus: {}", corpus.source);
+    println!(
+        "  training: {} bytes from {} files; held out: {} bytes from {} files",
+        corpus.train.len(),
+        corpus.train_files,
+        corpus.heldout.len(),
+        corpus.heldout_files
+    );
+    if let Some(path) = &args.save_tokens {
+        corpus.save(path)?;
+        println!("  written as tokens to {}", path.display());
+    }
+    let mut trainer = match resumed {
+        Some(ckpt) => {
+            let opt = ckpt.opt.ok_or_else(|| {
+                TrainError::Checkpoint("the checkpoint has no optimizer state to resume".into())
+            })?;
+            Trainer {
+                params: ckpt.params,
+                opt,
+                step: ckpt.step,
+            }
+        }
+        None => Trainer::new(config, &settings)?,
+    };
+    println!(
+        "model: {config:?}, {} parameters; {} sequences × {} tokens a step, {} threads",
+        trainer.params.count(),
+        settings.batch,
+        settings.seq_len,
+        rayon::current_num_threads()
+    );
+    let print_every = args.print_every.max(1);
+    let run = train(&mut trainer, &corpus, &settings, |event| {
+        match event {
+            Event::Step(s) if s.step % print_every == 0 || s.step == settings.steps => println!(
+                "step {:>5}/{} | loss {:.4} | lr {:.2e} | norm {:.3} | {:.1} ms | {:.0} tokens/s",
+                s.step, settings.steps, s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s
+            ),
+            Event::Step(_) => {}
+            Event::Eval(e) => println!("step {:>5} | held-out loss {:.4}", e.step, e.loss),
+        }
+        let _ = std::io::stdout().flush();
+    })?;
+    println!("trained {} steps in {:.1} s", run.steps.len(), run.seconds);
+    if let Some(path) = &args.out {
+        let json = serde_json::to_string_pretty(&run).expect("plain structs serialise");
+        std::fs::write(path, json + "\n").map_err(|e| TrainError::io(path, e))?;
+        println!("run written to {}", path.display());
+    }
+    if let Some(path) = &args.save {
+        let ckpt = Checkpoint {
+            params: trainer.params,
+            opt: Some(trainer.opt),
+            step: trainer.step,
+        };
+        ckpt.save(path)?;
+        println!("checkpoint written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn run_sample(args: SampleArgs) -> Result<(), TrainError> {
+    let ckpt = Checkpoint::load(&args.checkpoint)?;
+    let text = sample(
+        &ckpt.params,
+        args.prompt.as_bytes(),
+        args.tokens,
+        args.temperature,
+        args.seed,
+    )?;
+    println!("{}{}", args.prompt, String::from_utf8_lossy(&text));
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let result = match Cli::parse().command {
+        Command::Train(args) => run_train(args),
+        Command::Sample(args) => run_sample(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
