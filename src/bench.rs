@@ -302,6 +302,13 @@ pub fn measure_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measure
             None
         }
     };
+    let ms = check_then_time_cpu(m, shape, args)?;
+    Ok(Measured { ms, peak_bytes })
+}
+
+/// The part of a CPU row that runs in this process: one call checked against the reference
+/// (an error beginning with [`WRONG_RESULT`] if it is off), then the median of the timed runs.
+pub fn check_then_time_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<f64, String> {
     let (qkv, dout) = cpu_inputs(shape, args.pass());
     // check, then time: the checked call also warms up (pages in the code and the
     // allocator's arenas, starts the thread pool)
@@ -309,7 +316,7 @@ pub fn measure_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measure
         (m.forward)(qkv[0].view(), qkv[1].view(), qkv[2].view()).map_err(|e| describe_error(&e))?;
     check_result(&qkv, &first, args.dtype)?;
     drop(first);
-    let ms = median_ms(Warmup::Calls(0), args.runs, || {
+    median_ms(Warmup::Calls(0), args.runs, || {
         let start = Instant::now();
         let result = call_once(m, &qkv, dout.as_ref());
         let ms = start.elapsed().as_secs_f64() * 1e3;
@@ -317,8 +324,7 @@ pub fn measure_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measure
         drop(result?);
         Ok(ms)
     })
-    .map_err(|e| describe_error(&e))?;
-    Ok(Measured { ms, peak_bytes })
+    .map_err(|e| describe_error(&e))
 }
 
 // [step 03]
@@ -554,6 +560,109 @@ pub fn simd_level() -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ndarray::{ArrayView4, s};
+
+    /// Step 01's attention with the outputs of the first and the last query of the first head
+    /// swapped: the kind of slip (an index off in a store) the check before timing is for.
+    fn swapped_rows(
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+    ) -> Result<Attention, AttnError> {
+        let mut a = step01_naive::attention(q, k, v)?;
+        let last = a.out.dim().2 - 1;
+        let first_row = a.out.slice(s![0, 0, 0, ..]).to_owned();
+        let last_row = a.out.slice(s![0, 0, last, ..]).to_owned();
+        a.out.slice_mut(s![0, 0, 0, ..]).assign(&last_row);
+        a.out.slice_mut(s![0, 0, last, ..]).assign(&first_row);
+        Ok(a)
+    }
+
+    /// Step 01's attention with each row's normalisation forgotten after its first 16 keys,
+    /// as a block-wise method that skips the rescale would: rows past 16 tokens are off.
+    fn missing_rescale(
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+    ) -> Result<Attention, AttnError> {
+        let mut a = step01_naive::attention(q, k, v)?;
+        let tokens = a.out.dim().2;
+        for i in 16..tokens {
+            a.out
+                .slice_mut(s![.., .., i, ..])
+                .mapv_inplace(|x| x * 16.0 / (i + 1) as f32);
+        }
+        Ok(a)
+    }
+
+    fn args(line: &str) -> BenchArgs {
+        let argv = std::iter::once("flash-attention".to_string())
+            .chain(line.split_whitespace().map(String::from));
+        match crate::cli::parse(argv).unwrap() {
+            crate::cli::Command::Bench(b) => b,
+            other => panic!("{line}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_broken_method_is_caught_before_it_is_timed() {
+        let args = args("--methods naive --lengths 100 --heads 2 --head-dim 16 --runs 1");
+        let shape = Shape::new(1, 2, 100, 16);
+        for (name, forward) in [
+            ("swapped_rows", swapped_rows as flash_core::ForwardFn),
+            ("missing_rescale", missing_rescale),
+        ] {
+            let broken = Method::new(name, "test", Device::Cpu, "a broken method", forward);
+            let err = check_then_time_cpu(&broken, shape, &args).unwrap_err();
+            assert!(
+                err.starts_with(WRONG_RESULT) && err.contains("max abs error"),
+                "{name}: {err}"
+            );
+            // the measured error is printed, and it is far above what is allowed
+            let measured: f64 = err
+                .split("max abs error ")
+                .nth(1)
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|e| e.parse().ok())
+                .unwrap_or_else(|| panic!("{name}: no error in {err:?}"));
+            assert!(
+                measured > 100.0 * allowed_error(Dtype::F32),
+                "{name}: {err}"
+            );
+            // and a row carrying it makes the benchmark's exit status 4
+            let row = Row {
+                method: name.into(),
+                implementation: String::new(),
+                device: String::new(),
+                device_kind: Device::Cpu,
+                tokens: shape.tokens,
+                batch: shape.batch,
+                heads: shape.heads,
+                head_dim: shape.head_dim,
+                dtype: Dtype::F32,
+                pass: Pass::Forward,
+                runs: 1,
+                ms: None,
+                tflops: None,
+                peak_bytes: None,
+                commit: String::new(),
+                date: String::new(),
+                error: Some(err),
+            };
+            assert_eq!(exit_status(&[row]), 4);
+        }
+    }
+
+    #[test]
+    fn a_correct_method_passes_the_check_and_is_timed() {
+        let args = args("--methods naive --lengths 100 --heads 2 --head-dim 16 --runs 2");
+        let naive = crate::methods::by_name("naive").unwrap();
+        let ms = check_then_time_cpu(&naive, Shape::new(1, 2, 100, 16), &args).unwrap();
+        assert!(ms.is_finite() && ms >= 0.0, "{ms}");
+        let qkv = random_qkv(Shape::new(3, 2, 77, 8), 5);
+        let got = step01_naive::attention(qkv[0].view(), qkv[1].view(), qkv[2].view()).unwrap();
+        assert_eq!(check_result(&qkv, &got, Dtype::F32), Ok(()));
+    }
 
     #[test]
     fn hwm_reads_and_resets() {
