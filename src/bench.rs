@@ -389,7 +389,9 @@ pub fn peak_in_child(m: &Method, shape: Shape, pass: Pass) -> Result<u64, PeakEr
     }
     // [/step 04]
     let _ = pass;
+    // the child's last line is its message: no backtrace after it
     let output = cmd
+        .env("RUST_BACKTRACE", "0")
         .stdin(Stdio::null())
         .output()
         .map_err(|e| PeakError::Unavailable(format!("cannot start the child: {e}")))?;
@@ -422,11 +424,13 @@ pub fn peak_in_child(m: &Method, shape: Shape, pass: Pass) -> Result<u64, PeakEr
                 ));
             }
             // Rust's default allocation-failure handler prints this and aborts
-            Some(6) if stderr.contains("memory allocation of") => {
-                return Err(PeakError::OutOfMemory(format!(
-                    "out of memory: {}",
-                    last(&stderr)
-                )));
+            Some(6) => {
+                if let Some(line) = stderr.lines().find(|l| l.contains("memory allocation of")) {
+                    return Err(PeakError::OutOfMemory(format!(
+                        "out of memory: {}",
+                        line.trim()
+                    )));
+                }
             }
             _ => {}
         }

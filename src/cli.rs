@@ -75,22 +75,22 @@ struct BenchFlags {
     #[arg(long, value_delimiter = ',', value_parser = non_empty)]
     methods: Vec<String>,
     /// Sequence lengths in tokens [default: 1024,2048,4096,8192; on cuda up to 16384]
-    #[arg(long, value_delimiter = ',', value_parser = at_least_one)]
+    #[arg(long, value_delimiter = ',', value_parser = at_least_one, allow_negative_numbers = true)]
     lengths: Vec<usize>,
     /// Sequences [default: 1; on cuda 4]
-    #[arg(long, value_parser = at_least_one)]
+    #[arg(long, allow_negative_numbers = true, value_parser = at_least_one)]
     batch: Option<usize>,
     /// Heads
-    #[arg(long, default_value_t = 12, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 12, allow_negative_numbers = true, value_parser = at_least_one)]
     heads: usize,
     /// Head dim
-    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true, value_parser = at_least_one)]
     head_dim: usize,
     /// Element type; the CPU methods take f32 [default: f32; on cuda bf16]
     #[arg(long, value_parser = parse_dtype)]
     dtype: Option<Dtype>,
     /// Timed runs after the warm-up; the median is reported
-    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = at_least_one)]
     runs: usize,
     // [step 04]
     /// Time the forward and the backward together (pass fwd+bwd) instead of the forward
@@ -436,6 +436,8 @@ mod tests {
             ("--runs 0", "at least 1"),
             ("--lengths 1k", "whole number"),
             ("--lengths ,", "whole number"),
+            ("--lengths -5", "invalid value '-5' for '--lengths"),
+            ("--heads -1", "at least 1"),
             ("--methods ,", "method name"),
             ("--methods=", "method name"),
             ("--frobnicate", "unexpected argument '--frobnicate'"),
