@@ -47,7 +47,9 @@ EXAMPLES
 checked against the f64 reference before it is timed.\n\nTime is the median of --runs calls after \
 a warm-up, the call alone (inputs are made before). Peak memory is measured in a fresh process per \
 method and length: the growth of the resident high-water mark over one call, on top of the inputs. \
-A length that does not fit in memory is reported as out of memory, and the sweep goes on."
+A length that does not fit in memory is reported as out of memory, and the sweep goes on.\n\n\
+attend refuses inputs holding a NaN or an infinity, naming the tensor and the first such \
+position: a block-wise method would spread one to rows that cannot see it."
 )]
 pub struct Cli {
     #[command(subcommand)]
