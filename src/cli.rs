@@ -118,6 +118,12 @@ struct AttendFlags {
     /// v, of q's shape
     #[arg(long, value_name = "FILE.npy")]
     v: PathBuf,
+    // [step 03]
+    /// Element type of a GPU method: bf16 or f16; the CPU methods take f32 [default: f32; for
+    /// a GPU method bf16]
+    #[arg(long, value_parser = parse_dtype)]
+    dtype: Option<Dtype>,
+    // [/step 03]
     // [step 04]
     /// The output's gradient, of q's shape: asks for the backward too (dq, dk, dv)
     #[arg(long, value_name = "FILE.npy")]
@@ -233,12 +239,22 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
     let invalid = |cmd: &mut clap::Command, why: String| cmd.error(ErrorKind::ValueValidation, why);
     match cli.command {
         Some(Sub::Attend(a)) => {
-            methods::by_name(&a.method).map_err(|e| invalid(&mut cmd, format!("--method: {e}")))?;
+            let method = methods::by_name(&a.method)
+                .map_err(|e| invalid(&mut cmd, format!("--method: {e}")))?;
+            // [step 03]
+            if let Some(dtype) = a.dtype {
+                crate::attend::check_dtype(&method, dtype).map_err(|e| invalid(&mut cmd, e))?;
+            }
+            // [/step 03]
+            let _ = method;
             Ok(Command::Attend(AttendArgs {
                 method: a.method,
                 q: a.q,
                 k: a.k,
                 v: a.v,
+                // [step 03]
+                dtype: a.dtype,
+                // [/step 03]
                 // [step 04]
                 dout: a.dout,
                 // [/step 04]
@@ -454,6 +470,16 @@ mod tests {
             ("--q q.npy", "unexpected argument '--q'"),
             ("--k k.npy", "unexpected argument '--k'"),
             ("--out /", "is a folder"),
+            // [step 03]
+            (
+                "attend --method naive --dtype bf16 --q a --k b --v c --out-dir d",
+                "method \"naive\" runs on cpu and computes in f32",
+            ),
+            (
+                "attend --method cuda_flash --dtype f32 --q a --k b --v c --out-dir d",
+                "computes in bf16 or f16",
+            ),
+            // [/step 03]
         ] {
             let err = parse_line(line).unwrap_err();
             let text = err.render().to_string();
@@ -461,6 +487,26 @@ mod tests {
             assert_eq!(err.exit_code(), EXIT_USAGE as i32, "{line}");
         }
     }
+
+    // [step 03]
+    #[test]
+    fn attend_takes_a_dtype_for_the_gpu_methods() {
+        let attend = |line: &str| match parse_line(line).unwrap() {
+            Command::Attend(a) => a,
+            other => panic!("{line}: {other:?}"),
+        };
+        let files = "--q a --k b --v c --out-dir d";
+        let a = attend(&format!("attend --method cuda_flash --dtype f16 {files}"));
+        assert_eq!(a.dtype, Some(Dtype::F16));
+        // no --dtype: the method's own default (bf16 on the GPU, f32 on the CPU)
+        assert_eq!(
+            attend(&format!("attend --method cuda_flash {files}")).dtype,
+            None
+        );
+        let a = attend(&format!("attend --method naive --dtype f32 {files}"));
+        assert_eq!(a.dtype, Some(Dtype::F32));
+    }
+    // [/step 03]
 
     #[test]
     fn help_lists_the_methods() {

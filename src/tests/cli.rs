@@ -410,3 +410,44 @@ fn inputs_larger_than_memory_are_an_out_of_memory_row_not_a_crash() {
     fs::remove_dir_all(dir).unwrap();
 }
 // [/step 02]
+
+// [step 03]
+/// `attend --dtype f16` on a GPU method computes in f16: the result is the method's own in
+/// f16, bit for bit, and differs from its bf16 result.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attend_on_the_gpu_computes_in_the_dtype_asked_for() {
+    let dir = temp_dir("attend-f16");
+    let shape = Shape::new(1, 2, 130, 64);
+    let [q, k, v] = random_qkv(shape, 12);
+    for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+        npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
+    }
+    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let o = run(&[
+        "attend",
+        "--method",
+        "cuda_flash",
+        "--dtype",
+        "f16",
+        "--q",
+        &p("q.npy"),
+        "--k",
+        &p("k.npy"),
+        "--v",
+        &p("v.npy"),
+        "--out-dir",
+        &p("out"),
+    ]);
+    let (stdout, stderr) = text(&o);
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    let out = npy::read_f32_4d(&dir.join("out/out.npy")).unwrap();
+    let f16 =
+        step03_cuda_forward::methods::flash_forward_dtype(q.view(), k.view(), v.view(), Dtype::F16)
+            .unwrap();
+    let bf16 = step03_cuda_forward::methods::flash_forward(q.view(), k.view(), v.view()).unwrap();
+    assert_eq!(out, f16.out);
+    assert_ne!(out, bf16.out);
+    fs::remove_dir_all(dir).unwrap();
+}
+// [/step 03]
