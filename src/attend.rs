@@ -18,9 +18,13 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use ndarray::Array4;
+use flash_core::{Attention, AttnError};
+use ndarray::{Array4, ArrayView4};
 
-use crate::methods;
+use crate::methods::{self, Method};
+// [step 03]
+use crate::methods::Dtype;
+// [/step 03]
 use crate::npy;
 
 /// The `attend` command's arguments.
@@ -30,6 +34,11 @@ pub struct AttendArgs {
     pub q: PathBuf,
     pub k: PathBuf,
     pub v: PathBuf,
+    // [step 03]
+    /// The element type to compute in, for a method that takes more than one (the GPU
+    /// methods: bf16, the default, or f16); None for the method's default.
+    pub dtype: Option<Dtype>,
+    // [/step 03]
     // [step 04]
     /// The gradient of the loss with respect to the output; asks for the backward pass.
     pub dout: Option<PathBuf>,
@@ -40,6 +49,11 @@ pub struct AttendArgs {
 /// Runs the method and writes its results; returns the paths written.
 pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     let method = methods::by_name(&args.method)?;
+    // [step 03]
+    if let Some(dtype) = args.dtype {
+        check_dtype(&method, dtype)?;
+    }
+    // [/step 03]
     // [step 04]
     if args.dout.is_some() && method.backward.is_none() {
         let with: Vec<_> = methods::all()
@@ -75,7 +89,7 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     };
     // [/step 04]
 
-    let result = (method.forward)(q.view(), k.view(), v.view())
+    let result = forward(&method, args, q.view(), k.view(), v.view())
         .map_err(|e| format!("{} failed: {e}", method.name))?;
     fs::create_dir_all(&args.out_dir)
         .map_err(|e| format!("{}: cannot create it: {e}", args.out_dir.display()))?;
@@ -90,8 +104,13 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     write("lse.npy", result.lse.view().into_dyn())?;
     // [step 04]
     if let (Some(dout), Some(backward)) = (dout, method.backward) {
-        let grads = backward(q.view(), k.view(), v.view(), &result, dout.view())
-            .map_err(|e| format!("{} backward failed: {e}", method.name))?;
+        let grads = match (method.backward_dtype, args.dtype) {
+            (Some(backward), Some(dtype)) => {
+                backward(q.view(), k.view(), v.view(), &result, dout.view(), dtype)
+            }
+            _ => backward(q.view(), k.view(), v.view(), &result, dout.view()),
+        }
+        .map_err(|e| format!("{} backward failed: {e}", method.name))?;
         write("dq.npy", grads.dq.view().into_dyn())?;
         write("dk.npy", grads.dk.view().into_dyn())?;
         write("dv.npy", grads.dv.view().into_dyn())?;
@@ -99,6 +118,40 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     // [/step 04]
     Ok(written)
 }
+
+/// The method's forward, in the element type asked for where the method takes more than one.
+fn forward(
+    method: &Method,
+    args: &AttendArgs,
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+) -> Result<Attention, AttnError> {
+    // [step 03]
+    if let (Some(forward), Some(dtype)) = (method.forward_dtype, args.dtype) {
+        return forward(q, k, v, dtype);
+    }
+    // [/step 03]
+    let _ = args;
+    (method.forward)(q, k, v)
+}
+
+// [step 03]
+/// That the method computes in `dtype`: an error saying which it takes if not.
+pub fn check_dtype(method: &Method, dtype: Dtype) -> Result<(), String> {
+    let takes = method.dtypes();
+    if takes.contains(&dtype) {
+        return Ok(());
+    }
+    let names: Vec<&str> = takes.iter().map(|d| d.name()).collect();
+    Err(format!(
+        "--dtype {dtype}: method {:?} runs on {} and computes in {}",
+        method.name,
+        method.device,
+        names.join(" or ")
+    ))
+}
+// [/step 03]
 
 fn same_shape(path: &Path, x: &Array4<f32>, q_path: &Path, q: &Array4<f32>) -> Result<(), String> {
     if x.shape() == q.shape() {
@@ -132,7 +185,8 @@ mod tests {
             q: dir.join("q.npy"),
             k: dir.join("k.npy"),
             v: dir.join("v.npy"),
-            dout: None, // [step 04]
+            dtype: None, // [step 03]
+            dout: None,  // [step 04]
             out_dir: dir.join("out"),
         };
         (dir, args, qkv)

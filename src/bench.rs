@@ -17,15 +17,19 @@
 //! ## Layout
 //!
 //! - [`run`]: the sweep; prints the device, the methods, then one table line per row.
-//! - [`measure_cpu`], [`measure_gpu`]: one row.
+//! - [`measure_cpu`], [`measure_gpu`]: one row; [`estimate_s`] and [`with_progress`]: a row
+//!   estimated at more than a minute is announced with its estimate (and, on the CPU, the
+//!   memory its inputs take), and a row still running says so every 10 s.
 //! - [`peak_child`]: the hidden child's side; [`peak_in_child`] the parent's.
 //! - [`cpu_description`], [`simd_level`]: what the header says about the machine.
 
+use std::collections::HashMap;
 use std::fs;
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::{Duration, Instant};
 
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::{AttnError, Shape};
@@ -101,6 +105,8 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
 
     let total = chosen.len() * args.lengths.len();
     let mut rows = Vec::new();
+    // each method's seconds per FLOP over its last measured row, for the next row's estimate
+    let mut pace: HashMap<&str, f64> = HashMap::new();
     for &tokens in &args.lengths {
         for (m, imp) in chosen.iter().zip(&implementations) {
             let shape = Shape::new(args.batch, args.heads, tokens, args.head_dim);
@@ -110,20 +116,43 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
                 m.name,
                 args.pass()
             );
+            let flops = shape.flops(args.pass());
+            // (inputs that cannot fit are reported at once, without an estimate)
+            let fits = cuda
+                || memory_and_swap().is_none_or(|have| input_bytes(shape, args.pass()) <= have);
+            let estimate = fits
+                .then(|| estimate_s(m, shape, args, pace.get(m.name).copied(), cuda))
+                .flatten();
+            if let Some(est) = estimate.filter(|&est| est > ANNOUNCE_AFTER_S) {
+                let memory = if cuda {
+                    String::new()
+                } else {
+                    format!(
+                        "; its inputs take {}",
+                        bytes(input_bytes(shape, args.pass()))
+                    )
+                };
+                eprintln!("      this row will take about {}{memory}", seconds(est));
+            }
             let started = Instant::now();
-            let measured = measure_cpu(m, shape, args);
-            // [step 03]
-            let measured = if cuda {
-                measure_gpu(m, shape, args)
-            } else {
+            let measured = with_progress(estimate, || {
+                let measured = measure_cpu(m, shape, args);
+                // [step 03]
+                let measured = if cuda {
+                    measure_gpu(m, shape, args)
+                } else {
+                    measured
+                };
+                // [/step 03]
                 measured
-            };
-            // [/step 03]
+            });
             let (ms, peak_bytes, error) = match measured {
-                Ok(Measured { ms, peak_bytes }) => (Some(ms), peak_bytes, None),
+                Ok(Measured { ms, peak_bytes }) => {
+                    pace.insert(m.name, started.elapsed().as_secs_f64() / flops);
+                    (Some(ms), peak_bytes, None)
+                }
                 Err(e) => (None, None, Some(e)),
             };
-            let flops = shape.flops(args.pass());
             let row = Row {
                 method: m.name.to_string(),
                 implementation: imp.clone(),
@@ -155,6 +184,105 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
         println!("\nwrote {} rows to {}", rows.len(), out.display());
     }
     Ok(rows)
+}
+
+/// A row whose estimate is longer than this is announced, with the estimate.
+const ANNOUNCE_AFTER_S: f64 = 60.0;
+/// How often a row that is still running says so.
+const PROGRESS_EVERY: Duration = Duration::from_secs(10);
+/// Tokens of the quick call that gives a method's speed before its first row.
+const PROBE_TOKENS: usize = 256;
+
+/// About how long a row will take, in seconds: its FLOPs at the pace of the method's last row
+/// (its whole wall time, the peak child and the check included), or, before a CPU method's
+/// first row, at the speed of one quick call at [`PROBE_TOKENS`] tokens, times the calls a row
+/// makes (the peak child's, the check's and the timed runs). None for a GPU method's first row:
+/// a quick call there would compile its kernels.
+fn estimate_s(
+    m: &Method,
+    shape: Shape,
+    args: &BenchArgs,
+    pace: Option<f64>,
+    cuda: bool,
+) -> Option<f64> {
+    let pass = args.pass();
+    let flops = shape.flops(pass);
+    if let Some(pace) = pace {
+        return Some(pace * flops);
+    }
+    let small = Shape::new(1, shape.heads.min(12), PROBE_TOKENS, shape.head_dim);
+    // a row no larger than the probe is quick, and the GPU's first call compiles
+    if cuda || flops <= 4.0 * small.flops(pass) {
+        return None;
+    }
+    let (qkv, dout) = cpu_inputs(small, pass);
+    let start = Instant::now();
+    call_once(m, &qkv, dout.as_ref()).ok()?;
+    let per_flop = start.elapsed().as_secs_f64() / small.flops(pass);
+    Some(per_flop * flops * (args.runs + 2) as f64)
+}
+
+/// Runs `f`, and while it runs prints to stderr every [`PROGRESS_EVERY`] how long it has
+/// been running (so a row of minutes shows that it is alive); a row shorter than that prints
+/// nothing.
+fn with_progress<T>(estimate: Option<f64>, f: impl FnOnce() -> T) -> T {
+    let (done, wait) = mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            let started = Instant::now();
+            // the sender is dropped when `f` returns (or unwinds), which ends the wait
+            while let Err(RecvTimeoutError::Timeout) = wait.recv_timeout(PROGRESS_EVERY) {
+                let of = estimate.map_or(String::new(), |e| format!(" of about {}", seconds(e)));
+                eprintln!(
+                    "      still running: {}{of}",
+                    seconds(started.elapsed().as_secs_f64())
+                );
+            }
+        });
+        let result = f();
+        drop(done);
+        result
+    })
+}
+
+/// Bytes of a CPU row's inputs: q, k, v in `f32`, and the output's gradient for a backward.
+pub fn input_bytes(shape: Shape, pass: Pass) -> u128 {
+    let tensors = if pass == Pass::Forward { 3 } else { 4 };
+    tensors
+        * shape.batch as u128
+        * shape.heads as u128
+        * shape.tokens as u128
+        * shape.head_dim as u128
+        * 4
+}
+
+/// The memory and swap of this machine in bytes (`/proc/meminfo`), None where unknown.
+fn memory_and_swap() -> Option<u128> {
+    let info = fs::read_to_string("/proc/meminfo").ok()?;
+    let kb = |key: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u128>().ok())
+    };
+    Some((kb("MemTotal:")? + kb("SwapTotal:").unwrap_or(0)) * 1024)
+}
+
+fn seconds(s: f64) -> String {
+    if s < 120.0 {
+        format!("{s:.0} s")
+    } else if s < 7200.0 {
+        format!("{:.0} min", s / 60.0)
+    } else {
+        format!("{:.1} h", s / 3600.0)
+    }
+}
+
+fn bytes(b: u128) -> String {
+    if b >= 1_000_000_000 {
+        format!("{:.1} GB", b as f64 / 1e9)
+    } else {
+        format!("{:.0} MB", b as f64 / 1e6)
+    }
 }
 
 /// The benchmark's exit status for its rows (`--help` lists them): 0 when every row was
@@ -293,6 +421,16 @@ fn call_once(
 /// One CPU row: the peak in a fresh process first (which also finds a length that does not
 /// fit), then the warm-up and the timed runs here.
 pub fn measure_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measured, String> {
+    // inputs larger than memory and swap cannot be made: say so without trying (where the
+    // kernel overcommits, trying would end in the OOM killer after minutes of paging)
+    let need = input_bytes(shape, args.pass());
+    if let Some(have) = memory_and_swap().filter(|&have| need > have) {
+        return Err(format!(
+            "out of memory: the inputs alone take {}, and this machine has {} of memory and swap",
+            bytes(need),
+            bytes(have)
+        ));
+    }
     let peak_bytes = match peak_in_child(m, shape, args.pass()) {
         Ok(bytes) => Some(bytes),
         Err(PeakError::OutOfMemory(why)) => return Err(why),
@@ -302,6 +440,13 @@ pub fn measure_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measure
             None
         }
     };
+    let ms = check_then_time_cpu(m, shape, args)?;
+    Ok(Measured { ms, peak_bytes })
+}
+
+/// The part of a CPU row that runs in this process: one call checked against the reference
+/// (an error beginning with [`WRONG_RESULT`] if it is off), then the median of the timed runs.
+pub fn check_then_time_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<f64, String> {
     let (qkv, dout) = cpu_inputs(shape, args.pass());
     // check, then time: the checked call also warms up (pages in the code and the
     // allocator's arenas, starts the thread pool)
@@ -309,11 +454,10 @@ pub fn measure_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measure
         (m.forward)(qkv[0].view(), qkv[1].view(), qkv[2].view()).map_err(|e| describe_error(&e))?;
     check_result(&qkv, &first, args.dtype)?;
     drop(first);
-    let ms = cpu_median_ms(Warmup::Calls(0), args.runs, || {
+    cpu_median_ms(Warmup::Calls(0), args.runs, || {
         call_once(m, &qkv, dout.as_ref())
     })
-    .map_err(|e| describe_error(&e))?;
-    Ok(Measured { ms, peak_bytes })
+    .map_err(|e| describe_error(&e))
 }
 
 // [step 03]
@@ -378,7 +522,9 @@ pub fn peak_in_child(m: &Method, shape: Shape, pass: Pass) -> Result<u64, PeakEr
     }
     // [/step 04]
     let _ = pass;
+    // the child's last line is its message: no backtrace after it
     let output = cmd
+        .env("RUST_BACKTRACE", "0")
         .stdin(Stdio::null())
         .output()
         .map_err(|e| PeakError::Unavailable(format!("cannot start the child: {e}")))?;
@@ -411,11 +557,13 @@ pub fn peak_in_child(m: &Method, shape: Shape, pass: Pass) -> Result<u64, PeakEr
                 ));
             }
             // Rust's default allocation-failure handler prints this and aborts
-            Some(6) if stderr.contains("memory allocation of") => {
-                return Err(PeakError::OutOfMemory(format!(
-                    "out of memory: {}",
-                    last(&stderr)
-                )));
+            Some(6) => {
+                if let Some(line) = stderr.lines().find(|l| l.contains("memory allocation of")) {
+                    return Err(PeakError::OutOfMemory(format!(
+                        "out of memory: {}",
+                        line.trim()
+                    )));
+                }
             }
             _ => {}
         }
@@ -549,6 +697,133 @@ pub fn simd_level() -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ndarray::{ArrayView4, s};
+
+    /// Step 01's attention with the outputs of the first and the last query of the first head
+    /// swapped: the kind of slip (an index off in a store) the check before timing is for.
+    fn swapped_rows(
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+    ) -> Result<Attention, AttnError> {
+        let mut a = step01_naive::attention(q, k, v)?;
+        let last = a.out.dim().2 - 1;
+        let first_row = a.out.slice(s![0, 0, 0, ..]).to_owned();
+        let last_row = a.out.slice(s![0, 0, last, ..]).to_owned();
+        a.out.slice_mut(s![0, 0, 0, ..]).assign(&last_row);
+        a.out.slice_mut(s![0, 0, last, ..]).assign(&first_row);
+        Ok(a)
+    }
+
+    /// Step 01's attention with each row's normalisation forgotten after its first 16 keys,
+    /// as a block-wise method that skips the rescale would: rows past 16 tokens are off.
+    fn missing_rescale(
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+    ) -> Result<Attention, AttnError> {
+        let mut a = step01_naive::attention(q, k, v)?;
+        let tokens = a.out.dim().2;
+        for i in 16..tokens {
+            a.out
+                .slice_mut(s![.., .., i, ..])
+                .mapv_inplace(|x| x * 16.0 / (i + 1) as f32);
+        }
+        Ok(a)
+    }
+
+    fn args(line: &str) -> BenchArgs {
+        let argv = std::iter::once("flash-attention".to_string())
+            .chain(line.split_whitespace().map(String::from));
+        match crate::cli::parse(argv).unwrap() {
+            crate::cli::Command::Bench(b) => b,
+            other => panic!("{line}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_broken_method_is_caught_before_it_is_timed() {
+        let args = args("--methods naive --lengths 100 --heads 2 --head-dim 16 --runs 1");
+        let shape = Shape::new(1, 2, 100, 16);
+        for (name, forward) in [
+            ("swapped_rows", swapped_rows as flash_core::ForwardFn),
+            ("missing_rescale", missing_rescale),
+        ] {
+            let broken = Method::new(name, "test", Device::Cpu, "a broken method", forward);
+            let err = check_then_time_cpu(&broken, shape, &args).unwrap_err();
+            assert!(
+                err.starts_with(WRONG_RESULT) && err.contains("max abs error"),
+                "{name}: {err}"
+            );
+            // the measured error is printed, and it is far above what is allowed
+            let measured: f64 = err
+                .split("max abs error ")
+                .nth(1)
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|e| e.parse().ok())
+                .unwrap_or_else(|| panic!("{name}: no error in {err:?}"));
+            assert!(
+                measured > 100.0 * allowed_error(Dtype::F32),
+                "{name}: {err}"
+            );
+            // and a row carrying it makes the benchmark's exit status 4
+            let row = Row {
+                method: name.into(),
+                implementation: String::new(),
+                device: String::new(),
+                device_kind: Device::Cpu,
+                tokens: shape.tokens,
+                batch: shape.batch,
+                heads: shape.heads,
+                head_dim: shape.head_dim,
+                dtype: Dtype::F32,
+                pass: Pass::Forward,
+                runs: 1,
+                ms: None,
+                tflops: None,
+                peak_bytes: None,
+                commit: String::new(),
+                date: String::new(),
+                error: Some(err),
+            };
+            assert_eq!(exit_status(&[row]), 4);
+        }
+    }
+
+    #[test]
+    fn a_correct_method_passes_the_check_and_is_timed() {
+        let args = args("--methods naive --lengths 100 --heads 2 --head-dim 16 --runs 2");
+        let naive = crate::methods::by_name("naive").unwrap();
+        let ms = check_then_time_cpu(&naive, Shape::new(1, 2, 100, 16), &args).unwrap();
+        assert!(ms.is_finite() && ms >= 0.0, "{ms}");
+        let qkv = random_qkv(Shape::new(3, 2, 77, 8), 5);
+        let got = step01_naive::attention(qkv[0].view(), qkv[1].view(), qkv[2].view()).unwrap();
+        assert_eq!(check_result(&qkv, &got, Dtype::F32), Ok(()));
+    }
+
+    #[test]
+    fn long_rows_are_estimated_and_small_ones_are_not() {
+        let args = args("--methods naive --runs 3");
+        let naive = crate::methods::by_name("naive").unwrap();
+        // at the pace of an earlier row: its seconds per FLOP times this row's FLOPs
+        let shape = Shape::new(1, 12, 8192, 64);
+        let est = estimate_s(&naive, shape, &args, Some(1e-9), false).unwrap();
+        assert!(
+            (est - shape.flops(Pass::Forward) * 1e-9).abs() < 1e-6,
+            "{est}"
+        );
+        // a first row no larger than the quick call needs no estimate; a large one gets one
+        assert_eq!(
+            estimate_s(&naive, Shape::new(1, 12, 256, 64), &args, None, false),
+            None
+        );
+        assert!(estimate_s(&naive, shape, &args, None, false).is_some_and(|s| s > 0.0));
+        assert_eq!(input_bytes(shape, Pass::Forward), 3 * 12 * 8192 * 64 * 4);
+        assert_eq!(seconds(95.0), "95 s");
+        assert_eq!(seconds(600.0), "10 min");
+        // a short call under with_progress prints nothing and returns what it returned
+        assert_eq!(with_progress(Some(100.0), || 7), 7);
+    }
 
     #[test]
     fn hwm_reads_and_resets() {

@@ -47,7 +47,9 @@ EXAMPLES
 checked against the f64 reference before it is timed.\n\nTime is the median of --runs calls after \
 a warm-up, the call alone (inputs are made before). Peak memory is measured in a fresh process per \
 method and length: the growth of the resident high-water mark over one call, on top of the inputs. \
-A length that does not fit in memory is reported as out of memory, and the sweep goes on."
+A length that does not fit in memory is reported as out of memory, and the sweep goes on.\n\n\
+attend refuses inputs holding a NaN or an infinity, naming the tensor and the first such \
+position: a block-wise method would spread one to rows that cannot see it."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -75,22 +77,22 @@ struct BenchFlags {
     #[arg(long, value_delimiter = ',', value_parser = non_empty)]
     methods: Vec<String>,
     /// Sequence lengths in tokens [default: 1024,2048,4096,8192; on cuda up to 16384]
-    #[arg(long, value_delimiter = ',', value_parser = at_least_one)]
+    #[arg(long, value_delimiter = ',', value_parser = at_least_one, allow_negative_numbers = true)]
     lengths: Vec<usize>,
     /// Sequences [default: 1; on cuda 4]
-    #[arg(long, value_parser = at_least_one)]
+    #[arg(long, allow_negative_numbers = true, value_parser = at_least_one)]
     batch: Option<usize>,
     /// Heads
-    #[arg(long, default_value_t = 12, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 12, allow_negative_numbers = true, value_parser = at_least_one)]
     heads: usize,
     /// Head dim
-    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true, value_parser = at_least_one)]
     head_dim: usize,
     /// Element type; the CPU methods take f32 [default: f32; on cuda bf16]
     #[arg(long, value_parser = parse_dtype)]
     dtype: Option<Dtype>,
     /// Timed runs after the warm-up; the median is reported
-    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 5, allow_negative_numbers = true, value_parser = at_least_one)]
     runs: usize,
     // [step 04]
     /// Time the forward and the backward together (pass fwd+bwd) instead of the forward
@@ -116,6 +118,12 @@ struct AttendFlags {
     /// v, of q's shape
     #[arg(long, value_name = "FILE.npy")]
     v: PathBuf,
+    // [step 03]
+    /// Element type of a GPU method: bf16 or f16; the CPU methods take f32 [default: f32; for
+    /// a GPU method bf16]
+    #[arg(long, value_parser = parse_dtype)]
+    dtype: Option<Dtype>,
+    // [/step 03]
     // [step 04]
     /// The output's gradient, of q's shape: asks for the backward too (dq, dk, dv)
     #[arg(long, value_name = "FILE.npy")]
@@ -231,12 +239,22 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
     let invalid = |cmd: &mut clap::Command, why: String| cmd.error(ErrorKind::ValueValidation, why);
     match cli.command {
         Some(Sub::Attend(a)) => {
-            methods::by_name(&a.method).map_err(|e| invalid(&mut cmd, format!("--method: {e}")))?;
+            let method = methods::by_name(&a.method)
+                .map_err(|e| invalid(&mut cmd, format!("--method: {e}")))?;
+            // [step 03]
+            if let Some(dtype) = a.dtype {
+                crate::attend::check_dtype(&method, dtype).map_err(|e| invalid(&mut cmd, e))?;
+            }
+            // [/step 03]
+            let _ = method;
             Ok(Command::Attend(AttendArgs {
                 method: a.method,
                 q: a.q,
                 k: a.k,
                 v: a.v,
+                // [step 03]
+                dtype: a.dtype,
+                // [/step 03]
                 // [step 04]
                 dout: a.dout,
                 // [/step 04]
@@ -436,6 +454,8 @@ mod tests {
             ("--runs 0", "at least 1"),
             ("--lengths 1k", "whole number"),
             ("--lengths ,", "whole number"),
+            ("--lengths -5", "invalid value '-5' for '--lengths"),
+            ("--heads -1", "at least 1"),
             ("--methods ,", "method name"),
             ("--methods=", "method name"),
             ("--frobnicate", "unexpected argument '--frobnicate'"),
@@ -450,6 +470,16 @@ mod tests {
             ("--q q.npy", "unexpected argument '--q'"),
             ("--k k.npy", "unexpected argument '--k'"),
             ("--out /", "is a folder"),
+            // [step 03]
+            (
+                "attend --method naive --dtype bf16 --q a --k b --v c --out-dir d",
+                "method \"naive\" runs on cpu and computes in f32",
+            ),
+            (
+                "attend --method cuda_flash --dtype f32 --q a --k b --v c --out-dir d",
+                "computes in bf16 or f16",
+            ),
+            // [/step 03]
         ] {
             let err = parse_line(line).unwrap_err();
             let text = err.render().to_string();
@@ -457,6 +487,26 @@ mod tests {
             assert_eq!(err.exit_code(), EXIT_USAGE as i32, "{line}");
         }
     }
+
+    // [step 03]
+    #[test]
+    fn attend_takes_a_dtype_for_the_gpu_methods() {
+        let attend = |line: &str| match parse_line(line).unwrap() {
+            Command::Attend(a) => a,
+            other => panic!("{line}: {other:?}"),
+        };
+        let files = "--q a --k b --v c --out-dir d";
+        let a = attend(&format!("attend --method cuda_flash --dtype f16 {files}"));
+        assert_eq!(a.dtype, Some(Dtype::F16));
+        // no --dtype: the method's own default (bf16 on the GPU, f32 on the CPU)
+        assert_eq!(
+            attend(&format!("attend --method cuda_flash {files}")).dtype,
+            None
+        );
+        let a = attend(&format!("attend --method naive --dtype f32 {files}"));
+        assert_eq!(a.dtype, Some(Dtype::F32));
+    }
+    // [/step 03]
 
     #[test]
     fn help_lists_the_methods() {

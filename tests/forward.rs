@@ -53,6 +53,59 @@ fn every_method_rejects_mismatched_shapes_and_zero_head_dim() {
     }
 }
 
+/// Every method, CPU and GPU alike (a GPU method checks its input before it opens the
+/// device), refuses a NaN or an infinity with the tensor and the first position; a non-finite
+/// value is never computed with, so no answer depends on a method's block size.
+#[test]
+fn every_method_refuses_non_finite_input_naming_the_tensor_and_position() {
+    use flash_core::AttnError;
+    let shape = flash_core::Shape::new(2, 3, 17, 8);
+    for (tensor, at, value, says) in [
+        (0, [0, 1, 5, 2], f32::NAN, "q[0, 1, 5, 2] is NaN"),
+        (2, [1, 2, 10, 7], f32::INFINITY, "v[1, 2, 10, 7] is inf"),
+        (1, [1, 0, 0, 0], f32::NAN, "k[1, 0, 0, 0] is NaN"),
+    ] {
+        let mut qkv = random_qkv(shape, 8);
+        qkv[tensor][at] = value;
+        // a second bad value further on: the first is the one named
+        qkv[tensor][[1, 2, 16, 7]] = f32::NEG_INFINITY;
+        let [q, k, v] = &qkv;
+        for m in methods::all() {
+            match (m.forward)(q.view(), k.view(), v.view()) {
+                Err(e @ AttnError::NonFinite { .. }) => {
+                    let e = e.to_string();
+                    assert!(
+                        e.contains(says) && e.contains("non-finite"),
+                        "{}: {e}",
+                        m.name
+                    );
+                }
+                other => panic!("{}: {says}: expected NonFinite, got {other:?}", m.name),
+            }
+        }
+    }
+    // [step 04]
+    // every backward refuses a NaN in the output's gradient the same way
+    let [q, k, v] = random_qkv(shape, 9);
+    let fwd = step01_naive::attention(q.view(), k.view(), v.view()).unwrap();
+    let mut dout = random_qkv(shape, 10)[0].clone();
+    dout[[0, 2, 9, 3]] = f32::NAN;
+    for m in methods::all() {
+        let Some(backward) = m.backward else { continue };
+        match backward(q.view(), k.view(), v.view(), &fwd, dout.view()) {
+            Err(AttnError::NonFinite { what }) => {
+                assert!(
+                    what.contains("dout[0, 2, 9, 3] is NaN"),
+                    "{}: {what}",
+                    m.name
+                )
+            }
+            other => panic!("{} backward: expected NonFinite, got {other:?}", m.name),
+        }
+    }
+    // [/step 04]
+}
+
 #[test]
 fn every_cpu_method_returns_an_empty_output_for_empty_input() {
     use ndarray::Array4;

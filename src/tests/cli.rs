@@ -226,3 +226,228 @@ fn attend_round_trip_matches_the_in_process_result_exactly() {
     assert!(stderr.contains("--q"), "{stderr}");
     fs::remove_dir_all(dir).unwrap();
 }
+
+/// One mistake a user can make, and what the binary must answer.
+struct BadInput {
+    args: Vec<String>,
+    /// The exit status: 2 for an argument error, 1 for a failure after parsing.
+    status: i32,
+    /// What the message must say: the problem, by name.
+    says: &'static str,
+}
+
+fn bad(args: &[&str], status: i32, says: &'static str) -> BadInput {
+    BadInput {
+        args: args.iter().map(|a| a.to_string()).collect(),
+        status,
+        says,
+    }
+}
+
+/// Runs each case and checks: the expected non-zero status (never 101, a panic), a message
+/// naming the problem, and nothing written where the results would have gone.
+fn check_bad_inputs(cases: Vec<BadInput>, outputs: &[&Path]) {
+    for case in cases {
+        let o = Command::new(binary())
+            .args(&case.args)
+            .output()
+            .expect("the benchmark binary runs");
+        let (stdout, stderr) = text(&o);
+        let args = case.args.join(" ");
+        assert_ne!(o.status.code(), Some(101), "{args}: a panic\n{stderr}");
+        assert_eq!(
+            o.status.code(),
+            Some(case.status),
+            "{args}\n{stdout}\n{stderr}"
+        );
+        assert!(
+            stderr.contains(case.says),
+            "{args}: expected {:?} in\n{stderr}",
+            case.says
+        );
+        for path in outputs {
+            assert!(!path.exists(), "{args}: wrote {}", path.display());
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_are_refused_with_status_2_and_nothing_written() {
+    let dir = temp_dir("bad-args");
+    let out = dir.join("rows.json");
+    let out_flag = out.to_str().unwrap();
+    let mut cases = Vec::new();
+    for (args, says) in [
+        (vec!["--lengths", "0"], "at least 1"),
+        (vec!["--lengths", "-5"], "invalid value '-5' for '--lengths"),
+        (vec!["--lengths", "abc"], "invalid value 'abc'"),
+        (vec!["--lengths", ","], "a whole number of at least 1"),
+        (vec!["--methods", ""], "a method name"),
+        (vec!["--methods", "nope"], "no method named \"nope\""),
+        (vec!["--frobnicate"], "unexpected argument '--frobnicate'"),
+        (
+            vec!["--frobnicate", "3"],
+            "unexpected argument '--frobnicate'",
+        ),
+        (
+            vec!["--batch", "18446744073709551615"],
+            "more values than this machine can address",
+        ),
+        (
+            vec!["--lengths", "4294967296", "--heads", "4294967296"],
+            "more values than this machine can address",
+        ),
+        (vec!["--q", "q.npy"], "unexpected argument '--q'"),
+        (vec!["--k", "k.npy"], "unexpected argument '--k'"),
+        (vec!["--v", "v.npy"], "unexpected argument '--v'"),
+        // [step 04]
+        (vec!["--dout", "dout.npy"], "unexpected argument '--dout'"),
+        // [/step 04]
+    ] {
+        let mut args = args;
+        args.extend(["--out", out_flag]);
+        cases.push(bad(&args, 2, says));
+    }
+    // --out itself: a folder, and a file under a folder that cannot be made
+    cases.push(bad(&["--out", "/tmp"], 2, "is a folder"));
+    cases.push(bad(
+        &["--out", "/proc/x/y.json"],
+        2,
+        "cannot make its folder /proc/x",
+    ));
+    check_bad_inputs(cases, &[&out, Path::new("/proc/x")]);
+    fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn attend_refuses_a_missing_file_and_a_nan_and_writes_nothing() {
+    let dir = temp_dir("attend-bad");
+    let shape = Shape::new(1, 2, 8, 4);
+    let [mut q, k, v] = random_qkv(shape, 3);
+    q[[0, 1, 3, 2]] = f32::NAN;
+    for (name, x) in [("q_nan", &q), ("k", &k), ("v", &v)] {
+        npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
+    }
+    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let out_dir = dir.join("out");
+    let attend = |q: &str| {
+        let (q, k, v, out) = (p(q), p("k.npy"), p("v.npy"), p("out"));
+        [
+            "attend",
+            "--method",
+            "naive",
+            "--q",
+            &q,
+            "--k",
+            &k,
+            "--v",
+            &v,
+            "--out-dir",
+            &out,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let cases = vec![
+        BadInput {
+            args: attend("missing.npy"),
+            status: 1,
+            says: "missing.npy: cannot read",
+        },
+        // a NaN is refused before any work: the message names the tensor and the position
+        BadInput {
+            args: attend("q_nan.npy"),
+            status: 1,
+            says: "non-finite input: q[0, 1, 3, 2] is NaN",
+        },
+        // attend's flags are the benchmark's argument errors too
+        BadInput {
+            args: ["attend", "--method", "naive", "--q", &p("k.npy")]
+                .map(String::from)
+                .to_vec(),
+            status: 2,
+            says: "--k",
+        },
+    ];
+    check_bad_inputs(cases, &[&out_dir.join("out.npy"), &out_dir]);
+    fs::remove_dir_all(dir).unwrap();
+}
+
+// [step 02]
+#[test]
+fn inputs_larger_than_memory_are_an_out_of_memory_row_not_a_crash() {
+    // 100000 heads of 4096 tokens: 105 GB for each of q, k and v
+    let dir = temp_dir("huge");
+    let out = dir.join("rows.json");
+    let started = std::time::Instant::now();
+    let o = run(&[
+        "--heads",
+        "100000",
+        "--lengths",
+        "4096",
+        "--methods",
+        "online",
+        "--runs",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let (stdout, stderr) = text(&o);
+    assert_eq!(o.status.code(), Some(3), "{stdout}\n{stderr}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("online "))
+        .unwrap_or_else(|| panic!("no row in\n{stdout}"));
+    assert!(line.contains("out of memory"), "{line}");
+    assert!(
+        started.elapsed().as_secs() < 30,
+        "took {:?}",
+        started.elapsed()
+    );
+    // the row is kept, with its reason
+    let rows = row::from_json(&fs::read_to_string(&out).unwrap(), "rows.json").unwrap();
+    assert!(rows[0].error.as_deref().unwrap().contains("out of memory"));
+    fs::remove_dir_all(dir).unwrap();
+}
+// [/step 02]
+
+// [step 03]
+/// `attend --dtype f16` on a GPU method computes in f16: the result is the method's own in
+/// f16, bit for bit, and differs from its bf16 result.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attend_on_the_gpu_computes_in_the_dtype_asked_for() {
+    let dir = temp_dir("attend-f16");
+    let shape = Shape::new(1, 2, 130, 64);
+    let [q, k, v] = random_qkv(shape, 12);
+    for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
+        npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
+    }
+    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let o = run(&[
+        "attend",
+        "--method",
+        "cuda_flash",
+        "--dtype",
+        "f16",
+        "--q",
+        &p("q.npy"),
+        "--k",
+        &p("k.npy"),
+        "--v",
+        &p("v.npy"),
+        "--out-dir",
+        &p("out"),
+    ]);
+    let (stdout, stderr) = text(&o);
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    let out = npy::read_f32_4d(&dir.join("out/out.npy")).unwrap();
+    let f16 =
+        step03_cuda_forward::methods::flash_forward_dtype(q.view(), k.view(), v.view(), Dtype::F16)
+            .unwrap();
+    let bf16 = step03_cuda_forward::methods::flash_forward(q.view(), k.view(), v.view()).unwrap();
+    assert_eq!(out, f16.out);
+    assert_ne!(out, bf16.out);
+    fs::remove_dir_all(dir).unwrap();
+}
+// [/step 03]

@@ -156,6 +156,7 @@ pub enum AttnError {
     /// its position.
     NonFinite { what: String },
     /// Allocating `bytes` failed: the input is too large for this method on this machine.
+    /// `bytes` is 0 when the allocator did not say how much was asked for (a GPU driver).
     OutOfMemory { what: String, bytes: u128 },
     /// No usable device, or the device failed (no GPU, no NVRTC, a failed compile or launch).
     Device { what: String },
@@ -185,6 +186,10 @@ impl fmt::Display for AttnError {
             AttnError::NonFinite { what } => write!(
                 f,
                 "non-finite input: {what}; every value of q, k, v (and dout) must be a finite number"
+            ),
+            AttnError::OutOfMemory { what, bytes: 0 } => write!(
+                f,
+                "out of memory: {what}: the device said out of memory; try fewer tokens, sequences or heads, or a method that keeps no T×T table"
             ),
             AttnError::OutOfMemory { what, bytes } => write!(
                 f,

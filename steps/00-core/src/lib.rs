@@ -27,6 +27,9 @@ pub mod timing;
 
 pub use check::{AttnError, Pass, Shape, check_finite, check_qkv, check_same, try_zeros};
 pub use method::{Device, Dtype, ForwardFn, Method};
+// [step 03]
+pub use method::ForwardDtypeFn;
+// [/step 03]
 pub use row::Row;
 
 use ndarray::{Array3, Array4};

@@ -105,6 +105,13 @@ impl fmt::Display for Dtype {
 pub type ForwardFn =
     fn(ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>) -> Result<Attention, AttnError>;
 
+// [step 03]
+/// A forward that computes in the element type it is given (a GPU method: bf16 or f16), on
+/// `f32` host arrays: the inputs are rounded to it, the output widened back.
+pub type ForwardDtypeFn =
+    fn(ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>, Dtype) -> Result<Attention, AttnError>;
+// [/step 03]
+
 // [step 04]
 /// The gradients of a scalar loss with respect to q, k and v, each `[batch, heads, tokens,
 /// head_dim]` like the input it belongs to.
@@ -135,6 +142,16 @@ pub type BackwardFn = fn(
     ArrayView4<f32>,
     &Attention,
     ArrayView4<f32>,
+) -> Result<Grads, AttnError>;
+
+/// [`BackwardFn`] in the element type it is given, like [`ForwardDtypeFn`].
+pub type BackwardDtypeFn = fn(
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    &Attention,
+    ArrayView4<f32>,
+    Dtype,
 ) -> Result<Grads, AttnError>;
 // [/step 04]
 
@@ -202,6 +219,10 @@ pub struct Method {
     // [step 03]
     /// For GPU methods: how the benchmark prepares the forward on the device and times it.
     pub gpu: Option<DeviceHooks>,
+    /// For methods that compute in more than one element type: [`Method::forward`] in the
+    /// one asked for (what `attend --dtype` calls); `forward` is this in the first of
+    /// [`Method::dtypes`].
+    pub forward_dtype: Option<ForwardDtypeFn>,
     // [/step 03]
     // [step 04]
     /// The backward pass on host arrays, for methods that have one.
@@ -209,6 +230,8 @@ pub struct Method {
     /// For GPU methods with a backward: the forward and the backward prepared and timed
     /// together on the device.
     pub gpu_backward: Option<DeviceHooks>,
+    /// The backward in the element type asked for, as `forward_dtype` is the forward.
+    pub backward_dtype: Option<BackwardDtypeFn>,
     // [/step 04]
 }
 
@@ -230,10 +253,12 @@ impl Method {
             implementation: None,
             // [step 03]
             gpu: None,
+            forward_dtype: None,
             // [/step 03]
             // [step 04]
             backward: None,
             gpu_backward: None,
+            backward_dtype: None,
             // [/step 04]
         }
     }
@@ -247,6 +272,21 @@ impl Method {
     pub const fn with_gpu(mut self, gpu: DeviceHooks) -> Method {
         self.gpu = Some(gpu);
         self
+    }
+
+    pub const fn with_dtype(mut self, forward_dtype: ForwardDtypeFn) -> Method {
+        self.forward_dtype = Some(forward_dtype);
+        self
+    }
+
+    /// The element types the method computes in, its default first: f32 on the CPU, bf16
+    /// and f16 for a GPU method that takes either.
+    pub fn dtypes(&self) -> &'static [Dtype] {
+        match (self.forward_dtype, self.device) {
+            (Some(_), _) => &[Dtype::Bf16, Dtype::F16],
+            (None, Device::Cpu) => &[Dtype::F32],
+            (None, Device::Cuda) => &[Dtype::Bf16],
+        }
     }
     // [/step 03]
 

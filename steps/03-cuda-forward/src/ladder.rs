@@ -270,9 +270,9 @@ impl Gpu {
             || rung.compile(q.dtype, shape.head_dim, self.arch),
         )?;
         // one block per block_m queries of each head, head after head
-        let blocks = shape.tokens.div_ceil(block_m) * shape.batch * shape.heads;
+        let blocks = crate::grid_blocks(shape, block_m)?;
         let config = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
+            grid_dim: (blocks, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };

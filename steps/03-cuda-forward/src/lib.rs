@@ -100,12 +100,18 @@ pub struct Gpu {
     blas: OnceLock<Result<cudarc::cublas::CudaBlas, AttnError>>,
 }
 
-/// Turns a driver error into an [`AttnError`], out-of-memory as such.
+/// Turns a driver error into an [`AttnError`], out-of-memory as such (with no size: the
+/// driver does not say how much was asked for; [`alloc_error`] gives it where it is known).
 pub fn device_error(what: &str) -> impl Fn(DriverError) -> AttnError + '_ {
+    alloc_error(what, 0)
+}
+
+/// [`device_error`] for an allocation of `bytes`, which an out-of-memory error then names.
+pub fn alloc_error(what: &str, bytes: u128) -> impl Fn(DriverError) -> AttnError + '_ {
     move |e| match e.0 {
         CUresult::CUDA_ERROR_OUT_OF_MEMORY => AttnError::OutOfMemory {
             what: what.to_string(),
-            bytes: 0,
+            bytes,
         },
         _ => AttnError::Device {
             what: format!("{what}: {e}"),
@@ -132,12 +138,14 @@ impl Gpu {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(device_error("reading the compute capability"))?;
+        // each 8.x its own sm_8x (an 8.x NVRTC has no name for compiles for sm_80, which
+        // every 8.x runs); 9.x and newer sm_90, which they run through the PTX's JIT
         let arch = match (major, minor) {
-            (9, 0) => "sm_90",
-            (8, 0) => "sm_80",
             (8, 6) => "sm_86",
+            (8, 7) => "sm_87",
             (8, 9) => "sm_89",
-            (m, _) if m >= 10 => "sm_90",
+            (8, _) => "sm_80",
+            (m, _) if m >= 9 => "sm_90",
             _ => {
                 return Err(AttnError::Device {
                     what: format!(
@@ -392,7 +400,7 @@ impl Gpu {
         let data = self
             .stream
             .clone_htod(&bits)
-            .map_err(device_error("copying to the GPU"))?;
+            .map_err(alloc_error("copying to the GPU", bits.len() as u128 * 2))?;
         Ok(DeviceTensor {
             data,
             shape: Shape::new(b, h, t, d),
@@ -415,11 +423,15 @@ impl Gpu {
         let out = self
             .stream
             .alloc_zeros::<u16>(shape.len())
-            .map_err(device_error("allocating the output"))?;
+            .map_err(alloc_error(
+                "allocating the output",
+                shape.len() as u128 * 2,
+            ))?;
+        let rows = shape.batch * shape.heads * shape.tokens;
         let lse = self
             .stream
-            .alloc_zeros::<f32>(shape.batch * shape.heads * shape.tokens)
-            .map_err(device_error("allocating the log-sum-exp"))?;
+            .alloc_zeros::<f32>(rows)
+            .map_err(alloc_error("allocating the log-sum-exp", rows as u128 * 4))?;
         Ok(DeviceAttention {
             out: DeviceTensor {
                 data: out,
@@ -476,9 +488,9 @@ impl Gpu {
         }
         let f = self.forward_kernel(q.dtype, shape.head_dim, config)?;
         let heads = shape.batch * shape.heads;
-        let blocks = shape.tokens.div_ceil(config.block_m()) * heads;
+        let blocks = grid_blocks(shape, config.block_m())?;
         let launch_config = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
+            grid_dim: (blocks, 1, 1),
             block_dim: (config.threads(), 1, 1),
             shared_mem_bytes: config.smem_bytes(shape.head_dim),
         };
@@ -637,14 +649,57 @@ pub fn check_device(
             });
         }
     }
-    if shape.tokens.div_ceil(64) * shape.batch * shape.heads > i32::MAX as usize
-        || shape.tokens > i32::MAX as usize / 2
-    {
-        return Err(AttnError::Unsupported {
-            what: format!(
-                "{shape}: the kernel takes at most 2^31 blocks of 64 queries (sequences × heads × tokens / 64) and 2^30 tokens"
-            ),
-        });
-    }
+    grid_blocks(shape, ForwardConfig::for_head_dim(shape.head_dim).block_m())?;
     Ok(shape)
+}
+
+/// The thread blocks of a forward grid, one per `block_m` queries of each head, if the grid
+/// can take them: at most 2^31 − 1 blocks (a grid's x dimension), and at most 2^30 tokens
+/// (the kernels index rows with 32-bit integers).
+pub fn grid_blocks(shape: Shape, block_m: usize) -> Result<u32, AttnError> {
+    let blocks = shape
+        .tokens
+        .div_ceil(block_m)
+        .checked_mul(shape.batch)
+        .and_then(|n| n.checked_mul(shape.heads))
+        .filter(|&n| n <= i32::MAX as usize && shape.tokens <= 1 << 30);
+    blocks.map(|n| n as u32).ok_or_else(|| AttnError::Unsupported {
+        what: format!(
+            "{shape}: the kernel takes at most 2^31 - 1 blocks of {block_m} queries (sequences × heads × tokens / {block_m}) and 2^30 tokens"
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_limits_name_the_block_the_kernel_uses() {
+        let block_m = ForwardConfig::for_head_dim(64).block_m();
+        assert_eq!(
+            grid_blocks(Shape::new(4, 12, 1000, 64), block_m),
+            Ok(4 * 12 * 8)
+        );
+        let huge = Shape::new(1 << 20, 1 << 20, 1024, 64);
+        let err = grid_blocks(huge, block_m).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("blocks of {block_m} queries")),
+            "{err}"
+        );
+        assert!(grid_blocks(Shape::new(1, 1, (1 << 30) + 1, 64), block_m).is_err());
+    }
+
+    #[test]
+    fn an_out_of_memory_without_a_size_says_so() {
+        let e = AttnError::OutOfMemory {
+            what: "launching flash_forward".into(),
+            bytes: 0,
+        }
+        .to_string();
+        assert!(
+            e.contains("the device said out of memory") && !e.contains("MB"),
+            "{e}"
+        );
+    }
 }

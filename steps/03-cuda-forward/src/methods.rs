@@ -21,6 +21,7 @@ pub fn methods() -> Vec<Method> {
             "ladder rung 1: one thread per query row, keys and values read from global memory, f32 arithmetic",
             ladder_forward::<0>,
         )
+        .with_dtype(ladder_forward_dtype::<0>)
         .with_gpu(LADDER_HOOKS[0]),
         Method::new(
             "cuda_shared",
@@ -29,6 +30,7 @@ pub fn methods() -> Vec<Method> {
             "ladder rung 2: rung 1 with keys and values staged through shared memory a block at a time",
             ladder_forward::<1>,
         )
+        .with_dtype(ladder_forward_dtype::<1>)
         .with_gpu(LADDER_HOOKS[1]),
         Method::new(
             "cuda_mma_sync_loads",
@@ -37,6 +39,7 @@ pub fn methods() -> Vec<Method> {
             "ladder rung 3: tensor cores (mma.sync, ldmatrix, swizzle) with synchronous loads, blocks in grid order",
             ladder_forward::<2>,
         )
+        .with_dtype(ladder_forward_dtype::<2>)
         .with_gpu(LADDER_HOOKS[2]),
         Method::new(
             "cuda_naive",
@@ -45,6 +48,7 @@ pub fn methods() -> Vec<Method> {
             "attention by hand on the GPU: cuBLAS products and a softmax kernel through the whole [b·h, T, T] table in device memory",
             naive_forward,
         )
+        .with_dtype(naive_forward_dtype)
         .with_gpu(NAIVE_HOOKS),
         Method::new(
             "cuda_flash",
@@ -53,6 +57,7 @@ pub fn methods() -> Vec<Method> {
             "the FlashAttention forward kernel: tensor cores (mma.sync), keys and values streamed through shared memory, no T×T table",
             flash_forward,
         )
+        .with_dtype(flash_forward_dtype)
         .with_implementation(flash_implementation)
         .with_gpu(FLASH_HOOKS),
     ]
@@ -69,9 +74,20 @@ pub fn flash_forward(
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
 ) -> Result<Attention, AttnError> {
-    // bad shapes are refused the same way with or without a GPU
+    flash_forward_dtype(q, k, v, Dtype::Bf16)
+}
+
+/// [`flash_forward`] in bf16 or f16.
+pub fn flash_forward_dtype(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<Attention, AttnError> {
+    // bad shapes and dtypes are refused the same way with or without a GPU
     check_qkv(&q, &k, &v)?;
-    Gpu::shared()?.attention(q, k, v, Dtype::Bf16)
+    let dtype = half_dtype(dtype)?;
+    Gpu::shared()?.attention(q, k, v, dtype)
 }
 
 /// A rung of the ladder (`Rung::ALL[R]`) on host arrays, in bf16.
@@ -80,8 +96,19 @@ pub fn ladder_forward<const R: usize>(
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
 ) -> Result<Attention, AttnError> {
+    ladder_forward_dtype::<R>(q, k, v, Dtype::Bf16)
+}
+
+/// [`ladder_forward`] in bf16 or f16.
+pub fn ladder_forward_dtype<const R: usize>(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<Attention, AttnError> {
     check_qkv(&q, &k, &v)?;
-    Gpu::shared()?.ladder_attention(Rung::ALL[R], q, k, v, Dtype::Bf16)
+    let dtype = half_dtype(dtype)?;
+    Gpu::shared()?.ladder_attention(Rung::ALL[R], q, k, v, dtype)
 }
 
 /// Attention by hand on the GPU on host arrays, in bf16: cuBLAS, the whole table, a softmax
@@ -91,8 +118,19 @@ pub fn naive_forward(
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
 ) -> Result<Attention, AttnError> {
+    naive_forward_dtype(q, k, v, Dtype::Bf16)
+}
+
+/// [`naive_forward`] in bf16 or f16.
+pub fn naive_forward_dtype(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<Attention, AttnError> {
     check_qkv(&q, &k, &v)?;
-    Gpu::shared()?.attention_by_hand(q, k, v, Dtype::Bf16)
+    let dtype = half_dtype(dtype)?;
+    Gpu::shared()?.attention_by_hand(q, k, v, dtype)
 }
 
 /// What `cuda_flash` runs: the kernel, its tiles for head dim 64, how it loads.

@@ -20,6 +20,11 @@ pub const FLASH_BACKWARD_CU: &str = include_str!("../kernels/flash_backward.cu")
 /// The head dims the backward kernels are compiled for (a warp's 32 rows of two operands and
 /// of two gradients must fit in its registers).
 pub const HEAD_DIMS: [usize; 2] = [32, 64];
+
+/// [`HEAD_DIMS`] as error messages list them.
+fn supported_head_dims() -> String {
+    HEAD_DIMS.map(|d| d.to_string()).join(", ")
+}
 /// Rows (keys or queries) per thread block (`BLOCK_ROWS` in the source).
 pub const BLOCK: usize = 128;
 
@@ -140,7 +145,7 @@ pub fn compile_backward(
     if !HEAD_DIMS.contains(&head_dim) {
         return Err(AttnError::UnsupportedHeadDim {
             head_dim,
-            supported: "32, 64".into(),
+            supported: supported_head_dims(),
         });
     }
     config.check()?;
@@ -256,7 +261,7 @@ pub fn backward_marked(
     if !HEAD_DIMS.contains(&shape.head_dim) {
         return Err(AttnError::UnsupportedHeadDim {
             head_dim: shape.head_dim,
-            supported: "32, 64".into(),
+            supported: supported_head_dims(),
         });
     }
     config.check()?;
@@ -264,7 +269,8 @@ pub fn backward_marked(
     if shape.tokens.div_ceil(BLOCK) > 65_535 || shape.batch * shape.heads > i32::MAX as usize {
         return Err(AttnError::Unsupported {
             what: format!(
-                "{shape}: the backward kernels take at most 65,535 blocks of {BLOCK} tokens (8,388,480 tokens) and 2^31 sequences × heads"
+                "{shape}: the backward kernels take at most 65,535 blocks of {BLOCK} tokens ({} tokens) and 2^31 sequences × heads",
+                65_535 * BLOCK
             ),
         });
     }
@@ -313,8 +319,15 @@ pub fn backward_marked(
             .arg(&dout.data)
             .arg(&mut delta)
             .arg(&rows_i);
+        // 8 rows a block of 256 threads (a warp a row)
+        let delta_blocks =
+            u32::try_from(rows.div_ceil(8)).map_err(|_| AttnError::Unsupported {
+                what: format!(
+                    "{shape}: backward_delta takes at most 2^32 - 1 blocks of 8 rows (sequences × heads × tokens / 8)"
+                ),
+            })?;
         let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(8) as u32, 1, 1),
+            grid_dim: (delta_blocks, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -11,22 +11,38 @@ use step03_cuda_forward::methods::{describe, prepare_inputs};
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Gpu, device_error};
 
 use crate::{BackwardFn, Grads, check_backward, cuda};
+use flash_core::method::BackwardDtypeFn;
+
+/// A method's backward: on host arrays, in the element type asked for where it takes one,
+/// and prepared on the device for the benchmark.
+type Backwards = (
+    &'static str,
+    BackwardFn,
+    Option<BackwardDtypeFn>,
+    Option<DeviceHooks>,
+);
 
 /// Which backward goes with which method of the earlier steps.
-const BACKWARDS: &[(&str, BackwardFn, Option<DeviceHooks>)] = &[
+const BACKWARDS: &[Backwards] = &[
     // the tables P and dP, [b, h, T, T] each
-    ("naive", crate::backward_by_hand, None),
+    ("naive", crate::backward_by_hand, None, None),
     // P rebuilt from the log-sum-exp a block at a time
-    ("online", crate::backward, None),
+    ("online", crate::backward, None, None),
     // δ, then dK and dV per block of keys, then dQ per block of queries
-    ("cuda_flash", flash_backward, Some(FLASH_HOOKS)),
+    (
+        "cuda_flash",
+        flash_backward,
+        Some(flash_backward_dtype),
+        Some(FLASH_HOOKS),
+    ),
 ];
 
 /// Gives each method of `methods` that has a backward in this step its backward.
 pub fn add_backwards(methods: &mut [Method]) {
     for m in methods.iter_mut() {
-        if let Some(&(_, host, gpu)) = BACKWARDS.iter().find(|(name, ..)| *name == m.name) {
+        if let Some(&(_, host, dtype, gpu)) = BACKWARDS.iter().find(|(name, ..)| *name == m.name) {
             m.backward = Some(host);
+            m.backward_dtype = dtype;
             m.gpu_backward = gpu;
         }
     }
@@ -40,12 +56,25 @@ pub fn flash_backward(
     fwd: &Attention,
     dout: ArrayView4<f32>,
 ) -> Result<Grads, AttnError> {
+    flash_backward_dtype(q, k, v, fwd, dout, Dtype::Bf16)
+}
+
+/// [`flash_backward`] in bf16 or f16.
+pub fn flash_backward_dtype(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    fwd: &Attention,
+    dout: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<Grads, AttnError> {
     let shape = check_backward(&q, &k, &v, fwd, &dout)?;
+    let dtype = step03_cuda_forward::half_dtype(dtype)?;
     let gpu = Gpu::shared()?;
     if shape.is_empty() {
         return Ok(Grads::zeros(shape));
     }
-    let up = |x: ArrayView4<f32>| gpu.upload(x, Dtype::Bf16);
+    let up = |x: ArrayView4<f32>| gpu.upload(x, dtype);
     let (q, k, v, dout) = (up(q)?, up(k)?, up(v)?, up(dout)?);
     let lse_host = fwd.lse.as_standard_layout();
     let lse = gpu
