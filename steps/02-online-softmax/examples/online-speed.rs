@@ -46,7 +46,11 @@ fn cpu_seconds() -> f64 {
 /// cores used on average over them.
 fn median_ms(runs: usize, f: &dyn Fn()) -> (f64, f64) {
     let (cpu0, wall0) = (cpu_seconds(), Instant::now());
-    let ms = cpu_median_ms(Warmup::Calls(1), runs, || Ok::<_, ()>(f())).expect("no errors");
+    let ms = cpu_median_ms(Warmup::Calls(1), runs, || {
+        f();
+        Ok::<_, ()>(())
+    })
+    .expect("no errors");
     let cores = (cpu_seconds() - cpu0) / wall0.elapsed().as_secs_f64();
     (ms, cores)
 }
