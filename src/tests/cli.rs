@@ -451,3 +451,36 @@ fn attend_on_the_gpu_computes_in_the_dtype_asked_for() {
     fs::remove_dir_all(dir).unwrap();
 }
 // [/step 03]
+
+// [step 05]
+/// What the book shows as "run this, you will see this": each file under `book/src/output/` is
+/// a command on its first line and what it prints after it, and must be what the binary prints
+/// now. `UPDATE_BOOK_OUTPUT=1` writes them instead of comparing.
+#[test]
+fn the_book_shows_what_the_binary_prints() {
+    let update = "UPDATE_BOOK_OUTPUT=1 cargo test -p flash-attention --test cli the_book_shows";
+    for (name, args) in [
+        ("bench-help.txt", &["--help"][..]),
+        ("attend-help.txt", &["attend", "--help"][..]),
+    ] {
+        let o = run(args);
+        let (stdout, stderr) = text(&o);
+        assert!(o.status.success(), "{args:?}: {stderr}");
+        let shown = format!("$ cargo run --release -- {}\n{stdout}", args.join(" "));
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("book/src/output");
+        let dir = if dir.is_dir() { dir } else { PathBuf::from("book/src/output") };
+        let path = dir.join(name);
+        if std::env::var_os("UPDATE_BOOK_OUTPUT").is_some() {
+            fs::create_dir_all(&dir).unwrap();
+            fs::write(&path, &shown).unwrap();
+            continue;
+        }
+        let committed = fs::read_to_string(&path).unwrap_or_default();
+        assert!(
+            committed == shown,
+            "book/src/output/{name} differs from what the binary prints now: \
+             run `{update}` to update book/src/output/{name}\n--- now:\n{shown}"
+        );
+    }
+}
+// [/step 05]

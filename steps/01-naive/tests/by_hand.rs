@@ -6,6 +6,7 @@ use flash_core::{AttnError, Shape};
 use ndarray::Array4;
 use step01_naive::attention;
 
+// ANCHOR: against_reference
 #[test]
 fn matches_the_f64_reference() {
     for tokens in [1, 100, 256, 1000] {
@@ -21,6 +22,7 @@ fn matches_the_f64_reference() {
         );
     }
 }
+// ANCHOR_END: against_reference
 
 #[test]
 fn the_reference_is_the_textbook_formula_on_a_tiny_case() {

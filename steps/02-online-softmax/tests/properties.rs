@@ -31,6 +31,7 @@ fn close_to_step_01(got: &Attention, naive: &Attention) -> Result<(), TestCaseEr
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
+    // ANCHOR: any_block_size
     /// Any block size, 1 to past the sequence's end, partial blocks included, gives step 01's
     /// answer: the correction factor makes the blocking invisible.
     #[test]
@@ -40,6 +41,7 @@ proptest! {
         let got = attention_blocked(q.view(), k.view(), v.view(), block).unwrap();
         close_to_step_01(&got, &naive)?;
     }
+    // ANCHOR_END: any_block_size
 
     /// The same for the fast version's query and key blocks, in every instruction set.
     #[test]

@@ -54,6 +54,7 @@ fn rung_method(rung: Rung) -> impl HostFn {
     move |gpu: &Gpu, q, k, v, dtype| gpu.ladder_attention(rung, q, k, v, dtype)
 }
 
+// ANCHOR: check_method
 fn check_method(
     gpu: &Gpu,
     shape: Shape,
@@ -96,6 +97,7 @@ fn check_method(
         dtype.name()
     );
 }
+// ANCHOR_END: check_method
 
 #[test]
 #[ignore = "needs a CUDA GPU"]

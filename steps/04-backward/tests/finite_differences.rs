@@ -31,6 +31,7 @@ fn loss(qkv: &[Array4<f64>; 3], dout: &Array4<f64>) -> f64 {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
+    // ANCHOR: finite_differences
     #[test]
     fn the_reference_matches_central_differences((shape, seed) in small_shapes()) {
         let qkv = random_qkv(shape, seed).map(|x| x.mapv(f64::from));
@@ -56,4 +57,5 @@ proptest! {
             }
         }
     }
+    // ANCHOR_END: finite_differences
 }
