@@ -468,7 +468,11 @@ fn the_book_shows_what_the_binary_prints() {
         assert!(o.status.success(), "{args:?}: {stderr}");
         let shown = format!("$ cargo run --release -- {}\n{stdout}", args.join(" "));
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("book/src/output");
-        let dir = if dir.is_dir() { dir } else { PathBuf::from("book/src/output") };
+        let dir = if dir.is_dir() {
+            dir
+        } else {
+            PathBuf::from("book/src/output")
+        };
         let path = dir.join(name);
         if std::env::var_os("UPDATE_BOOK_OUTPUT").is_some() {
             fs::create_dir_all(&dir).unwrap();
