@@ -4,43 +4,30 @@
 //! stream-ordered pool's high-water mark).
 
 use flash_core::inputs::random_qkv;
-use flash_core::method::{DeviceHooks, DeviceRun, DeviceRunSpec};
-use flash_core::{Attention, AttnError, Device, Dtype, Method, check_qkv};
+use flash_core::method::{DeviceHooks, DeviceRun, DeviceRunSpec, ForwardDtypeFn};
+use flash_core::{Attention, AttnError, Device, Dtype, ForwardFn, Method, check_qkv};
 use ndarray::ArrayView4;
 
 use crate::{DeviceAttention, DeviceTensor, ForwardConfig, Gpu, Rung, half_dtype};
 
 /// This step's methods, as the benchmark and the cross-step tests run them.
 pub fn methods() -> Vec<Method> {
-    vec![
-        // the ladder of kernels that leads to the FlashAttention kernel, rung by rung
+    // the ladder of kernels that leads to the FlashAttention kernel, rung by rung: each rung's
+    // name and description are the ladder's own (the last rung is cuda_flash, below)
+    let ladder = (0..3).map(|i| {
+        let rung = Rung::ALL[i];
         Method::new(
-            "cuda_rows",
+            rung.name(),
             "03-cuda-forward",
             Device::Cuda,
-            "ladder rung 1: one thread per query row, keys and values read from global memory, f32 arithmetic",
-            ladder_forward::<0>,
+            rung.describe(),
+            LADDER_FORWARD[i],
         )
-        .with_dtype(ladder_forward_dtype::<0>)
-        .with_gpu(LADDER_HOOKS[0]),
-        Method::new(
-            "cuda_shared",
-            "03-cuda-forward",
-            Device::Cuda,
-            "ladder rung 2: rung 1 with keys and values staged through shared memory a block at a time",
-            ladder_forward::<1>,
-        )
-        .with_dtype(ladder_forward_dtype::<1>)
-        .with_gpu(LADDER_HOOKS[1]),
-        Method::new(
-            "cuda_mma_sync_loads",
-            "03-cuda-forward",
-            Device::Cuda,
-            "ladder rung 3: tensor cores (mma.sync, ldmatrix, swizzle) with synchronous loads, blocks in grid order",
-            ladder_forward::<2>,
-        )
-        .with_dtype(ladder_forward_dtype::<2>)
-        .with_gpu(LADDER_HOOKS[2]),
+        .with_dtype(LADDER_FORWARD_DTYPE[i])
+        .with_gpu(LADDER_HOOKS[i])
+    });
+    ladder
+        .chain([
         Method::new(
             "cuda_naive",
             "03-cuda-forward",
@@ -60,8 +47,21 @@ pub fn methods() -> Vec<Method> {
         .with_dtype(flash_forward_dtype)
         .with_implementation(flash_implementation)
         .with_gpu(FLASH_HOOKS),
-    ]
+        ])
+        .collect()
 }
+
+/// Rungs 1 to 3 on host arrays, in bf16 and in the dtype asked for.
+const LADDER_FORWARD: [ForwardFn; 3] = [
+    ladder_forward::<0>,
+    ladder_forward::<1>,
+    ladder_forward::<2>,
+];
+const LADDER_FORWARD_DTYPE: [ForwardDtypeFn; 3] = [
+    ladder_forward_dtype::<0>,
+    ladder_forward_dtype::<1>,
+    ladder_forward_dtype::<2>,
+];
 
 /// One line about the GPU, for the benchmark's header.
 pub fn describe() -> Result<String, AttnError> {
