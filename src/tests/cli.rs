@@ -37,6 +37,15 @@ fn text(o: &Output) -> (String, String) {
     )
 }
 
+/// Seeded q, k and v of `shape`, also written to `dir` as q.npy, k.npy and v.npy.
+fn write_qkv(dir: &Path, shape: Shape, seed: u64) -> [ndarray::Array4<f32>; 3] {
+    let qkv = random_qkv(shape, seed);
+    for (name, x) in ["q", "k", "v"].iter().zip(&qkv) {
+        npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
+    }
+    qkv
+}
+
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("flash-cli-{name}-{}", std::process::id()));
     fs::create_dir_all(&dir).unwrap();
@@ -136,10 +145,7 @@ fn bad_flags_fail_with_what_is_accepted() {
 fn attend_round_trip_matches_the_in_process_result_exactly() {
     let dir = temp_dir("attend");
     let shape = Shape::new(1, 3, 130, 32);
-    let [q, k, v] = random_qkv(shape, 11);
-    for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
-        npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
-    }
+    let [q, k, v] = write_qkv(&dir, shape, 11);
     let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
     let o = run(&[
         "attend",
@@ -419,10 +425,7 @@ fn inputs_larger_than_memory_are_an_out_of_memory_row_not_a_crash() {
 fn attend_on_the_gpu_computes_in_the_dtype_asked_for() {
     let dir = temp_dir("attend-f16");
     let shape = Shape::new(1, 2, 130, 64);
-    let [q, k, v] = random_qkv(shape, 12);
-    for (name, x) in [("q", &q), ("k", &k), ("v", &v)] {
-        npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
-    }
+    let [q, k, v] = write_qkv(&dir, shape, 12);
     let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
     let o = run(&[
         "attend",

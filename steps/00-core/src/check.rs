@@ -57,6 +57,14 @@ impl Shape {
         1.0 / (self.head_dim as f64).sqrt()
     }
 
+    // [step 03]
+    /// `log2(e)/√d`, the scale the kernels take: scores in base-2 units, so the softmax can
+    /// call `exp2` (FlashAttention-2's `softmax_scale_log2`).
+    pub fn scale_log2(&self) -> f32 {
+        (std::f64::consts::LOG2_E / (self.head_dim as f64).sqrt()) as f32
+    }
+    // [/step 03]
+
     // ANCHOR: flops
     /// Floating-point operations of the causal forward pass as FlashAttention, Triton and the
     /// series this book follows count them: two products of `T·T·D` multiply-adds per head,

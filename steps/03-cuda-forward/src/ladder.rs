@@ -277,7 +277,7 @@ impl Gpu {
             shared_mem_bytes: smem,
         };
         let tokens = shape.tokens as i32;
-        let scale_log2 = (std::f64::consts::LOG2_E / (shape.head_dim as f64).sqrt()) as f32;
+        let scale_log2 = shape.scale_log2();
         let mut launch = self.stream.launch_builder(&f);
         launch
             .arg(&q.data)

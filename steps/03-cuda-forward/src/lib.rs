@@ -496,7 +496,7 @@ impl Gpu {
         };
         let (tokens, heads_arg) = (shape.tokens as i32, heads as i32);
         let head_group = config.head_group(heads) as i32;
-        let scale_log2 = (std::f64::consts::LOG2_E / (shape.head_dim as f64).sqrt()) as f32;
+        let scale_log2 = shape.scale_log2();
         let mut launch = self.stream.launch_builder(&f);
         launch
             .arg(&q.data)
