@@ -5,4 +5,5 @@
 //! the two products of attention once, on one 64×64 tile, to pin down the descriptors'
 //! encoding on the GPU at hand before the kernels rely on it.
 
+pub mod forward;
 pub mod probe;
