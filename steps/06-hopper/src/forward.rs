@@ -16,21 +16,64 @@ pub const HOPPER_FORWARD_CU: &str = include_str!("../kernels/hopper_forward.cu")
 pub const HOPPER_FORWARD: &str = "hopper_forward";
 /// The head dims it is compiled for.
 pub const HEAD_DIMS: [usize; 1] = [64];
-/// Consumer warpgroups per thread block (`WGS`), 64 query rows each.
-pub const WARPGROUPS: usize = 2;
-/// Queries per thread block (`BLOCK_M`).
-pub const BLOCK_M: usize = 64 * WARPGROUPS;
 /// Keys per step (`BLOCK_N`).
 pub const BLOCK_N: usize = 128;
-/// Buffers of keys and values in flight (`STAGES`).
-pub const STAGES: usize = 2;
-/// Threads per block: the consumer warpgroups and one producer warp.
-pub const THREADS: u32 = (128 * WARPGROUPS + 32) as u32;
 
-/// Dynamic shared memory for head dim `d`: q's tile and `STAGES` tiles of k and v, and room
-/// to align them on the swizzle's 1024 bytes.
-pub fn smem_bytes(d: usize) -> u32 {
-    ((BLOCK_M + 2 * STAGES * BLOCK_N) * d * 2 + 1024) as u32
+/// The thread block's shape, set at compile time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HopperConfig {
+    /// Consumer warpgroups per thread block (`WGS`), 64 query rows each.
+    pub warpgroups: usize,
+    /// Buffers of keys and values in flight (`STAGES`).
+    pub stages: usize,
+    /// Whether the next block's scores are computed while this block's softmax runs
+    /// (`OVERLAP`).
+    pub overlap: bool,
+}
+
+impl Default for HopperConfig {
+    fn default() -> Self {
+        HopperConfig {
+            warpgroups: 2,
+            stages: 2,
+            overlap: true,
+        }
+    }
+}
+
+impl HopperConfig {
+    /// Queries per thread block (`BLOCK_M`).
+    pub fn block_m(&self) -> usize {
+        64 * self.warpgroups
+    }
+
+    /// Threads per block: the consumer warpgroups and one producer warp.
+    pub fn threads(&self) -> u32 {
+        (128 * self.warpgroups + 32) as u32
+    }
+
+    /// Dynamic shared memory for head dim `d`: q's tile and `stages` tiles of k and v, and
+    /// room to align them on the swizzle's 1024 bytes.
+    pub fn smem_bytes(&self, d: usize) -> u32 {
+        ((self.block_m() + 2 * self.stages * BLOCK_N) * d * 2 + 1024) as u32
+    }
+
+    /// The default and the shapes `hopper-check` compares it with.
+    pub fn candidates() -> Vec<HopperConfig> {
+        let c = |warpgroups, stages, overlap| HopperConfig {
+            warpgroups,
+            stages,
+            overlap,
+        };
+        vec![
+            c(2, 2, true),
+            c(3, 2, true),
+            c(2, 3, true),
+            c(3, 3, true),
+            c(2, 2, false),
+            c(3, 2, false),
+        ]
+    }
 }
 
 /// The byte offsets of the shared-memory matrix descriptors (see `wgmma-probe`).
@@ -54,19 +97,27 @@ impl Default for Descriptors {
 }
 
 /// Compiles the kernel for `sm_90a` (the target with `wgmma`).
-pub fn compile(dtype: Dtype, desc: Descriptors) -> Result<Ptx, AttnError> {
+pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<Ptx, AttnError> {
     let options = CompileOptions {
         arch: Some("sm_90a"),
         options: vec![
             format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
-            format!("-DWGS={WARPGROUPS}"),
+            format!("-DWGS={}", config.warpgroups),
+            format!("-DSTAGES={}", config.stages),
+            format!("-DOVERLAP={}", config.overlap as u8),
             format!("-DQK_LBO={}", desc.qk_leading),
             format!("-DQK_SBO={}", desc.qk_stride),
             format!("-DV_LBO={}", desc.v_leading),
             format!("-DV_SBO={}", desc.v_stride),
             "--std=c++17".into(),
         ],
-        name: Some(format!("hopper_forward_{}.cu", dtype.name())),
+        name: Some(format!(
+            "hopper_forward_{}_wg{}_s{}_o{}.cu",
+            dtype.name(),
+            config.warpgroups,
+            config.stages,
+            config.overlap as u8
+        )),
         ..Default::default()
     };
     compile_ptx_with_opts(HOPPER_FORWARD_CU, options).map_err(|e| compile_error(HOPPER_FORWARD, e))
@@ -169,14 +220,14 @@ pub fn forward(
     v: &DeviceTensor,
 ) -> Result<DeviceAttention, AttnError> {
     let mut result = gpu.alloc_output(q.shape, q.dtype)?;
-    forward_with(gpu, Descriptors::default(), q, k, v, &mut result)?;
+    forward_with(gpu, HopperConfig::default(), q, k, v, &mut result)?;
     Ok(result)
 }
 
-/// [`forward`] into buffers allocated before, with the descriptors' offsets given.
+/// [`forward`] into buffers allocated before, with a thread block of another shape.
 pub fn forward_with(
     gpu: &Gpu,
-    desc: Descriptors,
+    config: HopperConfig,
     q: &DeviceTensor,
     k: &DeviceTensor,
     v: &DeviceTensor,
@@ -198,26 +249,27 @@ pub fn forward_with(
     if shape.is_empty() {
         return Ok(());
     }
-    let smem = smem_bytes(shape.head_dim);
+    let smem = config.smem_bytes(shape.head_dim);
     let dtype = q.dtype;
     let f = gpu.kernel(
-        format!("hopper forward {dtype:?} {desc:?}"),
+        format!("hopper forward {dtype:?} {config:?}"),
         HOPPER_FORWARD,
         smem,
-        || compile(dtype, desc),
+        || compile(dtype, config, Descriptors::default()),
     )?;
+    let block_m = config.block_m();
     let maps = [
-        tensor_map(gpu, q, BLOCK_M)?,
+        tensor_map(gpu, q, block_m)?,
         tensor_map(gpu, k, BLOCK_N)?,
         tensor_map(gpu, v, BLOCK_N)?,
     ];
     let config = LaunchConfig {
         grid_dim: (
-            shape.tokens.div_ceil(BLOCK_M) as u32,
+            shape.tokens.div_ceil(block_m) as u32,
             (shape.batch * shape.heads) as u32,
             1,
         ),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (config.threads(), 1, 1),
         shared_mem_bytes: smem,
     };
     let tokens = shape.tokens as i32;
@@ -233,7 +285,7 @@ pub fn forward_with(
         .arg(&scale_log2);
     // SAFETY: check() proved q, k, v hold the shape's values in one dtype and the maps read
     // within them (rows past a head's end read as zeros); the output was checked to match and
-    // the kernel writes only rows below `tokens`; the grid is one block per BLOCK_M queries of
+    // the kernel writes only rows below `tokens`; the grid is one block per block_m queries of
     // each head, within the limits check() tested (grid_blocks through check_device)
     unsafe { launch.launch(config) }.map_err(device_error("launching hopper_forward"))?;
     Ok(())
