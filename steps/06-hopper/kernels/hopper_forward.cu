@@ -45,10 +45,6 @@ typedef unsigned long long u64;
 #ifndef STAGES
 #define STAGES 2
 #endif
-// 1: the product S = q·kᵀ of the next block runs while the softmax of this one does
-#ifndef OVERLAP
-#define OVERLAP 1
-#endif
 #define THREADS (128 * WGS + 32)
 #define ROW_BYTES (HEAD_DIM * 2)
 #define INFINITY __int_as_float(0x7f800000)
@@ -69,8 +65,6 @@ __device__ __forceinline__ u64 descriptor(u32 addr, u32 lbo, u32 sbo) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// all but the most recent group of products done
-__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -128,88 +122,6 @@ __device__ __forceinline__ void wgmma_m64n64_rs_tb(float (&d)[32], const u32 (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-// S = q·kᵀ for one block: 64 rows × 128 keys, four steps of 16 along the head dim (32 bytes
-// of each 128-byte row). Issued, not waited for.
-__device__ __forceinline__ void issue_scores(float (&sc)[64], u32 aq, u32 ak) {
-#pragma unroll
-  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-    wgmma_m64n128_ss(sc, descriptor(aq + kk * 32, QK_LBO, QK_SBO), descriptor(ak + kk * 32, QK_LBO, QK_SBO), kk > 0);
-  }
-}
-
-// o += P·v for one block: eight steps of 16 keys, P's fragment of step kk from the
-// probabilities' columns 16kk..16kk+15, v's 16 rows of 128 bytes at 2048·kk. Issued, not waited for.
-__device__ __forceinline__ void issue_pv(float (&o)[32], const u32 (&p)[32], u32 av) {
-#pragma unroll
-  for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-    const u32 a[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
-    wgmma_m64n64_rs_tb(o, a, descriptor(av + kk * 16 * ROW_BYTES, V_LBO, V_SBO));
-  }
-}
-
-// The online softmax of one block of scores, in place: masks keys past each row where the
-// block crosses the diagonal, updates the running maxima m and sums l, turns the scores into
-// probabilities, and returns each row's rescale factor for o in corr. Register 4j+e of a
-// thread: row r0 + 8·(e/2), key key0 + 8j + 2·(lane%4) + e%2.
-__device__ __forceinline__ void softmax_block(float (&sc)[64], float (&m)[2], float (&l)[2],
-                                              float (&corr)[2], int key0, int r0, bool diagonal,
-                                              float scale_log2) {
-  const int lane = threadIdx.x % 32;
-  if (diagonal) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = key0 + 8 * j + 2 * (lane % 4) + (e % 2);
-        if (key > r0 + 8 * (e / 2)) sc[4 * j + e] = -INFINITY;
-      }
-    }
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * h], sc[4 * j + 2 * h + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-    const float m_new = fmaxf(m[h], mx * scale_log2);
-    corr[h] = exp2f(m[h] - m_new);
-    m[h] = m_new;
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float x = exp2f(sc[4 * j + 2 * h + e] * scale_log2 - m_new);
-        sc[4 * j + 2 * h + e] = x;
-        sum += x;
-      }
-    }
-    l[h] = l[h] * corr[h] + sum;
-  }
-}
-
-// The probabilities as the A fragments of o += P·v (written only once the previous P·v,
-// which reads them, is done). S's chunk j (8 keys) holds rows r0 (e = 0, 1) and r0 + 8
-// (e = 2, 3): the A fragment of keys 16kk.. is chunks 2kk and 2kk + 1.
-__device__ __forceinline__ void to_fragments(const float (&sc)[64], u32 (&p)[32]) {
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    p[2 * j] = pack(sc[4 * j], sc[4 * j + 1]);
-    p[2 * j + 1] = pack(sc[4 * j + 2], sc[4 * j + 3]);
-  }
-}
-
-__device__ __forceinline__ void rescale(float (&o)[32], const float (&corr)[2]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    o[4 * j] *= corr[0];
-    o[4 * j + 1] *= corr[0];
-    o[4 * j + 2] *= corr[1];
-    o[4 * j + 3] *= corr[1];
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
                const __grid_constant__ TensorMap map_v, u16* __restrict__ out, float* __restrict__ lse,
@@ -219,9 +131,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   unsigned char* sq = smem;
   unsigned char* sk = sq + BLOCK_M * ROW_BYTES;
   unsigned char* sv = sk + STAGES * BLOCK_N * ROW_BYTES;
-  // keys and values each have their buffers' "full" barriers (the copies complete them) and
-  // "empty" ones (each consumer warpgroup arrives when its products are done reading)
-  __shared__ __align__(8) u64 k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES], q_full;
+  __shared__ __align__(8) u64 full[STAGES], empty[STAGES], qbar;
 
   const int m_blocks = (tokens + BLOCK_M - 1) / BLOCK_M;
   const int mb = m_blocks - 1 - blockIdx.x;  // longest rows first
@@ -232,12 +142,10 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(smem_u32(&k_full[s]), 1);
-      mbar_init(smem_u32(&v_full[s]), 1);
-      mbar_init(smem_u32(&k_empty[s]), WGS);
-      mbar_init(smem_u32(&v_empty[s]), WGS);
+      mbar_init(smem_u32(&full[s]), 1);
+      mbar_init(smem_u32(&empty[s]), WGS);
     }
-    mbar_init(smem_u32(&q_full), 1);
+    mbar_init(smem_u32(&qbar), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -245,18 +153,15 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   if (wg == WGS) {
     // the producer: one thread of the last warp starts every copy
     if (tid % 32 == 0) {
-      mbar_expect_tx(smem_u32(&q_full), BLOCK_M * ROW_BYTES);
-      tma_load(smem_u32(sq), &map_q, smem_u32(&q_full), mb * BLOCK_M, head);
+      mbar_expect_tx(smem_u32(&qbar), BLOCK_M * ROW_BYTES);
+      tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), mb * BLOCK_M, head);
       for (int n = 0; n < n_blocks; ++n) {
         const int s = n % STAGES;
-        const u32 phase = ((n / STAGES) - 1) & 1;
-        // wait until every consumer is done with the block last in this buffer
-        if (n >= STAGES) mbar_wait(smem_u32(&k_empty[s]), phase);
-        mbar_expect_tx(smem_u32(&k_full[s]), BLOCK_N * ROW_BYTES);
-        tma_load(smem_u32(sk + s * BLOCK_N * ROW_BYTES), &map_k, smem_u32(&k_full[s]), n * BLOCK_N, head);
-        if (n >= STAGES) mbar_wait(smem_u32(&v_empty[s]), phase);
-        mbar_expect_tx(smem_u32(&v_full[s]), BLOCK_N * ROW_BYTES);
-        tma_load(smem_u32(sv + s * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&v_full[s]), n * BLOCK_N, head);
+        // wait until both consumers are done with the keys and values last in this buffer
+        if (n >= STAGES) mbar_wait(smem_u32(&empty[s]), ((n / STAGES) - 1) & 1);
+        mbar_expect_tx(smem_u32(&full[s]), 2 * BLOCK_N * ROW_BYTES);
+        tma_load(smem_u32(sk + s * BLOCK_N * ROW_BYTES), &map_k, smem_u32(&full[s]), n * BLOCK_N, head);
+        tma_load(smem_u32(sv + s * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&full[s]), n * BLOCK_N, head);
       }
     }
     return;
@@ -264,7 +169,6 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
 
   // a consumer warpgroup: 64 rows, 16 per warp; each thread holds two rows, r0 and r0 + 8
   const int warp = (tid % 128) / 32, lane = tid % 32;
-  const bool leader = tid % 128 == 0;
   const int first_row = mb * BLOCK_M + wg * 64;
   const int r0 = first_row + warp * 16 + lane / 4;
   float o[32];
@@ -272,72 +176,78 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   for (int i = 0; i < 32; ++i) o[i] = 0.f;
   float m[2] = {-INFINITY, -INFINITY};  // running maxima, scaled to base 2
   float l[2] = {0.f, 0.f};              // this thread's part of the running sums
-  float corr[2];
-  float sc[64];
-  u32 p[32];
   const u32 aq = smem_u32(sq) + wg * 64 * ROW_BYTES;
-  auto k_at = [&](int n) { return smem_u32(sk + (n % STAGES) * BLOCK_N * ROW_BYTES); };
-  auto v_at = [&](int n) { return smem_u32(sv + (n % STAGES) * BLOCK_N * ROW_BYTES); };
-  // a block needs the mask where its last key is past this warpgroup's first row
-  auto diagonal = [&](int n) { return n * BLOCK_N + BLOCK_N - 1 > first_row; };
-  mbar_wait(smem_u32(&q_full), 0);
+  mbar_wait(smem_u32(&qbar), 0);
 
-#if OVERLAP
-  // block 0: scores, softmax
-  mbar_wait(smem_u32(&k_full[0]), 0);
-  wgmma_fence();
-  issue_scores(sc, aq, k_at(0));
-  wgmma_commit();
-  wgmma_wait0();
-  if (leader) mbar_arrive(smem_u32(&k_empty[0]));
-  softmax_block(sc, m, l, corr, 0, r0, diagonal(0), scale_log2);
-  to_fragments(sc, p);
-  for (int n = 1; n < n_blocks; ++n) {
-    // block n's scores and block n - 1's P·v in flight together; the softmax of block n
-    // runs while P·v does
-    mbar_wait(smem_u32(&k_full[n % STAGES]), (n / STAGES) & 1);
-    wgmma_fence();
-    issue_scores(sc, aq, k_at(n));
-    wgmma_commit();
-    mbar_wait(smem_u32(&v_full[(n - 1) % STAGES]), ((n - 1) / STAGES) & 1);
-    issue_pv(o, p, v_at(n - 1));
-    wgmma_commit();
-    wgmma_wait1();
-    if (leader) mbar_arrive(smem_u32(&k_empty[n % STAGES]));
-    softmax_block(sc, m, l, corr, n * BLOCK_N, r0, diagonal(n), scale_log2);
-    wgmma_wait0();
-    if (leader) mbar_arrive(smem_u32(&v_empty[(n - 1) % STAGES]));
-    rescale(o, corr);
-    to_fragments(sc, p);
-  }
-  {
-    const int n = n_blocks - 1;
-    mbar_wait(smem_u32(&v_full[n % STAGES]), (n / STAGES) & 1);
-    wgmma_fence();
-    issue_pv(o, p, v_at(n));
-    wgmma_commit();
-    wgmma_wait0();
-    if (leader) mbar_arrive(smem_u32(&v_empty[n % STAGES]));
-  }
-#else
   for (int n = 0; n < n_blocks; ++n) {
-    mbar_wait(smem_u32(&k_full[n % STAGES]), (n / STAGES) & 1);
+    const int s = n % STAGES;
+    mbar_wait(smem_u32(&full[s]), (n / STAGES) & 1);
+    const u32 ak = smem_u32(sk + s * BLOCK_N * ROW_BYTES);
+    const u32 av = smem_u32(sv + s * BLOCK_N * ROW_BYTES);
+
+    // S = q·kᵀ: 64 rows × 128 keys, four steps of 16 along the head dim (32 bytes of a row)
+    float sc[64];
     wgmma_fence();
-    issue_scores(sc, aq, k_at(n));
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+      wgmma_m64n128_ss(sc, descriptor(aq + kk * 32, QK_LBO, QK_SBO), descriptor(ak + kk * 32, QK_LBO, QK_SBO), kk > 0);
+    }
     wgmma_commit();
     wgmma_wait0();
-    if (leader) mbar_arrive(smem_u32(&k_empty[n % STAGES]));
-    softmax_block(sc, m, l, corr, n * BLOCK_N, r0, diagonal(n), scale_log2);
-    rescale(o, corr);
-    to_fragments(sc, p);
-    mbar_wait(smem_u32(&v_full[n % STAGES]), (n / STAGES) & 1);
+
+    // register 4j+e of a thread: row r0 + 8·(e/2), key n·BLOCK_N + 8j + 2·(lane%4) + e%2
+    if (n * BLOCK_N + BLOCK_N - 1 > first_row) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = n * BLOCK_N + 8 * j + 2 * (lane % 4) + (e % 2);
+          if (key > r0 + 8 * (e / 2)) sc[4 * j + e] = -INFINITY;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * h], sc[4 * j + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float m_new = fmaxf(m[h], mx * scale_log2);
+      const float corr = exp2f(m[h] - m_new);
+      m[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float p = exp2f(sc[4 * j + 2 * h + e] * scale_log2 - m_new);
+          sc[4 * j + 2 * h + e] = p;
+          sum += p;
+        }
+      }
+      l[h] = l[h] * corr + sum;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        o[4 * j + 2 * h] *= corr;
+        o[4 * j + 2 * h + 1] *= corr;
+      }
+    }
+
+    // o += P·v: eight steps of 16 keys, P's fragment of step kk from S's columns 16kk..16kk+15,
+    // v's 16 rows of 128 bytes at 2048·kk
     wgmma_fence();
-    issue_pv(o, p, v_at(n));
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+      const u32 a[4] = {pack(sc[8 * kk + 0], sc[8 * kk + 1]), pack(sc[8 * kk + 2], sc[8 * kk + 3]),
+                        pack(sc[8 * kk + 4], sc[8 * kk + 5]), pack(sc[8 * kk + 6], sc[8 * kk + 7])};
+      wgmma_m64n64_rs_tb(o, a, descriptor(av + kk * 16 * ROW_BYTES, V_LBO, V_SBO));
+    }
     wgmma_commit();
     wgmma_wait0();
-    if (leader) mbar_arrive(smem_u32(&v_empty[n % STAGES]));
+    // this warpgroup is done with the buffer
+    if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[s]));
   }
-#endif
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -26,9 +26,6 @@ pub struct HopperConfig {
     pub warpgroups: usize,
     /// Buffers of keys and values in flight (`STAGES`).
     pub stages: usize,
-    /// Whether the next block's scores are computed while this block's softmax runs
-    /// (`OVERLAP`).
-    pub overlap: bool,
 }
 
 impl Default for HopperConfig {
@@ -36,7 +33,6 @@ impl Default for HopperConfig {
         HopperConfig {
             warpgroups: 2,
             stages: 2,
-            overlap: true,
         }
     }
 }
@@ -60,19 +56,8 @@ impl HopperConfig {
 
     /// The default and the shapes `hopper-check` compares it with.
     pub fn candidates() -> Vec<HopperConfig> {
-        let c = |warpgroups, stages, overlap| HopperConfig {
-            warpgroups,
-            stages,
-            overlap,
-        };
-        vec![
-            c(2, 2, true),
-            c(3, 2, true),
-            c(2, 3, true),
-            c(3, 3, true),
-            c(2, 2, false),
-            c(3, 2, false),
-        ]
+        let c = |warpgroups, stages| HopperConfig { warpgroups, stages };
+        vec![c(2, 2), c(3, 2), c(2, 3), c(3, 3)]
     }
 }
 
@@ -104,7 +89,6 @@ pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<
             format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
             format!("-DWGS={}", config.warpgroups),
             format!("-DSTAGES={}", config.stages),
-            format!("-DOVERLAP={}", config.overlap as u8),
             format!("-DQK_LBO={}", desc.qk_leading),
             format!("-DQK_SBO={}", desc.qk_stride),
             format!("-DV_LBO={}", desc.v_leading),
@@ -112,11 +96,10 @@ pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<
             "--std=c++17".into(),
         ],
         name: Some(format!(
-            "hopper_forward_{}_wg{}_s{}_o{}.cu",
+            "hopper_forward_{}_wg{}_s{}.cu",
             dtype.name(),
             config.warpgroups,
-            config.stages,
-            config.overlap as u8
+            config.stages
         )),
         ..Default::default()
     };

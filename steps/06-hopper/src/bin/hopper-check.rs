@@ -32,16 +32,18 @@ fn run() -> Result<bool, AttnError> {
         .flat_map(|d| HopperConfig::candidates().into_iter().map(move |c| (d, c)))
     {
         let ptx = forward::compile(dtype, config, Default::default())?;
-        println!("hopper_forward {} {config:?} compiles for sm_90a", dtype.name());
+        println!(
+            "hopper_forward {} {config:?} compiles for sm_90a",
+            dtype.name()
+        );
         if let [_, flag, dir] = &args[..]
             && flag == "--ptx"
         {
             let path = format!(
-                "{dir}/hopper_forward_{}_{}x{}_{}.ptx",
+                "{dir}/hopper_forward_{}_{}x{}.ptx",
                 dtype.name(),
                 config.warpgroups,
-                config.stages,
-                config.overlap as u8
+                config.stages
             );
             std::fs::write(&path, ptx.to_src()).map_err(|e| AttnError::Device {
                 what: format!("{path}: {e}"),
@@ -75,7 +77,9 @@ fn run() -> Result<bool, AttnError> {
     }
 
     // speed, bf16, 4 × 12 heads
-    println!("\n| T | config | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |");
+    println!(
+        "\n| T | config | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |"
+    );
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for t in [1024, 2048, 4096, 8192, 16384] {
         let shape = Shape::new(4, 12, t, 64);
@@ -92,10 +96,9 @@ fn run() -> Result<bool, AttnError> {
                 gpu.time_ms(|| forward::forward_with(gpu, config, &q, &k, &v, &mut out))
             })?;
             println!(
-                "| {t} | {}x{}{} | {hopper:.3} | {:.1} | {flash:.3} | {:.1} | {:.2} |",
+                "| {t} | {}x{} | {hopper:.3} | {:.1} | {flash:.3} | {:.1} | {:.2} |",
                 config.warpgroups,
                 config.stages,
-                if config.overlap { " overlap" } else { "" },
                 tf(hopper),
                 tf(flash),
                 flash / hopper
