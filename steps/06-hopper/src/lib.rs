@@ -6,4 +6,7 @@
 //! encoding on the GPU at hand before the kernels rely on it.
 
 pub mod forward;
+pub mod methods;
 pub mod probe;
+
+pub use methods::methods;
