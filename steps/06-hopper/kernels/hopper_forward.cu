@@ -55,12 +55,14 @@ struct __align__(64) TensorMap {
 
 __device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
+// ANCHOR: descriptor
 // A shared-memory matrix descriptor in the 128-byte swizzle: start address, leading and
 // stride byte offsets, each in 16-byte units.
 __device__ __forceinline__ u64 descriptor(u32 addr, u32 lbo, u32 sbo) {
   return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo & 0x3FFFF) >> 4) << 16) |
          ((u64)((sbo & 0x3FFFF) >> 4) << 32) | ((u64)1 << 62);
 }
+// ANCHOR_END: descriptor
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -150,6 +152,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   }
   __syncthreads();
 
+  // ANCHOR: producer
   if (wg == WGS) {
     // the producer: one thread of the last warp starts every copy
     if (tid % 32 == 0) {
@@ -166,7 +169,9 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     }
     return;
   }
+  // ANCHOR_END: producer
 
+  // ANCHOR: consumer
   // a consumer warpgroup: 64 rows, 16 per warp; each thread holds two rows, r0 and r0 + 8
   const int warp = (tid % 128) / 32, lane = tid % 32;
   const int first_row = mb * BLOCK_M + wg * 64;
@@ -248,6 +253,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     // this warpgroup is done with the buffer
     if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[s]));
   }
+  // ANCHOR_END: consumer
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -9,12 +9,14 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// ANCHOR: sw128
 // Byte offset of element (row, col) of a [rows, 64] tile of 16-bit values, 128 bytes a row, in
 // the 128-byte swizzle: the 16-byte chunk c of row r lands at chunk c ^ (r % 8).
 __device__ __forceinline__ u32 sw128(u32 row, u32 col) {
   u32 chunk = (col * 2) / 16;
   return row * 128 + ((chunk ^ (row % 8)) * 16) + (col * 2) % 16;
 }
+// ANCHOR_END: sw128
 
 // A shared-memory matrix descriptor: start address, leading and stride byte offsets (all in
 // 16-byte units, 14 bits each), 128-byte swizzle (mode 1 in bits 62-63).

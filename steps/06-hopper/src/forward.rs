@@ -123,6 +123,7 @@ pub(crate) struct TensorMap(CUtensorMap);
 // SAFETY: plain bytes, passed by value as the kernel's `TensorMap` parameter
 unsafe impl DeviceRepr for TensorMap {}
 
+// ANCHOR: tensor_map
 /// The map of a `[batch·heads, tokens, head_dim]` tensor of 16-bit values, read in boxes of
 /// `rows` tokens of one head in the 128-byte swizzle; rows past the end read as zeros.
 pub(crate) fn tensor_map(gpu: &Gpu, x: &DeviceTensor, rows: usize) -> Result<TensorMap, AttnError> {
@@ -167,6 +168,7 @@ pub(crate) fn tensor_map(gpu: &Gpu, x: &DeviceTensor, rows: usize) -> Result<Ten
     // SAFETY: the driver wrote the map
     Ok(TensorMap(unsafe { map.assume_init() }))
 }
+// ANCHOR_END: tensor_map
 
 /// That the GPU is a Hopper (compute capability 9.0): `wgmma` and `setmaxnreg` exist there
 /// only (sm_90a code runs on no other GPU).
