@@ -256,6 +256,7 @@ const VERSUS: &[(&str, &str)] = &[
     ("cuda_flash", "pytorch_sdpa_cudnn"),
     // [/step 03]
     // [step 06]
+    ("cuda_hopper", "pytorch_sdpa_flash"),
     ("cuda_hopper", "pytorch_sdpa_cudnn"),
     // [/step 06]
 ];
@@ -476,6 +477,15 @@ fn table(rows: &[&Row]) -> String {
             .position(|x| *x == m)
             .map_or(m.to_string(), |i| looks[i].short.clone())
     };
+    // with two of ours compared, a column names both sides: `Hopper vs cuDNN`
+    let several = versus.iter().any(|(a, _)| *a != versus[0].0);
+    let vs = |a: &str, b: &str| {
+        if several {
+            format!("{} vs {}", short(a), short(b))
+        } else {
+            format!("vs {}", short(b))
+        }
+    };
 
     let mut md = format!(
         "<!-- written by `cargo run -p charts` from charts/data/*.json: {} -->\n\n",
@@ -495,7 +505,7 @@ fn table(rows: &[&Row]) -> String {
         let peers: Vec<String> = versus
             .iter()
             .filter(|(x, _)| x == a)
-            .map(|(_, b)| format!("*vs {}*", short(b)))
+            .map(|(a, b)| format!("*{}*", vs(a, b)))
             .collect();
         md.push_str(&format!(
             "; {}: the peer's time over *{}*'s, above 1× *{}* is faster",
@@ -506,10 +516,7 @@ fn table(rows: &[&Row]) -> String {
     }
     md.push_str(".\n\n");
     let heads: Vec<String> = looks.iter().map(|l| l.short.clone()).collect();
-    let vs_heads: Vec<String> = versus
-        .iter()
-        .map(|(_, b)| format!("vs {}", short(b)))
-        .collect();
+    let vs_heads: Vec<String> = versus.iter().map(|(a, b)| vs(a, b)).collect();
     md.push_str(&format!(
         "| tokens | {} |{}\n| ---: |{}{}\n",
         heads.join(" | "),
