@@ -65,12 +65,11 @@ import sys
 import time
 
 try:
-    import numpy as np
     import torch
     import torch.nn.functional as F
     from torch import nn
 except ImportError as e:  # --help still works; main() says what is missing
-    np = torch = F = None
+    torch = F = None
     nn = type("nn", (), {"Module": object})
     TORCH_MISSING = str(e)
 
@@ -115,14 +114,27 @@ class SplitMix64:
         return z ^ (z >> 31)
 
 
+def signed64(x):
+    """A 64-bit pattern as the int64 that holds it."""
+    x &= MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+def shr(z, k):
+    """A logical right shift of int64 values taken as 64-bit patterns (>> on int64 is
+    arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
 def splitmix_draws(seed, first, count):
     """Draws first+1 ... first+count of SplitMix64(seed), at once: the k-th draw is the mix of
-    seed + k * GAMMA, so a stream can be cut anywhere and computed in numpy (uint64 wraps)."""
-    k = np.arange(first + 1, first + count + 1, dtype=np.uint64)
-    z = np.uint64(seed & MASK64) + k * np.uint64(GAMMA)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    seed + k * GAMMA, so a stream can be cut anywhere and computed as a tensor (int64 products
+    wrap as the u64 ones do; the shifts are made logical)."""
+    k = torch.arange(first + 1, first + count + 1, dtype=torch.int64)
+    z = signed64(seed) + k * signed64(GAMMA)
+    z = (z ^ shr(z, 30)) * signed64(0xBF58476D1CE4E5B9)
+    z = (z ^ shr(z, 27)) * signed64(0x94D049BB133111EB)
+    return z ^ shr(z, 31)
 
 
 def our_init(cfg, seed):
@@ -148,10 +160,10 @@ def our_init(cfg, seed):
         z = splitmix_draws(seed, drawn, 2 * count)
         drawn += 2 * count
         # next_unit: uniform in (0, 1], never 0
-        u = ((z >> np.uint64(11)) + np.uint64(1)).astype(np.float64) / float(1 << 53)
+        u = (shr(z, 11) + 1).double() / float(1 << 53)
         u1, u2 = u[0::2], u[1::2]
-        normal = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * math.pi * u2)
-        out[name] = torch.from_numpy((sigma * normal).astype(np.float32).reshape(shape))
+        normal = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
+        out[name] = (sigma * normal).float().reshape(shape)
     return out
 
 
@@ -229,7 +241,7 @@ def read_corpus(path):
             raise Failure(
                 f"--data {path}: the header says {train} + {heldout} bytes but {len(data) - 40} follow it"
             )
-        body = np.frombuffer(data, dtype=np.uint8, offset=40)
+        body = torch.frombuffer(bytearray(data[40:]), dtype=torch.uint8)
         return body[:train], body[train:], dict(
             source=path, train_files=train_files, heldout_files=heldout_files
         )
@@ -238,8 +250,10 @@ def read_corpus(path):
             f"--data {path}: a folder; write it as a token file with our trainer first "
             "(`train --data FOLDER --steps 0 --save-tokens corpus.tokens`), so both split it alike"
         )
+    if len(data) < 2:
+        raise Failure(f"--data {path}: {len(data)} bytes; a text file to train on needs some text")
     cut = len(data) - len(data) // 10
-    body = np.frombuffer(data, dtype=np.uint8)
+    body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return body[:cut], body[cut:], dict(source=path, train_files=1, heldout_files=1)
 
 
@@ -360,16 +374,22 @@ class GPT(nn.Module):
 # The optimizer's schedule and the clipping (optim.rs)
 
 
+def f32(x):
+    """x rounded to the nearest f32."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
 def schedule_lr(s, step):
     """Schedule::lr: linear warm-up to max over `warmup` steps, then a cosine to min at the last
-    step; in f32, as ours."""
-    f = np.float32
+    step; rounded to f32 after each operation, as ours computes it (the cosine itself in f64,
+    then rounded: within an ulp of f32's)."""
+    hi, lo = f32(s["max"]), f32(s["min"])
     if step < s["warmup"]:
-        return float(f(s["max"]) * f(step + 1) / f(s["warmup"]))
+        return f32(f32(hi * (step + 1)) / s["warmup"])
     decay_steps = max(s["steps"] - s["warmup"], 1)
-    progress = min(f(step - s["warmup"]) / f(decay_steps), f(1.0))
-    cosine = f(0.5) * (f(1.0) + np.cos(f(math.pi) * progress, dtype=np.float32))
-    return float(f(s["min"]) + cosine * (f(s["max"]) - f(s["min"])))
+    progress = min(f32((step - s["warmup"]) / decay_steps), 1.0)
+    cosine = f32(0.5 * f32(1.0 + f32(math.cos(f32(f32(math.pi) * progress)))))
+    return f32(lo + f32(cosine * f32(hi - lo)))
 
 
 def clip_grad_norm(grads, max_norm, exact):
@@ -522,7 +542,7 @@ def settings_from(args, record, init_cfg):
         batch=v["batch"],
         seq_len=args.seq_len or cfg["context"],
         steps=steps,
-        schedule=dict(max=v["lr"], min=float(np.float32(v["lr"]) * np.float32(v["min_lr_frac"])),
+        schedule=dict(max=v["lr"], min=f32(f32(v["lr"]) * f32(v["min_lr_frac"])),
                       warmup=v["warmup"], steps=steps),
         adamw=dict(ADAMW, weight_decay=v["weight_decay"]),
         clip=v["clip"],
@@ -579,12 +599,12 @@ def run(args):
 
     # the corpus
     if args.data:
-        train_np, heldout_np, corpus = read_corpus(args.data)
+        train_text, heldout_text, corpus = read_corpus(args.data)
     elif args.random_data:
-        rng = np.random.default_rng(s["seed"])
-        body = rng.integers(0, 256, size=args.random_data, dtype=np.uint8)
+        g = torch.Generator().manual_seed(s["seed"])
+        body = torch.randint(0, 256, (args.random_data,), dtype=torch.uint8, generator=g)
         cut = len(body) - len(body) // 10
-        train_np, heldout_np = body[:cut], body[cut:]
+        train_text, heldout_text = body[:cut], body[cut:]
         corpus = dict(source=f"{args.random_data} uniformly random bytes (seed {s['seed']})", train_files=0, heldout_files=0)
     else:
         raise Failure(
@@ -592,11 +612,11 @@ def run(args):
             "(`cargo run --release -p step05-train -- train --steps 0 --save-tokens corpus.tokens`), "
             "or --random-data BYTES to time the model on random bytes"
         )
-    for what, part in (("training", train_np), ("held-out", heldout_np)):
+    for what, part in (("training", train_text), ("held-out", heldout_text)):
         if len(part) < s["seq_len"] + 1:
             raise Failure(f"{corpus['source']}: {len(part)} {what} bytes, fewer than one sequence of {s['seq_len']} tokens and its next")
-    train_data = torch.from_numpy(np.array(train_np)).to(device)
-    heldout_data = torch.from_numpy(np.array(heldout_np)).to(device)
+    train_data = train_text.to(device)
+    heldout_data = heldout_text.to(device)
 
     # AdamW with the decay on matrices only (optim.rs: `w.ndim() == 2`)
     params = list(model.parameters())
@@ -623,7 +643,7 @@ def run(args):
         if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        inputs, targets = windows(train_data, train_starts(len(train_np), batch, tokens, s["seed"], step), tokens)
+        inputs, targets = windows(train_data, train_starts(len(train_text), batch, tokens, s["seed"], step), tokens)
         loss = loss_of(inputs, targets)
         loss.backward()
         norm = clip_grad_norm([p.grad for p in params], s["clip"], exact=not cuda)
@@ -639,7 +659,7 @@ def run(args):
         return dict(step=step + 1, loss=loss, lr=lr, grad_norm=norm, ms=seconds * 1e3,
                     tokens_per_s=batch * tokens / seconds)
 
-    heldout = [windows(heldout_data, st, tokens) for st in heldout_starts(len(heldout_np), batch, tokens, s["eval_batches"])]
+    heldout = [windows(heldout_data, st, tokens) for st in heldout_starts(len(heldout_text), batch, tokens, s["eval_batches"])]
 
     @torch.no_grad()
     def evaluate(step, train_seconds):
@@ -647,7 +667,7 @@ def run(args):
         return dict(step=step, loss=total / len(heldout), train_seconds=train_seconds)
 
     n_params = sum(p.numel() for p in params)
-    print(f"corpus: {corpus['source']}: {len(train_np)} training and {len(heldout_np)} held-out bytes")
+    print(f"corpus: {corpus['source']}: {len(train_text)} training and {len(heldout_text)} held-out bytes")
     print(f"weights: {weights_from}")
     print(
         f"model: {cfg}, {n_params} parameters; {batch} sequences x {tokens} tokens a step; "
@@ -659,8 +679,8 @@ def run(args):
         settings=dict({k: v for k, v in s.items() if k != "train_steps"}, max_seconds=args.max_seconds),
         params=n_params,
         corpus=corpus["source"],
-        train_bytes=len(train_np),
-        heldout_bytes=len(heldout_np),
+        train_bytes=len(train_text),
+        heldout_bytes=len(heldout_text),
         train_files=corpus["train_files"],
         heldout_files=corpus["heldout_files"],
         threads=torch.get_num_threads(),
@@ -726,7 +746,7 @@ def run(args):
         )
     if args.profile and out["steps"]:
         def one_step():
-            x, y = windows(train_data, train_starts(len(train_np), batch, tokens, s["seed"], 0), tokens)
+            x, y = windows(train_data, train_starts(len(train_text), batch, tokens, s["seed"], 0), tokens)
             loss_of(x, y).backward()
             opt.zero_grad(set_to_none=True)
 
@@ -813,8 +833,8 @@ def main(argv):
     args = parse_args(argv)
     if torch is None:
         print(
-            f"error: this script needs PyTorch and numpy ({TORCH_MISSING}); "
-            "install them, e.g. `python3 -m venv .venv && .venv/bin/pip install torch numpy`",
+            f"error: this script needs PyTorch ({TORCH_MISSING}); "
+            "install it, e.g. `python3 -m venv .venv && .venv/bin/pip install torch`",
             file=sys.stderr,
         )
         return 2
