@@ -24,6 +24,7 @@
 //!
 //! - [`read_dir`]: the rows of every JSON file, as the shared core's [`Row`].
 //! - [`render_all`]: every chart and table the rows call for, as `(file name, text)`.
+//! - [`train`]: the training runs' charts, from `charts/data/train-*.json`. // [step 05]
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -35,12 +36,15 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
+pub mod train; // [step 05]
+
 /// Every row of every `*.json` file in `dir`, the files taken in name order.
 pub fn read_dir(dir: &Path) -> Result<Vec<Row>, String> {
     let mut files: Vec<_> = fs::read_dir(dir)
         .map_err(|e| format!("{}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter(|p| !train::is_run_file(p)) // [step 05]
         .collect();
     files.sort();
     let mut rows = Vec::new();
@@ -197,6 +201,9 @@ const STYLES: &[Style] = &[
     peer("pytorch_sdpa_efficient", "", "memory-efficient SDPA via PyTorch", "mem-eff.", RGBColor(0x96, 0x96, 0x96), Marker::TriangleDown),
     peer("pytorch_sdpa", "cuda", "PyTorch's default SDPA", "SDPA", RGBColor(0xfd, 0x8d, 0x3c), Marker::Square),
     // [/step 03]
+    // [step 05]
+    peer("pytorch_compiled", "", "PyTorch's default SDPA, torch.compile", "compiled", RGBColor(0xe7, 0x29, 0x8a), Marker::Cross),
+    // [/step 05]
 ];
 
 /// Our best method at each length against the peer it is compared with, in the tables: the

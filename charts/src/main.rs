@@ -14,7 +14,14 @@ fn main() -> ExitCode {
                 dir.join("data").display()
             ));
         }
-        for (name, svg) in charts::render_all(&rows)? {
+        let mut charts = charts::render_all(&rows)?;
+        // [step 05]
+        // the training runs, ours and PyTorch's
+        charts.extend(charts::train::render_all(&charts::train::read_runs(
+            &dir.join("data"),
+        )?)?);
+        // [/step 05]
+        for (name, svg) in charts {
             let path = dir.join(&name);
             fs::write(&path, svg).map_err(|e| format!("{}: {e}", path.display()))?;
             println!("wrote {}", path.display());

@@ -261,6 +261,7 @@ def read_corpus(path):
 # The batches (data.rs)
 
 
+# ANCHOR: batches
 def train_starts(n, batch, tokens, seed, step):
     """train_batch's offsets: `batch` draws of one stream of seed and step, modulo the span."""
     rng = SplitMix64(seed ^ ((step * STEP_MIX) & MASK64))
@@ -272,6 +273,7 @@ def heldout_starts(n, batch, tokens, count):
     """heldout_batches's offsets: batch * count windows spread evenly over the held-out bytes."""
     span, windows = n - tokens, batch * count
     return [[(c * batch + b) * span // windows for b in range(batch)] for c in range(count)]
+# ANCHOR_END: batches
 
 
 def windows(data, starts, tokens):
@@ -301,6 +303,7 @@ class Conv1D(nn.Module):
         )
 
 
+# ANCHOR: attention
 class Attention(nn.Module):
     def __init__(self, cfg, attention):
         super().__init__()
@@ -325,6 +328,7 @@ class Attention(nn.Module):
             # the backend, if one is forced, is chosen around the whole step (sdpa_context)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(out.transpose(1, 2).reshape(b, t, c))
+# ANCHOR_END: attention
 
 
 class MLP(nn.Module):
@@ -392,6 +396,7 @@ def schedule_lr(s, step):
     return f32(lo + f32(cosine * f32(hi - lo)))
 
 
+# ANCHOR: clip
 def clip_grad_norm(grads, max_norm, exact):
     """clip_grad_norm (optim.rs): the global norm, and every gradient scaled by max_norm / norm
     when it is above max_norm (and left alone, not scaled by 1 - 1e-6, when it is not: unlike
@@ -403,6 +408,7 @@ def clip_grad_norm(grads, max_norm, exact):
     scale = torch.clamp(torch.tensor(max_norm, dtype=torch.float32, device=norm.device) / norm, max=1.0)
     torch._foreach_mul_(grads, scale)
     return norm
+# ANCHOR_END: clip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -618,6 +624,7 @@ def run(args):
     train_data = train_text.to(device)
     heldout_data = heldout_text.to(device)
 
+    # ANCHOR: adamw
     # AdamW with the decay on matrices only (optim.rs: `w.ndim() == 2`)
     params = list(model.parameters())
     decay = [p for p in params if p.dim() == 2]
@@ -628,6 +635,7 @@ def run(args):
         lr=s["schedule"]["max"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
         **(dict(fused=True) if cuda else dict(foreach=False)),
     )
+    # ANCHOR_END: adamw
 
     forward = torch.compile(model) if args.compile else model
     autocast = (
@@ -639,6 +647,7 @@ def run(args):
         with autocast, sdpa_context(args.attention):
             return forward(inputs, targets)
 
+    # ANCHOR: train_step
     def train_step(step):
         if cuda:
             torch.cuda.synchronize()
@@ -658,6 +667,7 @@ def run(args):
         seconds = time.perf_counter() - started
         return dict(step=step + 1, loss=loss, lr=lr, grad_norm=norm, ms=seconds * 1e3,
                     tokens_per_s=batch * tokens / seconds)
+    # ANCHOR_END: train_step
 
     heldout = [windows(heldout_data, st, tokens) for st in heldout_starts(len(heldout_text), batch, tokens, s["eval_batches"])]
 
