@@ -596,10 +596,14 @@ fn table(runs: &[Run]) -> String {
         "<!-- written by `cargo run -p charts` from charts/data/train-*.json: {} -->\n\n",
         subtitle(runs)
     );
-    md.push_str(
-        "| run | steps | tokens/s | ms a step | vs ours | peak memory, GB | held-out loss | loss vs ours |\n\
-         | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
-    );
+    // a column of peak memory where a run measured it (the GPU's runs)
+    let memory = runs.iter().any(|r| r.peak_memory_bytes.is_some());
+    md.push_str(&format!(
+        "| run | steps | tokens/s | ms a step | vs ours |{} held-out loss | loss vs ours |\n\
+         | :--- | ---: | ---: | ---: | ---: |{} ---: | ---: |\n",
+        if memory { " peak memory, GB |" } else { "" },
+        if memory { " ---: |" } else { "" },
+    ));
     for r in runs {
         let speed = r.throughput();
         let versus = reference
@@ -617,8 +621,17 @@ fn table(runs: &[Run]) -> String {
             }),
             None => "–".to_string(),
         };
+        let peak = if memory {
+            format!(
+                " {} |",
+                r.peak_memory_bytes
+                    .map_or("–".into(), |b| super::three_digits(b as f64 / 1e9))
+            )
+        } else {
+            String::new()
+        };
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} |{peak} {} | {} |\n",
             r.label(),
             r.steps.len(),
             if speed > 0.0 {
@@ -628,8 +641,6 @@ fn table(runs: &[Run]) -> String {
             },
             r.median_ms().map_or("–".into(), super::three_digits),
             versus,
-            r.peak_memory_bytes
-                .map_or("–".into(), |b| super::three_digits(b as f64 / 1e9)),
             held_out,
             difference,
         ));
@@ -797,7 +808,7 @@ mod tests {
         let cpu = &charts.iter().find(|(n, _)| n == "train-cpu.md").unwrap().1;
         // the old record: two steps, the second alone timed, 512 tokens in 1 ms
         assert!(
-            cpu.contains("| ours: online softmax, SIMD (steps 02 and 04) | 2 | 512,000 | 1.00 | 1.00× | – | 5.5000 (step 0) | – |"),
+            cpu.contains("| ours: online softmax, SIMD (steps 02 and 04) | 2 | 512,000 | 1.00 | 1.00× | 5.5000 (step 0) | – |"),
             "{cpu}"
         );
     }
