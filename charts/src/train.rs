@@ -44,6 +44,18 @@ pub struct Settings {
     pub batch: usize,
     pub seq_len: usize,
     pub steps: usize,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default)]
+    pub schedule: Option<Schedule>,
+}
+
+/// The learning rate's schedule (`Schedule` in `steps/05-train/src/optim.rs`).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct Schedule {
+    pub max: f64,
+    pub min: f64,
+    pub warmup: usize,
 }
 
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -66,6 +78,9 @@ pub struct Eval {
 pub struct Run {
     pub config: Config,
     pub settings: Settings,
+    /// Bytes of training text: with the seed, what decides the batches.
+    #[serde(default)]
+    pub train_bytes: usize,
     pub steps: Vec<Step>,
     pub evals: Vec<Eval>,
     /// `step05-train` (ours), `pytorch-eager` or `pytorch-compiled`.
@@ -184,6 +199,19 @@ impl Run {
         l.words
     }
 
+    /// Whether the two runs trained the same model from the same weights on the same batches at
+    /// the same rates: the model, the batch, the steps, the seed, the schedule (its rates as
+    /// `f32`, as the trainers keep them) and the training text's length.
+    fn same_setup(&self, other: &Run) -> bool {
+        let (a, b) = (&self.settings, &other.settings);
+        let rates =
+            |s: &Option<Schedule>| s.as_ref().map(|s| (s.max as f32, s.min as f32, s.warmup));
+        self.config == other.config
+            && (a.batch, a.seq_len, a.steps, a.seed) == (b.batch, b.seq_len, b.steps, b.seed)
+            && rates(&a.schedule) == rates(&b.schedule)
+            && self.train_bytes == other.train_bytes
+    }
+
     /// Ours with our flash attention, PyTorch's FlashAttention-2 and its default, eager: the
     /// runs the loss chart compares.
     fn in_loss_chart(&self) -> bool {
@@ -277,7 +305,12 @@ pub fn render_all(runs: &[Run]) -> Result<Vec<(String, String)>, String> {
         }
         let group = ordered(&group);
         let subtitle = subtitle(&group);
-        let losses: Vec<&Run> = group.iter().filter(|r| r.in_loss_chart()).collect();
+        // the runs that share our flash attention's weights, batches and rates
+        let reference = group.iter().find(|r| r.is_ours() && r.attention == "flash");
+        let losses: Vec<&Run> = group
+            .iter()
+            .filter(|r| r.in_loss_chart() && reference.is_none_or(|o| r.same_setup(o)))
+            .collect();
         if !losses.is_empty() {
             out.push((
                 format!("train-{name}-loss.svg"),
@@ -616,6 +649,7 @@ fn table(runs: &[Run]) -> String {
         });
         let difference = match reference {
             Some(o) if std::ptr::eq(o, r) => "–".to_string(),
+            Some(o) if !r.same_setup(o) => "other settings".to_string(),
             Some(o) => r.loss_difference(o).map_or("–".to_string(), |(d, n)| {
                 format!("{d:.1e} over {n} steps")
             }),
@@ -650,7 +684,8 @@ fn table(runs: &[Run]) -> String {
          median, the first step left out; *vs ours*: the run's tokens/s over ours (our flash \
          attention), above 1× the run is faster; *held-out loss*: the last one measured; *loss \
          vs ours*: the largest relative difference between the run's losses and ours at the \
-         same steps (training and held-out), from the same initial weights and batches.\n",
+         same steps (training and held-out), from the same initial weights and batches (*other \
+         settings*: a run of another model, batch, schedule, seed or text, not compared).\n",
     );
     md
 }
@@ -680,7 +715,7 @@ mod tests {
         [
             // a record from before the GPU trainer: no trainer, device or attention
             r#"{"config":{"layers":2,"d_model":64,"heads":4,"context":64,"vocab":256},
-                "settings":{"batch":8,"seq_len":64,"steps":2},"params":1,
+                "settings":{"batch":8,"seq_len":64,"steps":20},"params":1,
                 "steps":[{"step":1,"loss":5.0,"ms":2.0},{"step":2,"loss":4.0,"ms":1.0}],
                 "evals":[{"step":0,"loss":5.5}]}"#
                 .to_string(),
@@ -811,6 +846,39 @@ mod tests {
             cpu.contains("| ours: online softmax, SIMD (steps 02 and 04) | 2 | 512,000 | 1.00 | 1.00× | 5.5000 (step 0) | – |"),
             "{cpu}"
         );
+    }
+
+    #[test]
+    fn runs_of_other_settings_are_not_compared_with_ours() {
+        let mut runs = sample();
+        let fa2 = colour_of("pytorch_sdpa_flash");
+        let loss_chart = |runs: &[Run]| {
+            let charts = render_all(runs).unwrap();
+            charts
+                .into_iter()
+                .find(|(n, _)| n == "train-gpu-loss.svg")
+                .unwrap()
+                .1
+        };
+        assert!(loss_chart(&runs).contains(&fa2));
+        // FlashAttention-2's run from another seed: other batches, nothing to compare
+        let other = runs
+            .iter_mut()
+            .find(|r| r.attention == "flash-attention-2")
+            .unwrap();
+        other.settings.seed = 2;
+        assert!(!loss_chart(&runs).contains(&fa2));
+        let charts = render_all(&runs).unwrap();
+        let md = &charts.iter().find(|(n, _)| n == "train-gpu.md").unwrap().1;
+        assert!(
+            md.contains("| FlashAttention-2 via PyTorch | 20 | 450,000 | 1.14 | 1.12× | 25.0 | 3.5000 (step 20) | other settings |"),
+            "{md}"
+        );
+    }
+
+    fn colour_of(method: &str) -> String {
+        let c = look(method, Device::Cuda).colour;
+        format!("#{:02X}{:02X}{:02X}", c.0, c.1, c.2)
     }
 
     #[test]

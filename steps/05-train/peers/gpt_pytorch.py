@@ -42,9 +42,10 @@ has: `framework` (PyTorch's version), `host` (the device in words), `weights` (w
 from) and, with --profile, `kernels`: the attention operations and kernels torch.profiler saw
 in one more forward and backward after the run.
 
---check-against OUR_RUN.json takes the model and every setting from our trainer's record (it
-must have been written with --out), trains with them, and compares the two runs' losses step
-by step; it exits with status 1 if any differs by more than --tolerance, relatively.
+--like OUR_RUN.json takes the model and every setting from our trainer's record (written with
+--out): the run then has our run's weights, batches and schedule. --check-against OUR_RUN.json
+does the same, and compares the two runs' losses step by step; it exits with status 1 if any
+differs by more than --tolerance, relatively.
 
 Usage (see steps/05-train/README.md):
   cargo run --release -p step05-train -- train --steps 0 --save-tokens corpus.tokens
@@ -506,8 +507,8 @@ def kernels_seen(step_fn, cuda):
 
 
 def settings_from(args, record, init_cfg):
-    """The model and every setting: our run's record's with --check-against (flags that
-    disagree with it are refused), else the preset's, the flags' and our trainer's defaults;
+    """The model and every setting: our run's record's with --like or --check-against (flags
+    that disagree with it are refused), else the preset's, the flags' and our trainer's defaults;
     with --init the model is the checkpoint's (flags that disagree are refused)."""
     given = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k) is not None}
     if record is not None:
@@ -523,12 +524,12 @@ def settings_from(args, record, init_cfg):
             if k in from_record and from_record[k] != v and not (k == "steps" and v < from_record[k]):
                 raise Failure(
                     f"--{k.replace('_', '-')} {v}, but the run to check against has {from_record[k]}: "
-                    "--check-against takes every setting from the run (fewer --steps may be given)"
+                    "--like and --check-against take every setting from the run (fewer --steps may be given)"
                 )
         settings = dict(s)
         settings["train_steps"] = given.get("steps", s["steps"])
         if record.get("started_at_step", 0) != 0:
-            raise Failure("--check-against takes a run that started from step 0, not a resumed one")
+            raise Failure("--like and --check-against take a run that started from step 0, not a resumed one")
         return cfg, settings
     v = dict(DEFAULTS)
     if args.preset:
@@ -562,14 +563,18 @@ def settings_from(args, record, init_cfg):
 
 def run(args):
     record = None
-    if args.check_against:
+    if args.check_against and args.like:
+        raise Failure("--like and --check-against both take the run's settings: give one")
+    like = args.check_against or args.like
+    if like:
+        flag = "--check-against" if args.check_against else "--like"
         try:
-            with open(args.check_against) as f:
+            with open(like) as f:
                 record = json.load(f)
         except (OSError, ValueError) as e:
-            raise Failure(f"--check-against {args.check_against}: {e}")
-        if "steps" not in record or "settings" not in record:
-            raise Failure(f"--check-against {args.check_against}: not a run written by our trainer's --out")
+            raise Failure(f"{flag} {like}: {e}")
+        if not isinstance(record, dict) or "steps" not in record or "settings" not in record:
+            raise Failure(f"{flag} {like}: not a run written by our trainer's --out")
     init = read_checkpoint(args.init) if args.init else None
     cfg, s = settings_from(args, record, init[0] if init else None)
 
@@ -767,7 +772,7 @@ def run(args):
             json.dump(out, f, indent=2)
             f.write("\n")
         print(f"run written to {args.out}")
-    if record is not None:
+    if args.check_against:
         return check(out, record, args.tolerance)
     return 0
 
@@ -832,6 +837,7 @@ def parse_args(argv):
     p.add_argument("--print-every", type=int, default=1)
     p.add_argument("--profile", action="store_true", help="after the run, one step under torch.profiler: the attention kernels it saw")
     p.add_argument("--out", help="write the run as JSON, in the schema of our trainer's --out")
+    p.add_argument("--like", metavar="OUR_RUN.json", help="take the model and every setting from our trainer's run (its --out): the same weights, batches and schedule")
     p.add_argument("--check-against", metavar="OUR_RUN.json", help="take every setting from our trainer's run and compare the losses step by step")
     p.add_argument("--tolerance", type=float, default=1e-4, help="--check-against's largest relative difference [default: 1e-4]")
     args = p.parse_args(argv)
