@@ -400,8 +400,9 @@ def schedule_lr(s, step):
 # ANCHOR: clip
 def clip_grad_norm(grads, max_norm, exact):
     """clip_grad_norm (optim.rs): the global norm, and every gradient scaled by max_norm / norm
-    when it is above max_norm (and left alone, not scaled by 1 - 1e-6, when it is not: unlike
-    torch.nn.utils.clip_grad_norm_). `exact` sums the squares in f64, as ours."""
+    when it is above max_norm, as ours (torch.nn.utils.clip_grad_norm_ divides by norm + 1e-6
+    instead: too small a difference for the check to see, but not ours). `exact` sums the
+    squares in f64, as ours."""
     if exact:
         norm = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt().float()
     else:
