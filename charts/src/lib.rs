@@ -24,6 +24,7 @@
 //!
 //! - [`read_dir`]: the rows of every JSON file, as the shared core's [`Row`].
 //! - [`render_all`]: every chart and table the rows call for, as `(file name, text)`.
+//! - [`train`]: the training runs' charts, from `charts/data/train-*.json`. // [step 05]
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -34,6 +35,8 @@ use flash_core::{Device, Pass, row};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+
+pub mod train; // [step 05]
 
 /// Measurements with charts of their own, apart from the main CPU and GPU ones: the rows of
 /// `data/NAME*.json` draw `NAME-*.svg` and `NAME-*.md`. A step whose method is measured in a
@@ -67,6 +70,10 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
             charts.push((name, text));
         }
     }
+    // [step 05]
+    // the training runs, ours and PyTorch's
+    charts.extend(train::render_all(&train::read_runs(&data)?)?);
+    // [/step 05]
     Ok(charts)
 }
 
@@ -81,6 +88,7 @@ fn read_files(dir: &Path, keep: impl Fn(&Path) -> bool) -> Result<Vec<Row>, Stri
         .map_err(|e| format!("{}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "json") && keep(p))
+        .filter(|p| !train::is_run_file(p)) // [step 05]
         .collect();
     files.sort();
     let mut rows = Vec::new();
@@ -243,6 +251,9 @@ const STYLES: &[Style] = &[
     peer("pytorch_sdpa_efficient", "", "memory-efficient SDPA via PyTorch", "mem-eff.", RGBColor(0x96, 0x96, 0x96), Marker::TriangleDown),
     peer("pytorch_sdpa", "cuda", "PyTorch's default SDPA", "SDPA", RGBColor(0xfd, 0x8d, 0x3c), Marker::Square),
     // [/step 03]
+    // [step 05]
+    peer("pytorch_compiled", "", "PyTorch's default SDPA, torch.compile", "compiled", RGBColor(0xe7, 0x29, 0x8a), Marker::Cross),
+    // [/step 05]
 ];
 
 /// Our best method at each length against the peer it is compared with, in the tables: the
