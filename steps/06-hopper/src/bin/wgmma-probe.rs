@@ -20,11 +20,10 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     if let [_, flag, path] = &args[..]
         && flag == "--ptx"
+        && let Err(e) = std::fs::write(path, ptx.to_src())
     {
-        if let Err(e) = std::fs::write(path, ptx.to_src()) {
-            eprintln!("error: {path}: {e}");
-            return ExitCode::FAILURE;
-        }
+        eprintln!("error: {path}: {e}");
+        return ExitCode::FAILURE;
     }
     println!("wgmma_probe compiles for sm_90a");
     let gpu = match Gpu::shared() {
