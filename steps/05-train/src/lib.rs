@@ -39,7 +39,7 @@ pub use checkpoint::Checkpoint;
 pub use data::{Batch, Corpus};
 pub use model::{Config, Params, backward, forward, loss};
 pub use optim::{AdamW, AdamWSettings, Schedule, clip_grad_norm};
-pub use train::{RunRecord, Settings, Trainer, sample, train};
+pub use train::{Learner, RunRecord, Settings, Trainer, sample, train};
 
 use flash_core::AttnError;
 

@@ -122,6 +122,18 @@ struct TrainArgs {
     /// Go on from a checkpoint: its weights, optimizer and step
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Stop after the first step that ends past this many seconds of training (held-out
+    /// losses not counted); the schedule still runs over --steps
+    #[arg(long)]
+    max_seconds: Option<f64>,
+    /// Write the initial weights (before the first step) as a checkpoint without optimizer
+    /// state, for a peer trainer to start from the same weights
+    #[arg(long)]
+    save_init: Option<PathBuf>,
+    /// Write the windows of every step of the run, [steps, batch, seq_len + 1] bytes (inputs,
+    /// and the targets one byte later), and the held-out batches' likewise to PATH.heldout
+    #[arg(long)]
+    dump_batches: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -171,6 +183,7 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
         seed: args.seed,
         eval_every: args.eval_every,
         eval_batches: args.eval_batches,
+        max_seconds: args.max_seconds,
     };
     let corpus = match &args.data {
         Some(path) => Corpus::load(path)?,
@@ -201,6 +214,18 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
         }
         None => Trainer::new(config, &settings)?,
     };
+    if let Some(path) = &args.dump_batches {
+        dump_batches(path, &corpus, &settings, trainer.step)?;
+    }
+    if let Some(path) = &args.save_init {
+        let init = Checkpoint {
+            params: trainer.params.clone(),
+            opt: None,
+            step: trainer.step,
+        };
+        init.save(path)?;
+        println!("initial weights written to {}", path.display());
+    }
     println!(
         "model: {config:?}, {} parameters; {} sequences × {} tokens a step, {} threads",
         trainer.params.count(),
@@ -235,6 +260,43 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
         ckpt.save(path)?;
         println!("checkpoint written to {}", path.display());
     }
+    Ok(())
+}
+
+/// The windows of steps `from..settings.steps` to `path`, and of the held-out batches to
+/// `path.heldout`: row-major u8, `seq_len + 1` bytes a window.
+fn dump_batches(
+    path: &std::path::Path,
+    corpus: &Corpus,
+    settings: &Settings,
+    from: usize,
+) -> Result<(), TrainError> {
+    use step05_train::data::{heldout_starts, train_starts, windows};
+    let (batch, tokens) = (settings.batch, settings.seq_len);
+    corpus.check_window(tokens)?;
+    let mut out =
+        Vec::with_capacity((settings.steps - from.min(settings.steps)) * batch * (tokens + 1));
+    for step in from..settings.steps {
+        let starts = train_starts(corpus.train.len(), batch, tokens, settings.seed, step);
+        out.extend_from_slice(&windows(&corpus.train, &starts, tokens));
+    }
+    std::fs::write(path, &out).map_err(|e| TrainError::io(path, e))?;
+    let mut held = Vec::new();
+    for starts in heldout_starts(corpus.heldout.len(), batch, tokens, settings.eval_batches) {
+        held.extend_from_slice(&windows(&corpus.heldout, &starts, tokens));
+    }
+    let mut heldout_path = path.as_os_str().to_owned();
+    heldout_path.push(".heldout");
+    let heldout_path = PathBuf::from(heldout_path);
+    std::fs::write(&heldout_path, &held).map_err(|e| TrainError::io(&heldout_path, e))?;
+    println!(
+        "batches of steps {from}..{} written to {} ([{}, {batch}, {}] bytes), held-out to {}",
+        settings.steps,
+        path.display(),
+        settings.steps.saturating_sub(from),
+        tokens + 1,
+        heldout_path.display()
+    );
     Ok(())
 }
 
