@@ -26,6 +26,7 @@
 //! - `src/main.rs`: the command, `train` and `sample`.
 
 pub mod checkpoint;
+pub mod cuda;
 pub mod data;
 pub mod layers;
 pub mod model;
@@ -59,6 +60,8 @@ pub enum TrainError {
     },
     /// The attention refused its inputs.
     Attention(AttnError),
+    /// The GPU: none, a missing library, a failed launch, or out of its memory.
+    Device(AttnError),
 }
 
 impl TrainError {
@@ -78,6 +81,7 @@ impl fmt::Display for TrainError {
             }
             TrainError::Io { path, source } => write!(f, "{path}: {source}"),
             TrainError::Attention(e) => write!(f, "attention: {e}"),
+            TrainError::Device(e) => write!(f, "GPU: {e}"),
         }
     }
 }

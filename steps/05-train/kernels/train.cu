@@ -1,0 +1,461 @@
+// Every layer of the GPT besides its matrix products (cuBLAS) and its attention (steps 03 and
+// 04): the embeddings, LayerNorm, GELU, the re-layout of q, k and v, the cross-entropy, the
+// column sums that give bias and LayerNorm gradients, the gradients' global norm and AdamW.
+// Each kernel is the GPU twin of a function of src/layers.rs, src/model.rs or src/optim.rs,
+// and the model-level test (tests/gpu.rs) checks them all against those.
+//
+// Precision: bf16 values are raw 16-bit patterns (u16), widened to f32 by a shift and rounded
+// back to nearest-even by one PTX instruction, so no CUDA header is needed. Everything is
+// computed in f32; sums that decide the loss and the gradients' norm in f64. Reductions over
+// rows are split into a fixed grid of partial sums and a second pass over them, never atomics,
+// so a step gives the same bits on every run.
+
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned int u32;
+
+__device__ __forceinline__ float bf(u16 x) { return __uint_as_float((u32)x << 16); }
+
+__device__ __forceinline__ u16 to_bf(float x) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffff, x, o);
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+    for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, o));
+    return x;
+}
+
+// The index of this thread in a one-dimensional grid, in 64 bits.
+__device__ __forceinline__ long long global_index() {
+    return (long long)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+// ANCHOR: embed_forward
+// x[b·T + t] = wte[token] + wpe[t]: the residual stream's start, in f32 (model.rs's forward).
+extern "C" __global__ void embed_forward(
+    const u8* __restrict__ tokens,  // [B·T] input bytes
+    const float* __restrict__ wte,  // [V, C] token embedding (f32 master weights)
+    const float* __restrict__ wpe,  // [context, C] position embedding
+    float* __restrict__ x,          // [B·T, C] out
+    int T,                          // tokens per sequence
+    int C,                          // width of the residual stream
+    long long total                 // B·T·C
+) {
+    long long i = global_index();
+    if (i >= total) return;
+    long long row = i / C;
+    int c = (int)(i % C);
+    int t = (int)(row % T);
+    x[i] = wte[(long long)tokens[row] * C + c] + wpe[(long long)t * C + c];
+}
+// ANCHOR_END: embed_forward
+
+// dwpe[t] = Σ_b dx[b·T + t] for t < T, 0 for the positions this run does not reach; in the
+// order of b, as the CPU model adds them. Overwrites dwpe.
+extern "C" __global__ void embed_backward_pos(
+    const float* __restrict__ dx,  // [B·T, C] gradient of the residual stream's start
+    float* __restrict__ dwpe,      // [context, C] out
+    int B, int T, int C,
+    long long total                // context·C
+) {
+    long long i = global_index();
+    if (i >= total) return;
+    int t = (int)(i / C), c = (int)(i % C);
+    float s = 0.f;
+    if (t < T)
+        for (int b = 0; b < B; ++b) s += dx[((long long)b * T + t) * C + c];
+    dwpe[i] = s;
+}
+
+// dwte[v] += Σ dx[row] over the rows whose input token is v. `order` lists the rows sorted by
+// token (the host sorts them with the batch), `offsets[v]..offsets[v+1]` are token v's. A block
+// per (32 columns, token): its 8 warps take every 8th row, then add their sums in a fixed order.
+// Adds: the output layer's product has written its share of the tied weights' gradient first.
+extern "C" __global__ void embed_backward_tok(
+    const float* __restrict__ dx,       // [B·T, C]
+    const int* __restrict__ order,      // [B·T] row numbers, sorted by their token
+    const int* __restrict__ offsets,    // [V + 1] where each token's rows start in `order`
+    float* __restrict__ dwte,           // [V, C] added into
+    int C
+) {
+    __shared__ float part[8][32];
+    const int v = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int c = blockIdx.x * 32 + lane;
+    float s = 0.f;
+    if (c < C)
+        for (int j = offsets[v] + warp; j < offsets[v + 1]; j += 8) s += dx[(long long)order[j] * C + c];
+    part[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && c < C) {
+        float total = 0.f;
+        for (int w = 0; w < 8; ++w) total += part[w][lane];
+        dwte[(long long)v * C + c] += total;
+    }
+}
+
+// ANCHOR: layernorm_forward
+// One warp per row. With a product's output y, first closes the residual connection,
+// x = res + (y + bias), and keeps x (the LayerNorm's input, which its backward needs); then
+// LayerNorm of x, statistics in f32, the normalised row rounded to bf16 for the next product.
+extern "C" __global__ void layernorm_forward(
+    const float* res,                  // [rows, C] the residual stream so far
+    const float* y,                    // [rows, C] a product's output to add to it, or null
+    const float* __restrict__ y_bias,  // [C] that product's bias (read only with y)
+    float* x,                          // [rows, C] res + y + y_bias, written only with y
+    const float* __restrict__ w,       // [C] gain
+    const float* __restrict__ b,       // [C] bias
+    u16* __restrict__ out,             // [rows, C] normalised, bf16
+    float* __restrict__ mean,          // [rows]
+    float* __restrict__ rstd,          // [rows] 1/sqrt(var + eps)
+    int rows, int C
+) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const long long base = (long long)row * C;
+    const float* xr = res + base;
+    float sum = 0.f;
+    if (y) {
+        for (int c = lane; c < C; c += 32) {
+            float v = res[base + c] + (y[base + c] + y_bias[c]);
+            x[base + c] = v;
+            sum += v;
+        }
+        xr = x + base;  // each lane reads back only what it wrote
+    } else {
+        for (int c = lane; c < C; c += 32) sum += xr[c];
+    }
+    const float m = warp_sum(sum) / C;
+    float ss = 0.f;
+    for (int c = lane; c < C; c += 32) {
+        float d = xr[c] - m;
+        ss += d * d;
+    }
+    const float r = 1.f / sqrtf(warp_sum(ss) / C + 1e-5f);
+    for (int c = lane; c < C; c += 32) out[base + c] = to_bf((xr[c] - m) * r * w[c] + b[c]);
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = r;
+    }
+}
+// ANCHOR_END: layernorm_forward
+
+// ANCHOR: layernorm_backward
+// One warp per row, 4 warps a block, every (gridDim.x · 4)-th row. With x̂ = (x − μ)·r and
+// g = dy ∘ w: dx = (g − mean(g) − x̂ · mean(g ∘ x̂))·r, added to the gradient reaching x along
+// the residual; the sum is written in f32 and, rounded, in bf16 for the products before it.
+// dw = Σ dy ∘ x̂ and db = Σ dy are summed per warp in shared memory, then per block into
+// `partial`; reduce_partials adds the blocks.
+extern "C" __global__ void layernorm_backward(
+    const float* __restrict__ dy,      // [rows, C] gradient of the normalised output
+    const float* __restrict__ x,       // [rows, C] the forward's input
+    const float* __restrict__ w,       // [C] gain
+    const float* __restrict__ mean,    // [rows]
+    const float* __restrict__ rstd,    // [rows]
+    const float* dres_in,              // [rows, C] gradient reaching x along the residual, or null
+    float* dres_out,                   // [rows, C] dres_in + dx (may be dres_in itself)
+    u16* __restrict__ dres_out_bf16,   // [rows, C] the same, bf16
+    float* __restrict__ partial,       // [gridDim.x, 2C] per block: Σ dy·x̂, then Σ dy
+    int rows, int C
+) {
+    extern __shared__ float acc[];  // [warps][2C]
+    const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float* mine = acc + (long long)warp * 2 * C;
+    for (int c = lane; c < 2 * C; c += 32) mine[c] = 0.f;
+    for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
+        const long long base = (long long)row * C;
+        const float m = mean[row], r = rstd[row];
+        float sg = 0.f, sgx = 0.f;
+        for (int c = lane; c < C; c += 32) {
+            float xh = (x[base + c] - m) * r, g = dy[base + c] * w[c];
+            sg += g;
+            sgx += g * xh;
+        }
+        sg = warp_sum(sg) / C;
+        sgx = warp_sum(sgx) / C;
+        for (int c = lane; c < C; c += 32) {
+            float d = dy[base + c], xh = (x[base + c] - m) * r, g = d * w[c];
+            float dx = (g - sg - xh * sgx) * r;
+            if (dres_in) dx = dres_in[base + c] + dx;
+            dres_out[base + c] = dx;
+            dres_out_bf16[base + c] = to_bf(dx);
+            mine[c] += d * xh;
+            mine[C + c] += d;
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+        float s = 0.f;
+        for (int k = 0; k < warps; ++k) s += acc[(long long)k * 2 * C + c];
+        partial[(long long)blockIdx.x * 2 * C + c] = s;
+    }
+}
+// ANCHOR_END: layernorm_backward
+
+// Column sums of a [rows, K] matrix, first pass: block (x, y) sums rows y·chunk .. (y+1)·chunk
+// of columns x·blockDim.x + thread into partial[y, column].
+extern "C" __global__ void colsum_partial_bf16(
+    const u16* __restrict__ m,      // [rows, K] bf16
+    float* __restrict__ partial,    // [gridDim.y, K]
+    int rows, int K, int chunk
+) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= K) return;
+    const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    float s = 0.f;
+    for (int r = r0; r < r1; ++r) s += bf(m[(long long)r * K + c]);
+    partial[(long long)blockIdx.y * K + c] = s;
+}
+
+extern "C" __global__ void colsum_partial_f32(
+    const float* __restrict__ m,    // [rows, K] f32
+    float* __restrict__ partial,    // [gridDim.y, K]
+    int rows, int K, int chunk
+) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= K) return;
+    const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    float s = 0.f;
+    for (int r = r0; r < r1; ++r) s += m[(long long)r * K + c];
+    partial[(long long)blockIdx.y * K + c] = s;
+}
+
+// Second pass: out[c] = Σ_p partial[p, c], columns below `split` to out_a, the rest to out_b
+// (a LayerNorm's partials hold dw then db). Overwrites.
+extern "C" __global__ void reduce_partials(
+    const float* __restrict__ partial,  // [parts, K]
+    int parts, int K, int split,
+    float* __restrict__ out_a,          // [split]
+    float* __restrict__ out_b           // [K - split], or null when split = K
+) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= K) return;
+    float s = 0.f;
+    for (int p = 0; p < parts; ++p) s += partial[(long long)p * K + c];
+    if (c < split) out_a[c] = s;
+    else out_b[c - split] = s;
+}
+
+// ANCHOR: gelu
+// GELU in GPT-2's tanh form (layers.rs's gelu): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+__device__ __forceinline__ float gelu(float x) {
+    float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_grad(float x) {
+    float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    float t = tanhf(u);
+    float du = 0.7978845608028654f * (1.f + 3.f * 0.044715f * x * x);
+    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * du;
+}
+
+// The MLP's first product's bias, then GELU: fc += bias in place (the pre-activation the
+// backward needs) and out = gelu(fc), both bf16. Two values a thread.
+extern "C" __global__ void bias_gelu(
+    u16* __restrict__ fc,            // [rows, K] the product, bias added in place
+    const float* __restrict__ bias,  // [K]
+    u16* __restrict__ out,           // [rows, K] gelu(fc)
+    long long pairs, int K           // rows·K/2, K even
+) {
+    long long i = global_index();
+    if (i >= pairs) return;
+    int c = (int)((2 * i) % K);
+    u32 v = reinterpret_cast<u32*>(fc)[i];
+    u16 lo = to_bf(bf((u16)(v & 0xffff)) + bias[c]), hi = to_bf(bf((u16)(v >> 16)) + bias[c + 1]);
+    reinterpret_cast<u32*>(fc)[i] = (u32)lo | ((u32)hi << 16);
+    u32 g = (u32)to_bf(gelu(bf(lo))) | ((u32)to_bf(gelu(bf(hi))) << 16);
+    reinterpret_cast<u32*>(out)[i] = g;
+}
+
+// d ← d ∘ gelu'(fc), in place: the gradient through GELU.
+extern "C" __global__ void gelu_backward(
+    u16* __restrict__ d,             // [rows, K] gradient of gelu(fc) in, of fc out
+    const u16* __restrict__ fc,      // [rows, K] the pre-activation
+    long long pairs
+) {
+    long long i = global_index();
+    if (i >= pairs) return;
+    u32 dv = reinterpret_cast<u32*>(d)[i], f = reinterpret_cast<const u32*>(fc)[i];
+    u16 lo = to_bf(bf((u16)(dv & 0xffff)) * gelu_grad(bf((u16)(f & 0xffff))));
+    u16 hi = to_bf(bf((u16)(dv >> 16)) * gelu_grad(bf((u16)(f >> 16))));
+    reinterpret_cast<u32*>(d)[i] = (u32)lo | ((u32)hi << 16);
+}
+// ANCHOR_END: gelu
+
+// ANCHOR: heads
+// One row per token with its heads side by side, [B·T, stride] (q's, k's or v's columns of the
+// fused projection, from `rows`), to [B, H, T, D], the layout our attention kernels take:
+// heads[b, h, t, d] = rows[b·T + t, h·D + d] (+ bias[h·D + d]). Two values a thread; a warp
+// reads and writes whole 128-byte runs of a head's row.
+extern "C" __global__ void rows_to_heads(
+    const u16* __restrict__ rows,    // [B·T, stride], this part's first column at rows[0]
+    int stride,                      // values from one token's row to the next
+    const float* __restrict__ bias,  // [H·D] added on the way, or null
+    u16* __restrict__ heads,         // [B, H, T, D]
+    int T, int H, int D,
+    long long pairs                  // B·T·H·D/2
+) {
+    long long i = global_index();
+    if (i >= pairs) return;
+    const int C = H * D;
+    long long row = i / (C / 2);
+    int c = (int)(i % (C / 2)) * 2, h = c / D, d = c % D;
+    long long b = row / T, t = row % T;
+    u32 v = *reinterpret_cast<const u32*>(rows + row * stride + c);
+    if (bias) {
+        u16 lo = to_bf(bf((u16)(v & 0xffff)) + bias[c]), hi = to_bf(bf((u16)(v >> 16)) + bias[c + 1]);
+        v = (u32)lo | ((u32)hi << 16);
+    }
+    *reinterpret_cast<u32*>(heads + ((b * H + h) * T + t) * D + d) = v;
+}
+
+// The inverse: [B, H, T, D] back to one row per token (the attention's output into the
+// projection; dq, dk, dv into the fused projection's gradient).
+extern "C" __global__ void heads_to_rows(
+    const u16* __restrict__ heads,   // [B, H, T, D]
+    u16* __restrict__ rows,          // [B·T, stride], this part's first column at rows[0]
+    int stride,
+    int T, int H, int D,
+    long long pairs
+) {
+    long long i = global_index();
+    if (i >= pairs) return;
+    const int C = H * D;
+    long long row = i / (C / 2);
+    int c = (int)(i % (C / 2)) * 2, h = c / D, d = c % D;
+    long long b = row / T, t = row % T;
+    *reinterpret_cast<u32*>(rows + row * stride + c) =
+        *reinterpret_cast<const u32*>(heads + ((b * H + h) * T + t) * D + d);
+}
+// ANCHOR_END: heads
+
+// ANCHOR: cross_entropy
+// Softmax and cross-entropy of each row of logits together, one warp per row (V ≤ 256 values,
+// 8 a lane): losses[row] = lse − logit[target] and, when dlogits is given, the gradient
+// (softmax − onehot(target))·scale in bf16, scale = 1/(B·T) for the mean over tokens.
+extern "C" __global__ void cross_entropy(
+    const float* __restrict__ logits,  // [rows, V] f32
+    const u8* __restrict__ targets,    // [rows]
+    float* __restrict__ losses,        // [rows] out
+    u16* __restrict__ dlogits,         // [rows, V] out, or null (held-out loss only)
+    int rows, int V, float scale
+) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const float* l = logits + (long long)row * V;
+    float m = -__int_as_float(0x7f800000);
+    for (int c = lane; c < V; c += 32) m = fmaxf(m, l[c]);
+    m = warp_max(m);
+    float s = 0.f;
+    for (int c = lane; c < V; c += 32) s += expf(l[c] - m);
+    const float lse = m + logf(warp_sum(s));
+    const int target = targets[row];
+    if (lane == 0) losses[row] = lse - l[target];
+    if (dlogits) {
+        u16* d = dlogits + (long long)row * V;
+        for (int c = lane; c < V; c += 32) d[c] = to_bf((expf(l[c] - lse) - (c == target ? 1.f : 0.f)) * scale);
+    }
+}
+// ANCHOR_END: cross_entropy
+
+// out[0] = scale · Σ x, one block of 1024 threads, summed in f64 in a fixed order.
+extern "C" __global__ void sum_scaled(
+    const float* __restrict__ x, int n, float scale, float* __restrict__ out
+) {
+    __shared__ double s[1024];
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) acc += x[i];
+    s[threadIdx.x] = acc;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = (float)(s[0] * scale);
+}
+
+// ANCHOR: grad_norm
+// The gradients' global norm, first pass: each block's Σ g² over a grid-stride share of the
+// flat gradient buffer, in f64 (as optim.rs's clip_grad_norm sums).
+extern "C" __global__ void sumsq_partial(
+    const float* __restrict__ g, long long n, double* __restrict__ partial  // [gridDim.x]
+) {
+    __shared__ double s[256];
+    double acc = 0.0;
+    for (long long i = global_index(); i < n; i += (long long)gridDim.x * blockDim.x) {
+        double v = g[i];
+        acc += v * v;
+    }
+    s[threadIdx.x] = acc;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = s[0];
+}
+
+// Second pass, one block of 256 threads: out[0] = √(Σ partial).
+extern "C" __global__ void norm_finish(
+    const double* __restrict__ partial, int n, float* __restrict__ out
+) {
+    __shared__ double s[256];
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) acc += partial[i];
+    s[threadIdx.x] = acc;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = (float)sqrt(s[0]);
+}
+// ANCHOR_END: grad_norm
+
+// ANCHOR: adamw
+// One AdamW step of every weight (optim.rs's AdamW::step after clip_grad_norm), over the flat
+// buffers: the gradient scaled by max_norm/norm when the norm (read from device memory, where
+// norm_finish left it: no trip to the host) is above max_norm; weight decay on the elements
+// below decay_end, where the layout puts every matrix. Writes the f32 master weight and its
+// bf16 copy for the products.
+extern "C" __global__ void adamw(
+    float* __restrict__ p,            // [n] master weights
+    const float* __restrict__ g,      // [n] gradients
+    float* __restrict__ m,            // [n] running mean of the gradients
+    float* __restrict__ v,            // [n] running mean of their squares
+    u16* __restrict__ p16,            // [n] bf16 copy of the weights
+    long long n, long long decay_end,
+    const float* __restrict__ norm,   // [1] the gradients' global norm
+    float max_norm, float lr, float beta1, float beta2, float eps, float weight_decay,
+    float c1, float c2                // bias corrections 1 − β₁ᵗ, 1 − β₂ᵗ
+) {
+    const float nrm = norm[0];
+    const bool clip = nrm > max_norm;
+    const float scale = max_norm / nrm;
+    for (long long i = global_index(); i < n; i += (long long)gridDim.x * blockDim.x) {
+        float gi = clip ? g[i] * scale : g[i];
+        float mi = beta1 * m[i] + (1.f - beta1) * gi;
+        float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
+        float decay = i < decay_end ? weight_decay : 0.f;
+        float w = p[i];
+        w -= lr * ((mi / c1) / (sqrtf(vi / c2) + eps) + decay * w);
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = w;
+        p16[i] = to_bf(w);
+    }
+}
+// ANCHOR_END: adamw
+
+// y = bf16(x): the weights' first bf16 copy, after they are uploaded.
+extern "C" __global__ void to_bf16(const float* __restrict__ x, u16* __restrict__ y, long long n) {
+    long long i = global_index();
+    if (i < n) y[i] = to_bf(x[i]);
+}
