@@ -2,6 +2,9 @@
 //! the backward each CPU method of the registry comes with, and step 04's blockwise backward
 //! after each CPU method's forward (it takes the output and log-sum-exp of any forward).
 //!
+//! On a GPU (ignored elsewhere), the backward each CUDA method of the registry comes with, after
+//! its own forward, in bf16.
+//!
 //! Every case of the table runs: the f64 reference backward goes through one `T × T` table per
 //! head with matrix products, a fraction of a second at the table's longest length (1000).
 
@@ -83,6 +86,65 @@ fn every_cpu_backward_matches_the_f64_reference() {
                         base[i]
                     );
                 }
+            }
+        }
+    }
+}
+
+/// The CUDA methods of the registry that have a backward, on every case, in bf16: each one's
+/// forward then its own backward, against the f64 reference under FlashAttention's rule: each
+/// gradient's max-abs error at most twice that of the backward by hand in bf16 (PyTorch's
+/// autograd rounding, on the CPU), plus 10⁻⁵ of the gradient's largest value.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_cuda_backward_is_within_twice_by_hand_error_in_bf16() {
+    use flash_core::AttnError;
+    use step03_cuda_forward::Dtype as GpuDtype;
+    use step03_cuda_forward::host::round_array;
+    use step04_backward::cuda::backward_by_hand_low_precision;
+    let methods: Vec<_> = methods::all()
+        .into_iter()
+        .filter(|m| m.device == Device::Cuda && m.backward.is_some())
+        .collect();
+    assert!(!methods.is_empty());
+    let bf16 = GpuDtype::Bf16;
+    for case in cases() {
+        let shape = case.shape;
+        let [q, k, v] = random_qkv(shape, case.seed);
+        let dout = random_normal(shape, case.seed + 7919);
+        let [qr, kr, vr, dr] = [&q, &k, &v, &dout].map(|x| round_array(x.view(), bf16));
+        let want = backward_f64(qr.view(), kr.view(), vr.view(), dr.view()).unwrap();
+        let hand = backward_by_hand_low_precision(q.view(), k.view(), v.view(), dout.view(), bf16);
+        let base = errors(&hand, &want);
+        let size = |r: &Array4<f64>| r.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+        let sizes = [size(&want.dq), size(&want.dk), size(&want.dv)];
+        for m in &methods {
+            let backward = m.backward.unwrap();
+            let got = (m.forward)(q.view(), k.view(), v.view())
+                .and_then(|fwd| backward(q.view(), k.view(), v.view(), &fwd, dout.view()));
+            let got = match got {
+                Ok(got) => got,
+                // the backward kernels take head dims 32 and 64
+                Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
+                    println!("{:>16} {shape}: {e}", m.name);
+                    continue;
+                }
+                Err(e) => panic!("{} failed on {shape}: {e}", m.name),
+            };
+            let errs = errors(&got, &want);
+            println!(
+                "{:>16} {shape}: dq {:.2e}, dk {:.2e}, dv {:.2e}; by hand in bf16 {:.2e}, {:.2e}, {:.2e}",
+                m.name, errs[0], errs[1], errs[2], base[0], base[1], base[2]
+            );
+            for (i, grad) in ["dq", "dk", "dv"].into_iter().enumerate() {
+                let margin = 1e-5 * sizes[i];
+                assert!(
+                    errs[i] <= 2.0 * base[i] + margin,
+                    "{} on {shape}: {grad} max abs {:.3e}; by hand in bf16 {:.3e} (+{margin:.1e})",
+                    m.name,
+                    errs[i],
+                    base[i]
+                );
             }
         }
     }

@@ -6,7 +6,7 @@
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
-use flash_core::AttnError;
+use flash_core::{AttnError, Shape};
 use half::{bf16, f16};
 
 use crate::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error};
@@ -40,17 +40,9 @@ impl Gpu {
             shape.tokens as i64,
             shape.head_dim as i64,
         );
-        let table_len = (heads * t * t) as usize;
         // SAFETY: uninitialised device memory is never read: the first product writes every
         // entry (beta = 0, so cuBLAS does not read it) before the softmax reads any
-        let table: Result<CudaSlice<u16>, _> = unsafe { self.stream().alloc(table_len) };
-        let mut table = table.map_err(|e| match device_error("")(e) {
-            AttnError::OutOfMemory { .. } => AttnError::OutOfMemory {
-                what: format!("attention by hand's [{heads}, {t}, {t}] table of scores"),
-                bytes: table_len as u128 * 2,
-            },
-            other => other,
-        })?;
+        let mut table = unsafe { self.alloc_table(shape, "attention by hand's", "scores") }?;
         let rows = heads as usize * shape.tokens;
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
         match q.dtype {
@@ -74,8 +66,40 @@ impl Gpu {
     }
     // ANCHOR_END: by_hand_gpu
 
-    /// One strided batched product on 16-bit values stored as raw bits.
-    fn gemm<T>(
+    /// A `[batch·heads, T, T]` table of 16-bit values for `shape`, left uninitialised; when
+    /// it does not fit (or its size overflows), `OutOfMemory` naming `whose` table of `what`
+    /// and its bytes.
+    ///
+    /// # Safety
+    ///
+    /// The caller writes every entry before anything reads it.
+    pub unsafe fn alloc_table(
+        &self,
+        shape: Shape,
+        whose: &str,
+        what: &str,
+    ) -> Result<CudaSlice<u16>, AttnError> {
+        let (heads, t) = (shape.batch * shape.heads, shape.tokens);
+        let len = heads
+            .checked_mul(t)
+            .and_then(|n| n.checked_mul(t))
+            .filter(|&n| n <= isize::MAX as usize / 2);
+        let bytes = heads as u128 * (t as u128).pow(2) * 2;
+        let oom = || AttnError::OutOfMemory {
+            what: format!("{whose} [{heads}, {t}, {t}] table of {what}"),
+            bytes,
+        };
+        let len = len.ok_or_else(oom)?;
+        // SAFETY: the caller's promise
+        unsafe { self.stream().alloc(len) }.map_err(|e| match device_error("")(e) {
+            AttnError::OutOfMemory { .. } => oom(),
+            other => other,
+        })
+    }
+
+    /// One strided batched product on 16-bit values stored as raw bits, with a config from
+    /// [`products`] (later steps run their own products on the table through here).
+    pub fn gemm<T>(
         &self,
         cfg: StridedBatchedConfig<T>,
         a: &CudaSlice<u16>,
@@ -107,12 +131,7 @@ impl Gpu {
         rows: usize,
     ) -> Result<(), AttnError> {
         let f = self.softmax_kernel(dtype)?;
-        const WARPS: usize = 8;
-        let config = LaunchConfig {
-            grid_dim: (rows.div_ceil(WARPS) as u32, 1, 1),
-            block_dim: (32 * WARPS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let config = warp_per_row(rows, "causal_softmax")?;
         let (t, rows) = (tokens as i32, rows as i64);
         let mut launch = self.stream().launch_builder(&f);
         launch.arg(table).arg(lse).arg(&t).arg(&rows);
@@ -122,16 +141,37 @@ impl Gpu {
     }
 }
 
+/// A launch of a kernel that gives each row of a table one warp, 8 warps a block; an error
+/// naming `kernel` when the rows need more blocks than a grid takes.
+pub fn warp_per_row(rows: usize, kernel: &str) -> Result<LaunchConfig, AttnError> {
+    const WARPS: usize = 8;
+    let blocks = u32::try_from(rows.div_ceil(WARPS))
+        .ok()
+        .filter(|&b| b <= i32::MAX as u32)
+        .ok_or_else(|| AttnError::Unsupported {
+            what: format!(
+                "{kernel} takes at most 2^31 - 1 blocks of {WARPS} rows (sequences × heads × tokens / {WARPS}); there are {rows} rows"
+            ),
+        })?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (32 * WARPS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 /// The two products of attention by hand as cuBLAS calls, one batch entry per head. cuBLAS is
 /// column-major: a row-major [T, D] matrix is a column-major [D, T] one, so row-major
 /// `S = scale·q·kᵀ` is column-major `Sᵀ = scale·k·qᵀ` (k transposed, q as it is), and row-major
-/// `out = P·v` is column-major `outᵀ = vᵀ·Pᵀ` (both as they are).
-fn products<T: Copy>(
+/// `out = P·v` is column-major `outᵀ = vᵀ·Pᵀ` (both as they are). `scores_alpha` multiplies
+/// the first product (the scale), `weighted_alpha` the second (1); `zero` is beta, so neither
+/// reads what its output held.
+pub fn products<T: Copy>(
     heads: i64,
     t: i64,
     d: i64,
-    scale: T,
-    one: T,
+    scores_alpha: T,
+    weighted_alpha: T,
     zero: T,
 ) -> (StridedBatchedConfig<T>, StridedBatchedConfig<T>) {
     let (ti, di) = (t as i32, d as i32);
@@ -142,7 +182,7 @@ fn products<T: Copy>(
             m: ti,
             n: ti,
             k: di,
-            alpha: scale,
+            alpha: scores_alpha,
             lda: di,
             ldb: di,
             beta: zero,
@@ -160,7 +200,7 @@ fn products<T: Copy>(
             m: di,
             n: ti,
             k: ti,
-            alpha: one,
+            alpha: weighted_alpha,
             lda: di,
             ldb: ti,
             beta: zero,

@@ -7,9 +7,10 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use flash_core::{Attention, AttnError, Shape, check_qkv, check_same};
 use ndarray::{Array4, ArrayView4};
+use step03_cuda_forward::by_hand::warp_per_row;
 use step03_cuda_forward::kernel::compile_error;
 use step03_cuda_forward::{
-    DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, cudarc, device_error,
+    DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, check_device, cudarc, device_error,
 };
 
 use crate::Grads;
@@ -191,6 +192,52 @@ fn kernel(
     )
 }
 
+impl DeviceGrads {
+    /// dq, dk and dv for inputs of `shape` and `dtype`, left uninitialised.
+    ///
+    /// # Safety
+    ///
+    /// The caller writes every value before anything reads it.
+    pub unsafe fn alloc(gpu: &Gpu, shape: Shape, dtype: Dtype) -> Result<DeviceGrads, AttnError> {
+        let alloc = |what: &str| {
+            // SAFETY: the caller's promise
+            unsafe { gpu.stream().alloc::<u16>(shape.len()) }
+                .map_err(alloc_error(what, shape.len() as u128 * 2))
+                .map(|data| DeviceTensor { data, shape, dtype })
+        };
+        Ok(DeviceGrads {
+            dq: alloc("allocating dq")?,
+            dk: alloc("allocating dk")?,
+            dv: alloc("allocating dv")?,
+        })
+    }
+}
+
+/// The checks every backward on the device makes before any work, and the shape they agree
+/// on: q, k and v as the forward takes them ([`check_device`]), `dout` and the forward's
+/// output of q's shape and dtype, and one log-sum-exp per row.
+pub fn check_backward_device(
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<Shape, AttnError> {
+    let shape = check_device(q, k, v)?;
+    same("dout", dout, q)?;
+    same("the forward's output", &fwd.out, q)?;
+    let rows = shape.batch * shape.heads * shape.tokens;
+    if fwd.lse.len() != rows {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "the forward's lse holds {} values; {shape} needs {rows}",
+                fwd.lse.len()
+            ),
+        });
+    }
+    Ok(shape)
+}
+
 fn same(name: &str, x: &DeviceTensor, q: &DeviceTensor) -> Result<(), AttnError> {
     if x.shape != q.shape || x.dtype != q.dtype || x.data.len() != q.shape.len() {
         return Err(AttnError::ShapeMismatch {
@@ -246,18 +293,8 @@ pub fn backward_marked(
     dout: &DeviceTensor,
     mark: &mut dyn FnMut() -> Result<(), AttnError>,
 ) -> Result<DeviceGrads, AttnError> {
-    let shape = check_device(q, k, v)?;
-    same("dout", dout, q)?;
-    same("the forward's output", &fwd.out, q)?;
+    let shape = check_backward_device(q, k, v, fwd, dout)?;
     let rows = shape.batch * shape.heads * shape.tokens;
-    if fwd.lse.len() != rows {
-        return Err(AttnError::ShapeMismatch {
-            what: format!(
-                "the forward's lse holds {} values; {shape} needs {rows}",
-                fwd.lse.len()
-            ),
-        });
-    }
     if !HEAD_DIMS.contains(&shape.head_dim) {
         return Err(AttnError::UnsupportedHeadDim {
             head_dim: shape.head_dim,
@@ -275,27 +312,9 @@ pub fn backward_marked(
         });
     }
     let stream = gpu.stream();
-    // SAFETY: left uninitialised, as every row of every head is written below before anything
-    // reads it (an empty shape has no rows)
-    let alloc =
-        |what: &str| unsafe { stream.alloc::<u16>(shape.len()) }.map_err(device_error(what));
-    let mut grads = DeviceGrads {
-        dq: DeviceTensor {
-            data: alloc("allocating dq")?,
-            shape,
-            dtype: q.dtype,
-        },
-        dk: DeviceTensor {
-            data: alloc("allocating dk")?,
-            shape,
-            dtype: q.dtype,
-        },
-        dv: DeviceTensor {
-            data: alloc("allocating dv")?,
-            shape,
-            dtype: q.dtype,
-        },
-    };
+    // SAFETY: every row of every head is written below before anything reads it (an empty
+    // shape has no rows)
+    let mut grads = unsafe { DeviceGrads::alloc(gpu, shape, q.dtype) }?;
     if shape.is_empty() {
         return Ok(grads);
     }
@@ -319,18 +338,7 @@ pub fn backward_marked(
             .arg(&dout.data)
             .arg(&mut delta)
             .arg(&rows_i);
-        // 8 rows a block of 256 threads (a warp a row)
-        let delta_blocks =
-            u32::try_from(rows.div_ceil(8)).map_err(|_| AttnError::Unsupported {
-                what: format!(
-                    "{shape}: backward_delta takes at most 2^32 - 1 blocks of 8 rows (sequences × heads × tokens / 8)"
-                ),
-            })?;
-        let cfg = LaunchConfig {
-            grid_dim: (delta_blocks, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = warp_per_row(rows, "backward_delta")?;
         unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_delta"))?;
     }
     mark()?;
@@ -389,10 +397,40 @@ pub fn backward_marked(
 }
 // ANCHOR_END: backward_gpu
 
+/// A forward on device tensors: [`Gpu::forward`] or [`Gpu::by_hand`].
+pub type DeviceForwardFn =
+    fn(&Gpu, &DeviceTensor, &DeviceTensor, &DeviceTensor) -> Result<DeviceAttention, AttnError>;
+
+/// A backward on device tensors: [`backward`] or
+/// [`cuda_by_hand::backward`](crate::cuda_by_hand::backward).
+pub type DeviceBackwardFn = fn(
+    &Gpu,
+    &DeviceTensor,
+    &DeviceTensor,
+    &DeviceTensor,
+    &DeviceAttention,
+    &DeviceTensor,
+) -> Result<DeviceGrads, AttnError>;
+
 /// Forward and backward on host arrays: inputs rounded to `dtype`, the forward kernel of step
 /// 03, then [`backward`]; everything widened back to `f32`.
 pub fn forward_backward(
     gpu: &Gpu,
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dout: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<(Attention, Grads), AttnError> {
+    forward_backward_with(gpu, Gpu::forward, backward, q, k, v, dout, dtype)
+}
+
+/// [`forward_backward`] with another forward and backward on device tensors.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward_with(
+    gpu: &Gpu,
+    forward: DeviceForwardFn,
+    backward: DeviceBackwardFn,
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
@@ -414,7 +452,7 @@ pub fn forward_backward(
     }
     let up = |x: ArrayView4<f32>| gpu.upload(x, dtype);
     let (q, k, v, dout) = (up(q)?, up(k)?, up(v)?, up(dout)?);
-    let fwd = gpu.forward(&q, &k, &v)?;
+    let fwd = forward(gpu, &q, &k, &v)?;
     let grads = backward(gpu, &q, &k, &v, &fwd, &dout)?;
     let lse = gpu
         .stream()

@@ -46,10 +46,13 @@
 //!
 //! - [`cuda`]: the backward on the GPU, `kernels/flash_backward.cu` (δ, then dK and dV per
 //!   block of keys, then dQ per block of queries), through step 03's [`Gpu`](step03_cuda_forward::Gpu).
+//! - [`cuda_by_hand`]: the backward by hand on the GPU, cuBLAS through two `[b·h, T, T]` tables
+//!   and `kernels/by_hand_backward.cu`, with the same signature as [`cuda::backward`].
 
 pub mod blockwise;
 pub mod by_hand;
 pub mod cuda;
+pub mod cuda_by_hand;
 pub mod methods;
 pub mod reference;
 

@@ -1,7 +1,7 @@
 //! This step's part of the registry: it gives the methods of earlier steps their backward, by
 //! name, without touching their lines: `naive` the backward by hand, `online` the blockwise
-//! backward, `cuda_flash` the backward kernels (on host arrays, and prepared on the device
-//! with its forward for the benchmark).
+//! backward, `cuda_naive` the backward by hand on the GPU and `cuda_flash` the backward kernels
+//! (each GPU one on host arrays, and prepared on the device with its forward for the benchmark).
 
 use flash_core::inputs::random_normal;
 use flash_core::method::{DeviceHooks, DeviceRun, DeviceRunSpec};
@@ -10,7 +10,8 @@ use ndarray::ArrayView4;
 use step03_cuda_forward::methods::{describe, prepare_inputs};
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Gpu, device_error};
 
-use crate::{BackwardFn, Grads, check_backward, cuda};
+use crate::cuda::{DeviceBackwardFn, DeviceForwardFn, DeviceGrads};
+use crate::{BackwardFn, Grads, check_backward, cuda, cuda_by_hand};
 use flash_core::method::BackwardDtypeFn;
 
 /// A method's backward: on host arrays, in the element type asked for where it takes one,
@@ -28,12 +29,19 @@ const BACKWARDS: &[Backwards] = &[
     ("naive", crate::backward_by_hand, None, None),
     // P rebuilt from the log-sum-exp a block at a time
     ("online", crate::backward, None, None),
+    // cuBLAS through the tables P and dP on the GPU, [b·h, T, T] each
+    (
+        "cuda_naive",
+        gpu_backward::<BY_HAND>,
+        Some(gpu_backward_dtype::<BY_HAND>),
+        Some(HOOKS[BY_HAND]),
+    ),
     // δ, then dK and dV per block of keys, then dQ per block of queries
     (
         "cuda_flash",
-        flash_backward,
-        Some(flash_backward_dtype),
-        Some(FLASH_HOOKS),
+        gpu_backward::<FLASH>,
+        Some(gpu_backward_dtype::<FLASH>),
+        Some(HOOKS[FLASH]),
     ),
 ];
 
@@ -48,19 +56,19 @@ pub fn add_backwards(methods: &mut [Method]) {
     }
 }
 
-/// The backward kernels on host arrays, in bf16, after a forward that returned `fwd`.
-pub fn flash_backward(
+/// A GPU backward (`PAIRS[P]`'s) on host arrays, in bf16, after a forward that returned `fwd`.
+pub fn gpu_backward<const P: usize>(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
     fwd: &Attention,
     dout: ArrayView4<f32>,
 ) -> Result<Grads, AttnError> {
-    flash_backward_dtype(q, k, v, fwd, dout, Dtype::Bf16)
+    gpu_backward_dtype::<P>(q, k, v, fwd, dout, Dtype::Bf16)
 }
 
-/// [`flash_backward`] in bf16 or f16.
-pub fn flash_backward_dtype(
+/// [`gpu_backward`] in bf16 or f16.
+pub fn gpu_backward_dtype<const P: usize>(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
@@ -68,6 +76,21 @@ pub fn flash_backward_dtype(
     dout: ArrayView4<f32>,
     dtype: Dtype,
 ) -> Result<Grads, AttnError> {
+    on_host(PAIRS[P].backward, q, k, v, fwd, dout, dtype)
+}
+
+/// A backward on device tensors run on host arrays: the inputs and what the forward returned
+/// uploaded in `dtype`, the gradients downloaded and widened to `f32`.
+fn on_host(
+    backward: DeviceBackwardFn,
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    fwd: &Attention,
+    dout: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<Grads, AttnError> {
+    // bad shapes and dtypes are refused the same way with or without a GPU
     let shape = check_backward(&q, &k, &v, fwd, &dout)?;
     let dtype = step03_cuda_forward::half_dtype(dtype)?;
     let gpu = Gpu::shared()?;
@@ -85,11 +108,11 @@ pub fn flash_backward_dtype(
         out: up(fwd.out.view())?,
         lse,
     };
-    let g = cuda::backward(gpu, &q, &k, &v, &fwd, &dout)?;
+    let g = backward(gpu, &q, &k, &v, &fwd, &dout)?;
     download_grads(gpu, &g)
 }
 
-fn download_grads(gpu: &Gpu, g: &cuda::DeviceGrads) -> Result<Grads, AttnError> {
+fn download_grads(gpu: &Gpu, g: &DeviceGrads) -> Result<Grads, AttnError> {
     Ok(Grads {
         dq: gpu.download(&g.dq)?,
         dk: gpu.download(&g.dk)?,
@@ -97,24 +120,67 @@ fn download_grads(gpu: &Gpu, g: &cuda::DeviceGrads) -> Result<Grads, AttnError> 
     })
 }
 
-/// The forward kernel of step 03 and the backward kernels, prepared together on the device.
+/// [`Gpu::forward_into`]'s shape: a forward into output buffers allocated before.
+type ForwardIntoFn = fn(
+    &Gpu,
+    &DeviceTensor,
+    &DeviceTensor,
+    &DeviceTensor,
+    &mut DeviceAttention,
+) -> Result<(), AttnError>;
+
+/// A forward of step 03 and the backward that goes with it, on device tensors.
+#[derive(Clone, Copy)]
+struct Pair {
+    forward: DeviceForwardFn,
+    /// The forward into output buffers allocated once, where it has such a form: a timed run is
+    /// then the kernels alone. Attention by hand allocates its table on every call anyway.
+    forward_into: Option<ForwardIntoFn>,
+    backward: DeviceBackwardFn,
+}
+
+/// The GPU methods' pairs: `cuda_naive`'s, attention by hand both ways, and `cuda_flash`'s, the
+/// kernels.
+const PAIRS: [Pair; 2] = [
+    Pair {
+        forward: Gpu::by_hand,
+        forward_into: None,
+        backward: cuda_by_hand::backward,
+    },
+    Pair {
+        forward: Gpu::forward,
+        forward_into: Some(Gpu::forward_into),
+        backward: cuda::backward,
+    },
+];
+/// `cuda_naive`'s place in [`PAIRS`].
+pub const BY_HAND: usize = 0;
+/// `cuda_flash`'s place in [`PAIRS`].
+pub const FLASH: usize = 1;
+
+/// A forward and its backward, prepared together on the device.
 struct Prepared {
     gpu: &'static Gpu,
+    pair: Pair,
     q: DeviceTensor,
     k: DeviceTensor,
     v: DeviceTensor,
     dout: DeviceTensor,
-    /// The forward's output buffers, allocated once so that a timed run is the kernels alone.
-    out: DeviceAttention,
+    /// The forward's output buffers, for a pair with `forward_into`.
+    out: Option<DeviceAttention>,
 }
 
-fn prepare(spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+fn prepare(pair: Pair, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
     let gpu = Gpu::shared()?;
     let [q, k, v] = prepare_inputs(spec)?;
     let dout = gpu.upload(random_normal(spec.shape, spec.seed + 3).view(), q.dtype)?;
-    let out = gpu.alloc_output(spec.shape, q.dtype)?;
+    let out = match pair.forward_into {
+        Some(_) => Some(gpu.alloc_output(spec.shape, q.dtype)?),
+        None => None,
+    };
     Ok(Box::new(Prepared {
         gpu,
+        pair,
         q,
         k,
         v,
@@ -123,48 +189,57 @@ fn prepare(spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
     }))
 }
 
+impl Prepared {
+    /// The forward and the backward once, as a user calls them, output allocation included.
+    fn both(&self) -> Result<(DeviceAttention, DeviceGrads), AttnError> {
+        let (gpu, q, k, v, dout) = (self.gpu, &self.q, &self.k, &self.v, &self.dout);
+        let fwd = (self.pair.forward)(gpu, q, k, v)?;
+        let grads = (self.pair.backward)(gpu, q, k, v, &fwd, dout)?;
+        Ok((fwd, grads))
+    }
+}
+
 impl DeviceRun for Prepared {
     fn time_ms(&mut self) -> Result<f64, AttnError> {
-        let (gpu, q, k, v, dout, out) = (
-            self.gpu,
-            &self.q,
-            &self.k,
-            &self.v,
-            &self.dout,
-            &mut self.out,
-        );
-        gpu.time_ms(|| {
-            gpu.forward_into(q, k, v, out)?;
-            cuda::backward(gpu, q, k, v, out, dout)
-        })
+        let (gpu, pair) = (self.gpu, self.pair);
+        match (pair.forward_into, &mut self.out) {
+            (Some(forward_into), Some(out)) => {
+                let (q, k, v, dout) = (&self.q, &self.k, &self.v, &self.dout);
+                gpu.time_ms(|| {
+                    forward_into(gpu, q, k, v, out)?;
+                    (pair.backward)(gpu, q, k, v, out, dout)
+                })
+            }
+            _ => gpu.time_ms(|| self.both()),
+        }
     }
 
     fn peak_bytes(&mut self) -> Result<u64, AttnError> {
-        // the whole call as a user makes it, output allocation included
-        let (gpu, q, k, v, dout) = (self.gpu, &self.q, &self.k, &self.v, &self.dout);
-        let peak = gpu
-            .peak_allocated(|| {
-                let fwd = gpu.forward(q, k, v)?;
-                cuda::backward(gpu, q, k, v, &fwd, dout).map(drop)
-            })?
-            .1;
+        let peak = self.gpu.peak_allocated(|| self.both().map(drop))?.1;
         peak.ok_or_else(|| AttnError::Device {
             what: "this driver has no stream-ordered memory pool to read a peak from".into(),
         })
     }
 
     fn result(&mut self) -> Result<Attention, AttnError> {
-        let fwd = self.gpu.forward(&self.q, &self.k, &self.v)?;
+        let fwd = (self.pair.forward)(self.gpu, &self.q, &self.k, &self.v)?;
         self.gpu.download_attention(&fwd)
     }
 
     fn grads(&mut self) -> Result<Option<Grads>, AttnError> {
-        let (gpu, q, k, v, dout) = (self.gpu, &self.q, &self.k, &self.v, &self.dout);
-        let fwd = gpu.forward(q, k, v)?;
-        let g = cuda::backward(gpu, q, k, v, &fwd, dout)?;
-        download_grads(gpu, &g).map(Some)
+        let (_, g) = self.both()?;
+        download_grads(self.gpu, &g).map(Some)
     }
 }
 
-/// `cuda_flash`'s forward and backward, for the benchmark.
-pub const FLASH_HOOKS: DeviceHooks = DeviceHooks { describe, prepare };
+/// Each pair's forward and backward prepared for the benchmark, in the order of [`PAIRS`].
+pub const HOOKS: [DeviceHooks; 2] = [
+    DeviceHooks {
+        describe,
+        prepare: |spec| prepare(PAIRS[BY_HAND], spec),
+    },
+    DeviceHooks {
+        describe,
+        prepare: |spec| prepare(PAIRS[FLASH], spec),
+    },
+];

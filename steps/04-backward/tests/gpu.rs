@@ -1,21 +1,45 @@
-//! The backward kernels on a GPU against the f64 reference backward, with FlashAttention's rule
-//! for each of out, dq, dk and dv: at most twice the error of attention by hand (forward and
-//! autograd backward) in the same precision. Ignored where there is no GPU.
+//! The backward kernels, and the backward by hand on the GPU, against the f64 reference
+//! backward, with FlashAttention's rule for each of out, dq, dk and dv: at most twice the error
+//! of attention by hand (forward and autograd backward) in the same precision, computed on the
+//! CPU. Ignored where there is no GPU.
 
-use flash_core::Shape;
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::reference::{attention_f64, error};
-use ndarray::Array4;
+use flash_core::{Attention, AttnError, Shape};
+use ndarray::{Array4, ArrayView4};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
-use step03_cuda_forward::{Dtype, Gpu};
+use step03_cuda_forward::{DeviceTensor, Dtype, Gpu};
+use step04_backward::Grads;
 use step04_backward::cuda::{backward_by_hand_low_precision, forward_backward};
+use step04_backward::cuda_by_hand;
 use step04_backward::reference::backward_f64;
 
-fn check(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64) {
+/// A forward and backward on host arrays: [`forward_backward`] (the kernels) or
+/// [`cuda_by_hand::forward_backward`].
+type ForwardBackward = fn(
+    &Gpu,
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    Dtype,
+) -> Result<(Attention, Grads), AttnError>;
+
+/// Odd numbers of sequences and heads, partial blocks, one token; head dims 64 and 32.
+const SHAPES: [(usize, usize, usize, usize); 6] = [
+    (1, 1, 1, 64),
+    (3, 5, 77, 64),
+    (2, 3, 128, 64),
+    (3, 1, 300, 64),
+    (1, 3, 1024, 64),
+    (2, 3, 190, 32),
+];
+
+fn check(gpu: &Gpu, method: &str, run: ForwardBackward, shape: Shape, dtype: Dtype, seed: u64) {
     let [q, k, v] = random_qkv(shape, seed);
     let dout = random_normal(shape, seed + 99);
-    let (fwd, grads) = forward_backward(gpu, q.view(), k.view(), v.view(), dout.view(), dtype)
-        .unwrap_or_else(|e| panic!("{shape} {}: {e}", dtype.name()));
+    let (fwd, grads) = run(gpu, q.view(), k.view(), v.view(), dout.view(), dtype)
+        .unwrap_or_else(|e| panic!("{method} {shape} {}: {e}", dtype.name()));
     // the reference sees exactly the values the GPU saw
     let [qr, kr, vr, dr] = [&q, &k, &v, &dout].map(|x| round_array(x.view(), dtype));
     let want_out = attention_f64(qr.view(), kr.view(), vr.view()).unwrap();
@@ -51,14 +75,14 @@ fn check(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64) {
     ];
     for (name, ours, by_hand, size) in checks {
         println!(
-            "{shape} {} {name}: ours {ours}; by hand {by_hand}",
+            "{method} {shape} {} {name}: ours {ours}; by hand {by_hand}",
             dtype.name()
         );
         // a margin of 1e-5 of the gradient's size for errors that are (nearly) zero both ways
         let margin = 1e-5 * size;
         assert!(
             ours.max_abs <= 2.0 * by_hand.max_abs + margin,
-            "{shape} {}: {name} max abs error {:.3e} > 2 × by hand's {:.3e} (+{margin:.1e})",
+            "{method} {shape} {}: {name} max abs error {:.3e} > 2 × by hand's {:.3e} (+{margin:.1e})",
             dtype.name(),
             ours.max_abs,
             by_hand.max_abs
@@ -72,21 +96,26 @@ fn backward_matches_the_reference_within_twice_by_hand_error() {
     let gpu = Gpu::new().expect("a GPU");
     let mut seed = 500;
     for dtype in [Dtype::Bf16, Dtype::F16] {
-        for (batch, heads, tokens, head_dim) in [
-            (1, 1, 1, 64),
-            (3, 5, 77, 64),
-            (2, 3, 128, 64),
-            (3, 1, 300, 64),
-            (1, 3, 1024, 64),
-            (2, 3, 190, 32),
-        ] {
+        for (batch, heads, tokens, head_dim) in SHAPES {
             seed += 1;
-            check(
-                &gpu,
-                Shape::new(batch, heads, tokens, head_dim),
-                dtype,
-                seed,
-            );
+            let shape = Shape::new(batch, heads, tokens, head_dim);
+            check(&gpu, "kernels", forward_backward, shape, dtype, seed);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn backward_by_hand_matches_the_reference_within_twice_by_hand_error() {
+    let gpu = Gpu::new().expect("a GPU");
+    let mut seed = 700;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        // and head dim 128, which attention by hand takes and the kernels do not
+        for (batch, heads, tokens, head_dim) in SHAPES.into_iter().chain([(2, 2, 150, 128)]) {
+            seed += 1;
+            let shape = Shape::new(batch, heads, tokens, head_dim);
+            let run = cuda_by_hand::forward_backward;
+            check(&gpu, "by hand", run, shape, dtype, seed);
         }
     }
 }
@@ -95,19 +124,7 @@ fn backward_matches_the_reference_within_twice_by_hand_error() {
 #[ignore = "needs a CUDA GPU"]
 fn backward_is_deterministic_and_refuses_bad_input() {
     let gpu = Gpu::new().expect("a GPU");
-    let shape = Shape::new(2, 2, 333, 64);
-    let [q, k, v] = random_qkv(shape, 5);
-    let dout = random_normal(shape, 6);
-    let a = forward_backward(&gpu, q.view(), k.view(), v.view(), dout.view(), Dtype::Bf16)
-        .unwrap()
-        .1;
-    let b = forward_backward(&gpu, q.view(), k.view(), v.view(), dout.view(), Dtype::Bf16)
-        .unwrap()
-        .1;
-    assert!(
-        a.dq == b.dq && a.dk == b.dk && a.dv == b.dv,
-        "two runs differ: a race?"
-    );
+    deterministic_and_checks_dout(&gpu, "kernels", forward_backward);
     let [q, k, v] = random_qkv(Shape::new(1, 1, 16, 128), 1);
     let err =
         forward_backward(&gpu, q.view(), k.view(), v.view(), q.view(), Dtype::Bf16).unwrap_err();
@@ -115,17 +132,24 @@ fn backward_is_deterministic_and_refuses_bad_input() {
         err.to_string().contains("head_dim 128 is not supported"),
         "{err}"
     );
-    let short = random_normal(Shape::new(1, 1, 15, 128), 2);
-    let err = forward_backward(
-        &gpu,
-        q.view(),
-        k.view(),
-        v.view(),
-        short.view(),
-        Dtype::Bf16,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("dout"), "{err}");
+}
+
+/// Two runs give the same bits (no race, no atomics), and a `dout` of another shape is
+/// refused with an error that names it.
+fn deterministic_and_checks_dout(gpu: &Gpu, method: &str, run: ForwardBackward) {
+    let shape = Shape::new(2, 2, 333, 64);
+    let [q, k, v] = random_qkv(shape, 5);
+    let grads = |dout: &Array4<f32>| {
+        run(gpu, q.view(), k.view(), v.view(), dout.view(), Dtype::Bf16).map(|(_, g)| g)
+    };
+    let dout = random_normal(shape, 6);
+    let (a, b) = (grads(&dout).unwrap(), grads(&dout).unwrap());
+    assert!(
+        a.dq == b.dq && a.dk == b.dk && a.dv == b.dv,
+        "{method}: two runs differ: a race?"
+    );
+    let err = grads(&random_normal(Shape::new(2, 2, 332, 64), 2)).unwrap_err();
+    assert!(err.to_string().contains("dout"), "{method}: {err}");
 }
 
 #[test]
@@ -162,5 +186,45 @@ fn every_tile_shape_gives_the_same_gradients() {
                 );
             }
         }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn backward_by_hand_is_deterministic_and_refuses_bad_input() {
+    let gpu = Gpu::new().expect("a GPU");
+    deterministic_and_checks_dout(&gpu, "by hand", cuda_by_hand::forward_backward);
+}
+
+/// Zeros of `shape` on the GPU, without making them on the host.
+fn device_zeros(gpu: &Gpu, shape: Shape) -> DeviceTensor {
+    DeviceTensor {
+        data: gpu.stream().alloc_zeros::<u16>(shape.len()).unwrap(),
+        shape,
+        dtype: Dtype::Bf16,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn backward_by_hand_names_a_table_that_does_not_fit() {
+    let gpu = Gpu::new().expect("a GPU");
+    // 4M tokens: 256 MiB a tensor, and a table of 2^44 values (32 TiB)
+    let shape = Shape::new(1, 1, 1 << 22, 32);
+    let [q, k, v, dout] = [(); 4].map(|_| device_zeros(&gpu, shape));
+    let fwd = gpu.alloc_output(shape, Dtype::Bf16).unwrap();
+    let err = cuda_by_hand::backward(&gpu, &q, &k, &v, &fwd, &dout)
+        .err()
+        .expect("a table of 32 TiB cannot fit");
+    let want = 2u128 << 44;
+    match &err {
+        AttnError::OutOfMemory { what, bytes } => {
+            assert_eq!(*bytes, want, "{err}");
+            assert!(
+                what.contains("[1, 4194304, 4194304] table of probabilities"),
+                "{err}"
+            );
+        }
+        other => panic!("not OutOfMemory: {other}"),
     }
 }

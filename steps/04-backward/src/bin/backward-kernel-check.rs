@@ -1,5 +1,6 @@
 //! Compiles every backward kernel variant with NVRTC for `sm_90` and assembles it with
-//! `ptxas -v`; fails on a failed compile or any spill. Needs no GPU.
+//! `ptxas -v`; fails on a failed compile or any spill. Needs no GPU. The kernels of the backward
+//! by hand (`kernels/by_hand_backward.cu`) come after the FlashAttention ones.
 //!
 //! `cargo run -p step04-backward --bin backward-kernel-check [-- --arch sm_90] [--ptxas PATH]`
 
@@ -8,6 +9,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use step03_cuda_forward::{Dtype, ptxas};
 use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, compile_backward};
+use step04_backward::cuda_by_hand::compile_by_hand_backward;
 
 /// Compiles every backward kernel variant (bf16 and f16, every head dim, the default tile shape)
 /// with NVRTC and assembles it with `ptxas -v`, printing registers, shared memory and spills per
@@ -32,6 +34,12 @@ fn main() -> ExitCode {
                     compile_backward(dtype, head_dim, BackwardConfig::default(), arch),
                 ));
             }
+        }
+        for dtype in [Dtype::Bf16, Dtype::F16] {
+            kernels.push((
+                format!("by_hand_backward_{}", dtype.name()),
+                compile_by_hand_backward(dtype, arch),
+            ));
         }
         kernels
     })
