@@ -151,6 +151,12 @@ fn flash_gradients_match_the_cpu_model() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn by_hand_gradients_match_the_cpu_model() {
+    gradients_match(AttentionKind::ByHand);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn adamw_on_the_gpu_matches_the_cpu_optimizer() {
     let config = Config {
         layers: 2,

@@ -58,7 +58,8 @@ pub enum AttentionKind {
     /// kernels, which rebuild the probabilities from it: no `T × T` table.
     Flash,
     /// Step 03's attention by hand (cuBLAS and a softmax kernel, the whole table of scores in
-    /// memory) and the backward by hand of step 04.
+    /// memory) and step 04's backward by hand (the probabilities and their gradient, two whole
+    /// tables), as PyTorch's eager attention runs.
     ByHand,
 }
 
@@ -107,23 +108,10 @@ fn attention_backward(
 ) -> Result<DeviceGrads, AttnError> {
     match kind {
         AttentionKind::Flash => step04_backward::cuda::backward(gpu, q, k, v, fwd, dout),
-        AttentionKind::ByHand => by_hand_backward(gpu, q, k, v, fwd, dout),
+        AttentionKind::ByHand => step04_backward::cuda_by_hand::backward(gpu, q, k, v, fwd, dout),
     }
 }
 // ANCHOR_END: attention_calls
-
-fn by_hand_backward(
-    _gpu: &Gpu,
-    _q: &DeviceTensor,
-    _k: &DeviceTensor,
-    _v: &DeviceTensor,
-    _fwd: &DeviceAttention,
-    _dout: &DeviceTensor,
-) -> Result<DeviceGrads, AttnError> {
-    Err(AttnError::Unsupported {
-        what: "the backward by hand on the GPU is not in this build; use --attention flash".into(),
-    })
-}
 
 /// A device buffer and its address, kept so that launches can pass addresses without
 /// borrowing the buffer.
