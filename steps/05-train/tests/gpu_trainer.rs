@@ -87,6 +87,7 @@ fn compare(what: &str, gpu: &Params<f32>, cpu: &Params<f32>) -> (f64, String) {
     worst
 }
 
+// ANCHOR: gpu_against_cpu
 fn gradients_match(attention: AttentionKind) {
     // head dims 32 and 64 (GPT-2's); 77 tokens leave partial blocks of 64 and 128
     for (d_model, heads) in [(64, 2), (128, 2)] {
@@ -142,6 +143,7 @@ fn gradients_match(attention: AttentionKind) {
         );
     }
 }
+// ANCHOR_END: gpu_against_cpu
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
