@@ -8,7 +8,9 @@
 // back to nearest-even by one PTX instruction, so no CUDA header is needed. Everything is
 // computed in f32; sums that decide the loss and the gradients' norm in f64. Reductions over
 // rows are split into a fixed grid of partial sums and a second pass over them, never atomics,
-// so a step gives the same bits on every run.
+// so a step gives the same bits on every run. The column sums that give the biases' gradients
+// ride along in the kernels that already read the gradient in question (the LayerNorm backward,
+// the GELU backward, the re-layout of dq, dk and dv), so no pass reads a gradient only to sum it.
 
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -150,8 +152,10 @@ extern "C" __global__ void layernorm_forward(
 // One warp per row, 4 warps a block, every (gridDim.x · 4)-th row. With x̂ = (x − μ)·r and
 // g = dy ∘ w: dx = (g − mean(g) − x̂ · mean(g ∘ x̂))·r, added to the gradient reaching x along
 // the residual; the sum is written in f32 and, rounded, in bf16 for the products before it.
-// dw = Σ dy ∘ x̂ and db = Σ dy are summed per warp in shared memory, then per block into
-// `partial`; reduce_partials adds the blocks.
+// Three column sums ride along, per warp in shared memory, then per block into `partial`
+// (reduce_partials adds the blocks): dw = Σ dy ∘ x̂, db = Σ dy, and Σ of the residual gradient
+// written, which is the gradient of the bias of the product whose output joined the residual
+// stream at x (the attention's or the MLP's output projection).
 extern "C" __global__ void layernorm_backward(
     const float* __restrict__ dy,      // [rows, C] gradient of the normalised output
     const float* __restrict__ x,       // [rows, C] the forward's input
@@ -161,13 +165,13 @@ extern "C" __global__ void layernorm_backward(
     const float* dres_in,              // [rows, C] gradient reaching x along the residual, or null
     float* dres_out,                   // [rows, C] dres_in + dx (may be dres_in itself)
     u16* __restrict__ dres_out_bf16,   // [rows, C] the same, bf16
-    float* __restrict__ partial,       // [gridDim.x, 2C] per block: Σ dy·x̂, then Σ dy
+    float* __restrict__ partial,       // [gridDim.x, 3C] per block: Σ dy·x̂, Σ dy, Σ dres_out
     int rows, int C
 ) {
-    extern __shared__ float acc[];  // [warps][2C]
+    extern __shared__ float acc[];  // [warps][3C]
     const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float* mine = acc + (long long)warp * 2 * C;
-    for (int c = lane; c < 2 * C; c += 32) mine[c] = 0.f;
+    float* mine = acc + (long long)warp * 3 * C;
+    for (int c = lane; c < 3 * C; c += 32) mine[c] = 0.f;
     for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
         const long long base = (long long)row * C;
         const float m = mean[row], r = rstd[row];
@@ -187,59 +191,33 @@ extern "C" __global__ void layernorm_backward(
             dres_out_bf16[base + c] = to_bf(dx);
             mine[c] += d * xh;
             mine[C + c] += d;
+            mine[2 * C + c] += dx;
         }
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+    for (int c = threadIdx.x; c < 3 * C; c += blockDim.x) {
         float s = 0.f;
-        for (int k = 0; k < warps; ++k) s += acc[(long long)k * 2 * C + c];
-        partial[(long long)blockIdx.x * 2 * C + c] = s;
+        for (int k = 0; k < warps; ++k) s += acc[(long long)k * 3 * C + c];
+        partial[(long long)blockIdx.x * 3 * C + c] = s;
     }
 }
 // ANCHOR_END: layernorm_backward
 
-// Column sums of a [rows, K] matrix, first pass: block (x, y) sums rows y·chunk .. (y+1)·chunk
-// of columns x·blockDim.x + thread into partial[y, column].
-extern "C" __global__ void colsum_partial_bf16(
-    const u16* __restrict__ m,      // [rows, K] bf16
-    float* __restrict__ partial,    // [gridDim.y, K]
-    int rows, int K, int chunk
-) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= K) return;
-    const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
-    float s = 0.f;
-    for (int r = r0; r < r1; ++r) s += bf(m[(long long)r * K + c]);
-    partial[(long long)blockIdx.y * K + c] = s;
-}
-
-extern "C" __global__ void colsum_partial_f32(
-    const float* __restrict__ m,    // [rows, K] f32
-    float* __restrict__ partial,    // [gridDim.y, K]
-    int rows, int K, int chunk
-) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= K) return;
-    const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
-    float s = 0.f;
-    for (int r = r0; r < r1; ++r) s += m[(long long)r * K + c];
-    partial[(long long)blockIdx.y * K + c] = s;
-}
-
-// Second pass: out[c] = Σ_p partial[p, c], columns below `split` to out_a, the rest to out_b
-// (a LayerNorm's partials hold dw then db). Overwrites.
+// Column sums, second pass: out[c] = Σ_p partial[p, c], the K columns cut into runs of
+// `width`, each to its own output (a LayerNorm's partials hold dw, db and the residual's sum;
+// the fused projection's, its bias's three thirds side by side). A null output is skipped.
+// Overwrites.
 extern "C" __global__ void reduce_partials(
     const float* __restrict__ partial,  // [parts, K]
-    int parts, int K, int split,
-    float* __restrict__ out_a,          // [split]
-    float* __restrict__ out_b           // [K - split], or null when split = K
+    int parts, int K, int width,
+    float* out0, float* out1, float* out2  // [width] each, for columns 0.., width.., 2·width..
 ) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= K) return;
     float s = 0.f;
     for (int p = 0; p < parts; ++p) s += partial[(long long)p * K + c];
-    if (c < split) out_a[c] = s;
-    else out_b[c - split] = s;
+    float* out = c < width ? out0 : c < 2 * width ? out1 : out2;
+    if (out) out[c % width] = s;
 }
 
 // ANCHOR: gelu
@@ -256,74 +234,84 @@ __device__ __forceinline__ float gelu_grad(float x) {
     return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * du;
 }
 
-// The MLP's first product's bias, then GELU: fc += bias in place (the pre-activation the
-// backward needs) and out = gelu(fc), both bf16. Two values a thread.
+// The MLP's first product's bias, then GELU: out = gelu(fc + bias), in bf16. fc stays as the
+// product wrote it; the backward adds the bias again. Two values a thread.
 extern "C" __global__ void bias_gelu(
-    u16* __restrict__ fc,            // [rows, K] the product, bias added in place
+    const u16* __restrict__ fc,      // [rows, K] the product, without its bias
     const float* __restrict__ bias,  // [K]
-    u16* __restrict__ out,           // [rows, K] gelu(fc)
+    u16* __restrict__ out,           // [rows, K] gelu(fc + bias)
     long long pairs, int K           // rows·K/2, K even
 ) {
     long long i = global_index();
     if (i >= pairs) return;
     int c = (int)((2 * i) % K);
-    u32 v = reinterpret_cast<u32*>(fc)[i];
-    u16 lo = to_bf(bf((u16)(v & 0xffff)) + bias[c]), hi = to_bf(bf((u16)(v >> 16)) + bias[c + 1]);
-    reinterpret_cast<u32*>(fc)[i] = (u32)lo | ((u32)hi << 16);
-    u32 g = (u32)to_bf(gelu(bf(lo))) | ((u32)to_bf(gelu(bf(hi))) << 16);
-    reinterpret_cast<u32*>(out)[i] = g;
+    u32 v = reinterpret_cast<const u32*>(fc)[i];
+    float lo = bf((u16)(v & 0xffff)) + bias[c], hi = bf((u16)(v >> 16)) + bias[c + 1];
+    reinterpret_cast<u32*>(out)[i] = (u32)to_bf(gelu(lo)) | ((u32)to_bf(gelu(hi)) << 16);
 }
 
-// d ← d ∘ gelu'(fc), in place: the gradient through GELU.
+// d ← d ∘ gelu'(fc + bias), in place: the gradient through GELU; and the column sums of the
+// result (the bias's gradient) per chunk of rows. Block (x, y): 128 threads, each a pair of
+// columns, over rows y·chunk .. (y+1)·chunk; a warp reads and writes 128-byte runs of a row.
 extern "C" __global__ void gelu_backward(
-    u16* __restrict__ d,             // [rows, K] gradient of gelu(fc) in, of fc out
-    const u16* __restrict__ fc,      // [rows, K] the pre-activation
-    long long pairs
+    u16* __restrict__ d,             // [rows, K] gradient of gelu's output in, of its input out
+    const u16* __restrict__ fc,      // [rows, K] the product, without its bias
+    const float* __restrict__ bias,  // [K]
+    float* __restrict__ partial,     // [gridDim.y, K] column sums of the gradient out
+    int rows, int K, int chunk
 ) {
-    long long i = global_index();
-    if (i >= pairs) return;
-    u32 dv = reinterpret_cast<u32*>(d)[i], f = reinterpret_cast<const u32*>(fc)[i];
-    u16 lo = to_bf(bf((u16)(dv & 0xffff)) * gelu_grad(bf((u16)(f & 0xffff))));
-    u16 hi = to_bf(bf((u16)(dv >> 16)) * gelu_grad(bf((u16)(f >> 16))));
-    reinterpret_cast<u32*>(d)[i] = (u32)lo | ((u32)hi << 16);
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;  // column pair
+    if (2 * p >= K) return;
+    const int c = 2 * p, r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    const float b0 = bias[c], b1 = bias[c + 1];
+    float s0 = 0.f, s1 = 0.f;
+    for (int r = r0; r < r1; ++r) {
+        long long i = ((long long)r * K + c) / 2;
+        u32 dv = reinterpret_cast<u32*>(d)[i], f = reinterpret_cast<const u32*>(fc)[i];
+        float lo = bf((u16)(dv & 0xffff)) * gelu_grad(bf((u16)(f & 0xffff)) + b0);
+        float hi = bf((u16)(dv >> 16)) * gelu_grad(bf((u16)(f >> 16)) + b1);
+        s0 += lo;
+        s1 += hi;
+        reinterpret_cast<u32*>(d)[i] = (u32)to_bf(lo) | ((u32)to_bf(hi) << 16);
+    }
+    partial[(long long)blockIdx.y * K + c] = s0;
+    partial[(long long)blockIdx.y * K + c + 1] = s1;
 }
 // ANCHOR_END: gelu
 
 // ANCHOR: heads
-// One row per token with its heads side by side, [B·T, stride] (q's, k's or v's columns of the
-// fused projection, from `rows`), to [B, H, T, D], the layout our attention kernels take:
-// heads[b, h, t, d] = rows[b·T + t, h·D + d] (+ bias[h·D + d]). Two values a thread; a warp
-// reads and writes whole 128-byte runs of a head's row.
-extern "C" __global__ void rows_to_heads(
-    const u16* __restrict__ rows,    // [B·T, stride], this part's first column at rows[0]
-    int stride,                      // values from one token's row to the next
-    const float* __restrict__ bias,  // [H·D] added on the way, or null
-    u16* __restrict__ heads,         // [B, H, T, D]
+// The fused projection's output, one row per token: q's heads side by side, then k's, then
+// v's, [B·T, 3C]. Our attention kernels take each of q, k and v as [B, H, T, D]:
+// q[b, h, t, d] = qkv[b·T + t, h·D + d] + bias[h·D + d], k from columns C.., v from 2C...
+// Two values a thread; a warp reads and writes whole 128-byte runs of a head's row.
+extern "C" __global__ void qkv_to_heads(
+    const u16* __restrict__ qkv,     // [B·T, 3C]
+    const float* __restrict__ bias,  // [3C]
+    u16* __restrict__ q, u16* __restrict__ k, u16* __restrict__ v,  // [B, H, T, D] each
     int T, int H, int D,
-    long long pairs                  // B·T·H·D/2
+    long long pairs                  // B·T·3C/2
 ) {
     long long i = global_index();
     if (i >= pairs) return;
     const int C = H * D;
-    long long row = i / (C / 2);
-    int c = (int)(i % (C / 2)) * 2, h = c / D, d = c % D;
+    long long row = i / (3 * C / 2);
+    int col = (int)(i % (3 * C / 2)) * 2;  // in 0..3C
+    int part = col / C, c = col % C, h = c / D, d = c % D;
     long long b = row / T, t = row % T;
-    u32 v = *reinterpret_cast<const u32*>(rows + row * stride + c);
-    if (bias) {
-        u16 lo = to_bf(bf((u16)(v & 0xffff)) + bias[c]), hi = to_bf(bf((u16)(v >> 16)) + bias[c + 1]);
-        v = (u32)lo | ((u32)hi << 16);
-    }
-    *reinterpret_cast<u32*>(heads + ((b * H + h) * T + t) * D + d) = v;
+    u32 x = reinterpret_cast<const u32*>(qkv)[i];
+    u16 lo = to_bf(bf((u16)(x & 0xffff)) + bias[col]), hi = to_bf(bf((u16)(x >> 16)) + bias[col + 1]);
+    u16* out = part == 0 ? q : part == 1 ? k : v;
+    *reinterpret_cast<u32*>(out + ((b * H + h) * T + t) * D + d) = (u32)lo | ((u32)hi << 16);
 }
 
-// The inverse: [B, H, T, D] back to one row per token (the attention's output into the
-// projection; dq, dk, dv into the fused projection's gradient).
-extern "C" __global__ void heads_to_rows(
-    const u16* __restrict__ heads,   // [B, H, T, D]
-    u16* __restrict__ rows,          // [B·T, stride], this part's first column at rows[0]
-    int stride,
+// One tensor between the two layouts: [B, H, T, D] to one row per token, [B·T, C] (the
+// attention's output into the projection), or back (the output's gradient into the backward).
+extern "C" __global__ void heads_rows(
+    const u16* __restrict__ src,
+    u16* __restrict__ dst,
+    int to_rows,                     // 1: src is heads, dst rows; 0: the other way
     int T, int H, int D,
-    long long pairs
+    long long pairs                  // B·T·C/2
 ) {
     long long i = global_index();
     if (i >= pairs) return;
@@ -331,8 +319,38 @@ extern "C" __global__ void heads_to_rows(
     long long row = i / (C / 2);
     int c = (int)(i % (C / 2)) * 2, h = c / D, d = c % D;
     long long b = row / T, t = row % T;
-    *reinterpret_cast<u32*>(rows + row * stride + c) =
-        *reinterpret_cast<const u32*>(heads + ((b * H + h) * T + t) * D + d);
+    long long heads = ((b * H + h) * T + t) * D + d, rows = row * C + c;
+    const u32* s32 = reinterpret_cast<const u32*>(src);
+    u32* d32 = reinterpret_cast<u32*>(dst);
+    if (to_rows) d32[rows / 2] = s32[heads / 2];
+    else d32[heads / 2] = s32[rows / 2];
+}
+
+// The inverse of qkv_to_heads for the gradients: dq, dk, dv back to the fused projection's
+// columns, [B·T, 3C], and the column sums of the result (the bias's gradient) per chunk of
+// rows. Block (x, y): 128 threads, each a pair of columns, over rows y·chunk .. (y+1)·chunk.
+extern "C" __global__ void heads_to_qkv(
+    const u16* __restrict__ dq, const u16* __restrict__ dk, const u16* __restrict__ dv,
+    u16* __restrict__ dqkv,          // [B·T, 3C]
+    float* __restrict__ partial,     // [gridDim.y, 3C]
+    int T, int H, int D, int rows, int chunk
+) {
+    const int C = H * D;
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;  // column pair of the 3C
+    if (2 * p >= 3 * C) return;
+    const int col = 2 * p, part = col / C, c = col % C, h = c / D, d = c % D;
+    const u16* src = part == 0 ? dq : part == 1 ? dk : dv;
+    const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    float s0 = 0.f, s1 = 0.f;
+    for (int r = r0; r < r1; ++r) {
+        long long b = r / T, t = r % T;
+        u32 x = *reinterpret_cast<const u32*>(src + ((b * H + h) * T + t) * D + d);
+        s0 += bf((u16)(x & 0xffff));
+        s1 += bf((u16)(x >> 16));
+        *reinterpret_cast<u32*>(dqkv + (long long)r * 3 * C + col) = x;
+    }
+    partial[(long long)blockIdx.y * 3 * C + col] = s0;
+    partial[(long long)blockIdx.y * 3 * C + col + 1] = s1;
 }
 // ANCHOR_END: heads
 

@@ -37,7 +37,7 @@ pub fn compile(arch: &'static str) -> Result<Ptx, AttnError> {
     compile_ptx_with_opts(TRAIN_CU, options).map_err(|e| compile_error("train.cu", e))
 }
 
-/// Warps per block of the LayerNorm backward (its shared memory holds `2·C` sums per warp).
+/// Warps per block of the LayerNorm backward (its shared memory holds `3·C` sums per warp).
 pub const LN_BACKWARD_WARPS: u32 = 4;
 /// Blocks of the gradients' norm's first pass.
 pub const NORM_BLOCKS: u32 = 1024;
@@ -61,13 +61,12 @@ pub struct Kernels {
     embed_backward_tok: CudaFunction,
     layernorm_forward: CudaFunction,
     layernorm_backward: CudaFunction,
-    colsum_partial_bf16: CudaFunction,
-    colsum_partial_f32: CudaFunction,
     reduce_partials: CudaFunction,
     bias_gelu: CudaFunction,
     gelu_backward: CudaFunction,
-    rows_to_heads: CudaFunction,
-    heads_to_rows: CudaFunction,
+    qkv_to_heads: CudaFunction,
+    heads_rows: CudaFunction,
+    heads_to_qkv: CudaFunction,
     cross_entropy: CudaFunction,
     sum_scaled: CudaFunction,
     sumsq_partial: CudaFunction,
@@ -124,13 +123,12 @@ impl Kernels {
             embed_backward_tok: f("embed_backward_tok")?,
             layernorm_forward: f("layernorm_forward")?,
             layernorm_backward,
-            colsum_partial_bf16: f("colsum_partial_bf16")?,
-            colsum_partial_f32: f("colsum_partial_f32")?,
             reduce_partials: f("reduce_partials")?,
             bias_gelu: f("bias_gelu")?,
             gelu_backward: f("gelu_backward")?,
-            rows_to_heads: f("rows_to_heads")?,
-            heads_to_rows: f("heads_to_rows")?,
+            qkv_to_heads: f("qkv_to_heads")?,
+            heads_rows: f("heads_rows")?,
+            heads_to_qkv: f("heads_to_qkv")?,
             cross_entropy: f("cross_entropy")?,
             sum_scaled: f("sum_scaled")?,
             sumsq_partial: f("sumsq_partial")?,
@@ -141,9 +139,9 @@ impl Kernels {
         })
     }
 
-    /// Dynamic shared memory of the LayerNorm backward: `2·C` f32 sums per warp.
+    /// Dynamic shared memory of the LayerNorm backward: `3·C` f32 sums per warp.
     pub fn ln_backward_smem(d_model: usize) -> u32 {
-        (LN_BACKWARD_WARPS as usize * 2 * d_model * 4) as u32
+        (LN_BACKWARD_WARPS as usize * 3 * d_model * 4) as u32
     }
 
     /// Launches `f` with `args`.
@@ -304,8 +302,10 @@ impl Kernels {
         rows.div_ceil(LN_BACKWARD_WARPS as usize * 8).clamp(1, 512)
     }
 
-    /// LayerNorm's backward: `dres_out = dres_in + dx` (f32 and bf16), and per-block sums of
-    /// `dw` and `db` into `partial` (`[ln_backward_blocks(rows), 2C]`).
+    /// LayerNorm's backward: `dres_out = dres_in + dx` (f32 and bf16); the column sums of
+    /// `dw`, `db` and `dres_out` (the gradient of the bias of the product that joined the
+    /// residual stream at `x`), through `partial` (`[ln_backward_blocks(rows), 3C]`), written
+    /// to `outs` (0: not wanted).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn layernorm_backward(
         &self,
@@ -316,6 +316,7 @@ impl Kernels {
         dres_in: u64,
         (dres_out, dres_out_bf16): (u64, u64),
         partial: u64,
+        outs: [u64; 3],
         rows: usize,
         c: usize,
     ) -> Result<(), TrainError> {
@@ -337,68 +338,49 @@ impl Kernels {
             Arg::I32(rows as i32),
             Arg::I32(c as i32),
         ];
-        unsafe { self.launch(&self.layernorm_backward, "layernorm_backward", cfg, &args) }
+        let parts = Self::ln_backward_blocks(rows);
+        unsafe {
+            self.launch(&self.layernorm_backward, "layernorm_backward", cfg, &args)?;
+            self.reduce_partials(partial, parts, 3 * c, c, outs)
+        }
     }
 
-    /// Rows of partial sums [`Kernels::colsum`] uses for `rows` rows.
+    /// Rows of partial sums (chunks of rows) the kernels that sum gradients' columns along the
+    /// way use for `rows` rows.
     pub fn colsum_parts(rows: usize) -> usize {
         rows.div_ceil(64).clamp(1, 256)
     }
 
-    /// `out[c] = Σ_rows m[row, c]` of a `[rows, k]` matrix (bf16 or f32), through `partial`
-    /// (`[colsum_parts(rows), k]`). Overwrites `out`.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn colsum(
-        &self,
-        m: u64,
-        bf16: bool,
-        rows: usize,
-        k: usize,
-        partial: u64,
-        out: u64,
-    ) -> Result<(), TrainError> {
+    /// A grid of 128-thread blocks, one thread per pair of `k` columns, by
+    /// [`Kernels::colsum_parts`] chunks of rows; and the chunk.
+    fn column_grid(rows: usize, k: usize) -> (LaunchConfig, usize) {
         let parts = Self::colsum_parts(rows);
-        let chunk = rows.div_ceil(parts);
         let cfg = LaunchConfig {
-            grid_dim: (k.div_ceil(256) as u32, parts as u32, 1),
-            block_dim: (256, 1, 1),
+            grid_dim: ((k / 2).div_ceil(128) as u32, parts as u32, 1),
+            block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let args = [
-            Arg::Ptr(m),
-            Arg::Ptr(partial),
-            Arg::I32(rows as i32),
-            Arg::I32(k as i32),
-            Arg::I32(chunk as i32),
-        ];
-        let (f, name) = if bf16 {
-            (&self.colsum_partial_bf16, "colsum_partial_bf16")
-        } else {
-            (&self.colsum_partial_f32, "colsum_partial_f32")
-        };
-        unsafe {
-            self.launch(f, name, cfg, &args)?;
-            self.reduce_partials(partial, parts, k, k, out, 0)
-        }
+        (cfg, rows.div_ceil(parts))
     }
 
-    /// `out_a[c] = Σ_p partial[p, c]` for `c < split`, `out_b[c − split]` for the rest.
+    /// `out_j[c] = Σ_p partial[p, j·width + c]` for the runs of `width` columns of `k`, to
+    /// `outs[j]` (0: skipped).
     pub unsafe fn reduce_partials(
         &self,
         partial: u64,
         parts: usize,
         k: usize,
-        split: usize,
-        out_a: u64,
-        out_b: u64,
+        width: usize,
+        outs: [u64; 3],
     ) -> Result<(), TrainError> {
         let args = [
             Arg::Ptr(partial),
             Arg::I32(parts as i32),
             Arg::I32(k as i32),
-            Arg::I32(split as i32),
-            Arg::Ptr(out_a),
-            Arg::Ptr(out_b),
+            Arg::I32(width as i32),
+            Arg::Ptr(outs[0]),
+            Arg::Ptr(outs[1]),
+            Arg::Ptr(outs[2]),
         ];
         unsafe {
             self.launch(
@@ -410,7 +392,7 @@ impl Kernels {
         }
     }
 
-    /// `fc += bias` in place, `out = gelu(fc)`.
+    /// `out = gelu(fc + bias)`.
     pub unsafe fn bias_gelu(
         &self,
         fc: u64,
@@ -430,76 +412,107 @@ impl Kernels {
         unsafe { self.launch(&self.bias_gelu, "bias_gelu", grid(pairs, 256)?, &args) }
     }
 
-    /// `d ← d ∘ gelu'(fc)` over `len` values.
-    pub unsafe fn gelu_backward(&self, d: u64, fc: u64, len: usize) -> Result<(), TrainError> {
-        let pairs = (len / 2) as u64;
-        let args = [Arg::Ptr(d), Arg::Ptr(fc), Arg::I64(pairs as i64)];
-        unsafe {
-            self.launch(
-                &self.gelu_backward,
-                "gelu_backward",
-                grid(pairs, 256)?,
-                &args,
-            )
-        }
-    }
-
-    /// `[B·T, stride]` rows (from `rows`, plus `bias` if not 0) to `[B, H, T, D]` heads.
+    /// `d ← d ∘ gelu'(fc + bias)` over `[rows, k]`, and the result's column sums into
+    /// `bias_grad` through `partial` (`[colsum_parts(rows), k]`).
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn rows_to_heads(
+    pub unsafe fn gelu_backward(
         &self,
-        rows: u64,
-        stride: usize,
+        d: u64,
+        fc: u64,
         bias: u64,
-        heads: u64,
-        (b, h, t, d): (usize, usize, usize, usize),
+        partial: u64,
+        bias_grad: u64,
+        rows: usize,
+        k: usize,
     ) -> Result<(), TrainError> {
-        let pairs = (b * h * t * d / 2) as u64;
+        let (cfg, chunk) = Self::column_grid(rows, k);
         let args = [
-            Arg::Ptr(rows),
-            Arg::I32(stride as i32),
+            Arg::Ptr(d),
+            Arg::Ptr(fc),
             Arg::Ptr(bias),
-            Arg::Ptr(heads),
-            Arg::I32(t as i32),
-            Arg::I32(h as i32),
-            Arg::I32(d as i32),
-            Arg::I64(pairs as i64),
+            Arg::Ptr(partial),
+            Arg::I32(rows as i32),
+            Arg::I32(k as i32),
+            Arg::I32(chunk as i32),
         ];
         unsafe {
-            self.launch(
-                &self.rows_to_heads,
-                "rows_to_heads",
-                grid(pairs, 256)?,
-                &args,
-            )
+            self.launch(&self.gelu_backward, "gelu_backward", cfg, &args)?;
+            self.reduce_partials(partial, Self::colsum_parts(rows), k, k, [bias_grad, 0, 0])
         }
     }
 
-    /// `[B, H, T, D]` heads back to `[B·T, stride]` rows.
-    pub unsafe fn heads_to_rows(
+    /// The fused projection's `[B·T, 3C]` output plus its bias to q, k, v in `[B, H, T, D]`.
+    pub unsafe fn qkv_to_heads(
         &self,
-        heads: u64,
-        rows: u64,
-        stride: usize,
+        qkv: u64,
+        bias: u64,
+        (q, k, v): (u64, u64, u64),
         (b, h, t, d): (usize, usize, usize, usize),
     ) -> Result<(), TrainError> {
-        let pairs = (b * h * t * d / 2) as u64;
+        let pairs = (b * t * 3 * h * d / 2) as u64;
         let args = [
-            Arg::Ptr(heads),
-            Arg::Ptr(rows),
-            Arg::I32(stride as i32),
+            Arg::Ptr(qkv),
+            Arg::Ptr(bias),
+            Arg::Ptr(q),
+            Arg::Ptr(k),
+            Arg::Ptr(v),
             Arg::I32(t as i32),
             Arg::I32(h as i32),
             Arg::I32(d as i32),
             Arg::I64(pairs as i64),
         ];
+        unsafe { self.launch(&self.qkv_to_heads, "qkv_to_heads", grid(pairs, 256)?, &args) }
+    }
+
+    /// `[B, H, T, D]` to `[B·T, C]` rows (`to_rows`), or back.
+    pub unsafe fn heads_rows(
+        &self,
+        src: u64,
+        dst: u64,
+        to_rows: bool,
+        (b, h, t, d): (usize, usize, usize, usize),
+    ) -> Result<(), TrainError> {
+        let pairs = (b * h * t * d / 2) as u64;
+        let args = [
+            Arg::Ptr(src),
+            Arg::Ptr(dst),
+            Arg::I32(to_rows as i32),
+            Arg::I32(t as i32),
+            Arg::I32(h as i32),
+            Arg::I32(d as i32),
+            Arg::I64(pairs as i64),
+        ];
+        unsafe { self.launch(&self.heads_rows, "heads_rows", grid(pairs, 256)?, &args) }
+    }
+
+    /// dq, dk, dv (`[B, H, T, D]`) to the fused projection's `[B·T, 3C]` gradient, and its
+    /// column sums into `bias_grad` through `partial` (`[colsum_parts(rows), 3C]`).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn heads_to_qkv(
+        &self,
+        (dq, dk, dv): (u64, u64, u64),
+        dqkv: u64,
+        partial: u64,
+        bias_grad: u64,
+        (b, h, t, d): (usize, usize, usize, usize),
+    ) -> Result<(), TrainError> {
+        let (rows, k) = (b * t, 3 * h * d);
+        let (cfg, chunk) = Self::column_grid(rows, k);
+        let args = [
+            Arg::Ptr(dq),
+            Arg::Ptr(dk),
+            Arg::Ptr(dv),
+            Arg::Ptr(dqkv),
+            Arg::Ptr(partial),
+            Arg::I32(t as i32),
+            Arg::I32(h as i32),
+            Arg::I32(d as i32),
+            Arg::I32(rows as i32),
+            Arg::I32(chunk as i32),
+        ];
         unsafe {
-            self.launch(
-                &self.heads_to_rows,
-                "heads_to_rows",
-                grid(pairs, 256)?,
-                &args,
-            )
+            self.launch(&self.heads_to_qkv, "heads_to_qkv", cfg, &args)?;
+            self.reduce_partials(partial, Self::colsum_parts(rows), k, k, [bias_grad, 0, 0])
         }
     }
 

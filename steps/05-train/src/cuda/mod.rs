@@ -171,7 +171,7 @@ struct LayerActs {
     ln2: Buf<u16>,
     ln2_mean: Buf<f32>,
     ln2_rstd: Buf<f32>,
-    /// `[rows, 4C]` bf16: before the GELU (bias added), and after it.
+    /// `[rows, 4C]` bf16: the MLP's first product (its bias not added), and GELU's output.
     fc: Buf<u16>,
     gelu: Buf<u16>,
 }
@@ -328,7 +328,7 @@ pub fn bytes_needed(config: &Config, batch: usize, seq_len: usize) -> u64 {
     let scratch = rows * 3 * c * 2 * 2
         + rows * c * (4 + 4 + 2 + 4 + 2 + 4 + 2 + 2)
         + rows * 4 * c * 2
-        + ln_parts * 2 * c * 4
+        + ln_parts * 3 * c * 4
         + col_parts * 4 * c * 4
         + NORM_BLOCKS as u64 * 8
         + rows * 2
@@ -513,7 +513,7 @@ impl GpuTrainer {
             dqkv: alloc(gpu, rows * 3 * c, "the fused projection's gradient")?,
             ln_partial: alloc(
                 gpu,
-                Kernels::ln_backward_blocks(rows) * 2 * c,
+                Kernels::ln_backward_blocks(rows) * 3 * c,
                 "LayerNorm gradients' partial sums",
             )?,
             col_partial: alloc(
@@ -725,21 +725,17 @@ impl GpuTrainer {
                 )?;
                 prof.mark(gpu, "matmul: qkv")?;
                 // q, k, v: the fused projection's three column blocks, each with its bias
-                for (i, x) in [&la.q, &la.k, &la.v].into_iter().enumerate() {
-                    let col = (i * c) as u64;
-                    k.rows_to_heads(
-                        s.qkv.ptr + 2 * col,
-                        3 * c,
-                        w32(w.attn_b) + 4 * col,
-                        dptr(&x.data, stream),
-                        heads,
-                    )?;
-                }
+                let qkv = (
+                    dptr(&la.q.data, stream),
+                    dptr(&la.k.data, stream),
+                    dptr(&la.v.data, stream),
+                );
+                k.qkv_to_heads(s.qkv.ptr, w32(w.attn_b), qkv, heads)?;
                 prof.mark(gpu, "qkv to heads")?;
                 attention_forward(gpu, *attention, &la.q, &la.k, &la.v, &mut la.att)?;
                 prof.mark(gpu, "attention")?;
                 let out = &la.att.as_ref().expect("the forward wrote it").out;
-                k.heads_to_rows(dptr(&out.data, stream), la.att_rows.ptr, c, heads)?;
+                k.heads_rows(dptr(&out.data, stream), la.att_rows.ptr, true, heads)?;
                 prof.mark(gpu, "heads to rows")?;
                 blas.matmul(
                     rows,
@@ -859,7 +855,9 @@ impl GpuTrainer {
         let w16 = |off: usize| params16.ptr + 2 * off as u64;
         let g32 = |off: usize| grads.ptr + 4 * off as u64;
         let stream = gpu.stream();
-        let ln_parts = Kernels::ln_backward_blocks(rows);
+        // the bias gradient of the MLP's output projection in block l (0 for none)
+        let fc_proj_b = |l: Option<usize>| l.map_or(0, |l| g32(lay.blocks[l].fc_proj_b));
+        let last = layers.len() - 1;
         // SAFETY: as in forward
         unsafe {
             // logits = lnf · wteᵀ: dwte = dlogitsᵀ · lnf (the embedding adds its share at the
@@ -885,6 +883,8 @@ impl GpuTrainer {
                 0.0,
             )?;
             prof.mark(gpu, "backward: matmul logits")?;
+            // the last LayerNorm; the residual gradient it writes sums to the last block's MLP
+            // output bias's gradient
             k.layernorm_backward(
                 s.dln.ptr,
                 x_final.ptr,
@@ -893,24 +893,18 @@ impl GpuTrainer {
                 0,
                 (s.dres.ptr, s.dres16.ptr),
                 s.ln_partial.ptr,
+                [g32(lay.ln_f_w), g32(lay.ln_f_b), fc_proj_b(Some(last))],
                 rows,
                 c,
-            )?;
-            k.reduce_partials(
-                s.ln_partial.ptr,
-                ln_parts,
-                2 * c,
-                c,
-                g32(lay.ln_f_w),
-                g32(lay.ln_f_b),
             )?;
             prof.mark(gpu, "backward: layernorm")?;
             for l in (0..layers.len()).rev() {
                 let w = lay.blocks[l];
                 let la = &layers[l];
                 // dres: the gradient of the block's output. The MLP half: its output
-                // projection, GELU, its input projection, its LayerNorm (which adds the
-                // residual's share and gives dmid, the gradient of x_mid)
+                // projection, GELU (with its input bias's gradient), its input projection, its
+                // LayerNorm (which adds the residual's share and gives dmid, the gradient of
+                // x_mid, whose column sums are the attention projection's bias gradient)
                 blas.matmul(
                     4 * c,
                     c,
@@ -920,14 +914,6 @@ impl GpuTrainer {
                     g32(w.fc_proj_w),
                     Out::F32,
                     0.0,
-                )?;
-                k.colsum(
-                    s.dres.ptr,
-                    false,
-                    rows,
-                    c,
-                    s.col_partial.ptr,
-                    g32(w.fc_proj_b),
                 )?;
                 blas.matmul(
                     rows,
@@ -940,7 +926,15 @@ impl GpuTrainer {
                     0.0,
                 )?;
                 prof.mark(gpu, "backward: matmul mlp down")?;
-                k.gelu_backward(s.dbig.ptr, la.fc.ptr, rows * 4 * c)?;
+                k.gelu_backward(
+                    s.dbig.ptr,
+                    la.fc.ptr,
+                    w32(w.fc_b),
+                    s.col_partial.ptr,
+                    g32(w.fc_b),
+                    rows,
+                    4 * c,
+                )?;
                 prof.mark(gpu, "backward: gelu")?;
                 blas.matmul(
                     c,
@@ -951,14 +945,6 @@ impl GpuTrainer {
                     g32(w.fc_w),
                     Out::F32,
                     0.0,
-                )?;
-                k.colsum(
-                    s.dbig.ptr,
-                    true,
-                    rows,
-                    4 * c,
-                    s.col_partial.ptr,
-                    g32(w.fc_b),
                 )?;
                 blas.matmul(
                     rows,
@@ -979,16 +965,9 @@ impl GpuTrainer {
                     s.dres.ptr,
                     (s.dmid.ptr, s.dmid16.ptr),
                     s.ln_partial.ptr,
+                    [g32(w.ln_2_w), g32(w.ln_2_b), g32(w.proj_b)],
                     rows,
                     c,
-                )?;
-                k.reduce_partials(
-                    s.ln_partial.ptr,
-                    ln_parts,
-                    2 * c,
-                    c,
-                    g32(w.ln_2_w),
-                    g32(w.ln_2_b),
                 )?;
                 prof.mark(gpu, "backward: layernorm")?;
                 // the attention half, the same way
@@ -1002,7 +981,6 @@ impl GpuTrainer {
                     Out::F32,
                     0.0,
                 )?;
-                k.colsum(s.dmid.ptr, false, rows, c, s.col_partial.ptr, g32(w.proj_b))?;
                 blas.matmul(
                     rows,
                     c,
@@ -1014,17 +992,20 @@ impl GpuTrainer {
                     0.0,
                 )?;
                 prof.mark(gpu, "backward: matmul attention projection")?;
-                k.rows_to_heads(s.datt_rows.ptr, c, 0, dptr(&s.dout.data, stream), heads)?;
+                k.heads_rows(s.datt_rows.ptr, dptr(&s.dout.data, stream), false, heads)?;
                 prof.mark(gpu, "backward: rows to heads")?;
                 let fwd = la.att.as_ref().expect("the forward ran");
                 let g = attention_backward(gpu, *attention, &la.q, &la.k, &la.v, fwd, &s.dout)?;
                 prof.mark(gpu, "backward: attention")?;
-                for (i, x) in [&g.dq, &g.dk, &g.dv].into_iter().enumerate() {
-                    let col = (i * c) as u64;
-                    k.heads_to_rows(dptr(&x.data, stream), s.dqkv.ptr + 2 * col, 3 * c, heads)?;
-                }
+                let dqkv = (
+                    dptr(&g.dq.data, stream),
+                    dptr(&g.dk.data, stream),
+                    dptr(&g.dv.data, stream),
+                );
+                k.heads_to_qkv(dqkv, s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), heads)?;
+                // freed in stream order, after the kernel above has read them
                 drop(g);
-                prof.mark(gpu, "backward: heads to rows")?;
+                prof.mark(gpu, "backward: heads to qkv")?;
                 blas.matmul(
                     c,
                     3 * c,
@@ -1034,14 +1015,6 @@ impl GpuTrainer {
                     g32(w.attn_w),
                     Out::F32,
                     0.0,
-                )?;
-                k.colsum(
-                    s.dqkv.ptr,
-                    true,
-                    rows,
-                    3 * c,
-                    s.col_partial.ptr,
-                    g32(w.attn_b),
                 )?;
                 blas.matmul(
                     rows,
@@ -1054,6 +1027,8 @@ impl GpuTrainer {
                     0.0,
                 )?;
                 prof.mark(gpu, "backward: matmul qkv")?;
+                // the block's input is the block before's output: its residual gradient sums
+                // to that block's MLP output bias's gradient
                 k.layernorm_backward(
                     s.dln.ptr,
                     la.x.ptr,
@@ -1062,16 +1037,9 @@ impl GpuTrainer {
                     s.dmid.ptr,
                     (s.dres.ptr, s.dres16.ptr),
                     s.ln_partial.ptr,
+                    [g32(w.ln_1_w), g32(w.ln_1_b), fc_proj_b(l.checked_sub(1))],
                     rows,
                     c,
-                )?;
-                k.reduce_partials(
-                    s.ln_partial.ptr,
-                    ln_parts,
-                    2 * c,
-                    c,
-                    g32(w.ln_1_w),
-                    g32(w.ln_1_b),
                 )?;
                 prof.mark(gpu, "backward: layernorm")?;
             }
