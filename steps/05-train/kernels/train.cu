@@ -102,10 +102,19 @@ extern "C" __global__ void embed_backward_tok(
     }
 }
 
+// Four floats at a time (C is a multiple of 8, rows start 16-byte aligned).
+__device__ __forceinline__ float4 ld4(const float* p, int j) { return reinterpret_cast<const float4*>(p)[j]; }
+__device__ __forceinline__ void st4(float* p, int j, float4 v) { reinterpret_cast<float4*>(p)[j] = v; }
+__device__ __forceinline__ void add4(float* p, int j, const float* a) {
+    float4 v = reinterpret_cast<float4*>(p)[j];
+    reinterpret_cast<float4*>(p)[j] = make_float4(v.x + a[0], v.y + a[1], v.z + a[2], v.w + a[3]);
+}
+
 // ANCHOR: layernorm_forward
-// One warp per row. With a product's output y, first closes the residual connection,
-// x = res + (y + bias), and keeps x (the LayerNorm's input, which its backward needs); then
-// LayerNorm of x, statistics in f32, the normalised row rounded to bf16 for the next product.
+// One warp per row, each lane 4 values at a time. With a product's output y, first closes the
+// residual connection, x = res + (y + bias), and keeps x (the LayerNorm's input, which its
+// backward needs); then LayerNorm of x, statistics in f32, the normalised row rounded to bf16
+// for the next product.
 extern "C" __global__ void layernorm_forward(
     const float* res,                  // [rows, C] the residual stream so far
     const float* y,                    // [rows, C] a product's output to add to it, or null
@@ -124,23 +133,32 @@ extern "C" __global__ void layernorm_forward(
     const float* xr = res + base;
     float sum = 0.f;
     if (y) {
-        for (int c = lane; c < C; c += 32) {
-            float v = res[base + c] + (y[base + c] + y_bias[c]);
-            x[base + c] = v;
-            sum += v;
+        for (int j = lane; j < C / 4; j += 32) {
+            float4 r = ld4(res + base, j), p = ld4(y + base, j), q = ld4(y_bias, j);
+            float4 v = make_float4(r.x + (p.x + q.x), r.y + (p.y + q.y), r.z + (p.z + q.z), r.w + (p.w + q.w));
+            st4(x + base, j, v);
+            sum += (v.x + v.y) + (v.z + v.w);
         }
         xr = x + base;  // each lane reads back only what it wrote
     } else {
-        for (int c = lane; c < C; c += 32) sum += xr[c];
+        for (int j = lane; j < C / 4; j += 32) {
+            float4 v = ld4(xr, j);
+            sum += (v.x + v.y) + (v.z + v.w);
+        }
     }
     const float m = warp_sum(sum) / C;
     float ss = 0.f;
-    for (int c = lane; c < C; c += 32) {
-        float d = xr[c] - m;
-        ss += d * d;
+    for (int j = lane; j < C / 4; j += 32) {
+        float4 v = ld4(xr, j);
+        ss += (v.x - m) * (v.x - m) + (v.y - m) * (v.y - m) + (v.z - m) * (v.z - m) + (v.w - m) * (v.w - m);
     }
     const float r = 1.f / sqrtf(warp_sum(ss) / C + 1e-5f);
-    for (int c = lane; c < C; c += 32) out[base + c] = to_bf((xr[c] - m) * r * w[c] + b[c]);
+    for (int j = lane; j < C / 4; j += 32) {
+        float4 v = ld4(xr, j), g = ld4(w, j), o = ld4(b, j);
+        u32 lo = (u32)to_bf((v.x - m) * r * g.x + o.x) | ((u32)to_bf((v.y - m) * r * g.y + o.y) << 16);
+        u32 hi = (u32)to_bf((v.z - m) * r * g.z + o.z) | ((u32)to_bf((v.w - m) * r * g.w + o.w) << 16);
+        reinterpret_cast<uint2*>(out + base)[j] = make_uint2(lo, hi);
+    }
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
@@ -149,13 +167,13 @@ extern "C" __global__ void layernorm_forward(
 // ANCHOR_END: layernorm_forward
 
 // ANCHOR: layernorm_backward
-// One warp per row, 4 warps a block, every (gridDim.x · 4)-th row. With x̂ = (x − μ)·r and
-// g = dy ∘ w: dx = (g − mean(g) − x̂ · mean(g ∘ x̂))·r, added to the gradient reaching x along
-// the residual; the sum is written in f32 and, rounded, in bf16 for the products before it.
-// Three column sums ride along, per warp in shared memory, then per block into `partial`
-// (reduce_partials adds the blocks): dw = Σ dy ∘ x̂, db = Σ dy, and Σ of the residual gradient
-// written, which is the gradient of the bias of the product whose output joined the residual
-// stream at x (the attention's or the MLP's output projection).
+// One warp per row, 4 warps a block, every (gridDim.x · 4)-th row, each lane 4 values at a
+// time. With x̂ = (x − μ)·r and g = dy ∘ w: dx = (g − mean(g) − x̂ · mean(g ∘ x̂))·r, added to
+// the gradient reaching x along the residual; the sum is written in f32 and, rounded, in bf16
+// for the products before it. Three column sums ride along, per warp in shared memory, then
+// per block into `partial` (reduce_partials adds the blocks): dw = Σ dy ∘ x̂, db = Σ dy, and
+// Σ of the residual gradient written, which is the gradient of the bias of the product whose
+// output joined the residual stream at x (the attention's or the MLP's output projection).
 extern "C" __global__ void layernorm_backward(
     const float* __restrict__ dy,      // [rows, C] gradient of the normalised output
     const float* __restrict__ x,       // [rows, C] the forward's input
@@ -176,22 +194,37 @@ extern "C" __global__ void layernorm_backward(
         const long long base = (long long)row * C;
         const float m = mean[row], r = rstd[row];
         float sg = 0.f, sgx = 0.f;
-        for (int c = lane; c < C; c += 32) {
-            float xh = (x[base + c] - m) * r, g = dy[base + c] * w[c];
-            sg += g;
-            sgx += g * xh;
+        for (int j = lane; j < C / 4; j += 32) {
+            float4 xv = ld4(x + base, j), d = ld4(dy + base, j), g = ld4(w, j);
+            float gs[4] = {d.x * g.x, d.y * g.y, d.z * g.z, d.w * g.w};
+            float xs[4] = {xv.x, xv.y, xv.z, xv.w};
+            for (int e = 0; e < 4; ++e) {
+                sg += gs[e];
+                sgx += gs[e] * ((xs[e] - m) * r);
+            }
         }
         sg = warp_sum(sg) / C;
         sgx = warp_sum(sgx) / C;
-        for (int c = lane; c < C; c += 32) {
-            float d = dy[base + c], xh = (x[base + c] - m) * r, g = d * w[c];
-            float dx = (g - sg - xh * sgx) * r;
-            if (dres_in) dx = dres_in[base + c] + dx;
-            dres_out[base + c] = dx;
-            dres_out_bf16[base + c] = to_bf(dx);
-            mine[c] += d * xh;
-            mine[C + c] += d;
-            mine[2 * C + c] += dx;
+        for (int j = lane; j < C / 4; j += 32) {
+            float4 xv = ld4(x + base, j), dv = ld4(dy + base, j), g = ld4(w, j);
+            float4 in = dres_in ? ld4(dres_in + base, j) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float xs[4] = {xv.x, xv.y, xv.z, xv.w}, ds[4] = {dv.x, dv.y, dv.z, dv.w};
+            float ws[4] = {g.x, g.y, g.z, g.w}, ins[4] = {in.x, in.y, in.z, in.w}, dx[4];
+            float dw[4];
+            for (int e = 0; e < 4; ++e) {
+                float xh = (xs[e] - m) * r;
+                dx[e] = (ds[e] * ws[e] - sg - xh * sgx) * r;
+                if (dres_in) dx[e] = ins[e] + dx[e];
+                dw[e] = ds[e] * xh;
+            }
+            // this lane's own 4 columns of each sum, 16 bytes at a time (no bank conflicts)
+            add4(mine, j, dw);
+            add4(mine + C, j, ds);
+            add4(mine + 2 * C, j, dx);
+            st4(dres_out + base, j, make_float4(dx[0], dx[1], dx[2], dx[3]));
+            u32 lo = (u32)to_bf(dx[0]) | ((u32)to_bf(dx[1]) << 16);
+            u32 hi = (u32)to_bf(dx[2]) | ((u32)to_bf(dx[3]) << 16);
+            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] = make_uint2(lo, hi);
         }
     }
     __syncthreads();
@@ -206,18 +239,27 @@ extern "C" __global__ void layernorm_backward(
 // Column sums, second pass: out[c] = Σ_p partial[p, c], the K columns cut into runs of
 // `width`, each to its own output (a LayerNorm's partials hold dw, db and the residual's sum;
 // the fused projection's, its bias's three thirds side by side). A null output is skipped.
-// Overwrites.
+// Overwrites. A block of 32 × 16 threads per 32 columns: thread (x, y) sums the parts y,
+// y + 16, ..., then the 16 sums are added in order; many short loops rather than one long one
+// per column, which would wait on memory at every step.
 extern "C" __global__ void reduce_partials(
     const float* __restrict__ partial,  // [parts, K]
     int parts, int K, int width,
     float* out0, float* out1, float* out2  // [width] each, for columns 0.., width.., 2·width..
 ) {
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= K) return;
+    __shared__ float sums[16][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
     float s = 0.f;
-    for (int p = 0; p < parts; ++p) s += partial[(long long)p * K + c];
-    float* out = c < width ? out0 : c < 2 * width ? out1 : out2;
-    if (out) out[c % width] = s;
+    if (c < K)
+        for (int p = threadIdx.y; p < parts; p += 16) s += partial[(long long)p * K + c];
+    sums[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < K) {
+        float total = 0.f;
+        for (int g = 0; g < 16; ++g) total += sums[g][threadIdx.x];
+        float* out = c < width ? out0 : c < 2 * width ? out1 : out2;
+        if (out) out[c % width] = total;
+    }
 }
 
 // ANCHOR: gelu
@@ -234,20 +276,39 @@ __device__ __forceinline__ float gelu_grad(float x) {
     return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * du;
 }
 
+// Eight bf16 values in 16 bytes, as four pairs.
+__device__ __forceinline__ void unpack8(uint4 x, float* f) {
+    u32 w[4] = {x.x, x.y, x.z, x.w};
+    for (int e = 0; e < 4; ++e) {
+        f[2 * e] = bf((u16)(w[e] & 0xffff));
+        f[2 * e + 1] = bf((u16)(w[e] >> 16));
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    u32 w[4];
+    for (int e = 0; e < 4; ++e) w[e] = (u32)to_bf(f[2 * e]) | ((u32)to_bf(f[2 * e + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // The MLP's first product's bias, then GELU: out = gelu(fc + bias), in bf16. fc stays as the
-// product wrote it; the backward adds the bias again. Two values a thread.
+// product wrote it; the backward adds the bias again. A block per row, 8 values (16 bytes) a
+// thread at a time.
 extern "C" __global__ void bias_gelu(
     const u16* __restrict__ fc,      // [rows, K] the product, without its bias
     const float* __restrict__ bias,  // [K]
     u16* __restrict__ out,           // [rows, K] gelu(fc + bias)
-    long long pairs, int K           // rows·K/2, K even
+    int K                            // a multiple of 8
 ) {
-    long long i = global_index();
-    if (i >= pairs) return;
-    int c = (int)((2 * i) % K);
-    u32 v = reinterpret_cast<const u32*>(fc)[i];
-    float lo = bf((u16)(v & 0xffff)) + bias[c], hi = bf((u16)(v >> 16)) + bias[c + 1];
-    reinterpret_cast<u32*>(out)[i] = (u32)to_bf(gelu(lo)) | ((u32)to_bf(gelu(hi)) << 16);
+    const long long base = (long long)blockIdx.x * K;
+    const uint4* src = reinterpret_cast<const uint4*>(fc + base);
+    uint4* dst = reinterpret_cast<uint4*>(out + base);
+    for (int j = threadIdx.x; j < K / 8; j += blockDim.x) {
+        float f[8];
+        unpack8(src[j], f);
+        for (int e = 0; e < 8; ++e) f[e] = gelu(f[e] + bias[8 * j + e]);
+        dst[j] = pack8(f);
+    }
 }
 
 // d ← d ∘ gelu'(fc + bias), in place: the gradient through GELU; and the column sums of the
@@ -283,47 +344,45 @@ extern "C" __global__ void gelu_backward(
 // The fused projection's output, one row per token: q's heads side by side, then k's, then
 // v's, [B·T, 3C]. Our attention kernels take each of q, k and v as [B, H, T, D]:
 // q[b, h, t, d] = qkv[b·T + t, h·D + d] + bias[h·D + d], k from columns C.., v from 2C...
-// Two values a thread; a warp reads and writes whole 128-byte runs of a head's row.
+// A block per token; a thread moves 8 values (16 bytes) at a time, so a head's row of 64 is 8
+// threads' reads of one 128-byte run and their writes of another.
 extern "C" __global__ void qkv_to_heads(
     const u16* __restrict__ qkv,     // [B·T, 3C]
     const float* __restrict__ bias,  // [3C]
     u16* __restrict__ q, u16* __restrict__ k, u16* __restrict__ v,  // [B, H, T, D] each
-    int T, int H, int D,
-    long long pairs                  // B·T·3C/2
+    int T, int H, int D              // D a multiple of 8
 ) {
-    long long i = global_index();
-    if (i >= pairs) return;
-    const int C = H * D;
-    long long row = i / (3 * C / 2);
-    int col = (int)(i % (3 * C / 2)) * 2;  // in 0..3C
-    int part = col / C, c = col % C, h = c / D, d = c % D;
-    long long b = row / T, t = row % T;
-    u32 x = reinterpret_cast<const u32*>(qkv)[i];
-    u16 lo = to_bf(bf((u16)(x & 0xffff)) + bias[col]), hi = to_bf(bf((u16)(x >> 16)) + bias[col + 1]);
-    u16* out = part == 0 ? q : part == 1 ? k : v;
-    *reinterpret_cast<u32*>(out + ((b * H + h) * T + t) * D + d) = (u32)lo | ((u32)hi << 16);
+    const int C = H * D, row = blockIdx.x, b = row / T, t = row % T;
+    const uint4* src = reinterpret_cast<const uint4*>(qkv + (long long)row * 3 * C);
+    for (int j = threadIdx.x; j < 3 * C / 8; j += blockDim.x) {
+        const int col = 8 * j, part = col / C, c = col % C, h = c / D, d = c % D;
+        float f[8];
+        unpack8(src[j], f);
+        for (int e = 0; e < 8; ++e) f[e] += bias[col + e];
+        u16* out = part == 0 ? q : part == 1 ? k : v;
+        *reinterpret_cast<uint4*>(out + (((long long)b * H + h) * T + t) * D + d) = pack8(f);
+    }
 }
 
 // One tensor between the two layouts: [B, H, T, D] to one row per token, [B·T, C] (the
 // attention's output into the projection), or back (the output's gradient into the backward).
+// A block per token, 16 bytes a thread at a time.
 extern "C" __global__ void heads_rows(
     const u16* __restrict__ src,
     u16* __restrict__ dst,
     int to_rows,                     // 1: src is heads, dst rows; 0: the other way
-    int T, int H, int D,
-    long long pairs                  // B·T·C/2
+    int T, int H, int D
 ) {
-    long long i = global_index();
-    if (i >= pairs) return;
-    const int C = H * D;
-    long long row = i / (C / 2);
-    int c = (int)(i % (C / 2)) * 2, h = c / D, d = c % D;
-    long long b = row / T, t = row % T;
-    long long heads = ((b * H + h) * T + t) * D + d, rows = row * C + c;
-    const u32* s32 = reinterpret_cast<const u32*>(src);
-    u32* d32 = reinterpret_cast<u32*>(dst);
-    if (to_rows) d32[rows / 2] = s32[heads / 2];
-    else d32[heads / 2] = s32[rows / 2];
+    const int C = H * D, row = blockIdx.x, b = row / T, t = row % T;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* o = reinterpret_cast<uint4*>(dst);
+    for (int j = threadIdx.x; j < C / 8; j += blockDim.x) {
+        const int c = 8 * j, h = c / D, d = c % D;
+        const long long heads = ((((long long)b * H + h) * T + t) * D + d) / 8;
+        const long long rows = ((long long)row * C + c) / 8;
+        if (to_rows) o[rows] = s[heads];
+        else o[heads] = s[rows];
+    }
 }
 
 // The inverse of qkv_to_heads for the gradients: dq, dk, dv back to the fused projection's

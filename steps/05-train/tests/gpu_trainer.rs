@@ -19,12 +19,14 @@ use step05_train::{
     train,
 };
 
-/// The loss's relative error, GPU against CPU.
-const LOSS_TOL: f64 = 1e-2;
-/// Each gradient's relative L2 error, GPU against CPU.
-const GRAD_TOL: f64 = 3e-2;
-/// AdamW's step: f32 on both sides, the same formula, so only the order of rounding differs.
-const ADAMW_TOL: f64 = 1e-5;
+/// The loss's relative error, GPU against CPU: measured up to 7.5e-5 on the H200.
+const LOSS_TOL: f64 = 1e-3;
+/// Each gradient's relative L2 error, GPU against CPU: measured up to 5.0e-3 on the H200
+/// (LayerNorm gains, at 2 to 5 times bf16's rounding of one value), for both attentions.
+const GRAD_TOL: f64 = 1e-2;
+/// AdamW's step: f32 on both sides, the same formula, so only the order of rounding differs
+/// (measured: 6e-8 at most).
+const ADAMW_TOL: f64 = 1e-6;
 
 /// Text to draw batches from: this crate's own sources, embedded so the test binary carries
 /// them to the GPU machine.

@@ -91,6 +91,18 @@ fn grid(n: u64, threads: u32) -> Result<LaunchConfig, TrainError> {
     })
 }
 
+/// A block per row, each thread moving `chunks` 16-byte chunks of the row among as many
+/// threads as there are chunks (in warps), at most 256.
+fn per_row(rows: usize, chunks: usize) -> Result<LaunchConfig, TrainError> {
+    let blocks = u32::try_from(rows.max(1))
+        .map_err(|_| dev(format!("{rows} rows: more blocks than a grid takes")))?;
+    Ok(LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (chunks.next_multiple_of(32).clamp(32, 256) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
 impl Kernels {
     /// Compiles and loads the kernels on `gpu`; the LayerNorm backward may take the shared
     /// memory a residual stream `d_model` wide needs.
@@ -298,8 +310,8 @@ impl Kernels {
     /// The blocks [`Kernels::layernorm_backward`] runs for `rows` rows: the rows of its
     /// `partial` buffer.
     pub fn ln_backward_blocks(rows: usize) -> usize {
-        // at least 8 rows a warp, at most 512 blocks
-        rows.div_ceil(LN_BACKWARD_WARPS as usize * 8).clamp(1, 512)
+        // about 4 rows a warp, at most 1024 blocks
+        rows.div_ceil(LN_BACKWARD_WARPS as usize * 4).clamp(1, 1024)
     }
 
     /// LayerNorm's backward: `dres_out = dres_in + dx` (f32 and bf16); the column sums of
@@ -382,17 +394,15 @@ impl Kernels {
             Arg::Ptr(outs[1]),
             Arg::Ptr(outs[2]),
         ];
-        unsafe {
-            self.launch(
-                &self.reduce_partials,
-                "reduce_partials",
-                grid(k as u64, 256)?,
-                &args,
-            )
-        }
+        let cfg = LaunchConfig {
+            grid_dim: (k.div_ceil(32) as u32, 1, 1),
+            block_dim: (32, 16, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { self.launch(&self.reduce_partials, "reduce_partials", cfg, &args) }
     }
 
-    /// `out = gelu(fc + bias)`.
+    /// `out = gelu(fc + bias)` over `[rows, k]`, `k` a multiple of 8.
     pub unsafe fn bias_gelu(
         &self,
         fc: u64,
@@ -401,15 +411,13 @@ impl Kernels {
         rows: usize,
         k: usize,
     ) -> Result<(), TrainError> {
-        let pairs = (rows * k / 2) as u64;
         let args = [
             Arg::Ptr(fc),
             Arg::Ptr(bias),
             Arg::Ptr(out),
-            Arg::I64(pairs as i64),
             Arg::I32(k as i32),
         ];
-        unsafe { self.launch(&self.bias_gelu, "bias_gelu", grid(pairs, 256)?, &args) }
+        unsafe { self.launch(&self.bias_gelu, "bias_gelu", per_row(rows, k / 8)?, &args) }
     }
 
     /// `d ← d ∘ gelu'(fc + bias)` over `[rows, k]`, and the result's column sums into
@@ -449,7 +457,6 @@ impl Kernels {
         (q, k, v): (u64, u64, u64),
         (b, h, t, d): (usize, usize, usize, usize),
     ) -> Result<(), TrainError> {
-        let pairs = (b * t * 3 * h * d / 2) as u64;
         let args = [
             Arg::Ptr(qkv),
             Arg::Ptr(bias),
@@ -459,9 +466,9 @@ impl Kernels {
             Arg::I32(t as i32),
             Arg::I32(h as i32),
             Arg::I32(d as i32),
-            Arg::I64(pairs as i64),
         ];
-        unsafe { self.launch(&self.qkv_to_heads, "qkv_to_heads", grid(pairs, 256)?, &args) }
+        let cfg = per_row(b * t, 3 * h * d / 8)?;
+        unsafe { self.launch(&self.qkv_to_heads, "qkv_to_heads", cfg, &args) }
     }
 
     /// `[B, H, T, D]` to `[B·T, C]` rows (`to_rows`), or back.
@@ -472,7 +479,6 @@ impl Kernels {
         to_rows: bool,
         (b, h, t, d): (usize, usize, usize, usize),
     ) -> Result<(), TrainError> {
-        let pairs = (b * h * t * d / 2) as u64;
         let args = [
             Arg::Ptr(src),
             Arg::Ptr(dst),
@@ -480,9 +486,9 @@ impl Kernels {
             Arg::I32(t as i32),
             Arg::I32(h as i32),
             Arg::I32(d as i32),
-            Arg::I64(pairs as i64),
         ];
-        unsafe { self.launch(&self.heads_rows, "heads_rows", grid(pairs, 256)?, &args) }
+        let cfg = per_row(b * t, h * d / 8)?;
+        unsafe { self.launch(&self.heads_rows, "heads_rows", cfg, &args) }
     }
 
     /// dq, dk, dv (`[B, H, T, D]`) to the fused projection's `[B·T, 3C]` gradient, and its

@@ -399,6 +399,11 @@ impl GpuTrainer {
                 "d_model {c}: the GPU trainer takes a multiple of 8 (16-byte rows of bf16 for the products)"
             )));
         }
+        if !d.is_multiple_of(8) {
+            return Err(TrainError::Config(format!(
+                "head dim {d} (d_model {c} / heads {h}): the GPU trainer moves heads 8 values at a time, so it takes a multiple of 8"
+            )));
+        }
         if attention == AttentionKind::Flash && !step04_backward::cuda::HEAD_DIMS.contains(&d) {
             return Err(TrainError::Config(format!(
                 "head dim {d} (d_model {c} / heads {h}): step 04's backward kernels take head dims {:?}",
