@@ -189,7 +189,10 @@ extern "C" __global__ void layernorm_backward(
     extern __shared__ float acc[];  // [warps][3C]
     const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float* mine = acc + (long long)warp * 3 * C;
-    for (int c = lane; c < 3 * C; c += 32) mine[c] = 0.f;
+    // each lane zeroes the very chunks of 4 columns it adds into below, so no lane reads what
+    // another wrote before the block's barrier
+    for (int part = 0; part < 3; ++part)
+        for (int j = lane; j < C / 4; j += 32) st4(mine + part * C, j, make_float4(0.f, 0.f, 0.f, 0.f));
     for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
         const long long base = (long long)row * C;
         const float m = mean[row], r = rstd[row];
