@@ -24,6 +24,7 @@
 //!
 //! - [`read_dir`]: the rows of every JSON file, as the shared core's [`Row`].
 //! - [`render_all`]: every chart and table the rows call for, as `(file name, text)`.
+//! - [`train`]: the training runs' charts, from `charts/data/train-*.json`. // [step 05]
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -35,12 +36,59 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
+pub mod train; // [step 05]
+
+/// Measurements with charts of their own, apart from the main CPU and GPU ones: the rows of
+/// `data/NAME*.json` draw `NAME-*.svg` and `NAME-*.md`. A step whose method is measured in a
+/// call of its own (with the peers measured again beside it) keeps its rows here, so the
+/// charts of earlier chapters stay as those chapters measured them.
+pub const SETS: &[&str] = &[
+    "hopper", // [step 06]
+];
+
+/// Every chart and table of `dir/data/*.json`, as `(file name, text)`: the main set's from the
+/// files no [`SETS`] name starts, and each set's, prefixed with its name.
+pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
+    let data = dir.join("data");
+    let mut charts = Vec::new();
+    let set_of = |p: &Path| {
+        let file = p.file_name().map(|f| f.to_string_lossy().to_string());
+        SETS.iter()
+            .find(|s| file.as_deref().is_some_and(|f| f.starts_with(*s)))
+            .copied()
+    };
+    for set in std::iter::once(None).chain(SETS.iter().map(|s| Some(*s))) {
+        let rows = read_files(&data, |p| set_of(p) == set)?;
+        if rows.is_empty() {
+            continue;
+        }
+        for (name, text) in render_all(&rows)? {
+            let name = match set {
+                Some(s) => format!("{s}-{name}"),
+                None => name,
+            };
+            charts.push((name, text));
+        }
+    }
+    // [step 05]
+    // the training runs, ours and PyTorch's
+    charts.extend(train::render_all(&train::read_runs(&data)?)?);
+    // [/step 05]
+    Ok(charts)
+}
+
 /// Every row of every `*.json` file in `dir`, the files taken in name order.
 pub fn read_dir(dir: &Path) -> Result<Vec<Row>, String> {
+    read_files(dir, |_| true)
+}
+
+/// The rows of the `*.json` files in `dir` that `keep` keeps, the files in name order.
+fn read_files(dir: &Path, keep: impl Fn(&Path) -> bool) -> Result<Vec<Row>, String> {
     let mut files: Vec<_> = fs::read_dir(dir)
         .map_err(|e| format!("{}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter(|p| p.extension().is_some_and(|x| x == "json") && keep(p))
+        .filter(|p| !train::is_run_file(p)) // [step 05]
         .collect();
     files.sort();
     let mut rows = Vec::new();
@@ -187,6 +235,12 @@ const STYLES: &[Style] = &[
     },
     ours("cuda_flash", "FlashAttention kernel", "flash", 3, RGBColor(0x00, 0x6d, 0x2c), Marker::Square),
     // [/step 03]
+    // [step 06]
+    Style {
+        same_memory_as: Some("cuda_flash"),
+        ..ours("cuda_hopper", "Hopper kernel: wgmma and TMA", "Hopper", 6, RGBColor(0x08, 0x30, 0x6b), Marker::Cross)
+    },
+    // [/step 06]
     // [step 02]
     peer("pytorch_by_hand", "", "PyTorch by hand", "PyTorch by hand", RGBColor(0x52, 0x52, 0x52), Marker::Circle),
     peer("pytorch_sdpa", "cpu", "PyTorch SDPA (CPU flash attention)", "PyTorch SDPA", RGBColor(0xe6, 0x55, 0x0d), Marker::Square),
@@ -197,6 +251,9 @@ const STYLES: &[Style] = &[
     peer("pytorch_sdpa_efficient", "", "memory-efficient SDPA via PyTorch", "mem-eff.", RGBColor(0x96, 0x96, 0x96), Marker::TriangleDown),
     peer("pytorch_sdpa", "cuda", "PyTorch's default SDPA", "SDPA", RGBColor(0xfd, 0x8d, 0x3c), Marker::Square),
     // [/step 03]
+    // [step 05]
+    peer("pytorch_compiled", "", "PyTorch's default SDPA, torch.compile", "compiled", RGBColor(0xe7, 0x29, 0x8a), Marker::Cross),
+    // [/step 05]
 ];
 
 /// Our best method at each length against the peer it is compared with, in the tables: the
@@ -209,6 +266,10 @@ const VERSUS: &[(&str, &str)] = &[
     ("cuda_flash", "pytorch_sdpa_flash"),
     ("cuda_flash", "pytorch_sdpa_cudnn"),
     // [/step 03]
+    // [step 06]
+    ("cuda_hopper", "pytorch_sdpa_flash"),
+    ("cuda_hopper", "pytorch_sdpa_cudnn"),
+    // [/step 06]
 ];
 
 /// Colours for a method the table does not know, picked by its name so it keeps them.
@@ -427,6 +488,15 @@ fn table(rows: &[&Row]) -> String {
             .position(|x| *x == m)
             .map_or(m.to_string(), |i| looks[i].short.clone())
     };
+    // with two of ours compared, a column names both sides: `Hopper vs cuDNN`
+    let several = versus.iter().any(|(a, _)| *a != versus[0].0);
+    let vs = |a: &str, b: &str| {
+        if several {
+            format!("{} vs {}", short(a), short(b))
+        } else {
+            format!("vs {}", short(b))
+        }
+    };
 
     let mut md = format!(
         "<!-- written by `cargo run -p charts` from charts/data/*.json: {} -->\n\n",
@@ -446,7 +516,7 @@ fn table(rows: &[&Row]) -> String {
         let peers: Vec<String> = versus
             .iter()
             .filter(|(x, _)| x == a)
-            .map(|(_, b)| format!("*vs {}*", short(b)))
+            .map(|(a, b)| format!("*{}*", vs(a, b)))
             .collect();
         md.push_str(&format!(
             "; {}: the peer's time over *{}*'s, above 1× *{}* is faster",
@@ -457,10 +527,7 @@ fn table(rows: &[&Row]) -> String {
     }
     md.push_str(".\n\n");
     let heads: Vec<String> = looks.iter().map(|l| l.short.clone()).collect();
-    let vs_heads: Vec<String> = versus
-        .iter()
-        .map(|(_, b)| format!("vs {}", short(b)))
-        .collect();
+    let vs_heads: Vec<String> = versus.iter().map(|(a, b)| vs(a, b)).collect();
     md.push_str(&format!(
         "| tokens | {} |{}\n| ---: |{}{}\n",
         heads.join(" | "),
@@ -1094,8 +1161,7 @@ mod tests {
             println!("no charts/data/ in this stage: no charts to regenerate");
             return;
         }
-        let rows = read_dir(&dir.join("data")).unwrap();
-        for (name, svg) in render_all(&rows).unwrap() {
+        for (name, svg) in render_dir(dir).unwrap() {
             let committed = fs::read_to_string(dir.join(&name)).unwrap_or_default();
             assert!(
                 committed == svg,

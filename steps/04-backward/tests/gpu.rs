@@ -205,6 +205,9 @@ fn device_zeros(gpu: &Gpu, shape: Shape) -> DeviceTensor {
     }
 }
 
+/// compute-sanitizer counts the refused allocation (`cuMemAllocAsync`: out of memory) as one
+/// API error: it is what this test asks for (`--report-api-errors no`, or `--skip` this test,
+/// for a summary of 0).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn backward_by_hand_names_a_table_that_does_not_fit() {

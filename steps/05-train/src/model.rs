@@ -178,7 +178,7 @@ impl<A: Float> Params<A> {
                 residual
             } else if name.ends_with(".weight") && t.ndim() == 2 {
                 0.02
-            } else if name.contains("ln_") {
+            } else if name.contains("ln_") && name.ends_with(".weight") {
                 t.fill(A::one());
                 continue;
             } else {
@@ -444,4 +444,42 @@ pub fn next_token_probs(p: &Params<f32>, tokens: &[u8]) -> Result<Array1<f32>, T
     let inputs = ArrayView2::from_shape((1, window.len()), window).expect("one row");
     let acts = forward(p, inputs)?;
     Ok(acts.probs.index_axis(Axis(0), window.len() - 1).to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn init_is_gpt2s_gains_one_biases_zero_matrices_normal() {
+        let config = Config {
+            layers: 2,
+            d_model: 16,
+            heads: 2,
+            context: 8,
+            vocab: 256,
+        };
+        let p = Params::<f32>::init(config, 1).unwrap();
+        for (name, t) in p.tensors() {
+            let (min, max) = t
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+            if t.ndim() == 2 {
+                let rms = (t.iter().map(|x| x * x).sum::<f32>() / t.len() as f32).sqrt();
+                let sigma = if name.ends_with("c_proj.weight") {
+                    0.01 // 0.02 / √(2 · 2 layers)
+                } else {
+                    0.02
+                };
+                assert!(
+                    (rms / sigma - 1.0).abs() < 0.2,
+                    "{name}: rms {rms}, σ {sigma}"
+                );
+            } else if name.contains("ln_") && name.ends_with(".weight") {
+                assert_eq!((min, max), (1.0, 1.0), "{name}: a LayerNorm gain");
+            } else {
+                assert_eq!((min, max), (0.0, 0.0), "{name}: a bias");
+            }
+        }
+    }
 }

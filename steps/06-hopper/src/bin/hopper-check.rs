@@ -1,0 +1,145 @@
+//! Checks the Hopper forward kernel on the GPU and times it beside step 03's: its error
+//! against the f64 reference next to step 03's kernel's on the same inputs, then TFLOP/s of
+//! both at 4 × 12 heads. Without a GPU it compiles
+//! the kernel (NVRTC, `sm_90a`) and, with `--ptx DIR`, writes the PTX for `ptxas -v`.
+//!
+//! `cargo run --release -p step06-hopper --bin hopper-check [-- --ptx DIR]`
+
+use std::process::ExitCode;
+
+use flash_core::inputs::random_qkv;
+use flash_core::reference::{attention_f64, error};
+use flash_core::timing::{Warmup, median_ms};
+use flash_core::{AttnError, Shape};
+use step03_cuda_forward::{Dtype, Gpu};
+use step06_hopper::forward::{self, HopperConfig};
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<bool, AttnError> {
+    let args: Vec<String> = std::env::args().collect();
+    for (dtype, config) in [Dtype::Bf16, Dtype::F16]
+        .into_iter()
+        .flat_map(|d| HopperConfig::candidates().into_iter().map(move |c| (d, c)))
+    {
+        let ptx = forward::compile(dtype, config, Default::default())?;
+        println!(
+            "hopper_forward {} {config:?} compiles for sm_90a",
+            dtype.name()
+        );
+        if let [_, flag, dir] = &args[..]
+            && flag == "--ptx"
+        {
+            let path = format!(
+                "{dir}/hopper_forward_{}_{}x{}.ptx",
+                dtype.name(),
+                config.warpgroups,
+                config.stages
+            );
+            std::fs::write(&path, ptx.to_src()).map_err(|e| AttnError::Device {
+                what: format!("{path}: {e}"),
+            })?;
+        }
+    }
+    let gpu = match Gpu::shared() {
+        Ok(g) => g,
+        Err(e) => {
+            println!("no run: {e}");
+            return Ok(true);
+        }
+    };
+    println!("{}", gpu.describe());
+    forward::check_hopper(gpu)?;
+
+    let mut all = true;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for (b, h, t) in [
+            (1, 2, 64),
+            (1, 2, 128),
+            (2, 3, 1000),
+            (1, 2, 2048),
+            (1, 1, 4096),
+        ] {
+            for (config, ok, line) in check_shape(gpu, Shape::new(b, h, t, 64), dtype)? {
+                println!("{} {b}x{h}x{t} {config:?}: {line}", dtype.name());
+                all &= ok;
+            }
+        }
+    }
+
+    // speed, bf16, 4 × 12 heads
+    println!(
+        "\n| T | config | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    for t in [1024, 2048, 4096, 8192, 16384] {
+        let shape = Shape::new(4, 12, t, 64);
+        let [q, k, v] = random_qkv(shape, 7);
+        let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), Dtype::Bf16);
+        let (q, k, v) = (up(&q)?, up(&k)?, up(&v)?);
+        let mut out = gpu.alloc_output(shape, Dtype::Bf16)?;
+        let flash = median_ms(Warmup::Millis(300.0), 20, || {
+            gpu.time_ms(|| gpu.forward_into(&q, &k, &v, &mut out))
+        })?;
+        let tf = |ms: f64| shape.forward_flops() / ms / 1e9;
+        for config in HopperConfig::candidates() {
+            let hopper = median_ms(Warmup::Millis(300.0), 20, || {
+                gpu.time_ms(|| forward::forward_with(gpu, config, &q, &k, &v, &mut out))
+            })?;
+            println!(
+                "| {t} | {}x{} | {hopper:.3} | {:.1} | {flash:.3} | {:.1} | {:.2} |",
+                config.warpgroups,
+                config.stages,
+                tf(hopper),
+                tf(flash),
+                flash / hopper
+            );
+        }
+    }
+    Ok(all)
+}
+
+/// Each candidate's error against the f64 reference, beside step 03's kernel's on the same
+/// inputs: it passes within twice step 03's (or 1e-3).
+fn check_shape(
+    gpu: &Gpu,
+    shape: Shape,
+    dtype: Dtype,
+) -> Result<Vec<(HopperConfig, bool, String)>, AttnError> {
+    let [q, k, v] = random_qkv(shape, 11);
+    let reference = attention_f64(q.view(), k.view(), v.view())?;
+    let ours = gpu.attention(q.view(), k.view(), v.view(), dtype)?;
+    let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), dtype);
+    let (dq, dk, dv) = (up(&q)?, up(&k)?, up(&v)?);
+    let (e_f, l_f) = (
+        error(&ours.out, &reference.out).max_abs,
+        error(&ours.lse, &reference.lse).max_abs,
+    );
+    let mut lines = Vec::new();
+    for config in HopperConfig::candidates() {
+        let mut out = gpu.alloc_output(shape, dtype)?;
+        forward::forward_with(gpu, config, &dq, &dk, &dv, &mut out)?;
+        let hopper = gpu.download_attention(&out)?;
+        let e_h = error(&hopper.out, &reference.out).max_abs;
+        let l_h = error(&hopper.lse, &reference.lse).max_abs;
+        let ok = e_h <= (2.0 * e_f).max(1e-3) && l_h <= (2.0 * l_f).max(1e-3);
+        lines.push((
+            config,
+            ok,
+            format!(
+                "out max |err| {e_h:.2e} (cuda_flash {e_f:.2e}), lse {l_h:.2e} (cuda_flash {l_f:.2e}) {}",
+                if ok { "ok" } else { "WRONG" }
+            ),
+        ));
+    }
+    Ok(lines)
+}

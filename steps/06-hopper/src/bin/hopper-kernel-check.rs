@@ -1,0 +1,50 @@
+//! Compiles every Hopper kernel variant with NVRTC for `sm_90a` and assembles it with
+//! `ptxas -v`, printing registers, shared memory and spills; exits non-zero on a failed compile
+//! or any spill. Needs no GPU: CI runs it with NVRTC and ptxas from PyPI, as step 03's
+//! `kernel-check`.
+//!
+//! `cargo run -p step06-hopper --bin hopper-kernel-check [-- --ptxas PATH]`
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use step03_cuda_forward::{Dtype, ptxas};
+use step06_hopper::forward::{self, HopperConfig};
+use step06_hopper::probe;
+
+/// Compiles the forward kernel in every block shape (bf16 and f16) and the `wgmma` probe with
+/// NVRTC for `sm_90a`, and assembles each with `ptxas -v`.
+///
+/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so
+/// on LD_LIBRARY_PATH) and ptxas, but no GPU.
+#[derive(Parser, Debug)]
+#[command(name = "hopper-kernel-check")]
+struct Args {
+    #[command(flatten)]
+    flags: ptxas::Flags,
+}
+
+fn main() -> ExitCode {
+    let mut flags = Args::parse().flags;
+    // wgmma and setmaxnreg exist on sm_90a only
+    if flags.arch == "sm_90" {
+        flags.arch = "sm_90a".into();
+    }
+    ptxas::main(flags, |_| {
+        let mut kernels = vec![("wgmma_probe".to_string(), probe::compile())];
+        for dtype in [Dtype::Bf16, Dtype::F16] {
+            for c in HopperConfig::candidates() {
+                kernels.push((
+                    format!(
+                        "hopper_forward_{}_wg{}_s{}",
+                        dtype.name(),
+                        c.warpgroups,
+                        c.stages
+                    ),
+                    forward::compile(dtype, c, Default::default()),
+                ));
+            }
+        }
+        kernels
+    })
+}

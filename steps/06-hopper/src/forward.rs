@@ -1,0 +1,294 @@
+//! The forward kernel's host side: checks, the tensor maps TMA reads through, the launch.
+
+use cudarc::driver::sys::{
+    CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
+    CUtensorMapL2promotion, CUtensorMapSwizzle, cuTensorMapEncodeTiled,
+};
+use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use flash_core::{AttnError, Shape};
+use step03_cuda_forward::kernel::compile_error;
+use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error};
+
+/// The forward kernel's source.
+pub const HOPPER_FORWARD_CU: &str = include_str!("../kernels/hopper_forward.cu");
+/// Its entry point.
+pub const HOPPER_FORWARD: &str = "hopper_forward";
+/// The head dims it is compiled for.
+pub const HEAD_DIMS: [usize; 1] = [64];
+/// Keys per step (`BLOCK_N`).
+pub const BLOCK_N: usize = 128;
+
+/// The thread block's shape, set at compile time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HopperConfig {
+    /// Consumer warpgroups per thread block (`WGS`), 64 query rows each.
+    pub warpgroups: usize,
+    /// Buffers of keys and values in flight (`STAGES`).
+    pub stages: usize,
+}
+
+impl Default for HopperConfig {
+    fn default() -> Self {
+        HopperConfig {
+            warpgroups: 2,
+            stages: 2,
+        }
+    }
+}
+
+impl HopperConfig {
+    /// The shape measured fastest for a length (`hopper-check`, H200): two warpgroups up to
+    /// 4,096 tokens, three from 8,192 (more rows share each block of keys and values once
+    /// there are enough blocks to fill every multiprocessor).
+    pub fn for_tokens(tokens: usize) -> Self {
+        HopperConfig {
+            warpgroups: if tokens >= 8192 { 3 } else { 2 },
+            stages: 2,
+        }
+    }
+
+    /// Queries per thread block (`BLOCK_M`).
+    pub fn block_m(&self) -> usize {
+        64 * self.warpgroups
+    }
+
+    /// Threads per block: the consumer warpgroups and one producer warp.
+    pub fn threads(&self) -> u32 {
+        (128 * self.warpgroups + 32) as u32
+    }
+
+    /// Dynamic shared memory for head dim `d`: q's tile and `stages` tiles of k and v, and
+    /// room to align them on the swizzle's 1024 bytes.
+    pub fn smem_bytes(&self, d: usize) -> u32 {
+        ((self.block_m() + 2 * self.stages * BLOCK_N) * d * 2 + 1024) as u32
+    }
+
+    /// The default and the shapes `hopper-check` compares it with.
+    pub fn candidates() -> Vec<HopperConfig> {
+        let c = |warpgroups, stages| HopperConfig { warpgroups, stages };
+        vec![c(2, 2), c(3, 2), c(2, 3), c(3, 3)]
+    }
+}
+
+/// The byte offsets of the shared-memory matrix descriptors (see `wgmma-probe`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Descriptors {
+    pub qk_leading: u32,
+    pub qk_stride: u32,
+    pub v_leading: u32,
+    pub v_stride: u32,
+}
+
+impl Default for Descriptors {
+    fn default() -> Self {
+        Descriptors {
+            qk_leading: 16,
+            qk_stride: 1024,
+            v_leading: 16,
+            v_stride: 1024,
+        }
+    }
+}
+
+/// Compiles the kernel for `sm_90a` (the target with `wgmma`).
+pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<Ptx, AttnError> {
+    let options = CompileOptions {
+        arch: Some("sm_90a"),
+        options: vec![
+            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
+            format!("-DWGS={}", config.warpgroups),
+            format!("-DSTAGES={}", config.stages),
+            format!("-DQK_LBO={}", desc.qk_leading),
+            format!("-DQK_SBO={}", desc.qk_stride),
+            format!("-DV_LBO={}", desc.v_leading),
+            format!("-DV_SBO={}", desc.v_stride),
+            "--std=c++17".into(),
+        ],
+        name: Some(format!(
+            "hopper_forward_{}_wg{}_s{}.cu",
+            dtype.name(),
+            config.warpgroups,
+            config.stages
+        )),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(HOPPER_FORWARD_CU, options).map_err(|e| compile_error(HOPPER_FORWARD, e))
+}
+
+/// A tensor map as a kernel parameter: 128 bytes, aligned on 64.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(crate) struct TensorMap(CUtensorMap);
+// SAFETY: plain bytes, passed by value as the kernel's `TensorMap` parameter
+unsafe impl DeviceRepr for TensorMap {}
+
+// ANCHOR: tensor_map
+/// The map of a `[batch·heads, tokens, head_dim]` tensor of 16-bit values, read in boxes of
+/// `rows` tokens of one head in the 128-byte swizzle; rows past the end read as zeros.
+pub(crate) fn tensor_map(gpu: &Gpu, x: &DeviceTensor, rows: usize) -> Result<TensorMap, AttnError> {
+    let s = x.shape;
+    let (ptr, _sync) = x.data.device_ptr(gpu.stream());
+    let dims = [
+        s.head_dim as u64,
+        s.tokens as u64,
+        (s.batch * s.heads) as u64,
+    ];
+    let strides = [(s.head_dim * 2) as u64, (s.tokens * s.head_dim * 2) as u64];
+    let boxes = [s.head_dim as u32, rows as u32, 1];
+    let steps = [1u32; 3];
+    let dtype = match x.dtype {
+        Dtype::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        _ => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    };
+    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
+    // SAFETY: the arrays hold rank (3) entries, strides rank − 1; ptr is a live allocation of
+    // the shape's values (check_device), 256-byte aligned as every allocation
+    let r = unsafe {
+        cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            3,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != CUresult::CUDA_SUCCESS {
+        return Err(AttnError::Device {
+            what: format!("cuTensorMapEncodeTiled for {s}: {r:?}"),
+        });
+    }
+    // SAFETY: the driver wrote the map
+    Ok(TensorMap(unsafe { map.assume_init() }))
+}
+// ANCHOR_END: tensor_map
+
+/// That the GPU is a Hopper (compute capability 9.0): `wgmma` and `setmaxnreg` exist there
+/// only (sm_90a code runs on no other GPU).
+pub fn check_hopper(gpu: &Gpu) -> Result<(), AttnError> {
+    let (major, minor) = gpu
+        .context()
+        .compute_capability()
+        .map_err(device_error("reading the compute capability"))?;
+    if (major, minor) != (9, 0) {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "the Hopper kernels need a GPU of compute capability 9.0 (H100, H200; wgmma and TMA), this one is {major}.{minor}: use cuda_flash"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// The checks before a launch: step 03's, a head dim this kernel takes, and a grid of at most
+/// 65,535 heads (its y dimension).
+pub fn check(q: &DeviceTensor, k: &DeviceTensor, v: &DeviceTensor) -> Result<Shape, AttnError> {
+    let shape = check_device(q, k, v)?;
+    if !HEAD_DIMS.contains(&shape.head_dim) {
+        return Err(AttnError::UnsupportedHeadDim {
+            head_dim: shape.head_dim,
+            supported: HEAD_DIMS.map(|d| d.to_string()).join(", "),
+        });
+    }
+    if shape.batch * shape.heads > 65_535 {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "{shape}: the Hopper kernel takes at most 65,535 sequences × heads (a grid's y dimension)"
+            ),
+        });
+    }
+    Ok(shape)
+}
+
+/// Causal attention with the Hopper kernel: the output and each row's log-sum-exp.
+pub fn forward(
+    gpu: &Gpu,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+) -> Result<DeviceAttention, AttnError> {
+    let mut result = gpu.alloc_output(q.shape, q.dtype)?;
+    forward_with(
+        gpu,
+        HopperConfig::for_tokens(q.shape.tokens),
+        q,
+        k,
+        v,
+        &mut result,
+    )?;
+    Ok(result)
+}
+
+/// [`forward`] into buffers allocated before, with a thread block of another shape.
+pub fn forward_with(
+    gpu: &Gpu,
+    config: HopperConfig,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    result: &mut DeviceAttention,
+) -> Result<(), AttnError> {
+    check_hopper(gpu)?;
+    let shape = check(q, k, v)?;
+    let rows = shape.batch * shape.heads * shape.tokens;
+    if result.out.shape != shape || result.out.dtype != q.dtype || result.lse.len() != rows {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "the output buffers are for {} {}, the inputs are {shape} {}",
+                result.out.shape,
+                result.out.dtype.name(),
+                q.dtype.name()
+            ),
+        });
+    }
+    if shape.is_empty() {
+        return Ok(());
+    }
+    let smem = config.smem_bytes(shape.head_dim);
+    let dtype = q.dtype;
+    let f = gpu.kernel(
+        format!("hopper forward {dtype:?} {config:?}"),
+        HOPPER_FORWARD,
+        smem,
+        || compile(dtype, config, Descriptors::default()),
+    )?;
+    let block_m = config.block_m();
+    let maps = [
+        tensor_map(gpu, q, block_m)?,
+        tensor_map(gpu, k, BLOCK_N)?,
+        tensor_map(gpu, v, BLOCK_N)?,
+    ];
+    let config = LaunchConfig {
+        grid_dim: (
+            shape.tokens.div_ceil(block_m) as u32,
+            (shape.batch * shape.heads) as u32,
+            1,
+        ),
+        block_dim: (config.threads(), 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let tokens = shape.tokens as i32;
+    let scale_log2 = shape.scale_log2();
+    let mut launch = gpu.stream().launch_builder(&f);
+    launch
+        .arg(&maps[0])
+        .arg(&maps[1])
+        .arg(&maps[2])
+        .arg(&mut result.out.data)
+        .arg(&mut result.lse)
+        .arg(&tokens)
+        .arg(&scale_log2);
+    // SAFETY: check() proved q, k, v hold the shape's values in one dtype and the maps read
+    // within them (rows past a head's end read as zeros); the output was checked to match and
+    // the kernel writes only rows below `tokens`; the grid is one block per block_m queries of
+    // each head, within the limits check() tested (grid_blocks through check_device)
+    unsafe { launch.launch(config) }.map_err(device_error("launching hopper_forward"))?;
+    Ok(())
+}

@@ -1,0 +1,114 @@
+//! The Hopper forward kernel on the GPU against the f64 reference with FlashAttention's rule
+//! (its error at most twice that of attention by hand in the same precision), in every block
+//! shape it can be compiled with; ignored where there is no GPU.
+
+use flash_core::inputs::random_qkv;
+use flash_core::reference::{attention_f64, error};
+use flash_core::{AttnError, Shape};
+use step03_cuda_forward::host::{by_hand_low_precision, round_array};
+use step03_cuda_forward::{Dtype, Gpu};
+use step06_hopper::forward::{self, HopperConfig};
+use step06_hopper::methods::{hopper_forward, hopper_forward_dtype};
+
+/// The kernel's log-sum-exp is accumulated in f32 from the 16-bit inputs' exact products.
+const KERNEL_LSE: f64 = 1e-3;
+
+/// Lengths with partial blocks, one block, several, and the diagonal in every position.
+const SHAPES: [(usize, usize, usize); 6] = [
+    (1, 2, 1),
+    (1, 2, 64),
+    (1, 2, 200),
+    (2, 3, 1000),
+    (1, 2, 2048),
+    (1, 1, 4097),
+];
+
+// ANCHOR: check_hopper
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_forward_is_within_twice_by_hand_error_in_every_block_shape() {
+    let gpu = Gpu::shared().expect("a GPU");
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for (i, &(b, h, t)) in SHAPES.iter().enumerate() {
+            let shape = Shape::new(b, h, t, 64);
+            let [q, k, v] = random_qkv(shape, 40 + i as u64);
+            let rounded = [&q, &k, &v].map(|x| round_array(x.view(), dtype));
+            let reference =
+                attention_f64(rounded[0].view(), rounded[1].view(), rounded[2].view()).unwrap();
+            let by_hand = error(
+                &by_hand_low_precision(q.view(), k.view(), v.view(), dtype),
+                &reference.out,
+            );
+            let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), dtype).unwrap();
+            let (dq, dk, dv) = (up(&q), up(&k), up(&v));
+            for config in HopperConfig::candidates() {
+                let mut result = gpu.alloc_output(shape, dtype).unwrap();
+                forward::forward_with(gpu, config, &dq, &dk, &dv, &mut result).unwrap();
+                let got = gpu.download_attention(&result).unwrap();
+                let out = error(&got.out, &reference.out);
+                let lse = error(&got.lse, &reference.lse);
+                println!(
+                    "{} {shape} {config:?}: out {out}, lse {lse}; by hand {by_hand}",
+                    dtype.name()
+                );
+                assert!(
+                    out.max_abs <= 2.0 * by_hand.max_abs + 1e-5,
+                    "{} {shape} {config:?}: out {out}; by hand {by_hand}",
+                    dtype.name()
+                );
+                assert!(
+                    lse.max_abs <= KERNEL_LSE,
+                    "{} {shape} {config:?}: lse {lse}",
+                    dtype.name()
+                );
+            }
+        }
+    }
+}
+// ANCHOR_END: check_hopper
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_forward_is_causal_and_deterministic() {
+    let shape = Shape::new(1, 2, 300, 64);
+    let [q, k, v] = random_qkv(shape, 5);
+    let first = hopper_forward(q.view(), k.view(), v.view()).unwrap();
+    let again = hopper_forward(q.view(), k.view(), v.view()).unwrap();
+    assert_eq!(first.out, again.out, "two runs differ");
+    assert_eq!(first.lse, again.lse, "two runs differ");
+    // a change to the keys and values after row 150 leaves rows 0..=150 exactly as they were
+    let (mut k2, mut v2) = (k.clone(), v.clone());
+    k2.slice_mut(ndarray::s![.., .., 151.., ..]).fill(3.0);
+    v2.slice_mut(ndarray::s![.., .., 151.., ..]).fill(-7.0);
+    let changed = hopper_forward(q.view(), k2.view(), v2.view()).unwrap();
+    let rows = ndarray::s![.., .., ..151, ..];
+    assert_eq!(first.out.slice(rows), changed.out.slice(rows));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_forward_refuses_head_dims_it_lacks_naming_the_one_it_takes() {
+    for d in [32, 128] {
+        let [q, k, v] = random_qkv(Shape::new(1, 1, 16, d), 1);
+        match hopper_forward_dtype(q.view(), k.view(), v.view(), Dtype::Bf16) {
+            Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
+                assert!(e.to_string().contains("64"), "{e}")
+            }
+            other => panic!("head dim {d}: {:?}", other.map(|_| ())),
+        }
+    }
+}
+
+/// Without a GPU (or without a Hopper one), the method is an error that says what it needs.
+#[test]
+fn no_gpu_is_an_error_not_a_panic() {
+    if Gpu::shared().is_ok() {
+        return;
+    }
+    let [q, k, v] = random_qkv(Shape::new(1, 1, 8, 64), 1);
+    let e = hopper_forward(q.view(), k.view(), v.view()).unwrap_err();
+    assert!(
+        e.to_string().contains("GPU") || e.to_string().contains("CUDA"),
+        "{e}"
+    );
+}
