@@ -341,26 +341,53 @@ impl Batch {
 /// The training batch of step `step`: `batch` windows at offsets drawn from a stream of
 /// `seed` and `step` alone, so a run resumed at any step sees the batches it would have seen.
 pub fn train_batch(data: &[u8], batch: usize, tokens: usize, seed: u64, step: usize) -> Batch {
+    Batch::from_starts(
+        data,
+        &train_starts(data.len(), batch, tokens, seed, step),
+        tokens,
+    )
+}
+
+/// Where the windows of step `step` start: `batch` draws from a SplitMix64 stream seeded with
+/// `seed ^ (step · 0xD1342543DE82EF95)` (wrapping), each `next_u64() % (len − tokens)`.
+pub fn train_starts(len: usize, batch: usize, tokens: usize, seed: u64, step: usize) -> Vec<usize> {
     let mut rng = SplitMix64::new(seed ^ (step as u64).wrapping_mul(0xD134_2543_DE82_EF95));
-    let span = (data.len() - tokens) as u64; // starts 0..span leave room for the targets
-    let starts: Vec<usize> = (0..batch)
+    let span = (len - tokens) as u64; // starts 0..span leave room for the targets
+    (0..batch)
         .map(|_| (rng.next_u64() % span) as usize)
-        .collect();
-    Batch::from_starts(data, &starts, tokens)
+        .collect()
 }
 
 /// `count` held-out batches at offsets spread evenly over the held-out bytes: the same every
 /// time, so one run's held-out losses can be compared with each other and with another run's.
 pub fn heldout_batches(data: &[u8], batch: usize, tokens: usize, count: usize) -> Vec<Batch> {
-    let span = data.len() - tokens;
+    heldout_starts(data.len(), batch, tokens, count)
+        .iter()
+        .map(|starts| Batch::from_starts(data, starts, tokens))
+        .collect()
+}
+
+/// Where the windows of each held-out batch start: window `i` of all `batch · count` at
+/// `i · (len − tokens) / (batch · count)`.
+pub fn heldout_starts(len: usize, batch: usize, tokens: usize, count: usize) -> Vec<Vec<usize>> {
+    let span = len - tokens;
     let windows = batch * count;
     (0..count)
         .map(|c| {
-            let starts: Vec<usize> = (0..batch)
+            (0..batch)
                 .map(|b| (c * batch + b) * span / windows)
-                .collect();
-            Batch::from_starts(data, &starts, tokens)
+                .collect()
         })
         .collect()
 }
 // ANCHOR_END: batches
+
+/// The windows of `starts`, `tokens + 1` bytes each (the inputs and, one further, the last
+/// target), one after another: what `--dump-batches` writes for a peer trainer to read.
+pub fn windows(data: &[u8], starts: &[usize], tokens: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(starts.len() * (tokens + 1));
+    for &s in starts {
+        out.extend_from_slice(&data[s..s + tokens + 1]);
+    }
+    out
+}

@@ -6,8 +6,9 @@
 //! them is written here by hand, forward and backward, on `ndarray` in `f32`: the embeddings,
 //! LayerNorm, the fused q/k/v projection, the MLP with GELU, the tied output layer and the
 //! cross-entropy; then AdamW, the learning rate's schedule and gradient clipping. This is the
-//! CPU model, the one CI trains; the GPU trainer is checked against it, as llm.c checks its
-//! CUDA trainer against its C one.
+//! CPU model, the one CI trains. The GPU trainer ([`cuda`]) is the same model on the GPU, with
+//! step 03's forward kernel and step 04's backward kernels as its attention, and is checked
+//! against the CPU model, as llm.c checks its CUDA trainer against its C one.
 //!
 //! The layers are generic over the float type ([`layers::Float`]): in `f64`, with the `f64`
 //! references of steps 01 and 04 in place of our kernels, the same code gives the gradients
@@ -22,10 +23,14 @@
 //! - [`data`]: the [`Corpus`] (split by file into training and held-out bytes) and the
 //!   batches, drawn from a seed and the step.
 //! - [`checkpoint`]: [`Checkpoint`]s as safetensors files.
-//! - [`train`](mod@train): [`Trainer`], the loop and its record, and [`sample`].
-//! - `src/main.rs`: the command, `train` and `sample`.
+//! - [`train`](mod@train): [`Trainer`], the [`Learner`] the loop trains (CPU or GPU), the loop
+//!   and its record, and [`sample`].
+//! - [`cuda`]: [`GpuTrainer`](cuda::GpuTrainer), the model on the GPU (`kernels/train.cu`,
+//!   cuBLAS, and the kernels of steps 03 and 04).
+//! - `src/main.rs`: the command, `train` (`--device cpu|cuda`) and `sample`.
 
 pub mod checkpoint;
+pub mod cuda;
 pub mod data;
 pub mod layers;
 pub mod model;
@@ -39,7 +44,7 @@ pub use checkpoint::Checkpoint;
 pub use data::{Batch, Corpus};
 pub use model::{Config, Params, backward, forward, loss};
 pub use optim::{AdamW, AdamWSettings, Schedule, clip_grad_norm};
-pub use train::{RunRecord, Settings, Trainer, sample, train};
+pub use train::{Learner, RunRecord, Settings, Trainer, sample, train};
 
 use flash_core::AttnError;
 
@@ -59,6 +64,8 @@ pub enum TrainError {
     },
     /// The attention refused its inputs.
     Attention(AttnError),
+    /// The GPU: none, a missing library, a failed launch, or out of its memory.
+    Device(AttnError),
 }
 
 impl TrainError {
@@ -78,6 +85,7 @@ impl fmt::Display for TrainError {
             }
             TrainError::Io { path, source } => write!(f, "{path}: {source}"),
             TrainError::Attention(e) => write!(f, "attention: {e}"),
+            TrainError::Device(e) => write!(f, "GPU: {e}"),
         }
     }
 }

@@ -1,7 +1,9 @@
-//! `train`: a GPT-2-style model over bytes, on the CPU; `sample`: text from a checkpoint.
+//! `train`: a GPT-2-style model over bytes, on the CPU or the GPU; `sample`: text from a
+//! checkpoint (on the CPU, whichever device trained it).
 //!
 //! ```sh
 //! cargo run --release -p step05-train -- train --steps 2000 --save gpt.safetensors --out run.json
+//! cargo run --release -p step05-train -- train --device cuda --model gpt2 --batch 12 --max-seconds 300
 //! cargo run --release -p step05-train -- sample --checkpoint gpt.safetensors --prompt "fn " --tokens 200
 //! ```
 
@@ -9,13 +11,16 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use step05_train::cuda::{AttentionKind, GpuTrainer};
 use step05_train::optim::{AdamWSettings, Schedule};
-use step05_train::train::Event;
+use step05_train::train::{Event, RunRecord};
 use step05_train::{Checkpoint, Config, Corpus, Settings, TrainError, Trainer, sample, train};
 
 #[derive(Parser)]
-#[command(about = "Train a GPT-2-style model over bytes with our attention kernels, on the CPU")]
+#[command(
+    about = "Train a GPT-2-style model over bytes with our attention kernels, on the CPU or the GPU"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -24,14 +29,60 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model (or go on training one, with --resume).
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Generate text from a checkpoint.
     Sample(SampleArgs),
+}
+
+/// A model's shape by name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Preset {
+    /// 4 layers, d_model 128, 4 heads, context 128: trains on a CPU in minutes
+    Small,
+    /// GPT-2 small's shape (12 layers, d_model 768, 12 heads) with a context of 2048 and the
+    /// 256 bytes as its vocabulary: 86.8M parameters, for the GPU
+    Gpt2,
+}
+
+impl Preset {
+    fn config(self) -> Config {
+        match self {
+            Preset::Small => DEFAULT_MODEL,
+            Preset::Gpt2 => Config {
+                layers: 12,
+                d_model: 768,
+                heads: 12,
+                context: 2048,
+                vocab: 256,
+            },
+        }
+    }
+}
+
+/// Where to train.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum DeviceArg {
+    /// The CPU model, in f32, with steps 02 and 04's attention
+    Cpu,
+    /// The GPU trainer, mixed precision, with steps 03 and 04's kernels
+    Cuda,
+}
+
+/// The attention inside the model (on the GPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum AttentionArg {
+    /// Our kernels: online softmax forward, blockwise backward, no T×T table
+    Flash,
+    /// Attention by hand: the whole table of scores in GPU memory
+    ByHand,
 }
 
 /// The model's shape: with --resume, the checkpoint's, and any of these given must agree.
 #[derive(Args)]
 struct ModelArgs {
+    /// A named shape; the flags below change one number of it [default: small]
+    #[arg(long, value_enum)]
+    model: Option<Preset>,
     /// Transformer blocks [default: 4]
     #[arg(long)]
     layers: Option<usize>,
@@ -48,6 +99,7 @@ struct ModelArgs {
 
 impl ModelArgs {
     fn config(&self, base: Config) -> Config {
+        let base = self.model.map_or(base, Preset::config);
         Config {
             layers: self.layers.unwrap_or(base.layers),
             d_model: self.d_model.unwrap_or(base.d_model),
@@ -122,6 +174,27 @@ struct TrainArgs {
     /// Go on from a checkpoint: its weights, optimizer and step
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Stop after the first step that ends past this many seconds of training (held-out
+    /// losses not counted); the schedule still runs over --steps
+    #[arg(long)]
+    max_seconds: Option<f64>,
+    /// Write the initial weights (before the first step) as a checkpoint without optimizer
+    /// state, for a peer trainer to start from the same weights
+    #[arg(long)]
+    save_init: Option<PathBuf>,
+    /// Write the windows of every step of the run, [steps, batch, seq_len + 1] bytes (inputs,
+    /// and the targets one byte later), and the held-out batches' likewise to PATH.heldout
+    #[arg(long)]
+    dump_batches: Option<PathBuf>,
+    /// Where to train
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    device: DeviceArg,
+    /// The attention inside the model; by-hand on the GPU only
+    #[arg(long, value_enum, default_value_t = AttentionArg::Flash)]
+    attention: AttentionArg,
+    /// Time each phase of every step on the GPU with CUDA events, and print where the time went
+    #[arg(long)]
+    profile: bool,
 }
 
 #[derive(Args)]
@@ -143,6 +216,10 @@ struct SampleArgs {
 }
 
 fn run_train(args: TrainArgs) -> Result<(), TrainError> {
+    if args.device == DeviceArg::Cuda {
+        // before the corpus loads: no GPU is said at once
+        step03_cuda_forward::Gpu::shared().map_err(TrainError::Device)?;
+    }
     let resumed = args.resume.as_deref().map(Checkpoint::load).transpose()?;
     let config = match &resumed {
         Some(ckpt) => {
@@ -171,6 +248,7 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
         seed: args.seed,
         eval_every: args.eval_every,
         eval_batches: args.eval_batches,
+        max_seconds: args.max_seconds,
     };
     let corpus = match &args.data {
         Some(path) => Corpus::load(path)?,
@@ -201,26 +279,92 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
         }
         None => Trainer::new(config, &settings)?,
     };
+    if let Some(path) = &args.dump_batches {
+        dump_batches(path, &corpus, &settings, trainer.step)?;
+    }
+    if let Some(path) = &args.save_init {
+        let init = Checkpoint {
+            params: trainer.params.clone(),
+            opt: None,
+            step: trainer.step,
+        };
+        init.save(path)?;
+        println!("initial weights written to {}", path.display());
+    }
     println!(
-        "model: {config:?}, {} parameters; {} sequences × {} tokens a step, {} threads",
+        "model: {config:?}, {} parameters; {} sequences × {} tokens a step",
         trainer.params.count(),
         settings.batch,
         settings.seq_len,
-        rayon::current_num_threads()
     );
     let print_every = args.print_every.max(1);
-    let run = train(&mut trainer, &corpus, &settings, |event| {
+    let trainer_start = trainer.step;
+    let report = |event: Event| {
         match event {
-            Event::Step(s) if s.step % print_every == 0 || s.step == settings.steps => println!(
-                "step {:>5}/{} | loss {:.4} | lr {:.2e} | norm {:.3} | {:.1} ms | {:.0} tokens/s",
-                s.step, settings.steps, s.loss, s.lr, s.grad_norm, s.ms, s.tokens_per_s
-            ),
+            Event::Step(s) if s.step % print_every == 0 || s.step == settings.steps => {
+                println!(
+                    "step {:>5}/{} | loss {:.4} | lr {:.2e} | norm {:.3} | {:.1} ms | {:.0} tokens/s | {}",
+                    s.step,
+                    settings.steps,
+                    s.loss,
+                    s.lr,
+                    s.grad_norm,
+                    s.ms,
+                    s.tokens_per_s,
+                    progress(s.step, s.train_seconds, &settings, trainer_start),
+                )
+            }
             Event::Step(_) => {}
             Event::Eval(e) => println!("step {:>5} | held-out loss {:.4}", e.step, e.loss),
         }
         let _ = std::io::stdout().flush();
-    })?;
-    println!("trained {} steps in {:.1} s", run.steps.len(), run.seconds);
+    };
+    let (run, trainer) = match args.device {
+        DeviceArg::Cpu => {
+            if args.attention != AttentionArg::Flash {
+                return Err(TrainError::Config(
+                    "--attention by-hand runs on the GPU only (--device cuda); the CPU model's \
+                     attention is steps 02 and 04's"
+                        .into(),
+                ));
+            }
+            if args.profile {
+                return Err(TrainError::Config(
+                    "--profile times the GPU's phases: it needs --device cuda".into(),
+                ));
+            }
+            println!("device: cpu, {} threads", rayon::current_num_threads());
+            let run = train(&mut trainer, &corpus, &settings, report)?;
+            (run, trainer)
+        }
+        DeviceArg::Cuda => {
+            let attention = match args.attention {
+                AttentionArg::Flash => AttentionKind::Flash,
+                AttentionArg::ByHand => AttentionKind::ByHand,
+            };
+            let mut gpu = GpuTrainer::new(
+                &trainer,
+                settings.batch,
+                settings.seq_len,
+                attention,
+                args.profile,
+            )?;
+            println!(
+                "device: {} ({} attention), {:.2} GB allocated for weights, optimizer state and activations",
+                gpu.device_name(),
+                attention.name(),
+                gpu.bytes as f64 / 1e9
+            );
+            let run = train(&mut gpu, &corpus, &settings, report)?;
+            // the weights and moments come back only to be saved
+            let trainer = match args.save {
+                Some(_) => gpu.to_trainer()?,
+                None => trainer,
+            };
+            (run, trainer)
+        }
+    };
+    summary(&run);
     if let Some(path) = &args.out {
         let json = serde_json::to_string_pretty(&run).expect("plain structs serialise");
         std::fs::write(path, json + "\n").map_err(|e| TrainError::io(path, e))?;
@@ -235,6 +379,85 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
         ckpt.save(path)?;
         println!("checkpoint written to {}", path.display());
     }
+    Ok(())
+}
+
+/// How far the run is: a share of its steps or of its time budget, whichever is further, and
+/// an estimate of the time left.
+fn progress(step: usize, seconds: f64, settings: &Settings, start: usize) -> String {
+    let by_steps = (step - start) as f64 / (settings.steps - start).max(1) as f64;
+    let by_time = settings.max_seconds.map_or(0.0, |m| seconds / m);
+    let done = by_steps.max(by_time).min(1.0);
+    let left = if done > 0.0 {
+        seconds * (1.0 - done) / done
+    } else {
+        0.0
+    };
+    format!("{:>3.0}% | {:.0} s left", done * 100.0, left)
+}
+
+/// The run in a few lines: throughput, memory, and with --profile where the time went.
+fn summary(run: &RunRecord) {
+    println!(
+        "trained {} steps in {:.1} s: {:.0} tokens/s after the first step",
+        run.steps.len(),
+        run.seconds,
+        run.tokens_per_s
+    );
+    if let Some(bytes) = run.peak_memory_bytes {
+        println!("peak GPU memory: {:.2} GB", bytes as f64 / 1e9);
+    }
+    if !run.profile.is_empty() {
+        let total: f64 = run.profile.iter().map(|p| p.ms).sum();
+        println!("where a step's time went (CUDA events, mean over steps after the first):");
+        let mut phases = run.profile.clone();
+        phases.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        for p in phases {
+            println!(
+                "  {:<40} {:>8.2} ms {:>5.1}%",
+                p.name,
+                p.ms,
+                100.0 * p.ms / total
+            );
+        }
+        println!("  {:<40} {:>8.2} ms", "total", total);
+    }
+}
+
+/// The windows of steps `from..settings.steps` to `path`, and of the held-out batches to
+/// `path.heldout`: row-major u8, `seq_len + 1` bytes a window.
+fn dump_batches(
+    path: &std::path::Path,
+    corpus: &Corpus,
+    settings: &Settings,
+    from: usize,
+) -> Result<(), TrainError> {
+    use step05_train::data::{heldout_starts, train_starts, windows};
+    let (batch, tokens) = (settings.batch, settings.seq_len);
+    corpus.check_window(tokens)?;
+    let mut out =
+        Vec::with_capacity((settings.steps - from.min(settings.steps)) * batch * (tokens + 1));
+    for step in from..settings.steps {
+        let starts = train_starts(corpus.train.len(), batch, tokens, settings.seed, step);
+        out.extend_from_slice(&windows(&corpus.train, &starts, tokens));
+    }
+    std::fs::write(path, &out).map_err(|e| TrainError::io(path, e))?;
+    let mut held = Vec::new();
+    for starts in heldout_starts(corpus.heldout.len(), batch, tokens, settings.eval_batches) {
+        held.extend_from_slice(&windows(&corpus.heldout, &starts, tokens));
+    }
+    let mut heldout_path = path.as_os_str().to_owned();
+    heldout_path.push(".heldout");
+    let heldout_path = PathBuf::from(heldout_path);
+    std::fs::write(&heldout_path, &held).map_err(|e| TrainError::io(&heldout_path, e))?;
+    println!(
+        "batches of steps {from}..{} written to {} ([{}, {batch}, {}] bytes), held-out to {}",
+        settings.steps,
+        path.display(),
+        settings.steps.saturating_sub(from),
+        tokens + 1,
+        heldout_path.display()
+    );
     Ok(())
 }
 
@@ -253,7 +476,7 @@ fn run_sample(args: SampleArgs) -> Result<(), TrainError> {
 
 fn main() -> ExitCode {
     let result = match Cli::parse().command {
-        Command::Train(args) => run_train(args),
+        Command::Train(args) => run_train(*args),
         Command::Sample(args) => run_sample(args),
     };
     match result {

@@ -29,6 +29,11 @@ pub struct Settings {
     pub eval_every: usize,
     /// Batches of the held-out loss.
     pub eval_batches: usize,
+    /// A budget of training time in seconds (`--max-seconds`): the run stops after the first
+    /// step that ends past it, even before `steps`. The schedule still runs over `steps`, so a
+    /// faster trainer gets further along it in the same time. Held-out losses are not counted.
+    #[serde(default)]
+    pub max_seconds: Option<f64>,
 }
 
 /// One step as the run prints and records it.
@@ -40,34 +45,109 @@ pub struct StepRecord {
     pub lr: f32,
     /// The global norm of the gradients before clipping.
     pub grad_norm: f32,
+    /// Wall-clock milliseconds of this step, from drawing its batch to its loss and gradient
+    /// norm being known on the host.
     pub ms: f64,
+    /// `batch · seq_len / (ms / 1000)`.
     pub tokens_per_s: f64,
+    /// Seconds spent in training steps from the start of this run up to the end of this one
+    /// (held-out losses not counted): the x axis of the loss against time.
+    #[serde(default)]
+    pub train_seconds: f64,
 }
 
 /// The held-out loss after `step` steps.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EvalRecord {
     pub step: usize,
+    /// The mean loss over the held-out batches, in nats per byte.
     pub loss: f32,
+    /// [`StepRecord::train_seconds`] of the step it follows (0 before the first).
+    #[serde(default)]
+    pub train_seconds: f64,
 }
 
-/// A whole run, as `--out` writes it for the charts.
+/// Where a step's time goes on the GPU (`--profile`): one phase of the step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PhaseRecord {
+    /// The phase, e.g. `forward: attention` or `optimizer: adamw`.
+    pub name: String,
+    /// Its mean milliseconds per step, from CUDA events around it, over the profiled steps.
+    pub ms: f64,
+}
+
+// ANCHOR: run_record
+/// A whole run, as `--out` writes it for the charts. A peer trainer (PyTorch) writes the same
+/// fields; the ones after `seconds` came with the GPU trainer and read as their defaults from
+/// an older file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunRecord {
+    /// The model's shape.
     pub config: Config,
+    /// How it was trained: batch, sequence length, steps, schedule, optimizer, seed.
     pub settings: Settings,
+    /// Numbers in the model.
     pub params: usize,
+    /// Where the text came from.
     pub corpus: String,
     pub train_bytes: usize,
     pub heldout_bytes: usize,
     pub train_files: usize,
     pub heldout_files: usize,
+    /// CPU threads (rayon's pool) on the CPU; on the GPU the same count, unused by the model.
     pub threads: usize,
+    /// The step the run started from: 0, or a checkpoint's with `--resume`.
     pub started_at_step: usize,
+    /// Every step, in order.
     pub steps: Vec<StepRecord>,
+    /// Every held-out loss: before the first step, every `eval_every` steps, after the last.
     pub evals: Vec<EvalRecord>,
+    /// Wall-clock seconds of the whole run, held-out losses included.
     pub seconds: f64,
+    /// What trained: `step05-train` here; a peer names itself (`pytorch-eager`, say).
+    #[serde(default)]
+    pub trainer: String,
+    /// `cpu` or `cuda`.
+    #[serde(default)]
+    pub device: String,
+    /// The device's name: the GPU's as its driver gives it (`NVIDIA H200`), or `cpu`.
+    #[serde(default)]
+    pub device_name: String,
+    /// The attention inside the model: ours are `flash` (online softmax and the blockwise
+    /// backward: steps 02 and 04 on the CPU, the kernels of steps 03 and 04 on the GPU) and
+    /// `by-hand` (the whole table of scores in memory); a peer names its own (`flash-attention-2`,
+    /// `cudnn`, ...).
+    #[serde(default)]
+    pub attention: String,
+    /// How numbers are kept: `f32` (everything, the CPU model), or `bf16-mixed` (matrix
+    /// products on bf16 inputs accumulating in f32; master weights, optimizer state,
+    /// gradients, LayerNorm statistics, the residual stream and the loss in f32).
+    #[serde(default)]
+    pub precision: String,
+    /// Tokens a step trains on: `batch · seq_len`.
+    #[serde(default)]
+    pub tokens_per_step: usize,
+    /// The run's throughput: the tokens of every step but the first over those steps'
+    /// seconds (the first compiles kernels and fills caches); 0 with fewer than two steps.
+    #[serde(default)]
+    pub tokens_per_s: f64,
+    /// The high-water mark of device memory the run allocated, in bytes: weights, optimizer
+    /// state, gradients, activations, workspaces (PyTorch's `torch.cuda.max_memory_allocated`).
+    /// None on the CPU.
+    #[serde(default)]
+    pub peak_memory_bytes: Option<u64>,
+    /// The commit that was built (`$BENCH_COMMIT` if set, else git's), `unknown` outside a
+    /// checkout.
+    #[serde(default)]
+    pub commit: String,
+    /// When the run started, UTC, `YYYY-MM-DDTHH:MM:SSZ`.
+    #[serde(default)]
+    pub date: String,
+    /// Where a step's time went, phase by phase, with `--profile` (on the GPU); empty otherwise.
+    #[serde(default)]
+    pub profile: Vec<PhaseRecord>,
 }
+// ANCHOR_END: run_record
 
 /// What the loop reports as it goes.
 pub enum Event<'a> {
@@ -75,7 +155,48 @@ pub enum Event<'a> {
     Eval(&'a EvalRecord),
 }
 
-/// A model, its optimizer and how far it has trained.
+/// The hardware a run trained on and how, for its record.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Hardware {
+    /// `cpu` or `cuda`.
+    pub device: String,
+    /// The GPU's name, or `cpu`.
+    pub device_name: String,
+    /// `flash` or `by-hand`.
+    pub attention: String,
+    /// `f32` or `bf16-mixed`.
+    pub precision: String,
+}
+
+/// What the loop trains: the CPU model ([`Trainer`]), or the GPU one.
+pub trait Learner {
+    /// The model's shape.
+    fn config(&self) -> Config;
+    /// Steps done so far.
+    fn steps_done(&self) -> usize;
+    /// Numbers in the model.
+    fn params_count(&self) -> usize;
+    /// One training step at `settings`: its batch, forward, backward, clipping, AdamW.
+    fn train_step(
+        &mut self,
+        corpus: &Corpus,
+        settings: &Settings,
+    ) -> Result<StepRecord, TrainError>;
+    /// The mean loss over the given batches, without training.
+    fn heldout_loss(&mut self, batches: &[Batch]) -> Result<f32, TrainError>;
+    /// Where and how it trains.
+    fn hardware(&self) -> Hardware;
+    /// The high-water mark of device memory so far, where there is a device.
+    fn peak_memory_bytes(&self) -> Result<Option<u64>, TrainError> {
+        Ok(None)
+    }
+    /// Where the profiled steps' time went, if any were profiled.
+    fn profile(&self) -> Vec<PhaseRecord> {
+        Vec::new()
+    }
+}
+
+/// A model, its optimizer and how far it has trained, on the CPU.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Trainer {
     pub params: Params<f32>,
@@ -125,6 +246,7 @@ impl Trainer {
             grad_norm,
             ms: seconds * 1e3,
             tokens_per_s: (settings.batch * settings.seq_len) as f64 / seconds,
+            train_seconds: 0.0,
         })
     }
     // ANCHOR_END: train_step
@@ -137,6 +259,41 @@ impl Trainer {
             sum += loss(&acts, b.targets.view()) as f64;
         }
         Ok((sum / batches.len() as f64) as f32)
+    }
+}
+
+impl Learner for Trainer {
+    fn config(&self) -> Config {
+        self.params.config
+    }
+
+    fn steps_done(&self) -> usize {
+        self.step
+    }
+
+    fn params_count(&self) -> usize {
+        self.params.count()
+    }
+
+    fn train_step(
+        &mut self,
+        corpus: &Corpus,
+        settings: &Settings,
+    ) -> Result<StepRecord, TrainError> {
+        Trainer::train_step(self, corpus, settings)
+    }
+
+    fn heldout_loss(&mut self, batches: &[Batch]) -> Result<f32, TrainError> {
+        Trainer::heldout_loss(self, batches)
+    }
+
+    fn hardware(&self) -> Hardware {
+        Hardware {
+            device: "cpu".into(),
+            device_name: "cpu".into(),
+            attention: "flash".into(),
+            precision: "f32".into(),
+        }
     }
 }
 
@@ -157,15 +314,15 @@ pub fn check(config: &Config, settings: &Settings, corpus: &Corpus) -> Result<()
     corpus.check_window(settings.seq_len)
 }
 
-/// Trains from `trainer.step` to `settings.steps`, telling `report` of every step and every
-/// held-out loss.
-pub fn train(
-    trainer: &mut Trainer,
+/// Trains from the learner's step to `settings.steps` (or until `settings.max_seconds` of
+/// training), telling `report` of every step and every held-out loss.
+pub fn train<L: Learner + ?Sized>(
+    learner: &mut L,
     corpus: &Corpus,
     settings: &Settings,
     mut report: impl FnMut(Event),
 ) -> Result<RunRecord, TrainError> {
-    let config = trainer.params.config;
+    let config = learner.config();
     check(&config, settings, corpus)?;
     let started = Instant::now();
     let heldout = heldout_batches(
@@ -174,43 +331,73 @@ pub fn train(
         settings.seq_len,
         settings.eval_batches,
     );
+    let hw = learner.hardware();
     let mut run = RunRecord {
         config,
         settings: *settings,
-        params: trainer.params.count(),
+        params: learner.params_count(),
         corpus: corpus.source.clone(),
         train_bytes: corpus.train.len(),
         heldout_bytes: corpus.heldout.len(),
         train_files: corpus.train_files,
         heldout_files: corpus.heldout_files,
         threads: rayon::current_num_threads(),
-        started_at_step: trainer.step,
+        started_at_step: learner.steps_done(),
         steps: Vec::new(),
         evals: Vec::new(),
         seconds: 0.0,
+        trainer: "step05-train".into(),
+        device: hw.device,
+        device_name: hw.device_name,
+        attention: hw.attention,
+        precision: hw.precision,
+        tokens_per_step: settings.batch * settings.seq_len,
+        tokens_per_s: 0.0,
+        peak_memory_bytes: None,
+        commit: flash_core::row::commit(),
+        date: flash_core::row::utc_now(),
+        profile: Vec::new(),
     };
-    let eval = |trainer: &Trainer| -> Result<EvalRecord, TrainError> {
+    let mut train_seconds = 0.0;
+    let eval = |learner: &mut L, train_seconds: f64| -> Result<EvalRecord, TrainError> {
         Ok(EvalRecord {
-            step: trainer.step,
-            loss: trainer.heldout_loss(&heldout)?,
+            step: learner.steps_done(),
+            loss: learner.heldout_loss(&heldout)?,
+            train_seconds,
         })
     };
-    let first = eval(trainer)?;
+    let first = eval(learner, train_seconds)?;
     report(Event::Eval(&first));
     run.evals.push(first);
     let every = settings.eval_every.max(1);
-    while trainer.step < settings.steps {
-        let record = trainer.train_step(corpus, settings)?;
+    let out_of_time = |t: f64| settings.max_seconds.is_some_and(|max| t >= max);
+    while learner.steps_done() < settings.steps && !out_of_time(train_seconds) {
+        let mut record = learner.train_step(corpus, settings)?;
+        train_seconds += record.ms / 1e3;
+        record.train_seconds = train_seconds;
         report(Event::Step(&record));
         run.steps.push(record);
-        if trainer.step.is_multiple_of(every) || trainer.step == settings.steps {
-            let e = eval(trainer)?;
+        let step = learner.steps_done();
+        if step.is_multiple_of(every) || step == settings.steps || out_of_time(train_seconds) {
+            let e = eval(learner, train_seconds)?;
             report(Event::Eval(&e));
             run.evals.push(e);
         }
     }
     run.seconds = started.elapsed().as_secs_f64();
+    run.tokens_per_s = throughput(&run.steps, run.tokens_per_step);
+    run.peak_memory_bytes = learner.peak_memory_bytes()?;
+    run.profile = learner.profile();
     Ok(run)
+}
+
+/// Tokens a second over every step but the first (see [`RunRecord::tokens_per_s`]).
+pub fn throughput(steps: &[StepRecord], tokens_per_step: usize) -> f64 {
+    if steps.len() < 2 {
+        return 0.0;
+    }
+    let seconds: f64 = steps[1..].iter().map(|s| s.ms / 1e3).sum();
+    (steps.len() - 1) as f64 * tokens_per_step as f64 / seconds
 }
 
 /// `count` tokens after `prompt`, each drawn from the model's distribution sharpened by

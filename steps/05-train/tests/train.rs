@@ -49,6 +49,7 @@ fn settings(steps: usize) -> Settings {
         seed: 1337,
         eval_every: 100,
         eval_batches: 4,
+        max_seconds: None,
     }
 }
 

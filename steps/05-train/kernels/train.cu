@@ -1,0 +1,541 @@
+// Every layer of the GPT besides its matrix products (cuBLAS) and its attention (steps 03 and
+// 04): the embeddings, LayerNorm, GELU, the re-layout of q, k and v, the cross-entropy, the
+// column sums that give bias and LayerNorm gradients, the gradients' global norm and AdamW.
+// Each kernel is the GPU twin of a function of src/layers.rs, src/model.rs or src/optim.rs,
+// and the model-level test (tests/gpu.rs) checks them all against those.
+//
+// Precision: bf16 values are raw 16-bit patterns (u16), widened to f32 by a shift and rounded
+// back to nearest-even by one PTX instruction, so no CUDA header is needed. Everything is
+// computed in f32; sums that decide the loss and the gradients' norm in f64. Reductions over
+// rows are split into a fixed grid of partial sums and a second pass over them, never atomics,
+// so a step gives the same bits on every run. The column sums that give the biases' gradients
+// ride along in the kernels that already read the gradient in question (the LayerNorm backward,
+// the GELU backward, the re-layout of dq, dk and dv), so no pass reads a gradient only to sum it.
+
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned int u32;
+
+__device__ __forceinline__ float bf(u16 x) { return __uint_as_float((u32)x << 16); }
+
+__device__ __forceinline__ u16 to_bf(float x) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+    return h;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffff, x, o);
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+    for (int o = 16; o > 0; o /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, o));
+    return x;
+}
+
+// The index of this thread in a one-dimensional grid, in 64 bits.
+__device__ __forceinline__ long long global_index() {
+    return (long long)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+// ANCHOR: embed_forward
+// x[b·T + t] = wte[token] + wpe[t]: the residual stream's start, in f32 (model.rs's forward).
+extern "C" __global__ void embed_forward(
+    const u8* __restrict__ tokens,  // [B·T] input bytes
+    const float* __restrict__ wte,  // [V, C] token embedding (f32 master weights)
+    const float* __restrict__ wpe,  // [context, C] position embedding
+    float* __restrict__ x,          // [B·T, C] out
+    int T,                          // tokens per sequence
+    int C,                          // width of the residual stream
+    long long total                 // B·T·C
+) {
+    long long i = global_index();
+    if (i >= total) return;
+    long long row = i / C;
+    int c = (int)(i % C);
+    int t = (int)(row % T);
+    x[i] = wte[(long long)tokens[row] * C + c] + wpe[(long long)t * C + c];
+}
+// ANCHOR_END: embed_forward
+
+// dwpe[t] = Σ_b dx[b·T + t] for t < T, 0 for the positions this run does not reach; in the
+// order of b, as the CPU model adds them. Overwrites dwpe.
+extern "C" __global__ void embed_backward_pos(
+    const float* __restrict__ dx,  // [B·T, C] gradient of the residual stream's start
+    float* __restrict__ dwpe,      // [context, C] out
+    int B, int T, int C,
+    long long total                // context·C
+) {
+    long long i = global_index();
+    if (i >= total) return;
+    int t = (int)(i / C), c = (int)(i % C);
+    float s = 0.f;
+    if (t < T)
+        for (int b = 0; b < B; ++b) s += dx[((long long)b * T + t) * C + c];
+    dwpe[i] = s;
+}
+
+// dwte[v] += Σ dx[row] over the rows whose input token is v. `order` lists the rows sorted by
+// token (the host sorts them with the batch), `offsets[v]..offsets[v+1]` are token v's. A block
+// per (32 columns, token): its 8 warps take every 8th row, then add their sums in a fixed order.
+// Adds: the output layer's product has written its share of the tied weights' gradient first.
+extern "C" __global__ void embed_backward_tok(
+    const float* __restrict__ dx,       // [B·T, C]
+    const int* __restrict__ order,      // [B·T] row numbers, sorted by their token
+    const int* __restrict__ offsets,    // [V + 1] where each token's rows start in `order`
+    float* __restrict__ dwte,           // [V, C] added into
+    int C
+) {
+    __shared__ float part[8][32];
+    const int v = blockIdx.y, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int c = blockIdx.x * 32 + lane;
+    float s = 0.f;
+    if (c < C)
+        for (int j = offsets[v] + warp; j < offsets[v + 1]; j += 8) s += dx[(long long)order[j] * C + c];
+    part[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && c < C) {
+        float total = 0.f;
+        for (int w = 0; w < 8; ++w) total += part[w][lane];
+        dwte[(long long)v * C + c] += total;
+    }
+}
+
+// Four floats at a time (C is a multiple of 8, rows start 16-byte aligned).
+__device__ __forceinline__ float4 ld4(const float* p, int j) { return reinterpret_cast<const float4*>(p)[j]; }
+__device__ __forceinline__ void st4(float* p, int j, float4 v) { reinterpret_cast<float4*>(p)[j] = v; }
+__device__ __forceinline__ void add4(float* p, int j, const float* a) {
+    float4 v = reinterpret_cast<float4*>(p)[j];
+    reinterpret_cast<float4*>(p)[j] = make_float4(v.x + a[0], v.y + a[1], v.z + a[2], v.w + a[3]);
+}
+
+// ANCHOR: layernorm_forward
+// One warp per row, each lane 4 values at a time. With a product's output y, first closes the
+// residual connection, x = res + (y + bias), and keeps x (the LayerNorm's input, which its
+// backward needs); then LayerNorm of x, statistics in f32, the normalised row rounded to bf16
+// for the next product.
+extern "C" __global__ void layernorm_forward(
+    const float* res,                  // [rows, C] the residual stream so far
+    const float* y,                    // [rows, C] a product's output to add to it, or null
+    const float* __restrict__ y_bias,  // [C] that product's bias (read only with y)
+    float* x,                          // [rows, C] res + y + y_bias, written only with y
+    const float* __restrict__ w,       // [C] gain
+    const float* __restrict__ b,       // [C] bias
+    u16* __restrict__ out,             // [rows, C] normalised, bf16
+    float* __restrict__ mean,          // [rows]
+    float* __restrict__ rstd,          // [rows] 1/sqrt(var + eps)
+    int rows, int C
+) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const long long base = (long long)row * C;
+    const float* xr = res + base;
+    float sum = 0.f;
+    if (y) {
+        for (int j = lane; j < C / 4; j += 32) {
+            float4 r = ld4(res + base, j), p = ld4(y + base, j), q = ld4(y_bias, j);
+            float4 v = make_float4(r.x + (p.x + q.x), r.y + (p.y + q.y), r.z + (p.z + q.z), r.w + (p.w + q.w));
+            st4(x + base, j, v);
+            sum += (v.x + v.y) + (v.z + v.w);
+        }
+        xr = x + base;  // each lane reads back only what it wrote
+    } else {
+        for (int j = lane; j < C / 4; j += 32) {
+            float4 v = ld4(xr, j);
+            sum += (v.x + v.y) + (v.z + v.w);
+        }
+    }
+    const float m = warp_sum(sum) / C;
+    float ss = 0.f;
+    for (int j = lane; j < C / 4; j += 32) {
+        float4 v = ld4(xr, j);
+        ss += (v.x - m) * (v.x - m) + (v.y - m) * (v.y - m) + (v.z - m) * (v.z - m) + (v.w - m) * (v.w - m);
+    }
+    const float r = 1.f / sqrtf(warp_sum(ss) / C + 1e-5f);
+    for (int j = lane; j < C / 4; j += 32) {
+        float4 v = ld4(xr, j), g = ld4(w, j), o = ld4(b, j);
+        u32 lo = (u32)to_bf((v.x - m) * r * g.x + o.x) | ((u32)to_bf((v.y - m) * r * g.y + o.y) << 16);
+        u32 hi = (u32)to_bf((v.z - m) * r * g.z + o.z) | ((u32)to_bf((v.w - m) * r * g.w + o.w) << 16);
+        reinterpret_cast<uint2*>(out + base)[j] = make_uint2(lo, hi);
+    }
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = r;
+    }
+}
+// ANCHOR_END: layernorm_forward
+
+// ANCHOR: layernorm_backward
+// One warp per row, 4 warps a block, every (gridDim.x · 4)-th row, each lane 4 values at a
+// time. With x̂ = (x − μ)·r and g = dy ∘ w: dx = (g − mean(g) − x̂ · mean(g ∘ x̂))·r, added to
+// the gradient reaching x along the residual; the sum is written in f32 and, rounded, in bf16
+// for the products before it. Three column sums ride along, per warp in shared memory, then
+// per block into `partial` (reduce_partials adds the blocks): dw = Σ dy ∘ x̂, db = Σ dy, and
+// Σ of the residual gradient written, which is the gradient of the bias of the product whose
+// output joined the residual stream at x (the attention's or the MLP's output projection).
+extern "C" __global__ void layernorm_backward(
+    const float* __restrict__ dy,      // [rows, C] gradient of the normalised output
+    const float* __restrict__ x,       // [rows, C] the forward's input
+    const float* __restrict__ w,       // [C] gain
+    const float* __restrict__ mean,    // [rows]
+    const float* __restrict__ rstd,    // [rows]
+    const float* dres_in,              // [rows, C] gradient reaching x along the residual, or null
+    float* dres_out,                   // [rows, C] dres_in + dx (may be dres_in itself)
+    u16* __restrict__ dres_out_bf16,   // [rows, C] the same, bf16
+    float* __restrict__ partial,       // [gridDim.x, 3C] per block: Σ dy·x̂, Σ dy, Σ dres_out
+    int rows, int C
+) {
+    extern __shared__ float acc[];  // [warps][3C]
+    const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float* mine = acc + (long long)warp * 3 * C;
+    // each lane zeroes the very chunks of 4 columns it adds into below, so no lane reads what
+    // another wrote before the block's barrier
+    for (int part = 0; part < 3; ++part)
+        for (int j = lane; j < C / 4; j += 32) st4(mine + part * C, j, make_float4(0.f, 0.f, 0.f, 0.f));
+    for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
+        const long long base = (long long)row * C;
+        const float m = mean[row], r = rstd[row];
+        float sg = 0.f, sgx = 0.f;
+        for (int j = lane; j < C / 4; j += 32) {
+            float4 xv = ld4(x + base, j), d = ld4(dy + base, j), g = ld4(w, j);
+            float gs[4] = {d.x * g.x, d.y * g.y, d.z * g.z, d.w * g.w};
+            float xs[4] = {xv.x, xv.y, xv.z, xv.w};
+            for (int e = 0; e < 4; ++e) {
+                sg += gs[e];
+                sgx += gs[e] * ((xs[e] - m) * r);
+            }
+        }
+        sg = warp_sum(sg) / C;
+        sgx = warp_sum(sgx) / C;
+        for (int j = lane; j < C / 4; j += 32) {
+            float4 xv = ld4(x + base, j), dv = ld4(dy + base, j), g = ld4(w, j);
+            float4 in = dres_in ? ld4(dres_in + base, j) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float xs[4] = {xv.x, xv.y, xv.z, xv.w}, ds[4] = {dv.x, dv.y, dv.z, dv.w};
+            float ws[4] = {g.x, g.y, g.z, g.w}, ins[4] = {in.x, in.y, in.z, in.w}, dx[4];
+            float dw[4];
+            for (int e = 0; e < 4; ++e) {
+                float xh = (xs[e] - m) * r;
+                dx[e] = (ds[e] * ws[e] - sg - xh * sgx) * r;
+                if (dres_in) dx[e] = ins[e] + dx[e];
+                dw[e] = ds[e] * xh;
+            }
+            // this lane's own 4 columns of each sum, 16 bytes at a time (no bank conflicts)
+            add4(mine, j, dw);
+            add4(mine + C, j, ds);
+            add4(mine + 2 * C, j, dx);
+            st4(dres_out + base, j, make_float4(dx[0], dx[1], dx[2], dx[3]));
+            u32 lo = (u32)to_bf(dx[0]) | ((u32)to_bf(dx[1]) << 16);
+            u32 hi = (u32)to_bf(dx[2]) | ((u32)to_bf(dx[3]) << 16);
+            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] = make_uint2(lo, hi);
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < 3 * C; c += blockDim.x) {
+        float s = 0.f;
+        for (int k = 0; k < warps; ++k) s += acc[(long long)k * 3 * C + c];
+        partial[(long long)blockIdx.x * 3 * C + c] = s;
+    }
+}
+// ANCHOR_END: layernorm_backward
+
+// Column sums, second pass: out[c] = Σ_p partial[p, c], the K columns cut into runs of
+// `width`, each to its own output (a LayerNorm's partials hold dw, db and the residual's sum;
+// the fused projection's, its bias's three thirds side by side). A null output is skipped.
+// Overwrites. A block of 32 × 16 threads per 32 columns: thread (x, y) sums the parts y,
+// y + 16, ..., then the 16 sums are added in order; many short loops rather than one long one
+// per column, which would wait on memory at every step.
+extern "C" __global__ void reduce_partials(
+    const float* __restrict__ partial,  // [parts, K]
+    int parts, int K, int width,
+    float* out0, float* out1, float* out2  // [width] each, for columns 0.., width.., 2·width..
+) {
+    __shared__ float sums[16][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    float s = 0.f;
+    if (c < K)
+        for (int p = threadIdx.y; p < parts; p += 16) s += partial[(long long)p * K + c];
+    sums[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < K) {
+        float total = 0.f;
+        for (int g = 0; g < 16; ++g) total += sums[g][threadIdx.x];
+        float* out = c < width ? out0 : c < 2 * width ? out1 : out2;
+        if (out) out[c % width] = total;
+    }
+}
+
+// ANCHOR: gelu
+// GELU in GPT-2's tanh form (layers.rs's gelu): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+__device__ __forceinline__ float gelu(float x) {
+    float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_grad(float x) {
+    float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    float t = tanhf(u);
+    float du = 0.7978845608028654f * (1.f + 3.f * 0.044715f * x * x);
+    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * du;
+}
+
+// Eight bf16 values in 16 bytes, as four pairs.
+__device__ __forceinline__ void unpack8(uint4 x, float* f) {
+    u32 w[4] = {x.x, x.y, x.z, x.w};
+    for (int e = 0; e < 4; ++e) {
+        f[2 * e] = bf((u16)(w[e] & 0xffff));
+        f[2 * e + 1] = bf((u16)(w[e] >> 16));
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    u32 w[4];
+    for (int e = 0; e < 4; ++e) w[e] = (u32)to_bf(f[2 * e]) | ((u32)to_bf(f[2 * e + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The MLP's first product's bias, then GELU: out = gelu(fc + bias), in bf16. fc stays as the
+// product wrote it; the backward adds the bias again. A block per row, 8 values (16 bytes) a
+// thread at a time.
+extern "C" __global__ void bias_gelu(
+    const u16* __restrict__ fc,      // [rows, K] the product, without its bias
+    const float* __restrict__ bias,  // [K]
+    u16* __restrict__ out,           // [rows, K] gelu(fc + bias)
+    int K                            // a multiple of 8
+) {
+    const long long base = (long long)blockIdx.x * K;
+    const uint4* src = reinterpret_cast<const uint4*>(fc + base);
+    uint4* dst = reinterpret_cast<uint4*>(out + base);
+    for (int j = threadIdx.x; j < K / 8; j += blockDim.x) {
+        float f[8];
+        unpack8(src[j], f);
+        for (int e = 0; e < 8; ++e) f[e] = gelu(f[e] + bias[8 * j + e]);
+        dst[j] = pack8(f);
+    }
+}
+
+// d ← d ∘ gelu'(fc + bias), in place: the gradient through GELU; and the column sums of the
+// result (the bias's gradient) per chunk of rows. Block (x, y): 128 threads, each a pair of
+// columns, over rows y·chunk .. (y+1)·chunk; a warp reads and writes 128-byte runs of a row.
+extern "C" __global__ void gelu_backward(
+    u16* __restrict__ d,             // [rows, K] gradient of gelu's output in, of its input out
+    const u16* __restrict__ fc,      // [rows, K] the product, without its bias
+    const float* __restrict__ bias,  // [K]
+    float* __restrict__ partial,     // [gridDim.y, K] column sums of the gradient out
+    int rows, int K, int chunk
+) {
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;  // column pair
+    if (2 * p >= K) return;
+    const int c = 2 * p, r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    const float b0 = bias[c], b1 = bias[c + 1];
+    float s0 = 0.f, s1 = 0.f;
+    for (int r = r0; r < r1; ++r) {
+        long long i = ((long long)r * K + c) / 2;
+        u32 dv = reinterpret_cast<u32*>(d)[i], f = reinterpret_cast<const u32*>(fc)[i];
+        float lo = bf((u16)(dv & 0xffff)) * gelu_grad(bf((u16)(f & 0xffff)) + b0);
+        float hi = bf((u16)(dv >> 16)) * gelu_grad(bf((u16)(f >> 16)) + b1);
+        s0 += lo;
+        s1 += hi;
+        reinterpret_cast<u32*>(d)[i] = (u32)to_bf(lo) | ((u32)to_bf(hi) << 16);
+    }
+    partial[(long long)blockIdx.y * K + c] = s0;
+    partial[(long long)blockIdx.y * K + c + 1] = s1;
+}
+// ANCHOR_END: gelu
+
+// ANCHOR: heads
+// The fused projection's output, one row per token: q's heads side by side, then k's, then
+// v's, [B·T, 3C]. Our attention kernels take each of q, k and v as [B, H, T, D]:
+// q[b, h, t, d] = qkv[b·T + t, h·D + d] + bias[h·D + d], k from columns C.., v from 2C...
+// A block per token; a thread moves 8 values (16 bytes) at a time, so a head's row of 64 is 8
+// threads' reads of one 128-byte run and their writes of another.
+extern "C" __global__ void qkv_to_heads(
+    const u16* __restrict__ qkv,     // [B·T, 3C]
+    const float* __restrict__ bias,  // [3C]
+    u16* __restrict__ q, u16* __restrict__ k, u16* __restrict__ v,  // [B, H, T, D] each
+    int T, int H, int D              // D a multiple of 8
+) {
+    const int C = H * D, row = blockIdx.x, b = row / T, t = row % T;
+    const uint4* src = reinterpret_cast<const uint4*>(qkv + (long long)row * 3 * C);
+    for (int j = threadIdx.x; j < 3 * C / 8; j += blockDim.x) {
+        const int col = 8 * j, part = col / C, c = col % C, h = c / D, d = c % D;
+        float f[8];
+        unpack8(src[j], f);
+        for (int e = 0; e < 8; ++e) f[e] += bias[col + e];
+        u16* out = part == 0 ? q : part == 1 ? k : v;
+        *reinterpret_cast<uint4*>(out + (((long long)b * H + h) * T + t) * D + d) = pack8(f);
+    }
+}
+
+// One tensor between the two layouts: [B, H, T, D] to one row per token, [B·T, C] (the
+// attention's output into the projection), or back (the output's gradient into the backward).
+// A block per token, 16 bytes a thread at a time.
+extern "C" __global__ void heads_rows(
+    const u16* __restrict__ src,
+    u16* __restrict__ dst,
+    int to_rows,                     // 1: src is heads, dst rows; 0: the other way
+    int T, int H, int D
+) {
+    const int C = H * D, row = blockIdx.x, b = row / T, t = row % T;
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* o = reinterpret_cast<uint4*>(dst);
+    for (int j = threadIdx.x; j < C / 8; j += blockDim.x) {
+        const int c = 8 * j, h = c / D, d = c % D;
+        const long long heads = ((((long long)b * H + h) * T + t) * D + d) / 8;
+        const long long rows = ((long long)row * C + c) / 8;
+        if (to_rows) o[rows] = s[heads];
+        else o[heads] = s[rows];
+    }
+}
+
+// The inverse of qkv_to_heads for the gradients: dq, dk, dv back to the fused projection's
+// columns, [B·T, 3C], and the column sums of the result (the bias's gradient) per chunk of
+// rows. Block (x, y): 128 threads, each a pair of columns, over rows y·chunk .. (y+1)·chunk.
+extern "C" __global__ void heads_to_qkv(
+    const u16* __restrict__ dq, const u16* __restrict__ dk, const u16* __restrict__ dv,
+    u16* __restrict__ dqkv,          // [B·T, 3C]
+    float* __restrict__ partial,     // [gridDim.y, 3C]
+    int T, int H, int D, int rows, int chunk
+) {
+    const int C = H * D;
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;  // column pair of the 3C
+    if (2 * p >= 3 * C) return;
+    const int col = 2 * p, part = col / C, c = col % C, h = c / D, d = c % D;
+    const u16* src = part == 0 ? dq : part == 1 ? dk : dv;
+    const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    float s0 = 0.f, s1 = 0.f;
+    for (int r = r0; r < r1; ++r) {
+        long long b = r / T, t = r % T;
+        u32 x = *reinterpret_cast<const u32*>(src + ((b * H + h) * T + t) * D + d);
+        s0 += bf((u16)(x & 0xffff));
+        s1 += bf((u16)(x >> 16));
+        *reinterpret_cast<u32*>(dqkv + (long long)r * 3 * C + col) = x;
+    }
+    partial[(long long)blockIdx.y * 3 * C + col] = s0;
+    partial[(long long)blockIdx.y * 3 * C + col + 1] = s1;
+}
+// ANCHOR_END: heads
+
+// ANCHOR: cross_entropy
+// Softmax and cross-entropy of each row of logits together, one warp per row (V ≤ 256 values,
+// 8 a lane): losses[row] = lse − logit[target] and, when dlogits is given, the gradient
+// (softmax − onehot(target))·scale in bf16, scale = 1/(B·T) for the mean over tokens.
+extern "C" __global__ void cross_entropy(
+    const float* __restrict__ logits,  // [rows, V] f32
+    const u8* __restrict__ targets,    // [rows]
+    float* __restrict__ losses,        // [rows] out
+    u16* __restrict__ dlogits,         // [rows, V] out, or null (held-out loss only)
+    int rows, int V, float scale
+) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const float* l = logits + (long long)row * V;
+    float m = -__int_as_float(0x7f800000);
+    for (int c = lane; c < V; c += 32) m = fmaxf(m, l[c]);
+    m = warp_max(m);
+    float s = 0.f;
+    for (int c = lane; c < V; c += 32) s += expf(l[c] - m);
+    const float lse = m + logf(warp_sum(s));
+    const int target = targets[row];
+    if (lane == 0) losses[row] = lse - l[target];
+    if (dlogits) {
+        u16* d = dlogits + (long long)row * V;
+        for (int c = lane; c < V; c += 32) d[c] = to_bf((expf(l[c] - lse) - (c == target ? 1.f : 0.f)) * scale);
+    }
+}
+// ANCHOR_END: cross_entropy
+
+// out[0] = scale · Σ x, one block of 1024 threads, summed in f64 in a fixed order.
+extern "C" __global__ void sum_scaled(
+    const float* __restrict__ x, int n, float scale, float* __restrict__ out
+) {
+    __shared__ double s[1024];
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) acc += x[i];
+    s[threadIdx.x] = acc;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = (float)(s[0] * scale);
+}
+
+// ANCHOR: grad_norm
+// The gradients' global norm, first pass: each block's Σ g² over a grid-stride share of the
+// flat gradient buffer, in f64 (as optim.rs's clip_grad_norm sums).
+extern "C" __global__ void sumsq_partial(
+    const float* __restrict__ g, long long n, double* __restrict__ partial  // [gridDim.x]
+) {
+    __shared__ double s[256];
+    double acc = 0.0;
+    for (long long i = global_index(); i < n; i += (long long)gridDim.x * blockDim.x) {
+        double v = g[i];
+        acc += v * v;
+    }
+    s[threadIdx.x] = acc;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = s[0];
+}
+
+// Second pass, one block of 256 threads: out[0] = √(Σ partial).
+extern "C" __global__ void norm_finish(
+    const double* __restrict__ partial, int n, float* __restrict__ out
+) {
+    __shared__ double s[256];
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) acc += partial[i];
+    s[threadIdx.x] = acc;
+    __syncthreads();
+    for (int k = blockDim.x / 2; k > 0; k /= 2) {
+        if (threadIdx.x < k) s[threadIdx.x] += s[threadIdx.x + k];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = (float)sqrt(s[0]);
+}
+// ANCHOR_END: grad_norm
+
+// ANCHOR: adamw
+// One AdamW step of every weight (optim.rs's AdamW::step after clip_grad_norm), over the flat
+// buffers: the gradient scaled by max_norm/norm when the norm (read from device memory, where
+// norm_finish left it: no trip to the host) is above max_norm; weight decay on the elements
+// below decay_end, where the layout puts every matrix. Writes the f32 master weight and its
+// bf16 copy for the products.
+extern "C" __global__ void adamw(
+    float* __restrict__ p,            // [n] master weights
+    const float* __restrict__ g,      // [n] gradients
+    float* __restrict__ m,            // [n] running mean of the gradients
+    float* __restrict__ v,            // [n] running mean of their squares
+    u16* __restrict__ p16,            // [n] bf16 copy of the weights
+    long long n, long long decay_end,
+    const float* __restrict__ norm,   // [1] the gradients' global norm
+    float max_norm, float lr, float beta1, float beta2, float eps, float weight_decay,
+    float c1, float c2                // bias corrections 1 − β₁ᵗ, 1 − β₂ᵗ
+) {
+    const float nrm = norm[0];
+    const bool clip = nrm > max_norm;
+    const float scale = max_norm / nrm;
+    for (long long i = global_index(); i < n; i += (long long)gridDim.x * blockDim.x) {
+        float gi = clip ? g[i] * scale : g[i];
+        float mi = beta1 * m[i] + (1.f - beta1) * gi;
+        float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
+        float decay = i < decay_end ? weight_decay : 0.f;
+        float w = p[i];
+        w -= lr * ((mi / c1) / (sqrtf(vi / c2) + eps) + decay * w);
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = w;
+        p16[i] = to_bf(w);
+    }
+}
+// ANCHOR_END: adamw
+
+// y = bf16(x): the weights' first bf16 copy, after they are uploaded.
+extern "C" __global__ void to_bf16(const float* __restrict__ x, u16* __restrict__ y, long long n) {
+    long long i = global_index();
+    if (i < n) y[i] = to_bf(x[i]);
+}

@@ -1,0 +1,1269 @@
+//! The GPU trainer: the same model as [`crate::model`], on the GPU, with step 03's forward
+//! kernel and step 04's backward kernels as its attention.
+//!
+//! Matrix products go to cuBLAS (bf16 operands, f32 accumulation, [`gemm`]); every other layer
+//! is a kernel of `kernels/train.cu` ([`kernels`]); the weights, their gradients and AdamW's
+//! moments live in flat `f32` buffers ([`layout`]). Every buffer a step needs is allocated once,
+//! for the batch's shape, when the trainer is made; a step then only launches work on one
+//! stream and reads two numbers back at its end, the loss and the gradients' norm.
+//!
+//! ## Mixed precision
+//!
+//! As PyTorch's autocast to bf16 does: the master weights, their gradients, AdamW's moments,
+//! the residual stream, LayerNorm's statistics, the logits and the loss are `f32`; the products
+//! read bf16 operands (the weights' bf16 copy, which the AdamW kernel writes with each step, and
+//! bf16 activations) and accumulate in `f32`. A product writes bf16 when its result feeds only
+//! another product or the attention, `f32` when it is a weight's gradient or adds into the
+//! residual stream or a LayerNorm's backward.
+//!
+//! ## Layout
+//!
+//! - [`GpuTrainer`]: the buffers, [`GpuTrainer::forward`], [`GpuTrainer::backward`],
+//!   [`GpuTrainer::optimizer_step`], and the [`Learner`] the training loop drives.
+//! - [`gemm`]: the products, in row-major terms.
+//! - [`kernels`]: `kernels/train.cu` and its launches.
+//! - [`layout`]: where each weight sits in the flat buffers.
+
+pub mod gemm;
+pub mod kernels;
+pub mod layout;
+
+use std::time::Instant;
+
+use flash_core::{AttnError, Shape};
+use ndarray::ArrayView2;
+use step03_cuda_forward::cudarc::driver::sys::{
+    CUevent_flags, CUmemPool_attribute, CUmemoryPool, CUresult, cuDeviceGetDefaultMemPool,
+    cuMemPoolGetAttribute, cuMemPoolSetAttribute,
+};
+use step03_cuda_forward::cudarc::driver::{
+    CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
+};
+use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error};
+use step04_backward::cuda::DeviceGrads;
+
+use crate::TrainError;
+use crate::data::{Batch, Corpus, train_batch};
+use crate::model::{Config, Params};
+use crate::optim::AdamW;
+use crate::train::{Hardware, Learner, PhaseRecord, Settings, StepRecord, Trainer};
+use gemm::{Blas, Out, plain, transposed};
+use kernels::{Kernels, NORM_BLOCKS};
+use layout::Layout;
+
+/// Which attention the model runs on the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// Step 03's forward kernel, which keeps each row's log-sum-exp, and step 04's backward
+    /// kernels, which rebuild the probabilities from it: no `T × T` table.
+    Flash,
+    /// Step 03's attention by hand (cuBLAS and a softmax kernel, the whole table of scores in
+    /// memory) and step 04's backward by hand (the probabilities and their gradient, two whole
+    /// tables), as PyTorch's eager attention runs.
+    ByHand,
+}
+
+impl AttentionKind {
+    /// The name the command line and the run's record use.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Flash => "flash",
+            AttentionKind::ByHand => "by-hand",
+        }
+    }
+}
+
+// ANCHOR: attention_calls
+/// The attention's forward: `out` and `lse` into `att` (flash), or a new one (by hand).
+fn attention_forward(
+    gpu: &Gpu,
+    kind: AttentionKind,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    att: &mut Option<DeviceAttention>,
+) -> Result<(), AttnError> {
+    match (kind, att.as_mut()) {
+        (AttentionKind::Flash, Some(result)) => gpu.forward_into(q, k, v, result),
+        _ => {
+            *att = Some(match kind {
+                AttentionKind::Flash => gpu.forward(q, k, v)?,
+                AttentionKind::ByHand => gpu.by_hand(q, k, v)?,
+            });
+            Ok(())
+        }
+    }
+}
+
+/// The attention's backward: dq, dk, dv from q, k, v, what the forward kept (its output and
+/// each row's log-sum-exp) and the output's gradient.
+fn attention_backward(
+    gpu: &Gpu,
+    kind: AttentionKind,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<DeviceGrads, AttnError> {
+    match kind {
+        AttentionKind::Flash => step04_backward::cuda::backward(gpu, q, k, v, fwd, dout),
+        AttentionKind::ByHand => step04_backward::cuda_by_hand::backward(gpu, q, k, v, fwd, dout),
+    }
+}
+// ANCHOR_END: attention_calls
+
+/// A device buffer and its address, kept so that launches can pass addresses without
+/// borrowing the buffer.
+struct Buf<T> {
+    _slice: CudaSlice<T>,
+    ptr: u64,
+}
+
+fn dptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    s.device_ptr(stream).0
+}
+
+fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+    gpu: &Gpu,
+    len: usize,
+    what: &str,
+) -> Result<Buf<T>, TrainError> {
+    let bytes = (len.max(1) * std::mem::size_of::<T>()) as u128;
+    let slice = gpu
+        .stream()
+        .alloc_zeros::<T>(len.max(1))
+        .map_err(|e| TrainError::Device(alloc_error(what, bytes)(e)))?;
+    let ptr = dptr(&slice, gpu.stream());
+    Ok(Buf { _slice: slice, ptr })
+}
+
+fn tensor(gpu: &Gpu, shape: Shape, what: &str) -> Result<DeviceTensor, TrainError> {
+    let data = gpu
+        .stream()
+        .alloc_zeros::<u16>(shape.len())
+        .map_err(|e| TrainError::Device(alloc_error(what, shape.len() as u128 * 2)(e)))?;
+    Ok(DeviceTensor {
+        data,
+        shape,
+        dtype: Dtype::Bf16,
+    })
+}
+
+/// What one block's forward keeps for its backward.
+struct LayerActs {
+    /// `[rows, C]` f32: the block's input, the residual stream.
+    x: Buf<f32>,
+    /// `[rows, C]` bf16, and each row's mean and `1/σ`.
+    ln1: Buf<u16>,
+    ln1_mean: Buf<f32>,
+    ln1_rstd: Buf<f32>,
+    /// `[B, H, T, D]` bf16 each, as the attention kernels take them.
+    q: DeviceTensor,
+    k: DeviceTensor,
+    v: DeviceTensor,
+    /// The attention's output and log-sum-exp: with q, k and v, all its backward needs.
+    att: Option<DeviceAttention>,
+    /// `[rows, C]` bf16: the attention's output back in rows, the projection's input.
+    att_rows: Buf<u16>,
+    /// `[rows, C]` f32: `x + attention`, the MLP half's input.
+    x_mid: Buf<f32>,
+    ln2: Buf<u16>,
+    ln2_mean: Buf<f32>,
+    ln2_rstd: Buf<f32>,
+    /// `[rows, 4C]` bf16: the MLP's first product (its bias not added), and GELU's output.
+    fc: Buf<u16>,
+    gelu: Buf<u16>,
+}
+
+/// Buffers used within a step and reused by every layer.
+struct Scratch {
+    /// `[rows, 3C]` bf16: the fused projection's output, before the re-layout.
+    qkv: Buf<u16>,
+    /// `[rows, C]` f32: a product that adds into the residual stream.
+    y: Buf<f32>,
+    /// `[rows, C]`: the residual stream's gradient, f32 and bf16, after an MLP half and after
+    /// an attention half.
+    dres: Buf<f32>,
+    dres16: Buf<u16>,
+    dmid: Buf<f32>,
+    dmid16: Buf<u16>,
+    /// `[rows, C]` f32: a LayerNorm output's gradient.
+    dln: Buf<f32>,
+    /// `[rows, 4C]` bf16: the gradient of the GELU's output, then of its input.
+    dbig: Buf<u16>,
+    /// `[rows, C]` bf16: the attention output's gradient in rows, then in heads.
+    datt_rows: Buf<u16>,
+    dout: DeviceTensor,
+    /// `[rows, 3C]` bf16: dq, dk, dv back in the fused projection's columns.
+    dqkv: Buf<u16>,
+    /// Partial sums of LayerNorm and bias gradients.
+    ln_partial: Buf<f32>,
+    col_partial: Buf<f32>,
+    norm_partial: Buf<f64>,
+    /// `[rows]` f32: each token's loss.
+    losses: Buf<f32>,
+    /// `[2]` f32: the loss and the gradients' norm, the only numbers a step reads back.
+    scalars: Buf<f32>,
+}
+
+/// CUDA events between the phases of a step, for `--profile`.
+struct Profiler {
+    enabled: bool,
+    events: Vec<CudaEvent>,
+    names: Vec<&'static str>,
+    used: usize,
+    /// Milliseconds per phase name, summed over profiled steps, in the order first seen.
+    totals: Vec<(&'static str, f64)>,
+    steps: usize,
+    /// Steps seen: the first is left out (it compiles the attention kernels).
+    seen: usize,
+}
+
+impl Profiler {
+    fn mark(&mut self, gpu: &Gpu, name: &'static str) -> Result<(), TrainError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if self.used == self.events.len() {
+            let e = gpu
+                .context()
+                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| TrainError::Device(device_error("creating an event")(e)))?;
+            self.events.push(e);
+            self.names.push(name);
+        }
+        self.events[self.used]
+            .record(gpu.stream())
+            .map_err(|e| TrainError::Device(device_error("recording an event")(e)))?;
+        self.names[self.used] = name;
+        self.used += 1;
+        Ok(())
+    }
+
+    /// After the stream has finished a step: adds the time between marks to each phase.
+    fn finish_step(&mut self) -> Result<(), TrainError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        self.seen += 1;
+        if self.seen > 1 {
+            for i in 1..self.used {
+                let ms = self.events[i - 1]
+                    .elapsed_ms(&self.events[i])
+                    .map_err(|e| TrainError::Device(device_error("reading an event")(e)))?
+                    as f64;
+                let name = self.names[i];
+                match self.totals.iter_mut().find(|(n, _)| *n == name) {
+                    Some((_, t)) => *t += ms,
+                    None => self.totals.push((name, ms)),
+                }
+            }
+            self.steps += 1;
+        }
+        self.used = 0;
+        Ok(())
+    }
+}
+
+// ANCHOR: gpu_trainer
+/// The model, its optimizer and its activations on the GPU, for one batch shape.
+pub struct GpuTrainer {
+    gpu: &'static Gpu,
+    kernels: Kernels,
+    blas: Blas,
+    pub config: Config,
+    pub batch: usize,
+    pub seq_len: usize,
+    pub attention: AttentionKind,
+    pub layout: Layout,
+    /// The flat buffers of [`Layout`]: master weights, their bf16 copy, gradients, moments.
+    params: Buf<f32>,
+    params16: Buf<u16>,
+    grads: Buf<f32>,
+    m: Buf<f32>,
+    v: Buf<f32>,
+    adamw: crate::optim::AdamWSettings,
+    /// AdamW's steps so far.
+    t: u64,
+    /// Training steps so far.
+    pub step: usize,
+    layers: Vec<LayerActs>,
+    /// `[rows, C]` f32: the residual stream after the last block, and its LayerNorm.
+    x_final: Buf<f32>,
+    lnf: Buf<u16>,
+    lnf_mean: Buf<f32>,
+    lnf_rstd: Buf<f32>,
+    /// `[rows, V]`: the logits (f32) and their gradient (bf16).
+    logits: Buf<f32>,
+    dlogits: Buf<u16>,
+    s: Scratch,
+    /// `[2·rows]` u8: the batch's inputs then its targets; `[rows + V + 1]` i32: the rows
+    /// sorted by input token, then where each token's rows start (the embedding's backward).
+    batch_u8: Buf<u8>,
+    batch_i32: Buf<i32>,
+    profiler: Profiler,
+    /// Bytes of every buffer allocated here (the attention's own allocations aside).
+    pub bytes: u64,
+}
+// ANCHOR_END: gpu_trainer
+
+/// Bytes a trainer of `config` for `batch × seq_len` allocates: weights, gradients, moments,
+/// activations and scratch (the attention's own temporaries aside).
+pub fn bytes_needed(config: &Config, batch: usize, seq_len: usize) -> u64 {
+    let (c, v, h) = (
+        config.d_model as u64,
+        config.vocab as u64,
+        config.heads as u64,
+    );
+    let rows = (batch * seq_len) as u64;
+    let params = Layout::new(*config).len as u64 * (4 * 4 + 2);
+    let per_layer = rows * c * (4 * 2 + 2 * 3 + 2 * 4)
+        + rows * 4 * c * 2 * 2
+        + rows * 4 * 4
+        + batch as u64 * h * seq_len as u64 * 4;
+    let last = rows * c * (4 + 2) + rows * 8 + rows * v * (4 + 2) + rows * 4;
+    let ln_parts = Kernels::ln_backward_blocks(rows as usize) as u64;
+    let col_parts = Kernels::colsum_parts(rows as usize) as u64;
+    let scratch = rows * 3 * c * 2 * 2
+        + rows * c * (4 + 4 + 2 + 4 + 2 + 4 + 2 + 2)
+        + rows * 4 * c * 2
+        + ln_parts * 3 * c * 4
+        + col_parts * 4 * c * 4
+        + NORM_BLOCKS as u64 * 8
+        + rows * 2
+        + (rows + v + 1) * 4;
+    params + config.layers as u64 * per_layer + last + scratch
+}
+
+fn pool(gpu: &Gpu) -> Result<CUmemoryPool, TrainError> {
+    let mut pool: CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the driver is loaded (a Gpu exists); writes one handle
+    match unsafe { cuDeviceGetDefaultMemPool(&mut pool, gpu.context().cu_device()) } {
+        CUresult::CUDA_SUCCESS => Ok(pool),
+        e => Err(TrainError::Device(AttnError::Device {
+            what: format!("finding the memory pool: {e:?}"),
+        })),
+    }
+}
+
+fn pool_attribute(
+    gpu: &Gpu,
+    attr: CUmemPool_attribute,
+    set: Option<u64>,
+) -> Result<u64, TrainError> {
+    if !gpu.context().has_async_alloc() {
+        return Ok(0);
+    }
+    let pool = pool(gpu)?;
+    let mut value = set.unwrap_or(0);
+    // SAFETY: reads or writes one u64 attribute of the device's default pool
+    let r = unsafe {
+        match set {
+            Some(_) => cuMemPoolSetAttribute(pool, attr, (&mut value as *mut u64).cast()),
+            None => cuMemPoolGetAttribute(pool, attr, (&mut value as *mut u64).cast()),
+        }
+    };
+    match r {
+        CUresult::CUDA_SUCCESS => Ok(value),
+        e => Err(TrainError::Device(AttnError::Device {
+            what: format!("the memory pool's {attr:?}: {e:?}"),
+        })),
+    }
+}
+
+impl GpuTrainer {
+    /// A trainer on GPU 0 that starts from `start` (its weights, AdamW's moments and step), for
+    /// batches of `batch × seq_len` tokens. Fails, saying what is missing, without a GPU, its
+    /// driver, NVRTC or cuBLAS; and, saying how much it needs and how much is free, when the
+    /// GPU's memory cannot hold it.
+    pub fn new(
+        start: &Trainer,
+        batch: usize,
+        seq_len: usize,
+        attention: AttentionKind,
+        profile: bool,
+    ) -> Result<GpuTrainer, TrainError> {
+        let config = start.params.config;
+        config.check()?;
+        let (c, h) = (config.d_model, config.heads);
+        let d = c / h;
+        if seq_len > config.context || batch == 0 || seq_len == 0 {
+            return Err(TrainError::Config(format!(
+                "batch {batch} × seq_len {seq_len}: each must be at least 1, and seq_len at most the context {}",
+                config.context
+            )));
+        }
+        if !c.is_multiple_of(8) {
+            return Err(TrainError::Config(format!(
+                "d_model {c}: the GPU trainer takes a multiple of 8 (16-byte rows of bf16 for the products)"
+            )));
+        }
+        if !d.is_multiple_of(8) {
+            return Err(TrainError::Config(format!(
+                "head dim {d} (d_model {c} / heads {h}): the GPU trainer moves heads 8 values at a time, so it takes a multiple of 8"
+            )));
+        }
+        if attention == AttentionKind::Flash && !step04_backward::cuda::HEAD_DIMS.contains(&d) {
+            return Err(TrainError::Config(format!(
+                "head dim {d} (d_model {c} / heads {h}): step 04's backward kernels take head dims {:?}",
+                step04_backward::cuda::HEAD_DIMS
+            )));
+        }
+        if Kernels::ln_backward_smem(c) > 200 * 1024 {
+            return Err(TrainError::Config(format!(
+                "d_model {c}: the LayerNorm backward's shared memory takes d_model up to 6400"
+            )));
+        }
+        let gpu = Gpu::shared().map_err(TrainError::Device)?;
+        // SAFETY: everything here runs on one stream, in order, so cudarc need not record an
+        // event per buffer per launch to order streams
+        unsafe { gpu.context().disable_event_tracking() };
+        // memory the step's temporaries (the backward's dq, dk, dv, attention by hand's table)
+        // give back stays in the pool for the next step instead of going back to the driver
+        pool_attribute(
+            gpu,
+            CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            Some(u64::MAX),
+        )?;
+        // the high-water mark from here: what this trainer allocates
+        pool_attribute(
+            gpu,
+            CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            Some(0),
+        )?;
+        let needed = bytes_needed(&config, batch, seq_len);
+        let (free, total) = gpu
+            .context()
+            .mem_get_info()
+            .map_err(|e| TrainError::Device(device_error("reading free memory")(e)))?;
+        if needed > free as u64 {
+            return Err(TrainError::Device(AttnError::OutOfMemory {
+                what: format!(
+                    "the GPU trainer for {config:?} with {batch} × {seq_len} tokens a step \
+                     (weights, gradients, AdamW's moments, every layer's activations), \
+                     of which the GPU has {:.2} GB free of {:.2} GB",
+                    free as f64 / 1e9,
+                    total as f64 / 1e9
+                ),
+                bytes: needed as u128,
+            }));
+        }
+        let kernels = Kernels::load(gpu, c)?;
+        let blas = Blas::new(gpu)?;
+        let layout = Layout::new(config);
+        let n = layout.len;
+        let rows = batch * seq_len;
+        let shape = Shape::new(batch, h, seq_len, d);
+        let stream = gpu.stream();
+        let upload = |x: &[f32], what: &str| -> Result<Buf<f32>, TrainError> {
+            let b = alloc::<f32>(gpu, n, what)?;
+            let mut slice = b._slice;
+            stream
+                .memcpy_htod(x, &mut slice)
+                .map_err(|e| TrainError::Device(device_error(what)(e)))?;
+            Ok(Buf {
+                _slice: slice,
+                ptr: b.ptr,
+            })
+        };
+        let params = upload(&layout.pack(&start.params), "the weights")?;
+        let m = upload(&layout.pack(&start.opt.m), "AdamW's first moments")?;
+        let v = upload(&layout.pack(&start.opt.v), "AdamW's second moments")?;
+        let params16 = alloc::<u16>(gpu, n, "the weights' bf16 copy")?;
+        let grads = alloc::<f32>(gpu, n, "the gradients")?;
+        let layer = |l: usize| -> Result<LayerActs, TrainError> {
+            let what = |x: &str| format!("layer {l}'s {x}");
+            let f = |len: usize, x: &str| alloc::<f32>(gpu, len, &what(x));
+            let b16 = |len: usize, x: &str| alloc::<u16>(gpu, len, &what(x));
+            Ok(LayerActs {
+                x: f(rows * c, "input")?,
+                ln1: b16(rows * c, "first LayerNorm")?,
+                ln1_mean: f(rows, "first LayerNorm's means")?,
+                ln1_rstd: f(rows, "first LayerNorm's 1/σ")?,
+                q: tensor(gpu, shape, &what("q"))?,
+                k: tensor(gpu, shape, &what("k"))?,
+                v: tensor(gpu, shape, &what("v"))?,
+                att: match attention {
+                    AttentionKind::Flash => Some(
+                        gpu.alloc_output(shape, Dtype::Bf16)
+                            .map_err(TrainError::Device)?,
+                    ),
+                    AttentionKind::ByHand => None,
+                },
+                att_rows: b16(rows * c, "attention output")?,
+                x_mid: f(rows * c, "residual stream between its halves")?,
+                ln2: b16(rows * c, "second LayerNorm")?,
+                ln2_mean: f(rows, "second LayerNorm's means")?,
+                ln2_rstd: f(rows, "second LayerNorm's 1/σ")?,
+                fc: b16(rows * 4 * c, "MLP pre-activation")?,
+                gelu: b16(rows * 4 * c, "GELU output")?,
+            })
+        };
+        let layers = (0..config.layers)
+            .map(layer)
+            .collect::<Result<Vec<_>, _>>()?;
+        let v_len = config.vocab;
+        let s = Scratch {
+            qkv: alloc(gpu, rows * 3 * c, "the fused projection's output")?,
+            y: alloc(gpu, rows * c, "a product's output")?,
+            dres: alloc(gpu, rows * c, "the residual stream's gradient")?,
+            dres16: alloc(gpu, rows * c, "the residual stream's gradient in bf16")?,
+            dmid: alloc(gpu, rows * c, "the residual stream's gradient")?,
+            dmid16: alloc(gpu, rows * c, "the residual stream's gradient in bf16")?,
+            dln: alloc(gpu, rows * c, "a LayerNorm's gradient")?,
+            dbig: alloc(gpu, rows * 4 * c, "the MLP's gradient")?,
+            datt_rows: alloc(gpu, rows * c, "the attention output's gradient")?,
+            dout: tensor(gpu, shape, "the attention output's gradient")?,
+            dqkv: alloc(gpu, rows * 3 * c, "the fused projection's gradient")?,
+            ln_partial: alloc(
+                gpu,
+                Kernels::ln_backward_blocks(rows) * 3 * c,
+                "LayerNorm gradients' partial sums",
+            )?,
+            col_partial: alloc(
+                gpu,
+                Kernels::colsum_parts(rows) * 4 * c,
+                "bias gradients' partial sums",
+            )?,
+            norm_partial: alloc(gpu, NORM_BLOCKS as usize, "the norm's partial sums")?,
+            losses: alloc(gpu, rows, "the losses")?,
+            scalars: alloc(gpu, 2, "the step's loss and norm")?,
+        };
+        let trainer = GpuTrainer {
+            gpu,
+            kernels,
+            blas,
+            config,
+            batch,
+            seq_len,
+            attention,
+            layout,
+            params,
+            params16,
+            grads,
+            m,
+            v,
+            adamw: start.opt.settings,
+            t: start.opt.t,
+            step: start.step,
+            layers,
+            x_final: alloc(gpu, rows * c, "the last residual stream")?,
+            lnf: alloc(gpu, rows * c, "the last LayerNorm")?,
+            lnf_mean: alloc(gpu, rows, "the last LayerNorm's means")?,
+            lnf_rstd: alloc(gpu, rows, "the last LayerNorm's 1/σ")?,
+            logits: alloc(gpu, rows * v_len, "the logits")?,
+            dlogits: alloc(gpu, rows * v_len, "the logits' gradient")?,
+            s,
+            batch_u8: alloc(gpu, 2 * rows, "the batch")?,
+            batch_i32: alloc(gpu, rows + v_len + 1, "the batch's rows by token")?,
+            profiler: Profiler {
+                enabled: profile,
+                events: Vec::new(),
+                names: Vec::new(),
+                used: 0,
+                totals: Vec::new(),
+                steps: 0,
+                seen: 0,
+            },
+            bytes: needed,
+        };
+        // SAFETY: both buffers hold layout.len values
+        unsafe {
+            trainer
+                .kernels
+                .to_bf16(trainer.params.ptr, trainer.params16.ptr, n)?;
+        }
+        trainer.sync()?;
+        Ok(trainer)
+    }
+
+    /// Waits for the stream.
+    fn sync(&self) -> Result<(), TrainError> {
+        self.gpu
+            .stream()
+            .synchronize()
+            .map_err(|e| TrainError::Device(device_error("running a step")(e)))
+    }
+
+    /// The GPU's name (`NVIDIA H200`).
+    pub fn device_name(&self) -> String {
+        self.gpu
+            .context()
+            .name()
+            .unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    /// Copies a batch to the GPU, with its rows sorted by input token for the embedding's
+    /// backward.
+    fn upload_batch(
+        &mut self,
+        inputs: ArrayView2<u8>,
+        targets: ArrayView2<u8>,
+    ) -> Result<(), TrainError> {
+        let (b, t) = inputs.dim();
+        if (b, t) != (self.batch, self.seq_len) || targets.dim() != (b, t) {
+            return Err(TrainError::Config(format!(
+                "a batch of {b} × {t} tokens (targets {:?}), but the GPU trainer was made for {} × {}",
+                targets.dim(),
+                self.batch,
+                self.seq_len
+            )));
+        }
+        let vocab = self.config.vocab;
+        let mut bytes: Vec<u8> = inputs.iter().copied().collect();
+        if let Some(&bad) = bytes.iter().find(|&&x| x as usize >= vocab) {
+            return Err(TrainError::Config(format!(
+                "token {bad} is outside the model's vocabulary of {vocab}"
+            )));
+        }
+        bytes.extend(targets.iter());
+        // a counting sort of the rows by token
+        let rows = b * t;
+        let mut offsets = vec![0i32; vocab + 1];
+        for &tok in &bytes[..rows] {
+            offsets[tok as usize + 1] += 1;
+        }
+        for i in 0..vocab {
+            offsets[i + 1] += offsets[i];
+        }
+        let mut next = offsets.clone();
+        let mut ints = vec![0i32; rows + vocab + 1];
+        for (row, &tok) in bytes[..rows].iter().enumerate() {
+            ints[next[tok as usize] as usize] = row as i32;
+            next[tok as usize] += 1;
+        }
+        ints[rows..].copy_from_slice(&offsets);
+        let stream = self.gpu.stream();
+        let copy = |e| TrainError::Device(device_error("copying the batch to the GPU")(e));
+        stream
+            .memcpy_htod(&bytes, &mut self.batch_u8._slice)
+            .map_err(copy)?;
+        stream
+            .memcpy_htod(&ints, &mut self.batch_i32._slice)
+            .map_err(copy)?;
+        Ok(())
+    }
+
+    // ANCHOR: gpu_forward
+    /// The forward pass over the uploaded batch, keeping what the backward needs; the mean
+    /// loss lands in device memory. With `train`, also the logits' gradient.
+    pub fn forward(&mut self, train: bool) -> Result<(), TrainError> {
+        let GpuTrainer {
+            gpu,
+            kernels: k,
+            blas,
+            config,
+            batch,
+            seq_len,
+            attention,
+            layout: lay,
+            params,
+            params16,
+            layers,
+            x_final,
+            lnf,
+            lnf_mean,
+            lnf_rstd,
+            logits,
+            dlogits,
+            s,
+            batch_u8,
+            profiler: prof,
+            ..
+        } = self;
+        let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
+        let (rows, d, vocab) = (b * t, c / h, config.vocab);
+        let heads = (b, h, t, d);
+        let w32 = |off: usize| params.ptr + 4 * off as u64;
+        let w16 = |off: usize| params16.ptr + 2 * off as u64;
+        let stream = gpu.stream();
+        let (tokens, targets) = (batch_u8.ptr, batch_u8.ptr + rows as u64);
+        // SAFETY (every launch and product below): each pointer is a buffer allocated in
+        // GpuTrainer::new for this batch shape, or an offset into the flat weights that the
+        // layout gives for a tensor of the size used
+        unsafe {
+            prof.mark(gpu, "start")?;
+            k.embed_forward(
+                tokens,
+                w32(lay.wte),
+                w32(lay.wpe),
+                layers[0].x.ptr,
+                rows,
+                t,
+                c,
+            )?;
+            prof.mark(gpu, "embedding")?;
+            for l in 0..layers.len() {
+                let w = lay.blocks[l];
+                // the residual connection of the block before closes in this LayerNorm
+                let (res, y, y_bias) = match l {
+                    0 => (layers[0].x.ptr, 0, 0),
+                    _ => (
+                        layers[l - 1].x_mid.ptr,
+                        s.y.ptr,
+                        w32(lay.blocks[l - 1].fc_proj_b),
+                    ),
+                };
+                let la = &mut layers[l];
+                k.layernorm_forward(
+                    res,
+                    y,
+                    y_bias,
+                    la.x.ptr,
+                    (w32(w.ln_1_w), w32(w.ln_1_b)),
+                    la.ln1.ptr,
+                    (la.ln1_mean.ptr, la.ln1_rstd.ptr),
+                    rows,
+                    c,
+                )?;
+                prof.mark(gpu, "layernorm")?;
+                blas.matmul(
+                    rows,
+                    3 * c,
+                    c,
+                    plain(la.ln1.ptr),
+                    plain(w16(w.attn_w)),
+                    s.qkv.ptr,
+                    Out::Bf16,
+                    0.0,
+                )?;
+                prof.mark(gpu, "matmul: qkv")?;
+                // q, k, v: the fused projection's three column blocks, each with its bias
+                let qkv = (
+                    dptr(&la.q.data, stream),
+                    dptr(&la.k.data, stream),
+                    dptr(&la.v.data, stream),
+                );
+                k.qkv_to_heads(s.qkv.ptr, w32(w.attn_b), qkv, heads)?;
+                prof.mark(gpu, "qkv to heads")?;
+                attention_forward(gpu, *attention, &la.q, &la.k, &la.v, &mut la.att)?;
+                prof.mark(gpu, "attention")?;
+                let out = &la.att.as_ref().expect("the forward wrote it").out;
+                k.heads_rows(dptr(&out.data, stream), la.att_rows.ptr, true, heads)?;
+                prof.mark(gpu, "heads to rows")?;
+                blas.matmul(
+                    rows,
+                    c,
+                    c,
+                    plain(la.att_rows.ptr),
+                    plain(w16(w.proj_w)),
+                    s.y.ptr,
+                    Out::F32,
+                    0.0,
+                )?;
+                prof.mark(gpu, "matmul: attention projection")?;
+                k.layernorm_forward(
+                    la.x.ptr,
+                    s.y.ptr,
+                    w32(w.proj_b),
+                    la.x_mid.ptr,
+                    (w32(w.ln_2_w), w32(w.ln_2_b)),
+                    la.ln2.ptr,
+                    (la.ln2_mean.ptr, la.ln2_rstd.ptr),
+                    rows,
+                    c,
+                )?;
+                prof.mark(gpu, "layernorm")?;
+                blas.matmul(
+                    rows,
+                    4 * c,
+                    c,
+                    plain(la.ln2.ptr),
+                    plain(w16(w.fc_w)),
+                    la.fc.ptr,
+                    Out::Bf16,
+                    0.0,
+                )?;
+                prof.mark(gpu, "matmul: mlp up")?;
+                k.bias_gelu(la.fc.ptr, w32(w.fc_b), la.gelu.ptr, rows, 4 * c)?;
+                prof.mark(gpu, "bias + gelu")?;
+                blas.matmul(
+                    rows,
+                    c,
+                    4 * c,
+                    plain(la.gelu.ptr),
+                    plain(w16(w.fc_proj_w)),
+                    s.y.ptr,
+                    Out::F32,
+                    0.0,
+                )?;
+                prof.mark(gpu, "matmul: mlp down")?;
+            }
+            let last = layers.last().expect("at least one layer");
+            let fc_proj_b = w32(lay.blocks[layers.len() - 1].fc_proj_b);
+            k.layernorm_forward(
+                last.x_mid.ptr,
+                s.y.ptr,
+                fc_proj_b,
+                x_final.ptr,
+                (w32(lay.ln_f_w), w32(lay.ln_f_b)),
+                lnf.ptr,
+                (lnf_mean.ptr, lnf_rstd.ptr),
+                rows,
+                c,
+            )?;
+            prof.mark(gpu, "layernorm")?;
+            // the output layer is the token embedding, transposed
+            blas.matmul(
+                rows,
+                vocab,
+                c,
+                plain(lnf.ptr),
+                transposed(w16(lay.wte)),
+                logits.ptr,
+                Out::F32,
+                0.0,
+            )?;
+            prof.mark(gpu, "matmul: logits")?;
+            let scale = 1.0 / rows as f32;
+            let d_out = if train { dlogits.ptr } else { 0 };
+            k.cross_entropy(logits.ptr, targets, s.losses.ptr, d_out, rows, vocab, scale)?;
+            k.sum_scaled(s.losses.ptr, rows, scale, s.scalars.ptr)?;
+            prof.mark(gpu, "cross-entropy")?;
+        }
+        Ok(())
+    }
+    // ANCHOR_END: gpu_forward
+
+    // ANCHOR: gpu_backward
+    /// The backward pass: every weight's gradient into the flat gradient buffer, each layer's
+    /// backward in the reverse order of the forward.
+    pub fn backward(&mut self) -> Result<(), TrainError> {
+        let GpuTrainer {
+            gpu,
+            kernels: k,
+            blas,
+            config,
+            batch,
+            seq_len,
+            attention,
+            layout: lay,
+            params,
+            params16,
+            grads,
+            layers,
+            x_final,
+            lnf,
+            lnf_mean,
+            lnf_rstd,
+            dlogits,
+            s,
+            batch_i32,
+            profiler: prof,
+            ..
+        } = self;
+        let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
+        let (rows, d, vocab) = (b * t, c / h, config.vocab);
+        let heads = (b, h, t, d);
+        let w32 = |off: usize| params.ptr + 4 * off as u64;
+        let w16 = |off: usize| params16.ptr + 2 * off as u64;
+        let g32 = |off: usize| grads.ptr + 4 * off as u64;
+        let stream = gpu.stream();
+        // the bias gradient of the MLP's output projection in block l (0 for none)
+        let fc_proj_b = |l: Option<usize>| l.map_or(0, |l| g32(lay.blocks[l].fc_proj_b));
+        let last = layers.len() - 1;
+        // SAFETY: as in forward
+        unsafe {
+            // logits = lnf · wteᵀ: dwte = dlogitsᵀ · lnf (the embedding adds its share at the
+            // end), dlnf = dlogits · wte
+            blas.matmul(
+                vocab,
+                c,
+                rows,
+                transposed(dlogits.ptr),
+                plain(lnf.ptr),
+                g32(lay.wte),
+                Out::F32,
+                0.0,
+            )?;
+            blas.matmul(
+                rows,
+                c,
+                vocab,
+                plain(dlogits.ptr),
+                plain(w16(lay.wte)),
+                s.dln.ptr,
+                Out::F32,
+                0.0,
+            )?;
+            prof.mark(gpu, "backward: matmul logits")?;
+            // the last LayerNorm; the residual gradient it writes sums to the last block's MLP
+            // output bias's gradient
+            k.layernorm_backward(
+                s.dln.ptr,
+                x_final.ptr,
+                w32(lay.ln_f_w),
+                (lnf_mean.ptr, lnf_rstd.ptr),
+                0,
+                (s.dres.ptr, s.dres16.ptr),
+                s.ln_partial.ptr,
+                [g32(lay.ln_f_w), g32(lay.ln_f_b), fc_proj_b(Some(last))],
+                rows,
+                c,
+            )?;
+            prof.mark(gpu, "backward: layernorm")?;
+            for l in (0..layers.len()).rev() {
+                let w = lay.blocks[l];
+                let la = &layers[l];
+                // dres: the gradient of the block's output. The MLP half: its output
+                // projection, GELU (with its input bias's gradient), its input projection, its
+                // LayerNorm (which adds the residual's share and gives dmid, the gradient of
+                // x_mid, whose column sums are the attention projection's bias gradient)
+                blas.matmul(
+                    4 * c,
+                    c,
+                    rows,
+                    transposed(la.gelu.ptr),
+                    plain(s.dres16.ptr),
+                    g32(w.fc_proj_w),
+                    Out::F32,
+                    0.0,
+                )?;
+                blas.matmul(
+                    rows,
+                    4 * c,
+                    c,
+                    plain(s.dres16.ptr),
+                    transposed(w16(w.fc_proj_w)),
+                    s.dbig.ptr,
+                    Out::Bf16,
+                    0.0,
+                )?;
+                prof.mark(gpu, "backward: matmul mlp down")?;
+                k.gelu_backward(
+                    s.dbig.ptr,
+                    la.fc.ptr,
+                    w32(w.fc_b),
+                    s.col_partial.ptr,
+                    g32(w.fc_b),
+                    rows,
+                    4 * c,
+                )?;
+                prof.mark(gpu, "backward: gelu")?;
+                blas.matmul(
+                    c,
+                    4 * c,
+                    rows,
+                    transposed(la.ln2.ptr),
+                    plain(s.dbig.ptr),
+                    g32(w.fc_w),
+                    Out::F32,
+                    0.0,
+                )?;
+                blas.matmul(
+                    rows,
+                    c,
+                    4 * c,
+                    plain(s.dbig.ptr),
+                    transposed(w16(w.fc_w)),
+                    s.dln.ptr,
+                    Out::F32,
+                    0.0,
+                )?;
+                prof.mark(gpu, "backward: matmul mlp up")?;
+                k.layernorm_backward(
+                    s.dln.ptr,
+                    la.x_mid.ptr,
+                    w32(w.ln_2_w),
+                    (la.ln2_mean.ptr, la.ln2_rstd.ptr),
+                    s.dres.ptr,
+                    (s.dmid.ptr, s.dmid16.ptr),
+                    s.ln_partial.ptr,
+                    [g32(w.ln_2_w), g32(w.ln_2_b), g32(w.proj_b)],
+                    rows,
+                    c,
+                )?;
+                prof.mark(gpu, "backward: layernorm")?;
+                // the attention half, the same way
+                blas.matmul(
+                    c,
+                    c,
+                    rows,
+                    transposed(la.att_rows.ptr),
+                    plain(s.dmid16.ptr),
+                    g32(w.proj_w),
+                    Out::F32,
+                    0.0,
+                )?;
+                blas.matmul(
+                    rows,
+                    c,
+                    c,
+                    plain(s.dmid16.ptr),
+                    transposed(w16(w.proj_w)),
+                    s.datt_rows.ptr,
+                    Out::Bf16,
+                    0.0,
+                )?;
+                prof.mark(gpu, "backward: matmul attention projection")?;
+                k.heads_rows(s.datt_rows.ptr, dptr(&s.dout.data, stream), false, heads)?;
+                prof.mark(gpu, "backward: rows to heads")?;
+                let fwd = la.att.as_ref().expect("the forward ran");
+                let g = attention_backward(gpu, *attention, &la.q, &la.k, &la.v, fwd, &s.dout)?;
+                prof.mark(gpu, "backward: attention")?;
+                let dqkv = (
+                    dptr(&g.dq.data, stream),
+                    dptr(&g.dk.data, stream),
+                    dptr(&g.dv.data, stream),
+                );
+                k.heads_to_qkv(dqkv, s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), heads)?;
+                // freed in stream order, after the kernel above has read them
+                drop(g);
+                prof.mark(gpu, "backward: heads to qkv")?;
+                blas.matmul(
+                    c,
+                    3 * c,
+                    rows,
+                    transposed(la.ln1.ptr),
+                    plain(s.dqkv.ptr),
+                    g32(w.attn_w),
+                    Out::F32,
+                    0.0,
+                )?;
+                blas.matmul(
+                    rows,
+                    c,
+                    3 * c,
+                    plain(s.dqkv.ptr),
+                    transposed(w16(w.attn_w)),
+                    s.dln.ptr,
+                    Out::F32,
+                    0.0,
+                )?;
+                prof.mark(gpu, "backward: matmul qkv")?;
+                // the block's input is the block before's output: its residual gradient sums
+                // to that block's MLP output bias's gradient
+                k.layernorm_backward(
+                    s.dln.ptr,
+                    la.x.ptr,
+                    w32(w.ln_1_w),
+                    (la.ln1_mean.ptr, la.ln1_rstd.ptr),
+                    s.dmid.ptr,
+                    (s.dres.ptr, s.dres16.ptr),
+                    s.ln_partial.ptr,
+                    [g32(w.ln_1_w), g32(w.ln_1_b), fc_proj_b(l.checked_sub(1))],
+                    rows,
+                    c,
+                )?;
+                prof.mark(gpu, "backward: layernorm")?;
+            }
+            // dres is now the gradient of x = wte[token] + wpe[t]
+            let (order, offsets) = (batch_i32.ptr, batch_i32.ptr + 4 * rows as u64);
+            k.embed_backward_pos(s.dres.ptr, g32(lay.wpe), (b, t, c), config.context)?;
+            k.embed_backward_tok(s.dres.ptr, order, offsets, g32(lay.wte), vocab, c)?;
+            prof.mark(gpu, "backward: embedding")?;
+        }
+        Ok(())
+    }
+    // ANCHOR_END: gpu_backward
+
+    // ANCHOR: gpu_optimizer
+    /// The gradients' global norm, then one AdamW step of every weight at rate `lr`, the
+    /// gradients clipped to norm `clip`: two reductions and one kernel, and no trip to the host
+    /// (the AdamW kernel reads the norm where the reduction left it).
+    pub fn optimizer_step(&mut self, lr: f32, clip: f32) -> Result<(), TrainError> {
+        self.t += 1;
+        let a = self.adamw;
+        // the bias corrections, as optim.rs computes them
+        let c1 = 1.0 - a.beta1.powi(self.t as i32);
+        let c2 = 1.0 - a.beta2.powi(self.t as i32);
+        let n = self.layout.len;
+        let norm = self.s.scalars.ptr + 4;
+        // SAFETY: the flat buffers hold layout.len values; norm_partial NORM_BLOCKS
+        unsafe {
+            self.kernels
+                .grad_norm(self.grads.ptr, n, self.s.norm_partial.ptr, norm)?;
+            self.profiler.mark(self.gpu, "grad norm")?;
+            self.kernels.adamw(
+                (
+                    self.params.ptr,
+                    self.grads.ptr,
+                    self.m.ptr,
+                    self.v.ptr,
+                    self.params16.ptr,
+                ),
+                n,
+                self.layout.decay_end,
+                norm,
+                clip,
+                lr,
+                (a.beta1, a.beta2, a.eps, a.weight_decay),
+                (c1, c2),
+            )?;
+            self.profiler.mark(self.gpu, "adamw")?;
+        }
+        Ok(())
+    }
+    // ANCHOR_END: gpu_optimizer
+
+    /// The loss and the gradients' norm of the last step, copied back (this waits for the GPU).
+    fn read_scalars(&mut self) -> Result<[f32; 2], TrainError> {
+        let mut out = [0f32; 2];
+        self.gpu
+            .stream()
+            .memcpy_dtoh(&self.s.scalars._slice, &mut out)
+            .map_err(|e| TrainError::Device(device_error("reading the loss")(e)))?;
+        self.sync()?;
+        Ok(out)
+    }
+
+    /// Forward and backward on one batch, leaving the gradients on the GPU; returns the loss.
+    pub fn forward_backward(
+        &mut self,
+        inputs: ArrayView2<u8>,
+        targets: ArrayView2<u8>,
+    ) -> Result<f32, TrainError> {
+        self.upload_batch(inputs, targets)?;
+        self.forward(true)?;
+        self.backward()?;
+        Ok(self.read_scalars()?[0])
+    }
+
+    /// The loss of one batch, without gradients.
+    pub fn loss(
+        &mut self,
+        inputs: ArrayView2<u8>,
+        targets: ArrayView2<u8>,
+    ) -> Result<f32, TrainError> {
+        self.upload_batch(inputs, targets)?;
+        self.forward(false)?;
+        Ok(self.read_scalars()?[0])
+    }
+
+    /// The gradients of the last backward, copied back.
+    pub fn grads(&self) -> Result<Params<f32>, TrainError> {
+        self.download(&self.grads)
+    }
+
+    /// Replaces the gradients (to test the optimizer alone).
+    pub fn set_grads(&mut self, g: &Params<f32>) -> Result<(), TrainError> {
+        let flat = self.layout.pack(g);
+        self.gpu
+            .stream()
+            .memcpy_htod(&flat, &mut self.grads._slice)
+            .map_err(|e| TrainError::Device(device_error("copying gradients")(e)))
+    }
+
+    /// The gradients' norm that the last [`GpuTrainer::optimizer_step`] clipped with.
+    pub fn last_grad_norm(&mut self) -> Result<f32, TrainError> {
+        Ok(self.read_scalars()?[1])
+    }
+
+    fn download(&self, b: &Buf<f32>) -> Result<Params<f32>, TrainError> {
+        let flat = self
+            .gpu
+            .stream()
+            .clone_dtoh(&b._slice)
+            .map_err(|e| TrainError::Device(device_error("copying from the GPU")(e)))?;
+        Ok(self.layout.unpack(&flat))
+    }
+
+    /// The weights, AdamW's state and the step, copied back: a CPU [`Trainer`], which saves
+    /// checkpoints and samples.
+    pub fn to_trainer(&self) -> Result<Trainer, TrainError> {
+        Ok(Trainer {
+            params: self.download(&self.params)?,
+            opt: AdamW {
+                settings: self.adamw,
+                m: self.download(&self.m)?,
+                v: self.download(&self.v)?,
+                t: self.t,
+            },
+            step: self.step,
+        })
+    }
+}
+
+impl Learner for GpuTrainer {
+    fn config(&self) -> Config {
+        self.config
+    }
+
+    fn steps_done(&self) -> usize {
+        self.step
+    }
+
+    fn params_count(&self) -> usize {
+        self.layout.slots.iter().map(|s| s.len()).sum()
+    }
+
+    // ANCHOR: gpu_train_step
+    fn train_step(
+        &mut self,
+        corpus: &Corpus,
+        settings: &Settings,
+    ) -> Result<StepRecord, TrainError> {
+        let started = Instant::now();
+        let Batch { inputs, targets } = train_batch(
+            &corpus.train,
+            settings.batch,
+            settings.seq_len,
+            settings.seed,
+            self.step,
+        );
+        self.upload_batch(inputs.view(), targets.view())?;
+        self.forward(true)?;
+        self.backward()?;
+        let lr = settings.schedule.lr(self.step);
+        self.optimizer_step(lr, settings.clip)?;
+        // the step's one wait for the GPU
+        let [loss, grad_norm] = self.read_scalars()?;
+        self.profiler.finish_step()?;
+        self.step += 1;
+        let seconds = started.elapsed().as_secs_f64();
+        Ok(StepRecord {
+            step: self.step,
+            loss,
+            lr,
+            grad_norm,
+            ms: seconds * 1e3,
+            tokens_per_s: (settings.batch * settings.seq_len) as f64 / seconds,
+            train_seconds: 0.0,
+        })
+    }
+    // ANCHOR_END: gpu_train_step
+
+    fn heldout_loss(&mut self, batches: &[Batch]) -> Result<f32, TrainError> {
+        let mut sum = 0.0;
+        for b in batches {
+            sum += self.loss(b.inputs.view(), b.targets.view())? as f64;
+        }
+        // a held-out pass leaves marks of its own: not a step's
+        self.profiler.used = 0;
+        Ok((sum / batches.len() as f64) as f32)
+    }
+
+    fn hardware(&self) -> Hardware {
+        Hardware {
+            device: "cuda".into(),
+            device_name: self.device_name(),
+            attention: self.attention.name().into(),
+            precision: "bf16-mixed".into(),
+        }
+    }
+
+    fn peak_memory_bytes(&self) -> Result<Option<u64>, TrainError> {
+        if !self.gpu.context().has_async_alloc() {
+            return Ok(None);
+        }
+        pool_attribute(
+            self.gpu,
+            CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            None,
+        )
+        .map(Some)
+    }
+
+    fn profile(&self) -> Vec<PhaseRecord> {
+        let steps = self.profiler.steps.max(1) as f64;
+        self.profiler
+            .totals
+            .iter()
+            .map(|(name, ms)| PhaseRecord {
+                name: name.to_string(),
+                ms: ms / steps,
+            })
+            .collect()
+    }
+}
