@@ -583,9 +583,7 @@ fn table(rows: &[&Row]) -> String {
                 .iter()
                 .any(|l| l.same_memory_as == Some(other))
             {
-                let one = looks[..i]
-                    .iter()
-                    .all(|l| l.same_memory_as != Some(other));
+                let one = looks[..i].iter().all(|l| l.same_memory_as != Some(other));
                 let verb = if one { "allocates" } else { "allocate" };
                 same.push_str(&format!(" {verb} what *{}* does", short(other)));
             }
