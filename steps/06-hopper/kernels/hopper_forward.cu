@@ -46,6 +46,10 @@ typedef unsigned long long u64;
 #define STAGES 2
 #endif
 #define THREADS (128 * WGS + 32)
+// thread blocks each multiprocessor must fit (the register budget)
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
 #define ROW_BYTES (HEAD_DIM * 2)
 #define INFINITY __int_as_float(0x7f800000)
 
@@ -124,7 +128,7 @@ __device__ __forceinline__ void wgmma_m64n64_rs_tb(float (&d)[32], const u32 (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
                const __grid_constant__ TensorMap map_v, u16* __restrict__ out, float* __restrict__ lse,
                int tokens, float scale_log2) {

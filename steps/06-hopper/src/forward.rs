@@ -26,6 +26,9 @@ pub struct HopperConfig {
     pub warpgroups: usize,
     /// Buffers of keys and values in flight (`STAGES`).
     pub stages: usize,
+    /// Thread blocks each multiprocessor must fit (`MIN_BLOCKS`, the register budget): with
+    /// one warpgroup, several blocks share a multiprocessor and take turns at its tensor cores.
+    pub min_blocks: usize,
 }
 
 impl Default for HopperConfig {
@@ -33,6 +36,7 @@ impl Default for HopperConfig {
         HopperConfig {
             warpgroups: 2,
             stages: 2,
+            min_blocks: 1,
         }
     }
 }
@@ -45,6 +49,7 @@ impl HopperConfig {
         HopperConfig {
             warpgroups: if tokens >= 8192 { 3 } else { 2 },
             stages: 2,
+            min_blocks: 1,
         }
     }
 
@@ -66,8 +71,19 @@ impl HopperConfig {
 
     /// The default and the shapes `hopper-check` compares it with.
     pub fn candidates() -> Vec<HopperConfig> {
-        let c = |warpgroups, stages| HopperConfig { warpgroups, stages };
-        vec![c(2, 2), c(3, 2), c(2, 3), c(3, 3)]
+        let c = |warpgroups, stages, min_blocks| HopperConfig {
+            warpgroups,
+            stages,
+            min_blocks,
+        };
+        vec![
+            c(2, 2, 1),
+            c(3, 2, 1),
+            c(2, 3, 1),
+            c(1, 2, 2),
+            c(1, 2, 3),
+            c(1, 3, 2),
+        ]
     }
 }
 
@@ -99,6 +115,7 @@ pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<
             format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
             format!("-DWGS={}", config.warpgroups),
             format!("-DSTAGES={}", config.stages),
+            format!("-DMIN_BLOCKS={}", config.min_blocks),
             format!("-DQK_LBO={}", desc.qk_leading),
             format!("-DQK_SBO={}", desc.qk_stride),
             format!("-DV_LBO={}", desc.v_leading),
@@ -106,10 +123,11 @@ pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<
             "--std=c++17".into(),
         ],
         name: Some(format!(
-            "hopper_forward_{}_wg{}_s{}.cu",
+            "hopper_forward_{}_wg{}_s{}_b{}.cu",
             dtype.name(),
             config.warpgroups,
-            config.stages
+            config.stages,
+            config.min_blocks
         )),
         ..Default::default()
     };

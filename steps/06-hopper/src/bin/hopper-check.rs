@@ -40,10 +40,11 @@ fn run() -> Result<bool, AttnError> {
             && flag == "--ptx"
         {
             let path = format!(
-                "{dir}/hopper_forward_{}_{}x{}.ptx",
+                "{dir}/hopper_forward_{}_{}x{}x{}.ptx",
                 dtype.name(),
                 config.warpgroups,
-                config.stages
+                config.stages,
+                config.min_blocks
             );
             std::fs::write(&path, ptx.to_src()).map_err(|e| AttnError::Device {
                 what: format!("{path}: {e}"),
@@ -96,9 +97,10 @@ fn run() -> Result<bool, AttnError> {
                 gpu.time_ms(|| forward::forward_with(gpu, config, &q, &k, &v, &mut out))
             })?;
             println!(
-                "| {t} | {}x{} | {hopper:.3} | {:.1} | {flash:.3} | {:.1} | {:.2} |",
+                "| {t} | {}x{}x{} | {hopper:.3} | {:.1} | {flash:.3} | {:.1} | {:.2} |",
                 config.warpgroups,
                 config.stages,
+                config.min_blocks,
                 tf(hopper),
                 tf(flash),
                 flash / hopper

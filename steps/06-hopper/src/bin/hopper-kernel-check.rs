@@ -36,10 +36,11 @@ fn main() -> ExitCode {
             for c in HopperConfig::candidates() {
                 kernels.push((
                     format!(
-                        "hopper_forward_{}_wg{}_s{}",
+                        "hopper_forward_{}_wg{}_s{}_b{}",
                         dtype.name(),
                         c.warpgroups,
-                        c.stages
+                        c.stages,
+                        c.min_blocks
                     ),
                     forward::compile(dtype, c, Default::default()),
                 ));
