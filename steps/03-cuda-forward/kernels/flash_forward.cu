@@ -12,9 +12,15 @@
 //   WARPS       warps per block (default 4)
 //   M_TILES     16-row tiles of queries per warp (default 2: BLOCK_M = 4 x 32 = 128)
 //   BLOCK_N     keys per step (default 128)
+//   SUB_N       keys per step of the products and the softmax within a block of BLOCK_N (default
+//               BLOCK_N): fewer scores in registers at once, with the copies and barriers of
+//               BLOCK_N keys
 //   LAZY_RESCALE  1: skip rescaling o when no row of the warp found a new maximum (default 0:
 //                 the vote costs more than the multiplies it saves, measured by forward-tune)
 //   MIN_BLOCKS  blocks per multiprocessor the register budget must allow (default 1)
+//   HOLD_Q      1: read each warp's q fragments from shared memory once, before the loop, and
+//               keep them in registers (HEAD_DIM/4 · M_TILES of them); 0 (default): read them
+//               again, 16 head dims at a time, for every block of keys
 //
 // src/kernel.rs prepends tensor_cores.cuh (the types, the swizzle and the tensor-core
 // instructions this file uses) before NVRTC compiles it.
@@ -31,8 +37,14 @@
 #ifndef BLOCK_N
 #define BLOCK_N 128
 #endif
+#ifndef SUB_N
+#define SUB_N BLOCK_N
+#endif
 #ifndef LAZY_RESCALE
 #define LAZY_RESCALE 0
+#endif
+#ifndef HOLD_Q
+#define HOLD_Q 0
 #endif
 #define THREADS (WARPS * 32)
 
@@ -141,6 +153,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     }
     // ANCHOR_END: running_state
 
+#if HOLD_Q
+    // q's A fragments, read once for the whole loop as soon as q has landed (the first block of
+    // keys and values may still be in flight)
+    u32 q_held[M_TILES][HEAD_DIM / 16][4];
+    cp_async_wait<1>();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+            ldmatrix_x4(q_frag[kk] + mt * (16 * HEAD_DIM * 2), q_held[mt][kk][0], q_held[mt][kk][1], q_held[mt][kk][2], q_held[mt][kk][3]);
+#endif
+
     // ANCHOR: main_loop
     for (int j = 0; j < n_blocks; ++j) {
         const int stage = j & 1;
@@ -155,33 +180,42 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
         cp_async_wait<1>();
         __syncthreads();
 
-        // a warp whose rows all come before this block's first key has nothing to add
-        if (kv0 <= row0 + WARP_ROWS - 1) {
-            const u32 ks = sk_addr + stage * (BLOCK_N * HEAD_DIM * 2);
-            const u32 vs = sv_addr + stage * (BLOCK_N * HEAD_DIM * 2);
+        // the block's keys SUB_N at a time (all at once by default)
+#pragma unroll
+        for (int sub = 0; sub < BLOCK_N / SUB_N; ++sub) {
+            const int kv = kv0 + sub * SUB_N;  // this step's first key
+            // a warp whose rows all come before this step's first key has nothing to add
+            if (kv > row0 + WARP_ROWS - 1) continue;
+            const u32 ks = sk_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);
+            const u32 vs = sv_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);
 
             // ANCHOR: scores_mma
-            // s = q·kᵀ for the warp's rows x BLOCK_N keys, in 16x8 tiles. K is stored [key][dim],
+            // s = q·kᵀ for the warp's rows x SUB_N keys, in 16x8 tiles. K is stored [key][dim],
             // which is exactly the column-major B operand, so plain ldmatrix gives its
             // fragments, and each one serves all M_TILES row tiles. q's A fragments are read
             // again for each block, 16 head dims at a time, rather than held across the loop:
             // registers go to the output and the scores.
-            float s[M_TILES][BLOCK_N / 8][4];
+            float s[M_TILES][SUB_N / 8][4];
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                for (int n = 0; n < BLOCK_N / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+                for (int n = 0; n < SUB_N / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                 u32 qf[M_TILES][4];
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
-                    ldmatrix_x4(q_frag[kk] + mt * (16 * HEAD_DIM * 2), qf[mt][0], qf[mt][1], qf[mt][2], qf[mt][3]);
+#if HOLD_Q
 #pragma unroll
-                for (int n = 0; n < BLOCK_N / 8; n += 2) {
+                    for (int i = 0; i < 4; ++i) qf[mt][i] = q_held[mt][kk][i];
+#else
+                    ldmatrix_x4(q_frag[kk] + mt * (16 * HEAD_DIM * 2), qf[mt][0], qf[mt][1], qf[mt][2], qf[mt][3]);
+#endif
+#pragma unroll
+                for (int n = 0; n < SUB_N / 8; n += 2) {
                     // keys 8n..8n+15, columns 16kk..16kk+15: the B fragments of two n-tiles
                     u32 b0, b1, b2, b3;
-                    ldmatrix_x4(ks + off.abt[kk] + n * (8 * HEAD_DIM * 2), b0, b1, b2, b3);
+                    ldmatrix_x4(ks + off.abt(kk) + n * (8 * HEAD_DIM * 2), b0, b1, b2, b3);
 #pragma unroll
                     for (int mt = 0; mt < M_TILES; ++mt) {
                         mma_16816(s[mt][n], qf[mt], b0, b1);
@@ -194,14 +228,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
             // ANCHOR: diagonal_mask
             // only blocks that reach past this warp's first row need the mask; there, keys
             // after the row (and so every key at or past T) get -inf
-            if (kv0 + BLOCK_N - 1 > row0) {
+            if (kv + SUB_N - 1 > row0) {
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                    for (int n = 0; n < BLOCK_N / 8; ++n)
+                    for (int n = 0; n < SUB_N / 8; ++n)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
-                            int key = kv0 + n * 8 + 2 * t + (e & 1);
+                            int key = kv + n * 8 + 2 * t + (e & 1);
                             int row = row0 + mt * 16 + g + (e >> 1) * 8;
                             if (key > row) s[mt][n][e] = NEG_INF;
                         }
@@ -215,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
                 for (int h = 0; h < 2; ++h) {
                     float mx = m[mt][h];
 #pragma unroll
-                    for (int n = 0; n < BLOCK_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
+                    for (int n = 0; n < SUB_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
                     // the row's maximum over the 4 threads of the quad that hold it
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
@@ -237,7 +271,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
                     }
                     // p = 2^(s·scale_log2 - m·scale_log2) = e^((s - m)/sqrt(d)): one FMA and one ex2
 #pragma unroll
-                    for (int n = 0; n < BLOCK_N / 8; ++n) {
+                    for (int n = 0; n < SUB_N / 8; ++n) {
                         s[mt][n][2 * h] = fast_exp2(fmaf(s[mt][n][2 * h], scale_log2, -m_scaled));
                         s[mt][n][2 * h + 1] = fast_exp2(fmaf(s[mt][n][2 * h + 1], scale_log2, -m_scaled));
                         l[mt][h] += s[mt][n][2 * h] + s[mt][n][2 * h + 1];
@@ -251,14 +285,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
             // touching shared memory. V is stored [key][dim]: its B fragments need the
             // transposing ldmatrix, and each serves all M_TILES row tiles.
 #pragma unroll
-            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            for (int kk = 0; kk < SUB_N / 16; ++kk) {
                 u32 pa[M_TILES][4];
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt) accumulators_to_a(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
 #pragma unroll
                 for (int n = 0; n < HEAD_DIM / 8; n += 2) {
                     u32 b0, b1, b2, b3;
-                    ldmatrix_x4_trans(vs + off.ab[n / 2] + kk * (16 * HEAD_DIM * 2), b0, b1, b2, b3);
+                    ldmatrix_x4_trans(vs + off.ab(n / 2) + kk * (16 * HEAD_DIM * 2), b0, b1, b2, b3);
 #pragma unroll
                     for (int mt = 0; mt < M_TILES; ++mt) {
                         mma_16816(o[mt][n], pa[mt], b0, b1);

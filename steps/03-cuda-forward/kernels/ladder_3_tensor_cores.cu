@@ -76,7 +76,7 @@ __device__ __forceinline__ void scores(float (&s)[M_TILES][BLOCK_N / 8][4], cons
 #pragma unroll
         for (int n = 0; n < BLOCK_N / 8; n += 2) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4(ks + off.abt[kk] + n * (8 * HEAD_DIM * 2), b0, b1, b2, b3);
+            ldmatrix_x4(ks + off.abt(kk) + n * (8 * HEAD_DIM * 2), b0, b1, b2, b3);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 mma_16816(s[mt][n], qf[mt], b0, b1);
@@ -145,7 +145,7 @@ __device__ __forceinline__ void accumulate_pv(Rows& rows, const float (&p)[M_TIL
 #pragma unroll
         for (int n = 0; n < HEAD_DIM / 8; n += 2) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4_trans(vs + off.ab[n / 2] + kk * (16 * HEAD_DIM * 2), b0, b1, b2, b3);
+            ldmatrix_x4_trans(vs + off.ab(n / 2) + kk * (16 * HEAD_DIM * 2), b0, b1, b2, b3);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 mma_16816(rows.o[mt][n], pa[mt], b0, b1);

@@ -42,19 +42,25 @@ __device__ __forceinline__ u32 swizzled(int row, int chunk) {
 // Each lane's ldmatrix offsets, in bytes, into a tile of HEAD_DIM-wide rows, for the B operands
 // of attention's products, computed once. A tile's rows 8 apart share their swizzle (it depends
 // on row % 8), so moving on by 8 or 16 rows is a constant offset the compiler folds into the
-// instruction: only the column chunks need a register each.
-//   abt[kk]: B of a·tileᵀ, the tile's rows as the columns (k in q·kᵀ), plain ldmatrix:
-//            row lane % 8 + 8·(lane / 16), chunk 2kk + (lane / 8) % 2   (+ 8 rows per n-tile)
-//   ab[n/2]: B of a·tile, the tile's rows as k (v in p·v), transposing ldmatrix:
-//            row lane % 16, chunk n + lane / 16, for n = 0, 2, ...      (+ 16 rows per k-step)
+// instruction; and the swizzle permutes chunks only within groups of SWIZZLE, so moving on by
+// SWIZZLE chunks is one too (at head dim 128, chunks 8-15 sit 128 bytes after chunks 0-7).
+// Only the column chunks of the first group need a register each:
+//   abt(kk):  B of a·tileᵀ, the tile's rows as the columns (k in q·kᵀ), plain ldmatrix:
+//             row lane % 8 + 8·(lane / 16), chunk 2kk + (lane / 8) % 2   (+ 8 rows per n-tile)
+//   ab(n/2):  B of a·tile, the tile's rows as k (v in p·v), transposing ldmatrix:
+//             row lane % 16, chunk n + lane / 16, for n = 0, 2, ...      (+ 16 rows per k-step)
 struct BOffsets {
-    u32 abt[HEAD_DIM / 16], ab[HEAD_DIM / 16];
+    static constexpr int GROUP = SWIZZLE / 2;  // 16-column steps per group of swizzled chunks
+    u32 abt_[GROUP], ab_[GROUP];
     __device__ __forceinline__ BOffsets(int lane) {
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) abt[kk] = 2 * swizzled((lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1));
+        for (int kk = 0; kk < GROUP; ++kk) abt_[kk] = 2 * swizzled((lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1));
 #pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; n += 2) ab[n / 2] = 2 * swizzled(lane & 15, n + (lane >> 4));
+        for (int i = 0; i < GROUP; ++i) ab_[i] = 2 * swizzled(lane & 15, 2 * i + (lane >> 4));
     }
+    // (up to head dim 64 every kk is in the first group: the same code as indexing the arrays)
+    __device__ __forceinline__ u32 abt(int kk) const { return kk < GROUP ? abt_[kk] : abt_[kk % GROUP] + kk / GROUP * (SWIZZLE * 16); }
+    __device__ __forceinline__ u32 ab(int i) const { return i < GROUP ? ab_[i] : ab_[i % GROUP] + i / GROUP * (SWIZZLE * 16); }
 };
 // ANCHOR_END: b_offsets
 

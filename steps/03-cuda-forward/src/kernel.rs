@@ -43,6 +43,10 @@ pub struct ForwardConfig {
     pub m_tiles: u32,
     /// Keys per step (`BLOCK_N` in the source).
     pub block_n: u32,
+    /// Keys per step of the products and the softmax within a block of `block_n` (`SUB_N`),
+    /// a multiple of 16 that divides `block_n`; 0 for all of them at once. Fewer scores in
+    /// registers at a time, with the copies and barriers of `block_n` keys.
+    pub sub_n: u32,
     /// Skip rescaling the output when no row of a warp found a new maximum.
     pub lazy_rescale: bool,
     /// Heads whose blocks are scheduled together, longest query blocks first; 0 for all heads
@@ -51,6 +55,9 @@ pub struct ForwardConfig {
     pub head_group: u32,
     /// Thread blocks per multiprocessor the register budget must allow (`__launch_bounds__`).
     pub min_blocks: u32,
+    /// Read each warp's q fragments once and hold them in registers for the whole loop, rather
+    /// than reading them from shared memory again for every block of keys.
+    pub hold_q: bool,
 }
 
 impl ForwardConfig {
@@ -64,19 +71,162 @@ impl ForwardConfig {
                 warps: 4,
                 m_tiles: 2,
                 block_n: 128,
+                sub_n: 0,
                 lazy_rescale: false,
                 head_group: 0,
                 min_blocks: 1,
+                hold_q: false,
             }
         } else {
             ForwardConfig {
                 warps: 8,
                 m_tiles: 1,
                 block_n: 64,
+                sub_n: 0,
                 lazy_rescale: false,
                 head_group: 0,
                 min_blocks: 1,
+                hold_q: false,
             }
+        }
+    }
+
+    /// The default for a head dim and the tile shapes `forward-tune` compares it with, the
+    /// default first. `kernel-check` compiles every one (a spill fails it only in a default).
+    pub fn candidates(head_dim: usize) -> Vec<ForwardConfig> {
+        let base = ForwardConfig::for_head_dim(head_dim);
+        if head_dim <= 64 {
+            vec![
+                base,
+                ForwardConfig {
+                    head_group: 1,
+                    ..base
+                },
+                ForwardConfig {
+                    head_group: 16,
+                    ..base
+                },
+                ForwardConfig {
+                    block_n: 64,
+                    ..base
+                },
+                ForwardConfig { warps: 8, ..base },
+            ]
+        } else {
+            let w8 = ForwardConfig {
+                warps: 8,
+                m_tiles: 1,
+                ..base
+            };
+            let w4 = ForwardConfig {
+                warps: 4,
+                m_tiles: 2,
+                ..base
+            };
+            let mut all = vec![base];
+            for c in [
+                ForwardConfig { block_n: 64, ..w8 },
+                ForwardConfig { block_n: 128, ..w8 },
+                ForwardConfig {
+                    block_n: 64,
+                    hold_q: true,
+                    ..w8
+                },
+                ForwardConfig {
+                    block_n: 128,
+                    hold_q: true,
+                    ..w8
+                },
+                ForwardConfig {
+                    block_n: 64,
+                    lazy_rescale: true,
+                    ..w8
+                },
+                // FlashAttention-2's 128 x 64 tile: 32 rows a warp, the output alone 128
+                // registers a thread, so the scores of 64 keys at once spill; 32 or 16 at a time
+                // do not
+                ForwardConfig { block_n: 32, ..w4 },
+                ForwardConfig {
+                    block_n: 64,
+                    sub_n: 32,
+                    ..w4
+                },
+                ForwardConfig {
+                    block_n: 64,
+                    sub_n: 16,
+                    ..w4
+                },
+                ForwardConfig {
+                    block_n: 64,
+                    sub_n: 16,
+                    lazy_rescale: true,
+                    ..w4
+                },
+                // 64 x 64 tiles, two blocks a multiprocessor (FlashAttention-2's causal tile on
+                // sm86 and sm89)
+                ForwardConfig {
+                    warps: 4,
+                    m_tiles: 1,
+                    block_n: 64,
+                    min_blocks: 2,
+                    ..base
+                },
+            ] {
+                if !all.contains(&c) {
+                    all.push(c);
+                }
+            }
+            all
+        }
+    }
+
+    /// A short name for tables: `w<warps>x<m-tiles> n<keys per step>` and what is set.
+    pub fn label(&self) -> String {
+        let mut s = format!("w{}x{} n{}", self.warps, self.m_tiles, self.block_n);
+        if self.sub_n != 0 && self.sub_n != self.block_n {
+            s += &format!(" sub{}", self.sub_n);
+        }
+        if self.head_group != 0 {
+            s += &format!(" g{}", self.head_group);
+        }
+        if self.min_blocks != 1 {
+            s += &format!(" b{}", self.min_blocks);
+        }
+        if self.lazy_rescale {
+            s += " lazy";
+        }
+        if self.hold_q {
+            s += " holdq";
+        }
+        s
+    }
+
+    /// Keys per step of the products and the softmax (`SUB_N` in the source).
+    pub fn keys_per_step(&self) -> u32 {
+        match self.sub_n {
+            0 => self.block_n,
+            n => n,
+        }
+    }
+
+    /// Whether the kernel can be compiled with this shape, or what is wrong with it.
+    pub fn check(&self) -> Result<(), AttnError> {
+        let n = self.keys_per_step();
+        let ok = matches!(self.warps, 1..=16)
+            && matches!(self.m_tiles, 1..=4)
+            && self.block_n.is_multiple_of(16)
+            && n.is_multiple_of(16)
+            && (16..=self.block_n).contains(&n)
+            && self.block_n.is_multiple_of(n)
+            && matches!(self.min_blocks, 1..=8);
+        if ok {
+            Ok(())
+        } else {
+            Err(AttnError::Unsupported {
+                what: format!(
+                    "{self:?}: the forward kernel takes 1-16 warps of 1-4 tiles of 16 rows, a multiple of 16 keys a block, steps of a multiple of 16 keys that divide it, 1-8 blocks a multiprocessor"
+                ),
+            })
         }
     }
 
@@ -125,6 +275,7 @@ pub fn compile_forward(
     if !HEAD_DIMS.contains(&head_dim) {
         return Err(unsupported_head_dim(head_dim));
     }
+    config.check()?;
     let options = CompileOptions {
         arch: Some(arch),
         options: vec![
@@ -133,16 +284,16 @@ pub fn compile_forward(
             format!("-DWARPS={}", config.warps),
             format!("-DM_TILES={}", config.m_tiles),
             format!("-DBLOCK_N={}", config.block_n),
+            format!("-DSUB_N={}", config.keys_per_step()),
             format!("-DLAZY_RESCALE={}", config.lazy_rescale as u8),
             format!("-DMIN_BLOCKS={}", config.min_blocks),
+            format!("-DHOLD_Q={}", config.hold_q as u8),
             "--std=c++17".into(),
         ],
         name: Some(format!(
-            "flash_forward_{}_d{head_dim}_w{}x{}_n{}.cu",
+            "flash_forward_{}_d{head_dim}_{}.cu",
             dtype.name(),
-            config.warps,
-            config.m_tiles,
-            config.block_n
+            config.label().replace(' ', "_")
         )),
         ..Default::default()
     };

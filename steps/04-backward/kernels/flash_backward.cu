@@ -2,26 +2,32 @@
 //
 // Three kernels, each program writing only its own rows, so results are deterministic:
 //   backward_delta  delta_i = sum_d dO_id * O_id, once per row (FlashAttention-2, Alg. 2 line 4)
-//   backward_dkdv   one block per 128 keys of a head: the queries that see them stream past;
+//   backward_dkdv   one block per BLOCK_ROWS (128) keys of a head: the queries that see them stream past;
 //                   dV += P^T dO and dK += dS^T Q accumulate in registers
-//   backward_dq     one block per 128 queries of a head: the keys they see stream past;
+//   backward_dq     one block per BLOCK_ROWS queries of a head: the keys they see stream past;
 //                   dQ += dS K accumulates in registers
 // with P = exp(S - lse) rebuilt from the forward's log-sum-exp and dS = P o (dP - delta).
 //
-// The shapes are the forward kernel's (chapter 3): four warps of 32 rows (two 16-row tiles, so
-// each B fragment read from shared memory feeds two mma), the other side streamed through
-// shared memory 64 rows at a time in two stages, the next copy in flight while the tensor
-// cores work on the current one.
+// The shapes are the forward kernel's (chapter 3): by default four warps of 32 rows (two 16-row
+// tiles, so each B fragment read from shared memory feeds two mma), the other side streamed
+// through shared memory 64 rows at a time in two stages, the next copy in flight while the
+// tensor cores work on the current one. At head dim 128 a warp's 32 rows of two operands and
+// two gradients do not fit in its registers: there the warps own 16 rows each (M_TILES 1), and
+// eight of them make a block of 128 rows.
 //
-// Compile-time parameters (NVRTC -D options): HEAD_DIM (32, 64), IS_BF16 (1 bf16, 0 f16), and
-// the four tile sizes below.
+// Compile-time parameters (NVRTC -D options): HEAD_DIM (32, 64, 128), IS_BF16 (1 bf16, 0 f16),
+// and the tile shape below; src/cuda.rs's BackwardConfig sets them all.
 // src/cuda.rs prepends step 03's tensor_cores.cuh (types, swizzle, cp.async, ldmatrix, mma).
 
-#define WARPS 4
-#define THREADS (WARPS * 32)
+#ifndef WARPS
+#define WARPS 4                            // warps per block
+#endif
+#ifndef M_TILES
 #define M_TILES 2                          // 16-row tiles per warp
+#endif
+#define THREADS (WARPS * 32)
 #define WARP_ROWS (M_TILES * 16)           // keys (dkdv) or queries (dq) per warp
-#define BLOCK_ROWS (WARPS * WARP_ROWS)     // 128 per thread block
+#define BLOCK_ROWS (WARPS * WARP_ROWS)     // keys (dkdv) or queries (dq) per thread block
 // the tile shapes src/cuda.rs's BackwardConfig may change (defaults: the fastest measured)
 #ifndef DKDV_STREAM
 #define DKDV_STREAM 64                     // queries streamed past dkdv's keys per stage
@@ -40,6 +46,12 @@
 #endif
 #ifndef DQ_MIN_BLOCKS
 #define DQ_MIN_BLOCKS 2                    // dq's blocks per multiprocessor (register budget)
+#endif
+#ifndef DKDV_HOLD
+#define DKDV_HOLD 1                        // dkdv keeps its rows' k and v fragments in registers
+#endif
+#ifndef DKDV_MIN_BLOCKS
+#define DKDV_MIN_BLOCKS 2                  // dkdv's blocks per multiprocessor (register budget)
 #endif
 #define ROW_BYTES (HEAD_DIM * 2)
 #define LOG2E 1.4426950408889634f
@@ -75,7 +87,7 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* src, int row0, i
     }
 }
 
-// A fragments of this warp's 32 rows of a tile (rows 32·warp ..), per 16-row tile and 16 columns
+// A fragments of this warp's rows of a tile (rows WARP_ROWS·warp ..), per 16-row tile and 16 columns
 __device__ __forceinline__ void load_a(const u16* tile, int warp, int lane, u32 (&f)[M_TILES][HEAD_DIM / 16][4]) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
@@ -85,8 +97,8 @@ __device__ __forceinline__ void load_a(const u16* tile, int warp, int lane, u32 
                         f[mt][kk][0], f[mt][kk][1], f[mt][kk][2], f[mt][kk][3]);
 }
 
-// A's fragments for mma_abt, columns 16kk .. 16kk + 15 of the warp's 32 rows: held in registers
-// for the whole loop, or read from shared memory (rows 32·warp .. of a tile) at each use
+// A's fragments for mma_abt, columns 16kk .. 16kk + 15 of the warp's rows: held in registers for
+// the whole loop, or read from shared memory (rows WARP_ROWS·warp .. of a tile) at each use
 struct HeldA {
     const u32 (&f)[M_TILES][HEAD_DIM / 16][4];
     __device__ __forceinline__ void operator()(int kk, u32 (&a)[M_TILES][4]) const {
@@ -116,7 +128,7 @@ __device__ __forceinline__ void mma_abt(float (&acc)[M_TILES][COLS / 8][4], cons
 #pragma unroll
         for (int n = 0; n < COLS / 8; n += 2) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4(tile + off.abt[kk] + (r0 + n * 8) * ROW_BYTES, b0, b1, b2, b3);
+            ldmatrix_x4(tile + off.abt(kk) + (r0 + n * 8) * ROW_BYTES, b0, b1, b2, b3);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 mma_16816(acc[mt][n], a[mt], b0, b1);
@@ -139,7 +151,7 @@ __device__ __forceinline__ void mma_pb(float (&acc)[M_TILES][HEAD_DIM / 8][4], c
 #pragma unroll
         for (int n = 0; n < HEAD_DIM / 8; n += 2) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4_trans(tile + off.ab[n / 2] + (r0 + kk * 16) * ROW_BYTES, b0, b1, b2, b3);
+            ldmatrix_x4_trans(tile + off.ab(n / 2) + (r0 + kk * 16) * ROW_BYTES, b0, b1, b2, b3);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 mma_16816(acc[mt][n], a[mt], b0, b1);
@@ -157,7 +169,7 @@ __device__ __forceinline__ void zero(float (&x)[M_TILES][N][4]) {
         for (int n = 0; n < N; ++n) x[mt][n][0] = x[mt][n][1] = x[mt][n][2] = x[mt][n][3] = 0.f;
 }
 
-// this warp's rows row0 .. row0 + 31 of acc · scale, those before T
+// this warp's rows row0 .. row0 + WARP_ROWS - 1 of acc · scale, those before T
 __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[M_TILES][HEAD_DIM / 8][4], float scale, int row0, int g, int t, int T) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
@@ -229,7 +241,7 @@ __device__ __forceinline__ void dkdv_probabilities(float (&p)[M_TILES][DKDV_SUB 
 // ANCHOR_END: dkdv_probabilities
 
 // ANCHOR: dkdv
-// dK and dV for keys 128·kb .. of head bh (one thread block)
+// dK and dV for keys BLOCK_ROWS·kb .. of head bh (one thread block)
 __device__ __forceinline__ void dkdv_block(
     int bh, int kb,
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,  // [B*H, T, D]
@@ -241,7 +253,7 @@ __device__ __forceinline__ void dkdv_block(
     float scale                      // 1/sqrt(HEAD_DIM)
 ) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sk = smem;                             // [BLOCK_ROWS][HEAD_DIM], read once into registers
+    u16* sk = smem;                             // [BLOCK_ROWS][HEAD_DIM], read into registers once (DKDV_HOLD)
     u16* sv = sk + BLOCK_ROWS * HEAD_DIM;
     u16* sq = sv + BLOCK_ROWS * HEAD_DIM;       // [2][DKDV_STREAM][HEAD_DIM], two stages
     u16* sdo = sq + 2 * DKDV_STREAM * HEAD_DIM;      // [2][DKDV_STREAM][HEAD_DIM]
@@ -266,9 +278,11 @@ __device__ __forceinline__ void dkdv_block(
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
+#if DKDV_HOLD
     u32 kf[M_TILES][HEAD_DIM / 16][4], vf[M_TILES][HEAD_DIM / 16][4];
     load_a(sk, warp, lane, kf);
     load_a(sv, warp, lane, vf);
+#endif
 
     float dk_acc[M_TILES][HEAD_DIM / 8][4], dv_acc[M_TILES][HEAD_DIM / 8][4];
     zero(dk_acc);
@@ -291,12 +305,17 @@ __device__ __forceinline__ void dkdv_block(
         for (int sub = 0; sub < DKDV_STREAM / DKDV_SUB; ++sub) {
             const int c0 = sub * DKDV_SUB, qs0 = q0 + c0;
             if (qs0 + DKDV_SUB - 1 < key0) continue;  // these queries all come before this warp's keys
-            // sT = k·qᵀ (this warp's 32 keys x DKDV_SUB queries) and dpT = v·dOᵀ
+            // sT = k·qᵀ (this warp's keys x DKDV_SUB queries) and dpT = v·dOᵀ
             float p[M_TILES][DKDV_SUB / 8][4], dp[M_TILES][DKDV_SUB / 8][4];
             zero(p);
             zero(dp);
+#if DKDV_HOLD
             mma_abt<DKDV_SUB>(p, HeldA{kf}, tq, c0, off);
             mma_abt<DKDV_SUB>(dp, HeldA{vf}, tdo, c0, off);
+#else
+            mma_abt<DKDV_SUB>(p, SharedA{smem_addr(sk), warp, lane}, tq, c0, off);
+            mma_abt<DKDV_SUB>(dp, SharedA{smem_addr(sv), warp, lane}, tdo, c0, off);
+#endif
             // only steps that reach a query before one of this warp's keys need the mask
             if (qs0 < key0 + WARP_ROWS - 1)
                 dkdv_probabilities<true>(p, dp, tl, td, c0, q0 - key0, scale_log2, g, t);
@@ -313,9 +332,9 @@ __device__ __forceinline__ void dkdv_block(
 }
 // ANCHOR_END: dkdv
 
-// One thread block per 128 keys of a head. blockIdx.x is the head, so every head's first key
-// blocks, which the most queries see, start first and the short ones fill the end of the grid.
-extern "C" __global__ void __launch_bounds__(THREADS, 2) backward_dkdv(
+// One thread block per BLOCK_ROWS keys of a head. blockIdx.x is the head, so every head's first
+// key blocks, which the most queries see, start first and the short ones fill the end of the grid.
+extern "C" __global__ void __launch_bounds__(THREADS, DKDV_MIN_BLOCKS) backward_dkdv(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dk, u16* __restrict__ dv, int T, float scale) {
     dkdv_block(blockIdx.x, blockIdx.y, q, k, v, dout, lse, delta, dk, dv, T, scale);
@@ -341,7 +360,7 @@ __device__ __forceinline__ void dq_probabilities(float (&s)[M_TILES][DQ_SUB / 8]
 }
 
 // ANCHOR: dq
-// dQ for queries 128·qb .. of head bh (one thread block)
+// dQ for queries BLOCK_ROWS·qb .. of head bh (one thread block)
 __device__ __forceinline__ void dq_block(
     int bh, int qb,
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,  // [B*H, T, D]
@@ -353,7 +372,7 @@ __device__ __forceinline__ void dq_block(
     float scale
 ) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sq = smem;                             // [BLOCK_ROWS][HEAD_DIM], read once into registers
+    u16* sq = smem;                             // [BLOCK_ROWS][HEAD_DIM], read into registers once (DQ_HOLD)
     u16* sdo = sq + BLOCK_ROWS * HEAD_DIM;
     u16* sk = sdo + BLOCK_ROWS * HEAD_DIM;      // [2][DQ_STREAM][HEAD_DIM], two stages
     u16* sv = sk + 2 * DQ_STREAM * HEAD_DIM;       // [2][DQ_STREAM][HEAD_DIM]
@@ -434,8 +453,8 @@ __device__ __forceinline__ void dq_block(
 }
 // ANCHOR_END: dq
 
-// One thread block per 128 queries of a head: the last query blocks see the most keys, so they
-// go first, every head's together.
+// One thread block per BLOCK_ROWS queries of a head: the last query blocks see the most keys, so
+// they go first, every head's together.
 extern "C" __global__ void __launch_bounds__(THREADS, DQ_MIN_BLOCKS) backward_dq(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
     const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dq, int T, float scale) {

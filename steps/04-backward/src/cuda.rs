@@ -1,7 +1,8 @@
 //! The backward pass on the GPU: `kernels/flash_backward.cu`, compiled by NVRTC through step
 //! 03's [`Gpu`] and launched after the same kind of checks. Three launches: δ for every row,
-//! then dK and dV with one block per 128 keys, then dQ with one block per 128 queries. Each
-//! block writes only its own rows: no atomics, the same bits on every run.
+//! then dK and dV with one block per 128 keys, then dQ with one block per 128 queries (four
+//! warps of 32 rows up to head dim 64, eight of 16 at 128: [`BackwardConfig::for_head_dim`]).
+//! Each block writes only its own rows: no atomics, the same bits on every run.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
@@ -18,22 +19,30 @@ use crate::Grads;
 /// The backward kernels, embedded so that binaries carry them; compiled with step 03's
 /// [`TENSOR_CORES_CUH`](step03_cuda_forward::kernel::TENSOR_CORES_CUH) in front.
 pub const FLASH_BACKWARD_CU: &str = include_str!("../kernels/flash_backward.cu");
-/// The head dims the backward kernels are compiled for (a warp's 32 rows of two operands and
-/// of two gradients must fit in its registers).
-pub const HEAD_DIMS: [usize; 2] = [32, 64];
+/// The head dims the backward kernels are compiled for: the forward kernel's (chapter 3), so
+/// that every forward the GPU runs has a backward.
+pub const HEAD_DIMS: [usize; 3] = step03_cuda_forward::kernel::HEAD_DIMS;
 
 /// [`HEAD_DIMS`] as error messages list them.
 fn supported_head_dims() -> String {
     HEAD_DIMS.map(|d| d.to_string()).join(", ")
 }
-/// Rows (keys or queries) per thread block (`BLOCK_ROWS` in the source).
-pub const BLOCK: usize = 128;
 
-/// The tile sizes of the backward kernels that may change without changing the result's
-/// meaning (other sizes sum in another order). [`BackwardConfig::default`] is the fastest
-/// measured on the H200 (`backward-tune`).
+/// A grid's largest second dimension: the blocks of rows of one head.
+const MAX_GRID_Y: usize = 65_535;
+
+/// The tile shape of the backward kernels: the sizes that may change without changing the
+/// result's meaning (other sizes sum in another order). [`BackwardConfig::for_head_dim`] is the
+/// fastest measured on the H200 (`backward-tune`). Every field is a `-D` option of
+/// `kernels/flash_backward.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackwardConfig {
+    /// Warps per thread block (`WARPS`): 4 or 8.
+    pub warps: usize,
+    /// 16-row tiles of keys (dK/dV) or queries (dQ) per warp (`M_TILES`): 2, so that each B
+    /// fragment read from shared memory feeds two `mma`, or 1, where 32 rows of two operands
+    /// and two gradients would not fit in a warp's registers (head dim 128).
+    pub m_tiles: usize,
     /// Queries streamed past `backward_dkdv`'s keys per stage: 64 or 128.
     pub dkdv_stream: usize,
     /// Keys streamed past `backward_dq`'s queries per stage: 64 or 128.
@@ -42,86 +51,195 @@ pub struct BackwardConfig {
     pub dkdv_sub: usize,
     /// Keys per step of `backward_dq`'s inner loop: 16, 32 or 64.
     pub dq_sub: usize,
+    /// Whether `backward_dkdv` holds its rows' k and v fragments in registers (or reads them
+    /// from shared memory at each use).
+    pub dkdv_hold: bool,
     /// Whether `backward_dq` holds its rows' q and dO fragments in registers (or reads them
     /// from shared memory at each use).
     pub dq_hold: bool,
-    /// The blocks of `backward_dq` each multiprocessor must fit (the register budget): 2 or 3.
+    /// The blocks of `backward_dkdv` each multiprocessor must fit (the register budget): 1 or 2.
+    pub dkdv_min_blocks: usize,
+    /// The blocks of `backward_dq` each multiprocessor must fit (the register budget): 1, 2 or 3.
     pub dq_min_blocks: usize,
 }
 
-impl Default for BackwardConfig {
-    fn default() -> Self {
-        BackwardConfig {
+impl BackwardConfig {
+    // ANCHOR: backward_for_head_dim
+    /// The tile shape measured fastest for a head dim. Up to 64: four warps of 32 rows, the
+    /// forward's shape. At 128 a warp's 32 rows of k and v (128 registers a thread) and of dK
+    /// and dV (256) would not fit in 255 registers: eight warps of 16 rows, the same 128 rows a
+    /// block, one block a multiprocessor.
+    pub fn for_head_dim(head_dim: usize) -> BackwardConfig {
+        let base = BackwardConfig {
+            warps: 4,
+            m_tiles: 2,
             dkdv_stream: 128,
             dq_stream: 64,
             dkdv_sub: 16,
             dq_sub: 32,
+            dkdv_hold: true,
             dq_hold: true,
+            dkdv_min_blocks: 2,
             dq_min_blocks: 2,
+        };
+        if head_dim <= 64 {
+            base
+        } else {
+            BackwardConfig {
+                warps: 8,
+                m_tiles: 1,
+                dkdv_stream: 64,
+                dkdv_min_blocks: 1,
+                dq_min_blocks: 1,
+                ..base
+            }
         }
     }
-}
+    // ANCHOR_END: backward_for_head_dim
 
-impl BackwardConfig {
-    /// Dynamic shared memory of `backward_dkdv`: its own 128 rows of k and v, and two stages of
-    /// queries' q and dO with their log-sum-exp and δ.
-    pub fn dkdv_smem_bytes(&self, head_dim: usize) -> u32 {
-        ((2 * BLOCK + 4 * self.dkdv_stream) * head_dim * 2 + 4 * self.dkdv_stream * 4) as u32
+    /// Rows (keys or queries) per thread block (`BLOCK_ROWS` in the source).
+    pub fn block_rows(&self) -> usize {
+        self.warps * self.m_tiles * 16
     }
 
-    /// Dynamic shared memory of `backward_dq`: its own 128 rows of q and dO, and two stages of
-    /// keys' k and v.
+    /// Threads per block of `backward_dkdv` and `backward_dq`.
+    pub fn threads(&self) -> u32 {
+        (self.warps * 32) as u32
+    }
+
+    /// Dynamic shared memory of `backward_dkdv`: its own rows of k and v, and two stages of
+    /// queries' q and dO with their log-sum-exp and δ.
+    pub fn dkdv_smem_bytes(&self, head_dim: usize) -> u32 {
+        ((2 * self.block_rows() + 4 * self.dkdv_stream) * head_dim * 2 + 4 * self.dkdv_stream * 4)
+            as u32
+    }
+
+    /// Dynamic shared memory of `backward_dq`: its own rows of q and dO, and two stages of keys'
+    /// k and v.
     pub fn dq_smem_bytes(&self, head_dim: usize) -> u32 {
-        ((2 * BLOCK + 4 * self.dq_stream) * head_dim * 2) as u32
+        ((2 * self.block_rows() + 4 * self.dq_stream) * head_dim * 2) as u32
     }
 
     /// A line for reports: the blocks and streams of both kernels.
     pub fn describe(&self) -> String {
+        let rows = self.block_rows();
         format!(
-            "dK/dV per {BLOCK} keys with {} queries a stage, dQ per {BLOCK} queries with {} keys a stage, 4 warps of 32 rows",
-            self.dkdv_stream, self.dq_stream
+            "dK/dV per {rows} keys with {} queries a stage, dQ per {rows} queries with {} keys a stage, {} warps of {} rows",
+            self.dkdv_stream,
+            self.dq_stream,
+            self.warps,
+            self.m_tiles * 16
         )
     }
 
-    /// The default and the shapes `backward-tune` compares it with, one change at a time.
-    pub fn candidates() -> Vec<BackwardConfig> {
-        let base = BackwardConfig::default();
-        vec![
-            base,
-            BackwardConfig {
-                dkdv_stream: 64,
-                ..base
-            },
-            BackwardConfig {
-                dq_stream: 128,
-                ..base
-            },
-            BackwardConfig {
-                dkdv_sub: 32,
-                ..base
-            },
-            BackwardConfig { dq_sub: 64, ..base },
-            BackwardConfig {
-                dq_hold: false,
-                dq_min_blocks: 3,
-                dq_sub: 16,
-                ..base
-            },
-        ]
+    /// A short name for tables: `w<warps>x<m-tiles> s<dK/dV stream>/<dQ stream>
+    /// sub<dK/dV step>/<dQ step>`, then what differs from holding both operands in registers
+    /// with the largest register budget.
+    pub fn label(&self) -> String {
+        let mut s = format!(
+            "w{}x{} s{}/{} sub{}/{}",
+            self.warps, self.m_tiles, self.dkdv_stream, self.dq_stream, self.dkdv_sub, self.dq_sub
+        );
+        if !self.dkdv_hold {
+            s += " kv-smem";
+        }
+        if !self.dq_hold {
+            s += " smem";
+        }
+        // blocks a multiprocessor when that caps the registers below 255
+        let capped = |blocks: usize| blocks * self.threads() as usize > 256;
+        if capped(self.dkdv_min_blocks) {
+            s += &format!(" kb{}", self.dkdv_min_blocks);
+        }
+        if capped(self.dq_min_blocks) {
+            s += &format!(" b{}", self.dq_min_blocks);
+        }
+        s
+    }
+
+    /// The default for a head dim and the shapes `backward-tune` compares it with, one change
+    /// at a time, the default first.
+    pub fn candidates(head_dim: usize) -> Vec<BackwardConfig> {
+        let base = BackwardConfig::for_head_dim(head_dim);
+        if head_dim <= 64 {
+            vec![
+                base,
+                BackwardConfig {
+                    dkdv_stream: 64,
+                    ..base
+                },
+                BackwardConfig {
+                    dq_stream: 128,
+                    ..base
+                },
+                BackwardConfig {
+                    dkdv_sub: 32,
+                    ..base
+                },
+                BackwardConfig { dq_sub: 64, ..base },
+                BackwardConfig {
+                    dq_hold: false,
+                    dq_min_blocks: 3,
+                    dq_sub: 16,
+                    ..base
+                },
+            ]
+        } else {
+            vec![
+                base,
+                BackwardConfig {
+                    dkdv_stream: 128,
+                    ..base
+                },
+                BackwardConfig {
+                    dq_stream: 128,
+                    ..base
+                },
+                BackwardConfig { dq_sub: 16, ..base },
+                BackwardConfig { dq_sub: 64, ..base },
+                // k and v read from shared memory at each use: registers for 32 queries a step
+                BackwardConfig {
+                    dkdv_hold: false,
+                    ..base
+                },
+                BackwardConfig {
+                    dkdv_hold: false,
+                    dkdv_sub: 32,
+                    ..base
+                },
+                // 64-row blocks of four warps, two blocks a multiprocessor
+                BackwardConfig {
+                    warps: 4,
+                    dkdv_min_blocks: 2,
+                    dq_min_blocks: 2,
+                    ..base
+                },
+                BackwardConfig {
+                    warps: 4,
+                    dkdv_min_blocks: 2,
+                    dq_min_blocks: 2,
+                    dkdv_stream: 128,
+                    ..base
+                },
+            ]
+        }
     }
 
     fn check(&self) -> Result<(), AttnError> {
-        let ok = matches!(self.dkdv_stream, 64 | 128)
+        let ok = matches!(self.warps, 4 | 8)
+            && matches!(self.m_tiles, 1 | 2)
+            && matches!(self.dkdv_stream, 64 | 128)
             && matches!(self.dq_stream, 64 | 128)
             && matches!(self.dkdv_sub, 16 | 32)
             && matches!(self.dq_sub, 16 | 32 | 64)
-            && matches!(self.dq_min_blocks, 2 | 3);
+            && matches!(self.dkdv_min_blocks, 1 | 2)
+            && matches!(self.dq_min_blocks, 1..=3);
         if ok {
             Ok(())
         } else {
             Err(AttnError::Unsupported {
                 what: format!(
-                    "{self:?}: streams must be 64 or 128, dkdv_sub 16 or 32, dq_sub 16, 32 or 64, dq_min_blocks 2 or 3"
+                    "{self:?}: warps must be 4 or 8, m_tiles 1 or 2, streams 64 or 128, dkdv_sub 16 or 32, dq_sub 16, 32 or 64, dkdv_min_blocks 1 or 2, dq_min_blocks 1 to 3"
                 ),
             })
         }
@@ -155,15 +273,23 @@ pub fn compile_backward(
         options: vec![
             format!("-DHEAD_DIM={head_dim}"),
             format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
+            format!("-DWARPS={}", config.warps),
+            format!("-DM_TILES={}", config.m_tiles),
             format!("-DDKDV_STREAM={}", config.dkdv_stream),
             format!("-DDQ_STREAM={}", config.dq_stream),
             format!("-DDKDV_SUB={}", config.dkdv_sub),
             format!("-DDQ_SUB={}", config.dq_sub),
             format!("-DDQ_HOLD={}", config.dq_hold as u8),
+            format!("-DDKDV_HOLD={}", config.dkdv_hold as u8),
+            format!("-DDKDV_MIN_BLOCKS={}", config.dkdv_min_blocks),
             format!("-DDQ_MIN_BLOCKS={}", config.dq_min_blocks),
             "--std=c++17".into(),
         ],
-        name: Some(format!("flash_backward_{}_d{head_dim}.cu", dtype.name())),
+        name: Some(format!(
+            "flash_backward_{}_d{head_dim}_{}.cu",
+            dtype.name(),
+            config.label().replace([' ', '/'], "_")
+        )),
         ..Default::default()
     };
     let source = [
@@ -264,7 +390,8 @@ pub fn backward(
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
-    backward_with(gpu, BackwardConfig::default(), q, k, v, fwd, dout)
+    let config = BackwardConfig::for_head_dim(q.shape.head_dim);
+    backward_with(gpu, config, q, k, v, fwd, dout)
 }
 
 /// [`backward`] with the given tile shape.
@@ -302,12 +429,13 @@ pub fn backward_marked(
         });
     }
     config.check()?;
-    // the grid is (heads, blocks of 128 rows): its second dimension stops at 65,535
-    if shape.tokens.div_ceil(BLOCK) > 65_535 || shape.batch * shape.heads > i32::MAX as usize {
+    // the grid is (heads, blocks of rows): its second dimension stops at 65,535
+    let block = config.block_rows();
+    if shape.tokens.div_ceil(block) > MAX_GRID_Y || shape.batch * shape.heads > i32::MAX as usize {
         return Err(AttnError::Unsupported {
             what: format!(
-                "{shape}: the backward kernels take at most 65,535 blocks of {BLOCK} tokens ({} tokens) and 2^31 sequences × heads",
-                65_535 * BLOCK
+                "{shape}: the backward kernels take at most {MAX_GRID_Y} blocks of {block} tokens ({} tokens) and 2^31 sequences × heads",
+                MAX_GRID_Y * block
             ),
         });
     }
@@ -323,7 +451,7 @@ pub fn backward_marked(
         unsafe { stream.alloc(rows) }.map_err(device_error("allocating delta"))?;
     let (t, scale) = (shape.tokens as i32, 1.0 / (shape.head_dim as f32).sqrt());
     let heads = (shape.batch * shape.heads) as u32;
-    let blocks = shape.tokens.div_ceil(BLOCK) as u32;
+    let blocks = shape.tokens.div_ceil(block) as u32;
     // SAFETY (every launch): check_device and the checks above proved every buffer holds what
     // the shape says; each kernel reads rows below T and writes only its own rows of delta,
     // dk/dv or dq, and together they write all of them; each gets the dynamic shared memory its
@@ -345,7 +473,7 @@ pub fn backward_marked(
     // the head is blockIdx.x, so the longest blocks of every head go first
     let cfg = |grid_y, smem| LaunchConfig {
         grid_dim: (heads, grid_y, 1),
-        block_dim: (128, 1, 1),
+        block_dim: (config.threads(), 1, 1),
         shared_mem_bytes: smem,
     };
     let (dkdv_smem, dq_smem) = (

@@ -1,21 +1,23 @@
 //! Times the forward kernel in several tile shapes on the tutorial's GPU shape (4 sequences,
-//! 12 heads, head dim 64, bf16, causal) and checks that they all give the same output: the
-//! measurements behind the choice of `ForwardConfig::default()`.
+//! 12 heads, head dim 64 or another, bf16, causal) and checks that they all give the same
+//! output: the measurements behind `ForwardConfig::for_head_dim`.
 //!
-//! `forward-tune [--lengths 1024,4096,16384] [--runs 20] [--default-only]`
+//! `forward-tune [--lengths 1024,4096,16384] [--runs 20] [--head-dim 128] [--default-only]`
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use flash_core::Shape;
+use step03_cuda_forward::kernel::HEAD_DIMS;
 use step03_cuda_forward::tool::{Tool, at_least_one, median_ms, random_input};
 use step03_cuda_forward::{Dtype, ForwardConfig};
 
-/// Times the forward kernel in several tile shapes (4 sequences, 12 heads, head dim 64, bf16,
-/// causal) after checking that they all give the same output. Needs a CUDA GPU.
+/// Times the forward kernel in several tile shapes (4 sequences, 12 heads, bf16, causal) after
+/// checking that they all give the same output. Needs a CUDA GPU.
 ///
 /// Prints, per length, each tile shape's TFLOP/s and milliseconds (the median of --runs timed
-/// launches after 3 untimed ones): the measurements behind `ForwardConfig::default()`.
+/// launches after 3 untimed ones): the measurements behind `ForwardConfig::for_head_dim`. The
+/// first column is the shape the library uses for the head dim.
 #[derive(Parser, Debug)]
 #[command(name = "forward-tune")]
 struct Args {
@@ -25,9 +27,21 @@ struct Args {
     /// Timed launches per measurement; each number printed is their median
     #[arg(long, value_parser = at_least_one, default_value_t = 20)]
     runs: usize,
+    /// The head dim to time, one the kernel is compiled for
+    #[arg(long, default_value_t = 64, value_parser = head_dim)]
+    head_dim: usize,
     /// Time only the tile shape the library uses (for a profiler run)
     #[arg(long)]
     default_only: bool,
+}
+
+/// One of the kernel's head dims: clap's `value_parser` for `--head-dim`.
+fn head_dim(s: &str) -> Result<usize, String> {
+    s.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|d| HEAD_DIMS.contains(d))
+        .ok_or_else(|| format!("{s:?} is not one of the kernel's head dims {HEAD_DIMS:?}"))
 }
 
 fn main() -> ExitCode {
@@ -37,23 +51,8 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     let (gpu, lengths, runs) = (&tool.gpu, &tool.lengths, tool.runs);
-    let base = ForwardConfig::for_head_dim(64);
-    let configs = [
-        base,
-        ForwardConfig {
-            head_group: 1,
-            ..base
-        },
-        ForwardConfig {
-            head_group: 16,
-            ..base
-        },
-        ForwardConfig {
-            block_n: 64,
-            ..base
-        },
-        ForwardConfig { warps: 8, ..base },
-    ];
+    let head_dim = args.head_dim;
+    let configs = ForwardConfig::candidates(head_dim);
     // --default-only: just the shape the library uses (for a profiler run)
     let configs: &[ForwardConfig] = if args.default_only {
         &configs[..1]
@@ -62,7 +61,7 @@ fn main() -> ExitCode {
     };
     // every tile shape computes the same function: outputs within a few bf16 roundings of each
     // other (other key-block sizes sum in another order, so bit-equality is not expected)
-    let shape = Shape::new(2, 3, 1000, 64);
+    let shape = Shape::new(2, 3, 1000, head_dim);
     let x = |seed| random_input(gpu, shape, seed);
     let (q, k, v) = (x(1), x(2), x(3));
     let mut first = None;
@@ -86,33 +85,26 @@ fn main() -> ExitCode {
         }
     }
 
+    // a column per tile shape, as wide as its label
+    let widths: Vec<usize> = configs.iter().map(|c| c.label().len().max(18)).collect();
     print!("{:>7}", "T");
-    for c in configs {
-        print!(
-            " {:>18}",
-            format!(
-                "w{}x{} n{} g{}{}",
-                c.warps,
-                c.m_tiles,
-                c.block_n,
-                c.head_group,
-                if c.lazy_rescale { " lazy" } else { "" }
-            )
-        );
+    for (c, w) in configs.iter().zip(&widths) {
+        print!(" {:>w$}", c.label());
     }
-    println!("   (TFLOP/s, median of {runs})");
+    println!("   (TFLOP/s, head dim {head_dim}, median of {runs})");
     for &tokens in lengths {
-        let shape = Shape::new(4, 12, tokens, 64);
+        let shape = Shape::new(4, 12, tokens, head_dim);
         let x = |seed| random_input(gpu, shape, seed);
         let (q, k, v) = (x(1), x(2), x(3));
         let mut r = gpu.alloc_output(shape, Dtype::Bf16).unwrap();
         print!("{tokens:>7}");
-        for &config in configs {
+        for (&config, w) in configs.iter().zip(&widths) {
             let ms = match median_ms(gpu, runs, || gpu.forward_with(config, &q, &k, &v, &mut r)) {
                 Ok(ms) => ms,
                 Err(code) => return code,
             };
-            print!(" {:>9.1} {:>7.3}ms", shape.forward_flops() / ms / 1e9, ms);
+            let cell = format!("{:.1} {:>7.3}ms", shape.forward_flops() / ms / 1e9, ms);
+            print!(" {cell:>w$}");
         }
         println!();
     }

@@ -1,7 +1,9 @@
 //! Compiles every forward kernel variant with NVRTC for `sm_90` and assembles it with
 //! `ptxas -v`, printing registers, shared memory and spills; exits non-zero on a failed compile
-//! or any spill. Needs no GPU: CI runs it with NVRTC and ptxas from PyPI. The rungs of the
-//! ladder (`ladder.rs`) come first, the step's kernel (rung 4) with its tile shapes after them.
+//! or any spill in a kernel the library launches (the other tile shapes `forward-tune` times
+//! must compile; their spills are reported). Needs no GPU: CI runs it with NVRTC and ptxas from
+//! PyPI. The rungs of the ladder (`ladder.rs`) come first, the step's kernel (rung 4) with its
+//! tile shapes after them.
 //!
 //! `cargo run -p step03-cuda-forward --bin kernel-check [-- --arch sm_90] [--ptxas PATH]`
 
@@ -9,12 +11,15 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use step03_cuda_forward::kernel::{HEAD_DIMS, compile_forward, compile_softmax};
-use step03_cuda_forward::{Dtype, ForwardConfig, Rung, ptxas};
+use step03_cuda_forward::ptxas::{self, Variant};
+use step03_cuda_forward::{Dtype, ForwardConfig, Rung};
 
-/// Compiles every forward kernel variant (bf16 and f16, every head dim) with NVRTC and assembles
-/// it with `ptxas -v`, printing registers, shared memory and spills per kernel.
+/// Compiles every forward kernel variant (bf16 and f16, every head dim, every tile shape
+/// forward-tune times) with NVRTC and assembles it with `ptxas -v`, printing registers, shared
+/// memory and spills per kernel.
 ///
-/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so on
+/// Exits non-zero on a failed compile or assembly, or on any spill in a kernel the library
+/// launches (a tuning candidate's spill is reported). Needs NVRTC (libnvrtc.so on
 /// LD_LIBRARY_PATH) and ptxas, but no GPU.
 #[derive(Parser, Debug)]
 #[command(name = "kernel-check")]
@@ -29,18 +34,26 @@ fn main() -> ExitCode {
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for rung in Rung::ALL.into_iter().filter(|&r| r != Rung::Flash) {
                 for &head_dim in rung.head_dims() {
-                    kernels.push((
+                    kernels.push(Variant::used(
                         format!("rung{}_{}_d{head_dim}", rung.number(), dtype.name()),
                         rung.compile(dtype, head_dim, arch),
                     ));
                 }
             }
+            // the default tile shape of each head dim, then the others forward-tune may time
             for head_dim in HEAD_DIMS {
-                let ptx =
-                    compile_forward(dtype, head_dim, ForwardConfig::for_head_dim(head_dim), arch);
-                kernels.push((format!("flash_forward_{}_d{head_dim}", dtype.name()), ptx));
+                let name = format!("flash_forward_{}_d{head_dim}", dtype.name());
+                for config in ForwardConfig::candidates(head_dim) {
+                    let ptx = compile_forward(dtype, head_dim, config, arch);
+                    kernels.push(if config == ForwardConfig::for_head_dim(head_dim) {
+                        Variant::used(name.clone(), ptx)
+                    } else {
+                        let label = config.label().replace(' ', "_");
+                        Variant::candidate(format!("{name}_{label}"), ptx)
+                    });
+                }
             }
-            kernels.push((
+            kernels.push(Variant::used(
                 format!("causal_softmax_{}", dtype.name()),
                 compile_softmax(dtype, arch),
             ));

@@ -1,21 +1,25 @@
 //! Compiles every backward kernel variant with NVRTC for `sm_90` and assembles it with
-//! `ptxas -v`; fails on a failed compile or any spill. Needs no GPU. The kernels of the backward
-//! by hand (`kernels/by_hand_backward.cu`) come after the FlashAttention ones.
+//! `ptxas -v`; fails on a failed compile or a spill in a kernel the library launches (the
+//! other tile shapes `backward-tune` times must compile; their spills are reported). Needs no
+//! GPU. The kernels of the backward by hand (`kernels/by_hand_backward.cu`) come after the
+//! FlashAttention ones.
 //!
 //! `cargo run -p step04-backward --bin backward-kernel-check [-- --arch sm_90] [--ptxas PATH]`
 
 use std::process::ExitCode;
 
 use clap::Parser;
-use step03_cuda_forward::{Dtype, ptxas};
+use step03_cuda_forward::Dtype;
+use step03_cuda_forward::ptxas::{self, Variant};
 use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, compile_backward};
 use step04_backward::cuda_by_hand::compile_by_hand_backward;
 
-/// Compiles every backward kernel variant (bf16 and f16, every head dim, the default tile shape)
-/// with NVRTC and assembles it with `ptxas -v`, printing registers, shared memory and spills per
-/// kernel.
+/// Compiles every backward kernel variant (bf16 and f16, every head dim, every tile shape
+/// backward-tune times) with NVRTC and assembles it with `ptxas -v`, printing registers, shared
+/// memory and spills per kernel.
 ///
-/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so on
+/// Exits non-zero on a failed compile or assembly, or on any spill in a kernel the library
+/// launches (a tuning candidate's spill is reported). Needs NVRTC (libnvrtc.so on
 /// LD_LIBRARY_PATH) and ptxas, but no GPU.
 #[derive(Parser, Debug)]
 #[command(name = "backward-kernel-check")]
@@ -28,15 +32,22 @@ fn main() -> ExitCode {
     ptxas::main(Args::parse().flags, |arch| {
         let mut kernels = Vec::new();
         for dtype in [Dtype::Bf16, Dtype::F16] {
+            // the default tile shape of each head dim, then the others backward-tune may time
             for head_dim in HEAD_DIMS {
-                kernels.push((
-                    format!("flash_backward_{}_d{head_dim}", dtype.name()),
-                    compile_backward(dtype, head_dim, BackwardConfig::default(), arch),
-                ));
+                let name = format!("flash_backward_{}_d{head_dim}", dtype.name());
+                for config in BackwardConfig::candidates(head_dim) {
+                    let ptx = compile_backward(dtype, head_dim, config, arch);
+                    kernels.push(if config == BackwardConfig::for_head_dim(head_dim) {
+                        Variant::used(name.clone(), ptx)
+                    } else {
+                        let label = config.label().replace([' ', '/'], "_");
+                        Variant::candidate(format!("{name}_{label}"), ptx)
+                    });
+                }
             }
         }
         for dtype in [Dtype::Bf16, Dtype::F16] {
-            kernels.push((
+            kernels.push(Variant::used(
                 format!("by_hand_backward_{}", dtype.name()),
                 compile_by_hand_backward(dtype, arch),
             ));

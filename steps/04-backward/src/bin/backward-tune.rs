@@ -1,8 +1,8 @@
 //! Times the backward kernels in several tile shapes on the tutorial's GPU shape (4 sequences,
-//! 12 heads, head dim 64, bf16, causal) and checks that they all give the same gradients: the
-//! measurements behind the choice of `BackwardConfig::default()`.
+//! 12 heads, head dim 64 or another, bf16, causal) and checks that they all give the same
+//! gradients: the measurements behind `BackwardConfig::for_head_dim`.
 //!
-//! `backward-tune [--lengths 4096,16384] [--runs 20] [--split]`
+//! `backward-tune [--lengths 4096,16384] [--runs 20] [--head-dim 128] [--split]`
 //!
 //! `--split` times, for the default shape only, the forward and each backward kernel on its
 //! own (events between the launches), with each kernel's rate in the products it really does.
@@ -15,14 +15,15 @@ use flash_core::Shape;
 use flash_core::timing::median;
 use step03_cuda_forward::tool::{Tool, at_least_one, median_ms, random_input};
 use step03_cuda_forward::{Gpu, cudarc};
-use step04_backward::cuda::{BackwardConfig, backward_marked, backward_with};
+use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, backward_marked, backward_with};
 
-/// Times the backward kernels in several tile shapes (4 sequences, 12 heads, head dim 64, bf16,
-/// causal) after checking that they all give the same gradients. Needs a CUDA GPU.
+/// Times the backward kernels in several tile shapes (4 sequences, 12 heads, bf16, causal)
+/// after checking that they all give the same gradients. Needs a CUDA GPU.
 ///
 /// Prints, per length, each candidate `BackwardConfig`'s backward TFLOP/s (2.5 x the forward's
 /// FLOPs) and milliseconds (the median of --runs timed calls after 3 untimed ones): the
-/// measurements behind `BackwardConfig::default()`.
+/// measurements behind `BackwardConfig::for_head_dim`. The first column is the shape the
+/// library uses for the head dim.
 #[derive(Parser, Debug)]
 #[command(name = "backward-tune")]
 struct Args {
@@ -32,11 +33,23 @@ struct Args {
     /// Timed calls per measurement; each number printed is their median
     #[arg(long, value_parser = at_least_one, default_value_t = 20)]
     runs: usize,
+    /// The head dim to time, one the kernels are compiled for
+    #[arg(long, default_value_t = 64, value_parser = head_dim)]
+    head_dim: usize,
     /// For the default tile shape only, time the forward and each backward kernel on its own
     /// (CUDA events between the launches), with each kernel's rate in the products it really
     /// does
     #[arg(long)]
     split: bool,
+}
+
+/// One of the kernels' head dims: clap's `value_parser` for `--head-dim`.
+fn head_dim(s: &str) -> Result<usize, String> {
+    s.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|d| HEAD_DIMS.contains(d))
+        .ok_or_else(|| format!("{s:?} is not one of the kernels' head dims {HEAD_DIMS:?}"))
 }
 
 fn main() -> ExitCode {
@@ -45,16 +58,16 @@ fn main() -> ExitCode {
         Ok(tool) => tool,
         Err(code) => return code,
     };
-    let (gpu, lengths, runs) = (&tool.gpu, &tool.lengths, tool.runs);
+    let (gpu, lengths, runs, head_dim) = (&tool.gpu, &tool.lengths, tool.runs, args.head_dim);
     if args.split {
-        split(gpu, lengths, runs);
+        split(gpu, lengths, runs, head_dim);
         return ExitCode::SUCCESS;
     }
-    let configs = BackwardConfig::candidates();
+    let configs = BackwardConfig::candidates(head_dim);
     let base = configs[0];
     // every tile shape computes the same gradients, within a few bf16 roundings (other sizes
     // sum in another order)
-    let shape = Shape::new(2, 3, 1000, 64);
+    let shape = Shape::new(2, 3, 1000, head_dim);
     let x = |seed| random_input(gpu, shape, seed);
     let (q, k, v, dout) = (x(1), x(2), x(3), x(4));
     let fwd = gpu.forward(&q, &k, &v).unwrap();
@@ -79,36 +92,30 @@ fn main() -> ExitCode {
         }
     }
 
+    // a column per candidate, as wide as its label
+    let widths: Vec<usize> = configs.iter().map(|c| c.label().len().max(22)).collect();
     print!("{:>7}", "T");
-    for c in &configs {
-        print!(
-            " {:>22}",
-            format!(
-                "s{}/{} sub{}/{}{}{}",
-                c.dkdv_stream,
-                c.dq_stream,
-                c.dkdv_sub,
-                c.dq_sub,
-                if c.dq_hold { "" } else { " smem" },
-                if c.dq_min_blocks == 2 { "" } else { " b3" }
-            )
-        );
+    for (c, w) in configs.iter().zip(&widths) {
+        print!(" {:>w$}", c.label());
     }
-    println!("   (backward TFLOP/s, 2.5 x the forward's FLOPs; median of {runs})");
+    println!(
+        "   (backward TFLOP/s, 2.5 x the forward's FLOPs; head dim {head_dim}; median of {runs})"
+    );
     for &tokens in lengths {
-        let shape = Shape::new(4, 12, tokens, 64);
+        let shape = Shape::new(4, 12, tokens, head_dim);
         let x = |seed| random_input(gpu, shape, seed);
         let (q, k, v, dout) = (x(1), x(2), x(3), x(4));
         let fwd = gpu.forward(&q, &k, &v).unwrap();
         print!("{tokens:>7}");
-        for &config in &configs {
+        for (&config, w) in configs.iter().zip(&widths) {
             let ms = match median_ms(gpu, runs, || {
                 backward_with(gpu, config, &q, &k, &v, &fwd, &dout)
             }) {
                 Ok(ms) => ms,
                 Err(code) => return code,
             };
-            print!(" {:>13.1} {:>6.3}ms", shape.backward_flops() / ms / 1e9, ms);
+            let cell = format!("{:.1} {:>6.3}ms", shape.backward_flops() / ms / 1e9, ms);
+            print!(" {cell:>w$}");
         }
         println!();
     }
@@ -116,15 +123,15 @@ fn main() -> ExitCode {
 }
 
 /// Median milliseconds of the forward and of the three backward kernels, each between events.
-fn split(gpu: &Gpu, lengths: &[usize], runs: usize) {
-    let config = BackwardConfig::default();
+fn split(gpu: &Gpu, lengths: &[usize], runs: usize, head_dim: usize) {
+    let config = BackwardConfig::for_head_dim(head_dim);
     println!("{}", config.describe());
     println!(
         "{:>7} {:>9} {:>9} {:>9} {:>9}   TFLOP/s of the products each kernel does (forward 2, dK/dV 4, dQ 3)",
         "T", "fwd ms", "delta ms", "dkdv ms", "dq ms"
     );
     for &tokens in lengths {
-        let shape = Shape::new(4, 12, tokens, 64);
+        let shape = Shape::new(4, 12, tokens, head_dim);
         let x = |seed| random_input(gpu, shape, seed);
         let (q, k, v, dout) = (x(1), x(2), x(3), x(4));
         let ctx = gpu.context();
