@@ -7,7 +7,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use step03_cuda_forward::ptxas;
+use step03_cuda_forward::ptxas::{self, Variant};
 
 /// Compiles the GPU trainer's kernels with NVRTC and assembles them with `ptxas -v`, printing
 /// registers, shared memory and spills per kernel.
@@ -23,7 +23,7 @@ struct Args {
 
 fn main() -> ExitCode {
     ptxas::main(Args::parse().flags, |arch| {
-        vec![(
+        vec![Variant::used(
             "train".to_string(),
             step05_train::cuda::kernels::compile(arch),
         )]

@@ -8,7 +8,8 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use step03_cuda_forward::{Dtype, ptxas};
+use step03_cuda_forward::Dtype;
+use step03_cuda_forward::ptxas::{self, Variant};
 use step06_hopper::forward::{self, HopperConfig};
 use step06_hopper::probe;
 
@@ -31,10 +32,10 @@ fn main() -> ExitCode {
         flags.arch = "sm_90a".into();
     }
     ptxas::main(flags, |_| {
-        let mut kernels = vec![("wgmma_probe".to_string(), probe::compile())];
+        let mut kernels = vec![Variant::used("wgmma_probe".to_string(), probe::compile())];
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for c in HopperConfig::candidates() {
-                kernels.push((
+                kernels.push(Variant::used(
                     format!(
                         "hopper_forward_{}_wg{}_s{}_b{}",
                         dtype.name(),
