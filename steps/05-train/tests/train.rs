@@ -10,9 +10,17 @@ use step05_train::data::{files_under, heldout_batches, train_batch};
 use step05_train::optim::{AdamWSettings, Schedule};
 use step05_train::{Checkpoint, Config, Corpus, Settings, Trainer, train};
 
-/// The repository's root, from this package's folder (`steps/05-train`).
+/// The repository's root, from this package's folder (`steps/05-train`): where it was built,
+/// or, for a test binary copied to another machine, the folder it runs in (cargo and the GPU
+/// runner both start a test binary in its package's folder).
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    let built = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let package = if built.is_dir() {
+        built.to_path_buf()
+    } else {
+        PathBuf::from(".")
+    };
+    package.join("../..")
 }
 
 /// This repository's text: every step's Rust sources and the book's chapters.

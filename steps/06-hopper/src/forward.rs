@@ -42,14 +42,23 @@ impl Default for HopperConfig {
 }
 
 impl HopperConfig {
-    /// The shape measured fastest for a length (`hopper-check`, H200): two warpgroups up to
-    /// 4,096 tokens, three from 8,192 (more rows share each block of keys and values once
-    /// there are enough blocks to fill every multiprocessor).
+    /// The shape measured fastest for a length (`hopper-check`, H200,
+    /// `measurements/hopper-check.txt`): up to 8,192 tokens one warpgroup of 64 rows a block,
+    /// three blocks to a multiprocessor taking turns at its tensor cores; from 16,384 three
+    /// warpgroups a block, sharing each block of keys and values among 192 rows.
     pub fn for_tokens(tokens: usize) -> Self {
-        HopperConfig {
-            warpgroups: if tokens >= 8192 { 3 } else { 2 },
-            stages: 2,
-            min_blocks: 1,
+        if tokens >= 16384 {
+            HopperConfig {
+                warpgroups: 3,
+                stages: 2,
+                min_blocks: 1,
+            }
+        } else {
+            HopperConfig {
+                warpgroups: 1,
+                stages: 2,
+                min_blocks: 3,
+            }
         }
     }
 

@@ -52,13 +52,20 @@ pub fn hopper_forward_dtype(
 
 /// What `cuda_hopper` runs.
 pub fn implementation() -> String {
-    let c = HopperConfig::default();
+    let describe = |c: HopperConfig| {
+        format!(
+            "{}x{} tiles, {} consumer warpgroup(s) and a producer warp, {} stages, {} block(s) a multiprocessor",
+            c.block_m(),
+            forward::BLOCK_N,
+            c.warpgroups,
+            c.stages,
+            c.min_blocks
+        )
+    };
     format!(
-        "hopper_forward.cu: {}x{} tiles, {} consumer warpgroups and a producer warp, {} stages of TMA copies, wgmma m64n128k16 and m64n64k16, NVRTC sm_90a",
-        c.block_m(),
-        forward::BLOCK_N,
-        c.warpgroups,
-        c.stages
+        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, NVRTC sm_90a; up to 8k tokens {}; from 16k {}",
+        describe(HopperConfig::for_tokens(8192)),
+        describe(HopperConfig::for_tokens(16384))
     )
 }
 
