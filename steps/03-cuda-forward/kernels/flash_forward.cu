@@ -193,8 +193,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
             // s = q·kᵀ for the warp's rows x SUB_N keys, in 16x8 tiles. K is stored [key][dim],
             // which is exactly the column-major B operand, so plain ldmatrix gives its
             // fragments, and each one serves all M_TILES row tiles. q's A fragments are read
-            // again for each block, 16 head dims at a time, rather than held across the loop:
-            // registers go to the output and the scores.
+            // again for each step, 16 head dims at a time, rather than held across the loop:
+            // registers go to the output and the scores (HOLD_Q holds them where registers are
+            // left over).
             float s[M_TILES][SUB_N / 8][4];
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
