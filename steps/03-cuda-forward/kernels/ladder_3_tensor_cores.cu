@@ -15,7 +15,7 @@
 //   IS_BF16   1 for bf16 inputs and output, 0 for f16
 //   WARPS     warps per block
 //   M_TILES   16-row tiles of queries per warp
-//   BLOCK_N   keys per step
+//   BLOCK_N   keys per step (the final kernel's keys per step of its products, SUB_N there)
 //
 // src/kernel.rs prepends tensor_cores.cuh (the types, the swizzle and the tensor-core
 // instructions this file uses) before NVRTC compiles it.

@@ -61,10 +61,13 @@ pub struct ForwardConfig {
 }
 
 impl ForwardConfig {
-    /// The tile shape measured fastest for a head dim (see `forward-tune`): up to head dim 64,
-    /// 4 warps of 32 rows and 128 keys a step (FlashAttention-2's tile for this head dim); at
-    /// 128 the output alone takes 128 registers a thread for 32 rows, so 8 warps of 16 rows
-    /// and 64 keys (more would spill).
+    /// The tile shape measured fastest for a head dim (see `forward-tune` and the tuning log):
+    /// up to head dim 64, 4 warps of 32 rows and 128 keys a step (FlashAttention-2's tile for
+    /// this head dim). At 128 FlashAttention-2's tile, 4 warps of 32 rows and 64 keys a block:
+    /// the output alone takes 128 registers a thread, so the scores of 64 keys at once would
+    /// spill, and the block's keys go through the products and the softmax 32 at a time (run
+    /// 14: 207.0, 291.7, 308.1 and 286.2 TFLOP/s at 1k, 4k, 8k and 16k, against 182.9, 247.8,
+    /// 260.5 and 265.6 for the 8 warps of 16 rows before it).
     pub fn for_head_dim(head_dim: usize) -> Self {
         if head_dim <= 64 {
             ForwardConfig {
@@ -79,10 +82,10 @@ impl ForwardConfig {
             }
         } else {
             ForwardConfig {
-                warps: 8,
-                m_tiles: 1,
+                warps: 4,
+                m_tiles: 2,
                 block_n: 64,
-                sub_n: 0,
+                sub_n: 32,
                 lazy_rescale: false,
                 head_group: 0,
                 min_blocks: 1,
@@ -113,18 +116,22 @@ impl ForwardConfig {
                 ForwardConfig { warps: 8, ..base },
             ]
         } else {
+            // every key of a block at once unless said otherwise
             let w8 = ForwardConfig {
                 warps: 8,
                 m_tiles: 1,
+                sub_n: 0,
                 ..base
             };
             let w4 = ForwardConfig {
                 warps: 4,
                 m_tiles: 2,
+                sub_n: 0,
                 ..base
             };
             let mut all = vec![base];
             for c in [
+                // the default before run 14
                 ForwardConfig { block_n: 64, ..w8 },
                 ForwardConfig { block_n: 128, ..w8 },
                 ForwardConfig {
@@ -169,7 +176,7 @@ impl ForwardConfig {
                     m_tiles: 1,
                     block_n: 64,
                     min_blocks: 2,
-                    ..base
+                    ..w4
                 },
             ] {
                 if !all.contains(&c) {
@@ -253,13 +260,17 @@ impl ForwardConfig {
     }
 
     pub fn describe(&self) -> String {
-        format!(
+        let mut s = format!(
             "{}x{} tiles, {} warps of {} rows",
             self.block_m(),
             self.block_n,
             self.warps,
             self.m_tiles * 16
-        )
+        );
+        if self.keys_per_step() != self.block_n {
+            s += &format!(", {} keys a step", self.keys_per_step());
+        }
+        s
     }
 }
 

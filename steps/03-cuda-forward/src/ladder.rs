@@ -157,8 +157,9 @@ impl Rung {
             Rung::Rows | Rung::Shared => (ROWS_BLOCK_M as u32, ROWS_BLOCK_M, 0),
             Rung::MmaSyncLoads => {
                 let c = ForwardConfig::for_head_dim(head_dim);
-                // a tile of q and one stage of k and v (rung 4 keeps two)
-                let smem = (c.block_m() + 2 * c.block_n as usize) * head_dim * 2;
+                // a tile of q and one stage of k and v (rung 4 keeps two), of the keys rung 4
+                // computes on at a time
+                let smem = (c.block_m() + 2 * c.keys_per_step() as usize) * head_dim * 2;
                 (c.threads(), c.block_m(), smem as u32)
             }
             Rung::Flash => {
@@ -187,14 +188,15 @@ impl Rung {
             ),
             Rung::MmaSyncLoads => {
                 // the final kernel's tile, so that rungs 3 and 4 differ only in their copies
-                // and their order
+                // and their order: rung 3 copies the keys rung 4 computes on at a time (all
+                // of a block up to head dim 64, half of one at 128)
                 let c = ForwardConfig::for_head_dim(head_dim);
                 (
                     LADDER_3_TENSOR_CORES_CU,
                     vec![
                         format!("-DWARPS={}", c.warps),
                         format!("-DM_TILES={}", c.m_tiles),
-                        format!("-DBLOCK_N={}", c.block_n),
+                        format!("-DBLOCK_N={}", c.keys_per_step()),
                     ],
                 )
             }

@@ -25,7 +25,9 @@
 //! The tile shape came from `forward-tune` (`measurements/README.md`, the tuning log): 16 rows a
 //! warp instead of 32 ran at 223 TFLOP/s at 16k, 64 keys a step instead of 128 at 294, skipping
 //! the rescale when no maximum changed (a warp vote) lost 3–10%, and one head after another
-//! instead of all heads' longest blocks first lost 27% at 1k (145.5 against 200.5).
+//! instead of all heads' longest blocks first lost 27% at 1k (145.5 against 200.5). At head
+//! dim 128 (run 14): 4 warps × 32 rows over 64 keys taken 32 at a time, 207.0 / 291.7 / 308.1 /
+//! 286.2 at 1k / 4k / 8k / 16k against FA2's 169.6 / 292.4 / 325.6 / 338.9.
 //!
 //! ## Layout
 //!

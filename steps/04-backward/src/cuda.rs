@@ -33,7 +33,8 @@ const MAX_GRID_Y: usize = 65_535;
 
 /// The tile shape of the backward kernels: the sizes that may change without changing the
 /// result's meaning (other sizes sum in another order). [`BackwardConfig::for_head_dim`] is the
-/// fastest measured on the H200 (`backward-tune`). Every field is a `-D` option of
+/// fastest measured on the H200 (`backward-tune`) up to head dim 64; at 128, the first shape
+/// that fits (not yet timed against the other candidates). Every field is a `-D` option of
 /// `kernels/flash_backward.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackwardConfig {
@@ -65,10 +66,11 @@ pub struct BackwardConfig {
 
 impl BackwardConfig {
     // ANCHOR: backward_for_head_dim
-    /// The tile shape measured fastest for a head dim. Up to 64: four warps of 32 rows, the
-    /// forward's shape. At 128 a warp's 32 rows of k and v (128 registers a thread) and of dK
+    /// The tile shape for a head dim. Up to 64: four warps of 32 rows, the forward's shape, the
+    /// fastest measured. At 128 a warp's 32 rows of k and v (128 registers a thread) and of dK
     /// and dV (256) would not fit in 255 registers: eight warps of 16 rows, the same 128 rows a
-    /// block, one block a multiprocessor.
+    /// block, one block a multiprocessor (correct on the H200; not yet timed against the
+    /// other candidates).
     pub fn for_head_dim(head_dim: usize) -> BackwardConfig {
         let base = BackwardConfig {
             warps: 4,
