@@ -658,6 +658,37 @@ fn short_number(v: f64) -> String {
     }
 }
 
+/// One entry of a legend at `(x, y)` (the middle of its left end): a stretch of the method's
+/// line, solid for ours and dashed for a peer, with its marker on it, then the words.
+pub(crate) fn draw_legend_entry(
+    root: &DrawingArea<SVGBackend, Shift>,
+    l: &Look,
+    label: &str,
+    (x, y): (i32, i32),
+) -> Result<(), String> {
+    let e = |e: &dyn std::fmt::Display| e.to_string();
+    let line = l.colour.stroke_width(2);
+    if l.ours {
+        root.draw(&PathElement::new(vec![(x, y), (x + 36, y)], line))
+            .map_err(|x| e(&x))?;
+    } else {
+        for s in [x, x + 14, x + 28] {
+            root.draw(&PathElement::new(vec![(s, y), (s + 8, y)], line))
+                .map_err(|x| e(&x))?;
+        }
+    }
+    draw_marker(root, l.marker, (x + 18, y), l.colour, l.ours)?;
+    root.draw_text(
+        label,
+        &TextStyle::from(("sans-serif", LEGEND_FONT).into_font())
+            .color(&BLACK)
+            .pos(Pos::new(HPos::Left, VPos::Center)),
+        (x + 48, y),
+    )
+    .map_err(|x| e(&x))?;
+    Ok(())
+}
+
 /// Draws a method's marker centred on `(x, y)` (pixels of `area`): filled for ours, hollow for
 /// the peers.
 fn draw_marker(
@@ -925,25 +956,7 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
             let (row, column) = (i as u32 / columns, i as u32 % columns);
             let x = legend_x + 30 + column as i32 * column_width;
             let y = legend_y + 10 + (row * LEGEND_ROW + LEGEND_ROW / 2) as i32;
-            let line = l.colour.stroke_width(2);
-            if l.ours {
-                root.draw(&PathElement::new(vec![(x, y), (x + 36, y)], line))
-                    .map_err(|x| e(&x))?;
-            } else {
-                for s in [x, x + 14, x + 28] {
-                    root.draw(&PathElement::new(vec![(s, y), (s + 8, y)], line))
-                        .map_err(|x| e(&x))?;
-                }
-            }
-            draw_marker(&root, l.marker, (x + 18, y), l.colour, l.ours)?;
-            root.draw_text(
-                label,
-                &TextStyle::from(("sans-serif", LEGEND_FONT).into_font())
-                    .color(&BLACK)
-                    .pos(Pos::new(HPos::Left, VPos::Center)),
-                (x + 48, y),
-            )
-            .map_err(|x| e(&x))?;
+            draw_legend_entry(&root, l, label, (x, y))?;
         }
         root.present().map_err(|x| e(&x))?;
     }

@@ -27,7 +27,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Deserialize;
 
-use super::{LEGEND_FONT, LEGEND_ROW, Look, PLOT_HEIGHT, WIDTH, draw_marker, look, scalable};
+use super::{LEGEND_ROW, Look, PLOT_HEIGHT, WIDTH, draw_legend_entry, draw_marker, look, scalable};
 
 /// The model's shape, as `Config` in `steps/05-train/src/model.rs`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -427,25 +427,7 @@ fn chart(
         for (i, (l, label)) in entries.iter().enumerate() {
             let x = legend_x + 30;
             let y = legend_y + 10 + (i as u32 * LEGEND_ROW + LEGEND_ROW / 2) as i32;
-            let line = l.colour.stroke_width(2);
-            if l.ours {
-                root.draw(&PathElement::new(vec![(x, y), (x + 36, y)], line))
-                    .map_err(|x| e(&x))?;
-            } else {
-                for s in [x, x + 14, x + 28] {
-                    root.draw(&PathElement::new(vec![(s, y), (s + 8, y)], line))
-                        .map_err(|x| e(&x))?;
-                }
-            }
-            draw_marker(&root, l.marker, (x + 18, y), l.colour, l.ours)?;
-            root.draw_text(
-                label,
-                &TextStyle::from(("sans-serif", LEGEND_FONT).into_font())
-                    .color(&BLACK)
-                    .pos(Pos::new(HPos::Left, VPos::Center)),
-                (x + 48, y),
-            )
-            .map_err(|x| e(&x))?;
+            draw_legend_entry(&root, l, label, (x, y))?;
         }
         root.present().map_err(|x| e(&x))?;
     }
