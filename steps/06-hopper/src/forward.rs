@@ -156,26 +156,54 @@ unsafe impl DeviceRepr for TensorMap {}
 pub(crate) fn tensor_map(gpu: &Gpu, x: &DeviceTensor, rows: usize) -> Result<TensorMap, AttnError> {
     let s = x.shape;
     let (ptr, _sync) = x.data.device_ptr(gpu.stream());
-    let dims = [
-        s.head_dim as u64,
-        s.tokens as u64,
-        (s.batch * s.heads) as u64,
-    ];
-    let strides = [(s.head_dim * 2) as u64, (s.tokens * s.head_dim * 2) as u64];
-    let boxes = [s.head_dim as u32, rows as u32, 1];
-    let steps = [1u32; 3];
     let dtype = match x.dtype {
         Dtype::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         _ => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     };
+    // SAFETY: ptr is a live allocation of the shape's values (check_device), 256-byte aligned
+    // as every allocation
+    unsafe {
+        encode_tiled(
+            ptr,
+            dtype,
+            &[
+                s.head_dim as u64,
+                s.tokens as u64,
+                (s.batch * s.heads) as u64,
+            ],
+            &[(s.head_dim * 2) as u64, (s.tokens * s.head_dim * 2) as u64],
+            &[s.head_dim as u32, rows as u32, 1],
+        )
+    }
+    .map_err(|r| AttnError::Device {
+        what: format!("cuTensorMapEncodeTiled for {s}: {r:?}"),
+    })
+}
+
+/// A tiled tensor map in the 128-byte swizzle: `dims` innermost first, `strides` in bytes for
+/// every dimension but the innermost, one box of `boxes` per copy.
+///
+/// # Safety
+/// `ptr` must be a live device allocation of the values `dims` and `strides` describe, 16-byte
+/// aligned.
+pub(crate) unsafe fn encode_tiled(
+    ptr: u64,
+    dtype: CUtensorMapDataType,
+    dims: &[u64],
+    strides: &[u64],
+    boxes: &[u32],
+) -> Result<TensorMap, CUresult> {
+    let rank = dims.len();
+    assert!(boxes.len() == rank && strides.len() + 1 == rank);
+    let steps = vec![1u32; rank];
     let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
-    // SAFETY: the arrays hold rank (3) entries, strides rank − 1; ptr is a live allocation of
-    // the shape's values (check_device), 256-byte aligned as every allocation
+    // SAFETY: the arrays hold rank entries, strides rank − 1 (asserted); the caller vouches
+    // for ptr
     let r = unsafe {
         cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
             dtype,
-            3,
+            rank as u32,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
@@ -187,13 +215,11 @@ pub(crate) fn tensor_map(gpu: &Gpu, x: &DeviceTensor, rows: usize) -> Result<Ten
             CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };
-    if r != CUresult::CUDA_SUCCESS {
-        return Err(AttnError::Device {
-            what: format!("cuTensorMapEncodeTiled for {s}: {r:?}"),
-        });
+    match r {
+        // SAFETY: the driver wrote the map
+        CUresult::CUDA_SUCCESS => Ok(TensorMap(unsafe { map.assume_init() })),
+        e => Err(e),
     }
-    // SAFETY: the driver wrote the map
-    Ok(TensorMap(unsafe { map.assume_init() }))
 }
 // ANCHOR_END: tensor_map
 

@@ -1,17 +1,16 @@
 //! One warpgroup, one tile: `S = Q·Kᵀ` from shared memory and `O = bf16(S)·V` with `P` from
 //! registers (`kernels/wgmma_probe.cu`), checked against the same products on the host.
 
-use cudarc::driver::sys::{
-    CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
-    CUtensorMapL2promotion, CUtensorMapSwizzle, cuTensorMapEncodeTiled,
-};
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::CUtensorMapDataType;
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::AttnError;
 use flash_core::inputs::SplitMix64;
 use half::bf16;
 use step03_cuda_forward::kernel::compile_error;
 use step03_cuda_forward::{Gpu, device_error};
+
+use crate::forward::{TensorMap, encode_tiled};
 
 /// The probe kernel's source.
 pub const WGMMA_PROBE_CU: &str = include_str!("../kernels/wgmma_probe.cu");
@@ -57,46 +56,23 @@ fn tile(seed: u64) -> (Vec<u16>, Vec<f64>) {
     )
 }
 
-/// A tensor map as a kernel parameter: 128 bytes, aligned on 64.
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct TensorMap(CUtensorMap);
-// SAFETY: plain bytes, passed by value as the kernel's `TensorMap` parameter
-unsafe impl DeviceRepr for TensorMap {}
-
 /// The map of one 64×64 bf16 tile, row-major, read in one 64×64 box in the 128-byte swizzle.
 fn tile_map(gpu: &Gpu, tile: &CudaSlice<u16>) -> Result<TensorMap, AttnError> {
     let (ptr, _sync) = tile.device_ptr(gpu.stream());
-    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
-    let dims = [N as u64, N as u64];
-    let strides = [(N * 2) as u64];
-    let boxes = [N as u32, N as u32];
-    let steps = [1u32, 1];
-    // SAFETY: the arrays hold rank (2) entries, strides rank − 1; ptr is a live allocation of
-    // 64×64 bf16 values, 16-byte aligned
-    let r = unsafe {
-        cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
+    let n = N as u64;
+    // SAFETY: ptr is a live allocation of 64×64 bf16 values, 256-byte aligned
+    unsafe {
+        encode_tiled(
+            ptr,
             CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            steps.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            &[n, n],
+            &[2 * n],
+            &[N as u32, N as u32],
         )
-    };
-    if r != CUresult::CUDA_SUCCESS {
-        return Err(AttnError::Device {
-            what: format!("cuTensorMapEncodeTiled: {r:?}"),
-        });
     }
-    // SAFETY: the driver wrote the map
-    Ok(TensorMap(unsafe { map.assume_init() }))
+    .map_err(|r| AttnError::Device {
+        what: format!("cuTensorMapEncodeTiled: {r:?}"),
+    })
 }
 
 /// How the probe brings its tiles into shared memory.
