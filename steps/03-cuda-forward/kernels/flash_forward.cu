@@ -21,6 +21,10 @@
 //   HOLD_Q      1: read each warp's q fragments from shared memory once, before the loop, and
 //               keep them in registers (HEAD_DIM/4 · M_TILES of them); 0 (default): read them
 //               again, 16 head dims at a time, for every block of keys
+// [step 07]
+//   CAUSAL      1 (default): each query sees the keys up to its own position; 0: every key below
+//               T (step 07's ring computes blocks of keys that lie wholly before their queries)
+// [/step 07]
 //
 // src/kernel.rs prepends tensor_cores.cuh (the types, the swizzle and the tensor-core
 // instructions this file uses) before NVRTC compiles it.
@@ -47,6 +51,11 @@
 #define HOLD_Q 0
 #endif
 #define THREADS (WARPS * 32)
+// [step 07]
+#ifndef CAUSAL
+#define CAUSAL 1
+#endif
+// [/step 07]
 
 // Loads ROWS rows of a [T, HEAD_DIM] matrix starting at row `row0` into a swizzled tile; rows
 // at or past T become zeros. Thread i copies chunk i % CHUNKS of rows i / CHUNKS,
@@ -112,7 +121,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     // ANCHOR: causal_blocks
     // keys 0 .. min(q0 + BLOCK_M, T) - 1 are all this block's rows may see: the key blocks past
     // the diagonal are never loaded.
+#if CAUSAL // [step 07]
     const int n_blocks = (min(q0 + BLOCK_M, T) + BLOCK_N - 1) / BLOCK_N;
+#else // [step 07]
+    const int n_blocks = (T + BLOCK_N - 1) / BLOCK_N; // [step 07]
+#endif // [step 07]
     // ANCHOR_END: causal_blocks
 
     // ANCHOR: pipeline_start
@@ -185,7 +198,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
         for (int sub = 0; sub < BLOCK_N / SUB_N; ++sub) {
             const int kv = kv0 + sub * SUB_N;  // this step's first key
             // a warp whose rows all come before this step's first key has nothing to add
+#if CAUSAL // [step 07]
             if (kv > row0 + WARP_ROWS - 1) continue;
+#endif // [step 07]
             const u32 ks = sk_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);
             const u32 vs = sv_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);
 
@@ -229,7 +244,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
             // ANCHOR: diagonal_mask
             // only blocks that reach past this warp's first row need the mask; there, keys
             // after the row (and so every key at or past T) get -inf
+#if CAUSAL // [step 07]
             if (kv + SUB_N - 1 > row0) {
+#else // [step 07]
+            if (kv + SUB_N > T) { // [step 07]
+#endif // [step 07]
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -238,7 +257,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
                         for (int e = 0; e < 4; ++e) {
                             int key = kv + n * 8 + 2 * t + (e & 1);
                             int row = row0 + mt * 16 + g + (e >> 1) * 8;
+#if CAUSAL // [step 07]
                             if (key > row) s[mt][n][e] = NEG_INF;
+#else // [step 07]
+                            if (key >= T) s[mt][n][e] = NEG_INF; // [step 07]
+#endif // [step 07]
                         }
             }
             // ANCHOR_END: diagonal_mask

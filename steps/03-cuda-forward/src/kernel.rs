@@ -287,7 +287,22 @@ pub fn compile_forward(
         return Err(unsupported_head_dim(head_dim));
     }
     config.check()?;
-    let options = CompileOptions {
+    compile_ptx_with_opts(
+        FLASH_FORWARD_CU,
+        forward_options(dtype, head_dim, config, arch),
+    )
+    .map_err(|e| compile_error("flash_forward", e))
+}
+// ANCHOR_END: compile
+
+/// The `-D` options that specialise the forward kernel's source.
+fn forward_options(
+    dtype: Dtype,
+    head_dim: usize,
+    config: ForwardConfig,
+    arch: &'static str,
+) -> CompileOptions {
+    CompileOptions {
         arch: Some(arch),
         options: vec![
             format!("-DHEAD_DIM={head_dim}"),
@@ -307,10 +322,31 @@ pub fn compile_forward(
             config.label().replace(' ', "_")
         )),
         ..Default::default()
-    };
-    compile_ptx_with_opts(FLASH_FORWARD_CU, options).map_err(|e| compile_error("flash_forward", e))
+    }
 }
-// ANCHOR_END: compile
+
+// [step 07]
+/// [`compile_forward`] with the causal mask off (`-DCAUSAL=0`): every query sees every key.
+/// Step 07's ring computes blocks of keys that lie wholly before their queries so.
+pub fn compile_forward_full(
+    dtype: Dtype,
+    head_dim: usize,
+    config: ForwardConfig,
+    arch: &'static str,
+) -> Result<Ptx, AttnError> {
+    if !HEAD_DIMS.contains(&head_dim) {
+        return Err(unsupported_head_dim(head_dim));
+    }
+    config.check()?;
+    let mut options = forward_options(dtype, head_dim, config, arch);
+    options.options.push("-DCAUSAL=0".into());
+    options.name = options
+        .name
+        .map(|n| n.replace("flash_forward", "flash_forward_full"));
+    compile_ptx_with_opts(FLASH_FORWARD_CU, options)
+        .map_err(|e| compile_error("flash_forward (full)", e))
+}
+// [/step 07]
 
 /// Compiles the softmax kernel of attention by hand for one dtype.
 pub fn compile_softmax(dtype: Dtype, arch: &'static str) -> Result<Ptx, AttnError> {

@@ -489,6 +489,49 @@ impl Gpu {
             return Ok(());
         }
         let f = self.forward_kernel(q.dtype, shape.head_dim, config)?;
+        self.launch_forward(&f, config, q, k, v, result)
+    }
+    // ANCHOR_END: forward
+
+    // [step 07]
+    /// [`Gpu::forward_with`] without the causal mask: every query sees every key. Step 07's
+    /// ring computes so the blocks of keys that lie wholly before their queries.
+    pub fn forward_full_with(
+        &self,
+        config: ForwardConfig,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        result: &mut DeviceAttention,
+    ) -> Result<(), AttnError> {
+        let shape = check_device(q, k, v)?;
+        check_output(shape, q.dtype, result)?;
+        if shape.is_empty() {
+            return Ok(());
+        }
+        let (dtype, head_dim, arch) = (q.dtype, shape.head_dim, self.arch);
+        let f = self.kernel(
+            format!("forward full {dtype:?} {head_dim} {config:?}"),
+            kernel::FLASH_FORWARD,
+            config.smem_bytes(head_dim),
+            || kernel::compile_forward_full(dtype, head_dim, config, arch),
+        )?;
+        self.launch_forward(&f, config, q, k, v, result)
+    }
+    // [/step 07]
+
+    // ANCHOR: launch_forward
+    /// Launches a compiled forward kernel on checked, non-empty inputs.
+    fn launch_forward(
+        &self,
+        f: &CudaFunction,
+        config: ForwardConfig,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        result: &mut DeviceAttention,
+    ) -> Result<(), AttnError> {
+        let shape = q.shape;
         let heads = shape.batch * shape.heads;
         let blocks = grid_blocks(shape, config.block_m())?;
         let launch_config = LaunchConfig {
@@ -499,7 +542,7 @@ impl Gpu {
         let (tokens, heads_arg) = (shape.tokens as i32, heads as i32);
         let head_group = config.head_group(heads) as i32;
         let scale_log2 = shape.scale_log2();
-        let mut launch = self.stream.launch_builder(&f);
+        let mut launch = self.stream.launch_builder(f);
         launch
             .arg(&q.data)
             .arg(&k.data)
@@ -517,7 +560,7 @@ impl Gpu {
         unsafe { launch.launch(launch_config) }.map_err(device_error("launching flash_forward"))?;
         Ok(())
     }
-    // ANCHOR_END: forward
+    // ANCHOR_END: launch_forward
 
     /// Host-side entry point: rounds `f32` inputs to `dtype`, runs [`Gpu::forward`] and returns
     /// the output widened back to `f32`.

@@ -44,6 +44,13 @@
 #ifndef DQ_HOLD
 #define DQ_HOLD 1                          // dq keeps its rows' q and dO fragments in registers
 #endif
+// [step 07]
+// CAUSAL 1 (default): each query sees the keys up to its own position; 0: every key below T
+// (step 07's ring computes blocks of keys that lie wholly before their queries)
+#ifndef CAUSAL
+#define CAUSAL 1
+#endif
+// [/step 07]
 #ifndef DQ_MIN_BLOCKS
 #define DQ_MIN_BLOCKS 2                    // dq's blocks per multiprocessor (register budget)
 #endif
@@ -270,7 +277,11 @@ __device__ __forceinline__ void dkdv_block(
     const BOffsets off(lane);
 
     // queries kv0 .. T-1 see these keys (a query sees the keys up to itself)
+#if CAUSAL // [step 07]
     const int first = kv0 / DKDV_STREAM, q_blocks = (T + DKDV_STREAM - 1) / DKDV_STREAM;
+#else // [step 07]
+    const int first = 0, q_blocks = (T + DKDV_STREAM - 1) / DKDV_STREAM; // [step 07]
+#endif // [step 07]
     load_tile<BLOCK_ROWS>(sk, k, kv0, T);
     load_tile<BLOCK_ROWS>(sv, v, kv0, T);
     cp_async_commit();
@@ -304,7 +315,9 @@ __device__ __forceinline__ void dkdv_block(
 #pragma unroll
         for (int sub = 0; sub < DKDV_STREAM / DKDV_SUB; ++sub) {
             const int c0 = sub * DKDV_SUB, qs0 = q0 + c0;
+#if CAUSAL // [step 07]
             if (qs0 + DKDV_SUB - 1 < key0) continue;  // these queries all come before this warp's keys
+#endif // [step 07]
             // sT = k·qᵀ (this warp's keys x DKDV_SUB queries) and dpT = v·dOᵀ
             float p[M_TILES][DKDV_SUB / 8][4], dp[M_TILES][DKDV_SUB / 8][4];
             zero(p);
@@ -317,9 +330,11 @@ __device__ __forceinline__ void dkdv_block(
             mma_abt<DKDV_SUB>(dp, SharedA{smem_addr(sv), warp, lane}, tdo, c0, off);
 #endif
             // only steps that reach a query before one of this warp's keys need the mask
+#if CAUSAL // [step 07]
             if (qs0 < key0 + WARP_ROWS - 1)
                 dkdv_probabilities<true>(p, dp, tl, td, c0, q0 - key0, scale_log2, g, t);
             else
+#endif // [step 07]
                 dkdv_probabilities<false>(p, dp, tl, td, c0, q0 - key0, scale_log2, g, t);
             mma_pb<DKDV_SUB>(dv_acc, p, tdo, c0, off);  // dV += pT · dO
             mma_pb<DKDV_SUB>(dk_acc, dp, tq, c0, off);  // dK += dsT · q   (· scale at the end)
@@ -386,7 +401,12 @@ __device__ __forceinline__ void dq_block(
     const float scale_log2 = scale * LOG2E;
     const BOffsets off(lane);
     // keys 0 .. min(q0 + BLOCK_ROWS, T) - 1 are all this block's rows may see
+#if CAUSAL // [step 07]
     const int kv_blocks = (min(q0 + BLOCK_ROWS, T) + DQ_STREAM - 1) / DQ_STREAM;
+#else // [step 07]
+    // every key: those past T are loaded as zeros, so their products add nothing to dQ // [step 07]
+    const int kv_blocks = (T + DQ_STREAM - 1) / DQ_STREAM; // [step 07]
+#endif // [step 07]
 
     load_tile<BLOCK_ROWS>(sq, q, q0, T);
     load_tile<BLOCK_ROWS>(sdo, dout, q0, T);
@@ -429,7 +449,9 @@ __device__ __forceinline__ void dq_block(
 #pragma unroll
         for (int sub = 0; sub < DQ_STREAM / DQ_SUB; ++sub) {
             const int c0 = sub * DQ_SUB, ks0 = kv0 + c0;
+#if CAUSAL // [step 07]
             if (ks0 > row0 + WARP_ROWS - 1) continue;  // these keys all come after this warp's rows
+#endif // [step 07]
             float s[M_TILES][DQ_SUB / 8][4], dp[M_TILES][DQ_SUB / 8][4];
             zero(s);
             zero(dp);
@@ -441,9 +463,11 @@ __device__ __forceinline__ void dq_block(
             mma_abt<DQ_SUB>(dp, SharedA{smem_addr(sdo), warp, lane}, tv, c0, off);
 #endif
             // only steps that reach a key after one of this warp's rows need the mask
+#if CAUSAL // [step 07]
             if (ks0 + DQ_SUB - 1 > row0)
                 dq_probabilities<true>(s, dp, lse2, dl, ks0 - row0, scale_log2, g, t);
             else
+#endif // [step 07]
                 dq_probabilities<false>(s, dp, lse2, dl, ks0 - row0, scale_log2, g, t);
             mma_pb<DQ_SUB>(dq_acc, s, tk, c0, off);  // dQ += ds · k   (· scale at the end)
         }

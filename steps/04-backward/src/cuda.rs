@@ -263,14 +263,22 @@ pub fn compile_backward(
     config: BackwardConfig,
     arch: &'static str,
 ) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-    if !HEAD_DIMS.contains(&head_dim) {
-        return Err(AttnError::UnsupportedHeadDim {
-            head_dim,
-            supported: supported_head_dims(),
-        });
-    }
-    config.check()?;
-    let options = CompileOptions {
+    check_compile(head_dim, config)?;
+    compile_ptx_with_opts(
+        backward_source(),
+        backward_options(dtype, head_dim, config, arch),
+    )
+    .map_err(|e| compile_error("flash_backward", e))
+}
+
+/// The `-D` options that specialise the backward kernels' source.
+fn backward_options(
+    dtype: Dtype,
+    head_dim: usize,
+    config: BackwardConfig,
+    arch: &'static str,
+) -> CompileOptions {
+    CompileOptions {
         arch: Some(arch),
         options: vec![
             format!("-DHEAD_DIM={head_dim}"),
@@ -293,15 +301,49 @@ pub fn compile_backward(
             config.label().replace([' ', '/'], "_")
         )),
         ..Default::default()
-    };
-    let source = [
+    }
+}
+// ANCHOR_END: compile_backward
+
+/// The kernels' source: step 03's tensor-core helpers, then the backward kernels.
+fn backward_source() -> String {
+    [
         step03_cuda_forward::kernel::TENSOR_CORES_CUH,
         FLASH_BACKWARD_CU,
     ]
-    .concat();
-    compile_ptx_with_opts(source, options).map_err(|e| compile_error("flash_backward", e))
+    .concat()
 }
-// ANCHOR_END: compile_backward
+
+/// What a compile needs of its head dim and tile shape.
+fn check_compile(head_dim: usize, config: BackwardConfig) -> Result<(), AttnError> {
+    if !HEAD_DIMS.contains(&head_dim) {
+        return Err(AttnError::UnsupportedHeadDim {
+            head_dim,
+            supported: supported_head_dims(),
+        });
+    }
+    config.check()
+}
+
+// [step 07]
+/// [`compile_backward`] with the causal mask off (`-DCAUSAL=0`): every query sees every key,
+/// for the blocks of step 07's ring that lie wholly before their queries.
+pub fn compile_backward_full(
+    dtype: Dtype,
+    head_dim: usize,
+    config: BackwardConfig,
+    arch: &'static str,
+) -> Result<cudarc::nvrtc::Ptx, AttnError> {
+    check_compile(head_dim, config)?;
+    let mut options = backward_options(dtype, head_dim, config, arch);
+    options.options.push("-DCAUSAL=0".into());
+    options.name = options
+        .name
+        .map(|n| n.replace("flash_backward", "flash_backward_full"));
+    compile_ptx_with_opts(backward_source(), options)
+        .map_err(|e| compile_error("flash_backward (full)", e))
+}
+// [/step 07]
 
 fn kernel(
     gpu: &Gpu,
@@ -422,6 +464,53 @@ pub fn backward_marked(
     dout: &DeviceTensor,
     mark: &mut dyn FnMut() -> Result<(), AttnError>,
 ) -> Result<DeviceGrads, AttnError> {
+    let (dtype, head_dim) = (q.dtype, q.shape.head_dim);
+    let kernels = |entry: &str, smem| kernel(gpu, dtype, head_dim, config, entry, smem);
+    launch_backward(gpu, config, &kernels, q, k, v, fwd, dout, mark)
+}
+// ANCHOR_END: backward_gpu
+
+// [step 07]
+/// [`backward`] without the causal mask: the gradients of a block of queries that sees every
+/// key of a block of keys. Step 07's ring computes so the blocks that lie wholly before their
+/// queries; `fwd` then holds the whole row's output and log-sum-exp, so the probabilities are
+/// the row's own and the gradients are this block's share.
+pub fn backward_full(
+    gpu: &Gpu,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<DeviceGrads, AttnError> {
+    let (dtype, head_dim, arch) = (q.dtype, q.shape.head_dim, gpu.arch());
+    let config = BackwardConfig::for_head_dim(head_dim);
+    let kernels = |entry: &str, smem| {
+        gpu.kernel(
+            format!("backward full {entry} {dtype:?} {head_dim} {config:?}"),
+            entry,
+            smem,
+            || compile_backward_full(dtype, head_dim, config, arch),
+        )
+    };
+    launch_backward(gpu, config, &kernels, q, k, v, fwd, dout, &mut || Ok(()))
+}
+// [/step 07]
+
+// ANCHOR: launch_backward
+/// The backward's three launches, with kernels from `kernels(entry, shared memory)`.
+#[allow(clippy::too_many_arguments)]
+fn launch_backward(
+    gpu: &Gpu,
+    config: BackwardConfig,
+    kernels: &dyn Fn(&str, u32) -> Result<cudarc::driver::CudaFunction, AttnError>,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+    mark: &mut dyn FnMut() -> Result<(), AttnError>,
+) -> Result<DeviceGrads, AttnError> {
     let shape = check_backward_device(q, k, v, fwd, dout)?;
     let rows = shape.batch * shape.heads * shape.tokens;
     if !HEAD_DIMS.contains(&shape.head_dim) {
@@ -460,7 +549,7 @@ pub fn backward_marked(
     // layout needs, which Gpu::kernel has allowed it.
     mark()?;
     {
-        let f = kernel(gpu, q.dtype, shape.head_dim, config, "backward_delta", 0)?;
+        let f = kernels("backward_delta", 0)?;
         let rows_i = rows as i64;
         let mut launch = stream.launch_builder(&f);
         launch
@@ -483,14 +572,7 @@ pub fn backward_marked(
         config.dq_smem_bytes(shape.head_dim),
     );
     {
-        let f = kernel(
-            gpu,
-            q.dtype,
-            shape.head_dim,
-            config,
-            "backward_dkdv",
-            dkdv_smem,
-        )?;
+        let f = kernels("backward_dkdv", dkdv_smem)?;
         let mut launch = stream.launch_builder(&f);
         launch
             .arg(&q.data)
@@ -509,7 +591,7 @@ pub fn backward_marked(
     }
     mark()?;
     {
-        let f = kernel(gpu, q.dtype, shape.head_dim, config, "backward_dq", dq_smem)?;
+        let f = kernels("backward_dq", dq_smem)?;
         let mut launch = stream.launch_builder(&f);
         launch
             .arg(&q.data)
@@ -525,7 +607,7 @@ pub fn backward_marked(
     mark()?;
     Ok(grads)
 }
-// ANCHOR_END: backward_gpu
+// ANCHOR_END: launch_backward
 
 /// A forward on device tensors: [`Gpu::forward`] or [`Gpu::by_hand`].
 pub type DeviceForwardFn =
