@@ -74,7 +74,7 @@ impl ZigZag {
 
     /// Whether every chunk has the same length (what the GPU ring needs).
     pub fn is_even(&self) -> bool {
-        self.tokens % self.chunks() == 0
+        self.tokens.is_multiple_of(self.chunks())
     }
 }
 // ANCHOR_END: zigzag
@@ -146,14 +146,14 @@ mod tests {
             let split = ZigZag::new(64 * 2 * ranks, ranks);
             let mut done = vec![vec![0; split.chunks()]; split.chunks()];
             let mut work = vec![0.0; ranks];
-            for r in 0..ranks {
+            for (r, w) in work.iter_mut().enumerate() {
                 for s in 0..ranks {
                     let theirs = split.rank_chunks(visiting(r, s, ranks));
                     for p in pairs(&split, r, s) {
                         let (qc, kc) = (split.rank_chunks(r)[p.query], theirs[p.key]);
                         assert_eq!(p.how, visibility(qc, kc));
                         done[qc][kc] += 1;
-                        work[r] += if p.how == Visibility::Full { 1.0 } else { 0.5 };
+                        *w += if p.how == Visibility::Full { 1.0 } else { 0.5 };
                     }
                 }
             }
