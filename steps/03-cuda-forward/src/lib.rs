@@ -125,6 +125,43 @@ impl Gpu {
     /// Opens GPU 0. Errors, each saying what is missing: no CUDA driver library, no NVRTC
     /// library, no GPU, or a GPU older than compute capability 8.0 (bf16 `mma.sync` needs it).
     pub fn new() -> Result<Gpu, AttnError> {
+        Gpu::open(0)
+    }
+
+    // [step 07]
+    /// Opens GPU `ordinal`, with the errors of [`Gpu::new`] (step 07 drives several).
+    pub fn on(ordinal: usize) -> Result<Gpu, AttnError> {
+        Gpu::open(ordinal)
+    }
+
+    /// A process-wide handle on GPU `ordinal`, opened on first use; `shared_on(0)` is
+    /// [`Gpu::shared`].
+    pub fn shared_on(ordinal: usize) -> Result<&'static Gpu, AttnError> {
+        static GPUS: Mutex<Vec<(usize, &'static Gpu)>> = Mutex::new(Vec::new());
+        if ordinal == 0 {
+            return Gpu::shared();
+        }
+        let mut gpus = GPUS.lock().expect("GPU list poisoned");
+        if let Some((_, gpu)) = gpus.iter().find(|(o, _)| *o == ordinal) {
+            return Ok(gpu);
+        }
+        // opened once for the life of the process, like Gpu::shared's
+        let gpu: &'static Gpu = Box::leak(Box::new(Gpu::open(ordinal)?));
+        gpus.push((ordinal, gpu));
+        Ok(gpu)
+    }
+
+    /// How many GPUs the driver sees (0 without a driver).
+    pub fn count() -> usize {
+        // SAFETY: only tries to open the shared library
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return 0;
+        }
+        CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+    }
+    // [/step 07]
+
+    fn open(ordinal: usize) -> Result<Gpu, AttnError> {
         // SAFETY: only tries to open the shared library
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(AttnError::Device {
@@ -136,7 +173,8 @@ impl Gpu {
                 what: "no NVRTC (libnvrtc.so) found: install the CUDA toolkit (or the nvidia-cuda-nvrtc wheel) and put its lib folder on LD_LIBRARY_PATH".into(),
             });
         }
-        let ctx = CudaContext::new(0).map_err(device_error("opening GPU 0"))?;
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| device_error(&format!("opening GPU {ordinal}"))(e))?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(device_error("reading the compute capability"))?;
@@ -151,7 +189,7 @@ impl Gpu {
             _ => {
                 return Err(AttnError::Device {
                     what: format!(
-                        "GPU 0 has compute capability {major}.{minor}; the kernels need 8.0 or newer (bf16 mma.sync)"
+                        "GPU {ordinal} has compute capability {major}.{minor}; the kernels need 8.0 or newer (bf16 mma.sync)"
                     ),
                 });
             }

@@ -11,5 +11,7 @@
 //!
 //! - [`schedule`]: the zig-zag split of the sequence over the ranks, and which blocks of
 //!   queries and keys meet at each step of the ring.
+//! - [`comm`]: opening NCCL, one communicator per GPU, with errors that say what is missing.
 
+pub mod comm;
 pub mod schedule;
