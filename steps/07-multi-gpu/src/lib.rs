@@ -9,9 +9,13 @@
 //!
 //! ## Layout
 //!
+//! - [`merge`](mod@merge): the merge of two partial results over disjoint keys, `lse =
+//!   logaddexp(lse_a, lse_b)`, `o = e^(lse_a − lse)·o_a + e^(lse_b − lse)·o_b`, and the
+//!   partial result of rows that have seen no key, `(0, −∞)`.
 //! - [`schedule`]: the zig-zag split of the sequence over the ranks, and which blocks of
 //!   queries and keys meet at each step of the ring.
 //! - [`comm`]: opening NCCL, one communicator per GPU, with errors that say what is missing.
 
 pub mod comm;
+pub mod merge;
 pub mod schedule;
