@@ -171,6 +171,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
                 commit: commit.clone(),
                 date: date.clone(),
                 error,
+                gpus: args.gpus, // [step 07]
             };
             println!("{}", report::table_line(&row, cuda));
             eprintln!("      done in {:.1} s", started.elapsed().as_secs_f64());
@@ -477,6 +478,7 @@ pub fn measure_gpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measure
         shape,
         dtype: args.dtype,
         seed: SEED,
+        gpus: args.gpus, // [step 07]
     };
     let mut run = (hooks.prepare)(&spec).map_err(|e| describe_error(&e))?;
     let got = run.result().map_err(|e| describe_error(&e))?;
@@ -785,6 +787,7 @@ mod tests {
                 commit: String::new(),
                 date: String::new(),
                 error: Some(err),
+                gpus: 1, // [step 07]
             };
             assert_eq!(exit_status(&[row]), 4);
         }

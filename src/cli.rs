@@ -99,6 +99,11 @@ struct BenchFlags {
     #[arg(long)]
     backward: bool,
     // [/step 04]
+    // [step 07]
+    /// GPUs to spread each call over, for a method that can (cuda_ring); the others take 1
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = at_least_one)]
+    gpus: usize,
+    // [/step 07]
     /// Also write the rows as JSON (charts/data/ feeds the charts); checked before any work
     #[arg(long, value_name = "FILE.json")]
     out: Option<PathBuf>,
@@ -183,6 +188,7 @@ pub struct BenchArgs {
     // [step 04]
     pub backward: bool,
     // [/step 04]
+    pub gpus: usize, // [step 07]
     pub out: Option<PathBuf>,
 }
 
@@ -336,6 +342,34 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<Method>, String> {
         }
     }
     // [/step 04]
+    // [step 07]
+    if args.gpus > 1 {
+        if args.device == Device::Cpu {
+            return Err(format!(
+                "--gpus {}: spreading a call over GPUs needs --device cuda",
+                args.gpus
+            ));
+        }
+        let single: Vec<&str> = chosen
+            .iter()
+            .filter(|m| !m.multi_gpu)
+            .map(|m| m.name)
+            .collect();
+        let multi: Vec<Method> = chosen.iter().filter(|m| m.multi_gpu).copied().collect();
+        if !single.is_empty() {
+            if args.methods.is_empty() {
+                return Ok(multi);
+            }
+            let all: Vec<Method> = of_device.iter().filter(|m| m.multi_gpu).copied().collect();
+            return Err(format!(
+                "--gpus {}: {} runs on one GPU; the methods that spread over several are: {}",
+                args.gpus,
+                single.join(", "),
+                names(&all)
+            ));
+        }
+    }
+    // [/step 07]
     Ok(chosen)
 }
 
@@ -363,6 +397,7 @@ fn bench_args(b: BenchFlags) -> BenchArgs {
         // [step 04]
         backward: b.backward,
         // [/step 04]
+        gpus: b.gpus, // [step 07]
         out: b.out,
     }
 }

@@ -12,6 +12,7 @@ pub fn all() -> Vec<Method> {
     all.extend(step03_cuda_forward::methods()); // [step 03]
     step04_backward::add_backwards(&mut all); // [step 04]
     all.extend(step06_hopper::methods()); // [step 06]
+    all.extend(step07_multi_gpu::methods::methods()); // [step 07]
     all
 }
 

@@ -163,6 +163,10 @@ pub struct DeviceRunSpec {
     pub dtype: Dtype,
     /// Seed of the random inputs (and of the output's gradient, for a backward).
     pub seed: u64,
+    // [step 07]
+    /// GPUs to spread one call over (`--gpus`): 1 for every method but those of step 07.
+    pub gpus: usize,
+    // [/step 07]
 }
 
 /// A GPU method with its inputs already on the device, ready to be timed.
@@ -233,6 +237,10 @@ pub struct Method {
     /// The backward in the element type asked for, as `forward_dtype` is the forward.
     pub backward_dtype: Option<BackwardDtypeFn>,
     // [/step 04]
+    // [step 07]
+    /// Whether the device hooks spread one call over several GPUs (`--gpus`).
+    pub multi_gpu: bool,
+    // [/step 07]
 }
 
 impl Method {
@@ -260,6 +268,7 @@ impl Method {
             gpu_backward: None,
             backward_dtype: None,
             // [/step 04]
+            multi_gpu: false, // [step 07]
         }
     }
 
@@ -278,6 +287,14 @@ impl Method {
         self.forward_dtype = Some(forward_dtype);
         self
     }
+
+    // [step 07]
+    /// Marks a method whose device hooks take [`DeviceRunSpec::gpus`] GPUs.
+    pub const fn with_multi_gpu(mut self) -> Method {
+        self.multi_gpu = true;
+        self
+    }
+    // [/step 07]
 
     /// The element types the method computes in, its default first: f32 on the CPU, bf16
     /// and f16 for a GPU method that takes either.

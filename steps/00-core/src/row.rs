@@ -39,7 +39,23 @@ pub struct Row {
     /// Why the row has no time: "out of memory: ...", an unsupported shape, a device error, a
     /// wrong result.
     pub error: Option<String>,
+    // [step 07]
+    /// GPUs one call ran on (`--gpus`); 1 when the file does not say, as in files written
+    /// before step 07, and left out of the file when it is 1.
+    #[serde(default = "one_gpu", skip_serializing_if = "is_one_gpu")]
+    pub gpus: usize,
+    // [/step 07]
 }
+
+// [step 07]
+fn one_gpu() -> usize {
+    1
+}
+
+fn is_one_gpu(gpus: &usize) -> bool {
+    *gpus == 1
+}
+// [/step 07]
 
 impl Row {
     /// The shape the row measured.
@@ -128,6 +144,7 @@ mod tests {
         let rows = from_json(peer, "peer").unwrap();
         assert_eq!(rows[0].pass, Pass::Forward);
         assert_eq!(rows[0].device_kind, Device::Cpu);
+        assert_eq!(rows[0].gpus, 1); // [step 07]
         assert_eq!(from_json(&to_json(&rows), "again").unwrap(), rows);
         let bad = from_json(r#"[{"method": "x"}]"#, "bad.json").unwrap_err();
         assert!(

@@ -200,6 +200,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
             // a warp whose rows all come before this step's first key has nothing to add
 #if CAUSAL // [step 07]
             if (kv > row0 + WARP_ROWS - 1) continue;
+#else // [step 07]
+            if (kv >= T) continue;  // keys past T only (and the branch keeps the steps apart) // [step 07]
 #endif // [step 07]
             const u32 ks = sk_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);
             const u32 vs = sv_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);

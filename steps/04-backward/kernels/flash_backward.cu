@@ -317,6 +317,8 @@ __device__ __forceinline__ void dkdv_block(
             const int c0 = sub * DKDV_SUB, qs0 = q0 + c0;
 #if CAUSAL // [step 07]
             if (qs0 + DKDV_SUB - 1 < key0) continue;  // these queries all come before this warp's keys
+#else // [step 07]
+            if (qs0 >= T) continue;  // queries past T only (and the branch keeps the steps apart) // [step 07]
 #endif // [step 07]
             // sT = k·qᵀ (this warp's keys x DKDV_SUB queries) and dpT = v·dOᵀ
             float p[M_TILES][DKDV_SUB / 8][4], dp[M_TILES][DKDV_SUB / 8][4];
@@ -451,6 +453,8 @@ __device__ __forceinline__ void dq_block(
             const int c0 = sub * DQ_SUB, ks0 = kv0 + c0;
 #if CAUSAL // [step 07]
             if (ks0 > row0 + WARP_ROWS - 1) continue;  // these keys all come after this warp's rows
+#else // [step 07]
+            if (ks0 >= T) continue;  // keys past T only (and the branch keeps the steps apart) // [step 07]
 #endif // [step 07]
             float s[M_TILES][DQ_SUB / 8][4], dp[M_TILES][DQ_SUB / 8][4];
             zero(s);

@@ -22,10 +22,16 @@
 //! - [`schedule`]: the zig-zag split of the sequence over the ranks, and which blocks of
 //!   queries and keys meet at each step of the ring.
 //! - [`comm`]: opening NCCL, one communicator per GPU, with errors that say what is missing.
+//! - [`gpu`]: the ring on GPUs ([`gpu::RingAttention`]): step 03's and step 04's kernels for
+//!   each block, `kernels/ring.cu` to merge them, NCCL (or copies between simulated ranks on
+//!   one GPU) to pass the keys and values on, overlapped with the blocks.
+//! - [`methods`]: `cuda_ring` in the registry.
 
 pub mod comm;
 pub mod cpu;
+pub mod gpu;
 pub mod merge;
+pub mod methods;
 pub mod schedule;
 
 pub use cpu::{MAX_RANKS, ring_backward, ring_forward};
