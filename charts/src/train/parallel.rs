@@ -236,7 +236,8 @@ fn render_loss(pairs: &[(&DpRun, &DpRun)], subtitle: &str) -> Result<String, Str
             let mut chart = ChartBuilder::on(&top)
                 .margin_left(10)
                 .margin_right(30)
-                .x_label_area_size(40)
+                .margin_bottom(15)
+                .x_label_area_size(55)
                 .y_label_area_size(85)
                 .build_cartesian_2d(0.0..x_hi, y_lo..y_hi)
                 .map_err(|x| e(&x))?;
