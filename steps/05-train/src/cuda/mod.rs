@@ -173,15 +173,22 @@ struct LayerActs {
     ln2: Buf<u16>,
     ln2_mean: Buf<f32>,
     ln2_rstd: Buf<f32>,
-    /// `[rows, 4C]` bf16: the MLP's first product (its bias not added), and GELU's output.
+    /// `[rows, 4C]` bf16: the MLP's first product (its bias not added). GELU's output is not
+    /// kept: the backward computes it again from this (see [`Scratch::gelu`]).
     fc: Buf<u16>,
-    gelu: Buf<u16>,
 }
 
 /// Buffers used within a step and reused by every layer.
 struct Scratch {
     /// `[rows, 3C]` bf16: the fused projection's output, before the re-layout.
     qkv: Buf<u16>,
+    /// `[rows, 4C]` bf16: a layer's GELU output, the MLP's second product's input. One buffer
+    /// for every layer: the forward uses it at once, and the backward computes it again from
+    /// the layer's `fc` when the output projection's weight gradient needs it. Keeping it per
+    /// layer instead would take `rows × 4C × 2` bytes a layer (151 MB at GPT-2-small's shape
+    /// and 12 × 2,048 tokens, 1.8 GB over 12 layers) to save one elementwise pass a layer;
+    /// llm.c recomputes GELU by default for the same reason.
+    gelu: Buf<u16>,
     /// `[rows, C]` f32: a product that adds into the residual stream.
     y: Buf<f32>,
     /// `[rows, C]`: the residual stream's gradient, f32 and bf16, after an MLP half and after
@@ -321,7 +328,7 @@ pub fn bytes_needed(config: &Config, batch: usize, seq_len: usize) -> u64 {
     let rows = (batch * seq_len) as u64;
     let params = Layout::new(*config).len as u64 * (4 * 4 + 2);
     let per_layer = rows * c * (4 * 2 + 2 * 3 + 2 * 4)
-        + rows * 4 * c * 2 * 2
+        + rows * 4 * c * 2
         + rows * 4 * 4
         + batch as u64 * h * seq_len as u64 * 4;
     let last = rows * c * (4 + 2) + rows * 8 + rows * v * (4 + 2) + rows * 4;
@@ -329,7 +336,7 @@ pub fn bytes_needed(config: &Config, batch: usize, seq_len: usize) -> u64 {
     let col_parts = Kernels::colsum_parts(rows as usize) as u64;
     let scratch = rows * 3 * c * 2 * 2
         + rows * c * (4 + 4 + 2 + 4 + 2 + 4 + 2 + 2)
-        + rows * 4 * c * 2
+        + rows * 4 * c * 2 * 2
         + ln_parts * 3 * c * 4
         + col_parts * 4 * c * 4
         + NORM_BLOCKS as u64 * 8
@@ -530,7 +537,6 @@ impl GpuTrainer {
                 ln2_mean: f(rows, "second LayerNorm's means")?,
                 ln2_rstd: f(rows, "second LayerNorm's 1/σ")?,
                 fc: b16(rows * 4 * c, "MLP pre-activation")?,
-                gelu: b16(rows * 4 * c, "GELU output")?,
             })
         };
         let layers = (0..config.layers)
@@ -539,6 +545,7 @@ impl GpuTrainer {
         let v_len = config.vocab;
         let s = Scratch {
             qkv: alloc(gpu, rows * 3 * c, "the fused projection's output")?,
+            gelu: alloc(gpu, rows * 4 * c, "the GELU output")?,
             y: alloc(gpu, rows * c, "a product's output")?,
             dres: alloc(gpu, rows * c, "the residual stream's gradient")?,
             dres16: alloc(gpu, rows * c, "the residual stream's gradient in bf16")?,
@@ -809,13 +816,13 @@ impl GpuTrainer {
                     0.0,
                 )?;
                 prof.mark(gpu, "matmul: mlp up")?;
-                k.bias_gelu(la.fc.ptr, w32(w.fc_b), la.gelu.ptr, rows, 4 * c)?;
+                k.bias_gelu(la.fc.ptr, w32(w.fc_b), s.gelu.ptr, rows, 4 * c)?;
                 prof.mark(gpu, "bias + gelu")?;
                 blas.matmul(
                     rows,
                     c,
                     4 * c,
-                    plain(la.gelu.ptr),
+                    plain(s.gelu.ptr),
                     plain(w16(w.fc_proj_w)),
                     s.y.ptr,
                     Out::F32,
@@ -943,11 +950,14 @@ impl GpuTrainer {
                 // projection, GELU (with its input bias's gradient), its input projection, its
                 // LayerNorm (which adds the residual's share and gives dmid, the gradient of
                 // x_mid, whose column sums are the attention projection's bias gradient)
+                // GELU's output again (not kept: see Scratch::gelu), for the weight gradient
+                k.bias_gelu(la.fc.ptr, w32(w.fc_b), s.gelu.ptr, rows, 4 * c)?;
+                prof.mark(gpu, "backward: gelu again")?;
                 blas.matmul(
                     4 * c,
                     c,
                     rows,
-                    transposed(la.gelu.ptr),
+                    transposed(s.gelu.ptr),
                     plain(s.dres16.ptr),
                     g32(w.fc_proj_w),
                     Out::F32,
