@@ -74,6 +74,12 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
     // the training runs, ours and PyTorch's
     charts.extend(train::render_all(&train::read_runs(&data)?)?);
     // [/step 05]
+    // [step 07]
+    // data parallelism: the same training on one GPU and on several
+    charts.extend(train::parallel::render_all(&train::parallel::read_runs(
+        &data,
+    )?)?);
+    // [/step 07]
     Ok(charts)
 }
 

@@ -18,6 +18,7 @@
 //!
 //! - [`read_runs`]: the run records of `charts/data/train-*.json`.
 //! - [`render_all`]: every training chart and table the runs call for.
+//! - [`parallel`]: step 07's, of the runs on one GPU and on several (`train-dp-*.json`). // [step 07]
 
 use std::fs;
 use std::path::Path;
@@ -28,6 +29,8 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Deserialize;
 
 use super::{LEGEND_ROW, Look, PLOT_HEIGHT, WIDTH, draw_legend_entry, draw_marker, look, scalable};
+
+pub mod parallel; // [step 07]
 
 /// The model's shape, as `Config` in `steps/05-train/src/model.rs`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -135,6 +138,7 @@ pub fn read_runs(dir: &Path) -> Result<Vec<Run>, String> {
         .map_err(|e| format!("{}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| is_run_file(p))
+        .filter(|p| !parallel::is_dp_file(p)) // [step 07]
         .collect();
     files.sort();
     files

@@ -4,6 +4,7 @@
 //! ```sh
 //! cargo run --release -p step05-train -- train --steps 2000 --save gpt.safetensors --out run.json
 //! cargo run --release -p step05-train -- train --device cuda --model gpt2 --batch 12 --max-seconds 300
+//! cargo run --release -p step05-train -- train --device cuda --model gpt2 --batch 24 --gpus 2 // [step 07]
 //! cargo run --release -p step05-train -- sample --checkpoint gpt.safetensors --prompt "fn " --tokens 200
 //! ```
 
@@ -12,6 +13,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use step05_train::cuda::parallel::{DataParallel, local_batch}; // [step 07]
 use step05_train::cuda::{AttentionKind, GpuTrainer};
 use step05_train::optim::{AdamWSettings, Schedule};
 use step05_train::train::{Event, RunRecord};
@@ -195,6 +197,12 @@ struct TrainArgs {
     /// Time each phase of every step on the GPU with CUDA events, and print where the time went
     #[arg(long)]
     profile: bool,
+    // [step 07]
+    /// GPUs to train on (--device cuda): a replica of the model on each, --batch (the step's
+    /// sequences over all of them) split evenly, the gradients averaged by NCCL
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
+    // [/step 07]
 }
 
 #[derive(Args)]
@@ -216,6 +224,10 @@ struct SampleArgs {
 }
 
 fn run_train(args: TrainArgs) -> Result<(), TrainError> {
+    // [step 07]
+    // before anything loads: the GPUs asked for, and the batch's split over them
+    let gpus = check_gpus(&args)?;
+    // [/step 07]
     if args.device == DeviceArg::Cuda {
         // before the corpus loads: no GPU is said at once
         step03_cuda_forward::Gpu::shared().map_err(TrainError::Device)?;
@@ -337,6 +349,37 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
             let run = train(&mut trainer, &corpus, &settings, report)?;
             (run, trainer)
         }
+        // [step 07]
+        DeviceArg::Cuda if gpus.len() > 1 => {
+            let attention = match args.attention {
+                AttentionArg::Flash => AttentionKind::Flash,
+                AttentionArg::ByHand => AttentionKind::ByHand,
+            };
+            let mut dp = DataParallel::new(
+                &trainer,
+                &gpus,
+                settings.batch,
+                settings.seq_len,
+                attention,
+                args.profile,
+            )?;
+            let first = &dp.replicas()[0];
+            println!(
+                "device: {} × {} ({} attention), {} sequences each, {:.2} GB allocated on each for weights, optimizer state and activations",
+                gpus.len(),
+                first.device_name(),
+                attention.name(),
+                first.batch,
+                first.bytes as f64 / 1e9
+            );
+            let run = train(&mut dp, &corpus, &settings, report)?;
+            let trainer = match args.save {
+                Some(_) => dp.to_trainer()?,
+                None => trainer,
+            };
+            (run, trainer)
+        }
+        // [/step 07]
         DeviceArg::Cuda => {
             let attention = match args.attention {
                 AttentionArg::Flash => AttentionKind::Flash,
@@ -382,6 +425,56 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
     Ok(())
 }
 
+// [step 07]
+/// The GPUs `--gpus` asks for, checked against the device, the batch, the machine and NCCL
+/// before anything loads: none for the CPU.
+fn check_gpus(args: &TrainArgs) -> Result<Vec<&'static step03_cuda_forward::Gpu>, TrainError> {
+    if args.gpus == 0 {
+        return Err(TrainError::Config(
+            "--gpus 0: a run needs at least one GPU (--gpus 1, the default, is one GPU)".into(),
+        ));
+    }
+    if args.device == DeviceArg::Cpu {
+        return match args.gpus {
+            1 => Ok(Vec::new()),
+            n => Err(TrainError::Config(format!(
+                "--gpus {n} trains on {n} GPUs: it needs --device cuda (the CPU model runs on one \
+                 CPU, with all its threads)"
+            ))),
+        };
+    }
+    if args.gpus == 1 {
+        // GPU 0, opened next as for any run on the GPU
+        return Ok(Vec::new());
+    }
+    local_batch(args.batch, args.gpus)?;
+    let there = step03_cuda_forward::Gpu::count();
+    if there == 0 {
+        return Err(TrainError::Config(format!(
+            "--gpus {}: no GPU here (no CUDA driver, or it sees no GPU)",
+            args.gpus
+        )));
+    }
+    if args.gpus > there {
+        return Err(TrainError::Config(format!(
+            "--gpus {}: this machine has {there} GPU{} that the CUDA driver sees; --gpus takes 1 to {there}",
+            args.gpus,
+            if there == 1 { "" } else { "s" },
+        )));
+    }
+    if !step07_multi_gpu::comm::nccl_present() {
+        return Err(TrainError::Config(format!(
+            "--gpus {}: the gradients' all-reduce needs NCCL, and no libnccl.so was found: \
+             install NCCL 2.28 or newer and put its folder on LD_LIBRARY_PATH (or train on \
+             one GPU)",
+            args.gpus
+        )));
+    }
+    let gpus = step07_multi_gpu::comm::gpus(args.gpus).map_err(TrainError::Device)?;
+    Ok(gpus)
+}
+// [/step 07]
+
 /// How far the run is: a share of its steps or of its time budget, whichever is further, and
 /// an estimate of the time left.
 fn progress(step: usize, seconds: f64, settings: &Settings, start: usize) -> String {
@@ -407,6 +500,20 @@ fn summary(run: &RunRecord) {
     if let Some(bytes) = run.peak_memory_bytes {
         println!("peak GPU memory: {:.2} GB", bytes as f64 / 1e9);
     }
+    // [step 07]
+    if !run.allreduce_ms.is_empty() {
+        let each: Vec<String> = run
+            .allreduce_ms
+            .iter()
+            .map(|ms| format!("{ms:.2}"))
+            .collect();
+        println!(
+            "all-reduce of the gradients on each of {} GPUs: {} ms a step (the least is NCCL's own time, the rest waiting for the other GPUs' backward)",
+            run.gpus,
+            each.join(", ")
+        );
+    }
+    // [/step 07]
     if !run.profile.is_empty() {
         let total: f64 = run.profile.iter().map(|p| p.ms).sum();
         println!("where a step's time went (CUDA events, mean over steps after the first):");

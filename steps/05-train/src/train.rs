@@ -146,8 +146,26 @@ pub struct RunRecord {
     /// Where a step's time went, phase by phase, with `--profile` (on the GPU); empty otherwise.
     #[serde(default)]
     pub profile: Vec<PhaseRecord>,
+    // [step 07]
+    /// GPUs the run trained on, a replica of the model on each (data parallelism), `--batch`
+    /// split evenly over them; 1 on one device, and in a file from before step 07.
+    #[serde(default = "one")]
+    pub gpus: usize,
+    /// With several GPUs, each GPU's all-reduce of the gradients, in milliseconds a step (the
+    /// mean over the steps after the first), from CUDA events on its stream around the call:
+    /// a GPU that finished its backward first waits there for the others, so the smallest is
+    /// the collective's own time. Empty on one device.
+    #[serde(default)]
+    pub allreduce_ms: Vec<f64>,
+    // [/step 07]
 }
 // ANCHOR_END: run_record
+
+// [step 07]
+fn one() -> usize {
+    1
+}
+// [/step 07]
 
 /// What the loop reports as it goes.
 pub enum Event<'a> {
@@ -194,6 +212,17 @@ pub trait Learner {
     fn profile(&self) -> Vec<PhaseRecord> {
         Vec::new()
     }
+    // [step 07]
+    /// GPUs it trains on, a replica of the model on each.
+    fn gpus(&self) -> usize {
+        1
+    }
+    /// Each GPU's all-reduce of the gradients, milliseconds a step (see
+    /// [`RunRecord::allreduce_ms`]); empty on one device.
+    fn allreduce_ms(&self) -> Vec<f64> {
+        Vec::new()
+    }
+    // [/step 07]
 }
 
 /// A model, its optimizer and how far it has trained, on the CPU.
@@ -357,6 +386,8 @@ pub fn train<L: Learner + ?Sized>(
         commit: flash_core::row::commit(),
         date: flash_core::row::utc_now(),
         profile: Vec::new(),
+        gpus: learner.gpus(),     // [step 07]
+        allreduce_ms: Vec::new(), // [step 07]
     };
     let mut train_seconds = 0.0;
     let eval = |learner: &mut L, train_seconds: f64| -> Result<EvalRecord, TrainError> {
@@ -388,6 +419,7 @@ pub fn train<L: Learner + ?Sized>(
     run.tokens_per_s = throughput(&run.steps, run.tokens_per_step);
     run.peak_memory_bytes = learner.peak_memory_bytes()?;
     run.profile = learner.profile();
+    run.allreduce_ms = learner.allreduce_ms(); // [step 07]
     Ok(run)
 }
 

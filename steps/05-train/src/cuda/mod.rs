@@ -23,10 +23,12 @@
 //! - [`gemm`]: the products, in row-major terms.
 //! - [`kernels`]: `kernels/train.cu` and its launches.
 //! - [`layout`]: where each weight sits in the flat buffers.
+//! - [`parallel`]: one replica on each of several GPUs, their gradients averaged by NCCL. // [step 07]
 
 pub mod gemm;
 pub mod kernels;
 pub mod layout;
+pub mod parallel; // [step 07]
 
 use std::time::Instant;
 
@@ -384,6 +386,33 @@ impl GpuTrainer {
         attention: AttentionKind,
         profile: bool,
     ) -> Result<GpuTrainer, TrainError> {
+        // [step 07]
+        GpuTrainer::build(None, start, batch, seq_len, attention, profile)
+    }
+
+    /// The same trainer on `gpu` ([`Gpu::shared_on`]) rather than GPU 0: a replica of data
+    /// parallelism ([`parallel`]).
+    pub fn new_on(
+        gpu: &'static Gpu,
+        start: &Trainer,
+        batch: usize,
+        seq_len: usize,
+        attention: AttentionKind,
+        profile: bool,
+    ) -> Result<GpuTrainer, TrainError> {
+        GpuTrainer::build(Some(gpu), start, batch, seq_len, attention, profile)
+    }
+
+    /// [`GpuTrainer::new`] on `on`, or on GPU 0.
+    fn build(
+        on: Option<&'static Gpu>,
+        start: &Trainer,
+        batch: usize,
+        seq_len: usize,
+        attention: AttentionKind,
+        profile: bool,
+    ) -> Result<GpuTrainer, TrainError> {
+        // [/step 07]
         let config = start.params.config;
         config.check()?;
         let (c, h) = (config.d_model, config.heads);
@@ -416,6 +445,10 @@ impl GpuTrainer {
             )));
         }
         let gpu = Gpu::shared().map_err(TrainError::Device)?;
+        // [step 07]
+        // a replica on another GPU (GPU 0 is open already: the first replica's)
+        let gpu = on.unwrap_or(gpu);
+        // [/step 07]
         // SAFETY: everything here runs on one stream, in order, so cudarc need not record an
         // event per buffer per launch to order streams
         unsafe { gpu.context().disable_event_tracking() };

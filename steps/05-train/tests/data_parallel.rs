@@ -1,0 +1,257 @@
+//! Data parallelism (step 07): `train --device cuda --gpus N`, a replica of the GPU trainer on
+//! each of N GPUs, the batch split over them, the gradients averaged by NCCL.
+//!
+//! On two GPUs, a run must be the run of one GPU on the same batches: the same losses, up to
+//! the order in which bf16 products and the sums of the loss and the gradients round (cuBLAS
+//! picks its algorithms by the product's shape, and each GPU sums half the rows); and its
+//! replicas must stay identical bit for bit, since each takes the same AdamW step from the same
+//! averaged gradients. Without GPUs, what can be checked is that bad requests are refused, with
+//! a reason, before anything loads.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use step05_train::cuda::parallel::{DataParallel, local_batch};
+use step05_train::cuda::{AttentionKind, GpuTrainer};
+use step05_train::data::train_batch;
+use step05_train::optim::{AdamWSettings, Schedule};
+use step05_train::train::RunRecord;
+use step05_train::{Config, Corpus, Settings, Trainer, train};
+
+/// A step's loss on two GPUs against one GPU's, relatively, at every step of the run: the
+/// same model, weights and batches; only the rounding of bf16 products and of the sums differs.
+const LOSS_TOL: f64 = 2e-3;
+/// The gradients' norm likewise (a norm is more sensitive than the loss to the rounding of
+/// the gradients' small components).
+const NORM_TOL: f64 = 5e-2;
+
+/// The trainer's binary as cargo built it, or beside this test binary on the GPU machine
+/// (`.gpu/bin/` next to `.gpu/tests/`).
+fn binary() -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_step05-train"));
+    if built.exists() {
+        return built;
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("bin/step05-train")))
+        .filter(|p| p.exists())
+        .unwrap_or(built)
+}
+
+fn run(args: &[&str]) -> Output {
+    Command::new(binary())
+        .args(args)
+        .output()
+        .expect("the trainer's binary runs")
+}
+
+/// Runs `train` with `args`, which must fail with a message containing each of `want`.
+fn refused(args: &[&str], want: &[&str]) {
+    let mut all = vec!["train"];
+    all.extend_from_slice(args);
+    let o = run(&all);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(!o.status.success(), "{args:?} ran: {out}");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    assert!(err.starts_with("error: "), "{args:?}: {err}");
+    for w in want {
+        assert!(err.contains(w), "{args:?}: {err:?} lacks {w:?}");
+    }
+    // refused before the corpus loads
+    assert!(
+        !out.contains("corpus:"),
+        "{args:?} loaded the corpus first: {out}"
+    );
+}
+
+// ANCHOR: refused
+#[test]
+fn bad_gpu_counts_and_batches_are_refused_with_a_reason() {
+    refused(&["--gpus", "0"], &["--gpus 0", "at least one GPU"]);
+    refused(&["--gpus", "2"], &["--gpus 2", "--device cuda"]);
+    refused(
+        &["--device", "cuda", "--gpus", "2", "--batch", "5"],
+        &["--batch 5", "2 GPUs", "2, 4, 6, 8"],
+    );
+    refused(
+        &["--device", "cuda", "--gpus", "3", "--batch", "4"],
+        &["--batch 4", "3, 6, 9, 12"],
+    );
+    // more GPUs than any machine here has
+    refused(
+        &["--device", "cuda", "--gpus", "64", "--batch", "64"],
+        &["--gpus 64"],
+    );
+}
+// ANCHOR_END: refused
+
+#[test]
+fn the_batch_splits_evenly_over_the_gpus() {
+    assert_eq!(local_batch(24, 2).unwrap(), 12);
+    assert_eq!(local_batch(24, 1).unwrap(), 24);
+    assert_eq!(local_batch(4, 4).unwrap(), 1);
+    for (batch, gpus) in [(5, 2), (2, 4), (0, 2), (4, 0)] {
+        assert!(local_batch(batch, gpus).is_err(), "{batch} over {gpus}");
+    }
+}
+
+/// Text to draw batches from: this crate's own sources, embedded so the test binary carries
+/// them to the GPU machine.
+fn corpus() -> Corpus {
+    let train = [
+        include_str!("../src/model.rs"),
+        include_str!("../src/layers.rs"),
+        include_str!("../src/train.rs"),
+        include_str!("../src/data.rs"),
+    ]
+    .concat();
+    let heldout = [
+        include_str!("../src/optim.rs"),
+        include_str!("../src/checkpoint.rs"),
+    ]
+    .concat();
+    Corpus {
+        source: "step05-train's sources".into(),
+        train: train.into_bytes(),
+        heldout: heldout.into_bytes(),
+        train_files: 4,
+        heldout_files: 2,
+    }
+}
+
+const SMALL: Config = Config {
+    layers: 2,
+    d_model: 64,
+    heads: 2,
+    context: 64,
+    vocab: 256,
+};
+
+fn settings(batch: usize, steps: usize) -> Settings {
+    Settings {
+        batch,
+        seq_len: 64,
+        steps,
+        schedule: Schedule {
+            max: 3e-3,
+            min: 3e-4,
+            warmup: 5,
+            steps,
+        },
+        adamw: AdamWSettings::default(),
+        clip: 1.0,
+        seed: 1337,
+        eval_every: 10,
+        eval_batches: 2,
+        max_seconds: None,
+    }
+}
+
+#[test]
+fn a_run_record_from_before_data_parallelism_reads_as_one_gpu() {
+    let settings = settings(2, 1);
+    let mut cpu = Trainer::new(SMALL, &settings).unwrap();
+    let run = train(&mut cpu, &corpus(), &settings, |_| {}).unwrap();
+    assert_eq!((run.gpus, run.allreduce_ms.len()), (1, 0));
+    let mut json = serde_json::to_value(&run).unwrap();
+    let fields = json.as_object_mut().unwrap();
+    fields.remove("gpus");
+    fields.remove("allreduce_ms");
+    let old: RunRecord = serde_json::from_value(json).unwrap();
+    assert_eq!(old, run);
+}
+
+fn rel(a: f32, b: f32) -> f64 {
+    ((a - b) / b).abs() as f64
+}
+
+// ANCHOR: two_gpus
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn two_gpus_train_as_one_on_the_same_batches() {
+    let there = step03_cuda_forward::Gpu::count();
+    if there < 2 {
+        eprintln!("this machine has {there} GPU(s): data parallelism needs 2, nothing to check");
+        return;
+    }
+    let (batch, steps) = (4, 20);
+    let settings = settings(batch, steps);
+    let corpus = corpus();
+    let start = Trainer::new(SMALL, &settings).unwrap();
+    let mut one = GpuTrainer::new(&start, batch, 64, AttentionKind::Flash, false).unwrap();
+    let gpus = step07_multi_gpu::comm::gpus(2).unwrap();
+    let mut two = DataParallel::new(&start, &gpus, batch, 64, AttentionKind::Flash, false).unwrap();
+    let run1 = train(&mut one, &corpus, &settings, |_| {}).unwrap();
+    let run2 = train(&mut two, &corpus, &settings, |_| {}).unwrap();
+    let (mut worst_loss, mut worst_norm) = (0f64, 0f64);
+    for (a, b) in run2.steps.iter().zip(&run1.steps) {
+        let (el, en) = (rel(a.loss, b.loss), rel(a.grad_norm, b.grad_norm));
+        eprintln!(
+            "step {:>2}: loss 2 GPUs {:.5}, 1 GPU {:.5} (relative {el:.1e}); norm {:.4}, {:.4} ({en:.1e})",
+            a.step, a.loss, b.loss, a.grad_norm, b.grad_norm
+        );
+        worst_loss = worst_loss.max(el);
+        worst_norm = worst_norm.max(en);
+    }
+    for (a, b) in run2.evals.iter().zip(&run1.evals) {
+        eprintln!(
+            "held-out after {:>2}: 2 GPUs {:.5}, 1 GPU {:.5}",
+            a.step, a.loss, b.loss
+        );
+        worst_loss = worst_loss.max(rel(a.loss, b.loss));
+    }
+    eprintln!(
+        "largest relative difference: loss {worst_loss:.2e}, norm {worst_norm:.2e}; all-reduce {:?} ms a step",
+        run2.allreduce_ms
+    );
+    assert_eq!(run2.steps.len(), steps);
+    assert!(worst_loss < LOSS_TOL, "a loss differs by {worst_loss:.2e}");
+    assert!(worst_norm < NORM_TOL, "a norm differs by {worst_norm:.2e}");
+    assert_eq!((run1.gpus, run2.gpus), (1, 2));
+    assert_eq!(run2.allreduce_ms.len(), 2);
+    assert!(run2.allreduce_ms.iter().all(|&ms| ms > 0.0));
+    assert!(run2.peak_memory_bytes.is_some_and(|b| b > 0));
+
+    // the replicas are one model: weights, moments and steps bit for bit
+    let ranks: Vec<Trainer> = two
+        .replicas()
+        .iter()
+        .map(|r| r.to_trainer().unwrap())
+        .collect();
+    let bits = |p: &step05_train::Params<f32>| -> Vec<u32> {
+        p.tensors()
+            .iter()
+            .flat_map(|(_, t)| t.iter().map(|x| x.to_bits()))
+            .collect()
+    };
+    for (r, rank) in ranks.iter().enumerate().skip(1) {
+        assert!(
+            bits(&rank.params) == bits(&ranks[0].params),
+            "rank {r}'s weights differ from rank 0's"
+        );
+        assert!(
+            bits(&rank.opt.m) == bits(&ranks[0].opt.m),
+            "rank {r}'s first moments differ"
+        );
+        assert!(
+            bits(&rank.opt.v) == bits(&ranks[0].opt.v),
+            "rank {r}'s second moments differ"
+        );
+        assert_eq!((rank.step, rank.opt.t), (ranks[0].step, ranks[0].opt.t));
+    }
+
+    // a checkpoint of rank 0 goes on, on two GPUs, with the same state: the same next loss
+    let back = two.to_trainer().unwrap();
+    assert_eq!(back.step, steps);
+    let mut resumed =
+        DataParallel::new(&back, &gpus, batch, 64, AttentionKind::Flash, false).unwrap();
+    let b = train_batch(&corpus.train, batch, 64, 1337, steps);
+    let x = two.loss(b.inputs.view(), b.targets.view()).unwrap();
+    let y = resumed.loss(b.inputs.view(), b.targets.view()).unwrap();
+    assert_eq!(x.to_bits(), y.to_bits(), "a resumed trainer's loss");
+}
+// ANCHOR_END: two_gpus
