@@ -100,8 +100,8 @@ struct BenchFlags {
     backward: bool,
     // [/step 04]
     // [step 07]
-    /// GPUs to spread each call over, for a method that can (cuda_ring); the others take 1
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = at_least_one)]
+    /// GPUs to spread each call over, for a method that can (cuda_ring); the others take 1 [default: 1]
+    #[arg(long, default_value_t = 1, hide_default_value = true, allow_negative_numbers = true, value_parser = at_least_one)]
     gpus: usize,
     // [/step 07]
     /// Also write the rows as JSON (charts/data/ feeds the charts); checked before any work
@@ -515,6 +515,14 @@ mod tests {
                 "computes in bf16 or f16",
             ),
             // [/step 03]
+            // [step 07]
+            ("--gpus 0", "at least 1"),
+            ("--gpus 2", "needs --device cuda"),
+            (
+                "--device cuda --methods cuda_flash --gpus 2",
+                "cuda_flash runs on one GPU; the methods that spread over several are: cuda_ring",
+            ),
+            // [/step 07]
         ] {
             let err = parse_line(line).unwrap_err();
             let text = err.render().to_string();
@@ -542,6 +550,17 @@ mod tests {
         assert_eq!(a.dtype, Some(Dtype::F32));
     }
     // [/step 03]
+
+    // [step 07]
+    #[test]
+    fn several_gpus_choose_the_methods_that_spread_over_them() {
+        let b = bench("--device cuda --gpus 2");
+        assert_eq!(b.gpus, 2);
+        let names: Vec<&str> = choose(&b).unwrap().iter().map(|m| m.name).collect();
+        assert_eq!(names, ["cuda_ring"]);
+        assert_eq!(bench("").gpus, 1);
+    }
+    // [/step 07]
 
     #[test]
     fn help_lists_the_methods() {

@@ -50,6 +50,11 @@
 #ifndef CAUSAL
 #define CAUSAL 1
 #endif
+// ACCUMULATE 0 (default): dq, dk and dv are written in 16 bits; 1: they are f32 sums that each
+// block's share is added to (step 07's ring sums every block's share in f32 and rounds once)
+#ifndef ACCUMULATE
+#define ACCUMULATE 0
+#endif
 // [/step 07]
 #ifndef DQ_MIN_BLOCKS
 #define DQ_MIN_BLOCKS 2                    // dq's blocks per multiprocessor (register budget)
@@ -186,7 +191,15 @@ __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[M_TILES]
             if (row < T) {
 #pragma unroll
                 for (int n = 0; n < HEAD_DIM / 8; ++n)
+#if ACCUMULATE // [step 07]
+                {  // the block's share added to the f32 sum; only this block writes these rows // [step 07]
+                    float2* sum = (float2*)((float*)dst + (long long)row * HEAD_DIM + n * 8 + 2 * t); // [step 07]
+                    const float2 was = *sum; // [step 07]
+                    *sum = make_float2(was.x + acc[mt][n][2 * h] * scale, was.y + acc[mt][n][2 * h + 1] * scale); // [step 07]
+                } // [step 07]
+#else // [step 07]
                     *(u32*)(dst + (long long)row * HEAD_DIM + n * 8 + 2 * t) = pack2(acc[mt][n][2 * h] * scale, acc[mt][n][2 * h + 1] * scale);
+#endif // [step 07]
             }
         }
 }
@@ -269,6 +282,9 @@ __device__ __forceinline__ void dkdv_block(
 
     const long long head = (long long)bh * T * HEAD_DIM;
     q += head; k += head; v += head; dout += head; dk += head; dv += head;
+#if ACCUMULATE // [step 07]
+    dk += head; dv += head;  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
+#endif // [step 07]
     lse += (long long)bh * T;
     delta += (long long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -396,6 +412,9 @@ __device__ __forceinline__ void dq_block(
 
     const long long head = (long long)bh * T * HEAD_DIM;
     q += head; k += head; v += head; dout += head; dq += head;
+#if ACCUMULATE // [step 07]
+    dq += head;  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
+#endif // [step 07]
     lse += (long long)bh * T;
     delta += (long long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;

@@ -343,6 +343,34 @@ pub fn compile_backward_full(
     compile_ptx_with_opts(backward_source(), options)
         .map_err(|e| compile_error("flash_backward (full)", e))
 }
+
+/// The backward kernels with each block's gradients added into `f32` sums (`-DACCUMULATE=1`:
+/// dq, dk and dv are `float*`), with the causal mask or without it: step 07's ring adds every
+/// block's share to one `f32` sum per row and rounds once, at the end.
+pub fn compile_backward_accumulate(
+    dtype: Dtype,
+    head_dim: usize,
+    config: BackwardConfig,
+    causal: bool,
+    arch: &'static str,
+) -> Result<cudarc::nvrtc::Ptx, AttnError> {
+    check_compile(head_dim, config)?;
+    let mut options = backward_options(dtype, head_dim, config, arch);
+    options.options.push("-DACCUMULATE=1".into());
+    if !causal {
+        options.options.push("-DCAUSAL=0".into());
+    }
+    let tag = if causal {
+        "accumulate"
+    } else {
+        "full_accumulate"
+    };
+    options.name = options
+        .name
+        .map(|n| n.replace("flash_backward", &format!("flash_backward_{tag}")));
+    compile_ptx_with_opts(backward_source(), options)
+        .map_err(|e| compile_error("flash_backward (accumulate)", e))
+}
 // [/step 07]
 
 fn kernel(

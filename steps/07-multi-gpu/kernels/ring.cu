@@ -1,7 +1,8 @@
 // The ring's own kernels: merging one block's partial attention into a rank's accumulator (the
-// online softmax's merge, chapter 2, with whole blocks as the "keys"), rounding the accumulator
-// to 16 bits at the end, and adding a block's gradient share to an f32 accumulator. Every
-// block of the ring itself is a plain launch of step 03's and step 04's kernels.
+// online softmax's merge, chapter 2, with whole blocks as the "keys"), and rounding an f32
+// accumulator to 16 bits at the end (the output, and the backward's dq, dk and dv, which step
+// 04's kernels add into f32 sums directly). Every block of the ring itself is a plain launch
+// of step 03's and step 04's kernels.
 // src/gpu.rs prepends step 03's kernels/tensor_cores.cuh (u16, to_f32, pack2, NEG_INF).
 //
 // Compile-time parameters, given to NVRTC as -D options:
@@ -71,23 +72,3 @@ extern "C" __global__ void ring_round(
         ((u32*)out)[i] = pack2(x.x, x.y);
     }
 }
-
-// ANCHOR: ring_add
-// acc += part (or acc = part with `first`): one block's share of a gradient, added in f32. A
-// row's dq gathers one share per visible block of keys, a key's dk and dv one per visible
-// block of queries, on whichever rank computed it.
-extern "C" __global__ void ring_add(
-    float* __restrict__ acc,        // [n] f32 sum of the shares so far
-    const u16* __restrict__ part,   // [n] one share, bf16/f16
-    long long n,                    // values, even (HEAD_DIM is)
-    int first                       // 1: the accumulator is empty (overwrite it)
-) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; 2 * i < n; i += (long long)gridDim.x * blockDim.x) {
-        const u32 p = ((const u32*)part)[i];
-        float2 a = first ? make_float2(0.f, 0.f) : ((float2*)acc)[i];
-        a.x += to_f32((u16)(p & 0xffff));
-        a.y += to_f32((u16)(p >> 16));
-        ((float2*)acc)[i] = a;
-    }
-}
-// ANCHOR_END: ring_add

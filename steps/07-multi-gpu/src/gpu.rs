@@ -1,9 +1,10 @@
 //! Ring attention on GPUs: each rank keeps its zig-zag share of the queries, the keys and values
 //! travel round the ring, and every block a rank meets is a plain launch of step 03's forward
 //! kernel (the diagonal with the causal mask, the blocks wholly in the past without it) or of
-//! step 04's backward kernels. Between the launches, `kernels/ring.cu` merges each block's
-//! partial result into an f32 accumulator through the log-sum-exps, and adds each block's
-//! gradient shares in f32.
+//! step 04's backward kernels, compiled to add each block's gradients into `f32` sums
+//! (`-DACCUMULATE=1`). Between the forward's launches, `kernels/ring.cu` merges each block's
+//! partial result into an `f32` accumulator through the log-sum-exps. Everything is rounded to
+//! 16 bits once, at the end.
 //!
 //! ## Layout
 //!
@@ -40,7 +41,7 @@ use step03_cuda_forward::kernel::{HEAD_DIMS, TENSOR_CORES_CUH, compile_error};
 use step03_cuda_forward::{
     DeviceAttention, DeviceTensor, Dtype, ForwardConfig, Gpu, alloc_error, device_error, half_dtype,
 };
-use step04_backward::cuda::{DeviceGrads, backward, backward_full};
+use step04_backward::cuda::{BackwardConfig, compile_backward_accumulate};
 
 use crate::comm::{communicators, gpus, nccl_error};
 use crate::schedule::{Pair, Visibility, ZigZag, pairs};
@@ -49,7 +50,7 @@ use crate::schedule::{Pair, Visibility, ZigZag, pairs};
 /// step 03's `tensor_cores.cuh` in front.
 pub const RING_CU: &str = include_str!("../kernels/ring.cu");
 /// The entry points of [`RING_CU`].
-pub const RING_ENTRIES: [&str; 3] = ["ring_merge", "ring_round", "ring_add"];
+pub const RING_ENTRIES: [&str; 2] = ["ring_merge", "ring_round"];
 
 /// Compiles `kernels/ring.cu` for one dtype and head dim.
 pub fn compile_ring(dtype: Dtype, head_dim: usize, arch: &'static str) -> Result<Ptx, AttnError> {
@@ -268,6 +269,18 @@ impl RingAttention {
         }
         shape.checked_len()?;
         let split = ZigZag::new(shape.tokens, ranks);
+        // the backward's grid: blocks of 128 rows of a chunk along its second dimension
+        let rows = BackwardConfig::for_head_dim(shape.head_dim).block_rows();
+        let chunk = shape.tokens / split.chunks();
+        if chunk.div_ceil(rows) > 65_535 || shape.batch * shape.heads > i32::MAX as usize {
+            return Err(AttnError::Unsupported {
+                what: format!(
+                    "{shape}: the backward kernels take chunks of at most {} tokens ({} per rank) and 2^31 sequences × heads",
+                    65_535 * rows,
+                    2 * 65_535 * rows
+                ),
+            });
+        }
         if !split.is_even() {
             let n = split.chunks();
             return Err(AttnError::Unsupported {
@@ -537,24 +550,6 @@ impl RingAttention {
         })
     }
 
-    /// `acc += part` (`ring_add`), or `acc = part` when `first`.
-    fn add(
-        &self,
-        r: usize,
-        acc: &mut CudaSlice<f32>,
-        part: &DeviceTensor,
-        first: bool,
-    ) -> Result<(), AttnError> {
-        let f = self.ring_kernel(r, "ring_add")?;
-        let (n_i, first_i) = (acc.len() as i64, first as i32);
-        let mut launch = self.gpus[r].stream().launch_builder(&f);
-        launch.arg(acc).arg(&part.data).arg(&n_i).arg(&first_i);
-        // SAFETY: both hold one chunk's values; the grid-stride loop stays below n
-        unsafe { launch.launch(elementwise(self.chunk.len())) }
-            .map_err(device_error("launching ring_add"))?;
-        Ok(())
-    }
-
     fn alloc_f32(&self, r: usize, n: usize, what: &str) -> Result<CudaSlice<f32>, AttnError> {
         self.gpus[r]
             .stream()
@@ -707,33 +702,130 @@ impl RingAttention {
         }
     }
 
-    /// One block of the backward: this block's share of dq, and its dk and dv.
+    /// Step 04's backward kernel `entry`, compiled to add into `f32` sums, with the causal mask
+    /// (the diagonal) or without it (a block wholly in the past).
+    fn backward_kernel(
+        &self,
+        r: usize,
+        entry: &str,
+        causal: bool,
+        smem: u32,
+    ) -> Result<cudarc::driver::CudaFunction, AttnError> {
+        let (gpu, dtype, head_dim) = (self.gpus[r], self.dtype, self.shape.head_dim);
+        let (config, arch) = (BackwardConfig::for_head_dim(head_dim), gpu.arch());
+        gpu.kernel(
+            format!("ring backward {entry} {dtype:?} {head_dim} causal={causal}"),
+            entry,
+            smem,
+            || compile_backward_accumulate(dtype, head_dim, config, causal, arch),
+        )
+    }
+
+    /// δ = rowsum(dO ∘ O) of one chunk of queries, from the merged output (`backward_delta`).
+    fn delta(
+        &self,
+        r: usize,
+        fwd: &DeviceAttention,
+        dout: &DeviceTensor,
+    ) -> Result<CudaSlice<f32>, AttnError> {
+        let rows = fwd.lse.len();
+        // SAFETY: backward_delta writes every row
+        let mut delta = unsafe { self.gpus[r].stream().alloc::<f32>(rows) }
+            .map_err(alloc_error("allocating delta", rows as u128 * 4))?;
+        let f = self.backward_kernel(r, "backward_delta", true, 0)?;
+        let rows_i = rows as i64;
+        let mut launch = self.gpus[r].stream().launch_builder(&f);
+        launch
+            .arg(&fwd.out.data)
+            .arg(&dout.data)
+            .arg(&mut delta)
+            .arg(&rows_i);
+        // SAFETY: out and dout hold rows · head_dim values, delta rows; a warp per row
+        unsafe { launch.launch(warp_per_row(rows, "backward_delta")?) }
+            .map_err(device_error("launching backward_delta"))?;
+        Ok(delta)
+    }
+
+    // ANCHOR: backward_block
+    /// One block of the backward, its shares added into `f32` sums: with `dkdv` `None`, dq's
+    /// share (`backward_dq`, one thread block per 128 queries), else dk's and dv's
+    /// (`backward_dkdv`, one per 128 keys). Every block of the ring is one launch of each.
     #[allow(clippy::too_many_arguments)]
     fn backward_block(
         &self,
         r: usize,
         p: Pair,
-        q: &Shard,
-        k: &[DeviceTensor; 2],
-        v: &[DeviceTensor; 2],
-        fwd: &ShardAttention,
-        dout: &Shard,
-    ) -> Result<DeviceGrads, AttnError> {
-        let (gpu, i, j) = (self.gpus[r], p.query, p.key);
-        let run = match p.how {
-            Visibility::Diagonal => backward,
-            Visibility::Full => backward_full,
+        (q, k, v): (&DeviceTensor, &DeviceTensor, &DeviceTensor),
+        fwd: &DeviceAttention,
+        dout: &DeviceTensor,
+        delta: &CudaSlice<f32>,
+        dq: Option<&mut CudaSlice<f32>>,
+        dkdv: Option<(&mut CudaSlice<f32>, &mut CudaSlice<f32>)>,
+    ) -> Result<(), AttnError> {
+        let causal = match p.how {
+            Visibility::Diagonal => true,
+            Visibility::Full => false,
             Visibility::None => unreachable!("pairs() lists visible blocks only"),
         };
-        run(
-            gpu,
-            &q.chunks[i],
-            &k[j],
-            &v[j],
-            &fwd.chunks[i],
-            &dout.chunks[i],
-        )
+        let (shape, head_dim) = (self.chunk, self.chunk.head_dim);
+        let config = BackwardConfig::for_head_dim(head_dim);
+        let (t, scale) = (shape.tokens as i32, 1.0 / (head_dim as f32).sqrt());
+        let grid = LaunchConfig {
+            grid_dim: (
+                (shape.batch * shape.heads) as u32,
+                shape.tokens.div_ceil(config.block_rows()) as u32,
+                1,
+            ),
+            block_dim: (config.threads(), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = self.gpus[r].stream();
+        // SAFETY (both launches): every buffer holds one chunk ([B, H, c, D], or [B, H, c] for
+        // lse and delta), as check_shards and check_attention proved and the sums were
+        // allocated; each thread block adds to its own rows of the sums only, and launches on
+        // one stream run in order; the grid's second dimension was checked by
+        // RingAttention::check; the shared memory is what Gpu::kernel allowed.
+        if let Some(dq) = dq {
+            let smem = config.dq_smem_bytes(head_dim);
+            let f = self.backward_kernel(r, "backward_dq", causal, smem)?;
+            let mut launch = stream.launch_builder(&f);
+            launch
+                .arg(&q.data)
+                .arg(&k.data)
+                .arg(&v.data)
+                .arg(&dout.data);
+            launch.arg(&fwd.lse).arg(delta).arg(dq).arg(&t).arg(&scale);
+            let cfg = LaunchConfig {
+                shared_mem_bytes: smem,
+                ..grid
+            };
+            unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_dq"))?;
+        }
+        if let Some((dk, dv)) = dkdv {
+            let smem = config.dkdv_smem_bytes(head_dim);
+            let f = self.backward_kernel(r, "backward_dkdv", causal, smem)?;
+            let mut launch = stream.launch_builder(&f);
+            launch
+                .arg(&q.data)
+                .arg(&k.data)
+                .arg(&v.data)
+                .arg(&dout.data);
+            launch
+                .arg(&fwd.lse)
+                .arg(delta)
+                .arg(dk)
+                .arg(dv)
+                .arg(&t)
+                .arg(&scale);
+            let cfg = LaunchConfig {
+                shared_mem_bytes: smem,
+                ..grid
+            };
+            unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_dkdv"))?;
+        }
+        Ok(())
     }
+    // ANCHOR_END: backward_block
 
     /// Every rank's transfer stream waits for what its compute stream has queued so far: the
     /// inputs' last writes, and the buffers just allocated there (stream-ordered allocations
@@ -791,9 +883,15 @@ impl RingAttention {
             };
             travel.push([sums()?, sums()?]);
         }
+        // δ of each chunk of queries, once, from the merged output
+        let deltas = (0..n)
+            .map(|r| {
+                let (f, d) = (&fwd[r].chunks, &dout[r].chunks);
+                Ok([self.delta(r, &f[0], &d[0])?, self.delta(r, &f[1], &d[1])?])
+            })
+            .collect::<Result<Vec<_>, AttnError>>()?;
         let mut recv = self.alloc_receives()?;
         self.start_transfers()?;
-        let mut dq_filled = vec![[false; 2]; n];
         let mut free: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
         let mut arrived: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
         let mut grads_arrived: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
@@ -818,32 +916,36 @@ impl RingAttention {
                 if let Some(e) = &arrived[r] {
                     wait(stream, e)?;
                 }
-                // this step's blocks, each into fresh buffers; dq's shares added at once
-                let mut shares = Vec::new();
-                if self.parts.compute() {
-                    let (hk, hv) = held(&recv[r], s, &k[r], &v[r], self.parts);
-                    for p in pairs(&self.split, r, s) {
-                        let g = self.backward_block(r, p, &q[r], hk, hv, &fwd[r], &dout[r])?;
-                        let first = !dq_filled[r][p.query];
-                        self.add(r, &mut acc_dq[r][p.query], &g.dq, first)?;
-                        dq_filled[r][p.query] = true;
-                        shares.push((p.key, g));
-                    }
+                let (hk, hv) = held(&recv[r], s, &k[r], &v[r], self.parts);
+                let blocks = if self.parts.compute() {
+                    pairs(&self.split, r, s)
+                } else {
+                    Vec::new()
+                };
+                let (qr, dr, fr, del) = (&q[r].chunks, &dout[r].chunks, &fwd[r].chunks, &deltas[r]);
+                // dq's shares first: they need nothing from the other ranks
+                for &p in &blocks {
+                    let (i, j) = (p.query, p.key);
+                    let dq = Some(&mut acc_dq[r][i]);
+                    let qkv = (&qr[i], &hk[j], &hv[j]);
+                    self.backward_block(r, p, qkv, &fr[i], &dr[i], &del[i], dq, None)?;
                 }
-                free[r] = Some(mark(stream)?);
                 // ANCHOR: dkdv_travel
                 // the sums of dk and dv for these keys come from rank r - 1 (its step s - 1)
-                // while this step's blocks compute; add this rank's shares, then pass them on
+                // while dq's shares compute; this rank's shares are added into them, and they
+                // are passed on
                 if let Some(e) = &grads_arrived[r] {
                     wait(stream, e)?;
                 }
                 let sums = &mut travel[r][s % 2];
-                let mut filled = [s > 0; 2];
-                for (j, g) in &shares {
-                    self.add(r, &mut sums.dk[*j], &g.dk, !filled[*j])?;
-                    self.add(r, &mut sums.dv[*j], &g.dv, !filled[*j])?;
-                    filled[*j] = true;
+                for &p in &blocks {
+                    let (i, j) = (p.query, p.key);
+                    let (dk, dv) = (&mut sums.dk[j], &mut sums.dv[j]);
+                    let qkv = (&qr[i], &hk[j], &hv[j]);
+                    self.backward_block(r, p, qkv, &fr[i], &dr[i], &del[i], None, Some((dk, dv)))?;
                 }
+                // nothing reads this step's keys and values after here
+                free[r] = Some(mark(stream)?);
                 added[r] = Some(mark(stream)?);
                 // ANCHOR_END: dkdv_travel
             }

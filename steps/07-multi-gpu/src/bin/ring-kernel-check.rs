@@ -1,6 +1,7 @@
 //! Compiles what the GPU ring launches with NVRTC for `sm_90` and assembles it with `ptxas -v`,
 //! printing registers, shared memory and spills: the forward and backward kernels without the
-//! causal mask (`CAUSAL=0`, for the blocks wholly in the past) and `kernels/ring.cu`, in bf16
+//! causal mask (`CAUSAL=0`, for the blocks wholly in the past), the backward kernels that add
+//! into f32 sums (`ACCUMULATE=1`, with and without the mask) and `kernels/ring.cu`, in bf16
 //! and f16 at every head dim. Exits non-zero on a failed compile or any spill. Needs no GPU: CI
 //! runs it with NVRTC and ptxas from PyPI, as step 03's `kernel-check`.
 //!
@@ -12,7 +13,7 @@ use clap::Parser;
 use step03_cuda_forward::kernel::{HEAD_DIMS, compile_forward_full};
 use step03_cuda_forward::ptxas::{self, Variant};
 use step03_cuda_forward::{Dtype, ForwardConfig};
-use step04_backward::cuda::{BackwardConfig, compile_backward_full};
+use step04_backward::cuda::{BackwardConfig, compile_backward_accumulate, compile_backward_full};
 use step07_multi_gpu::gpu::compile_ring;
 
 /// Compiles the ring's kernels (the unmasked forward and backward, and ring.cu's merge, round
@@ -56,6 +57,23 @@ fn main() -> ExitCode {
                 } else {
                     Variant::used(name, backward)
                 });
+                for causal in [true, false] {
+                    let what = if causal { "causal" } else { "full" };
+                    let name = format!("flash_backward_accumulate_{what}_{tag}");
+                    let ptx = compile_backward_accumulate(
+                        dtype,
+                        head_dim,
+                        BackwardConfig::for_head_dim(head_dim),
+                        causal,
+                        arch,
+                    );
+                    // KNOWN: unmasked, backward_dkdv at head dim 64 spills 8 bytes, as above
+                    kernels.push(if !causal && head_dim == 64 {
+                        Variant::candidate(name, ptx)
+                    } else {
+                        Variant::used(name, ptx)
+                    });
+                }
                 kernels.push(Variant::used(
                     format!("ring_{tag}"),
                     compile_ring(dtype, head_dim, arch),
