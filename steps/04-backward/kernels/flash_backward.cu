@@ -191,6 +191,7 @@ __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[M_TILES]
             if (row < T) {
 #pragma unroll
                 for (int n = 0; n < HEAD_DIM / 8; ++n)
+                // ANCHOR: accumulate // [step 07]
 #if ACCUMULATE // [step 07]
                 {  // the block's share added to the f32 sum; only this block writes these rows // [step 07]
                     float2* sum = (float2*)((float*)dst + (long long)row * HEAD_DIM + n * 8 + 2 * t); // [step 07]
@@ -200,6 +201,7 @@ __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[M_TILES]
 #else // [step 07]
                     *(u32*)(dst + (long long)row * HEAD_DIM + n * 8 + 2 * t) = pack2(acc[mt][n][2 * h] * scale, acc[mt][n][2 * h + 1] * scale);
 #endif // [step 07]
+                // ANCHOR_END: accumulate // [step 07]
             }
         }
 }
