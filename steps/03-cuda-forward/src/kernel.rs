@@ -178,6 +178,28 @@ impl ForwardConfig {
                     min_blocks: 2,
                     ..w4
                 },
+                // at head dim 128 a head's keys and values are 8 MB at 16k tokens: fewer heads
+                // scheduled together keep fewer of them in flight, for L2's 60 MB
+                ForwardConfig {
+                    head_group: 4,
+                    ..base
+                },
+                ForwardConfig {
+                    head_group: 12,
+                    ..base
+                },
+                ForwardConfig {
+                    block_n: 128,
+                    hold_q: true,
+                    head_group: 4,
+                    ..w8
+                },
+                ForwardConfig {
+                    block_n: 128,
+                    hold_q: true,
+                    head_group: 12,
+                    ..w8
+                },
             ] {
                 if !all.contains(&c) {
                     all.push(c);
