@@ -181,6 +181,7 @@ __device__ __forceinline__ void zero(float (&x)[M_TILES][N][4]) {
         for (int n = 0; n < N; ++n) x[mt][n][0] = x[mt][n][1] = x[mt][n][2] = x[mt][n][3] = 0.f;
 }
 
+// ANCHOR: store_rows
 // this warp's rows row0 .. row0 + WARP_ROWS - 1 of acc · scale, those before T
 __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[M_TILES][HEAD_DIM / 8][4], float scale, int row0, int g, int t, int T) {
 #pragma unroll
@@ -191,7 +192,6 @@ __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[M_TILES]
             if (row < T) {
 #pragma unroll
                 for (int n = 0; n < HEAD_DIM / 8; ++n)
-                // ANCHOR: accumulate // [step 07]
 #if ACCUMULATE // [step 07]
                 {  // the block's share added to the f32 sum; only this block writes these rows // [step 07]
                     float2* sum = (float2*)((float*)dst + (long long)row * HEAD_DIM + n * 8 + 2 * t); // [step 07]
@@ -201,10 +201,10 @@ __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[M_TILES]
 #else // [step 07]
                     *(u32*)(dst + (long long)row * HEAD_DIM + n * 8 + 2 * t) = pack2(acc[mt][n][2 * h] * scale, acc[mt][n][2 * h + 1] * scale);
 #endif // [step 07]
-                // ANCHOR_END: accumulate // [step 07]
             }
         }
 }
+// ANCHOR_END: store_rows
 
 // ANCHOR: delta
 extern "C" __global__ void backward_delta(

@@ -478,16 +478,24 @@ impl GpuTrainer {
             .mem_get_info()
             .map_err(|e| TrainError::Device(device_error("reading free memory")(e)))?;
         if needed > free as u64 {
-            return Err(TrainError::Device(AttnError::OutOfMemory {
-                what: format!(
-                    "the GPU trainer for {config:?} with {batch} × {seq_len} tokens a step \
-                     (weights, gradients, AdamW's moments, every layer's activations), \
-                     of which the GPU has {:.2} GB free of {:.2} GB",
-                    free as f64 / 1e9,
-                    total as f64 / 1e9
-                ),
-                bytes: needed as u128,
-            }));
+            // the most sequences a step that fit in what is free, for the error to suggest
+            let fits = (1..batch)
+                .rev()
+                .find(|&b| bytes_needed(&config, b, seq_len) <= free as u64);
+            let suggestion = match fits {
+                Some(b) => format!("at most {b} sequences a step fit on this GPU at this length"),
+                None => "not even one sequence fits on this GPU at this length".into(),
+            };
+            // a run that cannot be on this GPU: said before anything is allocated
+            return Err(TrainError::Config(format!(
+                "out of memory on the GPU: the trainer needs {:.1} GB for {config:?} with {batch} × \
+                     {seq_len} tokens a step (weights, gradients, AdamW's moments, every \
+                     layer's activations), and the GPU has {:.1} GB free of {:.1} GB; \
+                     {suggestion}",
+                needed as f64 / 1e9,
+                free as f64 / 1e9,
+                total as f64 / 1e9
+            )));
         }
         let kernels = Kernels::load(gpu, c)?;
         let blas = Blas::new(gpu)?;
