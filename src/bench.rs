@@ -105,8 +105,8 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
 
     let total = chosen.len() * args.lengths.len();
     let mut rows = Vec::new();
-    // each method's seconds per FLOP over its last measured row, for the next row's estimate
-    let mut pace: HashMap<&str, f64> = HashMap::new();
+    // each method's last measured row, for the next row's estimate
+    let mut pace: HashMap<&str, Pace> = HashMap::new();
     for &tokens in &args.lengths {
         for (m, imp) in chosen.iter().zip(&implementations) {
             let shape = Shape::new(args.batch, args.heads, tokens, args.head_dim);
@@ -148,7 +148,15 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
             });
             let (ms, peak_bytes, error) = match measured {
                 Ok(Measured { ms, peak_bytes }) => {
-                    pace.insert(m.name, started.elapsed().as_secs_f64() / flops);
+                    let seconds = started.elapsed().as_secs_f64();
+                    pace.insert(
+                        m.name,
+                        Pace {
+                            seconds,
+                            flops,
+                            tokens,
+                        },
+                    );
                     (Some(ms), peak_bytes, None)
                 }
                 Err(e) => (None, None, Some(e)),
@@ -194,22 +202,37 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 /// Tokens of the quick call that gives a method's speed before its first row.
 const PROBE_TOKENS: usize = 256;
 
-/// About how long a row will take, in seconds: its FLOPs at the pace of the method's last row
-/// (its whole wall time, the peak child and the check included), or, before a CPU method's
-/// first row, at the speed of one quick call at [`PROBE_TOKENS`] tokens, times the calls a row
-/// makes (the peak child's, the check's and the timed runs). None for a GPU method's first row:
-/// a quick call there would compile its kernels.
+/// A method's last measured row: its whole wall time (the peak child and the check included),
+/// its FLOPs and its tokens.
+#[derive(Clone, Copy)]
+struct Pace {
+    seconds: f64,
+    flops: f64,
+    tokens: usize,
+}
+
+/// About how long a row will take, in seconds: the method's last row's time, scaled by the
+/// FLOPs on the CPU, where the computing is most of a row, and by the tokens on a GPU, where
+/// most of a row is its check on the CPU (a sample of rows, each as long as the sequence);
+/// or, before a CPU method's first row, the speed of one quick call at [`PROBE_TOKENS`]
+/// tokens, times the calls a row makes (the peak child's, the check's and the timed runs).
+/// None for a GPU method's first row: a quick call there would compile its kernels.
 fn estimate_s(
     m: &Method,
     shape: Shape,
     args: &BenchArgs,
-    pace: Option<f64>,
+    pace: Option<Pace>,
     cuda: bool,
 ) -> Option<f64> {
     let pass = args.pass();
     let flops = shape.flops(pass);
-    if let Some(pace) = pace {
-        return Some(pace * flops);
+    if let Some(last) = pace {
+        let scale = if cuda {
+            shape.tokens as f64 / last.tokens as f64
+        } else {
+            flops / last.flops
+        };
+        return Some(last.seconds * scale);
     }
     let small = Shape::new(1, shape.heads.min(12), PROBE_TOKENS, shape.head_dim);
     // a row no larger than the probe is quick, and the GPU's first call compiles

@@ -332,3 +332,54 @@ fn without_a_gpu_the_error_says_what_is_missing() {
         .to_string();
     assert!(e.contains("head dim 256"), "{e}");
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_batch_that_does_not_fit_is_refused_before_anything_is_allocated() {
+    // GPT-2-small's shape at 2,048 tokens: 1,000 sequences a step need hundreds of GB
+    let config = Config {
+        layers: 12,
+        d_model: 768,
+        heads: 12,
+        context: 2048,
+        vocab: 256,
+    };
+    let settings = Settings {
+        batch: 1000,
+        seq_len: 2048,
+        steps: 1,
+        schedule: Schedule {
+            max: 1e-3,
+            min: 1e-4,
+            warmup: 0,
+            steps: 1,
+        },
+        adamw: AdamWSettings::default(),
+        clip: 1.0,
+        seed: 1,
+        eval_every: 1,
+        eval_batches: 1,
+        max_seconds: None,
+    };
+    let start = Trainer::new(config, &settings).unwrap();
+    let message = match GpuTrainer::new(&start, 1000, 2048, AttentionKind::Flash, false) {
+        Ok(_) => panic!("1,000 × 2,048 tokens of GPT-2-small fit on this GPU"),
+        Err(e) => e.to_string(),
+    };
+    eprintln!("{message}");
+    assert!(
+        message.starts_with("out of memory on the GPU: the trainer needs "),
+        "{message}"
+    );
+    assert!(message.contains("GB free of"), "{message}");
+    // the largest batch it names needs less than the GPU has, one more would not
+    let fits: usize = message
+        .split("at most ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no batch that fits in: {message}"));
+    assert!((1..1000).contains(&fits), "{message}");
+    let needs = |b| step05_train::cuda::bytes_needed(&config, b, 2048);
+    assert!(needs(fits) < needs(1000));
+}
