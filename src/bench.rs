@@ -831,13 +831,20 @@ mod tests {
     fn long_rows_are_estimated_and_small_ones_are_not() {
         let args = args("--methods naive --runs 3");
         let naive = crate::methods::by_name("naive").unwrap();
-        // at the pace of an earlier row: its seconds per FLOP times this row's FLOPs
+        // at the pace of an earlier row: on the CPU its seconds scaled by the FLOPs, on a
+        // GPU by the tokens
         let shape = Shape::new(1, 12, 8192, 64);
-        let est = estimate_s(&naive, shape, &args, Some(1e-9), false).unwrap();
-        assert!(
-            (est - shape.flops(Pass::Forward) * 1e-9).abs() < 1e-6,
-            "{est}"
-        );
+        let half = Shape::new(1, 12, 4096, 64);
+        let last = Pace {
+            seconds: 10.0,
+            flops: half.flops(Pass::Forward),
+            tokens: 4096,
+        };
+        let est = estimate_s(&naive, shape, &args, Some(last), false).unwrap();
+        let want = 10.0 * shape.flops(Pass::Forward) / half.flops(Pass::Forward);
+        assert!((est - want).abs() < 1e-9 && est > 39.0, "{est}");
+        let est = estimate_s(&naive, shape, &args, Some(last), true).unwrap();
+        assert!((est - 20.0).abs() < 1e-9, "{est}");
         // a first row no larger than the quick call needs no estimate; a large one gets one
         assert_eq!(
             estimate_s(&naive, Shape::new(1, 12, 256, 64), &args, None, false),
