@@ -438,6 +438,27 @@ fn chart(
     Ok(scalable(svg))
 }
 
+/// The axes of a chart of the loss against the step: steps across, nats a byte up.
+fn draw_loss_axes<DB: DrawingBackend>(
+    chart: &mut ChartContext<
+        '_,
+        DB,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+) -> Result<(), String> {
+    chart
+        .configure_mesh()
+        .x_desc("step (lines: training loss of every step; markers: held-out loss)")
+        .y_desc("cross-entropy (nats a byte)")
+        .x_label_formatter(&|x: &f64| format!("{x:.0}"))
+        .y_label_formatter(&|y: &f64| format!("{y:.1}"))
+        .light_line_style(RGBColor(0xee, 0xee, 0xee))
+        .label_style(("sans-serif", 20))
+        .axis_desc_style(("sans-serif", 20))
+        .draw()
+        .map_err(|e| e.to_string())
+}
+
 /// The loss against the step: each run's training loss at every step as a line (ours solid,
 /// PyTorch's dashed), its held-out losses as markers on top.
 fn render_loss(runs: &[&Run], subtitle: &str) -> Result<String, String> {
@@ -481,17 +502,7 @@ fn render_loss(runs: &[&Run], subtitle: &str) -> Result<String, String> {
                 .y_label_area_size(85)
                 .build_cartesian_2d(0.0..x_hi, y_lo..y_hi)
                 .map_err(|x| e(&x))?;
-            chart
-                .configure_mesh()
-                .x_desc("step (lines: training loss of every step; markers: held-out loss)")
-                .y_desc("cross-entropy (nats a byte)")
-                .x_label_formatter(&|x: &f64| format!("{x:.0}"))
-                .y_label_formatter(&|y: &f64| format!("{y:.1}"))
-                .light_line_style(RGBColor(0xee, 0xee, 0xee))
-                .label_style(("sans-serif", 20))
-                .axis_desc_style(("sans-serif", 20))
-                .draw()
-                .map_err(|x| e(&x))?;
+            draw_loss_axes(&mut chart)?;
             let mut markers: Vec<(Look, Vec<(i32, i32)>)> = Vec::new();
             for r in runs {
                 let l = r.look();

@@ -21,7 +21,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Deserialize;
 
-use super::{Run, chart};
+use super::{Run, chart, draw_loss_axes};
 use crate::{Look, Marker, PLOT_HEIGHT, draw_marker, look, three_digits};
 
 /// A run of `train-dp-*.json`: step 05's record and the fields step 07 added.
@@ -241,17 +241,7 @@ fn render_loss(pairs: &[(&DpRun, &DpRun)], subtitle: &str) -> Result<String, Str
                 .y_label_area_size(85)
                 .build_cartesian_2d(0.0..x_hi, y_lo..y_hi)
                 .map_err(|x| e(&x))?;
-            chart
-                .configure_mesh()
-                .x_desc("step (lines: training loss of every step; markers: held-out loss)")
-                .y_desc("cross-entropy (nats a byte)")
-                .x_label_formatter(&|x: &f64| format!("{x:.0}"))
-                .y_label_formatter(&|y: &f64| format!("{y:.1}"))
-                .light_line_style(RGBColor(0xee, 0xee, 0xee))
-                .label_style(("sans-serif", 20))
-                .axis_desc_style(("sans-serif", 20))
-                .draw()
-                .map_err(|x| e(&x))?;
+            draw_loss_axes(&mut chart)?;
             let mut markers = Vec::new();
             for r in &runs {
                 let l = r.look();

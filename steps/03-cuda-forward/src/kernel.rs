@@ -395,7 +395,8 @@ pub fn compile_spin(arch: &'static str) -> Result<Ptx, AttnError> {
     compile_ptx_with_opts(SPIN_CU, options).map_err(|e| compile_error("spin", e))
 }
 
-pub(crate) fn unsupported_head_dim(head_dim: usize) -> AttnError {
+/// The error for a head dim the kernels lack, naming the ones they take.
+pub fn unsupported_head_dim(head_dim: usize) -> AttnError {
     AttnError::UnsupportedHeadDim {
         head_dim,
         supported: HEAD_DIMS.map(|d| d.to_string()).join(", "),

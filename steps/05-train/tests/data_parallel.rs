@@ -8,6 +8,8 @@
 //! averaged gradients. Without GPUs, what can be checked is that bad requests are refused, with
 //! a reason, before anything loads.
 
+mod common;
+use common::corpus;
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -16,7 +18,7 @@ use step05_train::cuda::{AttentionKind, GpuTrainer};
 use step05_train::data::train_batch;
 use step05_train::optim::{AdamWSettings, Schedule};
 use step05_train::train::RunRecord;
-use step05_train::{Config, Corpus, Settings, Trainer, train};
+use step05_train::{Config, Settings, Trainer, train};
 
 /// A step's loss on two GPUs against one GPU's, relatively, at every step of the run: the
 /// same model, weights and batches; only the rounding of bf16 products and of the sums differs
@@ -97,30 +99,6 @@ fn the_batch_splits_evenly_over_the_gpus() {
     assert_eq!(local_batch(4, 4).unwrap(), 1);
     for (batch, gpus) in [(5, 2), (2, 4), (0, 2), (4, 0)] {
         assert!(local_batch(batch, gpus).is_err(), "{batch} over {gpus}");
-    }
-}
-
-/// Text to draw batches from: this crate's own sources, embedded so the test binary carries
-/// them to the GPU machine.
-fn corpus() -> Corpus {
-    let train = [
-        include_str!("../src/model.rs"),
-        include_str!("../src/layers.rs"),
-        include_str!("../src/train.rs"),
-        include_str!("../src/data.rs"),
-    ]
-    .concat();
-    let heldout = [
-        include_str!("../src/optim.rs"),
-        include_str!("../src/checkpoint.rs"),
-    ]
-    .concat();
-    Corpus {
-        source: "step05-train's sources".into(),
-        train: train.into_bytes(),
-        heldout: heldout.into_bytes(),
-        train_files: 4,
-        heldout_files: 2,
     }
 }
 

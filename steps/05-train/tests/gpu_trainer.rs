@@ -10,13 +10,14 @@
 //! each tensor's gradient within [`GRAD_TOL`] in relative L2 norm, `‖g_gpu − g_cpu‖ / ‖g_cpu‖`.
 //! The measured errors are printed by each run.
 
+mod common;
+use common::corpus;
 use ndarray::Array2;
 use step05_train::cuda::{AttentionKind, GpuTrainer};
 use step05_train::data::train_batch;
 use step05_train::optim::{AdamWSettings, Schedule};
 use step05_train::{
-    AdamW, Config, Corpus, Params, Settings, Trainer, backward, clip_grad_norm, forward, loss,
-    train,
+    AdamW, Config, Params, Settings, Trainer, backward, clip_grad_norm, forward, loss, train,
 };
 
 /// The loss's relative error, GPU against CPU: measured up to 7.5e-5 on the H200.
@@ -27,30 +28,6 @@ const GRAD_TOL: f64 = 1e-2;
 /// AdamW's step: f32 on both sides, the same formula, so only the order of rounding differs
 /// (measured: 6e-8 at most).
 const ADAMW_TOL: f64 = 1e-6;
-
-/// Text to draw batches from: this crate's own sources, embedded so the test binary carries
-/// them to the GPU machine.
-fn corpus() -> Corpus {
-    let train = [
-        include_str!("../src/model.rs"),
-        include_str!("../src/layers.rs"),
-        include_str!("../src/train.rs"),
-        include_str!("../src/data.rs"),
-    ]
-    .concat();
-    let heldout = [
-        include_str!("../src/optim.rs"),
-        include_str!("../src/checkpoint.rs"),
-    ]
-    .concat();
-    Corpus {
-        source: "step05-train's sources".into(),
-        train: train.into_bytes(),
-        heldout: heldout.into_bytes(),
-        train_files: 4,
-        heldout_files: 2,
-    }
-}
 
 fn batch(batch: usize, tokens: usize, step: usize) -> (Array2<u8>, Array2<u8>) {
     let b = train_batch(&corpus().train, batch, tokens, 1337, step);

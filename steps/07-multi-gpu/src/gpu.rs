@@ -37,7 +37,9 @@ use flash_core::method::Grads;
 use flash_core::{Attention, AttnError, Shape, check_qkv, check_same};
 use ndarray::{Array3, Array4, ArrayView4, s};
 use step03_cuda_forward::by_hand::warp_per_row;
-use step03_cuda_forward::kernel::{HEAD_DIMS, TENSOR_CORES_CUH, compile_error};
+use step03_cuda_forward::kernel::{
+    HEAD_DIMS, TENSOR_CORES_CUH, compile_error, unsupported_head_dim,
+};
 use step03_cuda_forward::{
     DeviceAttention, DeviceTensor, Dtype, ForwardConfig, Gpu, alloc_error, device_error, half_dtype,
 };
@@ -69,13 +71,6 @@ pub fn compile_ring(dtype: Dtype, head_dim: usize, arch: &'static str) -> Result
     };
     compile_ptx_with_opts([TENSOR_CORES_CUH, RING_CU].concat(), options)
         .map_err(|e| compile_error("ring", e))
-}
-
-fn unsupported_head_dim(head_dim: usize) -> AttnError {
-    AttnError::UnsupportedHeadDim {
-        head_dim,
-        supported: HEAD_DIMS.map(|d| d.to_string()).join(", "),
-    }
 }
 
 /// Who the ranks are.
