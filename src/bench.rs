@@ -36,7 +36,8 @@ use flash_core::{AttnError, Shape};
 use ndarray::Array4;
 
 use flash_core::row::{self, Row};
-use flash_core::timing::{Warmup, cpu_median_ms, median_ms};
+use flash_core::timing::median_ms; // [step 03]
+use flash_core::timing::{Warmup, cpu_median_ms};
 use flash_core::{Attention, Dtype, Pass, reference};
 
 use crate::cli::{BenchArgs, PEAK_CHILD, choose};
