@@ -8,6 +8,13 @@
 // one asynchronous warpgroup product (wgmma) from shared memory, the online softmax on S in
 // registers, then o += P·v with P straight from registers. The causal mask is applied only in
 // the blocks that cross the diagonal.
+//
+// Head dim 128 rows are 256 bytes, wider than the swizzle's 128: a tile is stored as two
+// halves of 64 columns, each [rows][128 bytes] in the same swizzle, loaded by one TMA box
+// each; q·kᵀ takes its k-steps from one half then the other, and o is two accumulators of 64
+// columns. With OVERLAP=1 the products of one block run while the softmax of the next is
+// computed (FlashAttention-3's intra-warpgroup pipelining): S of block n+1 and P·v of block n
+// are issued together, and the warpgroup waits only for S before its softmax.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -39,13 +46,36 @@ typedef unsigned long long u64;
 #ifndef WGS
 #define WGS 2
 #endif
+#ifndef HEAD_DIM
 #define HEAD_DIM 64
+#endif
+#if HEAD_DIM != 64 && HEAD_DIM != 128
+#error "HEAD_DIM must be 64 or 128"
+#endif
+// halves of 64 columns (128 bytes, one swizzle row) in a row
+#define HALVES (HEAD_DIM / 64)
+#ifndef OVERLAP
+#define OVERLAP 0
+#endif
 #define BLOCK_M (64 * WGS)
 #define BLOCK_N 128
 #ifndef STAGES
 #define STAGES 2
 #endif
+// With PRODUCER_WG=1 the producer is a whole warpgroup, so that registers can move between
+// the roles (setmaxnreg acts on warpgroups): the producer gives up all but PRODUCER_REGS and
+// each consumer thread may use CONSUMER_REGS
+#ifndef PRODUCER_WG
+#define PRODUCER_WG 0
+#endif
+#if PRODUCER_WG
+#define THREADS (128 * WGS + 128)
+#define PRODUCER_REGS (WGS == 1 ? 56 : WGS == 2 ? 24 : 32)
+// what is left of the 65,536 registers, per consumer thread, in steps of 8
+#define CONSUMER_REGS (((65536 - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8 > 240 ? 240 : ((65536 - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8)
+#else
 #define THREADS (128 * WGS + 32)
+#endif
 // thread blocks each multiprocessor must fit (the register budget)
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
@@ -71,6 +101,7 @@ __device__ __forceinline__ u64 descriptor(u32 addr, u32 lbo, u32 sbo) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -92,12 +123,17 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 phase) {
   }
 }
 // One box of a rank-3 tensor map ([heads][tokens][head_dim]) into shared memory, completing
-// on `bar`.
-__device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar, int token, int head) {
+// on `bar`: `rows` rows from `token` on, 64 columns from `column`.
+__device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, u32 bar, int column, int token, int head) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"((u64)map), "r"(0), "r"(token), "r"(head), "r"(bar)
+      "l"((u64)map), "r"(column), "r"(token), "r"(head), "r"(bar)
       : "memory");
+}
+// A tile of `rows` rows, half by half: the half of columns 64h.. lands at dst + h·rows·128
+__device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar, int rows, int token, int head) {
+#pragma unroll
+  for (int h = 0; h < HALVES; ++h) tma_box(dst + h * rows * 128, map, bar, 64 * h, token, head);
 }
 
 __device__ __forceinline__ u32 pack(float lo, float hi) {
@@ -127,6 +163,91 @@ __device__ __forceinline__ void wgmma_m64n64_rs_tb(float (&d)[32], const u32 (&a
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
+
+// ANCHOR: steps
+// S = q·kᵀ for one block: 64 rows × 128 keys, HEAD_DIM/16 k-steps of 16 columns (32 bytes),
+// four in each 128-byte half; `aq` and `ak` are the first half's tiles, `q_half` and
+// `k_half` the bytes from one half to the next
+__device__ __forceinline__ void issue_scores(float (&sc)[64], u32 aq, u32 q_half, u32 ak, u32 k_half) {
+#pragma unroll
+  for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+    const u32 h = kk / 4, c = (kk % 4) * 32;
+    wgmma_m64n128_ss(sc, descriptor(aq + h * q_half + c, QK_LBO, QK_SBO), descriptor(ak + h * k_half + c, QK_LBO, QK_SBO), kk > 0);
+  }
+}
+
+// o += P·v: eight steps of 16 keys, P's fragment of step kk in p[4kk..4kk+3], v's 16 rows of
+// 128 bytes at 2048·kk in each half
+__device__ __forceinline__ void issue_pv(float (&o)[HALVES][32], const u32 (&p)[32], u32 av) {
+#pragma unroll
+  for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+    const u32 a[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+      wgmma_m64n64_rs_tb(o[h], a, descriptor(av + h * BLOCK_N * 128 + kk * 16 * 128, V_LBO, V_SBO));
+    }
+  }
+}
+
+// register 4j+e of a thread: row r0 + 8·(e/2), key first_key + 8j + 2·(lane%4) + e%2
+__device__ __forceinline__ void mask(float (&sc)[64], int first_key, int r0, int lane) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = first_key + 8 * j + 2 * (lane % 4) + (e % 2);
+      if (key > r0 + 8 * (e / 2)) sc[4 * j + e] = -INFINITY;
+    }
+  }
+}
+
+// The online softmax of one block in place: sc becomes P, m and l move on, corr[h] is what
+// the output rows so far must be multiplied by
+__device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], float (&l)[2], float (&corr)[2], float scale_log2) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * h], sc[4 * j + 2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    const float m_new = fmaxf(m[h], mx * scale_log2);
+    corr[h] = exp2f(m[h] - m_new);
+    m[h] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = exp2f(sc[4 * j + 2 * h + e] * scale_log2 - m_new);
+        sc[4 * j + 2 * h + e] = p;
+        sum += p;
+      }
+    }
+    l[h] = l[h] * corr[h] + sum;
+  }
+}
+
+__device__ __forceinline__ void rescale(float (&o)[HALVES][32], const float (&corr)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < HALVES; ++hh) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        o[hh][4 * j + 2 * h] *= corr[h];
+        o[hh][4 * j + 2 * h + 1] *= corr[h];
+      }
+    }
+  }
+}
+
+// P's fragment for the next product: S's columns 16kk..16kk+15 are registers 8kk..8kk+7
+__device__ __forceinline__ void pack_p(u32 (&p)[32], const float (&sc)[64]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) p[i] = pack(sc[2 * i], sc[2 * i + 1]);
+}
+// ANCHOR_END: steps
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
@@ -158,17 +279,20 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
 
   // ANCHOR: producer
   if (wg == WGS) {
-    // the producer: one thread of the last warp starts every copy
-    if (tid % 32 == 0) {
+#if PRODUCER_WG
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
+#endif
+    // the producer: its first thread starts every copy
+    if (tid == 128 * WGS) {
       mbar_expect_tx(smem_u32(&qbar), BLOCK_M * ROW_BYTES);
-      tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), mb * BLOCK_M, head);
+      tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), BLOCK_M, mb * BLOCK_M, head);
       for (int n = 0; n < n_blocks; ++n) {
         const int s = n % STAGES;
-        // wait until both consumers are done with the keys and values last in this buffer
+        // wait until every consumer is done with the keys and values last in this buffer
         if (n >= STAGES) mbar_wait(smem_u32(&empty[s]), ((n / STAGES) - 1) & 1);
         mbar_expect_tx(smem_u32(&full[s]), 2 * BLOCK_N * ROW_BYTES);
-        tma_load(smem_u32(sk + s * BLOCK_N * ROW_BYTES), &map_k, smem_u32(&full[s]), n * BLOCK_N, head);
-        tma_load(smem_u32(sv + s * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&full[s]), n * BLOCK_N, head);
+        tma_load(smem_u32(sk + s * BLOCK_N * ROW_BYTES), &map_k, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head);
+        tma_load(smem_u32(sv + s * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head);
       }
     }
     return;
@@ -177,86 +301,79 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
 
   // ANCHOR: consumer
   // a consumer warpgroup: 64 rows, 16 per warp; each thread holds two rows, r0 and r0 + 8
+#if PRODUCER_WG
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
+#endif
   const int warp = (tid % 128) / 32, lane = tid % 32;
   const int first_row = mb * BLOCK_M + wg * 64;
   const int r0 = first_row + warp * 16 + lane / 4;
-  float o[32];
+  float o[HALVES][32];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) o[i] = 0.f;
+  for (int h = 0; h < HALVES; ++h) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[h][i] = 0.f;
+  }
   float m[2] = {-INFINITY, -INFINITY};  // running maxima, scaled to base 2
   float l[2] = {0.f, 0.f};              // this thread's part of the running sums
-  const u32 aq = smem_u32(sq) + wg * 64 * ROW_BYTES;
+  float corr[2];
+  float sc[64];
+  u32 p[32];
+  const u32 aq = smem_u32(sq) + wg * 64 * 128, q_half = BLOCK_M * 128, k_half = BLOCK_N * 128;
+  auto k_tile = [&](int n) { return smem_u32(sk + (n % STAGES) * BLOCK_N * ROW_BYTES); };
+  auto v_tile = [&](int n) { return smem_u32(sv + (n % STAGES) * BLOCK_N * ROW_BYTES); };
+  // only the blocks that cross the diagonal are masked
+  auto crosses = [&](int n) { return n * BLOCK_N + BLOCK_N - 1 > first_row; };
   mbar_wait(smem_u32(&qbar), 0);
 
-  for (int n = 0; n < n_blocks; ++n) {
-    const int s = n % STAGES;
-    mbar_wait(smem_u32(&full[s]), (n / STAGES) & 1);
-    const u32 ak = smem_u32(sk + s * BLOCK_N * ROW_BYTES);
-    const u32 av = smem_u32(sv + s * BLOCK_N * ROW_BYTES);
-
-    // S = q·kᵀ: 64 rows × 128 keys, four steps of 16 along the head dim (32 bytes of a row)
-    float sc[64];
+#if OVERLAP
+  // block 0's scores and softmax alone; then each step issues block n's scores and block
+  // n-1's P·v together, and the softmax of block n runs while P·v is on the tensor cores
+  mbar_wait(smem_u32(&full[0]), 0);
+  wgmma_fence();
+  issue_scores(sc, aq, q_half, k_tile(0), k_half);
+  wgmma_commit();
+  wgmma_wait0();
+  if (crosses(0)) mask(sc, 0, r0, lane);
+  softmax(sc, m, l, corr, scale_log2);
+  pack_p(p, sc);
+  for (int n = 1; n < n_blocks; ++n) {
+    mbar_wait(smem_u32(&full[n % STAGES]), (n / STAGES) & 1);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-      wgmma_m64n128_ss(sc, descriptor(aq + kk * 32, QK_LBO, QK_SBO), descriptor(ak + kk * 32, QK_LBO, QK_SBO), kk > 0);
-    }
+    issue_scores(sc, aq, q_half, k_tile(n), k_half);
+    wgmma_commit();
+    issue_pv(o, p, v_tile(n - 1));
+    wgmma_commit();
+    wgmma_wait1();  // the scores are ready; P·v may still run
+    if (crosses(n)) mask(sc, n * BLOCK_N, r0, lane);
+    softmax(sc, m, l, corr, scale_log2);
+    wgmma_wait0();  // P·v of block n-1 is done: o may be rescaled, p rewritten
+    if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[(n - 1) % STAGES]));
+    rescale(o, corr);
+    pack_p(p, sc);
+  }
+  wgmma_fence();
+  issue_pv(o, p, v_tile(n_blocks - 1));
+  wgmma_commit();
+  wgmma_wait0();
+#else
+  for (int n = 0; n < n_blocks; ++n) {
+    mbar_wait(smem_u32(&full[n % STAGES]), (n / STAGES) & 1);
+    wgmma_fence();
+    issue_scores(sc, aq, q_half, k_tile(n), k_half);
     wgmma_commit();
     wgmma_wait0();
-
-    // register 4j+e of a thread: row r0 + 8·(e/2), key n·BLOCK_N + 8j + 2·(lane%4) + e%2
-    if (n * BLOCK_N + BLOCK_N - 1 > first_row) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = n * BLOCK_N + 8 * j + 2 * (lane % 4) + (e % 2);
-          if (key > r0 + 8 * (e / 2)) sc[4 * j + e] = -INFINITY;
-        }
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(sc[4 * j + 2 * h], sc[4 * j + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      const float m_new = fmaxf(m[h], mx * scale_log2);
-      const float corr = exp2f(m[h] - m_new);
-      m[h] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p = exp2f(sc[4 * j + 2 * h + e] * scale_log2 - m_new);
-          sc[4 * j + 2 * h + e] = p;
-          sum += p;
-        }
-      }
-      l[h] = l[h] * corr + sum;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        o[4 * j + 2 * h] *= corr;
-        o[4 * j + 2 * h + 1] *= corr;
-      }
-    }
-
-    // o += P·v: eight steps of 16 keys, P's fragment of step kk from S's columns 16kk..16kk+15,
-    // v's 16 rows of 128 bytes at 2048·kk
+    if (crosses(n)) mask(sc, n * BLOCK_N, r0, lane);
+    softmax(sc, m, l, corr, scale_log2);
+    rescale(o, corr);
+    pack_p(p, sc);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-      const u32 a[4] = {pack(sc[8 * kk + 0], sc[8 * kk + 1]), pack(sc[8 * kk + 2], sc[8 * kk + 3]),
-                        pack(sc[8 * kk + 4], sc[8 * kk + 5]), pack(sc[8 * kk + 6], sc[8 * kk + 7])};
-      wgmma_m64n64_rs_tb(o, a, descriptor(av + kk * 16 * ROW_BYTES, V_LBO, V_SBO));
-    }
+    issue_pv(o, p, v_tile(n));
     wgmma_commit();
     wgmma_wait0();
     // this warpgroup is done with the buffer
-    if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[s]));
+    if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[n % STAGES]));
   }
+#endif
   // ANCHOR_END: consumer
 
 #pragma unroll
@@ -269,8 +386,11 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
       const float inv = 1.f / sum;
       u32* dst = (u32*)(out + ((u64)head * tokens + row) * HEAD_DIM);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        dst[4 * j + (lane % 4)] = pack(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      for (int hh = 0; hh < HALVES; ++hh) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          dst[32 * hh + 4 * j + (lane % 4)] = pack(o[hh][4 * j + 2 * h] * inv, o[hh][4 * j + 2 * h + 1] * inv);
+        }
       }
       if (lane % 4 == 0) lse[(u64)head * tokens + row] = (m[h] + __log2f(sum)) * 0.6931471805599453f;
     }

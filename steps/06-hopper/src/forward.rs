@@ -14,8 +14,9 @@ use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_devic
 pub const HOPPER_FORWARD_CU: &str = include_str!("../kernels/hopper_forward.cu");
 /// Its entry point.
 pub const HOPPER_FORWARD: &str = "hopper_forward";
-/// The head dims it is compiled for.
-pub const HEAD_DIMS: [usize; 1] = [64];
+/// The head dims it is compiled for: a row of 64 is one 128-byte swizzle row, a row of 128 two
+/// halves of one each.
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
 /// Keys per step (`BLOCK_N`).
 pub const BLOCK_N: usize = 128;
 
@@ -29,6 +30,12 @@ pub struct HopperConfig {
     /// Thread blocks each multiprocessor must fit (`MIN_BLOCKS`, the register budget): with
     /// one warpgroup, several blocks share a multiprocessor and take turns at its tensor cores.
     pub min_blocks: usize,
+    /// The next block's scores and this block's P·v issued together, the softmax running
+    /// while P·v is on the tensor cores (`OVERLAP`).
+    pub overlap: bool,
+    /// The producer a whole warpgroup that hands most of its registers to the consumers
+    /// (`setmaxnreg`, `PRODUCER_WG`), rather than one warp; one block a multiprocessor only.
+    pub producer_warpgroup: bool,
 }
 
 impl Default for HopperConfig {
@@ -37,28 +44,33 @@ impl Default for HopperConfig {
             warpgroups: 2,
             stages: 2,
             min_blocks: 1,
+            overlap: false,
+            producer_warpgroup: false,
         }
     }
 }
+
+/// A multiprocessor's shared memory on sm_90, and the most one thread block may take.
+const SMEM_PER_SM: usize = 228 * 1024;
+const SMEM_PER_BLOCK: usize = 227 * 1024;
 
 impl HopperConfig {
     /// The shape measured fastest for a length (`hopper-check`, H200,
     /// `measurements/hopper-check.txt`): up to 8,192 tokens one warpgroup of 64 rows a block,
     /// three blocks to a multiprocessor taking turns at its tensor cores; from 16,384 three
-    /// warpgroups a block, sharing each block of keys and values among 192 rows.
-    pub fn for_tokens(tokens: usize) -> Self {
-        if tokens >= 16384 {
-            HopperConfig {
-                warpgroups: 3,
-                stages: 2,
-                min_blocks: 1,
-            }
-        } else {
-            HopperConfig {
-                warpgroups: 1,
-                stages: 2,
-                min_blocks: 3,
-            }
+    /// warpgroups a block, sharing each block of keys and values among 192 rows. Head dim 128
+    /// takes two warpgroups a block at every length.
+    pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
+        let c = |warpgroups, min_blocks| HopperConfig {
+            warpgroups,
+            stages: 2,
+            min_blocks,
+            ..Default::default()
+        };
+        match (head_dim, tokens) {
+            (128, _) => c(2, 1),
+            (_, 16384..) => c(3, 1),
+            _ => c(1, 3),
         }
     }
 
@@ -67,9 +79,10 @@ impl HopperConfig {
         64 * self.warpgroups
     }
 
-    /// Threads per block: the consumer warpgroups and one producer warp.
+    /// Threads per block: the consumer warpgroups and a producer warp (or warpgroup).
     pub fn threads(&self) -> u32 {
-        (128 * self.warpgroups + 32) as u32
+        let producer = if self.producer_warpgroup { 128 } else { 32 };
+        (128 * self.warpgroups + producer) as u32
     }
 
     /// Dynamic shared memory for head dim `d`: q's tile and `stages` tiles of k and v, and
@@ -78,21 +91,69 @@ impl HopperConfig {
         ((self.block_m() + 2 * self.stages * BLOCK_N) * d * 2 + 1024) as u32
     }
 
-    /// The default and the shapes `hopper-check` compares it with.
-    pub fn candidates() -> Vec<HopperConfig> {
-        let c = |warpgroups, stages, min_blocks| HopperConfig {
+    /// Whether `min_blocks` blocks of this shape fit one multiprocessor's shared memory at
+    /// head dim `d` (each block also takes 1 KB the system reserves).
+    pub fn fits(&self, d: usize) -> bool {
+        let smem = self.smem_bytes(d) as usize;
+        smem <= SMEM_PER_BLOCK
+            && self.min_blocks * (smem + 1024) <= SMEM_PER_SM
+            && (!self.producer_warpgroup || self.min_blocks == 1)
+    }
+
+    /// The shapes `hopper-check` compares at head dim `d`, [`HopperConfig::for_shape`]'s
+    /// among them; every one fits (`fits`) and compiles without spills (`hopper-kernel-check`).
+    pub fn candidates(d: usize) -> Vec<HopperConfig> {
+        let c = |warpgroups, stages, min_blocks, overlap| HopperConfig {
             warpgroups,
             stages,
             min_blocks,
+            overlap,
+            producer_warpgroup: false,
         };
-        vec![
-            c(2, 2, 1),
-            c(3, 2, 1),
-            c(2, 3, 1),
-            c(1, 2, 2),
-            c(1, 2, 3),
-            c(1, 3, 2),
-        ]
+        let p = |warpgroups, stages, overlap| HopperConfig {
+            producer_warpgroup: true,
+            ..c(warpgroups, stages, 1, overlap)
+        };
+        let all = if d == 128 {
+            vec![
+                c(2, 2, 1, false),
+                c(1, 2, 1, false),
+                c(2, 3, 1, false),
+                c(1, 2, 1, true),
+                p(2, 2, false),
+                p(2, 2, true),
+                p(2, 3, true),
+            ]
+        } else {
+            vec![
+                c(2, 2, 1, false),
+                c(3, 2, 1, false),
+                c(2, 3, 1, false),
+                c(1, 2, 2, false),
+                c(1, 2, 3, false),
+                c(1, 3, 2, false),
+                c(2, 2, 1, true),
+                c(2, 3, 1, true),
+                c(1, 2, 2, true),
+                p(2, 2, true),
+                p(2, 3, true),
+                p(3, 2, true),
+            ]
+        };
+        all.into_iter().filter(|c| c.fits(d)).collect()
+    }
+
+    /// A short name for tables and PTX files: warpgroups × stages × blocks, "+overlap",
+    /// "+pwg" (a producer warpgroup).
+    pub fn name(&self) -> String {
+        format!(
+            "{}x{}x{}{}{}",
+            self.warpgroups,
+            self.stages,
+            self.min_blocks,
+            if self.overlap { "+overlap" } else { "" },
+            if self.producer_warpgroup { "+pwg" } else { "" }
+        )
     }
 }
 
@@ -117,7 +178,12 @@ impl Default for Descriptors {
 }
 
 /// Compiles the kernel for `sm_90a` (the target with `wgmma`).
-pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<Ptx, AttnError> {
+pub fn compile(
+    dtype: Dtype,
+    head_dim: usize,
+    config: HopperConfig,
+    desc: Descriptors,
+) -> Result<Ptx, AttnError> {
     let options = CompileOptions {
         arch: Some("sm_90a"),
         options: vec![
@@ -125,6 +191,9 @@ pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<
             format!("-DWGS={}", config.warpgroups),
             format!("-DSTAGES={}", config.stages),
             format!("-DMIN_BLOCKS={}", config.min_blocks),
+            format!("-DHEAD_DIM={head_dim}"),
+            format!("-DOVERLAP={}", config.overlap as u8),
+            format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
             format!("-DQK_LBO={}", desc.qk_leading),
             format!("-DQK_SBO={}", desc.qk_stride),
             format!("-DV_LBO={}", desc.v_leading),
@@ -132,11 +201,9 @@ pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<
             "--std=c++17".into(),
         ],
         name: Some(format!(
-            "hopper_forward_{}_wg{}_s{}_b{}.cu",
+            "hopper_forward_{}_d{head_dim}_{}.cu",
             dtype.name(),
-            config.warpgroups,
-            config.stages,
-            config.min_blocks
+            config.name()
         )),
         ..Default::default()
     };
@@ -152,7 +219,8 @@ unsafe impl DeviceRepr for TensorMap {}
 
 // ANCHOR: tensor_map
 /// The map of a `[batch·heads, tokens, head_dim]` tensor of 16-bit values, read in boxes of
-/// `rows` tokens of one head in the 128-byte swizzle; rows past the end read as zeros.
+/// `rows` tokens of one head and (at most) 64 columns, 128 bytes, in the 128-byte swizzle;
+/// rows past the end read as zeros.
 pub(crate) fn tensor_map(gpu: &Gpu, x: &DeviceTensor, rows: usize) -> Result<TensorMap, AttnError> {
     let s = x.shape;
     let (ptr, _sync) = x.data.device_ptr(gpu.stream());
@@ -172,7 +240,7 @@ pub(crate) fn tensor_map(gpu: &Gpu, x: &DeviceTensor, rows: usize) -> Result<Ten
                 (s.batch * s.heads) as u64,
             ],
             &[(s.head_dim * 2) as u64, (s.tokens * s.head_dim * 2) as u64],
-            &[s.head_dim as u32, rows as u32, 1],
+            &[s.head_dim.min(64) as u32, rows as u32, 1],
         )
     }
     .map_err(|r| AttnError::Device {
@@ -270,7 +338,7 @@ pub fn forward(
     let mut result = gpu.alloc_output(q.shape, q.dtype)?;
     forward_with(
         gpu,
-        HopperConfig::for_tokens(q.shape.tokens),
+        HopperConfig::for_shape(q.shape.tokens, q.shape.head_dim),
         q,
         k,
         v,
@@ -304,13 +372,23 @@ pub fn forward_with(
     if shape.is_empty() {
         return Ok(());
     }
-    let smem = config.smem_bytes(shape.head_dim);
+    let d = shape.head_dim;
+    let smem = config.smem_bytes(d);
+    if !config.fits(d) {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "the Hopper block shape {} takes {smem} bytes of shared memory a block at head dim {d}, {} blocks a multiprocessor: more than its {SMEM_PER_SM} bytes (at most {SMEM_PER_BLOCK} a block)",
+                config.name(),
+                config.min_blocks
+            ),
+        });
+    }
     let dtype = q.dtype;
     let f = gpu.kernel(
-        format!("hopper forward {dtype:?} {config:?}"),
+        format!("hopper forward {dtype:?} d{d} {}", config.name()),
         HOPPER_FORWARD,
         smem,
-        || compile(dtype, config, Descriptors::default()),
+        || compile(dtype, d, config, Descriptors::default()),
     )?;
     let block_m = config.block_m();
     let maps = [

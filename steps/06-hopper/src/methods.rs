@@ -16,7 +16,7 @@ pub fn methods() -> Vec<Method> {
             "cuda_hopper",
             "06-hopper",
             Device::Cuda,
-            "the FlashAttention forward with Hopper's instructions: TMA copies by a producer warp, wgmma products by consumer warpgroups, no T×T table (compute capability 9.0, head dim 64)",
+            "the FlashAttention forward with Hopper's instructions: TMA copies by a producer warp, wgmma products by consumer warpgroups, no T×T table (compute capability 9.0, head dims 64 and 128)",
             hopper_forward,
         )
         .with_dtype(hopper_forward_dtype)
@@ -53,8 +53,18 @@ pub fn hopper_forward_dtype(
 /// What `cuda_hopper` runs.
 pub fn implementation() -> String {
     let describe = |c: HopperConfig| {
+        let producer = if c.producer_warpgroup {
+            "a producer warpgroup that hands its registers over (setmaxnreg)"
+        } else {
+            "a producer warp"
+        };
+        let overlap = if c.overlap {
+            ", the softmax overlapped with P·v"
+        } else {
+            ""
+        };
         format!(
-            "{}x{} tiles, {} consumer warpgroup(s) and a producer warp, {} stages, {} block(s) a multiprocessor",
+            "{}x{} tiles, {} consumer warpgroup(s) and {producer}, {} stages, {} block(s) a multiprocessor{overlap}",
             c.block_m(),
             forward::BLOCK_N,
             c.warpgroups,
@@ -63,9 +73,10 @@ pub fn implementation() -> String {
         )
     };
     format!(
-        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, NVRTC sm_90a; up to 8k tokens {}; from 16k {}",
-        describe(HopperConfig::for_tokens(8192)),
-        describe(HopperConfig::for_tokens(16384))
+        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, NVRTC sm_90a; head dim 64 up to 8k tokens {}, from 16k {}; head dim 128 {}",
+        describe(HopperConfig::for_shape(8192, 64)),
+        describe(HopperConfig::for_shape(16384, 64)),
+        describe(HopperConfig::for_shape(16384, 128))
     )
 }
 
@@ -89,7 +100,7 @@ fn prepare(spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
 impl DeviceRun for Prepared {
     fn time_ms(&mut self) -> Result<f64, AttnError> {
         let (gpu, q, k, v, out) = (self.gpu, &self.q, &self.k, &self.v, &mut self.out);
-        let config = HopperConfig::for_tokens(q.shape.tokens);
+        let config = HopperConfig::for_shape(q.shape.tokens, q.shape.head_dim);
         gpu.time_ms(|| forward::forward_with(gpu, config, q, k, v, out))
     }
 

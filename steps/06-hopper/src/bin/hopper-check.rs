@@ -1,6 +1,6 @@
 //! Checks the Hopper forward kernel on the GPU and times it beside step 03's: its error
 //! against the f64 reference next to step 03's kernel's on the same inputs, then TFLOP/s of
-//! both at 4 × 12 heads. Without a GPU it compiles
+//! both at 4 × 12 heads, in every block shape and head dim. Without a GPU it compiles
 //! the kernel (NVRTC, `sm_90a`) and, with `--ptx DIR`, writes the PTX for `ptxas -v`.
 //!
 //! `cargo run --release -p step06-hopper --bin hopper-check [-- --ptx DIR]`
@@ -27,28 +27,28 @@ fn main() -> ExitCode {
 
 fn run() -> Result<bool, AttnError> {
     let args: Vec<String> = std::env::args().collect();
-    for (dtype, config) in [Dtype::Bf16, Dtype::F16]
-        .into_iter()
-        .flat_map(|d| HopperConfig::candidates().into_iter().map(move |c| (d, c)))
-    {
-        let ptx = forward::compile(dtype, config, Default::default())?;
-        println!(
-            "hopper_forward {} {config:?} compiles for sm_90a",
-            dtype.name()
-        );
-        if let [_, flag, dir] = &args[..]
-            && flag == "--ptx"
-        {
-            let path = format!(
-                "{dir}/hopper_forward_{}_{}x{}x{}.ptx",
-                dtype.name(),
-                config.warpgroups,
-                config.stages,
-                config.min_blocks
-            );
-            std::fs::write(&path, ptx.to_src()).map_err(|e| AttnError::Device {
-                what: format!("{path}: {e}"),
-            })?;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for d in forward::HEAD_DIMS {
+            for config in HopperConfig::candidates(d) {
+                let ptx = forward::compile(dtype, d, config, Default::default())?;
+                println!(
+                    "hopper_forward {} d{d} {} compiles for sm_90a",
+                    dtype.name(),
+                    config.name()
+                );
+                if let [_, flag, dir] = &args[..]
+                    && flag == "--ptx"
+                {
+                    let path = format!(
+                        "{dir}/hopper_forward_{}_d{d}_{}.ptx",
+                        dtype.name(),
+                        config.name()
+                    );
+                    std::fs::write(&path, ptx.to_src()).map_err(|e| AttnError::Device {
+                        what: format!("{path}: {e}"),
+                    })?;
+                }
+            }
         }
     }
     let gpu = match Gpu::shared() {
@@ -63,55 +63,59 @@ fn run() -> Result<bool, AttnError> {
 
     let mut all = true;
     for dtype in [Dtype::Bf16, Dtype::F16] {
-        for (b, h, t) in [
-            (1, 2, 64),
-            (1, 2, 128),
-            (2, 3, 1000),
-            (1, 2, 2048),
-            (1, 1, 4096),
-        ] {
-            for (config, ok, line) in check_shape(gpu, Shape::new(b, h, t, 64), dtype)? {
-                println!("{} {b}x{h}x{t} {config:?}: {line}", dtype.name());
-                all &= ok;
+        for d in forward::HEAD_DIMS {
+            for (b, h, t) in [
+                (1, 2, 64),
+                (1, 2, 128),
+                (2, 3, 1000),
+                (1, 2, 2048),
+                (1, 1, 4096),
+            ] {
+                for (config, ok, line) in check_shape(gpu, Shape::new(b, h, t, d), dtype)? {
+                    println!(
+                        "{} {b}x{h}x{t} d{d} {}: {line}",
+                        dtype.name(),
+                        config.name()
+                    );
+                    all &= ok;
+                }
             }
         }
     }
 
     // speed, bf16, 4 × 12 heads
-    println!(
-        "\n| T | config | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |"
-    );
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
-    for t in [1024, 2048, 4096, 8192, 16384] {
-        let shape = Shape::new(4, 12, t, 64);
-        let [q, k, v] = random_qkv(shape, 7);
-        let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), Dtype::Bf16);
-        let (q, k, v) = (up(&q)?, up(&k)?, up(&v)?);
-        let mut out = gpu.alloc_output(shape, Dtype::Bf16)?;
-        let flash = median_ms(Warmup::Millis(300.0), 20, || {
-            gpu.time_ms(|| gpu.forward_into(&q, &k, &v, &mut out))
-        })?;
-        let tf = |ms: f64| shape.forward_flops() / ms / 1e9;
-        for config in HopperConfig::candidates() {
-            let hopper = median_ms(Warmup::Millis(300.0), 20, || {
-                gpu.time_ms(|| forward::forward_with(gpu, config, &q, &k, &v, &mut out))
+    for d in forward::HEAD_DIMS {
+        println!(
+            "\nhead dim {d}\n\n| T | config | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- |");
+        for t in [1024, 2048, 4096, 8192, 16384] {
+            let shape = Shape::new(4, 12, t, d);
+            let [q, k, v] = random_qkv(shape, 7);
+            let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), Dtype::Bf16);
+            let (q, k, v) = (up(&q)?, up(&k)?, up(&v)?);
+            let mut out = gpu.alloc_output(shape, Dtype::Bf16)?;
+            let flash = median_ms(Warmup::Millis(300.0), 20, || {
+                gpu.time_ms(|| gpu.forward_into(&q, &k, &v, &mut out))
             })?;
-            println!(
-                "| {t} | {}x{}x{} | {hopper:.3} | {:.1} | {flash:.3} | {:.1} | {:.2} |",
-                config.warpgroups,
-                config.stages,
-                config.min_blocks,
-                tf(hopper),
-                tf(flash),
-                flash / hopper
-            );
+            let tf = |ms: f64| shape.forward_flops() / ms / 1e9;
+            for config in HopperConfig::candidates(d) {
+                let hopper = median_ms(Warmup::Millis(300.0), 20, || {
+                    gpu.time_ms(|| forward::forward_with(gpu, config, &q, &k, &v, &mut out))
+                })?;
+                println!(
+                    "| {t} | {} | {hopper:.3} | {:.1} | {flash:.3} | {:.1} | {:.2} |",
+                    config.name(),
+                    tf(hopper),
+                    tf(flash),
+                    flash / hopper
+                );
+            }
         }
     }
     Ok(all)
 }
 
-/// Each candidate's error against the f64 reference, beside step 03's kernel's on the same
-/// inputs: it passes within twice step 03's (or 1e-3).
 fn check_shape(
     gpu: &Gpu,
     shape: Shape,
@@ -127,7 +131,7 @@ fn check_shape(
         error(&ours.lse, &reference.lse).max_abs,
     );
     let mut lines = Vec::new();
-    for config in HopperConfig::candidates() {
+    for config in HopperConfig::candidates(shape.head_dim) {
         let mut out = gpu.alloc_output(shape, dtype)?;
         forward::forward_with(gpu, config, &dq, &dk, &dv, &mut out)?;
         let hopper = gpu.download_attention(&out)?;
