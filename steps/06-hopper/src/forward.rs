@@ -10,7 +10,9 @@ use flash_core::{AttnError, Shape};
 use step03_cuda_forward::kernel::compile_error;
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error};
 
-/// The forward kernel's source.
+/// What step 06's kernels share: types, descriptors, mbarriers, TMA copies, the products.
+pub const HOPPER_CUH: &str = include_str!("../kernels/hopper.cuh");
+/// The forward kernel's source (after [`HOPPER_CUH`]).
 pub const HOPPER_FORWARD_CU: &str = include_str!("../kernels/hopper_forward.cu");
 /// Its entry point.
 pub const HOPPER_FORWARD: &str = "hopper_forward";
@@ -207,7 +209,8 @@ pub fn compile(
         )),
         ..Default::default()
     };
-    compile_ptx_with_opts(HOPPER_FORWARD_CU, options).map_err(|e| compile_error(HOPPER_FORWARD, e))
+    compile_ptx_with_opts(format!("{HOPPER_CUH}\n{HOPPER_FORWARD_CU}"), options)
+        .map_err(|e| compile_error(HOPPER_FORWARD, e))
 }
 
 /// A tensor map as a kernel parameter: 128 bytes, aligned on 64.
