@@ -525,6 +525,59 @@ pub fn backward_full(
 }
 // [/step 07]
 
+/// δ = rowsum(dO ∘ O) for every row, the backward's first launch, with its kernel
+/// from the default tile shape's module (any shape's computes the same): for a backward of
+/// other kernels that starts from it.
+pub fn delta(
+    gpu: &Gpu,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<CudaSlice<f32>, AttnError> {
+    let (dtype, head_dim) = (dout.dtype, dout.shape.head_dim);
+    let config = BackwardConfig::for_head_dim(head_dim);
+    let f = kernel(gpu, dtype, head_dim, config, "backward_delta", 0)?;
+    launch_delta(gpu, &f, fwd, dout)
+}
+
+/// One launch of `backward_delta` (`f`): a warp per row.
+fn launch_delta(
+    gpu: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<CudaSlice<f32>, AttnError> {
+    let rows = dout.shape.batch * dout.shape.heads * dout.shape.tokens;
+    if fwd.out.data.len() != dout.data.len() || fwd.lse.len() != rows {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "the forward's output holds {} values and its lse {}; dout {} has {} and {rows} rows",
+                fwd.out.data.len(),
+                fwd.lse.len(),
+                dout.shape,
+                dout.data.len()
+            ),
+        });
+    }
+    // SAFETY: backward_delta writes every row
+    let mut delta: CudaSlice<f32> =
+        unsafe { gpu.stream().alloc(rows.max(1)) }.map_err(device_error("allocating delta"))?;
+    if rows == 0 {
+        return Ok(delta);
+    }
+    let rows_i = rows as i64;
+    let mut launch = gpu.stream().launch_builder(f);
+    launch
+        .arg(&fwd.out.data)
+        .arg(&dout.data)
+        .arg(&mut delta)
+        .arg(&rows_i);
+    let cfg = warp_per_row(rows, "backward_delta")?;
+    // SAFETY: out and dout hold `rows` rows of the head dim (checked above); the kernel
+    // reads them and writes one δ per row
+    unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_delta"))?;
+    Ok(delta)
+}
+
 // ANCHOR: launch_backward
 /// The backward's three launches, with kernels from `kernels(entry, shared memory)`.
 #[allow(clippy::too_many_arguments)]
@@ -540,7 +593,6 @@ fn launch_backward(
     mark: &mut dyn FnMut() -> Result<(), AttnError>,
 ) -> Result<DeviceGrads, AttnError> {
     let shape = check_backward_device(q, k, v, fwd, dout)?;
-    let rows = shape.batch * shape.heads * shape.tokens;
     if !HEAD_DIMS.contains(&shape.head_dim) {
         return Err(AttnError::UnsupportedHeadDim {
             head_dim: shape.head_dim,
@@ -565,9 +617,6 @@ fn launch_backward(
     if shape.is_empty() {
         return Ok(grads);
     }
-    // SAFETY: as above, backward_delta writes every row
-    let mut delta: CudaSlice<f32> =
-        unsafe { stream.alloc(rows) }.map_err(device_error("allocating delta"))?;
     let (t, scale) = (shape.tokens as i32, 1.0 / (shape.head_dim as f32).sqrt());
     let heads = (shape.batch * shape.heads) as u32;
     let blocks = shape.tokens.div_ceil(block) as u32;
@@ -576,18 +625,7 @@ fn launch_backward(
     // dk/dv or dq, and together they write all of them; each gets the dynamic shared memory its
     // layout needs, which Gpu::kernel has allowed it.
     mark()?;
-    {
-        let f = kernels("backward_delta", 0)?;
-        let rows_i = rows as i64;
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(&fwd.out.data)
-            .arg(&dout.data)
-            .arg(&mut delta)
-            .arg(&rows_i);
-        let cfg = warp_per_row(rows, "backward_delta")?;
-        unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_delta"))?;
-    }
+    let delta = launch_delta(gpu, &kernels("backward_delta", 0)?, fwd, dout)?;
     mark()?;
     // the head is blockIdx.x, so the longest blocks of every head go first
     let cfg = |grid_y, smem| LaunchConfig {

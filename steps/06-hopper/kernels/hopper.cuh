@@ -176,14 +176,26 @@ __device__ __forceinline__ void wgmma_m64n64_rs_tb(float (&d)[32], const u32 (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-// A product of N columns from shared memory: N = 64 or 128
+// d[16] (+)= A·B for one k-step of 16, A and B from shared memory (both K-major): N = 32
+__device__ __forceinline__ void wgmma_m64n32_ss(float (&d)[16], u64 da, u64 db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." ELEM "." ELEM " "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// A product of N columns from shared memory: N = 32, 64 or 128
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 da, u64 db, int scale_d) {
   if constexpr (N == 128) {
     wgmma_m64n128_ss(d, da, db, scale_d);
-  } else {
-    static_assert(N == 64, "N is 64 or 128");
+  } else if constexpr (N == 64) {
     wgmma_m64n64_ss(d, da, db, scale_d);
+  } else {
+    static_assert(N == 32, "N is 32, 64 or 128");
+    wgmma_m64n32_ss(d, da, db, scale_d);
   }
 }
 

@@ -53,8 +53,8 @@ impl Default for HopperConfig {
 }
 
 /// A multiprocessor's shared memory on sm_90, and the most one thread block may take.
-const SMEM_PER_SM: usize = 228 * 1024;
-const SMEM_PER_BLOCK: usize = 227 * 1024;
+pub(crate) const SMEM_PER_SM: usize = 228 * 1024;
+pub(crate) const SMEM_PER_BLOCK: usize = 227 * 1024;
 
 impl HopperConfig {
     /// The shape measured fastest for a length (`hopper-check`, H200,

@@ -1,6 +1,7 @@
 //! Checks the Hopper forward kernel on the GPU and times it beside step 03's: its error
 //! against the f64 reference next to step 03's kernel's on the same inputs, then TFLOP/s of
-//! both at 4 × 12 heads, in every block shape and head dim. Without a GPU it compiles
+//! both at 4 × 12 heads, in every block shape and head dim; then the same for the backward
+//! kernels beside step 04's (`--backward` for the backward alone). Without a GPU it compiles
 //! the kernel (NVRTC, `sm_90a`) and, with `--ptx DIR`, writes the PTX for `ptxas -v`.
 //!
 //! `cargo run --release -p step06-hopper --bin hopper-check [-- --ptx DIR]`
@@ -12,6 +13,8 @@ use flash_core::reference::{attention_f64, error};
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
 use step03_cuda_forward::{Dtype, Gpu};
+use step04_backward::cuda as step04;
+use step06_hopper::backward::{self, BackwardConfigs};
 use step06_hopper::forward::{self, HopperConfig};
 
 fn main() -> ExitCode {
@@ -27,6 +30,8 @@ fn main() -> ExitCode {
 
 fn run() -> Result<bool, AttnError> {
     let args: Vec<String> = std::env::args().collect();
+    let backward_only = args.iter().any(|a| a == "--backward");
+    let args: Vec<String> = args.into_iter().filter(|a| a != "--backward").collect();
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for d in forward::HEAD_DIMS {
             for config in HopperConfig::candidates(d) {
@@ -60,7 +65,15 @@ fn run() -> Result<bool, AttnError> {
     };
     println!("{}", gpu.describe());
     forward::check_hopper(gpu)?;
+    let mut all = true;
+    if !backward_only {
+        all &= check_forward(gpu)?;
+    }
+    all &= check_backward(gpu)?;
+    Ok(all)
+}
 
+fn check_forward(gpu: &Gpu) -> Result<bool, AttnError> {
     let mut all = true;
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for d in forward::HEAD_DIMS {
@@ -148,4 +161,85 @@ fn check_shape(
         ));
     }
     Ok(lines)
+}
+
+/// The backward's block shapes against the f64 reference beside step 04's kernels, then
+/// their speed (the backward alone, after one forward) at 4 × 12 heads in bf16.
+fn check_backward(gpu: &Gpu) -> Result<bool, AttnError> {
+    use flash_core::inputs::random_normal;
+    use step04_backward::reference::backward_f64;
+    let mut all = true;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for d in forward::HEAD_DIMS {
+            for (b, h, t) in [(1, 2, 77), (2, 3, 1000), (1, 1, 4097)] {
+                let shape = Shape::new(b, h, t, d);
+                let [q, k, v] = random_qkv(shape, 12);
+                let dout = random_normal(shape, 13);
+                let want = backward_f64(q.view(), k.view(), v.view(), dout.view())?;
+                let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), dtype);
+                let (q, k, v, dout) = (up(&q)?, up(&k)?, up(&v)?, up(&dout)?);
+                let fwd = gpu.forward(&q, &k, &v)?;
+                let errors = |g: &step04::DeviceGrads| -> Result<[f64; 3], AttnError> {
+                    let got = [&g.dq, &g.dk, &g.dv].map(|x| gpu.download(x));
+                    let want = [&want.dq, &want.dk, &want.dv];
+                    let mut e = [0.0; 3];
+                    for i in 0..3 {
+                        e[i] = error(got[i].as_ref().map_err(Clone::clone)?, want[i]).max_abs;
+                    }
+                    Ok(e)
+                };
+                let theirs = errors(&step04::backward(gpu, &q, &k, &v, &fwd, &dout)?)?;
+                for configs in BackwardConfigs::candidates(d) {
+                    let ours = errors(&backward::backward_with(
+                        gpu, configs, &q, &k, &v, &fwd, &dout,
+                    )?)?;
+                    let ok = (0..3).all(|i| ours[i] <= (2.0 * theirs[i]).max(1e-3));
+                    all &= ok;
+                    println!(
+                        "{} {b}x{h}x{t} d{d} {}: dq/dk/dv max |err| {:.2e} {:.2e} {:.2e} (step 04 {:.2e} {:.2e} {:.2e}) {}",
+                        dtype.name(),
+                        configs.name(),
+                        ours[0],
+                        ours[1],
+                        ours[2],
+                        theirs[0],
+                        theirs[1],
+                        theirs[2],
+                        if ok { "ok" } else { "WRONG" }
+                    );
+                }
+            }
+        }
+    }
+    for d in forward::HEAD_DIMS {
+        println!(
+            "\nbackward, head dim {d}\n\n| T | config | hopper ms | hopper TFLOP/s | step 04 ms | step 04 TFLOP/s | ratio |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- |");
+        for t in [1024, 2048, 4096, 8192, 16384] {
+            let shape = Shape::new(4, 12, t, d);
+            let [q, k, v] = random_qkv(shape, 7);
+            let dout = random_normal(shape, 8);
+            let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), Dtype::Bf16);
+            let (q, k, v, dout) = (up(&q)?, up(&k)?, up(&v)?, up(&dout)?);
+            let fwd = gpu.forward(&q, &k, &v)?;
+            let theirs = median_ms(Warmup::Millis(300.0), 20, || {
+                gpu.time_ms(|| step04::backward(gpu, &q, &k, &v, &fwd, &dout))
+            })?;
+            let tf = |ms: f64| shape.backward_flops() / ms / 1e9;
+            for configs in BackwardConfigs::candidates(d) {
+                let ours = median_ms(Warmup::Millis(300.0), 20, || {
+                    gpu.time_ms(|| backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout))
+                })?;
+                println!(
+                    "| {t} | {} | {ours:.3} | {:.1} | {theirs:.3} | {:.1} | {:.2} |",
+                    configs.name(),
+                    tf(ours),
+                    tf(theirs),
+                    theirs / ours
+                );
+            }
+        }
+    }
+    Ok(all)
 }

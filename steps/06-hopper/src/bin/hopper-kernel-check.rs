@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::ptxas::{self, Variant};
+use step06_hopper::backward::{self, BackwardConfigs};
 use step06_hopper::forward::{self, HopperConfig};
 use step06_hopper::probe;
 
@@ -39,6 +40,12 @@ fn main() -> ExitCode {
                     kernels.push(Variant::used(
                         format!("hopper_forward_{}_d{d}_{}", dtype.name(), c.name()),
                         forward::compile(dtype, d, c, Default::default()),
+                    ));
+                }
+                for (entry, c) in BackwardConfigs::shapes(d) {
+                    kernels.push(Variant::used(
+                        format!("{entry}_{}_d{d}_{}", dtype.name(), c.name()),
+                        backward::compile(dtype, d, entry, c),
                     ));
                 }
             }
