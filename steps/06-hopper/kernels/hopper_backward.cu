@@ -66,13 +66,15 @@ __device__ __forceinline__ void produce(const TensorMap* map_a0, const TensorMap
   }
 }
 
-// The barriers and roles both kernels start with: "full" counts the producer warp's 32
-// lanes (and the copies' bytes), "empty" the consumer warpgroups
+// The barriers both kernels start with: "full" counts the producer warp's 32 lanes (and the
+// copies' bytes), "empty" every consumer warp. A warp arrives on "empty" only after its own
+// wait on "full": a warpgroup that skips a block could otherwise release the stage while one
+// of its warps has yet to see it full, and that warp would then wait on a phase two behind
 __device__ __forceinline__ void init_barriers(u64* own_bar, u64* full, u64* empty) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(smem_u32(&full[s]), 32);
-      mbar_init(smem_u32(&empty[s]), WGS);
+      mbar_init(smem_u32(&empty[s]), 4 * WGS);
     }
     mbar_init(smem_u32(own_bar), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -138,6 +140,8 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       issue_abt<STREAM>(dpt, av, kv_half, ado, STREAM * 128);  // dPᵀ = v·dOᵀ
       wgmma_commit();
       wgmma_wait0();
+      fence_operands(st);
+      fence_operands(dpt);
       // register 4j+e: key kr0 + 8·(e/2), query q0 + 8j + 2·(lane%4) + e%2; only a block that
       // reaches a query before one of these keys is masked
       const bool masked = q0 < kw0 + 63;
@@ -159,9 +163,12 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
       wgmma_commit();
       wgmma_wait0();
+      fence_operands(dv);
+      fence_operands(dk);
     }
-    // this warpgroup is done with the buffer
-    if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[s]));
+    // this warp is done with the buffer
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
   }
   const u64 base = (u64)head * tokens * HEAD_DIM;
   store_rows(dk_out + base, dk, scale, kr0, tokens, lane);
@@ -234,6 +241,8 @@ hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ Tenso
       issue_abt<STREAM>(dp, ado, q_half, av, STREAM * 128);  // dP = dO·vᵀ
       wgmma_commit();
       wgmma_wait0();
+      fence_operands(sc);
+      fence_operands(dp);
       // register 4j+e: query r0 + 8·(e/2), key key0 + 8j + 2·(lane%4) + e%2
       const bool masked = key0 + STREAM - 1 > w0;
 #pragma unroll
@@ -251,8 +260,10 @@ hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ Tenso
       issue_pb<STREAM>(dq, dsf, ak, STREAM);  // dQ += dS·k  (· scale at the end)
       wgmma_commit();
       wgmma_wait0();
+      fence_operands(dq);
     }
-    if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[s]));
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
   }
   store_rows(dq_out + (u64)head * tokens * HEAD_DIM, dq, scale, r0, tokens, lane);
 }

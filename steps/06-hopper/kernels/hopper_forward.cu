@@ -157,6 +157,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   issue_abt<BLOCK_N>(sc, aq, q_half, k_tile(0), k_half);
   wgmma_commit();
   wgmma_wait0();
+  fence_operands(sc);
   if (crosses(0)) mask(sc, 0, r0, lane);
   softmax(sc, m, l, corr, scale_log2);
   pack_fragments<BLOCK_N>(p, sc);
@@ -168,9 +169,11 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     issue_pb<BLOCK_N>(o, p, v_tile(n - 1), BLOCK_N);
     wgmma_commit();
     wgmma_wait1();  // the scores are ready; P·v may still run
+    fence_operands(sc);
     if (crosses(n)) mask(sc, n * BLOCK_N, r0, lane);
     softmax(sc, m, l, corr, scale_log2);
     wgmma_wait0();  // P·v of block n-1 is done: o may be rescaled, p rewritten
+    fence_operands(o);
     if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[(n - 1) % STAGES]));
     rescale(o, corr);
     pack_fragments<BLOCK_N>(p, sc);
@@ -179,6 +182,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   issue_pb<BLOCK_N>(o, p, v_tile(n_blocks - 1), BLOCK_N);
   wgmma_commit();
   wgmma_wait0();
+  fence_operands(o);
 #else
   for (int n = 0; n < n_blocks; ++n) {
     mbar_wait(smem_u32(&full[n % STAGES]), (n / STAGES) & 1);
@@ -186,6 +190,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     issue_abt<BLOCK_N>(sc, aq, q_half, k_tile(n), k_half);
     wgmma_commit();
     wgmma_wait0();
+    fence_operands(sc);
     if (crosses(n)) mask(sc, n * BLOCK_N, r0, lane);
     softmax(sc, m, l, corr, scale_log2);
     rescale(o, corr);
@@ -194,6 +199,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     issue_pb<BLOCK_N>(o, p, v_tile(n), BLOCK_N);
     wgmma_commit();
     wgmma_wait0();
+    fence_operands(o);
     // this warpgroup is done with the buffer
     if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[n % STAGES]));
   }
