@@ -196,6 +196,7 @@ const fn ours(
     }
 }
 
+// [step 02]
 const fn peer(
     name: &'static str,
     device: &'static str,
@@ -215,6 +216,7 @@ const fn peer(
         same_memory_as: None,
     }
 }
+// [/step 02]
 
 /// Every method's look, ours in blues and greens, the peers in oranges, reds and greys; charts
 /// and tables list the methods in this order, ours first.
