@@ -1,6 +1,7 @@
 //! `cargo bench -p step06-hopper`: the Hopper forward kernel on the tutorial's GPU shape (4
 //! sequences, 12 heads, head dim 64, bf16) at lengths short enough for criterion's many samples,
-//! in the block shape `cuda_hopper` picks for each. Without a Hopper GPU it says so and measures
+//! in the block shape `cuda_hopper` picks for each. Throughput is FlashAttention's causal FLOP
+//! count, so criterion's "elem/s" reads as FLOP/s. Without a Hopper GPU it says so and measures
 //! nothing.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
