@@ -1,7 +1,8 @@
 //! `cargo bench -p step06-hopper`: the Hopper forward kernel, and its backward after it, on the
 //! tutorial's GPU shape (4 sequences, 12 heads, bf16) at head dims 64 and 128, at lengths short
-//! enough for criterion's many samples, in the block shapes `cuda_hopper` picks. Without a
-//! Hopper GPU it says so and measures nothing.
+//! enough for criterion's many samples, in the block shapes `cuda_hopper` picks. Throughput is
+//! FlashAttention's causal FLOP count, so criterion's "elem/s" reads as FLOP/s. Without a Hopper
+//! GPU it says so and measures nothing.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use flash_core::Shape;
