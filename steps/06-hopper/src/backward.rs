@@ -8,7 +8,9 @@ use step03_cuda_forward::kernel::compile_error;
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, device_error};
 use step04_backward::cuda::{DeviceGrads, check_backward_device};
 
-use crate::forward::{self, HOPPER_CUH, SMEM_PER_BLOCK, SMEM_PER_SM, check_hopper, tensor_map};
+use crate::forward::{
+    self, HOPPER_CUH, SMEM_PER_BLOCK, SMEM_PER_SM, check_hopper, check_register_pool, tensor_map,
+};
 
 /// The backward kernels' source (after [`HOPPER_CUH`]).
 pub const HOPPER_BACKWARD_CU: &str = include_str!("../kernels/hopper_backward.cu");
@@ -267,6 +269,9 @@ pub fn backward_with(
 
     let c = configs.dkdv;
     let f = kernel(HOPPER_DKDV, c)?;
+    if c.producer_warpgroup {
+        check_register_pool(&f, c.warpgroups, c.threads(), HOPPER_DKDV)?;
+    }
     let maps = [
         tensor_map(gpu, q, c.stream)?,
         tensor_map(gpu, k, c.block_rows())?,
@@ -291,6 +296,9 @@ pub fn backward_with(
 
     let c = configs.dq;
     let f = kernel(HOPPER_DQ, c)?;
+    if c.producer_warpgroup {
+        check_register_pool(&f, c.warpgroups, c.threads(), HOPPER_DQ)?;
+    }
     let maps = [
         tensor_map(gpu, q, c.block_rows())?,
         tensor_map(gpu, k, c.stream)?,

@@ -311,6 +311,44 @@ pub fn check_hopper(gpu: &Gpu) -> Result<(), AttnError> {
     Ok(())
 }
 
+/// The registers a producer warpgroup keeps and each consumer thread may take, as
+/// `hopper.cuh` sets them for `warpgroups` consumer warpgroups (`PRODUCER_REGS`,
+/// `CONSUMER_REGS`).
+pub(crate) fn producer_consumer_registers(warpgroups: usize) -> (u32, u32) {
+    let producer = match warpgroups {
+        1 => 56,
+        2 => 24,
+        _ => 32,
+    };
+    let free = (65_536 - 128 * producer) / (128 * warpgroups as u32) / 8 * 8;
+    (producer, free.min(240))
+}
+
+/// A producer warpgroup hands its registers to the consumers with `setmaxnreg`, and a
+/// consumer's `setmaxnreg.inc` waits until the block's pool holds what it asks for: the block
+/// must start with at least what both roles end with, or it would wait forever. The kernel's
+/// register count, which `ptxas` sets from the launch bounds, is checked here before a launch.
+pub(crate) fn check_register_pool(
+    f: &cudarc::driver::CudaFunction,
+    warpgroups: usize,
+    threads: u32,
+    what: &str,
+) -> Result<(), AttnError> {
+    let regs = f
+        .num_regs()
+        .map_err(device_error("reading a kernel's register count"))? as u32;
+    let (producer, consumer) = producer_consumer_registers(warpgroups);
+    let needed = 128 * producer + 128 * warpgroups as u32 * consumer;
+    if regs * threads < needed {
+        return Err(AttnError::Device {
+            what: format!(
+                "{what} was compiled with {regs} registers a thread for {threads} threads, fewer than the {needed} its producer ({producer} each) and consumers ({consumer} each) hold after setmaxnreg: launched, it would wait forever"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The checks before a launch: step 03's, a head dim this kernel takes, and a grid of at most
 /// 65,535 heads (its y dimension).
 pub fn check(q: &DeviceTensor, k: &DeviceTensor, v: &DeviceTensor) -> Result<Shape, AttnError> {
@@ -393,6 +431,9 @@ pub fn forward_with(
         smem,
         || compile(dtype, d, config, Descriptors::default()),
     )?;
+    if config.producer_warpgroup {
+        check_register_pool(&f, config.warpgroups, config.threads(), HOPPER_FORWARD)?;
+    }
     let block_m = config.block_m();
     let maps = [
         tensor_map(gpu, q, block_m)?,
@@ -425,4 +466,34 @@ pub fn forward_with(
     // each head, within the limits check() tested (grid_blocks through check_device)
     unsafe { launch.launch(config) }.map_err(device_error("launching hopper_forward"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `ptxas` gives a block of `threads` at one block a multiprocessor: the register file
+    /// shared evenly, in steps of 8 (168 for 384 threads, 128 for 512, as it reports).
+    fn launch_registers(threads: u32) -> u32 {
+        (65_536 / threads / 8 * 8).min(255)
+    }
+
+    /// Every producer-warpgroup shape starts with at least the registers its roles end with,
+    /// so `setmaxnreg.inc` never waits for registers that will not come.
+    #[test]
+    fn every_producer_warpgroup_shape_fits_the_register_file() {
+        for d in HEAD_DIMS {
+            for c in HopperConfig::candidates(d)
+                .into_iter()
+                .filter(|c| c.producer_warpgroup)
+            {
+                let (producer, consumer) = producer_consumer_registers(c.warpgroups);
+                let needed = 128 * producer + 128 * c.warpgroups as u32 * consumer;
+                let have = launch_registers(c.threads()) * c.threads();
+                assert!(needed <= have, "{}: {needed} > {have}", c.name());
+                assert!(consumer % 8 == 0 && (24..=256).contains(&consumer));
+                assert!(producer % 8 == 0 && (24..=256).contains(&producer));
+            }
+        }
+    }
 }
