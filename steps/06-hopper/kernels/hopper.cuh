@@ -58,6 +58,8 @@ typedef unsigned long long u64;
 #endif
 #if PRODUCER_WG
 #define THREADS (128 * WGS + 128)
+// src/forward.rs's producer_consumer_registers mirrors these two, and checks before a launch
+// that the block starts with the registers both roles end with
 #define PRODUCER_REGS (WGS == 1 ? 56 : WGS == 2 ? 24 : 32)
 // what is left of the 65,536 registers, per consumer thread, in steps of 8, at most 240
 #define CONSUMER_FREE (((65536 - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8)
