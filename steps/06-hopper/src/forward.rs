@@ -7,7 +7,7 @@ use cudarc::driver::sys::{
 use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::kernel::compile_error;
+use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error};
 
 /// The forward kernel's source.
@@ -118,6 +118,7 @@ impl Default for Descriptors {
 
 /// Compiles the kernel for `sm_90a` (the target with `wgmma`).
 pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<Ptx, AttnError> {
+    require_nvrtc()?;
     let options = CompileOptions {
         arch: Some("sm_90a"),
         options: vec![
