@@ -168,11 +168,7 @@ impl Gpu {
                 what: "no CUDA driver (libcuda.so) on this machine: the CUDA methods need an NVIDIA GPU and its driver".into(),
             });
         }
-        if !kernel::nvrtc_present() {
-            return Err(AttnError::Device {
-                what: "no NVRTC (libnvrtc.so) found: install the CUDA toolkit (or the nvidia-cuda-nvrtc wheel) and put its lib folder on LD_LIBRARY_PATH".into(),
-            });
-        }
+        kernel::require_nvrtc()?;
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| device_error(&format!("opening GPU {ordinal}"))(e))?;
         let (major, minor) = ctx

@@ -4,7 +4,7 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::AttnError;
-use step03_cuda_forward::kernel::compile_error;
+use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, device_error};
 use step04_backward::cuda::{DeviceGrads, check_backward_device};
 
@@ -176,6 +176,7 @@ pub fn compile(
     entry: &str,
     config: BackwardConfig,
 ) -> Result<Ptx, AttnError> {
+    require_nvrtc()?;
     let options = CompileOptions {
         arch: Some("sm_90a"),
         options: vec![

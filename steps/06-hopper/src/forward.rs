@@ -7,7 +7,7 @@ use cudarc::driver::sys::{
 use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::kernel::compile_error;
+use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error};
 
 /// What step 06's kernels share: types, descriptors, mbarriers, TMA copies, the products.
@@ -186,6 +186,7 @@ pub fn compile(
     config: HopperConfig,
     desc: Descriptors,
 ) -> Result<Ptx, AttnError> {
+    require_nvrtc()?;
     let options = CompileOptions {
         arch: Some("sm_90a"),
         options: vec![

@@ -7,7 +7,7 @@ use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::AttnError;
 use flash_core::inputs::SplitMix64;
 use half::bf16;
-use step03_cuda_forward::kernel::compile_error;
+use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
 use step03_cuda_forward::{Gpu, device_error};
 
 use crate::forward::{TensorMap, encode_tiled};
@@ -21,6 +21,7 @@ const SMEM: u32 = 3 * 8192 + 1024;
 
 /// Compiles the probe for `sm_90a`, the target with `wgmma`.
 pub fn compile() -> Result<Ptx, AttnError> {
+    require_nvrtc()?;
     let options = CompileOptions {
         arch: Some("sm_90a"),
         options: vec!["--std=c++17".into()],

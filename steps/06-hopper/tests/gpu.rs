@@ -124,3 +124,16 @@ fn no_gpu_is_an_error_not_a_panic() {
         "{e}"
     );
 }
+
+/// Without NVRTC, compiling is an error that says what is missing, not a panic inside cudarc
+/// (where NVRTC is installed there is nothing to check).
+#[test]
+fn without_nvrtc_compiling_is_an_error_not_a_panic() {
+    if step03_cuda_forward::kernel::nvrtc_present() {
+        return;
+    }
+    let e = forward::compile(Dtype::Bf16, HopperConfig::default(), Default::default()).unwrap_err();
+    assert!(e.to_string().contains("NVRTC"), "{e}");
+    let e = step06_hopper::probe::compile().unwrap_err();
+    assert!(e.to_string().contains("NVRTC"), "{e}");
+}
