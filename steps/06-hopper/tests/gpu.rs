@@ -132,8 +132,12 @@ fn without_nvrtc_compiling_is_an_error_not_a_panic() {
     if step03_cuda_forward::kernel::nvrtc_present() {
         return;
     }
-    let e = forward::compile(Dtype::Bf16, HopperConfig::default(), Default::default()).unwrap_err();
+    let e =
+        forward::compile(Dtype::Bf16, 64, HopperConfig::default(), Default::default()).unwrap_err();
     assert!(e.to_string().contains("NVRTC"), "{e}");
     let e = step06_hopper::probe::compile().unwrap_err();
+    assert!(e.to_string().contains("NVRTC"), "{e}");
+    let config = step06_hopper::backward::BackwardConfigs::for_head_dim(64).dkdv;
+    let e = step06_hopper::backward::compile(Dtype::Bf16, 64, "hopper_dkdv", config).unwrap_err();
     assert!(e.to_string().contains("NVRTC"), "{e}");
 }
