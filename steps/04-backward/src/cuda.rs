@@ -334,14 +334,7 @@ pub fn compile_backward_full(
     config: BackwardConfig,
     arch: &'static str,
 ) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-    check_compile(head_dim, config)?;
-    let mut options = backward_options(dtype, head_dim, config, arch);
-    options.options.push("-DCAUSAL=0".into());
-    options.name = options
-        .name
-        .map(|n| n.replace("flash_backward", "flash_backward_full"));
-    compile_ptx_with_opts(backward_source(), options)
-        .map_err(|e| compile_error("flash_backward (full)", e))
+    compile_backward_variant(dtype, head_dim, config, false, false, arch)
 }
 
 /// The backward kernels with each block's gradients added into `f32` sums (`-DACCUMULATE=1`:
@@ -354,22 +347,35 @@ pub fn compile_backward_accumulate(
     causal: bool,
     arch: &'static str,
 ) -> Result<cudarc::nvrtc::Ptx, AttnError> {
+    compile_backward_variant(dtype, head_dim, config, causal, true, arch)
+}
+
+/// [`compile_backward`] with `-DCAUSAL=0` unless `causal`, and `-DACCUMULATE=1` if
+/// `accumulate`; the module is named after both.
+fn compile_backward_variant(
+    dtype: Dtype,
+    head_dim: usize,
+    config: BackwardConfig,
+    causal: bool,
+    accumulate: bool,
+    arch: &'static str,
+) -> Result<cudarc::nvrtc::Ptx, AttnError> {
     check_compile(head_dim, config)?;
     let mut options = backward_options(dtype, head_dim, config, arch);
-    options.options.push("-DACCUMULATE=1".into());
+    let mut tag = String::new();
     if !causal {
         options.options.push("-DCAUSAL=0".into());
+        tag += "_full";
     }
-    let tag = if causal {
-        "accumulate"
-    } else {
-        "full_accumulate"
-    };
+    if accumulate {
+        options.options.push("-DACCUMULATE=1".into());
+        tag += "_accumulate";
+    }
     options.name = options
         .name
-        .map(|n| n.replace("flash_backward", &format!("flash_backward_{tag}")));
+        .map(|n| n.replace("flash_backward", &format!("flash_backward{tag}")));
     compile_ptx_with_opts(backward_source(), options)
-        .map_err(|e| compile_error("flash_backward (accumulate)", e))
+        .map_err(|e| compile_error(&format!("flash_backward{tag}"), e))
 }
 // [/step 07]
 
@@ -525,6 +531,59 @@ pub fn backward_full(
 }
 // [/step 07]
 
+/// δ = rowsum(dO ∘ O) for every row, the backward's first launch, with its kernel
+/// from the default tile shape's module (any shape's computes the same): for a backward of
+/// other kernels that starts from it (step 07's ring, from the merged output).
+pub fn delta(
+    gpu: &Gpu,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<CudaSlice<f32>, AttnError> {
+    let (dtype, head_dim) = (dout.dtype, dout.shape.head_dim);
+    let config = BackwardConfig::for_head_dim(head_dim);
+    let f = kernel(gpu, dtype, head_dim, config, "backward_delta", 0)?;
+    launch_delta(gpu, &f, fwd, dout)
+}
+
+/// One launch of `backward_delta` (`f`): a warp per row.
+fn launch_delta(
+    gpu: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<CudaSlice<f32>, AttnError> {
+    let rows = dout.shape.batch * dout.shape.heads * dout.shape.tokens;
+    if fwd.out.data.len() != dout.data.len() || fwd.lse.len() != rows {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "the forward's output holds {} values and its lse {}; dout {} has {} and {rows} rows",
+                fwd.out.data.len(),
+                fwd.lse.len(),
+                dout.shape,
+                dout.data.len()
+            ),
+        });
+    }
+    // SAFETY: backward_delta writes every row
+    let mut delta: CudaSlice<f32> = unsafe { gpu.stream().alloc(rows.max(1)) }
+        .map_err(alloc_error("allocating delta", rows as u128 * 4))?;
+    if rows == 0 {
+        return Ok(delta);
+    }
+    let rows_i = rows as i64;
+    let mut launch = gpu.stream().launch_builder(f);
+    launch
+        .arg(&fwd.out.data)
+        .arg(&dout.data)
+        .arg(&mut delta)
+        .arg(&rows_i);
+    let cfg = warp_per_row(rows, "backward_delta")?;
+    // SAFETY: out and dout hold `rows` rows of the head dim (checked above); the kernel
+    // reads them and writes one δ per row
+    unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_delta"))?;
+    Ok(delta)
+}
+
 // ANCHOR: launch_backward
 /// The backward's three launches, with kernels from `kernels(entry, shared memory)`.
 #[allow(clippy::too_many_arguments)]
@@ -540,7 +599,6 @@ fn launch_backward(
     mark: &mut dyn FnMut() -> Result<(), AttnError>,
 ) -> Result<DeviceGrads, AttnError> {
     let shape = check_backward_device(q, k, v, fwd, dout)?;
-    let rows = shape.batch * shape.heads * shape.tokens;
     if !HEAD_DIMS.contains(&shape.head_dim) {
         return Err(AttnError::UnsupportedHeadDim {
             head_dim: shape.head_dim,
@@ -565,9 +623,6 @@ fn launch_backward(
     if shape.is_empty() {
         return Ok(grads);
     }
-    // SAFETY: as above, backward_delta writes every row
-    let mut delta: CudaSlice<f32> =
-        unsafe { stream.alloc(rows) }.map_err(device_error("allocating delta"))?;
     let (t, scale) = (shape.tokens as i32, 1.0 / (shape.head_dim as f32).sqrt());
     let heads = (shape.batch * shape.heads) as u32;
     let blocks = shape.tokens.div_ceil(block) as u32;
@@ -576,18 +631,7 @@ fn launch_backward(
     // dk/dv or dq, and together they write all of them; each gets the dynamic shared memory its
     // layout needs, which Gpu::kernel has allowed it.
     mark()?;
-    {
-        let f = kernels("backward_delta", 0)?;
-        let rows_i = rows as i64;
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(&fwd.out.data)
-            .arg(&dout.data)
-            .arg(&mut delta)
-            .arg(&rows_i);
-        let cfg = warp_per_row(rows, "backward_delta")?;
-        unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_delta"))?;
-    }
+    let delta = launch_delta(gpu, &kernels("backward_delta", 0)?, fwd, dout)?;
     mark()?;
     // the head is blockIdx.x, so the longest blocks of every head go first
     let cfg = |grid_y, smem| LaunchConfig {
