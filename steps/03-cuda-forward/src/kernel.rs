@@ -423,16 +423,13 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// What a compile says when there is no NVRTC to compile with.
-pub const NO_NVRTC: &str = "no NVRTC (libnvrtc.so) found: install the CUDA toolkit (or the nvidia-cuda-nvrtc wheel) and put its lib folder on LD_LIBRARY_PATH";
-
 /// An error unless NVRTC can be loaded: a compile without it would panic inside cudarc.
 pub fn require_nvrtc() -> Result<(), AttnError> {
     if nvrtc_present() {
         Ok(())
     } else {
         Err(AttnError::Device {
-            what: NO_NVRTC.into(),
+            what: "no NVRTC (libnvrtc.so) found: install the CUDA toolkit (or the nvidia-cuda-nvrtc wheel) and put its lib folder on LD_LIBRARY_PATH".into(),
         })
     }
 }

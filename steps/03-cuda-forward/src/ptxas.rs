@@ -8,7 +8,7 @@ use std::process::{Command, ExitCode};
 use cudarc::nvrtc::Ptx;
 use flash_core::AttnError;
 
-use crate::kernel::nvrtc_present;
+use crate::kernel::require_nvrtc;
 
 /// One entry point as ptxas reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -117,8 +117,8 @@ pub fn main(flags: Flags, kernels: impl Fn(&'static str) -> Vec<Variant>) -> Exi
         .ptxas
         .or_else(|| std::env::var("PTXAS").ok())
         .unwrap_or_else(|| "ptxas".into());
-    if !nvrtc_present() {
-        eprintln!("NVRTC (libnvrtc.so) not found; put its lib folder on LD_LIBRARY_PATH");
+    if let Err(e) = require_nvrtc() {
+        eprintln!("error: {e}");
         return ExitCode::FAILURE;
     }
     let dir = std::env::temp_dir().join(format!("kernel-check-{}", std::process::id()));

@@ -334,14 +334,7 @@ pub fn compile_backward_full(
     config: BackwardConfig,
     arch: &'static str,
 ) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-    check_compile(head_dim, config)?;
-    let mut options = backward_options(dtype, head_dim, config, arch);
-    options.options.push("-DCAUSAL=0".into());
-    options.name = options
-        .name
-        .map(|n| n.replace("flash_backward", "flash_backward_full"));
-    compile_ptx_with_opts(backward_source(), options)
-        .map_err(|e| compile_error("flash_backward (full)", e))
+    compile_backward_variant(dtype, head_dim, config, false, false, arch)
 }
 
 /// The backward kernels with each block's gradients added into `f32` sums (`-DACCUMULATE=1`:
@@ -354,22 +347,35 @@ pub fn compile_backward_accumulate(
     causal: bool,
     arch: &'static str,
 ) -> Result<cudarc::nvrtc::Ptx, AttnError> {
+    compile_backward_variant(dtype, head_dim, config, causal, true, arch)
+}
+
+/// [`compile_backward`] with `-DCAUSAL=0` unless `causal`, and `-DACCUMULATE=1` if
+/// `accumulate`; the module is named after both.
+fn compile_backward_variant(
+    dtype: Dtype,
+    head_dim: usize,
+    config: BackwardConfig,
+    causal: bool,
+    accumulate: bool,
+    arch: &'static str,
+) -> Result<cudarc::nvrtc::Ptx, AttnError> {
     check_compile(head_dim, config)?;
     let mut options = backward_options(dtype, head_dim, config, arch);
-    options.options.push("-DACCUMULATE=1".into());
+    let mut tag = String::new();
     if !causal {
         options.options.push("-DCAUSAL=0".into());
+        tag += "_full";
     }
-    let tag = if causal {
-        "accumulate"
-    } else {
-        "full_accumulate"
-    };
+    if accumulate {
+        options.options.push("-DACCUMULATE=1".into());
+        tag += "_accumulate";
+    }
     options.name = options
         .name
-        .map(|n| n.replace("flash_backward", &format!("flash_backward_{tag}")));
+        .map(|n| n.replace("flash_backward", &format!("flash_backward{tag}")));
     compile_ptx_with_opts(backward_source(), options)
-        .map_err(|e| compile_error("flash_backward (accumulate)", e))
+        .map_err(|e| compile_error(&format!("flash_backward{tag}"), e))
 }
 // [/step 07]
 
@@ -527,7 +533,7 @@ pub fn backward_full(
 
 /// δ = rowsum(dO ∘ O) for every row, the backward's first launch, with its kernel
 /// from the default tile shape's module (any shape's computes the same): for a backward of
-/// other kernels that starts from it.
+/// other kernels that starts from it (step 07's ring, from the merged output).
 pub fn delta(
     gpu: &Gpu,
     fwd: &DeviceAttention,
@@ -559,8 +565,8 @@ fn launch_delta(
         });
     }
     // SAFETY: backward_delta writes every row
-    let mut delta: CudaSlice<f32> =
-        unsafe { gpu.stream().alloc(rows.max(1)) }.map_err(device_error("allocating delta"))?;
+    let mut delta: CudaSlice<f32> = unsafe { gpu.stream().alloc(rows.max(1)) }
+        .map_err(alloc_error("allocating delta", rows as u128 * 4))?;
     if rows == 0 {
         return Ok(delta);
     }

@@ -43,7 +43,7 @@ use step03_cuda_forward::kernel::{
 use step03_cuda_forward::{
     DeviceAttention, DeviceTensor, Dtype, ForwardConfig, Gpu, alloc_error, device_error, half_dtype,
 };
-use step04_backward::cuda::{BackwardConfig, compile_backward_accumulate};
+use step04_backward::cuda::{BackwardConfig, compile_backward_accumulate, delta};
 
 use crate::comm::{communicators, gpus, nccl_error};
 use crate::schedule::{Pair, Visibility, ZigZag, pairs};
@@ -716,31 +716,6 @@ impl RingAttention {
         )
     }
 
-    /// δ = rowsum(dO ∘ O) of one chunk of queries, from the merged output (`backward_delta`).
-    fn delta(
-        &self,
-        r: usize,
-        fwd: &DeviceAttention,
-        dout: &DeviceTensor,
-    ) -> Result<CudaSlice<f32>, AttnError> {
-        let rows = fwd.lse.len();
-        // SAFETY: backward_delta writes every row
-        let mut delta = unsafe { self.gpus[r].stream().alloc::<f32>(rows) }
-            .map_err(alloc_error("allocating delta", rows as u128 * 4))?;
-        let f = self.backward_kernel(r, "backward_delta", true, 0)?;
-        let rows_i = rows as i64;
-        let mut launch = self.gpus[r].stream().launch_builder(&f);
-        launch
-            .arg(&fwd.out.data)
-            .arg(&dout.data)
-            .arg(&mut delta)
-            .arg(&rows_i);
-        // SAFETY: out and dout hold rows · head_dim values, delta rows; a warp per row
-        unsafe { launch.launch(warp_per_row(rows, "backward_delta")?) }
-            .map_err(device_error("launching backward_delta"))?;
-        Ok(delta)
-    }
-
     // ANCHOR: backward_block
     /// One block of the backward, its shares added into `f32` sums: with `dkdv` `None`, dq's
     /// share (`backward_dq`, one thread block per 128 queries), else dk's and dv's
@@ -882,7 +857,8 @@ impl RingAttention {
         let deltas = (0..n)
             .map(|r| {
                 let (f, d) = (&fwd[r].chunks, &dout[r].chunks);
-                Ok([self.delta(r, &f[0], &d[0])?, self.delta(r, &f[1], &d[1])?])
+                let gpu = self.gpus[r];
+                Ok([delta(gpu, &f[0], &d[0])?, delta(gpu, &f[1], &d[1])?])
             })
             .collect::<Result<Vec<_>, AttnError>>()?;
         let mut recv = self.alloc_receives()?;
