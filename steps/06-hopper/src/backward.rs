@@ -96,9 +96,11 @@ pub struct BackwardConfigs {
 }
 
 impl BackwardConfigs {
-    /// The shapes for a head dim: two consumer warpgroups a block, 64 rows streamed past; at
-    /// head dim 128 dkdv's four accumulators of 64 columns leave room for 32 queries a step,
-    /// and dq takes the producer's registers.
+    /// The shapes for a head dim, measured fastest by `hopper-check` on the H200
+    /// (`measurements/hopper-check.txt`): at head dim 64 dK/dV with three consumer warpgroups
+    /// (192 keys a block) and dQ with two streaming 128 keys a step, both fed by a producer
+    /// warpgroup that gives its registers to them; at head dim 128 dkdv's four accumulators of
+    /// 64 columns leave room for 32 queries a step, and dq takes the producer's registers.
     pub fn for_head_dim(head_dim: usize) -> Self {
         if head_dim == 128 {
             BackwardConfigs {
@@ -107,8 +109,8 @@ impl BackwardConfigs {
             }
         } else {
             BackwardConfigs {
-                dkdv: BackwardConfig::new(2, 64, false),
-                dq: BackwardConfig::new(2, 64, false),
+                dkdv: BackwardConfig::new(3, 64, true),
+                dq: BackwardConfig::new(2, 128, true),
             }
         }
     }

@@ -61,7 +61,8 @@ impl HopperConfig {
     /// `measurements/hopper-check.txt`): up to 8,192 tokens one warpgroup of 64 rows a block,
     /// three blocks to a multiprocessor taking turns at its tensor cores; from 16,384 three
     /// warpgroups a block, sharing each block of keys and values among 192 rows. Head dim 128
-    /// takes two warpgroups a block at every length.
+    /// takes two warpgroups a block at every length, loaded by a producer warpgroup that gives
+    /// its registers to them (`setmaxnreg`).
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
         let c = |warpgroups, min_blocks| HopperConfig {
             warpgroups,
@@ -70,7 +71,10 @@ impl HopperConfig {
             ..Default::default()
         };
         match (head_dim, tokens) {
-            (128, _) => c(2, 1),
+            (128, _) => HopperConfig {
+                producer_warpgroup: true,
+                ..c(2, 1)
+            },
             (_, 16384..) => c(3, 1),
             _ => c(1, 3),
         }

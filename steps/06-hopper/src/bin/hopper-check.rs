@@ -1,10 +1,12 @@
 //! Checks the Hopper forward kernel on the GPU and times it beside step 03's: its error
 //! against the f64 reference next to step 03's kernel's on the same inputs, then TFLOP/s of
 //! both at 4 × 12 heads, in every block shape and head dim; then the same for the backward
-//! kernels beside step 04's (`--backward` for the backward alone). Without a GPU it compiles
-//! the kernel (NVRTC, `sm_90a`) and, with `--ptx DIR`, writes the PTX for `ptxas -v`.
+//! kernels beside step 04's (`--backward` for the backward alone, `--head-dim D` for one head
+//! dim). It first times a dense bf16 product (cuBLAS, 8192³), the rate the kernels' TFLOP/s are
+//! a fraction of. Without a GPU it compiles the kernel (NVRTC, `sm_90a`) and, with `--ptx DIR`,
+//! writes the PTX for `ptxas -v`.
 //!
-//! `cargo run --release -p step06-hopper --bin hopper-check [-- --ptx DIR]`
+//! `cargo run --release -p step06-hopper --bin hopper-check [-- --backward] [-- --head-dim 128] [-- --ptx DIR]`
 
 use std::process::ExitCode;
 
@@ -31,7 +33,25 @@ fn main() -> ExitCode {
 fn run() -> Result<bool, AttnError> {
     let args: Vec<String> = std::env::args().collect();
     let backward_only = args.iter().any(|a| a == "--backward");
-    let args: Vec<String> = args.into_iter().filter(|a| a != "--backward").collect();
+    let mut args: Vec<String> = args.into_iter().filter(|a| a != "--backward").collect();
+    let head_dims: Vec<usize> = match args.iter().position(|a| a == "--head-dim") {
+        None => forward::HEAD_DIMS.to_vec(),
+        Some(i) => {
+            let d = args
+                .get(i + 1)
+                .and_then(|v| v.parse().ok())
+                .filter(|d| forward::HEAD_DIMS.contains(d))
+                .ok_or_else(|| AttnError::Unsupported {
+                    what: format!(
+                        "--head-dim takes one of {:?}, got {:?}",
+                        forward::HEAD_DIMS,
+                        args.get(i + 1)
+                    ),
+                })?;
+            args.drain(i..i + 2);
+            vec![d]
+        }
+    };
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for d in forward::HEAD_DIMS {
             for config in HopperConfig::candidates(d) {
@@ -65,18 +85,61 @@ fn run() -> Result<bool, AttnError> {
     };
     println!("{}", gpu.describe());
     forward::check_hopper(gpu)?;
+    dense_product(gpu)?;
     let mut all = true;
     if !backward_only {
-        all &= check_forward(gpu)?;
+        all &= check_forward(gpu, &head_dims)?;
     }
-    all &= check_backward(gpu)?;
+    all &= check_backward(gpu, &head_dims)?;
     Ok(all)
 }
 
-fn check_forward(gpu: &Gpu) -> Result<bool, AttnError> {
+/// The chip's dense bf16 rate as cuBLAS reaches it: an 8192 × 8192 × 8192 product of random
+/// values, f32 accumulation, median of 20.
+fn dense_product(gpu: &Gpu) -> Result<(), AttnError> {
+    use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
+    use cudarc::cublas::{GemmConfig, StridedBatchedConfig};
+    const N: usize = 8192;
+    let shape = Shape::new(1, 1, N, N);
+    let [a, b, _] = random_qkv(shape, 3);
+    let (a, b) = (
+        gpu.upload(a.view(), Dtype::Bf16)?,
+        gpu.upload(b.view(), Dtype::Bf16)?,
+    );
+    let mut c = gpu.upload(ndarray::Array4::zeros((1, 1, N, N)).view(), Dtype::Bf16)?;
+    let n = N as i32;
+    let cfg = StridedBatchedConfig {
+        gemm: GemmConfig {
+            transa: CUBLAS_OP_N,
+            transb: CUBLAS_OP_N,
+            m: n,
+            n,
+            k: n,
+            alpha: half::bf16::ONE,
+            lda: n,
+            ldb: n,
+            beta: half::bf16::ZERO,
+            ldc: n,
+        },
+        batch_size: 1,
+        stride_a: 0,
+        stride_b: 0,
+        stride_c: 0,
+    };
+    let ms = median_ms(Warmup::Millis(300.0), 20, || {
+        gpu.time_ms(|| gpu.gemm(cfg, &a.data, &b.data, &mut c.data))
+    })?;
+    println!(
+        "dense bf16 product (cuBLAS, {N}³): {ms:.3} ms, {:.1} TFLOP/s",
+        2.0 * (N as f64).powi(3) / ms / 1e9
+    );
+    Ok(())
+}
+
+fn check_forward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
     let mut all = true;
     for dtype in [Dtype::Bf16, Dtype::F16] {
-        for d in forward::HEAD_DIMS {
+        for &d in head_dims {
             for (b, h, t) in [
                 (1, 2, 64),
                 (1, 2, 128),
@@ -97,7 +160,7 @@ fn check_forward(gpu: &Gpu) -> Result<bool, AttnError> {
     }
 
     // speed, bf16, 4 × 12 heads
-    for d in forward::HEAD_DIMS {
+    for &d in head_dims {
         println!(
             "\nhead dim {d}\n\n| T | config | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |"
         );
@@ -165,12 +228,12 @@ fn check_shape(
 
 /// The backward's block shapes against the f64 reference beside step 04's kernels, then
 /// their speed (the backward alone, after one forward) at 4 × 12 heads in bf16.
-fn check_backward(gpu: &Gpu) -> Result<bool, AttnError> {
+fn check_backward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
     use flash_core::inputs::random_normal;
     use step04_backward::reference::backward_f64;
     let mut all = true;
     for dtype in [Dtype::Bf16, Dtype::F16] {
-        for d in forward::HEAD_DIMS {
+        for &d in head_dims {
             for (b, h, t) in [(1, 2, 77), (2, 3, 1000), (1, 1, 4097)] {
                 let shape = Shape::new(b, h, t, d);
                 let [q, k, v] = random_qkv(shape, 12);
@@ -211,7 +274,7 @@ fn check_backward(gpu: &Gpu) -> Result<bool, AttnError> {
             }
         }
     }
-    for d in forward::HEAD_DIMS {
+    for &d in head_dims {
         println!(
             "\nbackward, head dim {d}\n\n| T | config | hopper ms | hopper TFLOP/s | step 04 ms | step 04 TFLOP/s | ratio |"
         );
