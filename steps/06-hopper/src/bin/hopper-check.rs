@@ -6,7 +6,7 @@
 //! a fraction of. Without a GPU it compiles the kernel (NVRTC, `sm_90a`) and, with `--ptx DIR`,
 //! writes the PTX for `ptxas -v`.
 //!
-//! `cargo run --release -p step06-hopper --bin hopper-check [-- --backward] [-- --head-dim 128] [-- --ptx DIR]`
+//! `cargo run --release -p step06-hopper --bin hopper-check [-- [--backward] [--head-dim 128] [--ptx DIR]]`
 
 use std::process::ExitCode;
 
@@ -43,15 +43,28 @@ fn run() -> Result<bool, AttnError> {
                 .filter(|d| forward::HEAD_DIMS.contains(d))
                 .ok_or_else(|| AttnError::Unsupported {
                     what: format!(
-                        "--head-dim takes one of {:?}, got {:?}",
+                        "--head-dim takes one of {:?}, got {}",
                         forward::HEAD_DIMS,
-                        args.get(i + 1)
+                        args.get(i + 1).map_or("nothing", String::as_str)
                     ),
                 })?;
             args.drain(i..i + 2);
             vec![d]
         }
     };
+    let known = match &args[1..] {
+        [] => true,
+        [flag, _] => flag == "--ptx",
+        _ => false,
+    };
+    if !known {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "hopper-check takes --backward, --head-dim D and --ptx DIR; got {:?}",
+                &args[1..]
+            ),
+        });
+    }
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for d in forward::HEAD_DIMS {
             for config in HopperConfig::candidates(d) {
