@@ -41,9 +41,11 @@ pub mod train; // [step 05]
 /// Measurements with charts of their own, apart from the main CPU and GPU ones: the rows of
 /// `data/NAME*.json` draw `NAME-*.svg` and `NAME-*.md`. A step whose method is measured in a
 /// call of its own (with the peers measured again beside it) keeps its rows here, so the
-/// charts of earlier chapters stay as those chapters measured them.
+/// charts of earlier chapters stay as those chapters measured them. A file belongs to the
+/// first set its name starts with, so a longer name comes before its prefix.
 pub const SETS: &[&str] = &[
-    "hopper", // [step 06]
+    "hopper-d128", // [step 06]
+    "hopper",      // [step 06]
 ];
 
 /// Every chart and table of `dir/data/*.json`, as `(file name, text)`: the main set's from the

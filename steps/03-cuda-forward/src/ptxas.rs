@@ -109,7 +109,7 @@ impl Variant {
 
 /// The whole kernel-check program, once its flags are parsed. `kernels` compiles every variant
 /// for an architecture. Prints one line per entry point; fails on a failed compile, a failed
-/// assembly, or any spill in a variant the library launches.
+/// assembly, or any spill or serialised `wgmma` in a variant the library launches.
 pub fn main(flags: Flags, kernels: impl Fn(&'static str) -> Vec<Variant>) -> ExitCode {
     // the compile functions take the architecture for as long as the program runs
     let arch: &'static str = Box::leak(flags.arch.into_boxed_str());
@@ -142,6 +142,20 @@ pub fn main(flags: Flags, kernels: impl Fn(&'static str) -> Vec<Variant>) -> Exi
         };
         if flags.verbose {
             println!("{log}");
+        }
+        // ptxas says when it had to serialise asynchronous products (wgmma) for want of
+        // registers: the kernel runs, but without the overlap it was written for
+        let serialised: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("Performance Loss"))
+            .collect();
+        for line in &serialised {
+            if used {
+                eprintln!("{name}: {}", line.trim());
+                failed = true;
+            } else {
+                println!("{name}: {} (a tuning candidate)", line.trim());
+            }
         }
         let reports = parse(&log);
         if reports.is_empty() {

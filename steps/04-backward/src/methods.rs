@@ -81,7 +81,7 @@ pub fn gpu_backward_dtype<const P: usize>(
 
 /// A backward on device tensors run on host arrays: the inputs and what the forward returned
 /// uploaded in `dtype`, the gradients downloaded and widened to `f32`.
-fn on_host(
+pub fn on_host(
     backward: DeviceBackwardFn,
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -121,7 +121,7 @@ fn download_grads(gpu: &Gpu, g: &DeviceGrads) -> Result<Grads, AttnError> {
 }
 
 /// [`Gpu::forward_into`]'s shape: a forward into output buffers allocated before.
-type ForwardIntoFn = fn(
+pub type ForwardIntoFn = fn(
     &Gpu,
     &DeviceTensor,
     &DeviceTensor,
@@ -129,14 +129,14 @@ type ForwardIntoFn = fn(
     &mut DeviceAttention,
 ) -> Result<(), AttnError>;
 
-/// A forward of step 03 and the backward that goes with it, on device tensors.
+/// A forward and the backward that goes with it, on device tensors.
 #[derive(Clone, Copy)]
-struct Pair {
-    forward: DeviceForwardFn,
+pub struct Pair {
+    pub forward: DeviceForwardFn,
     /// The forward into output buffers allocated once, where it has such a form: a timed run is
     /// then the kernels alone. Attention by hand allocates its table on every call anyway.
-    forward_into: Option<ForwardIntoFn>,
-    backward: DeviceBackwardFn,
+    pub forward_into: Option<ForwardIntoFn>,
+    pub backward: DeviceBackwardFn,
 }
 
 /// The GPU methods' pairs: `cuda_naive`'s, attention by hand both ways, and `cuda_flash`'s, the
@@ -170,7 +170,8 @@ struct Prepared {
     out: Option<DeviceAttention>,
 }
 
-fn prepare(pair: Pair, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+/// A pair prepared for the benchmark on the inputs `spec` describes (and a random `dout`).
+pub fn prepare(pair: Pair, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
     let gpu = Gpu::shared()?;
     let [q, k, v] = prepare_inputs(spec)?;
     let dout = gpu.upload(random_normal(spec.shape, spec.seed + 3).view(), q.dtype)?;

@@ -77,6 +77,10 @@ enum AttentionArg {
     Flash,
     /// Attention by hand: the whole table of scores in GPU memory
     ByHand,
+    // [step 06]
+    /// Step 06's kernels with Hopper's instructions (compute capability 9.0)
+    Hopper,
+    // [/step 06]
 }
 
 /// The model's shape: with --resume, the checkpoint's, and any of these given must agree.
@@ -334,11 +338,16 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
     let (run, trainer) = match args.device {
         DeviceArg::Cpu => {
             if args.attention != AttentionArg::Flash {
-                return Err(TrainError::Config(
-                    "--attention by-hand runs on the GPU only (--device cuda); the CPU model's \
+                let name = args
+                    .attention
+                    .to_possible_value()
+                    .expect("a value")
+                    .get_name()
+                    .to_string();
+                return Err(TrainError::Config(format!(
+                    "--attention {name} runs on the GPU only (--device cuda); the CPU model's \
                      attention is steps 02 and 04's"
-                        .into(),
-                ));
+                )));
             }
             if args.profile {
                 return Err(TrainError::Config(
@@ -354,6 +363,7 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
             let attention = match args.attention {
                 AttentionArg::Flash => AttentionKind::Flash,
                 AttentionArg::ByHand => AttentionKind::ByHand,
+                AttentionArg::Hopper => AttentionKind::Hopper, // [step 06]
             };
             let mut dp = DataParallel::new(
                 &trainer,
@@ -384,6 +394,7 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
             let attention = match args.attention {
                 AttentionArg::Flash => AttentionKind::Flash,
                 AttentionArg::ByHand => AttentionKind::ByHand,
+                AttentionArg::Hopper => AttentionKind::Hopper, // [step 06]
             };
             let mut gpu = GpuTrainer::new(
                 &trainer,

@@ -67,9 +67,12 @@ fn compare(what: &str, gpu: &Params<f32>, cpu: &Params<f32>) -> (f64, String) {
 }
 
 // ANCHOR: gpu_against_cpu
-fn gradients_match(attention: AttentionKind) {
-    // head dims 32 and 64 (GPT-2's); 77 tokens leave partial blocks of 64 and 128
-    for (d_model, heads) in [(64, 2), (128, 2)] {
+/// Head dims 32 and 64 (GPT-2's), as (d_model, heads).
+const HEAD_DIMS_32_64: [(usize, usize); 2] = [(64, 2), (128, 2)];
+
+fn gradients_match(attention: AttentionKind, shapes: &[(usize, usize)]) {
+    // 77 tokens leave partial blocks of 32, 64 and 128
+    for &(d_model, heads) in shapes {
         let config = Config {
             layers: 2,
             d_model,
@@ -127,14 +130,23 @@ fn gradients_match(attention: AttentionKind) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_gradients_match_the_cpu_model() {
-    gradients_match(AttentionKind::Flash);
+    gradients_match(AttentionKind::Flash, &HEAD_DIMS_32_64);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn by_hand_gradients_match_the_cpu_model() {
-    gradients_match(AttentionKind::ByHand);
+    gradients_match(AttentionKind::ByHand, &HEAD_DIMS_32_64);
 }
+
+// [step 06]
+/// Step 06's kernels inside the model, at head dims 64 and 128 (the ones they take).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_gradients_match_the_cpu_model() {
+    gradients_match(AttentionKind::Hopper, &[(128, 2), (256, 2)]);
+}
+// [/step 06]
 
 #[test]
 #[ignore = "needs a CUDA GPU"]

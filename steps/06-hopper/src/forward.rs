@@ -10,12 +10,15 @@ use flash_core::{AttnError, Shape};
 use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error};
 
-/// The forward kernel's source.
+/// What step 06's kernels share: types, descriptors, mbarriers, TMA copies, the products.
+pub const HOPPER_CUH: &str = include_str!("../kernels/hopper.cuh");
+/// The forward kernel's source (after [`HOPPER_CUH`]).
 pub const HOPPER_FORWARD_CU: &str = include_str!("../kernels/hopper_forward.cu");
 /// Its entry point.
 pub const HOPPER_FORWARD: &str = "hopper_forward";
-/// The head dims it is compiled for.
-pub const HEAD_DIMS: [usize; 1] = [64];
+/// The head dims it is compiled for: a row of 64 is one 128-byte swizzle row, a row of 128 two
+/// halves of one each.
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
 /// Keys per step (`BLOCK_N`).
 pub const BLOCK_N: usize = 128;
 
@@ -29,6 +32,12 @@ pub struct HopperConfig {
     /// Thread blocks each multiprocessor must fit (`MIN_BLOCKS`, the register budget): with
     /// one warpgroup, several blocks share a multiprocessor and take turns at its tensor cores.
     pub min_blocks: usize,
+    /// The next block's scores and this block's P·v issued together, the softmax running
+    /// while P·v is on the tensor cores (`OVERLAP`).
+    pub overlap: bool,
+    /// The producer a whole warpgroup that hands most of its registers to the consumers
+    /// (`setmaxnreg`, `PRODUCER_WG`), rather than one warp; one block a multiprocessor only.
+    pub producer_warpgroup: bool,
 }
 
 impl Default for HopperConfig {
@@ -37,28 +46,37 @@ impl Default for HopperConfig {
             warpgroups: 2,
             stages: 2,
             min_blocks: 1,
+            overlap: false,
+            producer_warpgroup: false,
         }
     }
 }
+
+/// A multiprocessor's shared memory on sm_90, and the most one thread block may take.
+pub(crate) const SMEM_PER_SM: usize = 228 * 1024;
+pub(crate) const SMEM_PER_BLOCK: usize = 227 * 1024;
 
 impl HopperConfig {
     /// The shape measured fastest for a length (`hopper-check`, H200,
     /// `measurements/hopper-check.txt`): up to 8,192 tokens one warpgroup of 64 rows a block,
     /// three blocks to a multiprocessor taking turns at its tensor cores; from 16,384 three
-    /// warpgroups a block, sharing each block of keys and values among 192 rows.
-    pub fn for_tokens(tokens: usize) -> Self {
-        if tokens >= 16384 {
-            HopperConfig {
-                warpgroups: 3,
-                stages: 2,
-                min_blocks: 1,
-            }
-        } else {
-            HopperConfig {
-                warpgroups: 1,
-                stages: 2,
-                min_blocks: 3,
-            }
+    /// warpgroups a block, sharing each block of keys and values among 192 rows. Head dim 128
+    /// takes two warpgroups a block at every length, loaded by a producer warpgroup that gives
+    /// its registers to them (`setmaxnreg`).
+    pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
+        let c = |warpgroups, min_blocks| HopperConfig {
+            warpgroups,
+            stages: 2,
+            min_blocks,
+            ..Default::default()
+        };
+        match (head_dim, tokens) {
+            (128, _) => HopperConfig {
+                producer_warpgroup: true,
+                ..c(2, 1)
+            },
+            (_, 16384..) => c(3, 1),
+            _ => c(1, 3),
         }
     }
 
@@ -67,9 +85,10 @@ impl HopperConfig {
         64 * self.warpgroups
     }
 
-    /// Threads per block: the consumer warpgroups and one producer warp.
+    /// Threads per block: the consumer warpgroups and a producer warp (or warpgroup).
     pub fn threads(&self) -> u32 {
-        (128 * self.warpgroups + 32) as u32
+        let producer = if self.producer_warpgroup { 128 } else { 32 };
+        (128 * self.warpgroups + producer) as u32
     }
 
     /// Dynamic shared memory for head dim `d`: q's tile and `stages` tiles of k and v, and
@@ -78,21 +97,69 @@ impl HopperConfig {
         ((self.block_m() + 2 * self.stages * BLOCK_N) * d * 2 + 1024) as u32
     }
 
-    /// The default and the shapes `hopper-check` compares it with.
-    pub fn candidates() -> Vec<HopperConfig> {
-        let c = |warpgroups, stages, min_blocks| HopperConfig {
+    /// Whether `min_blocks` blocks of this shape fit one multiprocessor's shared memory at
+    /// head dim `d` (each block also takes 1 KB the system reserves).
+    pub fn fits(&self, d: usize) -> bool {
+        let smem = self.smem_bytes(d) as usize;
+        smem <= SMEM_PER_BLOCK
+            && self.min_blocks * (smem + 1024) <= SMEM_PER_SM
+            && (!self.producer_warpgroup || self.min_blocks == 1)
+    }
+
+    /// The shapes `hopper-check` compares at head dim `d`, [`HopperConfig::for_shape`]'s
+    /// among them; every one fits (`fits`) and compiles without spills (`hopper-kernel-check`).
+    pub fn candidates(d: usize) -> Vec<HopperConfig> {
+        let c = |warpgroups, stages, min_blocks, overlap| HopperConfig {
             warpgroups,
             stages,
             min_blocks,
+            overlap,
+            producer_warpgroup: false,
         };
-        vec![
-            c(2, 2, 1),
-            c(3, 2, 1),
-            c(2, 3, 1),
-            c(1, 2, 2),
-            c(1, 2, 3),
-            c(1, 3, 2),
-        ]
+        let p = |warpgroups, stages, overlap| HopperConfig {
+            producer_warpgroup: true,
+            ..c(warpgroups, stages, 1, overlap)
+        };
+        let all = if d == 128 {
+            vec![
+                c(2, 2, 1, false),
+                c(1, 2, 1, false),
+                c(2, 3, 1, false),
+                c(1, 2, 1, true),
+                p(2, 2, false),
+                p(2, 2, true),
+                p(2, 3, true),
+            ]
+        } else {
+            vec![
+                c(2, 2, 1, false),
+                c(3, 2, 1, false),
+                c(2, 3, 1, false),
+                c(1, 2, 2, false),
+                c(1, 2, 3, false),
+                c(1, 3, 2, false),
+                c(2, 2, 1, true),
+                c(2, 3, 1, true),
+                c(1, 2, 2, true),
+                p(2, 2, true),
+                p(2, 3, true),
+                p(3, 2, true),
+            ]
+        };
+        all.into_iter().filter(|c| c.fits(d)).collect()
+    }
+
+    /// A short name for tables and PTX files: warpgroups × stages × blocks, "+overlap",
+    /// "+pwg" (a producer warpgroup).
+    pub fn name(&self) -> String {
+        format!(
+            "{}x{}x{}{}{}",
+            self.warpgroups,
+            self.stages,
+            self.min_blocks,
+            if self.overlap { "+overlap" } else { "" },
+            if self.producer_warpgroup { "+pwg" } else { "" }
+        )
     }
 }
 
@@ -117,7 +184,12 @@ impl Default for Descriptors {
 }
 
 /// Compiles the kernel for `sm_90a` (the target with `wgmma`).
-pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<Ptx, AttnError> {
+pub fn compile(
+    dtype: Dtype,
+    head_dim: usize,
+    config: HopperConfig,
+    desc: Descriptors,
+) -> Result<Ptx, AttnError> {
     require_nvrtc()?;
     let options = CompileOptions {
         arch: Some("sm_90a"),
@@ -126,6 +198,9 @@ pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<
             format!("-DWGS={}", config.warpgroups),
             format!("-DSTAGES={}", config.stages),
             format!("-DMIN_BLOCKS={}", config.min_blocks),
+            format!("-DHEAD_DIM={head_dim}"),
+            format!("-DOVERLAP={}", config.overlap as u8),
+            format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
             format!("-DQK_LBO={}", desc.qk_leading),
             format!("-DQK_SBO={}", desc.qk_stride),
             format!("-DV_LBO={}", desc.v_leading),
@@ -133,15 +208,14 @@ pub fn compile(dtype: Dtype, config: HopperConfig, desc: Descriptors) -> Result<
             "--std=c++17".into(),
         ],
         name: Some(format!(
-            "hopper_forward_{}_wg{}_s{}_b{}.cu",
+            "hopper_forward_{}_d{head_dim}_{}.cu",
             dtype.name(),
-            config.warpgroups,
-            config.stages,
-            config.min_blocks
+            config.name()
         )),
         ..Default::default()
     };
-    compile_ptx_with_opts(HOPPER_FORWARD_CU, options).map_err(|e| compile_error(HOPPER_FORWARD, e))
+    compile_ptx_with_opts(format!("{HOPPER_CUH}\n{HOPPER_FORWARD_CU}"), options)
+        .map_err(|e| compile_error(HOPPER_FORWARD, e))
 }
 
 /// A tensor map as a kernel parameter: 128 bytes, aligned on 64.
@@ -153,7 +227,8 @@ unsafe impl DeviceRepr for TensorMap {}
 
 // ANCHOR: tensor_map
 /// The map of a `[batch·heads, tokens, head_dim]` tensor of 16-bit values, read in boxes of
-/// `rows` tokens of one head in the 128-byte swizzle; rows past the end read as zeros.
+/// `rows` tokens of one head and (at most) 64 columns, 128 bytes, in the 128-byte swizzle;
+/// rows past the end read as zeros.
 pub(crate) fn tensor_map(gpu: &Gpu, x: &DeviceTensor, rows: usize) -> Result<TensorMap, AttnError> {
     let s = x.shape;
     let (ptr, _sync) = x.data.device_ptr(gpu.stream());
@@ -173,7 +248,7 @@ pub(crate) fn tensor_map(gpu: &Gpu, x: &DeviceTensor, rows: usize) -> Result<Ten
                 (s.batch * s.heads) as u64,
             ],
             &[(s.head_dim * 2) as u64, (s.tokens * s.head_dim * 2) as u64],
-            &[s.head_dim as u32, rows as u32, 1],
+            &[s.head_dim.min(64) as u32, rows as u32, 1],
         )
     }
     .map_err(|r| AttnError::Device {
@@ -241,6 +316,44 @@ pub fn check_hopper(gpu: &Gpu) -> Result<(), AttnError> {
     Ok(())
 }
 
+/// The registers a producer warpgroup keeps and each consumer thread may take, as
+/// `hopper.cuh` sets them for `warpgroups` consumer warpgroups (`PRODUCER_REGS`,
+/// `CONSUMER_REGS`).
+pub(crate) fn producer_consumer_registers(warpgroups: usize) -> (u32, u32) {
+    let producer = match warpgroups {
+        1 => 56,
+        2 => 24,
+        _ => 32,
+    };
+    let free = (65_536 - 128 * producer) / (128 * warpgroups as u32) / 8 * 8;
+    (producer, free.min(240))
+}
+
+/// A producer warpgroup hands its registers to the consumers with `setmaxnreg`, and a
+/// consumer's `setmaxnreg.inc` waits until the block's pool holds what it asks for: the block
+/// must start with at least what both roles end with, or it would wait forever. The kernel's
+/// register count, which `ptxas` sets from the launch bounds, is checked here before a launch.
+pub(crate) fn check_register_pool(
+    f: &cudarc::driver::CudaFunction,
+    warpgroups: usize,
+    threads: u32,
+    what: &str,
+) -> Result<(), AttnError> {
+    let regs = f
+        .num_regs()
+        .map_err(device_error("reading a kernel's register count"))? as u32;
+    let (producer, consumer) = producer_consumer_registers(warpgroups);
+    let needed = 128 * producer + 128 * warpgroups as u32 * consumer;
+    if regs * threads < needed {
+        return Err(AttnError::Device {
+            what: format!(
+                "{what} was compiled with {regs} registers a thread for {threads} threads, fewer than the {needed} its producer ({producer} each) and consumers ({consumer} each) hold after setmaxnreg: launched, it would wait forever"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The checks before a launch: step 03's, a head dim this kernel takes, and a grid of at most
 /// 65,535 heads (its y dimension).
 pub fn check(q: &DeviceTensor, k: &DeviceTensor, v: &DeviceTensor) -> Result<Shape, AttnError> {
@@ -271,7 +384,7 @@ pub fn forward(
     let mut result = gpu.alloc_output(q.shape, q.dtype)?;
     forward_with(
         gpu,
-        HopperConfig::for_tokens(q.shape.tokens),
+        HopperConfig::for_shape(q.shape.tokens, q.shape.head_dim),
         q,
         k,
         v,
@@ -305,14 +418,27 @@ pub fn forward_with(
     if shape.is_empty() {
         return Ok(());
     }
-    let smem = config.smem_bytes(shape.head_dim);
+    let d = shape.head_dim;
+    let smem = config.smem_bytes(d);
+    if !config.fits(d) {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "the Hopper block shape {} takes {smem} bytes of shared memory a block at head dim {d}, {} blocks a multiprocessor: more than its {SMEM_PER_SM} bytes (at most {SMEM_PER_BLOCK} a block)",
+                config.name(),
+                config.min_blocks
+            ),
+        });
+    }
     let dtype = q.dtype;
     let f = gpu.kernel(
-        format!("hopper forward {dtype:?} {config:?}"),
+        format!("hopper forward {dtype:?} d{d} {}", config.name()),
         HOPPER_FORWARD,
         smem,
-        || compile(dtype, config, Descriptors::default()),
+        || compile(dtype, d, config, Descriptors::default()),
     )?;
+    if config.producer_warpgroup {
+        check_register_pool(&f, config.warpgroups, config.threads(), HOPPER_FORWARD)?;
+    }
     let block_m = config.block_m();
     let maps = [
         tensor_map(gpu, q, block_m)?,
@@ -345,4 +471,34 @@ pub fn forward_with(
     // each head, within the limits check() tested (grid_blocks through check_device)
     unsafe { launch.launch(config) }.map_err(device_error("launching hopper_forward"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `ptxas` gives a block of `threads` at one block a multiprocessor: the register file
+    /// shared evenly, in steps of 8 (168 for 384 threads, 128 for 512, as it reports).
+    fn launch_registers(threads: u32) -> u32 {
+        (65_536 / threads / 8 * 8).min(255)
+    }
+
+    /// Every producer-warpgroup shape starts with at least the registers its roles end with,
+    /// so `setmaxnreg.inc` never waits for registers that will not come.
+    #[test]
+    fn every_producer_warpgroup_shape_fits_the_register_file() {
+        for d in HEAD_DIMS {
+            for c in HopperConfig::candidates(d)
+                .into_iter()
+                .filter(|c| c.producer_warpgroup)
+            {
+                let (producer, consumer) = producer_consumer_registers(c.warpgroups);
+                let needed = 128 * producer + 128 * c.warpgroups as u32 * consumer;
+                let have = launch_registers(c.threads()) * c.threads();
+                assert!(needed <= have, "{}: {needed} > {have}", c.name());
+                assert!(consumer % 8 == 0 && (24..=256).contains(&consumer));
+                assert!(producer % 8 == 0 && (24..=256).contains(&producer));
+            }
+        }
+    }
 }

@@ -1,29 +1,82 @@
 //! This step's method in the registry: `cuda_hopper`, on host arrays for the tests and
-//! `attend`, and prepared on the device for the benchmark, as step 03's `cuda_flash` is.
+//! `attend`, and prepared on the device for the benchmark, as step 03's `cuda_flash` is; its
+//! backward is this step's backward kernels after its forward, as step 04 pairs `cuda_flash`'s.
 
-use flash_core::method::{DeviceHooks, DeviceRun, DeviceRunSpec};
+use flash_core::method::{DeviceHooks, DeviceRun, DeviceRunSpec, Grads};
 use flash_core::{Attention, AttnError, Device, Dtype, Method, check_qkv};
 use ndarray::ArrayView4;
 use step03_cuda_forward::methods::{describe, prepare_inputs};
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Gpu, half_dtype};
+use step04_backward::methods::{Pair, on_host, prepare as prepare_pair};
 
+use crate::backward;
 use crate::forward::{self, HopperConfig};
 
 /// This step's methods.
 pub fn methods() -> Vec<Method> {
-    vec![
-        Method::new(
+    let mut hopper = Method::new(
             "cuda_hopper",
             "06-hopper",
             Device::Cuda,
-            "the FlashAttention forward with Hopper's instructions: TMA copies by a producer warp, wgmma products by consumer warpgroups, no T×T table (compute capability 9.0, head dim 64)",
+            "FlashAttention with Hopper's instructions: TMA copies by a producer warp, wgmma products by consumer warpgroups, no T×T table; the backward in two passes (dK and dV, then dQ) of the same products (compute capability 9.0, head dims 64 and 128)",
             hopper_forward,
         )
         .with_dtype(hopper_forward_dtype)
         .with_implementation(implementation)
-        .with_gpu(HOPPER_HOOKS),
-    ]
+        .with_gpu(HOPPER_HOOKS);
+    hopper.backward = Some(hopper_backward);
+    hopper.backward_dtype = Some(hopper_backward_dtype);
+    hopper.gpu_backward = Some(HOPPER_BACKWARD_HOOKS);
+    vec![hopper]
 }
+
+/// The backward kernels on host arrays, in bf16, after a forward that returned `fwd`.
+pub fn hopper_backward(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    fwd: &Attention,
+    dout: ArrayView4<f32>,
+) -> Result<Grads, AttnError> {
+    hopper_backward_dtype(q, k, v, fwd, dout, Dtype::Bf16)
+}
+
+/// [`hopper_backward`] in bf16 or f16.
+pub fn hopper_backward_dtype(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    fwd: &Attention,
+    dout: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<Grads, AttnError> {
+    on_host(backward::backward, q, k, v, fwd, dout, dtype)
+}
+
+/// The forward into buffers allocated before, in the block shape for the inputs' length.
+fn forward_into(
+    gpu: &Gpu,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    out: &mut DeviceAttention,
+) -> Result<(), AttnError> {
+    let config = HopperConfig::for_shape(q.shape.tokens, q.shape.head_dim);
+    forward::forward_with(gpu, config, q, k, v, out)
+}
+
+/// The forward and the backward kernels, prepared together for the benchmark's backward.
+const HOPPER_PAIR: Pair = Pair {
+    forward: forward::forward,
+    forward_into: Some(forward_into),
+    backward: backward::backward,
+};
+
+/// `cuda_hopper`'s forward and backward on the device, for the benchmark's `--backward`.
+pub const HOPPER_BACKWARD_HOOKS: DeviceHooks = DeviceHooks {
+    describe,
+    prepare: |spec| prepare_pair(HOPPER_PAIR, spec),
+};
 
 /// The kernel on host arrays, in bf16.
 pub fn hopper_forward(
@@ -53,8 +106,18 @@ pub fn hopper_forward_dtype(
 /// What `cuda_hopper` runs.
 pub fn implementation() -> String {
     let describe = |c: HopperConfig| {
+        let producer = if c.producer_warpgroup {
+            "a producer warpgroup that hands its registers over (setmaxnreg)"
+        } else {
+            "a producer warp"
+        };
+        let overlap = if c.overlap {
+            ", the softmax overlapped with P·v"
+        } else {
+            ""
+        };
         format!(
-            "{}x{} tiles, {} consumer warpgroup(s) and a producer warp, {} stages, {} block(s) a multiprocessor",
+            "{}x{} tiles, {} consumer warpgroup(s) and {producer}, {} stages, {} block(s) a multiprocessor{overlap}",
             c.block_m(),
             forward::BLOCK_N,
             c.warpgroups,
@@ -62,10 +125,14 @@ pub fn implementation() -> String {
             c.min_blocks
         )
     };
+    let b = |d| backward::BackwardConfigs::for_head_dim(d).name();
     format!(
-        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, NVRTC sm_90a; up to 8k tokens {}; from 16k {}",
-        describe(HopperConfig::for_tokens(8192)),
-        describe(HopperConfig::for_tokens(16384))
+        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, NVRTC sm_90a; head dim 64 up to 8k tokens {}, from 16k {}; head dim 128 {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 {}, head dim 128 {}",
+        describe(HopperConfig::for_shape(8192, 64)),
+        describe(HopperConfig::for_shape(16384, 64)),
+        describe(HopperConfig::for_shape(16384, 128)),
+        b(64),
+        b(128)
     )
 }
 
@@ -89,8 +156,7 @@ fn prepare(spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
 impl DeviceRun for Prepared {
     fn time_ms(&mut self) -> Result<f64, AttnError> {
         let (gpu, q, k, v, out) = (self.gpu, &self.q, &self.k, &self.v, &mut self.out);
-        let config = HopperConfig::for_tokens(q.shape.tokens);
-        gpu.time_ms(|| forward::forward_with(gpu, config, q, k, v, out))
+        gpu.time_ms(|| forward_into(gpu, q, k, v, out))
     }
 
     fn peak_bytes(&mut self) -> Result<u64, AttnError> {

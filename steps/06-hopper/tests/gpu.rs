@@ -28,9 +28,12 @@ const SHAPES: [(usize, usize, usize); 6] = [
 #[ignore = "needs a CUDA GPU"]
 fn hopper_forward_is_within_twice_by_hand_error_in_every_block_shape() {
     let gpu = Gpu::shared().expect("a GPU");
-    for dtype in [Dtype::Bf16, Dtype::F16] {
+    for (dtype, d) in [Dtype::Bf16, Dtype::F16]
+        .into_iter()
+        .flat_map(|dtype| forward::HEAD_DIMS.map(|d| (dtype, d)))
+    {
         for (i, &(b, h, t)) in SHAPES.iter().enumerate() {
-            let shape = Shape::new(b, h, t, 64);
+            let shape = Shape::new(b, h, t, d);
             let [q, k, v] = random_qkv(shape, 40 + i as u64);
             let rounded = [&q, &k, &v].map(|x| round_array(x.view(), dtype));
             let reference =
@@ -41,7 +44,7 @@ fn hopper_forward_is_within_twice_by_hand_error_in_every_block_shape() {
             );
             let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), dtype).unwrap();
             let (dq, dk, dv) = (up(&q), up(&k), up(&v));
-            for config in HopperConfig::candidates() {
+            for config in HopperConfig::candidates(d) {
                 let mut result = gpu.alloc_output(shape, dtype).unwrap();
                 forward::forward_with(gpu, config, &dq, &dk, &dv, &mut result).unwrap();
                 let got = gpu.download_attention(&result).unwrap();
@@ -70,29 +73,38 @@ fn hopper_forward_is_within_twice_by_hand_error_in_every_block_shape() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn hopper_forward_is_causal_and_deterministic() {
-    let shape = Shape::new(1, 2, 300, 64);
+    for d in forward::HEAD_DIMS {
+        causal_and_deterministic(Shape::new(1, 2, 300, d));
+    }
+}
+
+fn causal_and_deterministic(shape: Shape) {
     let [q, k, v] = random_qkv(shape, 5);
     let first = hopper_forward(q.view(), k.view(), v.view()).unwrap();
     let again = hopper_forward(q.view(), k.view(), v.view()).unwrap();
-    assert_eq!(first.out, again.out, "two runs differ");
-    assert_eq!(first.lse, again.lse, "two runs differ");
+    assert_eq!(first.out, again.out, "{shape}: two runs differ");
+    assert_eq!(first.lse, again.lse, "{shape}: two runs differ");
     // a change to the keys and values after row 150 leaves rows 0..=150 exactly as they were
     let (mut k2, mut v2) = (k.clone(), v.clone());
     k2.slice_mut(ndarray::s![.., .., 151.., ..]).fill(3.0);
     v2.slice_mut(ndarray::s![.., .., 151.., ..]).fill(-7.0);
     let changed = hopper_forward(q.view(), k2.view(), v2.view()).unwrap();
     let rows = ndarray::s![.., .., ..151, ..];
-    assert_eq!(first.out.slice(rows), changed.out.slice(rows));
+    assert_eq!(
+        first.out.slice(rows),
+        changed.out.slice(rows),
+        "{shape}: a later key changed an earlier row"
+    );
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn hopper_forward_refuses_head_dims_it_lacks_naming_the_one_it_takes() {
-    for d in [32, 128] {
+fn hopper_forward_refuses_head_dims_it_lacks_naming_the_ones_it_takes() {
+    for d in [32, 96] {
         let [q, k, v] = random_qkv(Shape::new(1, 1, 16, d), 1);
         match hopper_forward_dtype(q.view(), k.view(), v.view(), Dtype::Bf16) {
             Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
-                assert!(e.to_string().contains("64"), "{e}")
+                assert!(e.to_string().contains("64, 128"), "{e}")
             }
             other => panic!("head dim {d}: {:?}", other.map(|_| ())),
         }
@@ -120,8 +132,12 @@ fn without_nvrtc_compiling_is_an_error_not_a_panic() {
     if step03_cuda_forward::kernel::nvrtc_present() {
         return;
     }
-    let e = forward::compile(Dtype::Bf16, HopperConfig::default(), Default::default()).unwrap_err();
+    let e =
+        forward::compile(Dtype::Bf16, 64, HopperConfig::default(), Default::default()).unwrap_err();
     assert!(e.to_string().contains("NVRTC"), "{e}");
     let e = step06_hopper::probe::compile().unwrap_err();
+    assert!(e.to_string().contains("NVRTC"), "{e}");
+    let config = step06_hopper::backward::BackwardConfigs::for_head_dim(64).dkdv;
+    let e = step06_hopper::backward::compile(Dtype::Bf16, 64, "hopper_dkdv", config).unwrap_err();
     assert!(e.to_string().contains("NVRTC"), "{e}");
 }

@@ -52,6 +52,7 @@ use crate::train::{Hardware, Learner, PhaseRecord, Settings, StepRecord, Trainer
 use gemm::{Blas, Out, plain, transposed};
 use kernels::{Kernels, NORM_BLOCKS};
 use layout::Layout;
+use step06_hopper::forward::HopperConfig; // [step 06]
 
 /// Which attention the model runs on the GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +64,11 @@ pub enum AttentionKind {
     /// memory) and step 04's backward by hand (the probabilities and their gradient, two whole
     /// tables), as PyTorch's eager attention runs.
     ByHand,
+    // [step 06]
+    /// Step 06's kernels: the forward and the backward with Hopper's products (compute
+    /// capability 9.0), the same output, log-sum-exp and gradients as `Flash`.
+    Hopper,
+    // [/step 06]
 }
 
 impl AttentionKind {
@@ -71,6 +77,7 @@ impl AttentionKind {
         match self {
             AttentionKind::Flash => "flash",
             AttentionKind::ByHand => "by-hand",
+            AttentionKind::Hopper => "hopper", // [step 06]
         }
     }
 }
@@ -87,10 +94,17 @@ fn attention_forward(
 ) -> Result<(), AttnError> {
     match (kind, att.as_mut()) {
         (AttentionKind::Flash, Some(result)) => gpu.forward_into(q, k, v, result),
+        // [step 06]
+        (AttentionKind::Hopper, Some(result)) => {
+            let config = HopperConfig::for_shape(q.shape.tokens, q.shape.head_dim);
+            step06_hopper::forward::forward_with(gpu, config, q, k, v, result)
+        }
+        // [/step 06]
         _ => {
             *att = Some(match kind {
                 AttentionKind::Flash => gpu.forward(q, k, v)?,
                 AttentionKind::ByHand => gpu.by_hand(q, k, v)?,
+                AttentionKind::Hopper => step06_hopper::forward::forward(gpu, q, k, v)?, // [step 06]
             });
             Ok(())
         }
@@ -111,6 +125,7 @@ fn attention_backward(
     match kind {
         AttentionKind::Flash => step04_backward::cuda::backward(gpu, q, k, v, fwd, dout),
         AttentionKind::ByHand => step04_backward::cuda_by_hand::backward(gpu, q, k, v, fwd, dout),
+        AttentionKind::Hopper => step06_hopper::backward::backward(gpu, q, k, v, fwd, dout), // [step 06]
     }
 }
 // ANCHOR_END: attention_calls
@@ -446,6 +461,14 @@ impl GpuTrainer {
                 step04_backward::cuda::HEAD_DIMS
             )));
         }
+        // [step 06]
+        if attention == AttentionKind::Hopper && !step06_hopper::forward::HEAD_DIMS.contains(&d) {
+            return Err(TrainError::Config(format!(
+                "head dim {d} (d_model {c} / heads {h}): step 06's Hopper kernels take head dims {:?}",
+                step06_hopper::forward::HEAD_DIMS
+            )));
+        }
+        // [/step 06]
         if Kernels::ln_backward_smem(c) > 200 * 1024 {
             return Err(TrainError::Config(format!(
                 "d_model {c}: the LayerNorm backward's shared memory takes d_model up to 6400"
@@ -538,6 +561,12 @@ impl GpuTrainer {
                             .map_err(TrainError::Device)?,
                     ),
                     AttentionKind::ByHand => None,
+                    // [step 06]
+                    AttentionKind::Hopper => Some(
+                        gpu.alloc_output(shape, Dtype::Bf16)
+                            .map_err(TrainError::Device)?,
+                    ),
+                    // [/step 06]
                 },
                 att_rows: b16(rows * c, "attention output")?,
                 x_mid: f(rows * c, "residual stream between its halves")?,

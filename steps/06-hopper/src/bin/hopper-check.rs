@@ -1,9 +1,12 @@
 //! Checks the Hopper forward kernel on the GPU and times it beside step 03's: its error
 //! against the f64 reference next to step 03's kernel's on the same inputs, then TFLOP/s of
-//! both at 4 × 12 heads. Without a GPU it compiles
-//! the kernel (NVRTC, `sm_90a`) and, with `--ptx DIR`, writes the PTX for `ptxas -v`.
+//! both at 4 × 12 heads, in every block shape and head dim; then the same for the backward
+//! kernels beside step 04's (`--backward` for the backward alone, `--head-dim D` for one head
+//! dim). It first times a dense bf16 product (cuBLAS, 8192³), the rate the kernels' TFLOP/s are
+//! a fraction of. Without a GPU it compiles the kernel (NVRTC, `sm_90a`) and, with `--ptx DIR`,
+//! writes the PTX for `ptxas -v`.
 //!
-//! `cargo run --release -p step06-hopper --bin hopper-check [-- --ptx DIR]`
+//! `cargo run --release -p step06-hopper --bin hopper-check [-- [--backward] [--head-dim 128] [--ptx DIR]]`
 
 use std::process::ExitCode;
 
@@ -12,6 +15,8 @@ use flash_core::reference::{attention_f64, error};
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
 use step03_cuda_forward::{Dtype, Gpu};
+use step04_backward::cuda as step04;
+use step06_hopper::backward::{self, BackwardConfigs};
 use step06_hopper::forward::{self, HopperConfig};
 
 fn main() -> ExitCode {
@@ -27,28 +32,61 @@ fn main() -> ExitCode {
 
 fn run() -> Result<bool, AttnError> {
     let args: Vec<String> = std::env::args().collect();
-    for (dtype, config) in [Dtype::Bf16, Dtype::F16]
-        .into_iter()
-        .flat_map(|d| HopperConfig::candidates().into_iter().map(move |c| (d, c)))
-    {
-        let ptx = forward::compile(dtype, config, Default::default())?;
-        println!(
-            "hopper_forward {} {config:?} compiles for sm_90a",
-            dtype.name()
-        );
-        if let [_, flag, dir] = &args[..]
-            && flag == "--ptx"
-        {
-            let path = format!(
-                "{dir}/hopper_forward_{}_{}x{}x{}.ptx",
-                dtype.name(),
-                config.warpgroups,
-                config.stages,
-                config.min_blocks
-            );
-            std::fs::write(&path, ptx.to_src()).map_err(|e| AttnError::Device {
-                what: format!("{path}: {e}"),
-            })?;
+    let backward_only = args.iter().any(|a| a == "--backward");
+    let mut args: Vec<String> = args.into_iter().filter(|a| a != "--backward").collect();
+    let head_dims: Vec<usize> = match args.iter().position(|a| a == "--head-dim") {
+        None => forward::HEAD_DIMS.to_vec(),
+        Some(i) => {
+            let d = args
+                .get(i + 1)
+                .and_then(|v| v.parse().ok())
+                .filter(|d| forward::HEAD_DIMS.contains(d))
+                .ok_or_else(|| AttnError::Unsupported {
+                    what: format!(
+                        "--head-dim takes one of {:?}, got {}",
+                        forward::HEAD_DIMS,
+                        args.get(i + 1).map_or("nothing", String::as_str)
+                    ),
+                })?;
+            args.drain(i..i + 2);
+            vec![d]
+        }
+    };
+    let known = match &args[1..] {
+        [] => true,
+        [flag, _] => flag == "--ptx",
+        _ => false,
+    };
+    if !known {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "hopper-check takes --backward, --head-dim D and --ptx DIR; got {:?}",
+                &args[1..]
+            ),
+        });
+    }
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for d in forward::HEAD_DIMS {
+            for config in HopperConfig::candidates(d) {
+                let ptx = forward::compile(dtype, d, config, Default::default())?;
+                println!(
+                    "hopper_forward {} d{d} {} compiles for sm_90a",
+                    dtype.name(),
+                    config.name()
+                );
+                if let [_, flag, dir] = &args[..]
+                    && flag == "--ptx"
+                {
+                    let path = format!(
+                        "{dir}/hopper_forward_{}_d{d}_{}.ptx",
+                        dtype.name(),
+                        config.name()
+                    );
+                    std::fs::write(&path, ptx.to_src()).map_err(|e| AttnError::Device {
+                        what: format!("{path}: {e}"),
+                    })?;
+                }
+            }
         }
     }
     let gpu = match Gpu::shared() {
@@ -60,58 +98,113 @@ fn run() -> Result<bool, AttnError> {
     };
     println!("{}", gpu.describe());
     forward::check_hopper(gpu)?;
+    dense_product(gpu)?;
+    let mut all = true;
+    if !backward_only {
+        all &= check_forward(gpu, &head_dims)?;
+    }
+    all &= check_backward(gpu, &head_dims)?;
+    Ok(all)
+}
 
+/// The chip's dense bf16 rate as cuBLAS reaches it: an 8192 × 8192 × 8192 product of random
+/// values, f32 accumulation, median of 20.
+fn dense_product(gpu: &Gpu) -> Result<(), AttnError> {
+    use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N;
+    use cudarc::cublas::{GemmConfig, StridedBatchedConfig};
+    const N: usize = 8192;
+    let shape = Shape::new(1, 1, N, N);
+    let [a, b, _] = random_qkv(shape, 3);
+    let (a, b) = (
+        gpu.upload(a.view(), Dtype::Bf16)?,
+        gpu.upload(b.view(), Dtype::Bf16)?,
+    );
+    let mut c = gpu.upload(ndarray::Array4::zeros((1, 1, N, N)).view(), Dtype::Bf16)?;
+    let n = N as i32;
+    let cfg = StridedBatchedConfig {
+        gemm: GemmConfig {
+            transa: CUBLAS_OP_N,
+            transb: CUBLAS_OP_N,
+            m: n,
+            n,
+            k: n,
+            alpha: half::bf16::ONE,
+            lda: n,
+            ldb: n,
+            beta: half::bf16::ZERO,
+            ldc: n,
+        },
+        batch_size: 1,
+        stride_a: 0,
+        stride_b: 0,
+        stride_c: 0,
+    };
+    let ms = median_ms(Warmup::Millis(300.0), 20, || {
+        gpu.time_ms(|| gpu.gemm(cfg, &a.data, &b.data, &mut c.data))
+    })?;
+    println!(
+        "dense bf16 product (cuBLAS, {N}³): {ms:.3} ms, {:.1} TFLOP/s",
+        2.0 * (N as f64).powi(3) / ms / 1e9
+    );
+    Ok(())
+}
+
+fn check_forward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
     let mut all = true;
     for dtype in [Dtype::Bf16, Dtype::F16] {
-        for (b, h, t) in [
-            (1, 2, 64),
-            (1, 2, 128),
-            (2, 3, 1000),
-            (1, 2, 2048),
-            (1, 1, 4096),
-        ] {
-            for (config, ok, line) in check_shape(gpu, Shape::new(b, h, t, 64), dtype)? {
-                println!("{} {b}x{h}x{t} {config:?}: {line}", dtype.name());
-                all &= ok;
+        for &d in head_dims {
+            for (b, h, t) in [
+                (1, 2, 64),
+                (1, 2, 128),
+                (2, 3, 1000),
+                (1, 2, 2048),
+                (1, 1, 4096),
+            ] {
+                for (config, ok, line) in check_shape(gpu, Shape::new(b, h, t, d), dtype)? {
+                    println!(
+                        "{} {b}x{h}x{t} d{d} {}: {line}",
+                        dtype.name(),
+                        config.name()
+                    );
+                    all &= ok;
+                }
             }
         }
     }
 
     // speed, bf16, 4 × 12 heads
-    println!(
-        "\n| T | config | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |"
-    );
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
-    for t in [1024, 2048, 4096, 8192, 16384] {
-        let shape = Shape::new(4, 12, t, 64);
-        let [q, k, v] = random_qkv(shape, 7);
-        let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), Dtype::Bf16);
-        let (q, k, v) = (up(&q)?, up(&k)?, up(&v)?);
-        let mut out = gpu.alloc_output(shape, Dtype::Bf16)?;
-        let flash = median_ms(Warmup::Millis(300.0), 20, || {
-            gpu.time_ms(|| gpu.forward_into(&q, &k, &v, &mut out))
-        })?;
-        let tf = |ms: f64| shape.forward_flops() / ms / 1e9;
-        for config in HopperConfig::candidates() {
-            let hopper = median_ms(Warmup::Millis(300.0), 20, || {
-                gpu.time_ms(|| forward::forward_with(gpu, config, &q, &k, &v, &mut out))
+    for &d in head_dims {
+        println!(
+            "\nhead dim {d}\n\n| T | config | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- |");
+        for t in [1024, 2048, 4096, 8192, 16384] {
+            let shape = Shape::new(4, 12, t, d);
+            let [q, k, v] = random_qkv(shape, 7);
+            let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), Dtype::Bf16);
+            let (q, k, v) = (up(&q)?, up(&k)?, up(&v)?);
+            let mut out = gpu.alloc_output(shape, Dtype::Bf16)?;
+            let flash = median_ms(Warmup::Millis(300.0), 20, || {
+                gpu.time_ms(|| gpu.forward_into(&q, &k, &v, &mut out))
             })?;
-            println!(
-                "| {t} | {}x{}x{} | {hopper:.3} | {:.1} | {flash:.3} | {:.1} | {:.2} |",
-                config.warpgroups,
-                config.stages,
-                config.min_blocks,
-                tf(hopper),
-                tf(flash),
-                flash / hopper
-            );
+            let tf = |ms: f64| shape.forward_flops() / ms / 1e9;
+            for config in HopperConfig::candidates(d) {
+                let hopper = median_ms(Warmup::Millis(300.0), 20, || {
+                    gpu.time_ms(|| forward::forward_with(gpu, config, &q, &k, &v, &mut out))
+                })?;
+                println!(
+                    "| {t} | {} | {hopper:.3} | {:.1} | {flash:.3} | {:.1} | {:.2} |",
+                    config.name(),
+                    tf(hopper),
+                    tf(flash),
+                    flash / hopper
+                );
+            }
         }
     }
     Ok(all)
 }
 
-/// Each candidate's error against the f64 reference, beside step 03's kernel's on the same
-/// inputs: it passes within twice step 03's (or 1e-3).
 fn check_shape(
     gpu: &Gpu,
     shape: Shape,
@@ -127,7 +220,7 @@ fn check_shape(
         error(&ours.lse, &reference.lse).max_abs,
     );
     let mut lines = Vec::new();
-    for config in HopperConfig::candidates() {
+    for config in HopperConfig::candidates(shape.head_dim) {
         let mut out = gpu.alloc_output(shape, dtype)?;
         forward::forward_with(gpu, config, &dq, &dk, &dv, &mut out)?;
         let hopper = gpu.download_attention(&out)?;
@@ -144,4 +237,85 @@ fn check_shape(
         ));
     }
     Ok(lines)
+}
+
+/// The backward's block shapes against the f64 reference beside step 04's kernels, then
+/// their speed (the backward alone, after one forward) at 4 × 12 heads in bf16.
+fn check_backward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
+    use flash_core::inputs::random_normal;
+    use step04_backward::reference::backward_f64;
+    let mut all = true;
+    for dtype in [Dtype::Bf16, Dtype::F16] {
+        for &d in head_dims {
+            for (b, h, t) in [(1, 2, 77), (2, 3, 1000), (1, 1, 4097)] {
+                let shape = Shape::new(b, h, t, d);
+                let [q, k, v] = random_qkv(shape, 12);
+                let dout = random_normal(shape, 13);
+                let want = backward_f64(q.view(), k.view(), v.view(), dout.view())?;
+                let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), dtype);
+                let (q, k, v, dout) = (up(&q)?, up(&k)?, up(&v)?, up(&dout)?);
+                let fwd = gpu.forward(&q, &k, &v)?;
+                let errors = |g: &step04::DeviceGrads| -> Result<[f64; 3], AttnError> {
+                    let got = [&g.dq, &g.dk, &g.dv].map(|x| gpu.download(x));
+                    let want = [&want.dq, &want.dk, &want.dv];
+                    let mut e = [0.0; 3];
+                    for i in 0..3 {
+                        e[i] = error(got[i].as_ref().map_err(Clone::clone)?, want[i]).max_abs;
+                    }
+                    Ok(e)
+                };
+                let theirs = errors(&step04::backward(gpu, &q, &k, &v, &fwd, &dout)?)?;
+                for configs in BackwardConfigs::candidates(d) {
+                    let ours = errors(&backward::backward_with(
+                        gpu, configs, &q, &k, &v, &fwd, &dout,
+                    )?)?;
+                    let ok = (0..3).all(|i| ours[i] <= (2.0 * theirs[i]).max(1e-3));
+                    all &= ok;
+                    println!(
+                        "{} {b}x{h}x{t} d{d} {}: dq/dk/dv max |err| {:.2e} {:.2e} {:.2e} (step 04 {:.2e} {:.2e} {:.2e}) {}",
+                        dtype.name(),
+                        configs.name(),
+                        ours[0],
+                        ours[1],
+                        ours[2],
+                        theirs[0],
+                        theirs[1],
+                        theirs[2],
+                        if ok { "ok" } else { "WRONG" }
+                    );
+                }
+            }
+        }
+    }
+    for &d in head_dims {
+        println!(
+            "\nbackward, head dim {d}\n\n| T | config | hopper ms | hopper TFLOP/s | step 04 ms | step 04 TFLOP/s | ratio |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- |");
+        for t in [1024, 2048, 4096, 8192, 16384] {
+            let shape = Shape::new(4, 12, t, d);
+            let [q, k, v] = random_qkv(shape, 7);
+            let dout = random_normal(shape, 8);
+            let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), Dtype::Bf16);
+            let (q, k, v, dout) = (up(&q)?, up(&k)?, up(&v)?, up(&dout)?);
+            let fwd = gpu.forward(&q, &k, &v)?;
+            let theirs = median_ms(Warmup::Millis(300.0), 20, || {
+                gpu.time_ms(|| step04::backward(gpu, &q, &k, &v, &fwd, &dout))
+            })?;
+            let tf = |ms: f64| shape.backward_flops() / ms / 1e9;
+            for configs in BackwardConfigs::candidates(d) {
+                let ours = median_ms(Warmup::Millis(300.0), 20, || {
+                    gpu.time_ms(|| backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout))
+                })?;
+                println!(
+                    "| {t} | {} | {ours:.3} | {:.1} | {theirs:.3} | {:.1} | {:.2} |",
+                    configs.name(),
+                    tf(ours),
+                    tf(theirs),
+                    theirs / ours
+                );
+            }
+        }
+    }
+    Ok(all)
 }

@@ -10,10 +10,11 @@ use std::process::ExitCode;
 use clap::Parser;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::ptxas::{self, Variant};
+use step06_hopper::backward::{self, BackwardConfigs};
 use step06_hopper::forward::{self, HopperConfig};
 use step06_hopper::probe;
 
-/// Compiles the forward kernel in every block shape (bf16 and f16) and the `wgmma` probe with
+/// Compiles the forward kernel in every block shape and head dim (bf16 and f16) and the `wgmma` probe with
 /// NVRTC for `sm_90a`, and assembles each with `ptxas -v`.
 ///
 /// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so
@@ -34,17 +35,19 @@ fn main() -> ExitCode {
     ptxas::main(flags, |_| {
         let mut kernels = vec![Variant::used("wgmma_probe".to_string(), probe::compile())];
         for dtype in [Dtype::Bf16, Dtype::F16] {
-            for c in HopperConfig::candidates() {
-                kernels.push(Variant::used(
-                    format!(
-                        "hopper_forward_{}_wg{}_s{}_b{}",
-                        dtype.name(),
-                        c.warpgroups,
-                        c.stages,
-                        c.min_blocks
-                    ),
-                    forward::compile(dtype, c, Default::default()),
-                ));
+            for d in forward::HEAD_DIMS {
+                for c in HopperConfig::candidates(d) {
+                    kernels.push(Variant::used(
+                        format!("hopper_forward_{}_d{d}_{}", dtype.name(), c.name()),
+                        forward::compile(dtype, d, c, Default::default()),
+                    ));
+                }
+                for (entry, c) in BackwardConfigs::shapes(d) {
+                    kernels.push(Variant::used(
+                        format!("{entry}_{}_d{d}_{}", dtype.name(), c.name()),
+                        backward::compile(dtype, d, entry, c),
+                    ));
+                }
             }
         }
         kernels

@@ -1,0 +1,271 @@
+// Step 06's backward kernels: step 04's two passes with Hopper's products.
+// src/backward.rs prepends hopper.cuh (types, descriptors, mbarriers, TMA, the products) and
+// runs step 04's backward_delta first (δ = rowsum(dO ∘ O)).
+//
+//   hopper_dkdv  one block per BLOCK_ROWS = 64·WGS keys of a head, each consumer warpgroup
+//                owning 64 of them; the queries that see them stream past STREAM at a time:
+//                Sᵀ = k·qᵀ and dPᵀ = v·dOᵀ (wgmma from shared memory), Pᵀ = 2^(Sᵀ·scale·log2e
+//                − lse₂) and dSᵀ = Pᵀ ∘ (dPᵀ − δ) in registers, then dV += Pᵀ·dO and
+//                dK += dSᵀ·q with Pᵀ and dSᵀ straight from registers.
+//   hopper_dq    one block per BLOCK_ROWS queries of a head; the keys they see stream past:
+//                S = q·kᵀ, dP = dO·vᵀ, P and dS in registers, dQ += dS·k.
+//
+// A module holds one of them (PASS), so each pass is compiled in block shapes of its own.
+//
+// Every product reads its tiles in the layouts the forward's products already read (q·kᵀ
+// from two K-major tiles, P·v with v MN-major), so no new descriptor is needed. Each block
+// writes only its own rows: the gradients are deterministic. A producer warp (or warpgroup,
+// PRODUCER_WG) brings the tiles with TMA; its 32 lanes also copy each stage's log-sum-exps
+// and δs into shared memory, and every lane arrives on the stage's "full" barrier.
+
+#ifndef STREAM
+#define STREAM 64  // rows streamed past a block: queries (dkdv), keys (dq); 32, 64 or 128
+#endif
+// which pass this module holds: 0 dkdv, 1 dq (each pass has block shapes of its own)
+#ifndef PASS
+#define PASS 0
+#endif
+#define BLOCK_ROWS (64 * WGS)
+#define LOG2E 1.4426950408889634f
+
+// The producer's loop, shared by both kernels: `own` (BLOCK_ROWS rows from own_row of
+// map_a0 and map_a1) once, on `own_bar`; then n_blocks stages of STREAM rows of map_b0 and
+// map_b1 from stream_row0, and (dkdv only) their log-sum-exps in base 2 and δs.
+template <bool ROWS_STATS>
+__device__ __forceinline__ void produce(const TensorMap* map_a0, const TensorMap* map_a1, const TensorMap* map_b0,
+                                        const TensorMap* map_b1, unsigned char* sa0, unsigned char* sa1,
+                                        unsigned char* sb0, unsigned char* sb1, float (*slse)[STREAM],
+                                        float (*sdelta)[STREAM], u64* own_bar, u64* full, u64* empty,
+                                        const float* lse, const float* delta, int own_row, int stream_row0,
+                                        int n_blocks, int head, int tokens, int lane) {
+  if (lane == 0) {
+    mbar_expect_tx(smem_u32(own_bar), 2 * BLOCK_ROWS * ROW_BYTES);
+    tma_load(smem_u32(sa0), map_a0, smem_u32(own_bar), BLOCK_ROWS, own_row, head);
+    tma_load(smem_u32(sa1), map_a1, smem_u32(own_bar), BLOCK_ROWS, own_row, head);
+  }
+  for (int n = 0; n < n_blocks; ++n) {
+    const int s = n % STAGES, row0 = stream_row0 + n * STREAM;
+    // wait until every consumer is done with what is last in this buffer
+    if (n >= STAGES) mbar_wait(smem_u32(&empty[s]), ((n / STAGES) - 1) & 1);
+    if (ROWS_STATS) {
+      // a query past the end gets lse = +inf, so its probabilities are 0
+      for (int i = lane; i < STREAM; i += 32) {
+        const bool valid = row0 + i < tokens;
+        slse[s][i] = valid ? lse[(u64)head * tokens + row0 + i] * LOG2E : INFINITY;
+        sdelta[s][i] = valid ? delta[(u64)head * tokens + row0 + i] : 0.f;
+      }
+    }
+    if (lane == 0) {
+      mbar_expect_tx(smem_u32(&full[s]), 2 * STREAM * ROW_BYTES);
+      tma_load(smem_u32(sb0 + s * STREAM * ROW_BYTES), map_b0, smem_u32(&full[s]), STREAM, row0, head);
+      tma_load(smem_u32(sb1 + s * STREAM * ROW_BYTES), map_b1, smem_u32(&full[s]), STREAM, row0, head);
+    } else {
+      // the arrival releases this lane's writes of lse and δ to the consumers
+      mbar_arrive(smem_u32(&full[s]));
+    }
+  }
+}
+
+// The barriers both kernels start with: "full" counts the producer warp's 32 lanes (and the
+// copies' bytes), "empty" every consumer warp. A warp arrives on "empty" only after its own
+// wait on "full": a warpgroup that skips a block could otherwise release the stage while one
+// of its warps has yet to see it full, and that warp would then wait on a phase two behind
+__device__ __forceinline__ void init_barriers(u64* own_bar, u64* full, u64* empty) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(smem_u32(&full[s]), 32);
+      mbar_init(smem_u32(&empty[s]), 4 * WGS);
+    }
+    mbar_init(smem_u32(own_bar), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+}
+
+#if PASS == 0
+// ANCHOR: dkdv
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
+            const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
+            const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dk_out,
+            u16* __restrict__ dv_out, int tokens, float scale_log2, float scale) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
+  unsigned char* sk = smem;
+  unsigned char* sv = sk + BLOCK_ROWS * ROW_BYTES;
+  unsigned char* sq = sv + BLOCK_ROWS * ROW_BYTES;
+  unsigned char* sdo = sq + STAGES * STREAM * ROW_BYTES;
+  __shared__ float slse[STAGES][STREAM], sdelta[STAGES][STREAM];
+  __shared__ __align__(8) u64 full[STAGES], empty[STAGES], kvbar;
+
+  // the first key blocks are seen by the most queries: they start first
+  const int kb = blockIdx.x, head = blockIdx.y, k0 = kb * BLOCK_ROWS;
+  // the queries from the block holding key k0 to the end see these keys
+  const int first = k0 / STREAM, n_blocks = (tokens + STREAM - 1) / STREAM - first;
+  const int tid = threadIdx.x, wg = tid / 128;
+  init_barriers(&kvbar, full, empty);
+
+  if (wg == WGS) {
+    producer_registers();
+    if (tid < 128 * WGS + 32) {
+      produce<true>(&map_k, &map_v, &map_q, &map_do, sk, sv, sq, sdo, slse, sdelta, &kvbar, full, empty, lse, delta, k0,
+                    first * STREAM, n_blocks, head, tokens, tid % 32);
+    }
+    return;
+  }
+
+  consumer_registers();
+  // a consumer warpgroup: 64 keys, 16 per warp; each thread holds two keys, kr0 and kr0 + 8
+  const int warp = (tid % 128) / 32, lane = tid % 32;
+  const int kw0 = k0 + wg * 64, kr0 = kw0 + warp * 16 + lane / 4;
+  float dk[HALVES][32], dv[HALVES][32];
+#pragma unroll
+  for (int h = 0; h < HALVES; ++h) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dk[h][i] = dv[h][i] = 0.f;
+  }
+  float st[STREAM / 2], dpt[STREAM / 2];
+  u32 pf[STREAM / 4], dsf[STREAM / 4];
+  const u32 ak = smem_u32(sk) + wg * 64 * 128, av = smem_u32(sv) + wg * 64 * 128, kv_half = BLOCK_ROWS * 128;
+  mbar_wait(smem_u32(&kvbar), 0);
+
+  for (int n = 0; n < n_blocks; ++n) {
+    const int s = n % STAGES, q0 = (first + n) * STREAM;
+    mbar_wait(smem_u32(&full[s]), (n / STAGES) & 1);
+    // a block whose queries all come before this warpgroup's keys adds nothing here
+    if (q0 + STREAM - 1 >= kw0) {
+      const u32 aq = smem_u32(sq + s * STREAM * ROW_BYTES), ado = smem_u32(sdo + s * STREAM * ROW_BYTES);
+      wgmma_fence();
+      issue_abt<STREAM>(st, ak, kv_half, aq, STREAM * 128);    // Sᵀ = k·qᵀ
+      issue_abt<STREAM>(dpt, av, kv_half, ado, STREAM * 128);  // dPᵀ = v·dOᵀ
+      wgmma_commit();
+      wgmma_wait0();
+      fence_operands(st);
+      fence_operands(dpt);
+      // register 4j+e: key kr0 + 8·(e/2), query q0 + 8j + 2·(lane%4) + e%2; only a block that
+      // reaches a query before one of these keys is masked
+      const bool masked = q0 < kw0 + 63;
+#pragma unroll
+      for (int j = 0; j < STREAM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * j + 2 * (lane % 4) + (e % 2);
+          float p = exp2f(st[4 * j + e] * scale_log2 - slse[s][col]);
+          if (masked && q0 + col < kr0 + 8 * (e / 2)) p = 0.f;
+          st[4 * j + e] = p;
+          dpt[4 * j + e] = p * (dpt[4 * j + e] - sdelta[s][col]);
+        }
+      }
+      pack_fragments<STREAM>(pf, st);
+      pack_fragments<STREAM>(dsf, dpt);
+      wgmma_fence();
+      issue_pb<STREAM>(dv, pf, ado, STREAM);  // dV += Pᵀ·dO
+      issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
+      wgmma_commit();
+      wgmma_wait0();
+      fence_operands(dv);
+      fence_operands(dk);
+    }
+    // this warp is done with the buffer
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
+  }
+  const u64 base = (u64)head * tokens * HEAD_DIM;
+  store_rows(dk_out + base, dk, scale, kr0, tokens, lane);
+  store_rows(dv_out + base, dv, 1.f, kr0, tokens, lane);
+}
+// ANCHOR_END: dkdv
+#else
+
+// ANCHOR: dq
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
+hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
+          const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
+          const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dq_out, int tokens,
+          float scale_log2, float scale) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
+  unsigned char* sq = smem;
+  unsigned char* sdo = sq + BLOCK_ROWS * ROW_BYTES;
+  unsigned char* sk = sdo + BLOCK_ROWS * ROW_BYTES;
+  unsigned char* sv = sk + STAGES * STREAM * ROW_BYTES;
+  __shared__ __align__(8) u64 full[STAGES], empty[STAGES], qbar;
+
+  // the last query blocks see the most keys: they start first
+  const int m_blocks = (tokens + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  const int mb = m_blocks - 1 - blockIdx.x, head = blockIdx.y, q0 = mb * BLOCK_ROWS;
+  // the keys up to this block's last query
+  const int n_blocks = min((tokens + STREAM - 1) / STREAM, (q0 + BLOCK_ROWS + STREAM - 1) / STREAM);
+  const int tid = threadIdx.x, wg = tid / 128;
+  init_barriers(&qbar, full, empty);
+
+  if (wg == WGS) {
+    producer_registers();
+    if (tid < 128 * WGS + 32) {
+      produce<false>(&map_q, &map_do, &map_k, &map_v, sq, sdo, sk, sv, nullptr, nullptr, &qbar, full, empty, lse,
+                     delta, q0, 0, n_blocks, head, tokens, tid % 32);
+    }
+    return;
+  }
+
+  consumer_registers();
+  // a consumer warpgroup: 64 queries, 16 per warp; each thread holds two, r0 and r0 + 8
+  const int warp = (tid % 128) / 32, lane = tid % 32;
+  const int w0 = q0 + wg * 64, r0 = w0 + warp * 16 + lane / 4;
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = r0 + 8 * h;
+    lse2[h] = row < tokens ? lse[(u64)head * tokens + row] * LOG2E : INFINITY;
+    dl[h] = row < tokens ? delta[(u64)head * tokens + row] : 0.f;
+  }
+  float dq[HALVES][32];
+#pragma unroll
+  for (int h = 0; h < HALVES; ++h) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dq[h][i] = 0.f;
+  }
+  float sc[STREAM / 2], dp[STREAM / 2];
+  u32 dsf[STREAM / 4];
+  const u32 aq = smem_u32(sq) + wg * 64 * 128, ado = smem_u32(sdo) + wg * 64 * 128, q_half = BLOCK_ROWS * 128;
+  mbar_wait(smem_u32(&qbar), 0);
+
+  for (int n = 0; n < n_blocks; ++n) {
+    const int s = n % STAGES, key0 = n * STREAM;
+    mbar_wait(smem_u32(&full[s]), (n / STAGES) & 1);
+    // a block whose keys all come after this warpgroup's queries adds nothing here
+    if (key0 <= w0 + 63) {
+      const u32 ak = smem_u32(sk + s * STREAM * ROW_BYTES), av = smem_u32(sv + s * STREAM * ROW_BYTES);
+      wgmma_fence();
+      issue_abt<STREAM>(sc, aq, q_half, ak, STREAM * 128);  // S = q·kᵀ
+      issue_abt<STREAM>(dp, ado, q_half, av, STREAM * 128);  // dP = dO·vᵀ
+      wgmma_commit();
+      wgmma_wait0();
+      fence_operands(sc);
+      fence_operands(dp);
+      // register 4j+e: query r0 + 8·(e/2), key key0 + 8j + 2·(lane%4) + e%2
+      const bool masked = key0 + STREAM - 1 > w0;
+#pragma unroll
+      for (int j = 0; j < STREAM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + 8 * j + 2 * (lane % 4) + (e % 2);
+          float p = exp2f(sc[4 * j + e] * scale_log2 - lse2[e / 2]);
+          if (masked && key > r0 + 8 * (e / 2)) p = 0.f;
+          dp[4 * j + e] = p * (dp[4 * j + e] - dl[e / 2]);
+        }
+      }
+      pack_fragments<STREAM>(dsf, dp);
+      wgmma_fence();
+      issue_pb<STREAM>(dq, dsf, ak, STREAM);  // dQ += dS·k  (· scale at the end)
+      wgmma_commit();
+      wgmma_wait0();
+      fence_operands(dq);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
+  }
+  store_rows(dq_out + (u64)head * tokens * HEAD_DIM, dq, scale, r0, tokens, lane);
+}
+// ANCHOR_END: dq
+#endif

@@ -1,0 +1,323 @@
+//! The backward kernels' host side: step 04's two passes (dK and dV per block of keys, dQ per
+//! block of queries) with Hopper's products, after step 04's δ.
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use flash_core::AttnError;
+use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
+use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, device_error};
+use step04_backward::cuda::{DeviceGrads, check_backward_device};
+
+use crate::forward::{
+    self, HOPPER_CUH, SMEM_PER_BLOCK, SMEM_PER_SM, check_hopper, check_register_pool, tensor_map,
+};
+
+/// The backward kernels' source (after [`HOPPER_CUH`]).
+pub const HOPPER_BACKWARD_CU: &str = include_str!("../kernels/hopper_backward.cu");
+/// The pass that gives dK and dV, a block of keys at a time.
+pub const HOPPER_DKDV: &str = "hopper_dkdv";
+/// The pass that gives dQ, a block of queries at a time.
+pub const HOPPER_DQ: &str = "hopper_dq";
+
+/// One backward kernel's thread block, set at compile time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BackwardConfig {
+    /// Consumer warpgroups per block (`WGS`), 64 rows each: keys (dkdv) or queries (dq).
+    pub warpgroups: usize,
+    /// Buffers of the streamed tiles in flight (`STAGES`).
+    pub stages: usize,
+    /// Rows streamed past the block per step (`STREAM`): queries (dkdv) or keys (dq).
+    pub stream: usize,
+    /// Blocks each multiprocessor must fit (`MIN_BLOCKS`, the register budget).
+    pub min_blocks: usize,
+    /// The producer a warpgroup that hands its registers to the consumers (`PRODUCER_WG`).
+    pub producer_warpgroup: bool,
+}
+
+impl BackwardConfig {
+    const fn new(warpgroups: usize, stream: usize, producer_warpgroup: bool) -> Self {
+        BackwardConfig {
+            warpgroups,
+            stages: 2,
+            stream,
+            min_blocks: 1,
+            producer_warpgroup,
+        }
+    }
+
+    /// Rows per block: keys (dkdv) or queries (dq).
+    pub fn block_rows(&self) -> usize {
+        64 * self.warpgroups
+    }
+
+    /// Threads per block: the consumer warpgroups and a producer warp (or warpgroup).
+    pub fn threads(&self) -> u32 {
+        let producer = if self.producer_warpgroup { 128 } else { 32 };
+        (128 * self.warpgroups + producer) as u32
+    }
+
+    /// Dynamic shared memory at head dim `d`: the block's two tiles, `stages` pairs of
+    /// streamed tiles, and room to align them on the swizzle's 1,024 bytes.
+    pub fn smem_bytes(&self, d: usize) -> u32 {
+        ((2 * self.block_rows() + 2 * self.stages * self.stream) * d * 2 + 1024) as u32
+    }
+
+    /// Whether `min_blocks` blocks fit one multiprocessor's shared memory at head dim `d`
+    /// (with the log-sum-exps and δs of each stage and 1 KB the system reserves a block).
+    pub fn fits(&self, d: usize) -> bool {
+        let smem = self.smem_bytes(d) as usize + 2 * self.stages * self.stream * 4;
+        smem <= SMEM_PER_BLOCK
+            && self.min_blocks * (smem + 1024) <= SMEM_PER_SM
+            && (!self.producer_warpgroup || self.min_blocks == 1)
+    }
+
+    /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup).
+    pub fn name(&self) -> String {
+        format!(
+            "{}x{}x{}{}{}",
+            self.warpgroups,
+            self.stages,
+            self.stream,
+            if self.min_blocks > 1 {
+                format!("/{}", self.min_blocks)
+            } else {
+                String::new()
+            },
+            if self.producer_warpgroup { "+pwg" } else { "" }
+        )
+    }
+}
+
+/// The two passes' block shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BackwardConfigs {
+    pub dkdv: BackwardConfig,
+    pub dq: BackwardConfig,
+}
+
+impl BackwardConfigs {
+    /// The shapes for a head dim, measured fastest by `hopper-check` on the H200
+    /// (`measurements/hopper-check.txt`): at head dim 64 dK/dV with three consumer warpgroups
+    /// (192 keys a block) and dQ with two streaming 128 keys a step, both fed by a producer
+    /// warpgroup that gives its registers to them; at head dim 128 dkdv's four accumulators of
+    /// 64 columns leave room for 32 queries a step, and dq takes the producer's registers.
+    pub fn for_head_dim(head_dim: usize) -> Self {
+        if head_dim == 128 {
+            BackwardConfigs {
+                dkdv: BackwardConfig::new(2, 32, true),
+                dq: BackwardConfig::new(2, 64, true),
+            }
+        } else {
+            BackwardConfigs {
+                dkdv: BackwardConfig::new(3, 64, true),
+                dq: BackwardConfig::new(2, 128, true),
+            }
+        }
+    }
+
+    /// The pairs `hopper-check` compares at head dim `d`: every one fits and compiles without
+    /// spills (`hopper-kernel-check`).
+    pub fn candidates(d: usize) -> Vec<BackwardConfigs> {
+        let pairs = |dkdv: &[BackwardConfig], dq: &[BackwardConfig]| {
+            let mut all = vec![BackwardConfigs::for_head_dim(d)];
+            for &a in dkdv {
+                for &b in dq {
+                    let c = BackwardConfigs { dkdv: a, dq: b };
+                    if !all.contains(&c) {
+                        all.push(c);
+                    }
+                }
+            }
+            all
+        };
+        let c = BackwardConfig::new;
+        let mut all = if d == 128 {
+            pairs(
+                &[c(2, 32, true), c(1, 64, false)],
+                &[c(2, 64, true), c(2, 32, false), c(1, 64, false)],
+            )
+        } else {
+            pairs(
+                &[
+                    c(2, 64, false),
+                    c(2, 64, true),
+                    c(3, 64, true),
+                    c(2, 32, false),
+                ],
+                &[c(2, 64, false), c(2, 128, true), c(3, 64, false)],
+            )
+        };
+        all.retain(|c| c.dkdv.fits(d) && c.dq.fits(d));
+        all
+    }
+
+    /// Every distinct kernel shape among [`BackwardConfigs::candidates`], for the kernel check.
+    pub fn shapes(d: usize) -> Vec<(&'static str, BackwardConfig)> {
+        let mut shapes = Vec::new();
+        for c in Self::candidates(d) {
+            for s in [(HOPPER_DKDV, c.dkdv), (HOPPER_DQ, c.dq)] {
+                if !shapes.contains(&s) {
+                    shapes.push(s);
+                }
+            }
+        }
+        shapes
+    }
+
+    /// A short name: dkdv's shape, then dq's.
+    pub fn name(&self) -> String {
+        format!("dkdv {} dq {}", self.dkdv.name(), self.dq.name())
+    }
+}
+
+/// Compiles one pass (`entry`: [`HOPPER_DKDV`] or [`HOPPER_DQ`]) for `sm_90a` in one block
+/// shape.
+pub fn compile(
+    dtype: Dtype,
+    head_dim: usize,
+    entry: &str,
+    config: BackwardConfig,
+) -> Result<Ptx, AttnError> {
+    require_nvrtc()?;
+    let options = CompileOptions {
+        arch: Some("sm_90a"),
+        options: vec![
+            format!("-DPASS={}", (entry == HOPPER_DQ) as u8),
+            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
+            format!("-DHEAD_DIM={head_dim}"),
+            format!("-DWGS={}", config.warpgroups),
+            format!("-DSTAGES={}", config.stages),
+            format!("-DSTREAM={}", config.stream),
+            format!("-DMIN_BLOCKS={}", config.min_blocks),
+            format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
+            "--std=c++17".into(),
+        ],
+        name: Some(format!(
+            "{entry}_{}_d{head_dim}_{}.cu",
+            dtype.name(),
+            config.name()
+        )),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(format!("{HOPPER_CUH}\n{HOPPER_BACKWARD_CU}"), options)
+        .map_err(|e| compile_error(entry, e))
+}
+
+/// The gradients of q, k and v with the Hopper kernels, given the forward's output and
+/// log-sum-exp and the output's gradient `dout`.
+pub fn backward(
+    gpu: &Gpu,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<DeviceGrads, AttnError> {
+    let configs = BackwardConfigs::for_head_dim(q.shape.head_dim);
+    backward_with(gpu, configs, q, k, v, fwd, dout)
+}
+
+/// [`backward`] with the given block shapes.
+pub fn backward_with(
+    gpu: &Gpu,
+    configs: BackwardConfigs,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<DeviceGrads, AttnError> {
+    check_hopper(gpu)?;
+    let shape = check_backward_device(q, k, v, fwd, dout)?;
+    // the forward's checks: a head dim the kernels take, at most 65,535 heads
+    forward::check(q, k, v)?;
+    let d = shape.head_dim;
+    for (entry, c) in [(HOPPER_DKDV, configs.dkdv), (HOPPER_DQ, configs.dq)] {
+        if !c.fits(d) {
+            return Err(AttnError::Unsupported {
+                what: format!(
+                    "{entry}'s block shape {} takes {} bytes of shared memory at head dim {d}: more than a multiprocessor's {SMEM_PER_SM}",
+                    c.name(),
+                    c.smem_bytes(d)
+                ),
+            });
+        }
+    }
+    // SAFETY: both passes together write every row of dq, dk and dv before anything reads
+    // them (an empty shape has none)
+    let mut grads = unsafe { DeviceGrads::alloc(gpu, shape, q.dtype) }?;
+    if shape.is_empty() {
+        return Ok(grads);
+    }
+    let delta = step04_backward::cuda::delta(gpu, fwd, dout)?;
+    let dtype = q.dtype;
+    let kernel = |entry: &'static str, c: BackwardConfig| {
+        gpu.kernel(
+            format!("hopper backward {entry} {dtype:?} d{d} {}", c.name()),
+            entry,
+            c.smem_bytes(d),
+            || compile(dtype, d, entry, c),
+        )
+    };
+    let heads = (shape.batch * shape.heads) as u32;
+    let tokens = shape.tokens as i32;
+    let scale = 1.0 / (d as f32).sqrt();
+    let scale_log2 = shape.scale_log2();
+    let launch_config = |c: BackwardConfig| LaunchConfig {
+        grid_dim: (shape.tokens.div_ceil(c.block_rows()) as u32, heads, 1),
+        block_dim: (c.threads(), 1, 1),
+        shared_mem_bytes: c.smem_bytes(d),
+    };
+    let stream = gpu.stream();
+
+    let c = configs.dkdv;
+    let f = kernel(HOPPER_DKDV, c)?;
+    if c.producer_warpgroup {
+        check_register_pool(&f, c.warpgroups, c.threads(), HOPPER_DKDV)?;
+    }
+    let maps = [
+        tensor_map(gpu, q, c.stream)?,
+        tensor_map(gpu, k, c.block_rows())?,
+        tensor_map(gpu, v, c.block_rows())?,
+        tensor_map(gpu, dout, c.stream)?,
+    ];
+    let mut launch = stream.launch_builder(&f);
+    launch
+        .arg(&maps[0])
+        .arg(&maps[1])
+        .arg(&maps[2])
+        .arg(&maps[3]);
+    launch.arg(&fwd.lse).arg(&delta);
+    launch.arg(&mut grads.dk.data).arg(&mut grads.dv.data);
+    launch.arg(&tokens).arg(&scale_log2).arg(&scale);
+    // SAFETY: check_backward_device and forward::check proved q, k, v, dout, the forward's
+    // output and lse and δ hold the shape's values in one dtype, and the maps read within
+    // them (rows past a head's end read as zeros); each block writes dk and dv for its own
+    // keys below `tokens` only; the grid is one block per block of keys of each head, with
+    // at most 65,535 heads (forward::check)
+    unsafe { launch.launch(launch_config(c)) }.map_err(device_error("launching hopper_dkdv"))?;
+
+    let c = configs.dq;
+    let f = kernel(HOPPER_DQ, c)?;
+    if c.producer_warpgroup {
+        check_register_pool(&f, c.warpgroups, c.threads(), HOPPER_DQ)?;
+    }
+    let maps = [
+        tensor_map(gpu, q, c.block_rows())?,
+        tensor_map(gpu, k, c.stream)?,
+        tensor_map(gpu, v, c.stream)?,
+        tensor_map(gpu, dout, c.block_rows())?,
+    ];
+    let mut launch = stream.launch_builder(&f);
+    launch
+        .arg(&maps[0])
+        .arg(&maps[1])
+        .arg(&maps[2])
+        .arg(&maps[3]);
+    launch.arg(&fwd.lse).arg(&delta);
+    launch.arg(&mut grads.dq.data);
+    launch.arg(&tokens).arg(&scale_log2).arg(&scale);
+    // SAFETY: as for dkdv; each block writes dq for its own queries below `tokens` only
+    unsafe { launch.launch(launch_config(c)) }.map_err(device_error("launching hopper_dq"))?;
+    Ok(grads)
+}

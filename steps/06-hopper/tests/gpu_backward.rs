@@ -1,0 +1,153 @@
+//! The Hopper backward kernels on the GPU against the f64 reference with FlashAttention's rule
+//! (each gradient's error at most twice that of the backward by hand in the same precision),
+//! in every block shape they can be compiled with; ignored where there is no GPU.
+
+use flash_core::inputs::{random_normal, random_qkv};
+use flash_core::reference::error;
+use flash_core::{AttnError, Shape};
+use ndarray::Array4;
+use step03_cuda_forward::host::round_array;
+use step03_cuda_forward::{DeviceTensor, Dtype, Gpu};
+use step04_backward::cuda::{DeviceGrads, backward_by_hand_low_precision};
+use step04_backward::reference::backward_f64;
+use step06_hopper::backward::{self, BackwardConfigs};
+use step06_hopper::forward;
+use step06_hopper::methods::hopper_backward;
+
+/// One token, partial blocks of every size the kernels stream (32, 64, 128 rows), one block,
+/// several, and the diagonal in every position.
+const SHAPES: [(usize, usize, usize); 6] = [
+    (1, 2, 1),
+    (2, 3, 77),
+    (1, 2, 128),
+    (3, 1, 300),
+    (1, 3, 1024),
+    (1, 1, 4097),
+];
+
+fn up(gpu: &Gpu, x: &Array4<f32>, dtype: Dtype) -> DeviceTensor {
+    gpu.upload(x.view(), dtype).unwrap()
+}
+
+fn download(gpu: &Gpu, g: &DeviceGrads) -> [Array4<f32>; 3] {
+    [&g.dq, &g.dk, &g.dv].map(|x| gpu.download(x).unwrap())
+}
+
+// ANCHOR: check_backward
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_backward_is_within_twice_by_hand_error_in_every_block_shape() {
+    let gpu = Gpu::shared().expect("a GPU");
+    let mut seed = 700;
+    for (dtype, d) in [Dtype::Bf16, Dtype::F16]
+        .into_iter()
+        .flat_map(|dtype| forward::HEAD_DIMS.map(|d| (dtype, d)))
+    {
+        for &(b, h, t) in &SHAPES {
+            seed += 1;
+            let shape = Shape::new(b, h, t, d);
+            let [q, k, v] = random_qkv(shape, seed);
+            let dout = random_normal(shape, seed + 99);
+            // the reference sees exactly the values the GPU saw
+            let [qr, kr, vr, dr] = [&q, &k, &v, &dout].map(|x| round_array(x.view(), dtype));
+            let want = backward_f64(qr.view(), kr.view(), vr.view(), dr.view()).unwrap();
+            let hand =
+                backward_by_hand_low_precision(q.view(), k.view(), v.view(), dout.view(), dtype);
+            let hand = [&hand.dq, &hand.dk, &hand.dv];
+            let want = [&want.dq, &want.dk, &want.dv];
+            let (dq, dk, dv, ddo) = (
+                up(gpu, &q, dtype),
+                up(gpu, &k, dtype),
+                up(gpu, &v, dtype),
+                up(gpu, &dout, dtype),
+            );
+            let fwd = forward::forward(gpu, &dq, &dk, &dv).unwrap();
+            for configs in BackwardConfigs::candidates(d) {
+                let grads = backward::backward_with(gpu, configs, &dq, &dk, &dv, &fwd, &ddo)
+                    .unwrap_or_else(|e| panic!("{shape} {}: {e}", configs.name()));
+                let got = download(gpu, &grads);
+                for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
+                    let ours = error(&got[i], want[i]);
+                    let by_hand = error(hand[i], want[i]);
+                    let size = want[i].iter().fold(1.0f64, |m, x| m.max(x.abs()));
+                    println!(
+                        "{} {shape} {}: {name} ours {ours}; by hand {by_hand}",
+                        dtype.name(),
+                        configs.name()
+                    );
+                    assert!(
+                        ours.max_abs <= 2.0 * by_hand.max_abs + 1e-5 * size,
+                        "{} {shape} {}: {name} {ours}; by hand {by_hand}",
+                        dtype.name(),
+                        configs.name()
+                    );
+                }
+            }
+        }
+    }
+}
+// ANCHOR_END: check_backward
+
+/// Every block writes only its own rows: two runs give the same bits, and the block shapes
+/// agree with each other within rounding.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_backward_is_deterministic() {
+    let gpu = Gpu::shared().expect("a GPU");
+    for d in forward::HEAD_DIMS {
+        let shape = Shape::new(2, 3, 1000, d);
+        let [q, k, v] = random_qkv(shape, 3);
+        let dout = random_normal(shape, 4);
+        let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| up(gpu, x, Dtype::Bf16));
+        let fwd = forward::forward(gpu, &q, &k, &v).unwrap();
+        let first = download(
+            gpu,
+            &backward::backward(gpu, &q, &k, &v, &fwd, &dout).unwrap(),
+        );
+        let again = download(
+            gpu,
+            &backward::backward(gpu, &q, &k, &v, &fwd, &dout).unwrap(),
+        );
+        assert_eq!(first, again, "{shape}: two runs differ");
+    }
+}
+
+/// The registry's `cuda_hopper` backward on host arrays, and its refusals: bad shapes before
+/// any GPU work, and a head dim the kernels lack by name.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_backward_on_host_arrays_refuses_what_it_cannot_take() {
+    let shape = Shape::new(1, 2, 40, 96);
+    let [q, k, v] = random_qkv(shape, 1);
+    let fwd = step01_forward(&q, &k, &v);
+    let dout = random_normal(shape, 2);
+    match hopper_backward(q.view(), k.view(), v.view(), &fwd, dout.view()) {
+        Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
+            assert!(e.to_string().contains("64, 128"), "{e}")
+        }
+        other => panic!("head dim 96: {:?}", other.map(|_| ())),
+    }
+    let wrong = random_normal(Shape::new(1, 2, 41, 96), 2);
+    assert!(hopper_backward(q.view(), k.view(), v.view(), &fwd, wrong.view()).is_err());
+}
+
+fn step01_forward(q: &Array4<f32>, k: &Array4<f32>, v: &Array4<f32>) -> flash_core::Attention {
+    step04_backward::forward(q.view(), k.view(), v.view()).unwrap()
+}
+
+/// Without a GPU (or without a Hopper one), the backward is an error that says what it needs.
+#[test]
+fn no_gpu_is_an_error_not_a_panic() {
+    if Gpu::shared().is_ok() {
+        return;
+    }
+    let shape = Shape::new(1, 1, 8, 64);
+    let [q, k, v] = random_qkv(shape, 1);
+    let fwd = step01_forward(&q, &k, &v);
+    let dout = random_normal(shape, 2);
+    let e = hopper_backward(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap_err();
+    assert!(
+        e.to_string().contains("GPU") || e.to_string().contains("CUDA"),
+        "{e}"
+    );
+}
