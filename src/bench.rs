@@ -32,7 +32,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use flash_core::inputs::{random_normal, random_qkv};
-use flash_core::{AttnError, Shape};
+use flash_core::{AttnError, Shape, memory_and_swap};
 use ndarray::Array4;
 
 use flash_core::row::{self, Row};
@@ -279,17 +279,6 @@ pub fn input_bytes(shape: Shape, pass: Pass) -> u128 {
         * shape.tokens as u128
         * shape.head_dim as u128
         * 4
-}
-
-/// The memory and swap of this machine in bytes (`/proc/meminfo`), None where unknown.
-fn memory_and_swap() -> Option<u128> {
-    let info = fs::read_to_string("/proc/meminfo").ok()?;
-    let kb = |key: &str| {
-        info.lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u128>().ok())
-    };
-    Some((kb("MemTotal:")? + kb("SwapTotal:").unwrap_or(0)) * 1024)
 }
 
 fn seconds(s: f64) -> String {

@@ -102,7 +102,8 @@ fn benchmark_prints_a_table_and_writes_every_key() {
 
 #[test]
 fn a_length_that_does_not_fit_is_a_row_not_a_crash() {
-    // 2^20 tokens of one head: inputs of 4 MB, a table of 4 TB that no allocator grants
+    // 2^20 tokens of one head: inputs of 4 MB, a table of 4 TB, more than any machine's memory
+    // and swap (refused before allocating, also where the kernel would overcommit)
     let o = run(&[
         "--methods",
         "naive",

@@ -277,8 +277,21 @@ pub fn check_same<A: Copy + Into<f64>>(
     check_finite(name, x)
 }
 
+/// The memory and swap of this machine in bytes (`/proc/meminfo`), None where unknown.
+pub fn memory_and_swap() -> Option<u128> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb = |key: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u128>().ok())
+    };
+    Some((kb("MemTotal:")? + kb("SwapTotal:").unwrap_or(0)) * 1024)
+}
+
 /// Allocates `len` zeros, returning `OutOfMemory` instead of aborting the process when the
-/// allocator says no (or when `len` overflows).
+/// allocator says no (or when `len` overflows). More than the machine's memory and swap is
+/// refused before asking: where the kernel overcommits, the allocator would say yes and the
+/// zeros would then page for minutes before the OOM killer ends the process.
 pub fn try_zeros<A: Clone + Default>(what: &str, len: Option<usize>) -> Result<Vec<A>, AttnError> {
     let oom = |bytes: u128| AttnError::OutOfMemory {
         what: what.to_string(),
@@ -288,9 +301,33 @@ pub fn try_zeros<A: Clone + Default>(what: &str, len: Option<usize>) -> Result<V
     let Some(len) = len else {
         return Err(oom(u128::MAX / 2));
     };
+    if memory_and_swap().is_some_and(|have| len as u128 * size > have) {
+        return Err(oom(len as u128 * size));
+    }
     let mut buf = Vec::new();
     buf.try_reserve_exact(len)
         .map_err(|_| oom(len as u128 * size))?;
     buf.resize(len, A::default());
     Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn more_than_memory_and_swap_is_refused_without_allocating() {
+        let Some(have) = memory_and_swap() else {
+            return; // no /proc/meminfo: nothing to compare with
+        };
+        let len = usize::try_from(have + 1).expect("a 64-bit machine");
+        let start = std::time::Instant::now();
+        match try_zeros::<u8>("the test's buffer", Some(len)) {
+            Err(AttnError::OutOfMemory { bytes, .. }) => assert_eq!(bytes, have + 1),
+            other => panic!("expected out of memory, got {:?}", other.map(|v| v.len())),
+        }
+        assert!(start.elapsed().as_secs() < 2, "it tried to allocate");
+        let small = try_zeros::<f32>("a small buffer", Some(1000)).expect("1000 floats");
+        assert_eq!(small, vec![0.0; 1000]);
+    }
 }

@@ -25,7 +25,9 @@ pub mod reference;
 pub mod row;
 pub mod timing;
 
-pub use check::{AttnError, Pass, Shape, check_finite, check_qkv, check_same, try_zeros};
+pub use check::{
+    AttnError, Pass, Shape, check_finite, check_qkv, check_same, memory_and_swap, try_zeros,
+};
 pub use method::{Device, Dtype, ForwardFn, Method};
 // [step 03]
 pub use method::ForwardDtypeFn;
