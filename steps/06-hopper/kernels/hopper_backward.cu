@@ -25,6 +25,16 @@
 #ifndef PASS
 #define PASS 0
 #endif
+// DQ_ATOMIC=1: the dkdv pass gives dQ too, in one pass as FlashAttention-2 and -3 do: each
+// warpgroup writes dS for its keys to shared memory, takes dQ += dS·k for the block's queries,
+// and adds it into an f32 buffer with atomic adds (hopper_dq_convert then scales and rounds
+// it); the sums' order, and so dQ's last bits, depend on which blocks finish first
+#ifndef DQ_ATOMIC
+#define DQ_ATOMIC 0
+#endif
+#if DQ_ATOMIC && (STREAM != 64 || HEAD_DIM != 64 || PASS != 0)
+#error "DQ_ATOMIC takes the dkdv pass with STREAM 64 at HEAD_DIM 64"
+#endif
 #define BLOCK_ROWS (64 * WGS)
 #define LOG2E 1.4426950408889634f
 
@@ -88,13 +98,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
             const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
             const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dk_out,
-            u16* __restrict__ dv_out, int tokens, float scale_log2, float scale) {
+            u16* __restrict__ dv_out, float* __restrict__ dq_accum, int tokens, float scale_log2, float scale) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* sk = smem;
   unsigned char* sv = sk + BLOCK_ROWS * ROW_BYTES;
   unsigned char* sq = sv + BLOCK_ROWS * ROW_BYTES;
   unsigned char* sdo = sq + STAGES * STREAM * ROW_BYTES;
+#if DQ_ATOMIC
+  // each warpgroup's dS: [64 queries][64 keys], K-major for dQ += dS·k
+  unsigned char* sds = sdo + STAGES * STREAM * ROW_BYTES;
+#endif
   __shared__ float slse[STAGES][STREAM], sdelta[STAGES][STREAM];
   __shared__ __align__(8) u64 full[STAGES], empty[STAGES], kvbar;
 
@@ -158,13 +172,55 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       }
       pack_fragments<STREAM>(pf, st);
       pack_fragments<STREAM>(dsf, dpt);
+#if DQ_ATOMIC
+      // dSᵀ's register 4j+e is dS's element (query 8j + 2·(lane%4) + e%2, key warp·16 +
+      // lane/4 + 8·(e/2)): stored transposed, a query a row, in the 128-byte swizzle (chunk c
+      // of row r at c ^ (r % 8)), then made visible to the tensor cores' reads
+      const u32 ads = smem_u32(sds) + wg * 64 * 128;
+#pragma unroll
+      for (int j = 0; j < STREAM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const u32 row = 8 * j + 2 * (lane % 4) + (e % 2), col = warp * 16 + lane / 4 + 8 * (e / 2);
+          const u32 at = ads + row * 128 + ((((col * 2) / 16) ^ (row % 8)) * 16) + (col * 2) % 16;
+          asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(at), "h"(to16(dpt[4 * j + e])) : "memory");
+        }
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+      float dq[32];
+#endif
       wgmma_fence();
       issue_pb<STREAM>(dv, pf, ado, STREAM);  // dV += Pᵀ·dO
       issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
+#if DQ_ATOMIC
+      // dQ = dS·k over this warpgroup's 64 keys: dS from shared memory, k MN-major (as v)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma_m64n64_ss_tb(dq, descriptor(ads + kk * 32, QK_LBO, QK_SBO), descriptor(ak + kk * 16 * 128, V_LBO, V_SBO), kk > 0);
+      }
+#endif
       wgmma_commit();
       wgmma_wait0();
       fence_operands(dv);
       fence_operands(dk);
+#if DQ_ATOMIC
+      fence_operands(dq);
+      // register 4j + 2h + {0,1}: query q0 + warp·16 + lane/4 + 8h, columns 8j + 2·(lane%4) + {0,1}
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = q0 + warp * 16 + lane / 4 + 8 * h;
+        if (row < tokens) {
+          float* dst = dq_accum + ((u64)head * tokens + row) * HEAD_DIM + 2 * (lane % 4);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst + 8 * j), "f"(dq[4 * j + 2 * h]),
+                         "f"(dq[4 * j + 2 * h + 1])
+                         : "memory");
+          }
+        }
+      }
+#endif
     }
     // this warp is done with the buffer
     __syncwarp();
@@ -175,6 +231,17 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
   store_rows(dv_out + base, dv, 1.f, kr0, tokens, lane);
 }
 // ANCHOR_END: dkdv
+
+#if DQ_ATOMIC
+// dq = 16-bit(acc · scale), two values a thread at a time
+extern "C" __global__ void hopper_dq_convert(const float* __restrict__ acc, u16* __restrict__ dq, long long pairs,
+                                             float scale) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs; i += (long long)gridDim.x * blockDim.x) {
+    const float2 a = reinterpret_cast<const float2*>(acc)[i];
+    reinterpret_cast<u32*>(dq)[i] = pack(a.x * scale, a.y * scale);
+  }
+}
+#endif
 #else
 
 // ANCHOR: dq

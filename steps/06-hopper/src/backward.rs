@@ -5,7 +5,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::AttnError;
 use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
-use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, device_error};
+use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error};
 use step04_backward::cuda::{DeviceGrads, check_backward_device};
 
 use crate::forward::{
@@ -18,6 +18,8 @@ pub const HOPPER_BACKWARD_CU: &str = include_str!("../kernels/hopper_backward.cu
 pub const HOPPER_DKDV: &str = "hopper_dkdv";
 /// The pass that gives dQ, a block of queries at a time.
 pub const HOPPER_DQ: &str = "hopper_dq";
+/// After a dkdv pass that added dQ into f32 (`dq_atomic`): dQ scaled and rounded.
+pub const HOPPER_DQ_CONVERT: &str = "hopper_dq_convert";
 
 /// One backward kernel's thread block, set at compile time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -32,6 +34,10 @@ pub struct BackwardConfig {
     pub min_blocks: usize,
     /// The producer a warpgroup that hands its registers to the consumers (`PRODUCER_WG`).
     pub producer_warpgroup: bool,
+    /// dkdv only: dQ in the same pass, added into f32 with atomics (`DQ_ATOMIC`), so that
+    /// no dq pass runs; its last bits then depend on the order blocks finish in. Head dim 64,
+    /// 64 queries streamed.
+    pub dq_atomic: bool,
 }
 
 impl BackwardConfig {
@@ -42,6 +48,15 @@ impl BackwardConfig {
             stream,
             min_blocks: 1,
             producer_warpgroup,
+            dq_atomic: false,
+        }
+    }
+
+    /// The dkdv shape that gives dQ too, with atomics.
+    pub const fn with_dq_atomic(self) -> Self {
+        BackwardConfig {
+            dq_atomic: true,
+            ..self
         }
     }
 
@@ -57,9 +72,15 @@ impl BackwardConfig {
     }
 
     /// Dynamic shared memory at head dim `d`: the block's two tiles, `stages` pairs of
-    /// streamed tiles, and room to align them on the swizzle's 1,024 bytes.
+    /// streamed tiles, each warpgroup's dS with `dq_atomic`, and room to align them on the
+    /// swizzle's 1,024 bytes.
     pub fn smem_bytes(&self, d: usize) -> u32 {
-        ((2 * self.block_rows() + 2 * self.stages * self.stream) * d * 2 + 1024) as u32
+        let ds = if self.dq_atomic {
+            self.block_rows() * 64 * 2
+        } else {
+            0
+        };
+        ((2 * self.block_rows() + 2 * self.stages * self.stream) * d * 2 + ds + 1024) as u32
     }
 
     /// Whether `min_blocks` blocks fit one multiprocessor's shared memory at head dim `d`
@@ -69,12 +90,14 @@ impl BackwardConfig {
         smem <= SMEM_PER_BLOCK
             && self.min_blocks * (smem + 1024) <= SMEM_PER_SM
             && (!self.producer_warpgroup || self.min_blocks == 1)
+            && (!self.dq_atomic || (d == 64 && self.stream == 64))
     }
 
-    /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup).
+    /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup), "+dqa"
+    /// (dQ with atomics).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}",
+            "{}x{}x{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.stream,
@@ -83,7 +106,8 @@ impl BackwardConfig {
             } else {
                 String::new()
             },
-            if self.producer_warpgroup { "+pwg" } else { "" }
+            if self.producer_warpgroup { "+pwg" } else { "" },
+            if self.dq_atomic { "+dqa" } else { "" }
         )
     }
 }
@@ -147,6 +171,16 @@ impl BackwardConfigs {
                 &[c(2, 64, false), c(2, 128, true), c(3, 64, false)],
             )
         };
+        if d == 64 {
+            // one pass: the dq shape is not used
+            let dq = BackwardConfigs::for_head_dim(d).dq;
+            for dkdv in [c(2, 64, true), c(2, 64, false)] {
+                all.push(BackwardConfigs {
+                    dkdv: dkdv.with_dq_atomic(),
+                    dq,
+                });
+            }
+        }
         all.retain(|c| c.dkdv.fits(d) && c.dq.fits(d));
         all
     }
@@ -164,9 +198,13 @@ impl BackwardConfigs {
         shapes
     }
 
-    /// A short name: dkdv's shape, then dq's.
+    /// A short name: dkdv's shape, then dq's (none when dkdv gives dQ too).
     pub fn name(&self) -> String {
-        format!("dkdv {} dq {}", self.dkdv.name(), self.dq.name())
+        if self.dkdv.dq_atomic {
+            format!("dkdv {} (one pass)", self.dkdv.name())
+        } else {
+            format!("dkdv {} dq {}", self.dkdv.name(), self.dq.name())
+        }
     }
 }
 
@@ -190,6 +228,7 @@ pub fn compile(
             format!("-DSTREAM={}", config.stream),
             format!("-DMIN_BLOCKS={}", config.min_blocks),
             format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
+            format!("-DDQ_ATOMIC={}", config.dq_atomic as u8),
             "--std=c++17".into(),
         ],
         name: Some(format!(
@@ -233,6 +272,9 @@ pub fn backward_with(
     forward::check(q, k, v)?;
     let d = shape.head_dim;
     for (entry, c) in [(HOPPER_DKDV, configs.dkdv), (HOPPER_DQ, configs.dq)] {
+        if entry == HOPPER_DQ && configs.dkdv.dq_atomic {
+            continue;
+        }
         if !c.fits(d) {
             return Err(AttnError::Unsupported {
                 what: format!(
@@ -243,20 +285,26 @@ pub fn backward_with(
             });
         }
     }
-    // SAFETY: both passes together write every row of dq, dk and dv before anything reads
-    // them (an empty shape has none)
+    // SAFETY: both passes together (or dkdv and hopper_dq_convert, with `dq_atomic`) write
+    // every row of dq, dk and dv before anything reads them (an empty shape has none)
     let mut grads = unsafe { DeviceGrads::alloc(gpu, shape, q.dtype) }?;
     if shape.is_empty() {
         return Ok(grads);
     }
     let delta = step04_backward::cuda::delta(gpu, fwd, dout)?;
     let dtype = q.dtype;
+    // a module per pass and shape; the convert kernel is in dkdv's module with `dq_atomic`
     let kernel = |entry: &'static str, c: BackwardConfig| {
+        let pass = if entry == HOPPER_DQ_CONVERT {
+            HOPPER_DKDV
+        } else {
+            entry
+        };
         gpu.kernel(
             format!("hopper backward {entry} {dtype:?} d{d} {}", c.name()),
             entry,
             c.smem_bytes(d),
-            || compile(dtype, d, entry, c),
+            || compile(dtype, d, pass, c),
         )
     };
     let heads = (shape.batch * shape.heads) as u32;
@@ -272,6 +320,18 @@ pub fn backward_with(
 
     let c = configs.dkdv;
     let f = kernel(HOPPER_DKDV, c)?;
+    // dkdv's f32 dQ sums with `dq_atomic` (starting at zero), else no buffer
+    let dq_accum = if c.dq_atomic {
+        let n = shape.len();
+        Some(
+            stream
+                .alloc_zeros::<f32>(n)
+                .map_err(alloc_error("the backward's f32 dq sums", n as u128 * 4))?,
+        )
+    } else {
+        None
+    };
+    let no_buffer: u64 = 0;
     if c.producer_warpgroup {
         check_register_pool(&f, c.warpgroups, c.threads(), HOPPER_DKDV)?;
     }
@@ -289,6 +349,10 @@ pub fn backward_with(
         .arg(&maps[3]);
     launch.arg(&fwd.lse).arg(&delta);
     launch.arg(&mut grads.dk.data).arg(&mut grads.dv.data);
+    match &dq_accum {
+        Some(buf) => launch.arg(buf),
+        None => launch.arg(&no_buffer),
+    };
     launch.arg(&tokens).arg(&scale_log2).arg(&scale);
     // SAFETY: check_backward_device and forward::check proved q, k, v, dout, the forward's
     // output and lse and δ hold the shape's values in one dtype, and the maps read within
@@ -296,6 +360,26 @@ pub fn backward_with(
     // keys below `tokens` only; the grid is one block per block of keys of each head, with
     // at most 65,535 heads (forward::check)
     unsafe { launch.launch(launch_config(c)) }.map_err(device_error("launching hopper_dkdv"))?;
+
+    if let Some(acc) = &dq_accum {
+        let f = kernel(HOPPER_DQ_CONVERT, c)?;
+        let pairs = (shape.len() / 2) as i64;
+        let mut launch = stream.launch_builder(&f);
+        launch
+            .arg(acc)
+            .arg(&mut grads.dq.data)
+            .arg(&pairs)
+            .arg(&scale);
+        let config = LaunchConfig {
+            grid_dim: ((pairs as u64).div_ceil(256).min(65_535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: acc holds the shape's values in f32 and dq in 16 bits, an even number of
+        // them (the head dim is 64); each thread reads and writes whole pairs below `pairs`
+        unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dq_convert"))?;
+        return Ok(grads);
+    }
 
     let c = configs.dq;
     let f = kernel(HOPPER_DQ, c)?;

@@ -271,6 +271,23 @@ fn check_backward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
                     )?)?;
                     let ok = (0..3).all(|i| ours[i] <= (2.0 * theirs[i]).max(1e-3));
                     all &= ok;
+                    if configs.dkdv.dq_atomic {
+                        // dQ's sums in whatever order the blocks finish: how far two runs differ
+                        let run = || -> Result<ndarray::Array4<f32>, AttnError> {
+                            let g = backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout)?;
+                            gpu.download(&g.dq)
+                        };
+                        let (first, again) = (run()?, run()?);
+                        let pairs = || first.iter().zip(&again);
+                        let differ = pairs().filter(|(x, y)| x != y).count();
+                        let most = pairs().fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+                        println!(
+                            "{} {b}x{h}x{t} d{d} {}: dq run to run: {differ} of {} values differ, by at most {most:.2e}",
+                            dtype.name(),
+                            configs.name(),
+                            first.len()
+                        );
+                    }
                     println!(
                         "{} {b}x{h}x{t} d{d} {}: dq/dk/dv max |err| {:.2e} {:.2e} {:.2e} (step 04 {:.2e} {:.2e} {:.2e}) {}",
                         dtype.name(),
