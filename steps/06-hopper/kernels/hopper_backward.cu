@@ -13,10 +13,11 @@
 // A module holds one of them (PASS), so each pass is compiled in block shapes of its own.
 //
 // Every product reads its tiles in the layouts the forward's products already read (q·kᵀ
-// from two K-major tiles, P·v with v MN-major), so no new descriptor is needed. Each block
-// writes only its own rows: the gradients are deterministic. A producer warp (or warpgroup,
-// PRODUCER_WG) brings the tiles with TMA; its 32 lanes also copy each stage's log-sum-exps
-// and δs into shared memory, and every lane arrives on the stage's "full" barrier.
+// from two K-major tiles, P·v with v MN-major; DQ_ATOMIC's dS·k reads dS as q and k as v).
+// Each block writes only its own rows: the gradients are deterministic (dQ with DQ_ATOMIC
+// aside). A producer warp (or warpgroup, PRODUCER_WG) brings the tiles with TMA; its 32
+// lanes also copy each stage's log-sum-exps and δs into shared memory, and every lane
+// arrives on the stage's "full" barrier.
 
 #ifndef STREAM
 #define STREAM 64  // rows streamed past a block: queries (dkdv), keys (dq); 32, 64 or 128
@@ -177,6 +178,9 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       // lane/4 + 8·(e/2)): stored transposed, a query a row, in the 128-byte swizzle (chunk c
       // of row r at c ^ (r % 8)), then made visible to the tensor cores' reads
       const u32 ads = smem_u32(sds) + wg * 64 * 128;
+      // every warp of the warpgroup is past its wait for the last block's dQ product, which
+      // read the whole tile (a warp's wait covers only its own part of the product)
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
 #pragma unroll
       for (int j = 0; j < STREAM / 8; ++j) {
 #pragma unroll
