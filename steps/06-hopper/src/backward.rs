@@ -317,9 +317,25 @@ pub fn backward_with(
         shared_mem_bytes: c.smem_bytes(d),
     };
     let stream = gpu.stream();
+    // a pass's kernel, with the register check of a producer warpgroup, and the maps of q,
+    // k, v and dO, in boxes of `qdo_rows` rows (q, dO) and `kv_rows` rows (k, v)
+    let pass = |entry: &'static str, c: BackwardConfig, qdo_rows: usize, kv_rows: usize| {
+        let f = kernel(entry, c)?;
+        if c.producer_warpgroup {
+            check_register_pool(&f, c.warpgroups, c.threads(), entry)?;
+        }
+        let maps = [
+            tensor_map(gpu, q, qdo_rows)?,
+            tensor_map(gpu, k, kv_rows)?,
+            tensor_map(gpu, v, kv_rows)?,
+            tensor_map(gpu, dout, qdo_rows)?,
+        ];
+        Ok::<_, AttnError>((f, maps))
+    };
 
+    // dK and dV: the block's keys and values, the queries and dO streamed
     let c = configs.dkdv;
-    let f = kernel(HOPPER_DKDV, c)?;
+    let (f, maps) = pass(HOPPER_DKDV, c, c.stream, c.block_rows())?;
     // dkdv's f32 dQ sums with `dq_atomic` (starting at zero), else no buffer
     let dq_accum = if c.dq_atomic {
         let n = shape.len();
@@ -332,21 +348,10 @@ pub fn backward_with(
         None
     };
     let no_buffer: u64 = 0;
-    if c.producer_warpgroup {
-        check_register_pool(&f, c.warpgroups, c.threads(), HOPPER_DKDV)?;
-    }
-    let maps = [
-        tensor_map(gpu, q, c.stream)?,
-        tensor_map(gpu, k, c.block_rows())?,
-        tensor_map(gpu, v, c.block_rows())?,
-        tensor_map(gpu, dout, c.stream)?,
-    ];
     let mut launch = stream.launch_builder(&f);
-    launch
-        .arg(&maps[0])
-        .arg(&maps[1])
-        .arg(&maps[2])
-        .arg(&maps[3]);
+    for map in &maps {
+        launch.arg(map);
+    }
     launch.arg(&fwd.lse).arg(&delta);
     launch.arg(&mut grads.dk.data).arg(&mut grads.dv.data);
     match &dq_accum {
@@ -381,23 +386,13 @@ pub fn backward_with(
         return Ok(grads);
     }
 
+    // dQ: the block's queries and dO, the keys and values streamed
     let c = configs.dq;
-    let f = kernel(HOPPER_DQ, c)?;
-    if c.producer_warpgroup {
-        check_register_pool(&f, c.warpgroups, c.threads(), HOPPER_DQ)?;
-    }
-    let maps = [
-        tensor_map(gpu, q, c.block_rows())?,
-        tensor_map(gpu, k, c.stream)?,
-        tensor_map(gpu, v, c.stream)?,
-        tensor_map(gpu, dout, c.block_rows())?,
-    ];
+    let (f, maps) = pass(HOPPER_DQ, c, c.block_rows(), c.stream)?;
     let mut launch = stream.launch_builder(&f);
-    launch
-        .arg(&maps[0])
-        .arg(&maps[1])
-        .arg(&maps[2])
-        .arg(&maps[3]);
+    for map in &maps {
+        launch.arg(map);
+    }
     launch.arg(&fwd.lse).arg(&delta);
     launch.arg(&mut grads.dq.data);
     launch.arg(&tokens).arg(&scale_log2).arg(&scale);
