@@ -33,9 +33,17 @@
 #ifndef DQ_ATOMIC
 #define DQ_ATOMIC 0
 #endif
+// DQ_ATOMIC=2: the two warpgroups' dS meet in shared memory and warpgroup 0 alone takes dQ
+// over the block's 128 keys (half the sums of DQ_ATOMIC=1); it puts dQ in shared memory and
+// a warp's lanes add it into the f32 buffer a row at a time with bulk reductions
+// (cp.reduce.async.bulk), one instruction per row instead of one per pair of values
 #if DQ_ATOMIC && (STREAM != 64 || HEAD_DIM != 64 || PASS != 0)
 #error "DQ_ATOMIC takes the dkdv pass with STREAM 64 at HEAD_DIM 64"
 #endif
+#if DQ_ATOMIC == 2 && WGS != 2
+#error "DQ_ATOMIC=2 takes two consumer warpgroups"
+#endif
+#define DQ_ROW_BYTES 288  // a row of dQ in shared memory: 64 f32 and 32 bytes against bank conflicts
 #define BLOCK_ROWS (64 * WGS)
 #define LOG2E 1.4426950408889634f
 
@@ -110,6 +118,10 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
   // each warpgroup's dS: [64 queries][64 keys], K-major for dQ += dS·k
   unsigned char* sds = sdo + STAGES * STREAM * ROW_BYTES;
 #endif
+#if DQ_ATOMIC == 2
+  // the block's dQ in f32 for the bulk reductions, [64 queries][DQ_ROW_BYTES]
+  unsigned char* sdq = sds + WGS * 64 * 128;
+#endif
   __shared__ float slse[STAGES][STREAM], sdelta[STAGES][STREAM];
   __shared__ __align__(8) u64 full[STAGES], empty[STAGES], kvbar;
 
@@ -178,9 +190,22 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       // lane/4 + 8·(e/2)): stored transposed, a query a row, in the 128-byte swizzle (chunk c
       // of row r at c ^ (r % 8)), then made visible to the tensor cores' reads
       const u32 ads = smem_u32(sds) + wg * 64 * 128;
+#if DQ_ATOMIC == 1
       // every warp of the warpgroup is past its wait for the last block's dQ product, which
       // read the whole tile (a warp's wait covers only its own part of the product)
       asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+#else
+      // warpgroup 1 has this block unless all its queries come before the block's keys 64..
+      const bool pair = q0 + STREAM - 1 >= k0 + 64;
+      if (wg == 0) {
+        // the lanes that reduce dQ: their last bulk reductions have read sdq (the barrier
+        // after the stores below holds the other warps' writes to it until then)
+        if (warp == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+      } else {
+        // warpgroup 0's last dQ product has read this warpgroup's tile
+        asm volatile("bar.sync 2, 256;\n" ::: "memory");
+      }
+#endif
 #pragma unroll
       for (int j = 0; j < STREAM / 8; ++j) {
 #pragma unroll
@@ -191,24 +216,89 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
         }
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#if DQ_ATOMIC == 1
       asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+#else
+      // warpgroup 0 waits for both tiles (its own alone where warpgroup 1 has no part)
+      if (wg == 1) {
+        asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+      } else if (pair) {
+        asm volatile("bar.sync 3, 256;\n" ::: "memory");
+      } else {
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      }
+#endif
       float dq[32];
 #endif
       wgmma_fence();
       issue_pb<STREAM>(dv, pf, ado, STREAM);  // dV += Pᵀ·dO
       issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
-#if DQ_ATOMIC
+#if DQ_ATOMIC == 1
       // dQ = dS·k over this warpgroup's 64 keys: dS from shared memory, k MN-major (as v)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         wgmma_m64n64_ss_tb(dq, descriptor(ads + kk * 32, QK_LBO, QK_SBO), descriptor(ak + kk * 16 * 128, V_LBO, V_SBO), kk > 0);
+      }
+#elif DQ_ATOMIC == 2
+      // dQ = dS·k over the block's keys, by warpgroup 0: the k-steps past 64 read warpgroup
+      // 1's tile of dS and its keys
+      // (the warpgroup's index read through a shuffle: ptxas then sees the branch taken by
+      // whole warps and does not serialise the products in it)
+      if (__shfl_sync(0xffffffff, wg, 0) == 0) {
+        const u32 a0 = smem_u32(sds), b0 = smem_u32(sk);
+        if (pair) {
+#pragma unroll
+          for (int kk = 0; kk < 8; ++kk) {
+            wgmma_m64n64_ss_tb(dq, descriptor(a0 + (kk / 4) * 64 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO),
+                               descriptor(b0 + kk * 16 * 128, V_LBO, V_SBO), kk > 0);
+          }
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            wgmma_m64n64_ss_tb(dq, descriptor(a0 + kk * 32, QK_LBO, QK_SBO), descriptor(b0 + kk * 16 * 128, V_LBO, V_SBO),
+                               kk > 0);
+          }
+        }
       }
 #endif
       wgmma_commit();
       wgmma_wait0();
       fence_operands(dv);
       fence_operands(dk);
-#if DQ_ATOMIC
+#if DQ_ATOMIC == 2
+      if (wg == 0) {
+        fence_operands(dq);
+        // register 4j + 2h + {0,1}: row warp·16 + lane/4 + 8h, columns 8j + 2·(lane%4) + {0,1}
+        const u32 adq = smem_u32(sdq);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u32 row = warp * 16 + lane / 4 + 8 * h;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(adq + row * DQ_ROW_BYTES + (8 * j + 2 * (lane % 4)) * 4),
+                         "f"(dq[4 * j + 2 * h]), "f"(dq[4 * j + 2 * h + 1])
+                         : "memory");
+          }
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");
+        // warp 0's lanes add the rows into the f32 sums, two rows a lane
+        if (warp == 0) {
+#pragma unroll
+          for (int r = lane; r < STREAM; r += 32) {
+            if (q0 + r < tokens) {
+              float* dst = dq_accum + ((u64)head * tokens + q0 + r) * HEAD_DIM;
+              asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                           "r"(adq + r * DQ_ROW_BYTES), "n"(HEAD_DIM * 4)
+                           : "memory");
+            }
+          }
+          asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        }
+        // warpgroup 1 may write its tile of dS for the next block
+        if (n + 1 < n_blocks) asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+      }
+#elif DQ_ATOMIC == 1
       fence_operands(dq);
       // register 4j + 2h + {0,1}: query q0 + warp·16 + lane/4 + 8h, columns 8j + 2·(lane%4) + {0,1}
 #pragma unroll
@@ -230,6 +320,10 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
     __syncwarp();
     if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
   }
+#if DQ_ATOMIC == 2
+  // the bulk reductions read sdq until they are done: the block keeps its shared memory
+  if (wg == 0 && warp == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
   const u64 base = (u64)head * tokens * HEAD_DIM;
   store_rows(dk_out + base, dk, scale, kr0, tokens, lane);
   store_rows(dv_out + base, dv, 1.f, kr0, tokens, lane);

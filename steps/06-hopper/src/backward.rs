@@ -38,6 +38,10 @@ pub struct BackwardConfig {
     /// no dq pass runs; its last bits then depend on the order blocks finish in. Head dim 64,
     /// 64 queries streamed.
     pub dq_atomic: bool,
+    /// With `dq_atomic`: the warpgroups' dS meet in shared memory, one warpgroup takes dQ
+    /// over the block's keys and adds it a row at a time with bulk reductions (`DQ_ATOMIC=2`:
+    /// half the sums, and an instruction per row). Two consumer warpgroups.
+    pub dq_bulk: bool,
 }
 
 impl BackwardConfig {
@@ -49,6 +53,7 @@ impl BackwardConfig {
             min_blocks: 1,
             producer_warpgroup,
             dq_atomic: false,
+            dq_bulk: false,
         }
     }
 
@@ -56,6 +61,15 @@ impl BackwardConfig {
     pub const fn with_dq_atomic(self) -> Self {
         BackwardConfig {
             dq_atomic: true,
+            ..self
+        }
+    }
+
+    /// The dkdv shape that gives dQ too, summed in shared memory first, with bulk reductions.
+    pub const fn with_dq_bulk(self) -> Self {
+        BackwardConfig {
+            dq_atomic: true,
+            dq_bulk: true,
             ..self
         }
     }
@@ -75,8 +89,10 @@ impl BackwardConfig {
     /// streamed tiles, each warpgroup's dS with `dq_atomic`, and room to align them on the
     /// swizzle's 1,024 bytes.
     pub fn smem_bytes(&self, d: usize) -> u32 {
+        // dS a warpgroup; with dq_bulk dQ's 64 rows of 288 bytes (64 f32, 32 against bank
+        // conflicts)
         let ds = if self.dq_atomic {
-            self.block_rows() * 64 * 2
+            self.block_rows() * 64 * 2 + if self.dq_bulk { 64 * 288 } else { 0 }
         } else {
             0
         };
@@ -91,10 +107,11 @@ impl BackwardConfig {
             && self.min_blocks * (smem + 1024) <= SMEM_PER_SM
             && (!self.producer_warpgroup || self.min_blocks == 1)
             && (!self.dq_atomic || (d == 64 && self.stream == 64))
+            && (!self.dq_bulk || (self.dq_atomic && self.warpgroups == 2))
     }
 
     /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup), "+dqa"
-    /// (dQ with atomics).
+    /// (dQ with atomics), "+dqb" (dQ with bulk reductions).
     pub fn name(&self) -> String {
         format!(
             "{}x{}x{}{}{}{}",
@@ -107,7 +124,11 @@ impl BackwardConfig {
                 String::new()
             },
             if self.producer_warpgroup { "+pwg" } else { "" },
-            if self.dq_atomic { "+dqa" } else { "" }
+            match (self.dq_atomic, self.dq_bulk) {
+                (true, true) => "+dqb",
+                (true, false) => "+dqa",
+                _ => "",
+            }
         )
     }
 }
@@ -180,6 +201,10 @@ impl BackwardConfigs {
                 dkdv: c(2, 64, true).with_dq_atomic(),
                 dq,
             });
+            all.push(BackwardConfigs {
+                dkdv: c(2, 64, true).with_dq_bulk(),
+                dq,
+            });
         }
         all.retain(|c| c.dkdv.fits(d) && c.dq.fits(d));
         all
@@ -228,7 +253,10 @@ pub fn compile(
             format!("-DSTREAM={}", config.stream),
             format!("-DMIN_BLOCKS={}", config.min_blocks),
             format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
-            format!("-DDQ_ATOMIC={}", config.dq_atomic as u8),
+            format!(
+                "-DDQ_ATOMIC={}",
+                config.dq_atomic as u8 + config.dq_bulk as u8
+            ),
             "--std=c++17".into(),
         ],
         name: Some(format!(
