@@ -200,6 +200,22 @@ impl ForwardConfig {
                     head_group: 12,
                     ..w8
                 },
+                // the default's tile with all 64 keys at once (FlashAttention-2's loop: one
+                // rescale of the output a block, whatever ptxas spills), lazily rescaled, and
+                // in other head groups
+                ForwardConfig { block_n: 64, ..w4 },
+                ForwardConfig {
+                    lazy_rescale: true,
+                    ..base
+                },
+                ForwardConfig {
+                    head_group: 8,
+                    ..base
+                },
+                ForwardConfig {
+                    head_group: 2,
+                    ..base
+                },
             ] {
                 if !all.contains(&c) {
                     all.push(c);
