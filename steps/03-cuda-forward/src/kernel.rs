@@ -216,6 +216,21 @@ impl ForwardConfig {
                     head_group: 2,
                     ..base
                 },
+                ForwardConfig {
+                    block_n: 64,
+                    head_group: 2,
+                    ..w4
+                },
+                ForwardConfig {
+                    block_n: 64,
+                    head_group: 8,
+                    ..w4
+                },
+                ForwardConfig {
+                    block_n: 64,
+                    head_group: 12,
+                    ..w4
+                },
             ] {
                 if !all.contains(&c) {
                     all.push(c);
