@@ -111,10 +111,11 @@ __device__ __forceinline__ void add4(float* p, int j, const float* a) {
 }
 
 // ANCHOR: layernorm_forward
-// One warp per row, each lane 4 values at a time. With a product's output y, first closes the
-// residual connection, x = res + (y + bias), and keeps x (the LayerNorm's input, which its
-// backward needs); then LayerNorm of x, statistics in f32, the normalised row rounded to bf16
-// for the next product.
+// One warp per row, each lane 4 values at a time, in three passes over the row: the kernel for
+// rows wider than 1024 (layernorm_forward_K below holds narrower ones in registers). With a
+// product's output y, first closes the residual connection, x = res + (y + bias), and keeps x
+// (the LayerNorm's input, which its backward needs); then LayerNorm of x, statistics in f32,
+// the normalised row rounded to bf16 for the next product.
 extern "C" __global__ void layernorm_forward(
     const float* res,                  // [rows, C] the residual stream so far
     const float* y,                    // [rows, C] a product's output to add to it, or null
@@ -168,9 +169,10 @@ extern "C" __global__ void layernorm_forward(
 
 // ANCHOR: layernorm_backward
 // One warp per row, 4 warps a block, every (gridDim.x · 4)-th row, each lane 4 values at a
-// time. With x̂ = (x − μ)·r and g = dy ∘ w: dx = (g − mean(g) − x̂ · mean(g ∘ x̂))·r, added to
-// the gradient reaching x along the residual; the sum is written in f32 and, rounded, in bf16
-// for the products before it. Three column sums ride along, per warp in shared memory, then
+// time, in two passes over the row: the kernel for rows wider than 1024 (layernorm_backward_K
+// below holds narrower ones, and the column sums, in registers). With x̂ = (x − μ)·r and
+// g = dy ∘ w: dx = (g − mean(g) − x̂ · mean(g ∘ x̂))·r, added to the gradient reaching x along
+// the residual; the sum is written in f32 and, rounded, in bf16 for the products before it. Three column sums ride along, per warp in shared memory, then
 // per block into `partial` (reduce_partials adds the blocks): dw = Σ dy ∘ x̂, db = Σ dy, and
 // Σ of the residual gradient written, which is the gradient of the bias of the product whose
 // output joined the residual stream at x (the attention's or the MLP's output projection).
@@ -238,6 +240,181 @@ extern "C" __global__ void layernorm_backward(
     }
 }
 // ANCHOR_END: layernorm_backward
+
+// ANCHOR: layernorm_registers
+// The same two kernels with the row held in registers, for rows up to 128·K values wide: lane
+// `lane` holds the chunks of 4 columns j = lane, lane + 32, ..., K of them (those past C/4 are
+// left out), so each row is read from memory once instead of once per pass over it, and the
+// backward keeps its three column sums in registers too: a lane adds into the same columns on
+// every row, so only the block's last step goes through shared memory. The arithmetic, and its
+// order, is the loops' above. K is a compile-time constant so that the arrays stay in
+// registers; kernels.rs picks the smallest K that holds C, and the loops above past 1024.
+template <int K>
+__device__ __forceinline__ void layernorm_forward_registers(
+    const float* res, const float* y, const float* __restrict__ y_bias, float* x,
+    const float* __restrict__ w, const float* __restrict__ b, u16* __restrict__ out,
+    float* __restrict__ mean, float* __restrict__ rstd, int rows, int C
+) {
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const long long base = (long long)row * C;
+    float4 v[K];
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int j = lane + 32 * k;
+        v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (j >= C / 4) continue;
+        if (y) {
+            float4 r = ld4(res + base, j), p = ld4(y + base, j), q = ld4(y_bias, j);
+            v[k] = make_float4(r.x + (p.x + q.x), r.y + (p.y + q.y), r.z + (p.z + q.z), r.w + (p.w + q.w));
+            st4(x + base, j, v[k]);
+        } else {
+            v[k] = ld4(res + base, j);
+        }
+        sum += (v[k].x + v[k].y) + (v[k].z + v[k].w);
+    }
+    const float m = warp_sum(sum) / C;
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (lane + 32 * k >= C / 4) continue;
+        float4 u = v[k];
+        ss += (u.x - m) * (u.x - m) + (u.y - m) * (u.y - m) + (u.z - m) * (u.z - m) + (u.w - m) * (u.w - m);
+    }
+    const float r = 1.f / sqrtf(warp_sum(ss) / C + 1e-5f);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int j = lane + 32 * k;
+        if (j >= C / 4) continue;
+        float4 u = v[k], g = ld4(w, j), o = ld4(b, j);
+        u32 lo = (u32)to_bf((u.x - m) * r * g.x + o.x) | ((u32)to_bf((u.y - m) * r * g.y + o.y) << 16);
+        u32 hi = (u32)to_bf((u.z - m) * r * g.z + o.z) | ((u32)to_bf((u.w - m) * r * g.w + o.w) << 16);
+        reinterpret_cast<uint2*>(out + base)[j] = make_uint2(lo, hi);
+    }
+    if (lane == 0) {
+        mean[row] = m;
+        rstd[row] = r;
+    }
+}
+
+__device__ __forceinline__ void add_into(float4& s, float4 v) {
+    s.x += v.x;
+    s.y += v.y;
+    s.z += v.z;
+    s.w += v.w;
+}
+
+template <int K>
+__device__ __forceinline__ void layernorm_backward_registers(
+    const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,
+    const float* __restrict__ mean, const float* __restrict__ rstd, const float* dres_in,
+    float* dres_out, u16* __restrict__ dres_out_bf16, float* __restrict__ partial, int rows, int C
+) {
+    extern __shared__ float acc[];  // [warps][3C], filled once, at the end
+    const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    // this lane's columns of Σ dy·x̂, Σ dy and Σ dres_out over the rows its warp takes
+    float4 sdw[K], sdb[K], sdr[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) sdw[k] = sdb[k] = sdr[k] = zero;
+    for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
+        const long long base = (long long)row * C;
+        const float m = mean[row], r = rstd[row];
+        // every load of the row first, so that they are all in flight at once; a lane reads
+        // dres_in only where it then writes dres_out, so the two may be one buffer
+        float4 xv[K], dv[K], in[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int j = lane + 32 * k;
+            const bool mine = j < C / 4;
+            xv[k] = mine ? ld4(x + base, j) : zero;
+            dv[k] = mine ? ld4(dy + base, j) : zero;
+            in[k] = mine && dres_in ? ld4(dres_in + base, j) : zero;
+        }
+        float sg = 0.f, sgx = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int j = lane + 32 * k;
+            if (j >= C / 4) continue;
+            float4 g = ld4(w, j);
+            float gs[4] = {dv[k].x * g.x, dv[k].y * g.y, dv[k].z * g.z, dv[k].w * g.w};
+            float xs[4] = {xv[k].x, xv[k].y, xv[k].z, xv[k].w};
+            for (int e = 0; e < 4; ++e) {
+                sg += gs[e];
+                sgx += gs[e] * ((xs[e] - m) * r);
+            }
+        }
+        sg = warp_sum(sg) / C;
+        sgx = warp_sum(sgx) / C;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int j = lane + 32 * k;
+            if (j >= C / 4) continue;
+            float4 g = ld4(w, j);
+            float xs[4] = {xv[k].x, xv[k].y, xv[k].z, xv[k].w}, ds[4] = {dv[k].x, dv[k].y, dv[k].z, dv[k].w};
+            float ws[4] = {g.x, g.y, g.z, g.w}, ins[4] = {in[k].x, in[k].y, in[k].z, in[k].w}, dx[4];
+            float dw[4];
+            for (int e = 0; e < 4; ++e) {
+                float xh = (xs[e] - m) * r;
+                dx[e] = (ds[e] * ws[e] - sg - xh * sgx) * r;
+                if (dres_in) dx[e] = ins[e] + dx[e];
+                dw[e] = ds[e] * xh;
+            }
+            const float4 out = make_float4(dx[0], dx[1], dx[2], dx[3]);
+            add_into(sdw[k], make_float4(dw[0], dw[1], dw[2], dw[3]));
+            add_into(sdb[k], dv[k]);
+            add_into(sdr[k], out);
+            st4(dres_out + base, j, out);
+            u32 lo = (u32)to_bf(dx[0]) | ((u32)to_bf(dx[1]) << 16);
+            u32 hi = (u32)to_bf(dx[2]) | ((u32)to_bf(dx[3]) << 16);
+            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] = make_uint2(lo, hi);
+        }
+    }
+    // the warps' sums, added in the order of the loop above; every column of every warp's
+    // part is written, by the lane that owns it, rows or none
+    float* mine = acc + (long long)warp * 3 * C;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int j = lane + 32 * k;
+        if (j >= C / 4) continue;
+        st4(mine, j, sdw[k]);
+        st4(mine + C, j, sdb[k]);
+        st4(mine + 2 * C, j, sdr[k]);
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < 3 * C; c += blockDim.x) {
+        float s = 0.f;
+        for (int k = 0; k < warps; ++k) s += acc[(long long)k * 3 * C + c];
+        partial[(long long)blockIdx.x * 3 * C + c] = s;
+    }
+}
+
+// One kernel of each for K = 1, 2, 4, 6 and 8 (rows up to 128, 256, 512, 768 and 1024 wide),
+// named layernorm_forward_K and layernorm_backward_K, with the arguments of the loops' kernels.
+// BLOCKS: the backward's blocks of 4 warps an SM holds at once, which caps its registers at
+// 65,536 / (128 · BLOCKS) a thread: 3 (168) hold K up to 6 without spilling, K = 8 needs 2.
+#define LAYERNORM_REGISTERS(K, BLOCKS)                                                           \
+    extern "C" __global__ void layernorm_forward_##K(                                            \
+        const float* res, const float* y, const float* __restrict__ y_bias, float* x,           \
+        const float* __restrict__ w, const float* __restrict__ b, u16* __restrict__ out,         \
+        float* __restrict__ mean, float* __restrict__ rstd, int rows, int C) {                  \
+        layernorm_forward_registers<K>(res, y, y_bias, x, w, b, out, mean, rstd, rows, C);       \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) layernorm_backward_##K(            \
+        const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,  \
+        const float* __restrict__ mean, const float* __restrict__ rstd, const float* dres_in,    \
+        float* dres_out, u16* __restrict__ dres_out_bf16, float* __restrict__ partial, int rows, \
+        int C) {                                                                                 \
+        layernorm_backward_registers<K>(dy, x, w, mean, rstd, dres_in, dres_out, dres_out_bf16,  \
+                                        partial, rows, C);                                       \
+    }
+LAYERNORM_REGISTERS(1, 3)
+LAYERNORM_REGISTERS(2, 3)
+LAYERNORM_REGISTERS(4, 3)
+LAYERNORM_REGISTERS(6, 3)
+LAYERNORM_REGISTERS(8, 2)
+// ANCHOR_END: layernorm_registers
 
 // Column sums, second pass: out[c] = Σ_p partial[p, c], the K columns cut into runs of
 // `width`, each to its own output (a LayerNorm's partials hold dw, db and the residual's sum;

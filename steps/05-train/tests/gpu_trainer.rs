@@ -139,6 +139,18 @@ fn by_hand_gradients_match_the_cpu_model() {
     gradients_match(AttentionKind::ByHand, &HEAD_DIMS_32_64);
 }
 
+/// Widths that take each LayerNorm kernel that holds a row in registers (up to 256, 512, 768
+/// and 1024 columns; 64 and 128 above take the narrowest) and, at 1152, the loops that read a
+/// row once per pass; head dim 64 throughout.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gradients_match_the_cpu_model_at_every_layernorm_width() {
+    gradients_match(
+        AttentionKind::Flash,
+        &[(256, 4), (512, 8), (768, 12), (1024, 16), (1152, 18)],
+    );
+}
+
 // [step 06]
 /// Step 06's kernels inside the model, at head dims 64 and 128 (the ones they take).
 #[test]

@@ -39,6 +39,10 @@ pub fn compile(arch: &'static str) -> Result<Ptx, AttnError> {
 
 /// Warps per block of the LayerNorm backward (its shared memory holds `3·C` sums per warp).
 pub const LN_BACKWARD_WARPS: u32 = 4;
+/// The widths, in chunks of 4 values per lane (128 columns each), of the LayerNorm kernels
+/// that hold a row in registers (`layernorm_forward_K`, `layernorm_backward_K`); wider rows
+/// take `layernorm_forward` and `layernorm_backward`, which read a row once per pass.
+pub const LN_REGISTER_CHUNKS: [usize; 5] = [1, 2, 4, 6, 8];
 /// Blocks of the gradients' norm's first pass.
 pub const NORM_BLOCKS: u32 = 1024;
 
@@ -61,6 +65,9 @@ pub struct Kernels {
     embed_backward_tok: CudaFunction,
     layernorm_forward: CudaFunction,
     layernorm_backward: CudaFunction,
+    // one of each per width of LN_REGISTER_CHUNKS, in its order
+    layernorm_forward_registers: Vec<CudaFunction>,
+    layernorm_backward_registers: Vec<CudaFunction>,
     reduce_partials: CudaFunction,
     bias_gelu: CudaFunction,
     gelu_backward: CudaFunction,
@@ -117,17 +124,27 @@ impl Kernels {
                 .load_function(name)
                 .map_err(|e| TrainError::Device(device_error(name)(e)))
         };
-        let layernorm_backward = f("layernorm_backward")?;
-        layernorm_backward
-            .set_attribute(
+        // the LayerNorm backwards may take the shared memory d_model asks for
+        let with_smem = |name: &str| {
+            let k = f(name)?;
+            k.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 Self::ln_backward_smem(d_model) as i32,
             )
             .map_err(|e| {
-                TrainError::Device(device_error(
-                    "allowing layernorm_backward its shared memory (d_model too wide?)",
-                )(e))
+                TrainError::Device(device_error(&format!(
+                    "allowing {name} its shared memory (d_model too wide?)"
+                ))(e))
             })?;
+            Ok::<_, TrainError>(k)
+        };
+        let layernorm_backward = with_smem("layernorm_backward")?;
+        let mut layernorm_forward_registers = Vec::new();
+        let mut layernorm_backward_registers = Vec::new();
+        for k in LN_REGISTER_CHUNKS {
+            layernorm_forward_registers.push(f(&format!("layernorm_forward_{k}"))?);
+            layernorm_backward_registers.push(with_smem(&format!("layernorm_backward_{k}"))?);
+        }
         Ok(Kernels {
             stream: gpu.stream().clone(),
             embed_forward: f("embed_forward")?,
@@ -135,6 +152,8 @@ impl Kernels {
             embed_backward_tok: f("embed_backward_tok")?,
             layernorm_forward: f("layernorm_forward")?,
             layernorm_backward,
+            layernorm_forward_registers,
+            layernorm_backward_registers,
             reduce_partials: f("reduce_partials")?,
             bias_gelu: f("bias_gelu")?,
             gelu_backward: f("gelu_backward")?,
@@ -154,6 +173,12 @@ impl Kernels {
     /// Dynamic shared memory of the LayerNorm backward: `3·C` f32 sums per warp.
     pub fn ln_backward_smem(d_model: usize) -> u32 {
         (LN_BACKWARD_WARPS as usize * 3 * d_model * 4) as u32
+    }
+
+    /// The position in [`LN_REGISTER_CHUNKS`] of the narrowest LayerNorm kernels that hold a
+    /// row `c` wide in registers; `None` past the widest.
+    pub fn ln_registers(c: usize) -> Option<usize> {
+        LN_REGISTER_CHUNKS.iter().position(|&k| c <= 128 * k)
     }
 
     /// Launches `f` with `args`.
@@ -296,22 +321,24 @@ impl Kernels {
             Arg::I32(rows as i32),
             Arg::I32(c as i32),
         ];
+        let (f, name) = match Self::ln_registers(c) {
+            Some(i) => (
+                &self.layernorm_forward_registers[i],
+                format!("layernorm_forward_{}", LN_REGISTER_CHUNKS[i]),
+            ),
+            None => (&self.layernorm_forward, "layernorm_forward".to_string()),
+        };
         // a warp per row, 8 a block
-        unsafe {
-            self.launch(
-                &self.layernorm_forward,
-                "layernorm_forward",
-                grid(rows as u64 * 32, 256)?,
-                &args,
-            )
-        }
+        unsafe { self.launch(f, &name, grid(rows as u64 * 32, 256)?, &args) }
     }
 
     /// The blocks [`Kernels::layernorm_backward`] runs for `rows` rows: the rows of its
     /// `partial` buffer.
     pub fn ln_backward_blocks(rows: usize) -> usize {
-        // about 4 rows a warp, at most 1024 blocks
-        rows.div_ceil(LN_BACKWARD_WARPS as usize * 4).clamp(1, 1024)
+        // about 16 rows a warp, so that the sums each warp then hands on are few; on an H200
+        // GPT-2-small's 24,576 rows are 384 blocks, which all fit on its 132 SMs at once
+        rows.div_ceil(LN_BACKWARD_WARPS as usize * 16)
+            .clamp(1, 1024)
     }
 
     /// LayerNorm's backward: `dres_out = dres_in + dx` (f32 and bf16); the column sums of
@@ -351,8 +378,15 @@ impl Kernels {
             Arg::I32(c as i32),
         ];
         let parts = Self::ln_backward_blocks(rows);
+        let (f, name) = match Self::ln_registers(c) {
+            Some(i) => (
+                &self.layernorm_backward_registers[i],
+                format!("layernorm_backward_{}", LN_REGISTER_CHUNKS[i]),
+            ),
+            None => (&self.layernorm_backward, "layernorm_backward".to_string()),
+        };
         unsafe {
-            self.launch(&self.layernorm_backward, "layernorm_backward", cfg, &args)?;
+            self.launch(f, &name, cfg, &args)?;
             self.reduce_partials(partial, parts, 3 * c, c, outs)
         }
     }
