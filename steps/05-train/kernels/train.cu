@@ -593,6 +593,28 @@ extern "C" __global__ void heads_to_qkv(
 }
 // ANCHOR_END: heads
 
+// Column sums of a bf16 [rows, K] matrix per chunk of rows: the bias's gradient of the fused
+// projection when the attention's backward wrote its gradient in place (step 06's kernels
+// write dq, dk and dv straight into the [B·T, 3C] rows, so heads_to_qkv has nothing to move).
+// Block (x, y): 128 threads, each 8 columns (16 bytes of a row), over rows y·chunk ..
+// (y+1)·chunk, added in row order as heads_to_qkv adds them.
+extern "C" __global__ void column_sums(
+    const u16* __restrict__ d,       // [rows, K], K a multiple of 8
+    float* __restrict__ partial,     // [gridDim.y, K]
+    int rows, int K, int chunk
+) {
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;  // 8-column group
+    if (8 * p >= K) return;
+    const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int r = r0; r < r1; ++r) {
+        float f[8];
+        unpack8(reinterpret_cast<const uint4*>(d + (long long)r * K)[p], f);
+        for (int e = 0; e < 8; ++e) s[e] += f[e];
+    }
+    for (int e = 0; e < 8; ++e) partial[(long long)blockIdx.y * K + 8 * p + e] = s[e];
+}
+
 // ANCHOR: cross_entropy
 // Softmax and cross-entropy of each row of logits together, one warp per row (V ≤ 256 values,
 // 8 a lane): losses[row] = lse − logit[target] and, when dlogits is given, the gradient

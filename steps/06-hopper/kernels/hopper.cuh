@@ -269,15 +269,27 @@ __device__ __forceinline__ void pack_fragments(u32 (&p)[N / 4], const float (&s)
   for (int i = 0; i < N / 4; ++i) p[i] = pack(s[2 * i], s[2 * i + 1]);
 }
 
+// Where the backward writes a gradient: the strides, in values, between batches, heads and
+// tokens (a token's HEAD_DIM values contiguous), and the heads per batch. [B, H, T, D] is
+// {H·T·D, T·D, D}; the trainer's fused projection, one row of q, k and v heads per token,
+// {T·3C, D, 3C} from each third's first column.
+struct GradLayout {
+  long long batch, head, token;
+  int heads;
+  // the first value of head `bh` (blockIdx.y: batch · heads + head)
+  __device__ __forceinline__ long long start(int bh) const { return (long long)(bh / heads) * batch + (long long)(bh % heads) * head; }
+};
+
 // A row-major [rows][HEAD_DIM] accumulator (two rows per thread, r0 and r0 + 8, as every
-// m64 product leaves them) times `scale`, stored in 16 bits at `dst` (row r0's start) for the
-// rows below `tokens`
-__device__ __forceinline__ void store_rows(u16* base, const float (&acc)[HALVES][32], float scale, int r0, int tokens, int lane) {
+// m64 product leaves them) times `scale`, stored in 16 bits at `base` (the head's first value)
+// `token` values apart for the rows below `tokens`
+__device__ __forceinline__ void store_rows(u16* base, long long token, const float (&acc)[HALVES][32], float scale, int r0,
+                                           int tokens, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = r0 + 8 * h;
     if (row < tokens) {
-      u32* dst = (u32*)(base + (u64)row * HEAD_DIM);
+      u32* dst = (u32*)(base + (u64)row * token);
 #pragma unroll
       for (int hh = 0; hh < HALVES; ++hh) {
 #pragma unroll

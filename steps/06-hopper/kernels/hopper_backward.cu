@@ -107,7 +107,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
             const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
             const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dk_out,
-            u16* __restrict__ dv_out, float* __restrict__ dq_accum, int tokens, float scale_log2, float scale) {
+            u16* __restrict__ dv_out, const GradLayout layout, float* __restrict__ dq_accum, int tokens, float scale_log2,
+            float scale) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* sk = smem;
@@ -324,19 +325,21 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
   // the bulk reductions read sdq until they are done: the block keeps its shared memory
   if (wg == 0 && warp == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #endif
-  const u64 base = (u64)head * tokens * HEAD_DIM;
-  store_rows(dk_out + base, dk, scale, kr0, tokens, lane);
-  store_rows(dv_out + base, dv, 1.f, kr0, tokens, lane);
+  const long long start = layout.start(head);
+  store_rows(dk_out + start, layout.token, dk, scale, kr0, tokens, lane);
+  store_rows(dv_out + start, layout.token, dv, 1.f, kr0, tokens, lane);
 }
 // ANCHOR_END: dkdv
 
 #if DQ_ATOMIC
-// dq = 16-bit(acc · scale), two values a thread at a time
-extern "C" __global__ void hopper_dq_convert(const float* __restrict__ acc, u16* __restrict__ dq, long long pairs,
-                                             float scale) {
+// dq = 16-bit(acc · scale), two values a thread at a time: acc is [heads, tokens, HEAD_DIM],
+// dq where `layout` puts it
+extern "C" __global__ void hopper_dq_convert(const float* __restrict__ acc, u16* __restrict__ dq, const GradLayout layout,
+                                             int tokens, long long pairs, float scale) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs; i += (long long)gridDim.x * blockDim.x) {
     const float2 a = reinterpret_cast<const float2*>(acc)[i];
-    reinterpret_cast<u32*>(dq)[i] = pack(a.x * scale, a.y * scale);
+    const long long row = 2 * i / HEAD_DIM, bh = row / tokens, t = row % tokens, d = 2 * i % HEAD_DIM;
+    *reinterpret_cast<u32*>(dq + layout.start((int)bh) + t * layout.token + d) = pack(a.x * scale, a.y * scale);
   }
 }
 #endif
@@ -346,8 +349,8 @@ extern "C" __global__ void hopper_dq_convert(const float* __restrict__ acc, u16*
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
           const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
-          const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dq_out, int tokens,
-          float scale_log2, float scale) {
+          const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dq_out,
+          const GradLayout layout, int tokens, float scale_log2, float scale) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* sq = smem;
@@ -430,7 +433,7 @@ hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ Tenso
     __syncwarp();
     if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
   }
-  store_rows(dq_out + (u64)head * tokens * HEAD_DIM, dq, scale, r0, tokens, lane);
+  store_rows(dq_out + layout.start(head), layout.token, dq, scale, r0, tokens, lane);
 }
 // ANCHOR_END: dq
 #endif

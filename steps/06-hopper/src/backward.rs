@@ -1,9 +1,9 @@
 //! The backward kernels' host side: step 04's two passes (dK and dV per block of keys, dQ per
 //! block of queries) with Hopper's products, after step 04's δ.
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
-use flash_core::AttnError;
+use flash_core::{AttnError, Shape};
 use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error};
 use step04_backward::cuda::{DeviceGrads, check_backward_device};
@@ -11,6 +11,58 @@ use step04_backward::cuda::{DeviceGrads, check_backward_device};
 use crate::forward::{
     self, HOPPER_CUH, SMEM_PER_BLOCK, SMEM_PER_SM, check_hopper, check_register_pool, tensor_map,
 };
+
+/// Where the backward writes dq, dk and dv: the strides, in values, between batches, heads and
+/// tokens (a token's head-dim values contiguous), and the heads per batch; the kernels'
+/// `GradLayout` (hopper.cuh).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GradLayout {
+    pub batch: i64,
+    pub head: i64,
+    pub token: i64,
+    pub heads: i32,
+}
+
+// SAFETY: plain integers, laid out as the kernels' struct (8-byte fields, then a 4-byte one)
+unsafe impl DeviceRepr for GradLayout {}
+
+impl GradLayout {
+    /// `[batch, heads, tokens, head_dim]`, contiguous: the layout of q, k and v.
+    pub fn heads(s: Shape) -> Self {
+        let (h, t, d) = (s.heads as i64, s.tokens as i64, s.head_dim as i64);
+        GradLayout {
+            batch: h * t * d,
+            head: t * d,
+            token: d,
+            heads: s.heads as i32,
+        }
+    }
+
+    /// One row per token of q's, k's and v's heads side by side, `[batch · tokens, 3 · heads ·
+    /// head_dim]`, from each third's first column: the layout of the trainer's fused projection.
+    pub fn fused_rows(s: Shape) -> Self {
+        let row = 3 * (s.heads * s.head_dim) as i64;
+        GradLayout {
+            batch: s.tokens as i64 * row,
+            head: s.head_dim as i64,
+            token: row,
+            heads: s.heads as i32,
+        }
+    }
+
+    /// The values a gradient spans from its first: the last one's offset, plus one.
+    pub fn span(&self, s: Shape) -> usize {
+        if s.is_empty() {
+            return 0;
+        }
+        let last = (s.batch as i64 - 1) * self.batch
+            + (s.heads as i64 - 1) * self.head
+            + (s.tokens as i64 - 1) * self.token
+            + s.head_dim as i64;
+        last as usize
+    }
+}
 
 /// The backward kernels' source (after [`HOPPER_CUH`]).
 pub const HOPPER_BACKWARD_CU: &str = include_str!("../kernels/hopper_backward.cu");
@@ -298,6 +350,92 @@ pub fn backward_with(
     let shape = check_backward_device(q, k, v, fwd, dout)?;
     // the forward's checks: a head dim the kernels take, at most 65,535 heads
     forward::check(q, k, v)?;
+    // SAFETY: both passes together (or dkdv and hopper_dq_convert, with `dq_atomic`) write
+    // every row of dq, dk and dv before anything reads them (an empty shape has none)
+    let mut grads = unsafe { DeviceGrads::alloc(gpu, shape, q.dtype) }?;
+    if shape.is_empty() {
+        return Ok(grads);
+    }
+    let stream = gpu.stream();
+    let (dq, _dq) = grads.dq.data.device_ptr_mut(stream);
+    let (dk, _dk) = grads.dk.data.device_ptr_mut(stream);
+    let (dv, _dv) = grads.dv.data.device_ptr_mut(stream);
+    // SAFETY: the three tensors were just allocated for the shape in q's dtype, apart, and
+    // live (with their guards) until the launches are queued
+    unsafe {
+        launch_passes(
+            gpu,
+            configs,
+            (q, k, v, fwd, dout),
+            [dq, dk, dv],
+            GradLayout::heads(shape),
+        )?;
+    }
+    drop((_dq, _dk, _dv));
+    Ok(grads)
+}
+
+/// [`backward_with`] writing dq, dk and dv where `layout` says, from the device addresses
+/// `[dq, dk, dv]` (for example straight into the trainer's fused projection's gradient).
+///
+/// # Safety
+/// Each address must be the start of a live allocation on this GPU's context, in `q`'s dtype,
+/// holding at least [`GradLayout::span`] values for `q`'s shape, alive until the stream has
+/// run the kernels; the values `layout` reaches from the three addresses must not overlap one
+/// another or any input.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn backward_into(
+    gpu: &Gpu,
+    configs: BackwardConfigs,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+    grads: [u64; 3],
+    layout: GradLayout,
+) -> Result<(), AttnError> {
+    check_hopper(gpu)?;
+    let shape = check_backward_device(q, k, v, fwd, dout)?;
+    forward::check(q, k, v)?;
+    if layout.heads as usize != shape.heads
+        || layout.token < shape.head_dim as i64
+        || layout.head < 0
+        || layout.batch < 0
+    {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "a gradient layout of {} heads and {} values a token for {shape}",
+                layout.heads, layout.token
+            ),
+        });
+    }
+    if shape.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: the caller's promise
+    unsafe { launch_passes(gpu, configs, (q, k, v, fwd, dout), grads, layout) }
+}
+
+/// δ, then the passes, writing to `grads` as `layout` says: the body of [`backward_with`] and
+/// [`backward_into`], after their checks (the shape is not empty; every block shape fits).
+///
+/// # Safety
+/// As [`backward_into`].
+unsafe fn launch_passes(
+    gpu: &Gpu,
+    configs: BackwardConfigs,
+    (q, k, v, fwd, dout): (
+        &DeviceTensor,
+        &DeviceTensor,
+        &DeviceTensor,
+        &DeviceAttention,
+        &DeviceTensor,
+    ),
+    [dq, dk, dv]: [u64; 3],
+    layout: GradLayout,
+) -> Result<(), AttnError> {
+    let shape = q.shape;
     let d = shape.head_dim;
     for (entry, c) in [(HOPPER_DKDV, configs.dkdv), (HOPPER_DQ, configs.dq)] {
         if entry == HOPPER_DQ && configs.dkdv.dq_atomic {
@@ -312,12 +450,6 @@ pub fn backward_with(
                 ),
             });
         }
-    }
-    // SAFETY: both passes together (or dkdv and hopper_dq_convert, with `dq_atomic`) write
-    // every row of dq, dk and dv before anything reads them (an empty shape has none)
-    let mut grads = unsafe { DeviceGrads::alloc(gpu, shape, q.dtype) }?;
-    if shape.is_empty() {
-        return Ok(grads);
     }
     let delta = step04_backward::cuda::delta(gpu, fwd, dout)?;
     let dtype = q.dtype;
@@ -381,7 +513,7 @@ pub fn backward_with(
         launch.arg(map);
     }
     launch.arg(&fwd.lse).arg(&delta);
-    launch.arg(&mut grads.dk.data).arg(&mut grads.dv.data);
+    launch.arg(&dk).arg(&dv).arg(&layout);
     match &dq_accum {
         Some(buf) => launch.arg(buf),
         None => launch.arg(&no_buffer),
@@ -390,8 +522,9 @@ pub fn backward_with(
     // SAFETY: check_backward_device and forward::check proved q, k, v, dout, the forward's
     // output and lse and δ hold the shape's values in one dtype, and the maps read within
     // them (rows past a head's end read as zeros); each block writes dk and dv for its own
-    // keys below `tokens` only; the grid is one block per block of keys of each head, with
-    // at most 65,535 heads (forward::check)
+    // keys below `tokens` only, where layout puts them (within its span: the caller's
+    // promise); the grid is one block per block of keys of each head, with at most 65,535
+    // heads (forward::check)
     unsafe { launch.launch(launch_config(c)) }.map_err(device_error("launching hopper_dkdv"))?;
 
     if let Some(acc) = &dq_accum {
@@ -400,7 +533,9 @@ pub fn backward_with(
         let mut launch = stream.launch_builder(&f);
         launch
             .arg(acc)
-            .arg(&mut grads.dq.data)
+            .arg(&dq)
+            .arg(&layout)
+            .arg(&tokens)
             .arg(&pairs)
             .arg(&scale);
         let config = LaunchConfig {
@@ -408,10 +543,11 @@ pub fn backward_with(
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: acc holds the shape's values in f32 and dq in 16 bits, an even number of
-        // them (the head dim is 64); each thread reads and writes whole pairs below `pairs`
+        // SAFETY: acc holds the shape's values in f32, an even number of them (the head dim is
+        // 64); each thread reads whole pairs below `pairs` and writes them to dq where layout
+        // puts them, within its span (the caller's promise)
         unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dq_convert"))?;
-        return Ok(grads);
+        return Ok(());
     }
 
     // dQ: the block's queries and dO, the keys and values streamed
@@ -422,9 +558,9 @@ pub fn backward_with(
         launch.arg(map);
     }
     launch.arg(&fwd.lse).arg(&delta);
-    launch.arg(&mut grads.dq.data);
+    launch.arg(&dq).arg(&layout);
     launch.arg(&tokens).arg(&scale_log2).arg(&scale);
     // SAFETY: as for dkdv; each block writes dq for its own queries below `tokens` only
     unsafe { launch.launch(launch_config(c)) }.map_err(device_error("launching hopper_dq"))?;
-    Ok(grads)
+    Ok(())
 }

@@ -2,6 +2,7 @@
 //! (each gradient's error at most twice that of the backward by hand in the same precision),
 //! in every block shape they can be compiled with; ignored where there is no GPU.
 
+use cudarc::driver::DevicePtrMut;
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::reference::error;
 use flash_core::{AttnError, Shape};
@@ -10,7 +11,7 @@ use step03_cuda_forward::host::round_array;
 use step03_cuda_forward::{DeviceTensor, Dtype, Gpu};
 use step04_backward::cuda::{DeviceGrads, backward_by_hand_low_precision};
 use step04_backward::reference::backward_f64;
-use step06_hopper::backward::{self, BackwardConfigs};
+use step06_hopper::backward::{self, BackwardConfigs, GradLayout};
 use step06_hopper::forward;
 use step06_hopper::methods::hopper_backward;
 
@@ -199,4 +200,110 @@ fn one_pass_backward_differs_run_to_run_only_in_dqs_rounding() {
             configs.name()
         );
     }
+}
+
+/// `backward_into` writes the gradients where a layout says: into one buffer with a row of
+/// q's, k's and v's heads per token (the trainer's fused projection), the same values as
+/// `backward_with`'s three tensors, bit for bit where the passes are deterministic.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn backward_into_fused_rows_writes_the_same_gradients() {
+    let gpu = Gpu::shared().expect("a GPU");
+    for d in [64, 128] {
+        let shape = Shape::new(2, 3, 300, d);
+        let [q, k, v] = random_qkv(shape, 11);
+        let dout = random_normal(shape, 12);
+        let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| up(gpu, x, Dtype::Bf16));
+        let fwd = forward::forward(gpu, &q, &k, &v).unwrap();
+        let mut all = vec![BackwardConfigs::for_head_dim(d)];
+        all.extend(
+            BackwardConfigs::candidates(d)
+                .into_iter()
+                .filter(|c| c.dkdv.dq_atomic),
+        );
+        for configs in all {
+            let want = download(
+                gpu,
+                &backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout).unwrap(),
+            );
+            // [batch · tokens, 3 · heads · d] is a [batch, tokens, 3 · heads, d] tensor
+            let (b, h, t) = (shape.batch, shape.heads, shape.tokens);
+            let rows = Shape::new(b, t, 3 * h, d);
+            let mut fused = DeviceTensor {
+                data: gpu.stream().alloc_zeros::<u16>(rows.len()).unwrap(),
+                shape: rows,
+                dtype: Dtype::Bf16,
+            };
+            let layout = GradLayout::fused_rows(shape);
+            assert_eq!(layout.span(shape), rows.len() - 2 * h * d);
+            {
+                let (base, _guard) = fused.data.device_ptr_mut(gpu.stream());
+                let third = (h * d * 2) as u64; // bytes
+                // SAFETY: each third's span ends within the buffer, and the thirds' values are
+                // apart (the layout's heads of one token sit side by side)
+                unsafe {
+                    backward::backward_into(
+                        gpu,
+                        configs,
+                        &q,
+                        &k,
+                        &v,
+                        &fwd,
+                        &dout,
+                        [base, base + third, base + 2 * third],
+                        layout,
+                    )
+                    .unwrap();
+                }
+            }
+            let got = gpu.download(&fused).unwrap();
+            // dq may differ in its last bits where the pass adds it with atomics
+            let tolerance = if configs.dkdv.dq_atomic {
+                1.0 / 64.0
+            } else {
+                0.0
+            };
+            for (part, grad) in want.iter().enumerate() {
+                let mut worst = 0.0f32;
+                for ((bi, hi, ti, di), &x) in grad.indexed_iter() {
+                    let y = got[[bi, ti, part * h + hi, di]];
+                    worst = worst.max((x - y).abs());
+                }
+                let allowed = if part == 0 { tolerance } else { 0.0 };
+                assert!(
+                    worst <= allowed,
+                    "{} d{d}: gradient {part} differs from backward_with's by {worst}",
+                    configs.name()
+                );
+            }
+        }
+    }
+}
+
+/// A layout that does not fit the shape is refused before anything is launched.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn backward_into_refuses_a_layout_of_another_shape() {
+    let gpu = Gpu::shared().expect("a GPU");
+    let shape = Shape::new(1, 2, 64, 64);
+    let [q, k, v] = random_qkv(shape, 1);
+    let [q, k, v, dout] = [&q, &k, &v, &q].map(|x| up(gpu, x, Dtype::Bf16));
+    let fwd = forward::forward(gpu, &q, &k, &v).unwrap();
+    let layout = GradLayout::heads(Shape::new(1, 3, 64, 64));
+    // SAFETY: refused before any launch, so the addresses are never written
+    let e = unsafe {
+        backward::backward_into(
+            gpu,
+            BackwardConfigs::for_head_dim(64),
+            &q,
+            &k,
+            &v,
+            &fwd,
+            &dout,
+            [0, 0, 0],
+            layout,
+        )
+    }
+    .unwrap_err();
+    assert!(e.to_string().contains("3 heads"), "{e}");
 }

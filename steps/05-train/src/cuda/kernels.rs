@@ -74,6 +74,7 @@ pub struct Kernels {
     qkv_to_heads: CudaFunction,
     heads_rows: CudaFunction,
     heads_to_qkv: CudaFunction,
+    column_sums: CudaFunction,
     cross_entropy: CudaFunction,
     sum_scaled: CudaFunction,
     sumsq_partial: CudaFunction,
@@ -160,6 +161,7 @@ impl Kernels {
             qkv_to_heads: f("qkv_to_heads")?,
             heads_rows: f("heads_rows")?,
             heads_to_qkv: f("heads_to_qkv")?,
+            column_sums: f("column_sums")?,
             cross_entropy: f("cross_entropy")?,
             sum_scaled: f("sum_scaled")?,
             sumsq_partial: f("sumsq_partial")?,
@@ -553,6 +555,36 @@ impl Kernels {
         unsafe {
             self.launch(&self.heads_to_qkv, "heads_to_qkv", cfg, &args)?;
             self.reduce_partials(partial, Self::colsum_parts(rows), k, k, [bias_grad, 0, 0])
+        }
+    }
+
+    /// The column sums of a bf16 `[rows, k]` matrix into `out` through `partial`
+    /// (`[colsum_parts(rows), k]`): the fused projection's bias gradient when the attention's
+    /// backward wrote `dqkv` itself.
+    pub unsafe fn column_sums(
+        &self,
+        d: u64,
+        partial: u64,
+        out: u64,
+        rows: usize,
+        k: usize,
+    ) -> Result<(), TrainError> {
+        let parts = Self::colsum_parts(rows);
+        let cfg = LaunchConfig {
+            grid_dim: ((k / 8).div_ceil(128) as u32, parts as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::Ptr(d),
+            Arg::Ptr(partial),
+            Arg::I32(rows as i32),
+            Arg::I32(k as i32),
+            Arg::I32(rows.div_ceil(parts) as i32),
+        ];
+        unsafe {
+            self.launch(&self.column_sums, "column_sums", cfg, &args)?;
+            self.reduce_partials(partial, parts, k, k, [out, 0, 0])
         }
     }
 

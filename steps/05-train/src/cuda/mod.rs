@@ -1080,17 +1080,41 @@ impl GpuTrainer {
                 k.heads_rows(s.datt_rows.ptr, dptr(&s.dout.data, stream), false, heads)?;
                 prof.mark(gpu, "backward: rows to heads")?;
                 let fwd = la.att.as_ref().expect("the forward ran");
-                let g = attention_backward(gpu, *attention, &la.q, &la.k, &la.v, fwd, &s.dout)?;
-                prof.mark(gpu, "backward: attention")?;
-                let dqkv = (
-                    dptr(&g.dq.data, stream),
-                    dptr(&g.dk.data, stream),
-                    dptr(&g.dv.data, stream),
-                );
-                k.heads_to_qkv(dqkv, s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), heads)?;
-                // freed in stream order, after the kernel above has read them
-                drop(g);
-                prof.mark(gpu, "backward: heads to qkv")?;
+                // [step 06]
+                if *attention == AttentionKind::Hopper {
+                    // step 06's kernels write dq, dk and dv straight into the fused
+                    // projection's gradient, one row of heads per token: nothing to move,
+                    // only the bias's column sums to take
+                    let third = (c * 2) as u64; // bytes
+                    let out = [s.dqkv.ptr, s.dqkv.ptr + third, s.dqkv.ptr + 2 * third];
+                    let shape = la.q.shape;
+                    let configs = step06_hopper::backward::BackwardConfigs::for_head_dim(d);
+                    let layout = step06_hopper::backward::GradLayout::fused_rows(shape);
+                    // (inside this unsafe block) dqkv holds rows · 3C bf16 values, [B·T, 3C],
+                    // and each third's span (GradLayout::span) ends inside it; the thirds'
+                    // columns are apart and no input lives in dqkv
+                    step06_hopper::backward::backward_into(
+                        gpu, configs, &la.q, &la.k, &la.v, fwd, &s.dout, out, layout,
+                    )?;
+                    prof.mark(gpu, "backward: attention")?;
+                    k.column_sums(s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), rows, 3 * c)?;
+                    prof.mark(gpu, "backward: qkv bias")?;
+                } else {
+                    // [/step 06]
+                    let g = attention_backward(gpu, *attention, &la.q, &la.k, &la.v, fwd, &s.dout)?;
+                    prof.mark(gpu, "backward: attention")?;
+                    let dqkv = (
+                        dptr(&g.dq.data, stream),
+                        dptr(&g.dk.data, stream),
+                        dptr(&g.dv.data, stream),
+                    );
+                    k.heads_to_qkv(dqkv, s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), heads)?;
+                    // freed in stream order, after the kernel above has read them
+                    drop(g);
+                    prof.mark(gpu, "backward: heads to qkv")?;
+                    // [step 06]
+                }
+                // [/step 06]
                 blas.matmul(
                     c,
                     3 * c,
