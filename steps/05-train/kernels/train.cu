@@ -444,14 +444,20 @@ extern "C" __global__ void reduce_partials(
 
 // ANCHOR: gelu
 // GELU in GPT-2's tanh form (layers.rs's gelu): 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
-__device__ __forceinline__ float gelu(float x) {
+// The tanh is one function of x, so that the forward's GELU and the backward's, which also
+// needs its derivative, compute it alike and give the same bits.
+__device__ __forceinline__ float gelu_tanh(float x) {
     float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.f + tanhf(u));
+    return tanhf(u);
 }
 
-__device__ __forceinline__ float gelu_grad(float x) {
-    float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-    float t = tanhf(u);
+// GELU at x, given t = gelu_tanh(x).
+__device__ __forceinline__ float gelu_from(float x, float t) { return 0.5f * x * (1.f + t); }
+
+__device__ __forceinline__ float gelu(float x) { return gelu_from(x, gelu_tanh(x)); }
+
+// GELU's derivative at x, given t = gelu_tanh(x).
+__device__ __forceinline__ float gelu_grad(float x, float t) {
     float du = 0.7978845608028654f * (1.f + 3.f * 0.044715f * x * x);
     return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * du;
 }
@@ -491,32 +497,56 @@ extern "C" __global__ void bias_gelu(
     }
 }
 
-// d ← d ∘ gelu'(fc + bias), in place: the gradient through GELU; and the column sums of the
-// result (the bias's gradient) per chunk of rows. Block (x, y): 128 threads, each a pair of
-// columns, over rows y·chunk .. (y+1)·chunk; a warp reads and writes 128-byte runs of a row.
+// The GELU backward, in one pass over the layer's fc and the gradient of GELU's output:
+// d ← d ∘ gelu'(fc + bias) in place (the gradient through GELU), out = gelu(fc + bias) (GELU's
+// output again, which the forward does not keep, for the output projection's weight gradient),
+// and the column sums of the new d (the bias's gradient) per chunk of rows. Block (x, y):
+// 32 × GELU_LANES threads over 256 columns and rows y·chunk .. (y+1)·chunk; thread (tx, ty)
+// takes 8 columns (16 bytes of each tensor) on rows ty, ty + GELU_LANES, ... of the chunk, so
+// a warp moves 512-byte runs of a row. A column's GELU_LANES sums meet in shared memory and
+// are added in the order of ty, so the partial sums are the same on every run.
+#define GELU_LANES 8
+static_assert(32 * GELU_LANES == 256, "the column sums take one thread per column of a block");
 extern "C" __global__ void gelu_backward(
-    u16* __restrict__ d,             // [rows, K] gradient of gelu's output in, of its input out
+    u16* __restrict__ d,             // [rows, K] gradient of GELU's output in, of its input out
     const u16* __restrict__ fc,      // [rows, K] the product, without its bias
     const float* __restrict__ bias,  // [K]
+    u16* __restrict__ out,           // [rows, K] gelu(fc + bias) out
     float* __restrict__ partial,     // [gridDim.y, K] column sums of the gradient out
-    int rows, int K, int chunk
+    int rows, int K,                 // K a multiple of 8
+    int chunk                        // rows per block row of the grid
 ) {
-    const int p = blockIdx.x * blockDim.x + threadIdx.x;  // column pair
-    if (2 * p >= K) return;
-    const int c = 2 * p, r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
-    const float b0 = bias[c], b1 = bias[c + 1];
-    float s0 = 0.f, s1 = 0.f;
-    for (int r = r0; r < r1; ++r) {
-        long long i = ((long long)r * K + c) / 2;
-        u32 dv = reinterpret_cast<u32*>(d)[i], f = reinterpret_cast<const u32*>(fc)[i];
-        float lo = bf((u16)(dv & 0xffff)) * gelu_grad(bf((u16)(f & 0xffff)) + b0);
-        float hi = bf((u16)(dv >> 16)) * gelu_grad(bf((u16)(f >> 16)) + b1);
-        s0 += lo;
-        s1 += hi;
-        reinterpret_cast<u32*>(d)[i] = (u32)to_bf(lo) | ((u32)to_bf(hi) << 16);
+    __shared__ float sums[GELU_LANES][256];
+    const int c = 256 * blockIdx.x + 8 * threadIdx.x;  // this thread's first column
+    const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+    float s[8];
+    for (int e = 0; e < 8; ++e) s[e] = 0.f;
+    if (c < K) {
+        float b[8];
+        for (int e = 0; e < 8; ++e) b[e] = bias[c + e];
+        for (int r = r0 + threadIdx.y; r < r1; r += GELU_LANES) {
+            const long long i = ((long long)r * K + c) / 8;
+            float g[8], x[8];
+            unpack8(reinterpret_cast<const uint4*>(d)[i], g);
+            unpack8(reinterpret_cast<const uint4*>(fc)[i], x);
+            for (int e = 0; e < 8; ++e) {
+                const float v = x[e] + b[e], t = gelu_tanh(v);
+                x[e] = gelu_from(v, t);
+                g[e] *= gelu_grad(v, t);
+                s[e] += g[e];
+            }
+            reinterpret_cast<uint4*>(d)[i] = pack8(g);
+            reinterpret_cast<uint4*>(out)[i] = pack8(x);
+        }
     }
-    partial[(long long)blockIdx.y * K + c] = s0;
-    partial[(long long)blockIdx.y * K + c + 1] = s1;
+    for (int e = 0; e < 8; ++e) sums[threadIdx.y][8 * threadIdx.x + e] = s[e];
+    __syncthreads();
+    // a thread per column of the block adds that column's GELU_LANES sums
+    const int col = 32 * threadIdx.y + threadIdx.x;
+    if (256 * blockIdx.x + col >= K) return;
+    float total = 0.f;
+    for (int y = 0; y < GELU_LANES; ++y) total += sums[y][col];
+    partial[(long long)blockIdx.y * K + 256 * blockIdx.x + col] = total;
 }
 // ANCHOR_END: gelu
 

@@ -43,6 +43,9 @@ pub const LN_BACKWARD_WARPS: u32 = 4;
 /// that hold a row in registers (`layernorm_forward_K`, `layernorm_backward_K`); wider rows
 /// take `layernorm_forward` and `layernorm_backward`, which read a row once per pass.
 pub const LN_REGISTER_CHUNKS: [usize; 5] = [1, 2, 4, 6, 8];
+/// Rows a block of the GELU backward takes at once, one per 32 threads (train.cu's
+/// `GELU_LANES`).
+const GELU_LANES: u32 = 8;
 /// Blocks of the gradients' norm's first pass.
 pub const NORM_BLOCKS: u32 = 1024;
 
@@ -456,24 +459,35 @@ impl Kernels {
         unsafe { self.launch(&self.bias_gelu, "bias_gelu", per_row(rows, k / 8)?, &args) }
     }
 
-    /// `d ← d ∘ gelu'(fc + bias)` over `[rows, k]`, and the result's column sums into
-    /// `bias_grad` through `partial` (`[colsum_parts(rows), k]`).
+    /// In one pass over `[rows, k]`: `d ← d ∘ gelu'(fc + bias)`, `out = gelu(fc + bias)`
+    /// (what [`Kernels::bias_gelu`] writes), and the new `d`'s column sums into `bias_grad`
+    /// through `partial` (`[colsum_parts(rows), k]`); `k` a multiple of 8.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn gelu_backward(
         &self,
         d: u64,
         fc: u64,
         bias: u64,
+        out: u64,
         partial: u64,
         bias_grad: u64,
         rows: usize,
         k: usize,
     ) -> Result<(), TrainError> {
-        let (cfg, chunk) = Self::column_grid(rows, k);
+        // blocks of 32 × GELU_LANES threads, 8 columns a thread: 256 columns by a chunk of
+        // rows, the chunks those of column_grid, so `partial` has the same rows
+        let parts = Self::colsum_parts(rows);
+        let cfg = LaunchConfig {
+            grid_dim: (k.div_ceil(256) as u32, parts as u32, 1),
+            block_dim: (32, GELU_LANES, 1),
+            shared_mem_bytes: 0,
+        };
+        let chunk = rows.div_ceil(parts);
         let args = [
             Arg::Ptr(d),
             Arg::Ptr(fc),
             Arg::Ptr(bias),
+            Arg::Ptr(out),
             Arg::Ptr(partial),
             Arg::I32(rows as i32),
             Arg::I32(k as i32),

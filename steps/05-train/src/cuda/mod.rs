@@ -198,11 +198,12 @@ struct Scratch {
     /// `[rows, 3C]` bf16: the fused projection's output, before the re-layout.
     qkv: Buf<u16>,
     /// `[rows, 4C]` bf16: a layer's GELU output, the MLP's second product's input. One buffer
-    /// for every layer: the forward uses it at once, and the backward computes it again from
-    /// the layer's `fc` when the output projection's weight gradient needs it. Keeping it per
-    /// layer instead would take `rows × 4C × 2` bytes a layer (151 MB at GPT-2-small's shape
-    /// and 12 × 2,048 tokens, 1.8 GB over 12 layers) to save one elementwise pass a layer;
-    /// llm.c recomputes GELU by default for the same reason.
+    /// for every layer: the forward uses it at once, and the backward's GELU kernel, which
+    /// reads the layer's `fc` anyway for the gradient through GELU, writes it again for the
+    /// output projection's weight gradient. Keeping it per layer instead would take
+    /// `rows × 4C × 2` bytes a layer (151 MB at GPT-2-small's shape and 12 × 2,048 tokens,
+    /// 1.8 GB over 12 layers) to save writing it once more a layer; llm.c recomputes GELU by
+    /// default for the same reason.
     gelu: Buf<u16>,
     /// `[rows, C]` f32: a product that adds into the residual stream.
     y: Buf<f32>,
@@ -987,19 +988,9 @@ impl GpuTrainer {
                 // projection, GELU (with its input bias's gradient), its input projection, its
                 // LayerNorm (which adds the residual's share and gives dmid, the gradient of
                 // x_mid, whose column sums are the attention projection's bias gradient)
-                // GELU's output again (not kept: see Scratch::gelu), for the weight gradient
-                k.bias_gelu(la.fc.ptr, w32(w.fc_b), s.gelu.ptr, rows, 4 * c)?;
-                prof.mark(gpu, "backward: gelu again")?;
-                blas.matmul(
-                    4 * c,
-                    c,
-                    rows,
-                    transposed(s.gelu.ptr),
-                    plain(s.dres16.ptr),
-                    g32(w.fc_proj_w),
-                    Out::F32,
-                    0.0,
-                )?;
+                // the gradient of GELU's output first: the GELU backward then writes GELU's
+                // output again (not kept: see Scratch::gelu) in the pass that reads fc for
+                // the gradient through GELU, and the weight gradient reads it after that
                 blas.matmul(
                     rows,
                     4 * c,
@@ -1015,12 +1006,24 @@ impl GpuTrainer {
                     s.dbig.ptr,
                     la.fc.ptr,
                     w32(w.fc_b),
+                    s.gelu.ptr,
                     s.col_partial.ptr,
                     g32(w.fc_b),
                     rows,
                     4 * c,
                 )?;
                 prof.mark(gpu, "backward: gelu")?;
+                blas.matmul(
+                    4 * c,
+                    c,
+                    rows,
+                    transposed(s.gelu.ptr),
+                    plain(s.dres16.ptr),
+                    g32(w.fc_proj_w),
+                    Out::F32,
+                    0.0,
+                )?;
+                prof.mark(gpu, "backward: matmul mlp down")?;
                 blas.matmul(
                     c,
                     4 * c,
