@@ -102,16 +102,14 @@ fn grid(n: u64, threads: u32) -> Result<LaunchConfig, TrainError> {
     })
 }
 
-/// A block per row, its `chunks` 16-byte chunks of the row among as many threads as there
-/// are chunks (in warps), at most 512: at GPT-2 small's width every thread then moves one
-/// chunk (384 for GELU's 3,072 columns, 288 for the fused projection's 2,304), where 256
-/// threads left half or a ninth of them a second one while the rest waited.
+/// A block per row, each thread moving `chunks` 16-byte chunks of the row among as many
+/// threads as there are chunks (in warps), at most 256.
 fn per_row(rows: usize, chunks: usize) -> Result<LaunchConfig, TrainError> {
     let blocks = u32::try_from(rows.max(1))
         .map_err(|_| dev(format!("{rows} rows: more blocks than a grid takes")))?;
     Ok(LaunchConfig {
         grid_dim: (blocks, 1, 1),
-        block_dim: (chunks.next_multiple_of(32).clamp(32, 512) as u32, 1, 1),
+        block_dim: (chunks.next_multiple_of(32).clamp(32, 256) as u32, 1, 1),
         shared_mem_bytes: 0,
     })
 }
