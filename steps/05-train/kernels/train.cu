@@ -623,6 +623,7 @@ extern "C" __global__ void heads_to_qkv(
 }
 // ANCHOR_END: heads
 
+// [step 06]
 // Column sums of a bf16 [rows, K] matrix per chunk of rows: the bias's gradient of the fused
 // projection when the attention's backward wrote its gradient in place (step 06's kernels
 // write dq, dk and dv straight into the [B·T, 3C] rows, so heads_to_qkv has nothing to move).
@@ -644,6 +645,7 @@ extern "C" __global__ void column_sums(
     }
     for (int e = 0; e < 8; ++e) partial[(long long)blockIdx.y * K + 8 * p + e] = s[e];
 }
+// [/step 06]
 
 // ANCHOR: cross_entropy
 // Softmax and cross-entropy of each row of logits together, one warp per row (V ≤ 256 values,

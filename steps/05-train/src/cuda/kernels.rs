@@ -77,7 +77,7 @@ pub struct Kernels {
     qkv_to_heads: CudaFunction,
     heads_rows: CudaFunction,
     heads_to_qkv: CudaFunction,
-    column_sums: CudaFunction,
+    column_sums: CudaFunction, // [step 06]
     cross_entropy: CudaFunction,
     sum_scaled: CudaFunction,
     sumsq_partial: CudaFunction,
@@ -164,7 +164,7 @@ impl Kernels {
             qkv_to_heads: f("qkv_to_heads")?,
             heads_rows: f("heads_rows")?,
             heads_to_qkv: f("heads_to_qkv")?,
-            column_sums: f("column_sums")?,
+            column_sums: f("column_sums")?, // [step 06]
             cross_entropy: f("cross_entropy")?,
             sum_scaled: f("sum_scaled")?,
             sumsq_partial: f("sumsq_partial")?,
@@ -572,6 +572,7 @@ impl Kernels {
         }
     }
 
+    // [step 06]
     /// The column sums of a bf16 `[rows, k]` matrix into `out` through `partial`
     /// (`[colsum_parts(rows), k]`): the fused projection's bias gradient when the attention's
     /// backward wrote `dqkv` itself.
@@ -601,6 +602,7 @@ impl Kernels {
             self.reduce_partials(partial, parts, k, k, [out, 0, 0])
         }
     }
+    // [/step 06]
 
     /// Per-row losses and (when `dlogits` is not 0) the logits' gradient, scaled by `scale`.
     #[allow(clippy::too_many_arguments)]
