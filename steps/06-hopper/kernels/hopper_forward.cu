@@ -18,6 +18,17 @@
 #ifndef OVERLAP
 #define OVERLAP 0
 #endif
+// PINGPONG=1: the consumer warpgroups take turns issuing their scores' product
+// (FlashAttention-3's ping-pong): warpgroup w waits at named barrier 1 + w for its turn, issues
+// q·kᵀ, and hands the turn to the next, so that one warpgroup's softmax runs on the CUDA cores
+// while the next one's product has the tensor cores, rather than all of them wanting the same
+// unit at once
+#ifndef PINGPONG
+#define PINGPONG 0
+#endif
+#if PINGPONG && (OVERLAP || WGS < 2)
+#error "PINGPONG takes two or more warpgroups, without OVERLAP"
+#endif
 #define BLOCK_M (64 * WGS)
 #define BLOCK_N 128
 
@@ -184,11 +195,23 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   wgmma_wait0();
   fence_operands(o);
 #else
+#if PINGPONG
+  // the last warpgroup opens the first turn, warpgroup 0's (every warpgroup runs n_blocks
+  // steps, so each barrier sees as many arrivals as waits)
+  if (wg == WGS - 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+#endif
   for (int n = 0; n < n_blocks; ++n) {
     mbar_wait(smem_u32(&full[n % STAGES]), (n / STAGES) & 1);
+#if PINGPONG
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's turn
+#endif
     wgmma_fence();
     issue_abt<BLOCK_N>(sc, aq, q_half, k_tile(n), k_half);
     wgmma_commit();
+#if PINGPONG
+    // the next warpgroup's turn (the last one's final step opens none)
+    if (wg < WGS - 1 || n + 1 < n_blocks) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (wg + 1) % WGS) : "memory");
+#endif
     wgmma_wait0();
     fence_operands(sc);
     if (crosses(n)) mask(sc, n * BLOCK_N, r0, lane);

@@ -38,6 +38,10 @@ pub struct HopperConfig {
     /// The producer a whole warpgroup that hands most of its registers to the consumers
     /// (`setmaxnreg`, `PRODUCER_WG`), rather than one warp; one block a multiprocessor only.
     pub producer_warpgroup: bool,
+    /// The consumer warpgroups take turns issuing their scores' product, one's softmax
+    /// beside the next one's product (`PINGPONG`, FlashAttention-3's ping-pong); two or more
+    /// warpgroups, without `overlap`.
+    pub pingpong: bool,
 }
 
 impl Default for HopperConfig {
@@ -48,6 +52,7 @@ impl Default for HopperConfig {
             min_blocks: 1,
             overlap: false,
             producer_warpgroup: false,
+            pingpong: false,
         }
     }
 }
@@ -104,6 +109,7 @@ impl HopperConfig {
         smem <= SMEM_PER_BLOCK
             && self.min_blocks * (smem + 1024) <= SMEM_PER_SM
             && (!self.producer_warpgroup || self.min_blocks == 1)
+            && (!self.pingpong || (self.warpgroups >= 2 && !self.overlap))
     }
 
     /// The shapes `hopper-check` compares at head dim `d`, [`HopperConfig::for_shape`]'s
@@ -115,6 +121,11 @@ impl HopperConfig {
             min_blocks,
             overlap,
             producer_warpgroup: false,
+            pingpong: false,
+        };
+        let pp = |c: HopperConfig| HopperConfig {
+            pingpong: true,
+            ..c
         };
         let p = |warpgroups, stages, overlap| HopperConfig {
             producer_warpgroup: true,
@@ -129,6 +140,8 @@ impl HopperConfig {
                 p(2, 2, false),
                 p(2, 2, true),
                 p(2, 3, true),
+                pp(p(2, 2, false)),
+                pp(c(2, 2, 1, false)),
             ]
         } else {
             vec![
@@ -144,21 +157,26 @@ impl HopperConfig {
                 p(2, 2, true),
                 p(2, 3, true),
                 p(3, 2, true),
+                pp(c(2, 2, 1, false)),
+                pp(c(3, 2, 1, false)),
+                pp(p(2, 2, false)),
+                pp(p(3, 2, false)),
             ]
         };
         all.into_iter().filter(|c| c.fits(d)).collect()
     }
 
     /// A short name for tables and PTX files: warpgroups × stages × blocks, "+overlap",
-    /// "+pwg" (a producer warpgroup).
+    /// "+pwg" (a producer warpgroup), "+pp" (ping-pong).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}",
+            "{}x{}x{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.min_blocks,
             if self.overlap { "+overlap" } else { "" },
-            if self.producer_warpgroup { "+pwg" } else { "" }
+            if self.producer_warpgroup { "+pwg" } else { "" },
+            if self.pingpong { "+pp" } else { "" }
         )
     }
 }
@@ -200,6 +218,7 @@ pub fn compile(
             format!("-DMIN_BLOCKS={}", config.min_blocks),
             format!("-DHEAD_DIM={head_dim}"),
             format!("-DOVERLAP={}", config.overlap as u8),
+            format!("-DPINGPONG={}", config.pingpong as u8),
             format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
             format!("-DQK_LBO={}", desc.qk_leading),
             format!("-DQK_SBO={}", desc.qk_stride),

@@ -113,6 +113,8 @@ pub fn implementation() -> String {
         };
         let overlap = if c.overlap {
             ", the softmax overlapped with P·v"
+        } else if c.pingpong {
+            ", the warpgroups taking turns at the scores' product"
         } else {
             ""
         };
