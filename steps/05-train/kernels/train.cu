@@ -394,6 +394,9 @@ __device__ __forceinline__ void layernorm_backward_registers(
 // named layernorm_forward_K and layernorm_backward_K, with the arguments of the loops' kernels.
 // BLOCKS: the backward's blocks of 4 warps an SM holds at once, which caps its registers at
 // 65,536 / (128 · BLOCKS) a thread: 3 (168) hold K up to 6 without spilling, K = 8 needs 2.
+#ifndef LN_BACKWARD_WARPS
+#error "LN_BACKWARD_WARPS is set by the host, which launches the blocks"
+#endif
 #define LAYERNORM_REGISTERS(K, BLOCKS)                                                           \
     extern "C" __global__ void layernorm_forward_##K(                                            \
         const float* res, const float* y, const float* __restrict__ y_bias, float* x,           \
@@ -401,7 +404,8 @@ __device__ __forceinline__ void layernorm_backward_registers(
         float* __restrict__ mean, float* __restrict__ rstd, int rows, int C) {                  \
         layernorm_forward_registers<K>(res, y, y_bias, x, w, b, out, mean, rstd, rows, C);       \
     }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) layernorm_backward_##K(            \
+    extern "C" __global__ void __launch_bounds__(32 * LN_BACKWARD_WARPS, BLOCKS)                 \
+    layernorm_backward_##K(                                                                      \
         const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,  \
         const float* __restrict__ mean, const float* __restrict__ rstd, const float* dres_in,    \
         float* dres_out, u16* __restrict__ dres_out_bf16, float* __restrict__ partial, int rows, \
@@ -505,7 +509,10 @@ extern "C" __global__ void bias_gelu(
 // takes 8 columns (16 bytes of each tensor) on rows ty, ty + GELU_LANES, ... of the chunk, so
 // a warp moves 512-byte runs of a row. A column's GELU_LANES sums meet in shared memory and
 // are added in the order of ty, so the partial sums are the same on every run.
-#define GELU_LANES 8
+// GELU_LANES comes from kernels.rs (-D), which launches blocks of 32 × GELU_LANES threads
+#ifndef GELU_LANES
+#error "GELU_LANES is set by the host, which launches the blocks"
+#endif
 static_assert(32 * GELU_LANES == 256, "the column sums take one thread per column of a block");
 extern "C" __global__ void gelu_backward(
     u16* __restrict__ d,             // [rows, K] gradient of GELU's output in, of its input out

@@ -19,10 +19,10 @@
 #define OVERLAP 0
 #endif
 // PINGPONG=1: the consumer warpgroups take turns issuing their scores' product
-// (FlashAttention-3's ping-pong): warpgroup w waits at named barrier 1 + w for its turn, issues
-// q·kᵀ, and hands the turn to the next, so that one warpgroup's softmax runs on the CUDA cores
-// while the next one's product has the tensor cores, rather than all of them wanting the same
-// unit at once
+// (FlashAttention-3's ping-pong, without the overlap it pairs it with): warpgroup w waits at
+// named barrier 1 + w for its turn, issues q·kᵀ, and hands the turn to the next, so that one
+// warpgroup's softmax runs on the CUDA cores while the next one's product has the tensor
+// cores, rather than all of them wanting the same unit at once
 #ifndef PINGPONG
 #define PINGPONG 0
 #endif

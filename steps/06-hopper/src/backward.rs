@@ -22,10 +22,15 @@ pub struct GradLayout {
     pub head: i64,
     pub token: i64,
     pub heads: i32,
+    /// The 4 bytes the C struct ends with (its size is a multiple of its 8-byte alignment),
+    /// zero rather than left to chance when the struct is copied to the kernel.
+    _pad: i32,
 }
 
-// SAFETY: plain integers, laid out as the kernels' struct (8-byte fields, then a 4-byte one)
+// SAFETY: plain integers, laid out as the kernels' struct (three 8-byte fields, a 4-byte one
+// and its padding: 32 bytes, as the assertion below checks)
 unsafe impl DeviceRepr for GradLayout {}
+const _: () = assert!(std::mem::size_of::<GradLayout>() == 32);
 
 impl GradLayout {
     /// `[batch, heads, tokens, head_dim]`, contiguous: the layout of q, k and v.
@@ -36,6 +41,7 @@ impl GradLayout {
             head: t * d,
             token: d,
             heads: s.heads as i32,
+            _pad: 0,
         }
     }
 
@@ -48,6 +54,7 @@ impl GradLayout {
             head: s.head_dim as i64,
             token: row,
             heads: s.heads as i32,
+            _pad: 0,
         }
     }
 
@@ -378,11 +385,14 @@ pub fn backward_with(
 /// [`backward_with`] writing dq, dk and dv where `layout` says, from the device addresses
 /// `[dq, dk, dv]` (for example straight into the trainer's fused projection's gradient).
 ///
+/// The kernels write pairs of values (4 bytes), so the addresses must be 4-byte aligned and
+/// the strides even; both are checked, with the heads and the token stride.
+///
 /// # Safety
-/// Each address must be the start of a live allocation on this GPU's context, in `q`'s dtype,
-/// holding at least [`GradLayout::span`] values for `q`'s shape, alive until the stream has
-/// run the kernels; the values `layout` reaches from the three addresses must not overlap one
-/// another or any input.
+/// Each address must point into a live allocation on this GPU's context, in `q`'s dtype, with
+/// [`GradLayout::span`] values for `q`'s shape from it inside that allocation, alive until the
+/// stream has run the kernels; the values `layout` reaches from the three addresses must not
+/// overlap one another or any input.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn backward_into(
     gpu: &Gpu,
@@ -407,6 +417,18 @@ pub unsafe fn backward_into(
             what: format!(
                 "a gradient layout of {} heads and {} values a token for {shape}",
                 layout.heads, layout.token
+            ),
+        });
+    }
+    if [layout.batch, layout.head, layout.token]
+        .iter()
+        .any(|s| s % 2 != 0)
+        || grads.iter().any(|a| a % 4 != 0)
+    {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "gradients at {grads:x?} with strides {:?}: the kernels write pairs of values, so the addresses must be 4-byte aligned and the strides even",
+                [layout.batch, layout.head, layout.token]
             ),
         });
     }

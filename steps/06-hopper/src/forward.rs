@@ -39,7 +39,7 @@ pub struct HopperConfig {
     /// (`setmaxnreg`, `PRODUCER_WG`), rather than one warp; one block a multiprocessor only.
     pub producer_warpgroup: bool,
     /// The consumer warpgroups take turns issuing their scores' product, one's softmax
-    /// beside the next one's product (`PINGPONG`, FlashAttention-3's ping-pong); two or more
+    /// beside the next one's product (`PINGPONG`, FlashAttention-3's ping-pong in its simple form); two or more
     /// warpgroups, without `overlap`.
     pub pingpong: bool,
 }

@@ -30,7 +30,13 @@ pub const TRAIN_CU: &str = include_str!("../../kernels/train.cu");
 pub fn compile(arch: &'static str) -> Result<Ptx, AttnError> {
     let options = CompileOptions {
         arch: Some(arch),
-        options: vec!["--std=c++17".into()],
+        // the block shapes the host launches, which the kernels' shared arrays and launch
+        // bounds are sized for
+        options: vec![
+            "--std=c++17".into(),
+            format!("-DGELU_LANES={GELU_LANES}"),
+            format!("-DLN_BACKWARD_WARPS={LN_BACKWARD_WARPS}"),
+        ],
         name: Some("train.cu".into()),
         ..Default::default()
     };
@@ -43,7 +49,7 @@ pub const LN_BACKWARD_WARPS: u32 = 4;
 /// that hold a row in registers (`layernorm_forward_K`, `layernorm_backward_K`); wider rows
 /// take `layernorm_forward` and `layernorm_backward`, which read a row once per pass.
 pub const LN_REGISTER_CHUNKS: [usize; 5] = [1, 2, 4, 6, 8];
-/// Rows a block of the GELU backward takes at once, one per 32 threads (train.cu's
+/// Rows a block of the GELU backward takes at once, one per 32 threads (given to train.cu as
 /// `GELU_LANES`).
 const GELU_LANES: u32 = 8;
 /// Blocks of the gradients' norm's first pass.
@@ -573,9 +579,9 @@ impl Kernels {
     }
 
     // [step 06]
-    /// The column sums of a bf16 `[rows, k]` matrix into `out` through `partial`
-    /// (`[colsum_parts(rows), k]`): the fused projection's bias gradient when the attention's
-    /// backward wrote `dqkv` itself.
+    /// The column sums of a bf16 `[rows, k]` matrix (`k` a multiple of 8) into `out` through
+    /// `partial` (`[colsum_parts(rows), k]`): the fused projection's bias gradient when the
+    /// attention's backward wrote `dqkv` itself.
     pub unsafe fn column_sums(
         &self,
         d: u64,
