@@ -45,6 +45,7 @@ impl GradLayout {
         }
     }
 
+    // ANCHOR: fused_rows
     /// One row per token of q's, k's and v's heads side by side, `[batch · tokens, 3 · heads ·
     /// head_dim]`, from each third's first column: the layout of the trainer's fused projection.
     pub fn fused_rows(s: Shape) -> Self {
@@ -57,6 +58,7 @@ impl GradLayout {
             _pad: 0,
         }
     }
+    // ANCHOR_END: fused_rows
 
     /// The values a gradient spans from its first: the last one's offset, plus one.
     pub fn span(&self, s: Shape) -> usize {
