@@ -159,7 +159,10 @@ impl HopperConfig {
                 p(3, 2, true),
                 pp(c(2, 2, 1, false)),
                 pp(c(3, 2, 1, false)),
+                // with a producer warpgroup, without and with the turns
+                p(2, 2, false),
                 pp(p(2, 2, false)),
+                p(3, 2, false),
                 pp(p(3, 2, false)),
             ]
         };
