@@ -56,7 +56,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute, CUresult};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError, LaunchConfig,
+    PushKernelArg,
 };
 use flash_core::{Attention, AttnError, Shape, check_qkv};
 use ndarray::{Array3, Array4, ArrayView4};
@@ -93,12 +94,19 @@ pub struct DeviceAttention {
     pub lse: CudaSlice<f32>,
 }
 
+/// The modules compiled so far, by key, and the entry points looked up in them.
+#[derive(Default)]
+struct KernelCache {
+    modules: HashMap<String, Arc<CudaModule>>,
+    functions: HashMap<(String, String), CudaFunction>,
+}
+
 /// One GPU: its context and stream, and the kernels compiled for it so far.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     arch: &'static str,
-    kernels: Mutex<HashMap<String, CudaFunction>>,
+    kernels: Mutex<KernelCache>,
     blas: OnceLock<Result<cudarc::cublas::CudaBlas, AttnError>>,
 }
 
@@ -195,7 +203,7 @@ impl Gpu {
             ctx,
             stream,
             arch,
-            kernels: Mutex::new(HashMap::new()),
+            kernels: Mutex::new(KernelCache::default()),
             blas: OnceLock::new(),
         })
     }
@@ -244,7 +252,8 @@ impl Gpu {
         )
     }
 
-    /// A kernel compiled by `compile` and loaded, once per `key`; `smem` is the dynamic shared
+    /// The kernel `entry` of the module `compile` gives, compiled and loaded once per `key`
+    /// (every entry of one module under one key: one compile); `smem` is the dynamic shared
     /// memory it will be launched with. Later steps compile their kernels through this cache.
     pub fn kernel(
         &self,
@@ -254,13 +263,21 @@ impl Gpu {
         compile: impl FnOnce() -> Result<cudarc::nvrtc::Ptx, AttnError>,
     ) -> Result<CudaFunction, AttnError> {
         let mut kernels = self.kernels.lock().expect("kernel cache poisoned");
-        if let Some(f) = kernels.get(&key) {
+        let name = (key, entry.to_string());
+        if let Some(f) = kernels.functions.get(&name) {
             return Ok(f.clone());
         }
-        let module = self
-            .ctx
-            .load_module(compile()?)
-            .map_err(device_error("loading a compiled kernel"))?;
+        let module = match kernels.modules.get(&name.0) {
+            Some(m) => m.clone(),
+            None => {
+                let m = self
+                    .ctx
+                    .load_module(compile()?)
+                    .map_err(device_error("loading a compiled kernel"))?;
+                kernels.modules.insert(name.0.clone(), m.clone());
+                m
+            }
+        };
         let f = module
             .load_function(entry)
             .map_err(device_error("finding a kernel's entry point"))?;
@@ -270,7 +287,7 @@ impl Gpu {
             smem as i32,
         )
         .map_err(device_error("raising a kernel's shared-memory limit"))?;
-        kernels.insert(key, f.clone());
+        kernels.functions.insert(name, f.clone());
         Ok(f)
     }
 

@@ -389,7 +389,7 @@ fn kernel(
 ) -> Result<cudarc::driver::CudaFunction, AttnError> {
     let arch = gpu.arch();
     gpu.kernel(
-        format!("backward {entry} {dtype:?} {head_dim} {config:?}"),
+        format!("backward {dtype:?} {head_dim} {config:?}"),
         entry,
         smem,
         || compile_backward(dtype, head_dim, config, arch),
@@ -521,7 +521,7 @@ pub fn backward_full(
     let config = BackwardConfig::for_head_dim(head_dim);
     let kernels = |entry: &str, smem| {
         gpu.kernel(
-            format!("backward full {entry} {dtype:?} {head_dim} {config:?}"),
+            format!("backward full {dtype:?} {head_dim} {config:?}"),
             entry,
             smem,
             || compile_backward_full(dtype, head_dim, config, arch),

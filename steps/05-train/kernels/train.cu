@@ -110,6 +110,56 @@ __device__ __forceinline__ void add4(float* p, int j, const float* a) {
     reinterpret_cast<float4*>(p)[j] = make_float4(v.x + a[0], v.y + a[1], v.z + a[2], v.w + a[3]);
 }
 
+// LayerNorm's arithmetic on 4 values of a row (a lane's chunk), shared by the kernels that read
+// the row once per pass and those that hold it in registers, so that both compute the same
+// bits in the same order.
+// x = res + (y + bias): the residual connection closed
+__device__ __forceinline__ float4 residual4(float4 r, float4 p, float4 q) {
+    return make_float4(r.x + (p.x + q.x), r.y + (p.y + q.y), r.z + (p.z + q.z), r.w + (p.w + q.w));
+}
+__device__ __forceinline__ float sum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
+// Σ (v − m)²
+__device__ __forceinline__ float sqdev4(float4 v, float m) {
+    return (v.x - m) * (v.x - m) + (v.y - m) * (v.y - m) + (v.z - m) * (v.z - m) + (v.w - m) * (v.w - m);
+}
+// Four f32 values rounded to bf16, in 8 bytes
+__device__ __forceinline__ uint2 pack_bf4(float a, float b, float c, float d) {
+    return make_uint2((u32)to_bf(a) | ((u32)to_bf(b) << 16), (u32)to_bf(c) | ((u32)to_bf(d) << 16));
+}
+// (v − m)·r·g + o, in bf16
+__device__ __forceinline__ uint2 normalize4(float4 v, float m, float r, float4 g, float4 o) {
+    return pack_bf4((v.x - m) * r * g.x + o.x, (v.y - m) * r * g.y + o.y, (v.z - m) * r * g.z + o.z,
+                    (v.w - m) * r * g.w + o.w);
+}
+// The backward's row sums, added into sg and sgx: Σ g and Σ g·x̂ with g = dy ∘ w, x̂ = (x − m)·r
+__device__ __forceinline__ void row_sums4(float4 xv, float4 d, float4 g, float m, float r, float& sg, float& sgx) {
+    float gs[4] = {d.x * g.x, d.y * g.y, d.z * g.z, d.w * g.w};
+    float xs[4] = {xv.x, xv.y, xv.z, xv.w};
+    for (int e = 0; e < 4; ++e) {
+        sg += gs[e];
+        sgx += gs[e] * ((xs[e] - m) * r);
+    }
+}
+// dx = (g − mean(g) − x̂·mean(g ∘ x̂))·r, plus `in` (the residual's gradient) where there is
+// one, and dw = dy ∘ x̂; sg and sgx are the row's means
+__device__ __forceinline__ void dx4(float4 xv, float4 dv, float4 g, const float4* in, float m, float r, float sg,
+                                    float sgx, float (&dx)[4], float (&dw)[4]) {
+    float xs[4] = {xv.x, xv.y, xv.z, xv.w}, ds[4] = {dv.x, dv.y, dv.z, dv.w}, ws[4] = {g.x, g.y, g.z, g.w};
+    float ins[4] = {0.f, 0.f, 0.f, 0.f};
+    if (in) {
+        ins[0] = in->x;
+        ins[1] = in->y;
+        ins[2] = in->z;
+        ins[3] = in->w;
+    }
+    for (int e = 0; e < 4; ++e) {
+        float xh = (xs[e] - m) * r;
+        dx[e] = (ds[e] * ws[e] - sg - xh * sgx) * r;
+        if (in) dx[e] = ins[e] + dx[e];
+        dw[e] = ds[e] * xh;
+    }
+}
+
 // ANCHOR: layernorm_forward
 // One warp per row, each lane 4 values at a time, in three passes over the row: the kernel for
 // rows wider than 1024 (layernorm_forward_K below holds narrower ones in registers). With a
@@ -135,31 +185,20 @@ extern "C" __global__ void layernorm_forward(
     float sum = 0.f;
     if (y) {
         for (int j = lane; j < C / 4; j += 32) {
-            float4 r = ld4(res + base, j), p = ld4(y + base, j), q = ld4(y_bias, j);
-            float4 v = make_float4(r.x + (p.x + q.x), r.y + (p.y + q.y), r.z + (p.z + q.z), r.w + (p.w + q.w));
+            float4 v = residual4(ld4(res + base, j), ld4(y + base, j), ld4(y_bias, j));
             st4(x + base, j, v);
-            sum += (v.x + v.y) + (v.z + v.w);
+            sum += sum4(v);
         }
         xr = x + base;  // each lane reads back only what it wrote
     } else {
-        for (int j = lane; j < C / 4; j += 32) {
-            float4 v = ld4(xr, j);
-            sum += (v.x + v.y) + (v.z + v.w);
-        }
+        for (int j = lane; j < C / 4; j += 32) sum += sum4(ld4(xr, j));
     }
     const float m = warp_sum(sum) / C;
     float ss = 0.f;
-    for (int j = lane; j < C / 4; j += 32) {
-        float4 v = ld4(xr, j);
-        ss += (v.x - m) * (v.x - m) + (v.y - m) * (v.y - m) + (v.z - m) * (v.z - m) + (v.w - m) * (v.w - m);
-    }
+    for (int j = lane; j < C / 4; j += 32) ss += sqdev4(ld4(xr, j), m);
     const float r = 1.f / sqrtf(warp_sum(ss) / C + 1e-5f);
-    for (int j = lane; j < C / 4; j += 32) {
-        float4 v = ld4(xr, j), g = ld4(w, j), o = ld4(b, j);
-        u32 lo = (u32)to_bf((v.x - m) * r * g.x + o.x) | ((u32)to_bf((v.y - m) * r * g.y + o.y) << 16);
-        u32 hi = (u32)to_bf((v.z - m) * r * g.z + o.z) | ((u32)to_bf((v.w - m) * r * g.w + o.w) << 16);
-        reinterpret_cast<uint2*>(out + base)[j] = make_uint2(lo, hi);
-    }
+    for (int j = lane; j < C / 4; j += 32)
+        reinterpret_cast<uint2*>(out + base)[j] = normalize4(ld4(xr, j), m, r, ld4(w, j), ld4(b, j));
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
@@ -199,37 +238,19 @@ extern "C" __global__ void layernorm_backward(
         const long long base = (long long)row * C;
         const float m = mean[row], r = rstd[row];
         float sg = 0.f, sgx = 0.f;
-        for (int j = lane; j < C / 4; j += 32) {
-            float4 xv = ld4(x + base, j), d = ld4(dy + base, j), g = ld4(w, j);
-            float gs[4] = {d.x * g.x, d.y * g.y, d.z * g.z, d.w * g.w};
-            float xs[4] = {xv.x, xv.y, xv.z, xv.w};
-            for (int e = 0; e < 4; ++e) {
-                sg += gs[e];
-                sgx += gs[e] * ((xs[e] - m) * r);
-            }
-        }
+        for (int j = lane; j < C / 4; j += 32) row_sums4(ld4(x + base, j), ld4(dy + base, j), ld4(w, j), m, r, sg, sgx);
         sg = warp_sum(sg) / C;
         sgx = warp_sum(sgx) / C;
         for (int j = lane; j < C / 4; j += 32) {
-            float4 xv = ld4(x + base, j), dv = ld4(dy + base, j), g = ld4(w, j);
-            float4 in = dres_in ? ld4(dres_in + base, j) : make_float4(0.f, 0.f, 0.f, 0.f);
-            float xs[4] = {xv.x, xv.y, xv.z, xv.w}, ds[4] = {dv.x, dv.y, dv.z, dv.w};
-            float ws[4] = {g.x, g.y, g.z, g.w}, ins[4] = {in.x, in.y, in.z, in.w}, dx[4];
-            float dw[4];
-            for (int e = 0; e < 4; ++e) {
-                float xh = (xs[e] - m) * r;
-                dx[e] = (ds[e] * ws[e] - sg - xh * sgx) * r;
-                if (dres_in) dx[e] = ins[e] + dx[e];
-                dw[e] = ds[e] * xh;
-            }
+            float4 dv = ld4(dy + base, j), in = dres_in ? ld4(dres_in + base, j) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float ds[4] = {dv.x, dv.y, dv.z, dv.w}, dx[4], dw[4];
+            dx4(ld4(x + base, j), dv, ld4(w, j), dres_in ? &in : nullptr, m, r, sg, sgx, dx, dw);
             // this lane's own 4 columns of each sum, 16 bytes at a time (no bank conflicts)
             add4(mine, j, dw);
             add4(mine + C, j, ds);
             add4(mine + 2 * C, j, dx);
             st4(dres_out + base, j, make_float4(dx[0], dx[1], dx[2], dx[3]));
-            u32 lo = (u32)to_bf(dx[0]) | ((u32)to_bf(dx[1]) << 16);
-            u32 hi = (u32)to_bf(dx[2]) | ((u32)to_bf(dx[3]) << 16);
-            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] = make_uint2(lo, hi);
+            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] = pack_bf4(dx[0], dx[1], dx[2], dx[3]);
         }
     }
     __syncthreads();
@@ -266,31 +287,24 @@ __device__ __forceinline__ void layernorm_forward_registers(
         v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
         if (j >= C / 4) continue;
         if (y) {
-            float4 r = ld4(res + base, j), p = ld4(y + base, j), q = ld4(y_bias, j);
-            v[k] = make_float4(r.x + (p.x + q.x), r.y + (p.y + q.y), r.z + (p.z + q.z), r.w + (p.w + q.w));
+            v[k] = residual4(ld4(res + base, j), ld4(y + base, j), ld4(y_bias, j));
             st4(x + base, j, v[k]);
         } else {
             v[k] = ld4(res + base, j);
         }
-        sum += (v[k].x + v[k].y) + (v[k].z + v[k].w);
+        sum += sum4(v[k]);
     }
     const float m = warp_sum(sum) / C;
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        if (lane + 32 * k >= C / 4) continue;
-        float4 u = v[k];
-        ss += (u.x - m) * (u.x - m) + (u.y - m) * (u.y - m) + (u.z - m) * (u.z - m) + (u.w - m) * (u.w - m);
+        if (lane + 32 * k < C / 4) ss += sqdev4(v[k], m);
     }
     const float r = 1.f / sqrtf(warp_sum(ss) / C + 1e-5f);
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         const int j = lane + 32 * k;
-        if (j >= C / 4) continue;
-        float4 u = v[k], g = ld4(w, j), o = ld4(b, j);
-        u32 lo = (u32)to_bf((u.x - m) * r * g.x + o.x) | ((u32)to_bf((u.y - m) * r * g.y + o.y) << 16);
-        u32 hi = (u32)to_bf((u.z - m) * r * g.z + o.z) | ((u32)to_bf((u.w - m) * r * g.w + o.w) << 16);
-        reinterpret_cast<uint2*>(out + base)[j] = make_uint2(lo, hi);
+        if (j < C / 4) reinterpret_cast<uint2*>(out + base)[j] = normalize4(v[k], m, r, ld4(w, j), ld4(b, j));
     }
     if (lane == 0) {
         mean[row] = m;
@@ -335,15 +349,7 @@ __device__ __forceinline__ void layernorm_backward_registers(
         float sg = 0.f, sgx = 0.f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            const int j = lane + 32 * k;
-            if (j >= C / 4) continue;
-            float4 g = ld4(w, j);
-            float gs[4] = {dv[k].x * g.x, dv[k].y * g.y, dv[k].z * g.z, dv[k].w * g.w};
-            float xs[4] = {xv[k].x, xv[k].y, xv[k].z, xv[k].w};
-            for (int e = 0; e < 4; ++e) {
-                sg += gs[e];
-                sgx += gs[e] * ((xs[e] - m) * r);
-            }
+            if (lane + 32 * k < C / 4) row_sums4(xv[k], dv[k], ld4(w, lane + 32 * k), m, r, sg, sgx);
         }
         sg = warp_sum(sg) / C;
         sgx = warp_sum(sgx) / C;
@@ -351,24 +357,14 @@ __device__ __forceinline__ void layernorm_backward_registers(
         for (int k = 0; k < K; ++k) {
             const int j = lane + 32 * k;
             if (j >= C / 4) continue;
-            float4 g = ld4(w, j);
-            float xs[4] = {xv[k].x, xv[k].y, xv[k].z, xv[k].w}, ds[4] = {dv[k].x, dv[k].y, dv[k].z, dv[k].w};
-            float ws[4] = {g.x, g.y, g.z, g.w}, ins[4] = {in[k].x, in[k].y, in[k].z, in[k].w}, dx[4];
-            float dw[4];
-            for (int e = 0; e < 4; ++e) {
-                float xh = (xs[e] - m) * r;
-                dx[e] = (ds[e] * ws[e] - sg - xh * sgx) * r;
-                if (dres_in) dx[e] = ins[e] + dx[e];
-                dw[e] = ds[e] * xh;
-            }
+            float dx[4], dw[4];
+            dx4(xv[k], dv[k], ld4(w, j), dres_in ? &in[k] : nullptr, m, r, sg, sgx, dx, dw);
             const float4 out = make_float4(dx[0], dx[1], dx[2], dx[3]);
             add_into(sdw[k], make_float4(dw[0], dw[1], dw[2], dw[3]));
             add_into(sdb[k], dv[k]);
             add_into(sdr[k], out);
             st4(dres_out + base, j, out);
-            u32 lo = (u32)to_bf(dx[0]) | ((u32)to_bf(dx[1]) << 16);
-            u32 hi = (u32)to_bf(dx[2]) | ((u32)to_bf(dx[3]) << 16);
-            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] = make_uint2(lo, hi);
+            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] = pack_bf4(dx[0], dx[1], dx[2], dx[3]);
         }
     }
     // the warps' sums, added in the order of the loop above; every column of every warp's

@@ -238,7 +238,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       // dQ = dS·k over this warpgroup's 64 keys: dS from shared memory, k MN-major (as v)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        wgmma_m64n64_ss_tb(dq, descriptor(ads + kk * 32, QK_LBO, QK_SBO), descriptor(ak + kk * 16 * 128, V_LBO, V_SBO), kk > 0);
+        wgmma_m64n64_ss<1>(dq, descriptor(ads + kk * 32, QK_LBO, QK_SBO), descriptor(ak + kk * 16 * 128, V_LBO, V_SBO), kk > 0);
       }
 #elif DQ_ATOMIC == 2
       // dQ = dS·k over the block's keys, by warpgroup 0: the k-steps past 64 read warpgroup
@@ -250,13 +250,13 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
         if (pair) {
 #pragma unroll
           for (int kk = 0; kk < 8; ++kk) {
-            wgmma_m64n64_ss_tb(dq, descriptor(a0 + (kk / 4) * 64 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO),
+            wgmma_m64n64_ss<1>(dq, descriptor(a0 + (kk / 4) * 64 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO),
                                descriptor(b0 + kk * 16 * 128, V_LBO, V_SBO), kk > 0);
           }
         } else {
 #pragma unroll
           for (int kk = 0; kk < 4; ++kk) {
-            wgmma_m64n64_ss_tb(dq, descriptor(a0 + kk * 32, QK_LBO, QK_SBO), descriptor(b0 + kk * 16 * 128, V_LBO, V_SBO),
+            wgmma_m64n64_ss<1>(dq, descriptor(a0 + kk * 32, QK_LBO, QK_SBO), descriptor(b0 + kk * 16 * 128, V_LBO, V_SBO),
                                kk > 0);
           }
         }

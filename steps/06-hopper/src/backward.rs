@@ -345,6 +345,23 @@ pub fn backward(
     backward_with(gpu, configs, q, k, v, fwd, dout)
 }
 
+/// What both entry points check before anything is allocated or launched: a Hopper GPU, the
+/// backward's inputs of one shape on the device, and the forward's checks (a head dim the
+/// kernels take, at most 65,535 heads). The shape.
+fn check_inputs(
+    gpu: &Gpu,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<Shape, AttnError> {
+    check_hopper(gpu)?;
+    let shape = check_backward_device(q, k, v, fwd, dout)?;
+    forward::check(q, k, v)?;
+    Ok(shape)
+}
+
 /// [`backward`] with the given block shapes.
 pub fn backward_with(
     gpu: &Gpu,
@@ -355,10 +372,7 @@ pub fn backward_with(
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
-    check_hopper(gpu)?;
-    let shape = check_backward_device(q, k, v, fwd, dout)?;
-    // the forward's checks: a head dim the kernels take, at most 65,535 heads
-    forward::check(q, k, v)?;
+    let shape = check_inputs(gpu, q, k, v, fwd, dout)?;
     // SAFETY: both passes together (or dkdv and hopper_dq_convert, with `dq_atomic`) write
     // every row of dq, dk and dv before anything reads them (an empty shape has none)
     let mut grads = unsafe { DeviceGrads::alloc(gpu, shape, q.dtype) }?;
@@ -407,9 +421,7 @@ pub unsafe fn backward_into(
     grads: [u64; 3],
     layout: GradLayout,
 ) -> Result<(), AttnError> {
-    check_hopper(gpu)?;
-    let shape = check_backward_device(q, k, v, fwd, dout)?;
-    forward::check(q, k, v)?;
+    let shape = check_inputs(gpu, q, k, v, fwd, dout)?;
     if layout.heads as usize != shape.heads
         || layout.token < shape.head_dim as i64
         || layout.head < 0
@@ -477,7 +489,8 @@ unsafe fn launch_passes(
     }
     let delta = step04_backward::cuda::delta(gpu, fwd, dout)?;
     let dtype = q.dtype;
-    // a module per pass and shape; the convert kernel is in dkdv's module with `dq_atomic`
+    // a module per pass and shape; the convert kernel is in dkdv's module with `dq_atomic`,
+    // under the same key, so the module is compiled once
     let kernel = |entry: &'static str, c: BackwardConfig| {
         let pass = if entry == HOPPER_DQ_CONVERT {
             HOPPER_DKDV
@@ -485,7 +498,7 @@ unsafe fn launch_passes(
             entry
         };
         gpu.kernel(
-            format!("hopper backward {entry} {dtype:?} d{d} {}", c.name()),
+            format!("hopper backward {pass} {dtype:?} d{d} {}", c.name()),
             entry,
             c.smem_bytes(d),
             || compile(dtype, d, pass, c),

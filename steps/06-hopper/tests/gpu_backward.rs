@@ -30,6 +30,20 @@ fn up(gpu: &Gpu, x: &Array4<f32>, dtype: Dtype) -> DeviceTensor {
     gpu.upload(x.view(), dtype).unwrap()
 }
 
+/// Random bf16 q, k, v and dout of `shape` on the GPU (seeds `seed` and `seed + 1`), and the
+/// Hopper forward's output and log-sum-exp for them.
+fn bf16_inputs(
+    gpu: &Gpu,
+    shape: Shape,
+    seed: u64,
+) -> ([DeviceTensor; 4], step03_cuda_forward::DeviceAttention) {
+    let [q, k, v] = random_qkv(shape, seed);
+    let dout = random_normal(shape, seed + 1);
+    let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| up(gpu, x, Dtype::Bf16));
+    let fwd = forward::forward(gpu, &q, &k, &v).unwrap();
+    ([q, k, v, dout], fwd)
+}
+
 fn download(gpu: &Gpu, g: &DeviceGrads) -> [Array4<f32>; 3] {
     [&g.dq, &g.dk, &g.dv].map(|x| gpu.download(x).unwrap())
 }
@@ -159,11 +173,7 @@ fn no_gpu_is_an_error_not_a_panic() {
 #[ignore = "needs a CUDA GPU"]
 fn one_pass_backward_differs_run_to_run_only_in_dqs_rounding() {
     let gpu = Gpu::shared().expect("a GPU");
-    let shape = Shape::new(2, 3, 1000, 64);
-    let [q, k, v] = random_qkv(shape, 5);
-    let dout = random_normal(shape, 6);
-    let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| up(gpu, x, Dtype::Bf16));
-    let fwd = forward::forward(gpu, &q, &k, &v).unwrap();
+    let ([q, k, v, dout], fwd) = bf16_inputs(gpu, Shape::new(2, 3, 1000, 64), 5);
     let one_pass: Vec<_> = BackwardConfigs::candidates(64)
         .into_iter()
         .filter(|c| c.dkdv.dq_atomic)
@@ -211,10 +221,7 @@ fn backward_into_fused_rows_writes_the_same_gradients() {
     let gpu = Gpu::shared().expect("a GPU");
     for d in [64, 128] {
         let shape = Shape::new(2, 3, 300, d);
-        let [q, k, v] = random_qkv(shape, 11);
-        let dout = random_normal(shape, 12);
-        let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| up(gpu, x, Dtype::Bf16));
-        let fwd = forward::forward(gpu, &q, &k, &v).unwrap();
+        let ([q, k, v, dout], fwd) = bf16_inputs(gpu, shape, 11);
         let mut all = vec![BackwardConfigs::for_head_dim(d)];
         all.extend(
             BackwardConfigs::candidates(d)
@@ -285,10 +292,7 @@ fn backward_into_fused_rows_writes_the_same_gradients() {
 #[ignore = "needs a CUDA GPU"]
 fn backward_into_refuses_a_layout_of_another_shape() {
     let gpu = Gpu::shared().expect("a GPU");
-    let shape = Shape::new(1, 2, 64, 64);
-    let [q, k, v] = random_qkv(shape, 1);
-    let [q, k, v, dout] = [&q, &k, &v, &q].map(|x| up(gpu, x, Dtype::Bf16));
-    let fwd = forward::forward(gpu, &q, &k, &v).unwrap();
+    let ([q, k, v, dout], fwd) = bf16_inputs(gpu, Shape::new(1, 2, 64, 64), 1);
     let layout = GradLayout::heads(Shape::new(1, 3, 64, 64));
     // SAFETY: refused before any launch, so the addresses are never written
     let e = unsafe {

@@ -491,12 +491,9 @@ impl RingAttention {
     ) -> Result<cudarc::driver::CudaFunction, AttnError> {
         let (gpu, dtype, head_dim) = (self.gpus[r], self.dtype, self.shape.head_dim);
         let arch = gpu.arch();
-        gpu.kernel(
-            format!("ring {entry} {dtype:?} {head_dim}"),
-            entry,
-            0,
-            || compile_ring(dtype, head_dim, arch),
-        )
+        gpu.kernel(format!("ring {dtype:?} {head_dim}"), entry, 0, || {
+            compile_ring(dtype, head_dim, arch)
+        })
     }
 
     /// `acc ⊕= part` for one chunk of rank `r`'s queries (`ring_merge`).
@@ -709,7 +706,7 @@ impl RingAttention {
         let (gpu, dtype, head_dim) = (self.gpus[r], self.dtype, self.shape.head_dim);
         let (config, arch) = (BackwardConfig::for_head_dim(head_dim), gpu.arch());
         gpu.kernel(
-            format!("ring backward {entry} {dtype:?} {head_dim} causal={causal}"),
+            format!("ring backward {dtype:?} {head_dim} causal={causal}"),
             entry,
             smem,
             || compile_backward_accumulate(dtype, head_dim, config, causal, arch),

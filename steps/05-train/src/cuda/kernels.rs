@@ -408,13 +408,19 @@ impl Kernels {
         rows.div_ceil(64).clamp(1, 256)
     }
 
-    /// A grid of 128-thread blocks, one thread per pair of `k` columns, by
-    /// [`Kernels::colsum_parts`] chunks of rows; and the chunk.
-    fn column_grid(rows: usize, k: usize) -> (LaunchConfig, usize) {
+    /// A grid of `block`-shaped blocks that each take `columns` of the `k` columns, by
+    /// [`Kernels::colsum_parts`] chunks of rows; and the chunk. Every kernel that sums columns
+    /// along the way takes its rows in these chunks, so `partial` has the same rows for all.
+    fn column_grid(
+        rows: usize,
+        k: usize,
+        columns: usize,
+        block: (u32, u32, u32),
+    ) -> (LaunchConfig, usize) {
         let parts = Self::colsum_parts(rows);
         let cfg = LaunchConfig {
-            grid_dim: ((k / 2).div_ceil(128) as u32, parts as u32, 1),
-            block_dim: (128, 1, 1),
+            grid_dim: (k.div_ceil(columns) as u32, parts as u32, 1),
+            block_dim: block,
             shared_mem_bytes: 0,
         };
         (cfg, rows.div_ceil(parts))
@@ -480,15 +486,8 @@ impl Kernels {
         rows: usize,
         k: usize,
     ) -> Result<(), TrainError> {
-        // blocks of 32 × GELU_LANES threads, 8 columns a thread: 256 columns by a chunk of
-        // rows, the chunks those of column_grid, so `partial` has the same rows
-        let parts = Self::colsum_parts(rows);
-        let cfg = LaunchConfig {
-            grid_dim: (k.div_ceil(256) as u32, parts as u32, 1),
-            block_dim: (32, GELU_LANES, 1),
-            shared_mem_bytes: 0,
-        };
-        let chunk = rows.div_ceil(parts);
+        // blocks of 32 × GELU_LANES threads, 8 columns a thread: 256 columns by a chunk of rows
+        let (cfg, chunk) = Self::column_grid(rows, k, 256, (32, GELU_LANES, 1));
         let args = [
             Arg::Ptr(d),
             Arg::Ptr(fc),
@@ -559,7 +558,8 @@ impl Kernels {
         (b, h, t, d): (usize, usize, usize, usize),
     ) -> Result<(), TrainError> {
         let (rows, k) = (b * t, 3 * h * d);
-        let (cfg, chunk) = Self::column_grid(rows, k);
+        // 128 threads a block, a pair of columns each
+        let (cfg, chunk) = Self::column_grid(rows, k, 256, (128, 1, 1));
         let args = [
             Arg::Ptr(dq),
             Arg::Ptr(dk),
@@ -590,22 +590,18 @@ impl Kernels {
         rows: usize,
         k: usize,
     ) -> Result<(), TrainError> {
-        let parts = Self::colsum_parts(rows);
-        let cfg = LaunchConfig {
-            grid_dim: ((k / 8).div_ceil(128) as u32, parts as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        // 128 threads a block, 8 columns each
+        let (cfg, chunk) = Self::column_grid(rows, k, 1024, (128, 1, 1));
         let args = [
             Arg::Ptr(d),
             Arg::Ptr(partial),
             Arg::I32(rows as i32),
             Arg::I32(k as i32),
-            Arg::I32(rows.div_ceil(parts) as i32),
+            Arg::I32(chunk as i32),
         ];
         unsafe {
             self.launch(&self.column_sums, "column_sums", cfg, &args)?;
-            self.reduce_partials(partial, parts, k, k, [out, 0, 0])
+            self.reduce_partials(partial, Self::colsum_parts(rows), k, k, [out, 0, 0])
         }
     }
     // [/step 06]
