@@ -332,13 +332,14 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
 // ANCHOR_END: dkdv
 
 // δ = Σ_d dO·O for every row, a warp a row, before either pass: the forward's output and its
-// gradient read where their layouts put them; δ is [heads, tokens] as the log-sum-exp
+// gradient read where their layouts put them; δ is [heads, tokens] as the log-sum-exp. The
+// grid is (token blocks, sequences × heads), so that no thread divides to find its row (a
+// 64-bit division per row cost as much as the loads)
 extern "C" __global__ void hopper_delta(const u16* __restrict__ out, const Layout out_layout, const u16* __restrict__ dout,
-                                        const Layout dout_layout, float* __restrict__ delta, int tokens, long long rows) {
-  const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+                                        const Layout dout_layout, float* __restrict__ delta, int tokens) {
+  const int bh = blockIdx.y, t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= rows) return;
-  const int bh = (int)(row / tokens), t = (int)(row % tokens);
+  if (t >= tokens) return;
   const u32* o = (const u32*)(out + out_layout.start(bh) + (long long)t * out_layout.token);
   const u32* d = (const u32*)(dout + dout_layout.start(bh) + (long long)t * dout_layout.token);
   float sum = 0.f;
@@ -347,7 +348,7 @@ extern "C" __global__ void hopper_delta(const u16* __restrict__ out, const Layou
     sum += from16(a & 0xffff) * from16(b & 0xffff) + from16(a >> 16) * from16(b >> 16);
   }
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) delta[row] = sum;
+  if (lane == 0) delta[(long long)bh * tokens + t] = sum;
 }
 
 #if DQ_ATOMIC

@@ -458,16 +458,12 @@ unsafe fn launch_passes(
     let rows = shape.batch * shape.heads * shape.tokens;
     let tokens = shape.tokens as i32;
 
-    // δ, a warp a row, eight rows a block
+    // δ, a warp a row, eight rows of one head a block
     let delta = {
         let f = kernel(HOPPER_DELTA, configs.dkdv)?;
         // SAFETY: the kernel writes every row's δ before the passes read it
         let mut delta = unsafe { stream.alloc::<f32>(rows) }
             .map_err(alloc_error("the backward's δ", rows as u128 * 4))?;
-        let blocks = u32::try_from(rows.div_ceil(8)).map_err(|_| AttnError::Unsupported {
-            what: format!("{shape}: δ takes a block of 8 rows, at most 2^32 - 1 blocks"),
-        })?;
-        let rows_i = rows as i64;
         let mut launch = stream.launch_builder(&f);
         launch
             .arg(&inputs.out.ptr)
@@ -475,16 +471,20 @@ unsafe fn launch_passes(
             .arg(&inputs.dout.ptr)
             .arg(&inputs.dout.layout)
             .arg(&mut delta)
-            .arg(&tokens)
-            .arg(&rows_i);
+            .arg(&tokens);
         let config = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
+            grid_dim: (
+                shape.tokens.div_ceil(8) as u32,
+                (shape.batch * shape.heads) as u32,
+                1,
+            ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: the output and dO hold the shape's values where their layouts say (the
-        // caller's promise); each warp reads one row of each and writes that row's δ, below
-        // `rows`
+        // caller's promise); each warp reads one row of each and writes that row's δ, for
+        // tokens below `tokens`; the grid's y is at most 65,535 (check_shape), its x at most
+        // 2^27 (check_shape's 2^30 tokens)
         unsafe { launch.launch(config) }.map_err(device_error("launching hopper_delta"))?;
         delta
     };
