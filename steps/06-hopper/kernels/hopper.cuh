@@ -137,21 +137,34 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 phase) {
         : "memory");
   }
 }
-// One box of a rank-4 tensor map ([batch][heads][tokens][head_dim], at any strides) into
-// shared memory, completing on `bar`: `rows` rows from `token` on, 64 columns from `column`.
-__device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, u32 bar, int column, int token, int head,
-                                        int batch) {
+// TMA_RANK 3: the tensor maps merge batches and heads into one dimension, [B·H][T][D], as
+// they may when one head follows another at the same distance across batches; 4: [B][H][T][D]
+// at any strides (the trainer's fused projection). src/layout.rs's TmaRank picks it.
+#ifndef TMA_RANK
+#define TMA_RANK 3
+#endif
+// One box of a tensor map into shared memory, completing on `bar`: `rows` rows from `token`
+// on of sequence `bh` (batch · heads + head), 64 columns from `column`.
+__device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, u32 bar, int column, int token, int bh,
+                                        int heads) {
+#if TMA_RANK == 3
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"((u64)map), "r"(column), "r"(token), "r"(bh), "r"(bar)
+      : "memory");
+#else
   asm volatile(
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
-      "l"((u64)map), "r"(column), "r"(token), "r"(head), "r"(batch), "r"(bar)
+      "l"((u64)map), "r"(column), "r"(token), "r"(bh % heads), "r"(bh / heads), "r"(bar)
       : "memory");
+#endif
 }
 // A tile of `rows` rows of sequence `bh` (batch · heads + head), half by half: the half of
 // columns 64h.. lands at dst + h·rows·128
 __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar, int rows, int token, int bh,
                                          int heads) {
 #pragma unroll
-  for (int h = 0; h < HALVES; ++h) tma_box(dst + h * rows * 128, map, bar, 64 * h, token, bh % heads, bh / heads);
+  for (int h = 0; h < HALVES; ++h) tma_box(dst + h * rows * 128, map, bar, 64 * h, token, bh, heads);
 }
 
 // One value rounded to 16 bits

@@ -11,7 +11,7 @@ use step04_backward::cuda::{DeviceGrads, check_backward_device};
 use crate::forward::{
     self, HOPPER_CUH, SMEM_PER_BLOCK, SMEM_PER_SM, check_hopper, check_register_pool, tensor_map,
 };
-use crate::layout::{Layout, Strided};
+use crate::layout::{Layout, Strided, TmaRank};
 
 /// The backward kernels' source (after [`HOPPER_CUH`]).
 pub const HOPPER_BACKWARD_CU: &str = include_str!("../kernels/hopper_backward.cu");
@@ -243,6 +243,7 @@ pub fn compile(
     head_dim: usize,
     entry: &str,
     config: BackwardConfig,
+    rank: TmaRank,
 ) -> Result<Ptx, AttnError> {
     require_nvrtc()?;
     let options = CompileOptions {
@@ -260,12 +261,14 @@ pub fn compile(
                 "-DDQ_ATOMIC={}",
                 config.dq_atomic as u8 + config.dq_bulk as u8
             ),
+            rank.define(),
             "--std=c++17".into(),
         ],
         name: Some(format!(
-            "{entry}_{}_d{head_dim}_{}.cu",
+            "{entry}_{}_d{head_dim}_{}_rank{}.cu",
             dtype.name(),
-            config.name()
+            config.name(),
+            rank.rank()
         )),
         ..Default::default()
     };
@@ -439,7 +442,9 @@ unsafe fn launch_passes(
             });
         }
     }
-    // a module per pass and shape; δ's kernel, and the convert kernel with `dq_atomic`, are in
+    let i = inputs;
+    let rank = TmaRank::of(&[i.q.layout, i.k.layout, i.v.layout, i.dout.layout], shape);
+    // a module per pass, shape and rank; δ's kernel, and the convert kernel with `dq_atomic`, are in
     // dkdv's module, under the same key, so the module is compiled once
     let kernel = |entry: &'static str, c: BackwardConfig| {
         let pass = if entry == HOPPER_DQ {
@@ -448,10 +453,13 @@ unsafe fn launch_passes(
             HOPPER_DKDV
         };
         gpu.kernel(
-            format!("hopper backward {pass} {dtype:?} d{d} {}", c.name()),
+            format!(
+                "hopper backward {pass} {dtype:?} d{d} {} {rank:?}",
+                c.name()
+            ),
             entry,
             c.smem_bytes(d),
-            || compile(dtype, d, pass, c),
+            || compile(dtype, d, pass, c, rank),
         )
     };
     let stream = gpu.stream();
@@ -507,10 +515,10 @@ unsafe fn launch_passes(
         // SAFETY: the caller's promise
         let maps = unsafe {
             [
-                tensor_map(inputs.q, dtype, shape, qdo_rows)?,
-                tensor_map(inputs.k, dtype, shape, kv_rows)?,
-                tensor_map(inputs.v, dtype, shape, kv_rows)?,
-                tensor_map(inputs.dout, dtype, shape, qdo_rows)?,
+                tensor_map(i.q, dtype, shape, qdo_rows, rank)?,
+                tensor_map(i.k, dtype, shape, kv_rows, rank)?,
+                tensor_map(i.v, dtype, shape, kv_rows, rank)?,
+                tensor_map(i.dout, dtype, shape, qdo_rows, rank)?,
             ]
         };
         Ok::<_, AttnError>((f, maps))

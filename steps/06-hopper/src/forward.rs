@@ -12,7 +12,7 @@ use step03_cuda_forward::{
     DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error, grid_blocks,
 };
 
-use crate::layout::{Layout, Strided};
+use crate::layout::{Layout, Strided, TmaRank};
 
 /// What step 06's kernels share: types, descriptors, mbarriers, TMA copies, the products.
 pub const HOPPER_CUH: &str = include_str!("../kernels/hopper.cuh");
@@ -214,6 +214,7 @@ pub fn compile(
     head_dim: usize,
     config: HopperConfig,
     desc: Descriptors,
+    rank: TmaRank,
 ) -> Result<Ptx, AttnError> {
     require_nvrtc()?;
     let options = CompileOptions {
@@ -231,12 +232,14 @@ pub fn compile(
             format!("-DQK_SBO={}", desc.qk_stride),
             format!("-DV_LBO={}", desc.v_leading),
             format!("-DV_SBO={}", desc.v_stride),
+            rank.define(),
             "--std=c++17".into(),
         ],
         name: Some(format!(
-            "hopper_forward_{}_d{head_dim}_{}.cu",
+            "hopper_forward_{}_d{head_dim}_{}_rank{}.cu",
             dtype.name(),
-            config.name()
+            config.name(),
+            rank.rank()
         )),
         ..Default::default()
     };
@@ -254,36 +257,43 @@ unsafe impl DeviceRepr for TensorMap {}
 // ANCHOR: tensor_map
 /// The map of a `[batch, heads, tokens, head_dim]` tensor of 16-bit values where `x`'s
 /// layout puts them, read in boxes of `rows` tokens of one head and (at most) 64 columns, 128
-/// bytes, in the 128-byte swizzle; rows past the end read as zeros.
+/// bytes, in the 128-byte swizzle; rows past the end read as zeros. Of rank 3 (batches and
+/// heads merged, the sequence `b · heads + h` at `h`'s offset) or 4, as `rank` says.
 ///
 /// # Safety
 /// `x` must describe values of a live allocation on this GPU's context (its layout checked
-/// against the shape, 16-byte aligned: [`Layout::check`]).
+/// against the shape, 16-byte aligned: [`Layout::check`]); with [`TmaRank::Three`] its layout
+/// must merge batches and heads ([`TmaRank::of`]).
 pub(crate) unsafe fn tensor_map(
     x: Strided,
     dtype: Dtype,
     s: Shape,
     rows: usize,
+    rank: TmaRank,
 ) -> Result<TensorMap, AttnError> {
     let dtype = match dtype {
         Dtype::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         _ => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     };
     let l = x.layout;
+    let (d, t, h, b) = (
+        s.head_dim as u64,
+        s.tokens as u64,
+        s.heads as u64,
+        s.batch as u64,
+    );
+    let (token, head, batch) = (l.token as u64 * 2, l.head as u64 * 2, l.batch as u64 * 2);
+    let box_ = [s.head_dim.min(64) as u32, rows as u32, 1, 1];
     // SAFETY: the caller's promise
     unsafe {
-        encode_tiled(
-            x.ptr,
-            dtype,
-            &[
-                s.head_dim as u64,
-                s.tokens as u64,
-                s.heads as u64,
-                s.batch as u64,
-            ],
-            &[l.token as u64 * 2, l.head as u64 * 2, l.batch as u64 * 2],
-            &[s.head_dim.min(64) as u32, rows as u32, 1, 1],
-        )
+        match rank {
+            TmaRank::Three => {
+                encode_tiled(x.ptr, dtype, &[d, t, b * h], &[token, head], &box_[..3])
+            }
+            TmaRank::Four => {
+                encode_tiled(x.ptr, dtype, &[d, t, h, b], &[token, head, batch], &box_)
+            }
+        }
     }
     .map_err(|r| AttnError::Device {
         what: format!("cuTensorMapEncodeTiled for {s} at strides {l:?}: {r:?}"),
@@ -551,11 +561,12 @@ unsafe fn launch(
             ),
         });
     }
+    let rank = TmaRank::of(&[q.layout, k.layout, v.layout], shape);
     let f = gpu.kernel(
-        format!("hopper forward {dtype:?} d{d} {}", config.name()),
+        format!("hopper forward {dtype:?} d{d} {} {rank:?}", config.name()),
         HOPPER_FORWARD,
         smem,
-        || compile(dtype, d, config, Descriptors::default()),
+        || compile(dtype, d, config, Descriptors::default(), rank),
     )?;
     if config.producer_warpgroup {
         check_register_pool(&f, config.warpgroups, config.threads(), HOPPER_FORWARD)?;
@@ -564,9 +575,9 @@ unsafe fn launch(
     // SAFETY: the caller's promise
     let maps = unsafe {
         [
-            tensor_map(q, dtype, shape, block_m)?,
-            tensor_map(k, dtype, shape, BLOCK_N)?,
-            tensor_map(v, dtype, shape, BLOCK_N)?,
+            tensor_map(q, dtype, shape, block_m, rank)?,
+            tensor_map(k, dtype, shape, BLOCK_N, rank)?,
+            tensor_map(v, dtype, shape, BLOCK_N, rank)?,
         ]
     };
     let launch_config = LaunchConfig {

@@ -112,3 +112,73 @@ impl Layout {
         Ok(())
     }
 }
+
+/// How a launch's tensor maps address a sequence, a compile-time choice of its kernels
+/// (`TMA_RANK`): with every layout of the launch keeping one head after another at the same
+/// distance across batches (a `[batch, heads, tokens, head_dim]` tensor, or one batch), batches
+/// and heads merge into one dimension of the maps, and the kernels ask TMA for boxes in three
+/// coordinates, as they did before layouts; otherwise in four.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TmaRank {
+    Three,
+    Four,
+}
+
+impl TmaRank {
+    /// The rank the tensors `layouts` of shape `s` can be read with.
+    pub fn of(layouts: &[Layout], s: Shape) -> Self {
+        let merges = |l: &Layout| s.batch <= 1 || l.batch == s.heads as i64 * l.head;
+        if layouts.iter().all(merges) {
+            TmaRank::Three
+        } else {
+            TmaRank::Four
+        }
+    }
+
+    /// The kernels' compile option.
+    pub fn define(self) -> String {
+        format!("-DTMA_RANK={}", self.rank())
+    }
+
+    pub fn rank(self) -> u32 {
+        match self {
+            TmaRank::Three => 3,
+            TmaRank::Four => 4,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_maps_merge_batches_and_heads_only_where_the_layout_allows() {
+        let s = Shape::new(2, 3, 300, 64);
+        assert_eq!(TmaRank::of(&[Layout::heads(s)], s), TmaRank::Three);
+        assert_eq!(TmaRank::of(&[Layout::fused_rows(s)], s), TmaRank::Four);
+        assert_eq!(
+            TmaRank::of(&[Layout::heads(s), Layout::rows(s)], s),
+            TmaRank::Four
+        );
+        // one batch: every layout is one head after another
+        let one = Shape::new(1, 3, 300, 64);
+        assert_eq!(TmaRank::of(&[Layout::fused_rows(one)], one), TmaRank::Three);
+    }
+
+    #[test]
+    fn a_layout_is_checked_against_its_shape_and_the_alignment() {
+        let s = Shape::new(2, 3, 300, 64);
+        let l = Layout::fused_rows(s);
+        assert_eq!(l.span(s), (2 * 300 - 1) * 3 * 3 * 64 + 2 * 64 + 64);
+        assert!(l.check(s, 4096, 16, "q").is_ok());
+        let e = l.check(s, 4096 + 4, 16, "q").unwrap_err().to_string();
+        assert!(e.contains("multiples of 16"), "{e}");
+        assert!(l.check(s, 4096 + 4, 4, "the output").is_ok());
+        let e = l
+            .check(Shape::new(2, 4, 300, 64), 4096, 16, "k")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("3 heads"), "{e}");
+    }
+}
