@@ -137,24 +137,47 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 phase) {
         : "memory");
   }
 }
-// One box of a rank-3 tensor map ([heads][tokens][head_dim]) into shared memory, completing
-// on `bar`: `rows` rows from `token` on, 64 columns from `column`.
-__device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, u32 bar, int column, int token, int head) {
+// TMA_RANK 3: the tensor maps merge batches and heads into one dimension, [B·H][T][D], as
+// they may when one head follows another at the same distance across batches; 4: [B][H][T][D]
+// at any strides (the trainer's fused projection). src/layout.rs's TmaRank picks it.
+#ifndef TMA_RANK
+#define TMA_RANK 3
+#endif
+// One box of a tensor map into shared memory, completing on `bar`: `rows` rows from `token`
+// on of sequence `bh` (batch · heads + head), 64 columns from `column`.
+__device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, u32 bar, int column, int token, int bh,
+                                        int heads) {
+#if TMA_RANK == 3
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"((u64)map), "r"(column), "r"(token), "r"(head), "r"(bar)
+      "l"((u64)map), "r"(column), "r"(token), "r"(bh), "r"(bar)
       : "memory");
+#else
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"((u64)map), "r"(column), "r"(token), "r"(bh % heads), "r"(bh / heads), "r"(bar)
+      : "memory");
+#endif
 }
-// A tile of `rows` rows, half by half: the half of columns 64h.. lands at dst + h·rows·128
-__device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar, int rows, int token, int head) {
+// A tile of `rows` rows of sequence `bh` (batch · heads + head), half by half: the half of
+// columns 64h.. lands at dst + h·rows·128
+__device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar, int rows, int token, int bh,
+                                         int heads) {
 #pragma unroll
-  for (int h = 0; h < HALVES; ++h) tma_box(dst + h * rows * 128, map, bar, 64 * h, token, head);
+  for (int h = 0; h < HALVES; ++h) tma_box(dst + h * rows * 128, map, bar, 64 * h, token, bh, heads);
 }
 
 // One value rounded to 16 bits
 __device__ __forceinline__ u16 to16(float x) {
   u16 r;
   asm("cvt.rn." ELEM ".f32 %0, %1;\n" : "=h"(r) : "f"(x));
+  return r;
+}
+
+// A 16-bit value as f32
+__device__ __forceinline__ float from16(u16 x) {
+  float r;
+  asm("cvt.f32." ELEM " %0, %1;\n" : "=f"(r) : "h"(x));
   return r;
 }
 
@@ -260,14 +283,15 @@ __device__ __forceinline__ void pack_fragments(u32 (&p)[N / 4], const float (&s)
   for (int i = 0; i < N / 4; ++i) p[i] = pack(s[2 * i], s[2 * i + 1]);
 }
 
-// Where the backward writes a gradient: the strides, in values, between batches, heads and
-// tokens (a token's HEAD_DIM values contiguous), and the heads per batch. [B, H, T, D] is
+// Where a tensor's values are: the strides, in values, between batches, heads and tokens (a
+// token's HEAD_DIM values contiguous), and the heads per batch. [B, H, T, D] is
 // {H·T·D, T·D, D}; the trainer's fused projection, one row of q, k and v heads per token,
-// {T·3C, D, 3C} from each third's first column.
-struct GradLayout {
+// {T·3C, D, 3C} from each third's first column; the rows the attention's output projection
+// reads, {T·C, D, C}.
+struct Layout {
   long long batch, head, token;
   int heads;
-  // the first value of head `bh` (blockIdx.y: batch · heads + head)
+  // the first value of sequence `bh` (blockIdx.y: batch · heads + head)
   __device__ __forceinline__ long long start(int bh) const { return (long long)(bh / heads) * batch + (long long)(bh % heads) * head; }
 };
 

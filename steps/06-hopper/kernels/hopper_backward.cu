@@ -56,11 +56,11 @@ __device__ __forceinline__ void produce(const TensorMap* map_a0, const TensorMap
                                         unsigned char* sb0, unsigned char* sb1, float (*slse)[STREAM],
                                         float (*sdelta)[STREAM], u64* own_bar, u64* full, u64* empty,
                                         const float* lse, const float* delta, int own_row, int stream_row0,
-                                        int n_blocks, int head, int tokens, int lane) {
+                                        int n_blocks, int head, int heads, int tokens, int lane) {
   if (lane == 0) {
     mbar_expect_tx(smem_u32(own_bar), 2 * BLOCK_ROWS * ROW_BYTES);
-    tma_load(smem_u32(sa0), map_a0, smem_u32(own_bar), BLOCK_ROWS, own_row, head);
-    tma_load(smem_u32(sa1), map_a1, smem_u32(own_bar), BLOCK_ROWS, own_row, head);
+    tma_load(smem_u32(sa0), map_a0, smem_u32(own_bar), BLOCK_ROWS, own_row, head, heads);
+    tma_load(smem_u32(sa1), map_a1, smem_u32(own_bar), BLOCK_ROWS, own_row, head, heads);
   }
   for (int n = 0; n < n_blocks; ++n) {
     const int s = n % STAGES, row0 = stream_row0 + n * STREAM;
@@ -76,8 +76,8 @@ __device__ __forceinline__ void produce(const TensorMap* map_a0, const TensorMap
     }
     if (lane == 0) {
       mbar_expect_tx(smem_u32(&full[s]), 2 * STREAM * ROW_BYTES);
-      tma_load(smem_u32(sb0 + s * STREAM * ROW_BYTES), map_b0, smem_u32(&full[s]), STREAM, row0, head);
-      tma_load(smem_u32(sb1 + s * STREAM * ROW_BYTES), map_b1, smem_u32(&full[s]), STREAM, row0, head);
+      tma_load(smem_u32(sb0 + s * STREAM * ROW_BYTES), map_b0, smem_u32(&full[s]), STREAM, row0, head, heads);
+      tma_load(smem_u32(sb1 + s * STREAM * ROW_BYTES), map_b1, smem_u32(&full[s]), STREAM, row0, head, heads);
     } else {
       // the arrival releases this lane's writes of lse and δ to the consumers
       mbar_arrive(smem_u32(&full[s]));
@@ -107,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
             const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
             const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dk_out,
-            u16* __restrict__ dv_out, const GradLayout layout, float* __restrict__ dq_accum, int tokens, float scale_log2,
+            u16* __restrict__ dv_out, const Layout layout, float* __restrict__ dq_accum, int tokens, float scale_log2,
             float scale) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
@@ -137,7 +137,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
     producer_registers();
     if (tid < 128 * WGS + 32) {
       produce<true>(&map_k, &map_v, &map_q, &map_do, sk, sv, sq, sdo, slse, sdelta, &kvbar, full, empty, lse, delta, k0,
-                    first * STREAM, n_blocks, head, tokens, tid % 32);
+                    first * STREAM, n_blocks, head, layout.heads, tokens, tid % 32);
     }
     return;
   }
@@ -331,10 +331,30 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
 }
 // ANCHOR_END: dkdv
 
+// δ = Σ_d dO·O for every row, a warp a row, before either pass: the forward's output and its
+// gradient read where their layouts put them; δ is [heads, tokens] as the log-sum-exp. The
+// grid is (token blocks, sequences × heads), so that no thread divides to find its row (a
+// 64-bit division per row cost as much as the loads)
+extern "C" __global__ void hopper_delta(const u16* __restrict__ out, const Layout out_layout, const u16* __restrict__ dout,
+                                        const Layout dout_layout, float* __restrict__ delta, int tokens) {
+  const int bh = blockIdx.y, t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= tokens) return;
+  const u32* o = (const u32*)(out + out_layout.start(bh) + (long long)t * out_layout.token);
+  const u32* d = (const u32*)(dout + dout_layout.start(bh) + (long long)t * dout_layout.token);
+  float sum = 0.f;
+  for (int i = lane; i < HEAD_DIM / 2; i += 32) {
+    const u32 a = o[i], b = d[i];
+    sum += from16(a & 0xffff) * from16(b & 0xffff) + from16(a >> 16) * from16(b >> 16);
+  }
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (lane == 0) delta[(long long)bh * tokens + t] = sum;
+}
+
 #if DQ_ATOMIC
 // dq = 16-bit(acc · scale), two values a thread at a time: acc is [heads, tokens, HEAD_DIM],
 // dq where `layout` puts it
-extern "C" __global__ void hopper_dq_convert(const float* __restrict__ acc, u16* __restrict__ dq, const GradLayout layout,
+extern "C" __global__ void hopper_dq_convert(const float* __restrict__ acc, u16* __restrict__ dq, const Layout layout,
                                              int tokens, long long pairs, float scale) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs; i += (long long)gridDim.x * blockDim.x) {
     const float2 a = reinterpret_cast<const float2*>(acc)[i];
@@ -350,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
           const __grid_constant__ TensorMap map_v, const __grid_constant__ TensorMap map_do,
           const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dq_out,
-          const GradLayout layout, int tokens, float scale_log2, float scale) {
+          const Layout layout, int tokens, float scale_log2, float scale) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* sq = smem;
@@ -371,7 +391,7 @@ hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ Tenso
     producer_registers();
     if (tid < 128 * WGS + 32) {
       produce<false>(&map_q, &map_do, &map_k, &map_v, sq, sdo, sk, sv, nullptr, nullptr, &qbar, full, empty, lse,
-                     delta, q0, 0, n_blocks, head, tokens, tid % 32);
+                     delta, q0, 0, n_blocks, head, layout.heads, tokens, tid % 32);
     }
     return;
   }

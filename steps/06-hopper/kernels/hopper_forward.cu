@@ -90,8 +90,8 @@ __device__ __forceinline__ void rescale(float (&o)[HALVES][32], const float (&co
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
-               const __grid_constant__ TensorMap map_v, u16* __restrict__ out, float* __restrict__ lse,
-               int tokens, float scale_log2) {
+               const __grid_constant__ TensorMap map_v, u16* __restrict__ out, const Layout out_layout,
+               float* __restrict__ lse, int tokens, float scale_log2) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* sq = smem;
@@ -122,14 +122,14 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     // the producer: its first thread starts every copy
     if (tid == 128 * WGS) {
       mbar_expect_tx(smem_u32(&qbar), BLOCK_M * ROW_BYTES);
-      tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), BLOCK_M, mb * BLOCK_M, head);
+      tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), BLOCK_M, mb * BLOCK_M, head, out_layout.heads);
       for (int n = 0; n < n_blocks; ++n) {
         const int s = n % STAGES;
         // wait until every consumer is done with the keys and values last in this buffer
         if (n >= STAGES) mbar_wait(smem_u32(&empty[s]), ((n / STAGES) - 1) & 1);
         mbar_expect_tx(smem_u32(&full[s]), 2 * BLOCK_N * ROW_BYTES);
-        tma_load(smem_u32(sk + s * BLOCK_N * ROW_BYTES), &map_k, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head);
-        tma_load(smem_u32(sv + s * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head);
+        tma_load(smem_u32(sk + s * BLOCK_N * ROW_BYTES), &map_k, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head, out_layout.heads);
+        tma_load(smem_u32(sv + s * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head, out_layout.heads);
       }
     }
     return;
@@ -237,7 +237,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     const int row = r0 + 8 * h;
     if (row < tokens) {
       const float inv = 1.f / sum;
-      u32* dst = (u32*)(out + ((u64)head * tokens + row) * HEAD_DIM);
+      u32* dst = (u32*)(out + out_layout.start(head) + (long long)row * out_layout.token);
 #pragma unroll
       for (int hh = 0; hh < HALVES; ++hh) {
 #pragma unroll

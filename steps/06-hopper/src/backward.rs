@@ -1,7 +1,7 @@
 //! The backward kernels' host side: step 04's two passes (dK and dV per block of keys, dQ per
 //! block of queries) with Hopper's products, after step 04's δ.
 
-use cudarc::driver::{DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::{AttnError, Shape};
 use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
@@ -11,67 +11,7 @@ use step04_backward::cuda::{DeviceGrads, check_backward_device};
 use crate::forward::{
     self, HOPPER_CUH, SMEM_PER_BLOCK, SMEM_PER_SM, check_hopper, check_register_pool, tensor_map,
 };
-
-/// Where the backward writes dq, dk and dv: the strides, in values, between batches, heads and
-/// tokens (a token's head-dim values contiguous), and the heads per batch; the kernels'
-/// `GradLayout` (hopper.cuh).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GradLayout {
-    pub batch: i64,
-    pub head: i64,
-    pub token: i64,
-    pub heads: i32,
-    /// The 4 bytes the C struct ends with (its size is a multiple of its 8-byte alignment),
-    /// zero rather than left to chance when the struct is copied to the kernel.
-    _pad: i32,
-}
-
-// SAFETY: plain integers, laid out as the kernels' struct (three 8-byte fields, a 4-byte one
-// and its padding: 32 bytes, as the assertion below checks)
-unsafe impl DeviceRepr for GradLayout {}
-const _: () = assert!(std::mem::size_of::<GradLayout>() == 32);
-
-impl GradLayout {
-    /// `[batch, heads, tokens, head_dim]`, contiguous: the layout of q, k and v.
-    pub fn heads(s: Shape) -> Self {
-        let (h, t, d) = (s.heads as i64, s.tokens as i64, s.head_dim as i64);
-        GradLayout {
-            batch: h * t * d,
-            head: t * d,
-            token: d,
-            heads: s.heads as i32,
-            _pad: 0,
-        }
-    }
-
-    // ANCHOR: fused_rows
-    /// One row per token of q's, k's and v's heads side by side, `[batch · tokens, 3 · heads ·
-    /// head_dim]`, from each third's first column: the layout of the trainer's fused projection.
-    pub fn fused_rows(s: Shape) -> Self {
-        let row = 3 * (s.heads * s.head_dim) as i64;
-        GradLayout {
-            batch: s.tokens as i64 * row,
-            head: s.head_dim as i64,
-            token: row,
-            heads: s.heads as i32,
-            _pad: 0,
-        }
-    }
-    // ANCHOR_END: fused_rows
-
-    /// The values a gradient spans from its first: the last one's offset, plus one.
-    pub fn span(&self, s: Shape) -> usize {
-        if s.is_empty() {
-            return 0;
-        }
-        let last = (s.batch as i64 - 1) * self.batch
-            + (s.heads as i64 - 1) * self.head
-            + (s.tokens as i64 - 1) * self.token
-            + s.head_dim as i64;
-        last as usize
-    }
-}
+use crate::layout::{Layout, Strided, TmaRank};
 
 /// The backward kernels' source (after [`HOPPER_CUH`]).
 pub const HOPPER_BACKWARD_CU: &str = include_str!("../kernels/hopper_backward.cu");
@@ -81,6 +21,8 @@ pub const HOPPER_DKDV: &str = "hopper_dkdv";
 pub const HOPPER_DQ: &str = "hopper_dq";
 /// After a dkdv pass that added dQ into f32 (`dq_atomic`): dQ scaled and rounded.
 pub const HOPPER_DQ_CONVERT: &str = "hopper_dq_convert";
+/// Before both passes: δ = Σ dO·O a row (in dkdv's module).
+pub const HOPPER_DELTA: &str = "hopper_delta";
 
 /// One backward kernel's thread block, set at compile time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -301,6 +243,7 @@ pub fn compile(
     head_dim: usize,
     entry: &str,
     config: BackwardConfig,
+    rank: TmaRank,
 ) -> Result<Ptx, AttnError> {
     require_nvrtc()?;
     let options = CompileOptions {
@@ -318,12 +261,14 @@ pub fn compile(
                 "-DDQ_ATOMIC={}",
                 config.dq_atomic as u8 + config.dq_bulk as u8
             ),
+            rank.define(),
             "--std=c++17".into(),
         ],
         name: Some(format!(
-            "{entry}_{}_d{head_dim}_{}.cu",
+            "{entry}_{}_d{head_dim}_{}_rank{}.cu",
             dtype.name(),
-            config.name()
+            config.name(),
+            rank.rank()
         )),
         ..Default::default()
     };
@@ -380,69 +325,84 @@ pub fn backward_with(
         return Ok(grads);
     }
     let stream = gpu.stream();
+    let layout = Layout::heads(shape);
+    let tensor = |x: &DeviceTensor| Strided {
+        ptr: x.data.device_ptr(stream).0,
+        layout,
+    };
+    let inputs = BackwardInputs {
+        q: tensor(q),
+        k: tensor(k),
+        v: tensor(v),
+        out: tensor(&fwd.out),
+        dout: tensor(dout),
+        lse: fwd.lse.device_ptr(stream).0,
+    };
     let (dq, _dq) = grads.dq.data.device_ptr_mut(stream);
     let (dk, _dk) = grads.dk.data.device_ptr_mut(stream);
     let (dv, _dv) = grads.dv.data.device_ptr_mut(stream);
-    // SAFETY: the three tensors were just allocated for the shape in q's dtype, apart, and
-    // live (with their guards) until the launches are queued
+    // SAFETY: the inputs were checked to hold the shape's values in one dtype, contiguous;
+    // the three gradients were just allocated for the shape in q's dtype, apart, and live
+    // (with their guards) until the launches are queued; every allocation is 256-byte aligned
     unsafe {
-        launch_passes(
-            gpu,
-            configs,
-            (q, k, v, fwd, dout),
-            [dq, dk, dv],
-            GradLayout::heads(shape),
-        )?;
+        launch_passes(gpu, configs, shape, q.dtype, inputs, [dq, dk, dv], layout)?;
     }
     drop((_dq, _dk, _dv));
     Ok(grads)
 }
 
-/// [`backward_with`] writing dq, dk and dv where `layout` says, from the device addresses
-/// `[dq, dk, dv]` (for example straight into the trainer's fused projection's gradient).
+/// The backward's inputs, wherever they are: q, k, v, the forward's output and its gradient
+/// dO, and the forward's log-sum-exp (`[batch · heads, tokens]` f32).
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardInputs {
+    pub q: Strided,
+    pub k: Strided,
+    pub v: Strided,
+    pub out: Strided,
+    pub dout: Strided,
+    pub lse: u64,
+}
+
+/// [`backward_with`] reading its inputs where their layouts say and writing dq, dk and dv
+/// where `layout` says, from the device addresses `[dq, dk, dv]`: for example from the
+/// trainer's fused projection and the rows of its output projection, and straight into the
+/// fused projection's gradient.
 ///
-/// The kernels write pairs of values (4 bytes), so the addresses must be 4-byte aligned and
-/// the strides even; both are checked, with the heads and the token stride.
+/// TMA reads q, k, v and dO: their addresses and strides must be multiples of 16 bytes; the
+/// kernels read the output and write the gradients in pairs of values: 4 bytes. All are
+/// checked, with each layout's heads and token stride.
 ///
 /// # Safety
-/// Each address must point into a live allocation on this GPU's context, in `q`'s dtype, with
-/// [`GradLayout::span`] values for `q`'s shape from it inside that allocation, alive until the
-/// stream has run the kernels; the values `layout` reaches from the three addresses must not
-/// overlap one another or any input.
-#[allow(clippy::too_many_arguments)]
+/// Each address must point into a live allocation on this GPU's context, in `dtype`, with
+/// [`Layout::span`] values for `shape` from it inside that allocation (`lse`: `batch · heads ·
+/// tokens` f32), alive until the stream has run the kernels; the values `layout` reaches from
+/// the three gradients' addresses must not overlap one another or any input.
 pub unsafe fn backward_into(
     gpu: &Gpu,
     configs: BackwardConfigs,
-    q: &DeviceTensor,
-    k: &DeviceTensor,
-    v: &DeviceTensor,
-    fwd: &DeviceAttention,
-    dout: &DeviceTensor,
+    shape: Shape,
+    dtype: Dtype,
+    inputs: BackwardInputs,
     grads: [u64; 3],
-    layout: GradLayout,
+    layout: Layout,
 ) -> Result<(), AttnError> {
-    let shape = check_inputs(gpu, q, k, v, fwd, dout)?;
-    if layout.heads as usize != shape.heads
-        || layout.token < shape.head_dim as i64
-        || layout.head < 0
-        || layout.batch < 0
-    {
-        return Err(AttnError::Unsupported {
-            what: format!(
-                "a gradient layout of {} heads and {} values a token for {shape}",
-                layout.heads, layout.token
-            ),
-        });
+    check_hopper(gpu)?;
+    forward::check_shape(shape)?;
+    let i = inputs;
+    for (x, name) in [(i.q, "q"), (i.k, "k"), (i.v, "v"), (i.dout, "dout")] {
+        x.layout.check(shape, x.ptr, 16, name)?;
     }
-    if [layout.batch, layout.head, layout.token]
-        .iter()
-        .any(|s| s % 2 != 0)
-        || grads.iter().any(|a| a % 4 != 0)
-    {
+    i.out
+        .layout
+        .check(shape, i.out.ptr, 4, "the forward's output")?;
+    for (ptr, name) in grads.iter().zip(["dq", "dk", "dv"]) {
+        layout.check(shape, *ptr, 4, name)?;
+    }
+    if !i.lse.is_multiple_of(4) {
         return Err(AttnError::Unsupported {
             what: format!(
-                "gradients at {grads:x?} with strides {:?}: the kernels write pairs of values, so the addresses must be 4-byte aligned and the strides even",
-                [layout.batch, layout.head, layout.token]
+                "the log-sum-exp at {:#x}: f32 values need a 4-byte address",
+                i.lse
             ),
         });
     }
@@ -450,28 +410,23 @@ pub unsafe fn backward_into(
         return Ok(());
     }
     // SAFETY: the caller's promise
-    unsafe { launch_passes(gpu, configs, (q, k, v, fwd, dout), grads, layout) }
+    unsafe { launch_passes(gpu, configs, shape, dtype, inputs, grads, layout) }
 }
 
 /// δ, then the passes, writing to `grads` as `layout` says: the body of [`backward_with`] and
-/// [`backward_into`], after their checks (the shape is not empty; every block shape fits).
+/// [`backward_into`], after their checks (every layout fits the shape; it is not empty).
 ///
 /// # Safety
 /// As [`backward_into`].
 unsafe fn launch_passes(
     gpu: &Gpu,
     configs: BackwardConfigs,
-    (q, k, v, fwd, dout): (
-        &DeviceTensor,
-        &DeviceTensor,
-        &DeviceTensor,
-        &DeviceAttention,
-        &DeviceTensor,
-    ),
+    shape: Shape,
+    dtype: Dtype,
+    inputs: BackwardInputs,
     [dq, dk, dv]: [u64; 3],
-    layout: GradLayout,
+    layout: Layout,
 ) -> Result<(), AttnError> {
-    let shape = q.shape;
     let d = shape.head_dim;
     for (entry, c) in [(HOPPER_DKDV, configs.dkdv), (HOPPER_DQ, configs.dq)] {
         if entry == HOPPER_DQ && configs.dkdv.dq_atomic {
@@ -487,25 +442,62 @@ unsafe fn launch_passes(
             });
         }
     }
-    let delta = step04_backward::cuda::delta(gpu, fwd, dout)?;
-    let dtype = q.dtype;
-    // a module per pass and shape; the convert kernel is in dkdv's module with `dq_atomic`,
-    // under the same key, so the module is compiled once
+    let i = inputs;
+    let rank = TmaRank::of(&[i.q.layout, i.k.layout, i.v.layout, i.dout.layout], shape);
+    // a module per pass, shape and rank; δ's kernel, and the convert kernel with `dq_atomic`, are in
+    // dkdv's module, under the same key, so the module is compiled once
     let kernel = |entry: &'static str, c: BackwardConfig| {
-        let pass = if entry == HOPPER_DQ_CONVERT {
-            HOPPER_DKDV
+        let pass = if entry == HOPPER_DQ {
+            HOPPER_DQ
         } else {
-            entry
+            HOPPER_DKDV
         };
         gpu.kernel(
-            format!("hopper backward {pass} {dtype:?} d{d} {}", c.name()),
+            format!(
+                "hopper backward {pass} {dtype:?} d{d} {} {rank:?}",
+                c.name()
+            ),
             entry,
             c.smem_bytes(d),
-            || compile(dtype, d, pass, c),
+            || compile(dtype, d, pass, c, rank),
         )
     };
-    let heads = (shape.batch * shape.heads) as u32;
+    let stream = gpu.stream();
+    let rows = shape.batch * shape.heads * shape.tokens;
     let tokens = shape.tokens as i32;
+
+    // δ, a warp a row, eight rows of one head a block
+    let delta = {
+        let f = kernel(HOPPER_DELTA, configs.dkdv)?;
+        // SAFETY: the kernel writes every row's δ before the passes read it
+        let mut delta = unsafe { stream.alloc::<f32>(rows) }
+            .map_err(alloc_error("the backward's δ", rows as u128 * 4))?;
+        let mut launch = stream.launch_builder(&f);
+        launch
+            .arg(&inputs.out.ptr)
+            .arg(&inputs.out.layout)
+            .arg(&inputs.dout.ptr)
+            .arg(&inputs.dout.layout)
+            .arg(&mut delta)
+            .arg(&tokens);
+        let config = LaunchConfig {
+            grid_dim: (
+                shape.tokens.div_ceil(8) as u32,
+                (shape.batch * shape.heads) as u32,
+                1,
+            ),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the output and dO hold the shape's values where their layouts say (the
+        // caller's promise); each warp reads one row of each and writes that row's δ, for
+        // tokens below `tokens`; the grid's y is at most 65,535 (check_shape), its x at most
+        // 2^27 (check_shape's 2^30 tokens)
+        unsafe { launch.launch(config) }.map_err(device_error("launching hopper_delta"))?;
+        delta
+    };
+
+    let heads = (shape.batch * shape.heads) as u32;
     let scale = 1.0 / (d as f32).sqrt();
     let scale_log2 = shape.scale_log2();
     let launch_config = |c: BackwardConfig| LaunchConfig {
@@ -513,7 +505,6 @@ unsafe fn launch_passes(
         block_dim: (c.threads(), 1, 1),
         shared_mem_bytes: c.smem_bytes(d),
     };
-    let stream = gpu.stream();
     // a pass's kernel, with the register check of a producer warpgroup, and the maps of q,
     // k, v and dO, in boxes of `qdo_rows` rows (q, dO) and `kv_rows` rows (k, v)
     let pass = |entry: &'static str, c: BackwardConfig, qdo_rows: usize, kv_rows: usize| {
@@ -521,12 +512,15 @@ unsafe fn launch_passes(
         if c.producer_warpgroup {
             check_register_pool(&f, c.warpgroups, c.threads(), entry)?;
         }
-        let maps = [
-            tensor_map(gpu, q, qdo_rows)?,
-            tensor_map(gpu, k, kv_rows)?,
-            tensor_map(gpu, v, kv_rows)?,
-            tensor_map(gpu, dout, qdo_rows)?,
-        ];
+        // SAFETY: the caller's promise
+        let maps = unsafe {
+            [
+                tensor_map(i.q, dtype, shape, qdo_rows, rank)?,
+                tensor_map(i.k, dtype, shape, kv_rows, rank)?,
+                tensor_map(i.v, dtype, shape, kv_rows, rank)?,
+                tensor_map(i.dout, dtype, shape, qdo_rows, rank)?,
+            ]
+        };
         Ok::<_, AttnError>((f, maps))
     };
 
@@ -549,19 +543,17 @@ unsafe fn launch_passes(
     for map in &maps {
         launch.arg(map);
     }
-    launch.arg(&fwd.lse).arg(&delta);
+    launch.arg(&inputs.lse).arg(&delta);
     launch.arg(&dk).arg(&dv).arg(&layout);
     match &dq_accum {
         Some(buf) => launch.arg(buf),
         None => launch.arg(&no_buffer),
     };
     launch.arg(&tokens).arg(&scale_log2).arg(&scale);
-    // SAFETY: check_backward_device and forward::check proved q, k, v, dout, the forward's
-    // output and lse and δ hold the shape's values in one dtype, and the maps read within
-    // them (rows past a head's end read as zeros); each block writes dk and dv for its own
-    // keys below `tokens` only, where layout puts them (within its span: the caller's
-    // promise); the grid is one block per block of keys of each head, with at most 65,535
-    // heads (forward::check)
+    // SAFETY: the maps read within q, k, v and dO (rows past a head's end read as zeros),
+    // lse and δ hold a value a row; each block writes dk and dv for its own keys below
+    // `tokens` only, where layout puts them (within its span: the caller's promise); the grid
+    // is one block per block of keys of each head, with at most 65,535 heads (check_shape)
     unsafe { launch.launch(launch_config(c)) }.map_err(device_error("launching hopper_dkdv"))?;
 
     if let Some(acc) = &dq_accum {
@@ -594,7 +586,7 @@ unsafe fn launch_passes(
     for map in &maps {
         launch.arg(map);
     }
-    launch.arg(&fwd.lse).arg(&delta);
+    launch.arg(&inputs.lse).arg(&delta);
     launch.arg(&dq).arg(&layout);
     launch.arg(&tokens).arg(&scale_log2).arg(&scale);
     // SAFETY: as for dkdv; each block writes dq for its own queries below `tokens` only

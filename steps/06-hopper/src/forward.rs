@@ -4,11 +4,15 @@ use cudarc::driver::sys::{
     CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
     CUtensorMapL2promotion, CUtensorMapSwizzle, cuTensorMapEncodeTiled,
 };
-use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::{AttnError, Shape};
 use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
-use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error};
+use step03_cuda_forward::{
+    DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error, grid_blocks,
+};
+
+use crate::layout::{Layout, Strided, TmaRank};
 
 /// What step 06's kernels share: types, descriptors, mbarriers, TMA copies, the products.
 pub const HOPPER_CUH: &str = include_str!("../kernels/hopper.cuh");
@@ -210,6 +214,7 @@ pub fn compile(
     head_dim: usize,
     config: HopperConfig,
     desc: Descriptors,
+    rank: TmaRank,
 ) -> Result<Ptx, AttnError> {
     require_nvrtc()?;
     let options = CompileOptions {
@@ -227,12 +232,14 @@ pub fn compile(
             format!("-DQK_SBO={}", desc.qk_stride),
             format!("-DV_LBO={}", desc.v_leading),
             format!("-DV_SBO={}", desc.v_stride),
+            rank.define(),
             "--std=c++17".into(),
         ],
         name: Some(format!(
-            "hopper_forward_{}_d{head_dim}_{}.cu",
+            "hopper_forward_{}_d{head_dim}_{}_rank{}.cu",
             dtype.name(),
-            config.name()
+            config.name(),
+            rank.rank()
         )),
         ..Default::default()
     };
@@ -248,33 +255,48 @@ pub(crate) struct TensorMap(CUtensorMap);
 unsafe impl DeviceRepr for TensorMap {}
 
 // ANCHOR: tensor_map
-/// The map of a `[batch·heads, tokens, head_dim]` tensor of 16-bit values, read in boxes of
-/// `rows` tokens of one head and (at most) 64 columns, 128 bytes, in the 128-byte swizzle;
-/// rows past the end read as zeros.
-pub(crate) fn tensor_map(gpu: &Gpu, x: &DeviceTensor, rows: usize) -> Result<TensorMap, AttnError> {
-    let s = x.shape;
-    let (ptr, _sync) = x.data.device_ptr(gpu.stream());
-    let dtype = match x.dtype {
+/// The map of a `[batch, heads, tokens, head_dim]` tensor of 16-bit values where `x`'s
+/// layout puts them, read in boxes of `rows` tokens of one head and (at most) 64 columns, 128
+/// bytes, in the 128-byte swizzle; rows past the end read as zeros. Of rank 3 (batches and
+/// heads merged, the sequence `b · heads + h` at `h`'s offset) or 4, as `rank` says.
+///
+/// # Safety
+/// `x` must describe values of a live allocation on this GPU's context (its layout checked
+/// against the shape, 16-byte aligned: [`Layout::check`]); with [`TmaRank::Three`] its layout
+/// must merge batches and heads ([`TmaRank::of`]).
+pub(crate) unsafe fn tensor_map(
+    x: Strided,
+    dtype: Dtype,
+    s: Shape,
+    rows: usize,
+    rank: TmaRank,
+) -> Result<TensorMap, AttnError> {
+    let dtype = match dtype {
         Dtype::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         _ => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     };
-    // SAFETY: ptr is a live allocation of the shape's values (check_device), 256-byte aligned
-    // as every allocation
+    let l = x.layout;
+    let (d, t, h, b) = (
+        s.head_dim as u64,
+        s.tokens as u64,
+        s.heads as u64,
+        s.batch as u64,
+    );
+    let (token, head, batch) = (l.token as u64 * 2, l.head as u64 * 2, l.batch as u64 * 2);
+    let box_ = [s.head_dim.min(64) as u32, rows as u32, 1, 1];
+    // SAFETY: the caller's promise
     unsafe {
-        encode_tiled(
-            ptr,
-            dtype,
-            &[
-                s.head_dim as u64,
-                s.tokens as u64,
-                (s.batch * s.heads) as u64,
-            ],
-            &[(s.head_dim * 2) as u64, (s.tokens * s.head_dim * 2) as u64],
-            &[s.head_dim.min(64) as u32, rows as u32, 1],
-        )
+        match rank {
+            TmaRank::Three => {
+                encode_tiled(x.ptr, dtype, &[d, t, b * h], &[token, head], &box_[..3])
+            }
+            TmaRank::Four => {
+                encode_tiled(x.ptr, dtype, &[d, t, h, b], &[token, head, batch], &box_)
+            }
+        }
     }
     .map_err(|r| AttnError::Device {
-        what: format!("cuTensorMapEncodeTiled for {s}: {r:?}"),
+        what: format!("cuTensorMapEncodeTiled for {s} at strides {l:?}: {r:?}"),
     })
 }
 
@@ -380,6 +402,13 @@ pub(crate) fn check_register_pool(
 /// 65,535 heads (its y dimension).
 pub fn check(q: &DeviceTensor, k: &DeviceTensor, v: &DeviceTensor) -> Result<Shape, AttnError> {
     let shape = check_device(q, k, v)?;
+    check_shape(shape)?;
+    Ok(shape)
+}
+
+/// What the kernels need of a shape, wherever its values are: a head dim they take, at most
+/// 65,535 sequences × heads (the grid's y dimension), and step 03's limits on the grid's x.
+pub fn check_shape(shape: Shape) -> Result<(), AttnError> {
     if !HEAD_DIMS.contains(&shape.head_dim) {
         return Err(AttnError::UnsupportedHeadDim {
             head_dim: shape.head_dim,
@@ -393,7 +422,8 @@ pub fn check(q: &DeviceTensor, k: &DeviceTensor, v: &DeviceTensor) -> Result<Sha
             ),
         });
     }
-    Ok(shape)
+    grid_blocks(shape, 64)?;
+    Ok(())
 }
 
 /// Causal attention with the Hopper kernel: the output and each row's log-sum-exp.
@@ -440,6 +470,86 @@ pub fn forward_with(
     if shape.is_empty() {
         return Ok(());
     }
+    let tensor = |x: &DeviceTensor| Strided {
+        ptr: x.data.device_ptr(gpu.stream()).0,
+        layout: Layout::heads(shape),
+    };
+    let (out, _out) = result.out.data.device_ptr_mut(gpu.stream());
+    let (lse, _lse) = result.lse.device_ptr_mut(gpu.stream());
+    let out = Strided {
+        ptr: out,
+        layout: Layout::heads(shape),
+    };
+    // SAFETY: check() proved q, k, v hold the shape's values in one dtype, contiguous; the
+    // output buffers were checked to match them; all are allocations of this stream's context
+    // (256-byte aligned, as every allocation), alive until the launch is queued
+    unsafe {
+        launch(
+            gpu,
+            config,
+            shape,
+            q.dtype,
+            [tensor(q), tensor(k), tensor(v)],
+            out,
+            lse,
+        )
+    }
+}
+
+/// [`forward_with`] reading q, k and v and writing the output where their layouts say (for
+/// example from the trainer's fused projection, into the rows its output projection reads),
+/// and each row's log-sum-exp to `lse`, `[batch · heads, tokens]` f32.
+///
+/// TMA reads q, k and v: their addresses and strides must be multiples of 16 bytes; the
+/// kernel writes the output in pairs of values: 4 bytes. Both are checked, with each layout's
+/// heads and token stride.
+///
+/// # Safety
+/// Each address must point into a live allocation on this GPU's context, in `dtype`, with
+/// [`Layout::span`] values for `shape` from it inside that allocation (`lse`: `batch · heads ·
+/// tokens` f32), alive until the stream has run the kernel; what the output and `lse` reach
+/// must not overlap each other or any input.
+pub unsafe fn forward_into(
+    gpu: &Gpu,
+    config: HopperConfig,
+    shape: Shape,
+    dtype: Dtype,
+    [q, k, v]: [Strided; 3],
+    out: Strided,
+    lse: u64,
+) -> Result<(), AttnError> {
+    check_hopper(gpu)?;
+    check_shape(shape)?;
+    for (x, name) in [(q, "q"), (k, "k"), (v, "v")] {
+        x.layout.check(shape, x.ptr, 16, name)?;
+    }
+    out.layout.check(shape, out.ptr, 4, "the output")?;
+    if !lse.is_multiple_of(4) {
+        return Err(AttnError::Unsupported {
+            what: format!("the log-sum-exp at {lse:#x}: f32 values need a 4-byte address"),
+        });
+    }
+    if shape.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: the caller's promise, and the layouts checked above
+    unsafe { launch(gpu, config, shape, dtype, [q, k, v], out, lse) }
+}
+
+/// The forward's launch, after its callers' checks (every layout fits the shape; the shape is
+/// not empty).
+///
+/// # Safety
+/// As [`forward_into`].
+unsafe fn launch(
+    gpu: &Gpu,
+    config: HopperConfig,
+    shape: Shape,
+    dtype: Dtype,
+    [q, k, v]: [Strided; 3],
+    out: Strided,
+    lse: u64,
+) -> Result<(), AttnError> {
     let d = shape.head_dim;
     let smem = config.smem_bytes(d);
     if !config.fits(d) {
@@ -451,23 +561,26 @@ pub fn forward_with(
             ),
         });
     }
-    let dtype = q.dtype;
+    let rank = TmaRank::of(&[q.layout, k.layout, v.layout], shape);
     let f = gpu.kernel(
-        format!("hopper forward {dtype:?} d{d} {}", config.name()),
+        format!("hopper forward {dtype:?} d{d} {} {rank:?}", config.name()),
         HOPPER_FORWARD,
         smem,
-        || compile(dtype, d, config, Descriptors::default()),
+        || compile(dtype, d, config, Descriptors::default(), rank),
     )?;
     if config.producer_warpgroup {
         check_register_pool(&f, config.warpgroups, config.threads(), HOPPER_FORWARD)?;
     }
     let block_m = config.block_m();
-    let maps = [
-        tensor_map(gpu, q, block_m)?,
-        tensor_map(gpu, k, BLOCK_N)?,
-        tensor_map(gpu, v, BLOCK_N)?,
-    ];
-    let config = LaunchConfig {
+    // SAFETY: the caller's promise
+    let maps = unsafe {
+        [
+            tensor_map(q, dtype, shape, block_m, rank)?,
+            tensor_map(k, dtype, shape, BLOCK_N, rank)?,
+            tensor_map(v, dtype, shape, BLOCK_N, rank)?,
+        ]
+    };
+    let launch_config = LaunchConfig {
         grid_dim: (
             shape.tokens.div_ceil(block_m) as u32,
             (shape.batch * shape.heads) as u32,
@@ -483,15 +596,16 @@ pub fn forward_with(
         .arg(&maps[0])
         .arg(&maps[1])
         .arg(&maps[2])
-        .arg(&mut result.out.data)
-        .arg(&mut result.lse)
+        .arg(&out.ptr)
+        .arg(&out.layout)
+        .arg(&lse)
         .arg(&tokens)
         .arg(&scale_log2);
-    // SAFETY: check() proved q, k, v hold the shape's values in one dtype and the maps read
-    // within them (rows past a head's end read as zeros); the output was checked to match and
-    // the kernel writes only rows below `tokens`; the grid is one block per block_m queries of
-    // each head, within the limits check() tested (grid_blocks through check_device)
-    unsafe { launch.launch(config) }.map_err(device_error("launching hopper_forward"))?;
+    // SAFETY: the maps read within q, k and v (rows past a head's end read as zeros); the
+    // kernel writes the output where its layout says and lse, for rows below `tokens` only,
+    // within what the caller vouched for; the grid is one block per block_m queries of each
+    // head, within the limits check_shape tested
+    unsafe { launch.launch(launch_config) }.map_err(device_error("launching hopper_forward"))?;
     Ok(())
 }
 

@@ -8,6 +8,7 @@
 
 pub mod backward;
 pub mod forward;
+pub mod layout;
 pub mod methods;
 pub mod probe;
 

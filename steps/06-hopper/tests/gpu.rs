@@ -8,6 +8,7 @@ use flash_core::{AttnError, Shape};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step03_cuda_forward::{Dtype, Gpu};
 use step06_hopper::forward::{self, HopperConfig};
+use step06_hopper::layout::TmaRank;
 use step06_hopper::methods::{hopper_forward, hopper_forward_dtype};
 
 /// The kernel's log-sum-exp is accumulated in f32 from the 16-bit inputs' exact products.
@@ -132,12 +133,19 @@ fn without_nvrtc_compiling_is_an_error_not_a_panic() {
     if step03_cuda_forward::kernel::nvrtc_present() {
         return;
     }
-    let e =
-        forward::compile(Dtype::Bf16, 64, HopperConfig::default(), Default::default()).unwrap_err();
+    let e = forward::compile(
+        Dtype::Bf16,
+        64,
+        HopperConfig::default(),
+        Default::default(),
+        TmaRank::Three,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("NVRTC"), "{e}");
     let e = step06_hopper::probe::compile().unwrap_err();
     assert!(e.to_string().contains("NVRTC"), "{e}");
     let config = step06_hopper::backward::BackwardConfigs::for_head_dim(64).dkdv;
-    let e = step06_hopper::backward::compile(Dtype::Bf16, 64, "hopper_dkdv", config).unwrap_err();
+    let e = step06_hopper::backward::compile(Dtype::Bf16, 64, "hopper_dkdv", config, TmaRank::Four)
+        .unwrap_err();
     assert!(e.to_string().contains("NVRTC"), "{e}");
 }

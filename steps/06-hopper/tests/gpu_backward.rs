@@ -2,17 +2,18 @@
 //! (each gradient's error at most twice that of the backward by hand in the same precision),
 //! in every block shape they can be compiled with; ignored where there is no GPU.
 
-use cudarc::driver::DevicePtrMut;
+use cudarc::driver::DevicePtr;
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::reference::error;
 use flash_core::{AttnError, Shape};
-use ndarray::Array4;
+use ndarray::{Array4, Axis};
 use step03_cuda_forward::host::round_array;
 use step03_cuda_forward::{DeviceTensor, Dtype, Gpu};
 use step04_backward::cuda::{DeviceGrads, backward_by_hand_low_precision};
 use step04_backward::reference::backward_f64;
-use step06_hopper::backward::{self, BackwardConfigs, GradLayout};
+use step06_hopper::backward::{self, BackwardConfigs, BackwardInputs};
 use step06_hopper::forward;
+use step06_hopper::layout::{Layout, Strided};
 use step06_hopper::methods::hopper_backward;
 
 /// One token, partial blocks of every size the kernels stream (32, 64, 128 rows), one block,
@@ -212,16 +213,92 @@ fn one_pass_backward_differs_run_to_run_only_in_dqs_rounding() {
     }
 }
 
-/// `backward_into` writes the gradients where a layout says: into one buffer with a row of
-/// q's, k's and v's heads per token (the trainer's fused projection), the same values as
-/// `backward_with`'s three tensors, bit for bit where the passes are deterministic.
+/// `[batch, heads, tokens, d]` tensors side by side as rows of heads, one row per token:
+/// `[batch, tokens, parts · heads, d]` (the trainer's fused projection for q, k and v; the
+/// rows its output projection reads for one part).
+fn rows_of(parts: &[&Array4<f32>]) -> Array4<f32> {
+    let views: Vec<_> = parts
+        .iter()
+        .map(|x| x.view().permuted_axes([0, 2, 1, 3]))
+        .collect();
+    ndarray::concatenate(Axis(2), &views).unwrap()
+}
+
+fn ptr(gpu: &Gpu, x: &DeviceTensor) -> u64 {
+    x.data.device_ptr(gpu.stream()).0
+}
+
+/// The trainer's path: q, k and v read from one buffer holding a row of their heads per token
+/// (the fused projection), the output written as rows of heads (what the output projection
+/// reads), dO read from such rows, and the gradients written into one fused buffer. The same
+/// bits as `forward_with` and `backward_with` on `[batch, heads, tokens, d]` tensors, where
+/// the passes are deterministic.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn backward_into_fused_rows_writes_the_same_gradients() {
+fn strided_inputs_and_outputs_give_the_same_bits() {
     let gpu = Gpu::shared().expect("a GPU");
     for d in [64, 128] {
         let shape = Shape::new(2, 3, 300, d);
-        let ([q, k, v, dout], fwd) = bf16_inputs(gpu, shape, 11);
+        let (b, h, t) = (shape.batch, shape.heads, shape.tokens);
+        let [q, k, v] = random_qkv(shape, 11);
+        let dout = random_normal(shape, 12);
+        let [tq, tk, tv, tdout] = [&q, &k, &v, &dout].map(|x| up(gpu, x, Dtype::Bf16));
+        let fwd = forward::forward(gpu, &tq, &tk, &tv).unwrap();
+        let fused = up(gpu, &rows_of(&[&q, &k, &v]), Dtype::Bf16);
+        let dout_rows = up(gpu, &rows_of(&[&dout]), Dtype::Bf16);
+        let zeros = |s: Shape| DeviceTensor {
+            data: gpu.stream().alloc_zeros::<u16>(s.len()).unwrap(),
+            shape: s,
+            dtype: Dtype::Bf16,
+        };
+        let out_rows = zeros(Shape::new(b, t, h, d));
+        let lse = gpu.stream().alloc_zeros::<f32>(b * h * t).unwrap();
+        let lse_ptr = lse.device_ptr(gpu.stream()).0;
+        let third = (h * d * 2) as u64; // bytes
+        let in_fused = |base: u64| {
+            [0, 1, 2].map(|i| Strided {
+                ptr: base + i * third,
+                layout: Layout::fused_rows(shape),
+            })
+        };
+        let [sq, sk, sv] = in_fused(ptr(gpu, &fused));
+        let out = Strided {
+            ptr: ptr(gpu, &out_rows),
+            layout: Layout::rows(shape),
+        };
+        assert_eq!(
+            Layout::fused_rows(shape).span(shape),
+            fused.data.len() - 2 * h * d
+        );
+        assert_eq!(Layout::rows(shape).span(shape), out_rows.data.len());
+        // SAFETY: each tensor's span ends within its buffer; the output and lse are apart
+        // from each other and from the inputs
+        unsafe {
+            forward::forward_into(
+                gpu,
+                forward::HopperConfig::for_shape(t, d),
+                shape,
+                Dtype::Bf16,
+                [sq, sk, sv],
+                out,
+                lse_ptr,
+            )
+            .unwrap();
+        }
+        let want_out = gpu.download(&fwd.out).unwrap();
+        let got_out = gpu.download(&out_rows).unwrap();
+        assert_eq!(
+            got_out,
+            want_out.view().permuted_axes([0, 2, 1, 3]),
+            "d{d}: output"
+        );
+        let want_lse = gpu.stream().clone_dtoh(&fwd.lse).unwrap();
+        assert_eq!(
+            gpu.stream().clone_dtoh(&lse).unwrap(),
+            want_lse,
+            "d{d}: lse"
+        );
+
         let mut all = vec![BackwardConfigs::for_head_dim(d)];
         all.extend(
             BackwardConfigs::candidates(d)
@@ -231,39 +308,36 @@ fn backward_into_fused_rows_writes_the_same_gradients() {
         for configs in all {
             let want = download(
                 gpu,
-                &backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout).unwrap(),
+                &backward::backward_with(gpu, configs, &tq, &tk, &tv, &fwd, &tdout).unwrap(),
             );
-            // [batch · tokens, 3 · heads · d] is a [batch, tokens, 3 · heads, d] tensor
-            let (b, h, t) = (shape.batch, shape.heads, shape.tokens);
-            let rows = Shape::new(b, t, 3 * h, d);
-            let mut fused = DeviceTensor {
-                data: gpu.stream().alloc_zeros::<u16>(rows.len()).unwrap(),
-                shape: rows,
-                dtype: Dtype::Bf16,
+            let grads = zeros(fused.shape);
+            let [gq, gk, gv] = in_fused(ptr(gpu, &grads));
+            let inputs = BackwardInputs {
+                q: sq,
+                k: sk,
+                v: sv,
+                out,
+                dout: Strided {
+                    ptr: ptr(gpu, &dout_rows),
+                    layout: Layout::rows(shape),
+                },
+                lse: lse_ptr,
             };
-            let layout = GradLayout::fused_rows(shape);
-            assert_eq!(layout.span(shape), rows.len() - 2 * h * d);
-            {
-                let (base, _guard) = fused.data.device_ptr_mut(gpu.stream());
-                let third = (h * d * 2) as u64; // bytes
-                // SAFETY: each third's span ends within the buffer, and the thirds' values are
-                // apart (the layout's heads of one token sit side by side)
-                unsafe {
-                    backward::backward_into(
-                        gpu,
-                        configs,
-                        &q,
-                        &k,
-                        &v,
-                        &fwd,
-                        &dout,
-                        [base, base + third, base + 2 * third],
-                        layout,
-                    )
-                    .unwrap();
-                }
+            // SAFETY: as above; the gradients' thirds are apart (a token's heads of q, k and
+            // v sit side by side) and apart from every input
+            unsafe {
+                backward::backward_into(
+                    gpu,
+                    configs,
+                    shape,
+                    Dtype::Bf16,
+                    inputs,
+                    [gq.ptr, gk.ptr, gv.ptr],
+                    Layout::fused_rows(shape),
+                )
+                .unwrap();
             }
-            let got = gpu.download(&fused).unwrap();
+            let got = gpu.download(&grads).unwrap();
             // dq may differ in its last bits where the pass adds it with atomics
             let tolerance = if configs.dkdv.dq_atomic {
                 1.0 / 64.0
@@ -287,27 +361,57 @@ fn backward_into_fused_rows_writes_the_same_gradients() {
     }
 }
 
-/// A layout that does not fit the shape is refused before anything is launched.
+/// A layout that does not fit the shape, or an address TMA cannot read from, is refused
+/// before anything is launched.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn backward_into_refuses_a_layout_of_another_shape() {
+fn strided_entry_points_refuse_what_the_kernels_cannot_take() {
     let gpu = Gpu::shared().expect("a GPU");
-    let ([q, k, v, dout], fwd) = bf16_inputs(gpu, Shape::new(1, 2, 64, 64), 1);
-    let layout = GradLayout::heads(Shape::new(1, 3, 64, 64));
-    // SAFETY: refused before any launch, so the addresses are never written
-    let e = unsafe {
-        backward::backward_into(
+    let shape = Shape::new(1, 2, 64, 64);
+    let ([q, k, v, dout], fwd) = bf16_inputs(gpu, shape, 1);
+    let at = |x: &DeviceTensor, layout| Strided {
+        ptr: ptr(gpu, x),
+        layout,
+    };
+    let heads = Layout::heads(shape);
+    let inputs = BackwardInputs {
+        q: at(&q, heads),
+        k: at(&k, heads),
+        v: at(&v, heads),
+        out: at(&fwd.out, heads),
+        dout: at(&dout, heads),
+        lse: fwd.lse.device_ptr(gpu.stream()).0,
+    };
+    let configs = BackwardConfigs::for_head_dim(64);
+    // SAFETY: each call is refused before any launch, so nothing is read or written
+    unsafe {
+        let wrong_heads = Layout::heads(Shape::new(1, 3, 64, 64));
+        let e = backward::backward_into(
             gpu,
-            BackwardConfigs::for_head_dim(64),
-            &q,
-            &k,
-            &v,
-            &fwd,
-            &dout,
-            [0, 0, 0],
-            layout,
+            configs,
+            shape,
+            Dtype::Bf16,
+            inputs,
+            [0; 3],
+            wrong_heads,
         )
+        .unwrap_err();
+        assert!(e.to_string().contains("3 heads"), "{e}");
+        let mut off = inputs;
+        off.k.ptr += 2;
+        let e = backward::backward_into(gpu, configs, shape, Dtype::Bf16, off, [0; 3], heads)
+            .unwrap_err();
+        assert!(e.to_string().contains("multiples of 16"), "{e}");
+        let e = forward::forward_into(
+            gpu,
+            forward::HopperConfig::for_shape(64, 64),
+            shape,
+            Dtype::Bf16,
+            [off.q, off.k, off.v],
+            off.out,
+            off.lse,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("k at"), "{e}");
     }
-    .unwrap_err();
-    assert!(e.to_string().contains("3 heads"), "{e}");
 }

@@ -52,7 +52,20 @@ use crate::train::{Hardware, Learner, PhaseRecord, Settings, StepRecord, Trainer
 use gemm::{Blas, Out, plain, transposed};
 use kernels::{Kernels, NORM_BLOCKS};
 use layout::Layout;
-use step06_hopper::forward::HopperConfig; // [step 06]
+// [step 06]
+use step06_hopper::forward::HopperConfig;
+use step06_hopper::layout::{Layout as HeadLayout, Strided};
+
+/// q, k and v where the fused projection `[B · T, 3C]` at `ptr` holds them: each third's
+/// first column, a row of heads per token.
+fn fused_thirds(ptr: u64, shape: Shape) -> [Strided; 3] {
+    let third = (shape.heads * shape.head_dim * 2) as u64; // bytes
+    [0, 1, 2].map(|i| Strided {
+        ptr: ptr + i * third,
+        layout: HeadLayout::fused_rows(shape),
+    })
+}
+// [/step 06]
 
 /// Which attention the model runs on the GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,12 +107,6 @@ fn attention_forward(
 ) -> Result<(), AttnError> {
     match (kind, att.as_mut()) {
         (AttentionKind::Flash, Some(result)) => gpu.forward_into(q, k, v, result),
-        // [step 06]
-        (AttentionKind::Hopper, Some(result)) => {
-            let config = HopperConfig::for_shape(q.shape.tokens, q.shape.head_dim);
-            step06_hopper::forward::forward_with(gpu, config, q, k, v, result)
-        }
-        // [/step 06]
         _ => {
             *att = Some(match kind {
                 AttentionKind::Flash => gpu.forward(q, k, v)?,
@@ -175,12 +182,8 @@ struct LayerActs {
     ln1: Buf<u16>,
     ln1_mean: Buf<f32>,
     ln1_rstd: Buf<f32>,
-    /// `[B, H, T, D]` bf16 each, as the attention kernels take them.
-    q: DeviceTensor,
-    k: DeviceTensor,
-    v: DeviceTensor,
-    /// The attention's output and log-sum-exp: with q, k and v, all its backward needs.
-    att: Option<DeviceAttention>,
+    /// What the attention reads and keeps for its backward.
+    attn: AttentionActs,
     /// `[rows, C]` bf16: the attention's output back in rows, the projection's input.
     att_rows: Buf<u16>,
     /// `[rows, C]` f32: `x + attention`, the MLP half's input.
@@ -191,6 +194,29 @@ struct LayerActs {
     /// `[rows, 4C]` bf16: the MLP's first product (its bias not added). GELU's output is not
     /// kept: the backward computes it again from this (see [`Scratch::gelu`]).
     fc: Buf<u16>,
+}
+
+/// What a layer's attention reads and keeps for its backward.
+// one a layer: the variants' difference in size (a few hundred bytes) does not matter
+#[allow(clippy::large_enum_variant)]
+enum AttentionActs {
+    /// q, k and v, `[B, H, T, D]` bf16 each as the attention kernels take them, moved there
+    /// from the fused projection's output; the attention's output and log-sum-exp (flash), or
+    /// its output and probabilities (by hand, allocated by its forward). With q, k and v, all
+    /// the backward needs.
+    Heads {
+        q: DeviceTensor,
+        k: DeviceTensor,
+        v: DeviceTensor,
+        att: Option<DeviceAttention>,
+    },
+    // [step 06]
+    /// The fused projection's output itself, `[rows, 3C]` bf16 with its bias, and each row's
+    /// log-sum-exp, `[B, H, T]` f32: step 06's kernels read q, k and v where the projection
+    /// wrote them and write the output straight into the rows the output projection reads
+    /// (`att_rows`), so nothing is moved.
+    Fused { qkv: Buf<u16>, lse: Buf<f32> },
+    // [/step 06]
 }
 
 /// Buffers used within a step and reused by every layer.
@@ -553,21 +579,25 @@ impl GpuTrainer {
                 ln1: b16(rows * c, "first LayerNorm")?,
                 ln1_mean: f(rows, "first LayerNorm's means")?,
                 ln1_rstd: f(rows, "first LayerNorm's 1/σ")?,
-                q: tensor(gpu, shape, &what("q"))?,
-                k: tensor(gpu, shape, &what("k"))?,
-                v: tensor(gpu, shape, &what("v"))?,
-                att: match attention {
-                    AttentionKind::Flash => Some(
-                        gpu.alloc_output(shape, Dtype::Bf16)
-                            .map_err(TrainError::Device)?,
-                    ),
-                    AttentionKind::ByHand => None,
+                attn: match attention {
                     // [step 06]
-                    AttentionKind::Hopper => Some(
-                        gpu.alloc_output(shape, Dtype::Bf16)
-                            .map_err(TrainError::Device)?,
-                    ),
+                    AttentionKind::Hopper => AttentionActs::Fused {
+                        qkv: b16(rows * 3 * c, "q, k and v")?,
+                        lse: f(rows * h, "attention log-sum-exps")?,
+                    },
                     // [/step 06]
+                    _ => AttentionActs::Heads {
+                        q: tensor(gpu, shape, &what("q"))?,
+                        k: tensor(gpu, shape, &what("k"))?,
+                        v: tensor(gpu, shape, &what("v"))?,
+                        att: match attention {
+                            AttentionKind::Flash => Some(
+                                gpu.alloc_output(shape, Dtype::Bf16)
+                                    .map_err(TrainError::Device)?,
+                            ),
+                            _ => None,
+                        },
+                    },
                 },
                 att_rows: b16(rows * c, "attention output")?,
                 x_mid: f(rows * c, "residual stream between its halves")?,
@@ -753,6 +783,7 @@ impl GpuTrainer {
         let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
         let (rows, d, vocab) = (b * t, c / h, config.vocab);
         let heads = (b, h, t, d);
+        let shape = Shape::new(b, h, t, d); // [step 06]
         let w32 = |off: usize| params.ptr + 4 * off as u64;
         let w16 = |off: usize| params16.ptr + 2 * off as u64;
         let stream = gpu.stream();
@@ -796,30 +827,66 @@ impl GpuTrainer {
                     c,
                 )?;
                 prof.mark(gpu, "layernorm")?;
-                blas.matmul(
-                    rows,
-                    3 * c,
-                    c,
-                    plain(la.ln1.ptr),
-                    plain(w16(w.attn_w)),
-                    s.qkv.ptr,
-                    Out::Bf16,
-                    0.0,
-                )?;
-                prof.mark(gpu, "matmul: qkv")?;
-                // q, k, v: the fused projection's three column blocks, each with its bias
-                let qkv = (
-                    dptr(&la.q.data, stream),
-                    dptr(&la.k.data, stream),
-                    dptr(&la.v.data, stream),
-                );
-                k.qkv_to_heads(s.qkv.ptr, w32(w.attn_b), qkv, heads)?;
-                prof.mark(gpu, "qkv to heads")?;
-                attention_forward(gpu, *attention, &la.q, &la.k, &la.v, &mut la.att)?;
-                prof.mark(gpu, "attention")?;
-                let out = &la.att.as_ref().expect("the forward wrote it").out;
-                k.heads_rows(dptr(&out.data, stream), la.att_rows.ptr, true, heads)?;
-                prof.mark(gpu, "heads to rows")?;
+                match &mut la.attn {
+                    AttentionActs::Heads { q, k: key, v, att } => {
+                        blas.matmul(
+                            rows,
+                            3 * c,
+                            c,
+                            plain(la.ln1.ptr),
+                            plain(w16(w.attn_w)),
+                            s.qkv.ptr,
+                            Out::Bf16,
+                            0.0,
+                        )?;
+                        prof.mark(gpu, "matmul: qkv")?;
+                        // q, k, v: the fused projection's three column blocks, each with its
+                        // bias
+                        let qkv = (
+                            dptr(&q.data, stream),
+                            dptr(&key.data, stream),
+                            dptr(&v.data, stream),
+                        );
+                        k.qkv_to_heads(s.qkv.ptr, w32(w.attn_b), qkv, heads)?;
+                        prof.mark(gpu, "qkv to heads")?;
+                        attention_forward(gpu, *attention, q, key, v, att)?;
+                        prof.mark(gpu, "attention")?;
+                        let out = &att.as_ref().expect("the forward wrote it").out;
+                        k.heads_rows(dptr(&out.data, stream), la.att_rows.ptr, true, heads)?;
+                        prof.mark(gpu, "heads to rows")?;
+                    }
+                    // [step 06]
+                    AttentionActs::Fused { qkv, lse } => {
+                        // the bias added as cuBLASLt writes the product
+                        blas.matmul_bias(
+                            rows,
+                            3 * c,
+                            c,
+                            plain(la.ln1.ptr),
+                            plain(w16(w.attn_w)),
+                            w16(w.attn_b),
+                            qkv.ptr,
+                        )?;
+                        prof.mark(gpu, "matmul: qkv")?;
+                        let config = HopperConfig::for_shape(t, d);
+                        // (inside this unsafe block) qkv holds rows · 3C bf16 values, each
+                        // third's span (Layout::span) ends inside it; att_rows holds rows · C,
+                        // lse rows · H f32, apart from qkv and each other
+                        step06_hopper::forward::forward_into(
+                            gpu,
+                            config,
+                            shape,
+                            Dtype::Bf16,
+                            fused_thirds(qkv.ptr, shape),
+                            Strided {
+                                ptr: la.att_rows.ptr,
+                                layout: HeadLayout::rows(shape),
+                            },
+                            lse.ptr,
+                        )?;
+                        prof.mark(gpu, "attention")?;
+                    } // [/step 06]
+                }
                 blas.matmul(
                     rows,
                     c,
@@ -934,6 +1001,7 @@ impl GpuTrainer {
         let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
         let (rows, d, vocab) = (b * t, c / h, config.vocab);
         let heads = (b, h, t, d);
+        let shape = Shape::new(b, h, t, d); // [step 06]
         let w32 = |off: usize| params.ptr + 4 * off as u64;
         let w16 = |off: usize| params16.ptr + 2 * off as u64;
         let g32 = |off: usize| grads.ptr + 4 * off as u64;
@@ -1080,44 +1148,61 @@ impl GpuTrainer {
                     0.0,
                 )?;
                 prof.mark(gpu, "backward: matmul attention projection")?;
-                k.heads_rows(s.datt_rows.ptr, dptr(&s.dout.data, stream), false, heads)?;
-                prof.mark(gpu, "backward: rows to heads")?;
-                let fwd = la.att.as_ref().expect("the forward ran");
-                // [step 06]
-                if *attention == AttentionKind::Hopper {
-                    // step 06's kernels write dq, dk and dv straight into the fused
-                    // projection's gradient, one row of heads per token: nothing to move,
-                    // only the bias's column sums to take
-                    let third = (c * 2) as u64; // bytes
-                    let out = [s.dqkv.ptr, s.dqkv.ptr + third, s.dqkv.ptr + 2 * third];
-                    let shape = la.q.shape;
-                    let configs = step06_hopper::backward::BackwardConfigs::for_head_dim(d);
-                    let layout = step06_hopper::backward::GradLayout::fused_rows(shape);
-                    // (inside this unsafe block) dqkv holds rows · 3C bf16 values, [B·T, 3C],
-                    // and each third's span (GradLayout::span) ends inside it; the thirds'
-                    // columns are apart and no input lives in dqkv
-                    step06_hopper::backward::backward_into(
-                        gpu, configs, &la.q, &la.k, &la.v, fwd, &s.dout, out, layout,
-                    )?;
-                    prof.mark(gpu, "backward: attention")?;
-                    k.column_sums(s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), rows, 3 * c)?;
-                    prof.mark(gpu, "backward: qkv bias")?;
-                } else {
-                    // [/step 06]
-                    let g = attention_backward(gpu, *attention, &la.q, &la.k, &la.v, fwd, &s.dout)?;
-                    prof.mark(gpu, "backward: attention")?;
-                    let dqkv = (
-                        dptr(&g.dq.data, stream),
-                        dptr(&g.dk.data, stream),
-                        dptr(&g.dv.data, stream),
-                    );
-                    k.heads_to_qkv(dqkv, s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), heads)?;
-                    // freed in stream order, after the kernel above has read them
-                    drop(g);
-                    prof.mark(gpu, "backward: heads to qkv")?;
+                match &la.attn {
+                    AttentionActs::Heads { q, k: key, v, att } => {
+                        k.heads_rows(s.datt_rows.ptr, dptr(&s.dout.data, stream), false, heads)?;
+                        prof.mark(gpu, "backward: rows to heads")?;
+                        let fwd = att.as_ref().expect("the forward ran");
+                        let g = attention_backward(gpu, *attention, q, key, v, fwd, &s.dout)?;
+                        prof.mark(gpu, "backward: attention")?;
+                        let dqkv = (
+                            dptr(&g.dq.data, stream),
+                            dptr(&g.dk.data, stream),
+                            dptr(&g.dv.data, stream),
+                        );
+                        k.heads_to_qkv(dqkv, s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), heads)?;
+                        // freed in stream order, after the kernel above has read them
+                        drop(g);
+                        prof.mark(gpu, "backward: heads to qkv")?;
+                    }
                     // [step 06]
+                    AttentionActs::Fused { qkv, lse } => {
+                        // step 06's kernels read q, k, v where the forward's product wrote
+                        // them, the output and its gradient in rows, and write dq, dk and dv
+                        // straight into the fused projection's gradient: nothing to move,
+                        // only the bias's column sums to take
+                        let [q, key, v] = fused_thirds(qkv.ptr, shape);
+                        let in_rows = |ptr| Strided {
+                            ptr,
+                            layout: HeadLayout::rows(shape),
+                        };
+                        let inputs = step06_hopper::backward::BackwardInputs {
+                            q,
+                            k: key,
+                            v,
+                            out: in_rows(la.att_rows.ptr),
+                            dout: in_rows(s.datt_rows.ptr),
+                            lse: lse.ptr,
+                        };
+                        let configs = step06_hopper::backward::BackwardConfigs::for_head_dim(d);
+                        let grads = fused_thirds(s.dqkv.ptr, shape).map(|g| g.ptr);
+                        // (inside this unsafe block) dqkv holds rows · 3C bf16 values, apart
+                        // from every input, and each third's span ends inside it; the
+                        // thirds' columns are apart
+                        step06_hopper::backward::backward_into(
+                            gpu,
+                            configs,
+                            shape,
+                            Dtype::Bf16,
+                            inputs,
+                            grads,
+                            HeadLayout::fused_rows(shape),
+                        )?;
+                        prof.mark(gpu, "backward: attention")?;
+                        k.column_sums(s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), rows, 3 * c)?;
+                        prof.mark(gpu, "backward: qkv bias")?;
+                    } // [/step 06]
                 }
-                // [/step 06]
                 blas.matmul(
                     c,
                     3 * c,

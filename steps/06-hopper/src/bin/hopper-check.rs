@@ -21,6 +21,7 @@ use step03_cuda_forward::{Dtype, Gpu};
 use step04_backward::cuda as step04;
 use step06_hopper::backward::{self, BackwardConfigs};
 use step06_hopper::forward::{self, HopperConfig};
+use step06_hopper::layout::TmaRank;
 
 /// Checks every Hopper block shape against the f64 reference beside steps 03 and 04, then times
 /// them at 4 × 12 heads in bf16, after a dense cuBLAS product. Without a GPU it compiles the
@@ -68,7 +69,7 @@ fn run(args: Args) -> Result<bool, AttnError> {
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for &d in &head_dims {
             for config in HopperConfig::candidates(d) {
-                let ptx = forward::compile(dtype, d, config, Default::default())?;
+                let ptx = forward::compile(dtype, d, config, Default::default(), TmaRank::Three)?;
                 println!(
                     "hopper_forward {} d{d} {} compiles for sm_90a",
                     dtype.name(),

@@ -12,6 +12,7 @@ use step03_cuda_forward::Dtype;
 use step03_cuda_forward::ptxas::{self, Variant};
 use step06_hopper::backward::{self, BackwardConfigs};
 use step06_hopper::forward::{self, HopperConfig};
+use step06_hopper::layout::TmaRank;
 use step06_hopper::probe;
 
 /// Compiles the forward kernel in every block shape and head dim (bf16 and f16) and the `wgmma` probe with
@@ -36,17 +37,46 @@ fn main() -> ExitCode {
         let mut kernels = vec![Variant::used("wgmma_probe".to_string(), probe::compile())];
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for d in forward::HEAD_DIMS {
+                // every candidate with the maps of [batch, heads, tokens, head_dim] tensors, and
+                // the defaults with the maps of any strides (the trainer's)
+                let picked = [
+                    HopperConfig::for_shape(1, d),
+                    HopperConfig::for_shape(1 << 14, d),
+                ];
                 for c in HopperConfig::candidates(d) {
-                    kernels.push(Variant::used(
-                        format!("hopper_forward_{}_d{d}_{}", dtype.name(), c.name()),
-                        forward::compile(dtype, d, c, Default::default()),
-                    ));
+                    let mut ranks = vec![TmaRank::Three];
+                    if picked.contains(&c) {
+                        ranks.push(TmaRank::Four);
+                    }
+                    for rank in ranks {
+                        kernels.push(Variant::used(
+                            format!(
+                                "hopper_forward_{}_d{d}_{}_rank{}",
+                                dtype.name(),
+                                c.name(),
+                                rank.rank()
+                            ),
+                            forward::compile(dtype, d, c, Default::default(), rank),
+                        ));
+                    }
                 }
+                let defaults = BackwardConfigs::for_head_dim(d);
                 for (entry, c) in BackwardConfigs::shapes(d) {
-                    kernels.push(Variant::used(
-                        format!("{entry}_{}_d{d}_{}", dtype.name(), c.name()),
-                        backward::compile(dtype, d, entry, c),
-                    ));
+                    let mut ranks = vec![TmaRank::Three];
+                    if c == defaults.dkdv || c == defaults.dq {
+                        ranks.push(TmaRank::Four);
+                    }
+                    for rank in ranks {
+                        kernels.push(Variant::used(
+                            format!(
+                                "{entry}_{}_d{d}_{}_rank{}",
+                                dtype.name(),
+                                c.name(),
+                                rank.rank()
+                            ),
+                            backward::compile(dtype, d, entry, c, rank),
+                        ));
+                    }
                 }
             }
         }
