@@ -828,33 +828,6 @@ impl GpuTrainer {
                 )?;
                 prof.mark(gpu, "layernorm")?;
                 match &mut la.attn {
-                    AttentionActs::Heads { q, k: key, v, att } => {
-                        blas.matmul(
-                            rows,
-                            3 * c,
-                            c,
-                            plain(la.ln1.ptr),
-                            plain(w16(w.attn_w)),
-                            s.qkv.ptr,
-                            Out::Bf16,
-                            0.0,
-                        )?;
-                        prof.mark(gpu, "matmul: qkv")?;
-                        // q, k, v: the fused projection's three column blocks, each with its
-                        // bias
-                        let qkv = (
-                            dptr(&q.data, stream),
-                            dptr(&key.data, stream),
-                            dptr(&v.data, stream),
-                        );
-                        k.qkv_to_heads(s.qkv.ptr, w32(w.attn_b), qkv, heads)?;
-                        prof.mark(gpu, "qkv to heads")?;
-                        attention_forward(gpu, *attention, q, key, v, att)?;
-                        prof.mark(gpu, "attention")?;
-                        let out = &att.as_ref().expect("the forward wrote it").out;
-                        k.heads_rows(dptr(&out.data, stream), la.att_rows.ptr, true, heads)?;
-                        prof.mark(gpu, "heads to rows")?;
-                    }
                     // [step 06]
                     AttentionActs::Fused { qkv, lse } => {
                         // the bias added as cuBLASLt writes the product
@@ -885,7 +858,35 @@ impl GpuTrainer {
                             lse.ptr,
                         )?;
                         prof.mark(gpu, "attention")?;
-                    } // [/step 06]
+                    }
+                    // [/step 06]
+                    AttentionActs::Heads { q, k: key, v, att } => {
+                        blas.matmul(
+                            rows,
+                            3 * c,
+                            c,
+                            plain(la.ln1.ptr),
+                            plain(w16(w.attn_w)),
+                            s.qkv.ptr,
+                            Out::Bf16,
+                            0.0,
+                        )?;
+                        prof.mark(gpu, "matmul: qkv")?;
+                        // q, k, v: the fused projection's three column blocks, each with its
+                        // bias
+                        let qkv = (
+                            dptr(&q.data, stream),
+                            dptr(&key.data, stream),
+                            dptr(&v.data, stream),
+                        );
+                        k.qkv_to_heads(s.qkv.ptr, w32(w.attn_b), qkv, heads)?;
+                        prof.mark(gpu, "qkv to heads")?;
+                        attention_forward(gpu, *attention, q, key, v, att)?;
+                        prof.mark(gpu, "attention")?;
+                        let out = &att.as_ref().expect("the forward wrote it").out;
+                        k.heads_rows(dptr(&out.data, stream), la.att_rows.ptr, true, heads)?;
+                        prof.mark(gpu, "heads to rows")?;
+                    }
                 }
                 blas.matmul(
                     rows,
@@ -1149,22 +1150,6 @@ impl GpuTrainer {
                 )?;
                 prof.mark(gpu, "backward: matmul attention projection")?;
                 match &la.attn {
-                    AttentionActs::Heads { q, k: key, v, att } => {
-                        k.heads_rows(s.datt_rows.ptr, dptr(&s.dout.data, stream), false, heads)?;
-                        prof.mark(gpu, "backward: rows to heads")?;
-                        let fwd = att.as_ref().expect("the forward ran");
-                        let g = attention_backward(gpu, *attention, q, key, v, fwd, &s.dout)?;
-                        prof.mark(gpu, "backward: attention")?;
-                        let dqkv = (
-                            dptr(&g.dq.data, stream),
-                            dptr(&g.dk.data, stream),
-                            dptr(&g.dv.data, stream),
-                        );
-                        k.heads_to_qkv(dqkv, s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), heads)?;
-                        // freed in stream order, after the kernel above has read them
-                        drop(g);
-                        prof.mark(gpu, "backward: heads to qkv")?;
-                    }
                     // [step 06]
                     AttentionActs::Fused { qkv, lse } => {
                         // step 06's kernels read q, k, v where the forward's product wrote
@@ -1201,7 +1186,24 @@ impl GpuTrainer {
                         prof.mark(gpu, "backward: attention")?;
                         k.column_sums(s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), rows, 3 * c)?;
                         prof.mark(gpu, "backward: qkv bias")?;
-                    } // [/step 06]
+                    }
+                    // [/step 06]
+                    AttentionActs::Heads { q, k: key, v, att } => {
+                        k.heads_rows(s.datt_rows.ptr, dptr(&s.dout.data, stream), false, heads)?;
+                        prof.mark(gpu, "backward: rows to heads")?;
+                        let fwd = att.as_ref().expect("the forward ran");
+                        let g = attention_backward(gpu, *attention, q, key, v, fwd, &s.dout)?;
+                        prof.mark(gpu, "backward: attention")?;
+                        let dqkv = (
+                            dptr(&g.dq.data, stream),
+                            dptr(&g.dk.data, stream),
+                            dptr(&g.dv.data, stream),
+                        );
+                        k.heads_to_qkv(dqkv, s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), heads)?;
+                        // freed in stream order, after the kernel above has read them
+                        drop(g);
+                        prof.mark(gpu, "backward: heads to qkv")?;
+                    }
                 }
                 blas.matmul(
                     c,
