@@ -586,7 +586,7 @@ impl GpuTrainer {
                         lse: f(rows * h, "attention log-sum-exps")?,
                     },
                     // [/step 06]
-                    _ => AttentionActs::Heads {
+                    AttentionKind::Flash | AttentionKind::ByHand => AttentionActs::Heads {
                         q: tensor(gpu, shape, &what("q"))?,
                         k: tensor(gpu, shape, &what("k"))?,
                         v: tensor(gpu, shape, &what("v"))?,
