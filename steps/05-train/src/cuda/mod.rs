@@ -111,7 +111,11 @@ fn attention_forward(
             *att = Some(match kind {
                 AttentionKind::Flash => gpu.forward(q, k, v)?,
                 AttentionKind::ByHand => gpu.by_hand(q, k, v)?,
-                AttentionKind::Hopper => step06_hopper::forward::forward(gpu, q, k, v)?, // [step 06]
+                // [step 06]
+                // step 06's layers keep the fused projection (AttentionActs::Fused): its
+                // kernels read q, k and v there, and no layer of that kind comes here
+                AttentionKind::Hopper => unreachable!("hopper layers read the fused projection"),
+                // [/step 06]
             });
             Ok(())
         }
@@ -132,7 +136,7 @@ fn attention_backward(
     match kind {
         AttentionKind::Flash => step04_backward::cuda::backward(gpu, q, k, v, fwd, dout),
         AttentionKind::ByHand => step04_backward::cuda_by_hand::backward(gpu, q, k, v, fwd, dout),
-        AttentionKind::Hopper => step06_hopper::backward::backward(gpu, q, k, v, fwd, dout), // [step 06]
+        AttentionKind::Hopper => unreachable!("hopper layers read the fused projection"), // [step 06]
     }
 }
 // ANCHOR_END: attention_calls
