@@ -398,14 +398,7 @@ pub unsafe fn backward_into(
     for (ptr, name) in grads.iter().zip(["dq", "dk", "dv"]) {
         layout.check(shape, *ptr, 4, name)?;
     }
-    if !i.lse.is_multiple_of(4) {
-        return Err(AttnError::Unsupported {
-            what: format!(
-                "the log-sum-exp at {:#x}: f32 values need a 4-byte address",
-                i.lse
-            ),
-        });
-    }
+    forward::check_lse(i.lse)?;
     if shape.is_empty() {
         return Ok(());
     }

@@ -524,16 +524,22 @@ pub unsafe fn forward_into(
         x.layout.check(shape, x.ptr, 16, name)?;
     }
     out.layout.check(shape, out.ptr, 4, "the output")?;
-    if !lse.is_multiple_of(4) {
-        return Err(AttnError::Unsupported {
-            what: format!("the log-sum-exp at {lse:#x}: f32 values need a 4-byte address"),
-        });
-    }
+    check_lse(lse)?;
     if shape.is_empty() {
         return Ok(());
     }
     // SAFETY: the caller's promise, and the layouts checked above
     unsafe { launch(gpu, config, shape, dtype, [q, k, v], out, lse) }
+}
+
+/// That the log-sum-exps' address can hold f32 values.
+pub(crate) fn check_lse(lse: u64) -> Result<(), AttnError> {
+    if !lse.is_multiple_of(4) {
+        return Err(AttnError::Unsupported {
+            what: format!("the log-sum-exp at {lse:#x}: f32 values need a 4-byte address"),
+        });
+    }
+    Ok(())
 }
 
 /// The forward's launch, after its callers' checks (every layout fits the shape; the shape is
