@@ -137,15 +137,12 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
             }
             let started = Instant::now();
             let measured = with_progress(estimate, || {
-                let measured = measure_cpu(m, shape, args);
                 // [step 03]
-                let measured = if cuda {
-                    measure_gpu(m, shape, args)
-                } else {
-                    measured
-                };
+                if cuda {
+                    return measure_gpu(m, shape, args);
+                }
                 // [/step 03]
-                measured
+                measure_cpu(m, shape, args)
             });
             let (ms, peak_bytes, error) = match measured {
                 Ok(Measured { ms, peak_bytes }) => {
