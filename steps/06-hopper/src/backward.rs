@@ -303,7 +303,7 @@ fn check_inputs(
 ) -> Result<Shape, AttnError> {
     check_hopper(gpu)?;
     let shape = check_backward_device(q, k, v, fwd, dout)?;
-    forward::check(q, k, v)?;
+    forward::check_shape(shape)?;
     Ok(shape)
 }
 

@@ -39,16 +39,19 @@ fn main() -> ExitCode {
             for d in forward::HEAD_DIMS {
                 // every candidate with the maps of [batch, heads, tokens, head_dim] tensors, and
                 // the defaults with the maps of any strides (the trainer's)
+                let ranks = |default: bool| {
+                    if default {
+                        &[TmaRank::Three, TmaRank::Four][..]
+                    } else {
+                        &[TmaRank::Three][..]
+                    }
+                };
                 let picked = [
                     HopperConfig::for_shape(1, d),
                     HopperConfig::for_shape(1 << 14, d),
                 ];
                 for c in HopperConfig::candidates(d) {
-                    let mut ranks = vec![TmaRank::Three];
-                    if picked.contains(&c) {
-                        ranks.push(TmaRank::Four);
-                    }
-                    for rank in ranks {
+                    for &rank in ranks(picked.contains(&c)) {
                         kernels.push(Variant::used(
                             format!(
                                 "hopper_forward_{}_d{d}_{}_rank{}",
@@ -62,11 +65,7 @@ fn main() -> ExitCode {
                 }
                 let defaults = BackwardConfigs::for_head_dim(d);
                 for (entry, c) in BackwardConfigs::shapes(d) {
-                    let mut ranks = vec![TmaRank::Three];
-                    if c == defaults.dkdv || c == defaults.dq {
-                        ranks.push(TmaRank::Four);
-                    }
-                    for rank in ranks {
+                    for &rank in ranks(c == defaults.dkdv || c == defaults.dq) {
                         kernels.push(Variant::used(
                             format!(
                                 "{entry}_{}_d{d}_{}_rank{}",
