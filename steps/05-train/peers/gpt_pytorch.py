@@ -25,6 +25,12 @@ What is the same as `cargo run --release -p step05-train -- train` (steps/05-tra
 What differs by device: on CUDA the forward runs under bf16 autocast (the weights, gradients
 and AdamW stay f32) and AdamW is fused; on the CPU everything is f32, as ours.
 
+--precision picks how the CUDA run rounds: autocast (the default: PyTorch's bf16 autocast, as
+people train), ours (bf16 where our GPU trainer rounds to bf16 and nowhere else: autocast rounds
+every product's result to bf16, ours keeps in f32 the products that add into the residual
+stream, the logits, and the input gradients that reach a LayerNorm, and every weight's
+gradient; see OursProduct), or f32 (no bf16 at all, TF32 off: the exact run both approximate).
+
 --attention picks the attention: sdpa (scaled_dot_product_attention as PyTorch chooses),
 flash / cudnn / efficient / math (that backend forced with torch.nn.attention.sdpa_kernel),
 by-hand (softmax(q.k^T/sqrt(d), causal mask) . v, the whole table). --compile compiles the model
@@ -82,6 +88,13 @@ STEP_MIX = 0xD1342543DE82EF95
 TOKEN_MAGIC = b"GPTBYTES"
 LAYERNORM_EPS = 1e-5
 ATTENTIONS = ("sdpa", "flash", "cudnn", "efficient", "math", "by-hand")
+# --precision: in words, and as the run's record names it (RunRecord::precision)
+PRECISIONS = {
+    "autocast": "bf16 autocast",
+    "ours": "bf16 where our trainer rounds",
+    "f32": "f32",
+}
+PRECISION_NAMES = {"autocast": "bf16-mixed", "ours": "bf16-as-ours", "f32": "f32"}
 # our trainer's defaults (steps/05-train/src/main.rs), so a run without flags is the same run
 DEFAULTS = dict(
     layers=4, d_model=128, heads=4, context=128, batch=16, steps=1000, lr=3e-3,
@@ -290,6 +303,39 @@ def windows(data, starts, tokens):
 # The model (model.rs), named as GPT-2 so that our checkpoint's names are its state_dict's
 
 
+class OursProduct(torch.autograd.Function if torch else object):
+    """x . W as each of our GPU trainer's cuBLAS calls computes it (steps/05-train/src/cuda/
+    gemm.rs): operands rounded to bf16, the products summed in f32, the result in f32 (the
+    caller rounds it to bf16 where ours writes bf16). The backward rounds the incoming gradient
+    to bf16, as ours keeps every operand of a product; dW stays f32, as ours writes every
+    weight's gradient; dx is rounded to bf16 where ours writes it in bf16 (`dx_bf16`).
+
+    The f32 products run on TF32 tensor cores (precision "ours" turns TF32 on): TF32 holds a
+    bf16 value exactly and sums in f32, so this is a bf16 product with an f32 result."""
+
+    @staticmethod
+    def forward(ctx, x, w, dx_bf16):
+        xb, wb = x.bfloat16(), w.bfloat16()
+        ctx.save_for_backward(xb, wb)
+        ctx.dx_bf16 = dx_bf16
+        return xb.float() @ wb.float()
+
+    @staticmethod
+    def backward(ctx, g):
+        xb, wb = ctx.saved_tensors
+        g = g.bfloat16().float()
+        dx = g @ wb.float().t()
+        if ctx.dx_bf16:
+            dx = dx.bfloat16().float()
+        return dx, xb.float().t() @ g, None
+
+
+def ours_product(x, w, dx_bf16):
+    """OursProduct over x's last dimension."""
+    y = OursProduct.apply(x.reshape(-1, x.shape[-1]), w, dx_bf16)
+    return y.view(*x.shape[:-1], -1)
+
+
 class Conv1D(nn.Module):
     """GPT-2's linear layer: y = x . W + b with W [in, out] (layers.rs linear)."""
 
@@ -306,19 +352,26 @@ class Conv1D(nn.Module):
 
 # ANCHOR: attention
 class Attention(nn.Module):
-    def __init__(self, cfg, attention):
+    def __init__(self, cfg, attention, precision):
         super().__init__()
         c = cfg["d_model"]
         self.heads = cfg["heads"]
         self.attention = attention
+        self.ours = precision == "ours"
         self.c_attn = Conv1D(c, 3 * c)
         self.c_proj = Conv1D(c, c)
 
     def forward(self, x):
         b, t, c = x.shape
         h = self.heads
+        if self.ours:
+            # bf16 q, k, v, the bias (in bf16) added before the rounding, as cuBLASLt's epilogue
+            qkv = ours_product(x, self.c_attn.weight, dx_bf16=False)
+            qkv = (qkv + self.c_attn.bias.bfloat16().float()).bfloat16()
+        else:
+            qkv = self.c_attn(x)
         # the columns: q's heads side by side, then k's, then v's (layers.rs split_qkv)
-        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = qkv.split(c, dim=2)
         q, k, v = (y.view(b, t, h, c // h).transpose(1, 2) for y in (q, k, v))
         if self.attention == "by-hand":
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))
@@ -328,29 +381,41 @@ class Attention(nn.Module):
         else:
             # the backend, if one is forced, is chosen around the whole step (sdpa_context)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(out.transpose(1, 2).reshape(b, t, c))
+        out = out.transpose(1, 2).reshape(b, t, c)
+        if self.ours:
+            # an f32 result into the residual stream; its input gradient in bf16, for the
+            # attention's backward
+            return ours_product(out, self.c_proj.weight, dx_bf16=True) + self.c_proj.bias
+        return self.c_proj(out)
 # ANCHOR_END: attention
 
 
 class MLP(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, precision):
         super().__init__()
+        self.ours = precision == "ours"
         self.c_fc = Conv1D(c, 4 * c)
         self.c_proj = Conv1D(4 * c, c)
 
     def forward(self, x):
+        if self.ours:
+            # the product rounded to bf16, then its bias and GELU in f32 (train.cu bias_gelu);
+            # GELU's output is rounded as the next product reads it
+            up = ours_product(x, self.c_fc.weight, dx_bf16=False).bfloat16().float()
+            hidden = F.gelu(up + self.c_fc.bias, approximate="tanh")
+            return ours_product(hidden, self.c_proj.weight, dx_bf16=True) + self.c_proj.bias
         # GELU's tanh form, as GPT-2 and layers.rs gelu
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, attention):
+    def __init__(self, cfg, attention, precision):
         super().__init__()
         c = cfg["d_model"]
         self.ln_1 = nn.LayerNorm(c, eps=LAYERNORM_EPS)
-        self.attn = Attention(cfg, attention)
+        self.attn = Attention(cfg, attention, precision)
         self.ln_2 = nn.LayerNorm(c, eps=LAYERNORM_EPS)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, precision)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -358,11 +423,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg, attention):
+    def __init__(self, cfg, attention, precision="autocast"):
         super().__init__()
+        self.ours = precision == "ours"
         self.wte = nn.Embedding(cfg["vocab"], cfg["d_model"])
         self.wpe = nn.Embedding(cfg["context"], cfg["d_model"])
-        self.h = nn.ModuleList(Block(cfg, attention) for _ in range(cfg["layers"]))
+        self.h = nn.ModuleList(Block(cfg, attention, precision) for _ in range(cfg["layers"]))
         self.ln_f = nn.LayerNorm(cfg["d_model"], eps=LAYERNORM_EPS)
 
     def forward(self, inputs, targets):
@@ -371,7 +437,11 @@ class GPT(nn.Module):
         for block in self.h:
             x = block(x)
         # the output layer is the token embedding, transposed (tied, as GPT-2)
-        logits = F.linear(self.ln_f(x), self.wte.weight)
+        if self.ours:
+            # f32 logits, and an f32 gradient into the last LayerNorm
+            logits = ours_product(self.ln_f(x), self.wte.weight.t(), dx_bf16=False)
+        else:
+            logits = F.linear(self.ln_f(x), self.wte.weight)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -603,7 +673,13 @@ def run(args):
     else:
         weights = our_init(cfg, s["seed"])
         weights_from = f"our initialisation from seed {s['seed']}"
-    model = GPT(cfg, args.attention)
+    precision = args.precision or ("autocast" if cuda else "f32")
+    if precision == "autocast" and not cuda:
+        raise Failure("--precision autocast runs on the GPU only: on the CPU the run is f32 (the default) or ours")
+    if cuda:
+        # TF32 holds bf16 values exactly (OursProduct); with f32 it would round the operands
+        torch.backends.cuda.matmul.allow_tf32 = precision == "ours"
+    model = GPT(cfg, args.attention, precision)
     model.load_state_dict(weights, strict=True)
     model.to(device)
     if s["seq_len"] > cfg["context"]:
@@ -645,7 +721,9 @@ def run(args):
 
     forward = torch.compile(model) if args.compile else model
     autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if precision == "autocast"
+        else torch.autocast(device.type, enabled=False)
     )
     batch, tokens = s["batch"], s["seq_len"]
 
@@ -688,7 +766,7 @@ def run(args):
     print(
         f"model: {cfg}, {n_params} parameters; {batch} sequences x {tokens} tokens a step; "
         f"{describe(device)}; attention {args.attention}{', compiled' if args.compile else ''}"
-        f"{', bf16 autocast' if cuda else ', f32'}"
+        f", {PRECISIONS[precision]}"
     )
     out = dict(
         config=dict(cfg, vocab=256),
@@ -708,7 +786,7 @@ def run(args):
         device=device.type,
         device_name=torch.cuda.get_device_name(device) if cuda else "cpu",
         attention=ATTENTION_NAMES[args.attention],
-        precision="bf16-mixed" if cuda else "f32",
+        precision=PRECISION_NAMES[precision],
         tokens_per_step=batch * tokens,
         tokens_per_s=0.0,
         peak_memory_bytes=None,
@@ -817,6 +895,8 @@ def parse_args(argv):
     p.add_argument("--attention", choices=ATTENTIONS, default="sdpa",
                    help="sdpa: PyTorch's own choice; flash, cudnn, efficient, math: that SDPA backend forced; by-hand: softmax(q.k^T) . v with a mask")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--precision", choices=tuple(PRECISIONS),
+                   help="autocast: bf16 autocast (the default on cuda); ours: bf16 where our GPU trainer rounds to it, f32 elsewhere; f32: no bf16, TF32 off (the default on cpu)")
     p.add_argument("--init", help="the initial weights: a checkpoint of our trainer (train --steps 0 --save PATH); default: our initialisation from --seed, reproduced")
     p.add_argument("--data", help="our token file (train --save-tokens PATH), or a text file split as ours splits one")
     p.add_argument("--random-data", type=int, metavar="BYTES", help="without --data: this many random bytes, to time the model")
