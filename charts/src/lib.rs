@@ -75,6 +75,10 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
     // [step 05]
     // the training runs, ours and PyTorch's
     charts.extend(train::render_all(&train::read_runs(&data)?)?);
+    // the same run rounded three ways
+    charts.extend(train::precision::render_all(&train::precision::read_runs(
+        &data,
+    )?)?);
     // [/step 05]
     // [step 07]
     // data parallelism: the same training on one GPU and on several
@@ -300,6 +304,7 @@ const MARKERS: [Marker; 6] = [
 
 /// A method's look as drawn: the table's entry, or for a name it lacks, one chosen from the
 /// name's hash (so a new method draws without an edit here, and the same way every time).
+#[derive(Clone)]
 struct Look {
     /// where the method sorts: its place in `STYLES`, unknown names after
     rank: usize,

@@ -18,6 +18,7 @@
 //!
 //! - [`read_runs`]: the run records of `charts/data/train-*.json`.
 //! - [`render_all`]: every training chart and table the runs call for.
+//! - [`precision`]: our GPU run beside PyTorch's rounded three ways (`train-precision-*.json`).
 //! - [`parallel`]: step 07's, of the runs on one GPU and on several (`train-dp-*.json`). // [step 07]
 
 use std::fs;
@@ -31,6 +32,7 @@ use serde::Deserialize;
 use super::{LEGEND_ROW, Look, PLOT_HEIGHT, WIDTH, draw_legend_entry, draw_marker, look, scalable};
 
 pub mod parallel; // [step 07]
+pub mod precision;
 
 /// The model's shape, as `Config` in `steps/05-train/src/model.rs`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -138,6 +140,7 @@ pub fn read_runs(dir: &Path) -> Result<Vec<Run>, String> {
         .map_err(|e| format!("{}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| is_run_file(p))
+        .filter(|p| !precision::is_precision_file(p))
         .filter(|p| !parallel::is_dp_file(p)) // [step 07]
         .collect();
     files.sort();
@@ -508,20 +511,7 @@ fn render_loss(runs: &[&Run], subtitle: &str) -> Result<String, String> {
                 let l = r.look();
                 let points: Vec<(f64, f64)> =
                     r.steps.iter().map(|s| (s.step as f64, s.loss)).collect();
-                if l.ours {
-                    chart
-                        .draw_series(LineSeries::new(points, l.colour.stroke_width(2)))
-                        .map_err(|x| e(&x))?;
-                } else {
-                    chart
-                        .draw_series(DashedLineSeries::new(
-                            points,
-                            8,
-                            5,
-                            l.colour.stroke_width(2),
-                        ))
-                        .map_err(|x| e(&x))?;
-                }
+                draw_line(&mut chart, points, &l)?;
                 let evals = r
                     .evals
                     .iter()
@@ -537,6 +527,172 @@ fn render_loss(runs: &[&Run], subtitle: &str) -> Result<String, String> {
             Ok(())
         },
     )
+}
+
+/// A run as a loss chart draws it: its look and its legend's words.
+pub(crate) struct Line<'a> {
+    pub run: &'a Run,
+    pub look: Look,
+    pub label: String,
+}
+
+/// Relative difference, `(a − b) / b`.
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b) / b
+}
+
+/// Above: each line's training loss at every step (ours solid, PyTorch's dashed) and held-out
+/// losses (markers); below: for each pair `(reference, other)` of indices into `lines`, the
+/// other's relative difference from the reference at every step, in percent (`below` names
+/// it), with dashed lines at ±`goal` percent and the scale at least that wide either way, so a
+/// small difference looks small.
+pub(crate) fn render_loss_and_difference(
+    title: &str,
+    subtitle: &str,
+    lines: &[Line],
+    pairs: &[(usize, usize)],
+    below: &str,
+    goal: f64,
+) -> Result<String, String> {
+    let entries: Vec<(Look, String)> = lines
+        .iter()
+        .map(|l| (l.look.clone(), l.label.clone()))
+        .collect();
+    let x_hi = lines
+        .iter()
+        .flat_map(|l| l.run.steps.iter().map(|s| s.step))
+        .max()
+        .unwrap_or(1)
+        .max(1) as f64;
+    let losses: Vec<f64> = lines
+        .iter()
+        .flat_map(|l| l.run.steps.iter().map(|s| s.loss))
+        .filter(|v| v.is_finite())
+        .collect();
+    let y_lo = losses.iter().copied().fold(f64::INFINITY, f64::min);
+    let y_hi = losses.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let pad = (y_hi - y_lo).max(0.1) * 0.05;
+    let (y_lo, y_hi) = ((y_lo - pad).max(0.0), y_hi + pad);
+    let diffs: Vec<(&Line, Vec<(f64, f64)>)> = pairs
+        .iter()
+        .map(|&(reference, other)| {
+            let (one, many) = (&lines[reference], &lines[other]);
+            let d = many
+                .run
+                .steps
+                .iter()
+                .filter_map(|s| {
+                    let o = one.run.steps.iter().find(|o| o.step == s.step)?;
+                    Some((s.step as f64, 100.0 * rel(s.loss, o.loss)))
+                })
+                .collect();
+            (many, d)
+        })
+        .collect();
+    let d_lo = diffs
+        .iter()
+        .flat_map(|(_, d)| d.iter().map(|p| p.1))
+        .fold(-goal, f64::min)
+        * 1.1;
+    let d_hi = diffs
+        .iter()
+        .flat_map(|(_, d)| d.iter().map(|p| p.1))
+        .fold(goal, f64::max)
+        * 1.1;
+    chart(
+        title,
+        subtitle,
+        PLOT_HEIGHT + 260,
+        &entries,
+        |root, body| {
+            let e = |e: &dyn std::fmt::Display| e.to_string();
+            let (top, bottom) = body.split_vertically(PLOT_HEIGHT - 20);
+            let mut chart = ChartBuilder::on(&top)
+                .margin_left(10)
+                .margin_right(30)
+                .margin_bottom(15)
+                .x_label_area_size(55)
+                .y_label_area_size(85)
+                .build_cartesian_2d(0.0..x_hi, y_lo..y_hi)
+                .map_err(|x| e(&x))?;
+            draw_loss_axes(&mut chart)?;
+            let mut markers = Vec::new();
+            for line in lines {
+                let l = &line.look;
+                let points: Vec<(f64, f64)> = line
+                    .run
+                    .steps
+                    .iter()
+                    .map(|s| (s.step as f64, s.loss))
+                    .collect();
+                draw_line(&mut chart, points, l)?;
+                for ev in &line.run.evals {
+                    let at = chart.backend_coord(&(ev.step as f64, ev.loss));
+                    markers.push((l, at));
+                }
+            }
+            for &(l, at) in &markers {
+                draw_marker(root, l.marker, at, l.colour, l.ours)?;
+            }
+            let mut under = ChartBuilder::on(&bottom)
+                .margin_left(10)
+                .margin_right(30)
+                .margin_bottom(10)
+                .x_label_area_size(55)
+                .y_label_area_size(85)
+                .build_cartesian_2d(0.0..x_hi, d_lo..d_hi)
+                .map_err(|x| e(&x))?;
+            under
+                .configure_mesh()
+                .x_desc("step")
+                .y_desc(below)
+                .x_label_formatter(&|x: &f64| format!("{x:.0}"))
+                .y_label_formatter(&|y: &f64| format!("{y:+.1}"))
+                .light_line_style(RGBColor(0xee, 0xee, 0xee))
+                .label_style(("sans-serif", 20))
+                .axis_desc_style(("sans-serif", 20))
+                .draw()
+                .map_err(|x| e(&x))?;
+            let grey = RGBColor(0x99, 0x99, 0x99);
+            for y in [-goal, goal] {
+                under
+                    .draw_series(DashedLineSeries::new(
+                        [(0.0, y), (x_hi, y)],
+                        6,
+                        4,
+                        grey.stroke_width(1),
+                    ))
+                    .map_err(|x| e(&x))?;
+            }
+            for (line, d) in &diffs {
+                draw_line(&mut under, d.clone(), &line.look)?;
+            }
+            Ok(())
+        },
+    )
+}
+
+/// A run's line: ours solid, PyTorch's dashed.
+fn draw_line<DB: DrawingBackend>(
+    chart: &mut ChartContext<
+        '_,
+        DB,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+    points: Vec<(f64, f64)>,
+    l: &Look,
+) -> Result<(), String> {
+    let style = l.colour.stroke_width(2);
+    let drawn = if l.ours {
+        chart
+            .draw_series(LineSeries::new(points, style))
+            .map(|_| ())
+    } else {
+        chart
+            .draw_series(DashedLineSeries::new(points, 8, 5, style))
+            .map(|_| ())
+    };
+    drawn.map_err(|e| e.to_string())
 }
 
 /// A bar per run, `value` long, its words above it and `text(value)` after its end (so no

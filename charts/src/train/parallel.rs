@@ -21,8 +21,8 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Deserialize;
 
-use super::{Run, chart, draw_loss_axes};
-use crate::{Look, Marker, PLOT_HEIGHT, draw_marker, look, three_digits};
+use super::{Line, Run, chart, render_loss_and_difference};
+use crate::{Look, Marker, look, three_digits};
 
 /// A run of `train-dp-*.json`: step 05's record and the fields step 07 added.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -172,11 +172,6 @@ pub fn render_all(runs: &[DpRun]) -> Result<Vec<(String, String)>, String> {
     Ok(out)
 }
 
-/// Relative difference, `(a − b) / b`.
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b) / b
-}
-
 /// Above: each run's training loss at every step (a line) and held-out losses (markers); below:
 /// each several-GPU run's relative difference from its one-GPU twin at every step, in percent.
 fn render_loss(pairs: &[(&DpRun, &DpRun)], subtitle: &str) -> Result<String, String> {
@@ -188,117 +183,23 @@ fn render_loss(pairs: &[(&DpRun, &DpRun)], subtitle: &str) -> Result<String, Str
             }
         }
     }
-    let entries: Vec<(Look, String)> = runs.iter().map(|r| (r.look(), r.label())).collect();
-    let x_hi = runs
+    let index = |r: &DpRun| runs.iter().position(|x| std::ptr::eq(*x, r)).unwrap_or(0);
+    let lines: Vec<Line> = runs
         .iter()
-        .flat_map(|r| r.run.steps.iter().map(|s| s.step))
-        .max()
-        .unwrap_or(1)
-        .max(1) as f64;
-    let losses: Vec<f64> = runs
-        .iter()
-        .flat_map(|r| r.run.steps.iter().map(|s| s.loss))
-        .filter(|v| v.is_finite())
-        .collect();
-    let y_lo = losses.iter().copied().fold(f64::INFINITY, f64::min);
-    let y_hi = losses.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let pad = (y_hi - y_lo).max(0.1) * 0.05;
-    let (y_lo, y_hi) = ((y_lo - pad).max(0.0), y_hi + pad);
-    let diffs: Vec<(&DpRun, Vec<(f64, f64)>)> = pairs
-        .iter()
-        .map(|(one, many)| {
-            let d = many
-                .run
-                .steps
-                .iter()
-                .filter_map(|s| {
-                    let o = one.run.steps.iter().find(|o| o.step == s.step)?;
-                    Some((s.step as f64, 100.0 * rel(s.loss, o.loss)))
-                })
-                .collect();
-            (*many, d)
+        .map(|r| Line {
+            run: &r.run,
+            look: r.look(),
+            label: r.label(),
         })
         .collect();
-    // at least ±1%, the goal, so a small difference looks small
-    let d_hi = diffs
-        .iter()
-        .flat_map(|(_, d)| d.iter().map(|p| p.1.abs()))
-        .fold(1.0, f64::max)
-        * 1.1;
-    chart(
+    let pairs: Vec<(usize, usize)> = pairs.iter().map(|(a, b)| (index(a), index(b))).collect();
+    render_loss_and_difference(
         "Loss on one GPU and on several, same batches",
         subtitle,
-        PLOT_HEIGHT + 260,
-        &entries,
-        |root, body| {
-            let e = |e: &dyn std::fmt::Display| e.to_string();
-            let (top, bottom) = body.split_vertically(PLOT_HEIGHT - 20);
-            let mut chart = ChartBuilder::on(&top)
-                .margin_left(10)
-                .margin_right(30)
-                .margin_bottom(15)
-                .x_label_area_size(55)
-                .y_label_area_size(85)
-                .build_cartesian_2d(0.0..x_hi, y_lo..y_hi)
-                .map_err(|x| e(&x))?;
-            draw_loss_axes(&mut chart)?;
-            let mut markers = Vec::new();
-            for r in &runs {
-                let l = r.look();
-                let points: Vec<(f64, f64)> = r
-                    .run
-                    .steps
-                    .iter()
-                    .map(|s| (s.step as f64, s.loss))
-                    .collect();
-                chart
-                    .draw_series(LineSeries::new(points, l.colour.stroke_width(2)))
-                    .map_err(|x| e(&x))?;
-                for ev in &r.run.evals {
-                    let at = chart.backend_coord(&(ev.step as f64, ev.loss));
-                    markers.push((l.marker, l.colour, at));
-                }
-            }
-            for &(marker, colour, at) in &markers {
-                draw_marker(root, marker, at, colour, true)?;
-            }
-            let mut below = ChartBuilder::on(&bottom)
-                .margin_left(10)
-                .margin_right(30)
-                .margin_bottom(10)
-                .x_label_area_size(55)
-                .y_label_area_size(85)
-                .build_cartesian_2d(0.0..x_hi, -d_hi..d_hi)
-                .map_err(|x| e(&x))?;
-            below
-                .configure_mesh()
-                .x_desc("step")
-                .y_desc("vs one GPU, %")
-                .x_label_formatter(&|x: &f64| format!("{x:.0}"))
-                .y_label_formatter(&|y: &f64| format!("{y:+.1}"))
-                .light_line_style(RGBColor(0xee, 0xee, 0xee))
-                .label_style(("sans-serif", 20))
-                .axis_desc_style(("sans-serif", 20))
-                .draw()
-                .map_err(|x| e(&x))?;
-            let grey = RGBColor(0x99, 0x99, 0x99);
-            for y in [-1.0, 1.0] {
-                below
-                    .draw_series(DashedLineSeries::new(
-                        [(0.0, y), (x_hi, y)],
-                        6,
-                        4,
-                        grey.stroke_width(1),
-                    ))
-                    .map_err(|x| e(&x))?;
-            }
-            for (r, d) in &diffs {
-                below
-                    .draw_series(LineSeries::new(d.clone(), r.look().colour.stroke_width(2)))
-                    .map_err(|x| e(&x))?;
-            }
-            Ok(())
-        },
+        &lines,
+        &pairs,
+        "vs one GPU, %",
+        1.0,
     )
 }
 
