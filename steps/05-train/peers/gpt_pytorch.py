@@ -303,6 +303,7 @@ def windows(data, starts, tokens):
 # The model (model.rs), named as GPT-2 so that our checkpoint's names are its state_dict's
 
 
+# ANCHOR: ours_product
 class OursProduct(torch.autograd.Function if torch else object):
     """x . W as each of our GPU trainer's cuBLAS calls computes it (steps/05-train/src/cuda/
     gemm.rs): operands rounded to bf16, the products summed in f32, the result in f32 (the
@@ -334,6 +335,7 @@ def ours_product(x, w, dx_bf16):
     """OursProduct over x's last dimension."""
     y = OursProduct.apply(x.reshape(-1, x.shape[-1]), w, dx_bf16)
     return y.view(*x.shape[:-1], -1)
+# ANCHOR_END: ours_product
 
 
 class Conv1D(nn.Module):
