@@ -43,6 +43,12 @@
 #if DQ_ATOMIC == 2 && WGS != 2
 #error "DQ_ATOMIC=2 takes two consumer warpgroups"
 #endif
+// EARLY_DV=1: dV += Pᵀ·dO is issued as soon as Pᵀ is made, and runs while dSᵀ is made; it
+// holds Pᵀ's fragments in registers meanwhile, which only one warpgroup, or two with the
+// producer's registers given to them, can spare (ptxas spills otherwise)
+#ifndef EARLY_DV
+#define EARLY_DV (WGS == 1 || (WGS == 2 && PRODUCER_WG))
+#endif
 #define DQ_ROW_BYTES 288  // a row of dQ in shared memory: 64 f32 and 32 bytes against bank conflicts
 #define BLOCK_ROWS (64 * WGS)
 #define LOG2E 1.4426950408889634f
@@ -163,13 +169,15 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
     // a block whose queries all come before this warpgroup's keys adds nothing here
     if (q0 + STREAM - 1 >= kw0) {
       const u32 aq = smem_u32(sq + s * STREAM * ROW_BYTES), ado = smem_u32(sdo + s * STREAM * ROW_BYTES);
+      // two groups of products: Pᵀ is made from Sᵀ while dPᵀ is still being computed, and
+      // dV += Pᵀ·dO runs while dSᵀ is made
       wgmma_fence();
       issue_abt<STREAM>(st, ak, kv_half, aq, STREAM * 128);    // Sᵀ = k·qᵀ
+      wgmma_commit();
       issue_abt<STREAM>(dpt, av, kv_half, ado, STREAM * 128);  // dPᵀ = v·dOᵀ
       wgmma_commit();
-      wgmma_wait0();
+      wgmma_wait1();
       fence_operands(st);
-      fence_operands(dpt);
       // register 4j+e: key kr0 + 8·(e/2), query q0 + 8j + 2·(lane%4) + e%2; only a block that
       // reaches a query before one of these keys is masked
       const bool masked = q0 < kw0 + 63;
@@ -181,10 +189,27 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
           float p = exp2f(st[4 * j + e] * scale_log2 - slse[s][col]);
           if (masked && q0 + col < kr0 + 8 * (e / 2)) p = 0.f;
           st[4 * j + e] = p;
-          dpt[4 * j + e] = p * (dpt[4 * j + e] - sdelta[s][col]);
         }
       }
       pack_fragments<STREAM>(pf, st);
+#if EARLY_DV
+      wgmma_fence();
+      issue_pb<STREAM>(dv, pf, ado, STREAM);  // dV += Pᵀ·dO
+      wgmma_commit();
+      // dPᵀ has landed (dV may not have)
+      wgmma_wait1();
+#else
+      wgmma_wait0();
+#endif
+      fence_operands(dpt);
+#pragma unroll
+      for (int j = 0; j < STREAM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = 8 * j + 2 * (lane % 4) + (e % 2);
+          dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - sdelta[s][col]);
+        }
+      }
       pack_fragments<STREAM>(dsf, dpt);
 #if DQ_ATOMIC
       // dSᵀ's register 4j+e is dS's element (query 8j + 2·(lane%4) + e%2, key warp·16 +
@@ -232,7 +257,9 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       float dq[32];
 #endif
       wgmma_fence();
+#if !EARLY_DV
       issue_pb<STREAM>(dv, pf, ado, STREAM);  // dV += Pᵀ·dO
+#endif
       issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
 #if DQ_ATOMIC == 1
       // dQ = dS·k over this warpgroup's 64 keys: dS from shared memory, k MN-major (as v)
@@ -424,13 +451,14 @@ hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ Tenso
     // a block whose keys all come after this warpgroup's queries adds nothing here
     if (key0 <= w0 + 63) {
       const u32 ak = smem_u32(sk + s * STREAM * ROW_BYTES), av = smem_u32(sv + s * STREAM * ROW_BYTES);
+      // two groups of products: P is made from S while dP is still being computed
       wgmma_fence();
       issue_abt<STREAM>(sc, aq, q_half, ak, STREAM * 128);  // S = q·kᵀ
+      wgmma_commit();
       issue_abt<STREAM>(dp, ado, q_half, av, STREAM * 128);  // dP = dO·vᵀ
       wgmma_commit();
-      wgmma_wait0();
+      wgmma_wait1();
       fence_operands(sc);
-      fence_operands(dp);
       // register 4j+e: query r0 + 8·(e/2), key key0 + 8j + 2·(lane%4) + e%2
       const bool masked = key0 + STREAM - 1 > w0;
 #pragma unroll
@@ -440,8 +468,15 @@ hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ Tenso
           const int key = key0 + 8 * j + 2 * (lane % 4) + (e % 2);
           float p = exp2f(sc[4 * j + e] * scale_log2 - lse2[e / 2]);
           if (masked && key > r0 + 8 * (e / 2)) p = 0.f;
-          dp[4 * j + e] = p * (dp[4 * j + e] - dl[e / 2]);
+          sc[4 * j + e] = p;
         }
+      }
+      wgmma_wait0();
+      fence_operands(dp);
+#pragma unroll
+      for (int j = 0; j < STREAM / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[4 * j + e] = sc[4 * j + e] * (dp[4 * j + e] - dl[e / 2]);
       }
       pack_fragments<STREAM>(dsf, dp);
       wgmma_fence();
