@@ -144,30 +144,47 @@ pub struct BackwardConfigs {
 }
 
 impl BackwardConfigs {
-    /// The shapes for a head dim, measured fastest by `hopper-check` on the H200
-    /// (`measurements/hopper-check.txt`): at head dim 64 dK/dV with three consumer warpgroups
-    /// (192 keys a block) and dQ with two streaming 128 keys a step, both fed by a producer
-    /// warpgroup that gives its registers to them; at head dim 128 dkdv's four accumulators of
-    /// 64 columns leave room for 32 queries a step, and dq takes the producer's registers.
-    pub fn for_head_dim(head_dim: usize) -> Self {
-        if head_dim == 128 {
-            BackwardConfigs {
+    /// The shapes for a sequence length and head dim, measured fastest by `hopper-check` on the
+    /// H200 (`measurements/hopper-check.txt`, `measurements/backward-order-8b30fff.txt`): at head
+    /// dim 64 dK/dV with three consumer warpgroups (192 keys a block) and dQ with two streaming
+    /// 128 keys a step, both fed by a producer warpgroup that gives its registers to them; at
+    /// head dim 128 dkdv's four accumulators of 64 columns leave two warpgroups room for 32
+    /// queries a step, or one warpgroup for 64 (faster up to 4,096 tokens, when there are
+    /// fewer blocks of keys than multiprocessors can take two of), and dq takes the producer's
+    /// registers.
+    pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
+        match (head_dim, tokens) {
+            (128, ..=4096) => BackwardConfigs {
+                dkdv: BackwardConfig::new(1, 64, false),
+                dq: BackwardConfig::new(2, 64, true),
+            },
+            (128, _) => BackwardConfigs {
                 dkdv: BackwardConfig::new(2, 32, true),
                 dq: BackwardConfig::new(2, 64, true),
-            }
-        } else {
-            BackwardConfigs {
+            },
+            _ => BackwardConfigs {
                 dkdv: BackwardConfig::new(3, 64, true),
                 dq: BackwardConfig::new(2, 128, true),
-            }
+            },
         }
+    }
+
+    /// Every pair [`BackwardConfigs::for_shape`] picks at head dim `d`, the longest
+    /// sequences' first.
+    pub fn defaults(d: usize) -> Vec<BackwardConfigs> {
+        let mut all = vec![BackwardConfigs::for_shape(1 << 14, d)];
+        let short = BackwardConfigs::for_shape(1, d);
+        if !all.contains(&short) {
+            all.push(short);
+        }
+        all
     }
 
     /// The pairs `hopper-check` compares at head dim `d`: every one fits and compiles without
     /// spills (`hopper-kernel-check`).
     pub fn candidates(d: usize) -> Vec<BackwardConfigs> {
         let pairs = |dkdv: &[BackwardConfig], dq: &[BackwardConfig]| {
-            let mut all = vec![BackwardConfigs::for_head_dim(d)];
+            let mut all = BackwardConfigs::defaults(d);
             for &a in dkdv {
                 for &b in dq {
                     let c = BackwardConfigs { dkdv: a, dq: b };
@@ -197,7 +214,7 @@ impl BackwardConfigs {
         };
         if d == 64 {
             // one pass: the dq shape is not used
-            let dq = BackwardConfigs::for_head_dim(d).dq;
+            let dq = BackwardConfigs::for_shape(1 << 14, d).dq;
             // (with three warpgroups, or without the producer's registers, ptxas spills or
             // serialises the products)
             all.push(BackwardConfigs {
@@ -286,7 +303,7 @@ pub fn backward(
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
-    let configs = BackwardConfigs::for_head_dim(q.shape.head_dim);
+    let configs = BackwardConfigs::for_shape(q.shape.tokens, q.shape.head_dim);
     backward_with(gpu, configs, q, k, v, fwd, dout)
 }
 

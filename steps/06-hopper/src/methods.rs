@@ -127,14 +127,15 @@ pub fn implementation() -> String {
             c.min_blocks
         )
     };
-    let b = |d| backward::BackwardConfigs::for_head_dim(d).name();
+    let b = |t, d| backward::BackwardConfigs::for_shape(t, d).name();
     format!(
-        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, NVRTC sm_90a; head dim 64 up to 8k tokens {}, from 16k {}; head dim 128 {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 {}, head dim 128 {}",
+        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, NVRTC sm_90a; head dim 64 up to 8k tokens {}, from 16k {}; head dim 128 {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 {}, head dim 128 up to 4k tokens {}, from 8k {}",
         describe(HopperConfig::for_shape(8192, 64)),
         describe(HopperConfig::for_shape(16384, 64)),
         describe(HopperConfig::for_shape(16384, 128)),
-        b(64),
-        b(128)
+        b(16384, 64),
+        b(4096, 128),
+        b(16384, 128)
     )
 }
 

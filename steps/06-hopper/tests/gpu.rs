@@ -144,7 +144,7 @@ fn without_nvrtc_compiling_is_an_error_not_a_panic() {
     assert!(e.to_string().contains("NVRTC"), "{e}");
     let e = step06_hopper::probe::compile().unwrap_err();
     assert!(e.to_string().contains("NVRTC"), "{e}");
-    let config = step06_hopper::backward::BackwardConfigs::for_head_dim(64).dkdv;
+    let config = step06_hopper::backward::BackwardConfigs::for_shape(1 << 14, 64).dkdv;
     let e = step06_hopper::backward::compile(Dtype::Bf16, 64, "hopper_dkdv", config, TmaRank::Four)
         .unwrap_err();
     assert!(e.to_string().contains("NVRTC"), "{e}");

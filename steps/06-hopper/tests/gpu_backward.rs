@@ -299,7 +299,7 @@ fn strided_inputs_and_outputs_give_the_same_bits() {
             "d{d}: lse"
         );
 
-        let mut all = vec![BackwardConfigs::for_head_dim(d)];
+        let mut all = vec![BackwardConfigs::for_shape(t, d)];
         all.extend(
             BackwardConfigs::candidates(d)
                 .into_iter()
@@ -382,7 +382,7 @@ fn strided_entry_points_refuse_what_the_kernels_cannot_take() {
         dout: at(&dout, heads),
         lse: fwd.lse.device_ptr(gpu.stream()).0,
     };
-    let configs = BackwardConfigs::for_head_dim(64);
+    let configs = BackwardConfigs::for_shape(64, 64);
     // SAFETY: each call is refused before any launch, so nothing is read or written
     unsafe {
         let wrong_heads = Layout::heads(Shape::new(1, 3, 64, 64));

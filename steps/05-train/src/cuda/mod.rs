@@ -1173,7 +1173,7 @@ impl GpuTrainer {
                             dout: in_rows(s.datt_rows.ptr),
                             lse: lse.ptr,
                         };
-                        let configs = step06_hopper::backward::BackwardConfigs::for_head_dim(d);
+                        let configs = step06_hopper::backward::BackwardConfigs::for_shape(t, d);
                         let grads = fused_thirds(s.dqkv.ptr, shape).map(|g| g.ptr);
                         // (inside this unsafe block) dqkv holds rows · 3C bf16 values, apart
                         // from every input, and each third's span ends inside it; the

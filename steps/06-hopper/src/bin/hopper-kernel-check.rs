@@ -63,9 +63,10 @@ fn main() -> ExitCode {
                         ));
                     }
                 }
-                let defaults = BackwardConfigs::for_head_dim(d);
+                let defaults = BackwardConfigs::defaults(d);
                 for (entry, c) in BackwardConfigs::shapes(d) {
-                    for &rank in ranks(c == defaults.dkdv || c == defaults.dq) {
+                    let used = defaults.iter().any(|p| c == p.dkdv || c == p.dq);
+                    for &rank in ranks(used) {
                         kernels.push(Variant::used(
                             format!(
                                 "{entry}_{}_d{d}_{}_rank{}",
