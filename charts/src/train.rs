@@ -28,6 +28,7 @@ use flash_core::{Device, Pass};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 
 use super::{LEGEND_ROW, Look, PLOT_HEIGHT, WIDTH, draw_legend_entry, draw_marker, look, scalable};
 
@@ -129,19 +130,35 @@ fn f32() -> String {
 
 /// A training run's file: `train-*.json`, which the benchmark's rows leave to this module.
 pub fn is_run_file(path: &Path) -> bool {
-    path.file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|n| n.starts_with("train-") && n.ends_with(".json"))
+    is_named(path, "train-")
 }
 
-/// Every run of `dir/train-*.json`, the files taken in name order.
+/// Whether a file is named `{prefix}*.json`.
+pub(crate) fn is_named(path: &Path, prefix: &str) -> bool {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with(prefix) && n.ends_with(".json"))
+}
+
+/// Every run of `dir/train-*.json` but the ones the submodules draw, the files taken in name
+/// order.
 pub fn read_runs(dir: &Path) -> Result<Vec<Run>, String> {
+    read_records(dir, |p| {
+        let theirs = precision::is_precision_file(p);
+        let theirs = theirs || parallel::is_dp_file(p); // [step 07]
+        is_run_file(p) && !theirs
+    })
+}
+
+/// The record of every file of `dir` that `keep` keeps, the files taken in name order.
+pub(crate) fn read_records<T: DeserializeOwned>(
+    dir: &Path,
+    keep: impl Fn(&Path) -> bool,
+) -> Result<Vec<T>, String> {
     let mut files: Vec<_> = fs::read_dir(dir)
         .map_err(|e| format!("{}: {e}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| is_run_file(p))
-        .filter(|p| !precision::is_precision_file(p))
-        .filter(|p| !parallel::is_dp_file(p)) // [step 07]
+        .filter(|p| keep(p))
         .collect();
     files.sort();
     files

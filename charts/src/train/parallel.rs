@@ -13,7 +13,6 @@
 //!
 //! These files are not among step 05's runs ([`super::read_runs`] leaves them here).
 
-use std::fs;
 use std::path::Path;
 
 use flash_core::Device;
@@ -43,27 +42,12 @@ fn one() -> usize {
 
 /// A data-parallel run's file: `train-dp-*.json`.
 pub fn is_dp_file(path: &Path) -> bool {
-    path.file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|n| n.starts_with("train-dp-") && n.ends_with(".json"))
+    super::is_named(path, "train-dp-")
 }
 
 /// Every run of `dir/train-dp-*.json`, the files taken in name order.
 pub fn read_runs(dir: &Path) -> Result<Vec<DpRun>, String> {
-    let mut files: Vec<_> = fs::read_dir(dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| is_dp_file(p))
-        .collect();
-    files.sort();
-    files
-        .iter()
-        .map(|f| {
-            let text = fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
-            serde_json::from_str(&text)
-                .map_err(|e| format!("{}: not a training run's record: {e}", f.display()))
-        })
-        .collect()
+    super::read_records(dir, is_dp_file)
 }
 
 impl DpRun {

@@ -10,7 +10,6 @@
 //!
 //! These files are not among step 05's runs ([`super::read_runs`] leaves them here).
 
-use std::fs;
 use std::path::Path;
 
 use flash_core::Device;
@@ -20,27 +19,12 @@ use crate::{Look, look};
 
 /// A rounding check's file: `train-precision-*.json`.
 pub fn is_precision_file(path: &Path) -> bool {
-    path.file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|n| n.starts_with("train-precision-") && n.ends_with(".json"))
+    super::is_named(path, "train-precision-")
 }
 
 /// Every run of `dir/train-precision-*.json`, the files taken in name order.
 pub fn read_runs(dir: &Path) -> Result<Vec<Run>, String> {
-    let mut files: Vec<_> = fs::read_dir(dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| is_precision_file(p))
-        .collect();
-    files.sort();
-    files
-        .iter()
-        .map(|f| {
-            let text = fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
-            serde_json::from_str(&text)
-                .map_err(|e| format!("{}: not a training run's record: {e}", f.display()))
-        })
-        .collect()
+    super::read_records(dir, is_precision_file)
 }
 
 /// How a run rounds, in the order the chart and the table list them.
