@@ -170,7 +170,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
     if (q0 + STREAM - 1 >= kw0) {
       const u32 aq = smem_u32(sq + s * STREAM * ROW_BYTES), ado = smem_u32(sdo + s * STREAM * ROW_BYTES);
       // two groups of products: Pᵀ is made from Sᵀ while dPᵀ is still being computed, and
-      // dV += Pᵀ·dO runs while dSᵀ is made
+      // (EARLY_DV) dV += Pᵀ·dO runs while dSᵀ is made
       wgmma_fence();
       issue_abt<STREAM>(st, ak, kv_half, aq, STREAM * 128);    // Sᵀ = k·qᵀ
       wgmma_commit();
