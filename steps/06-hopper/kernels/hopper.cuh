@@ -59,10 +59,15 @@ typedef unsigned long long u64;
 #if PRODUCER_WG
 #define THREADS (128 * WGS + 128)
 // src/forward.rs's producer_consumer_registers mirrors these two, and checks before a launch
-// that the block starts with the registers both roles end with
+// that the block starts with the registers both roles end with (a kernel whose producer needs
+// more is compiled with PRODUCER_REGS of its own)
+#ifndef PRODUCER_REGS
 #define PRODUCER_REGS (WGS == 1 ? 56 : WGS == 2 ? 24 : 32)
-// what is left of the 65,536 registers, per consumer thread, in steps of 8, at most 240
-#define CONSUMER_FREE (((65536 - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8)
+#endif
+// what is left of the registers the block starts with (65,536 shared evenly, in steps of 8),
+// per consumer thread, in steps of 8, at most 240
+#define START_REGS (65536 / THREADS / 8 * 8)
+#define CONSUMER_FREE (((START_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8)
 #define CONSUMER_REGS (CONSUMER_FREE > 240 ? 240 : CONSUMER_FREE)
 #else
 #define THREADS (128 * WGS + 32)
@@ -222,14 +227,16 @@ __device__ __forceinline__ void wgmma_m64n64_rs_tb(float (&d)[32], const u32 (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-// d[16] (+)= A·B for one k-step of 16, A and B from shared memory (both K-major): N = 32
+// d[16] (+)= A·B for one k-step of 16, A and B from shared memory: N = 32; B K-major, A
+// K-major too, or with TRANS_A = 1 transposed (M-major, as the backward's dQᵀ = kᵀ·dSᵀ reads k)
+template <int TRANS_A = 0>
 __device__ __forceinline__ void wgmma_m64n32_ss(float (&d)[16], u64 da, u64 db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n32k16.f32." ELEM "." ELEM " "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, %19, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(da), "l"(db), "r"(scale_d));
+      : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_A));
 }
 
 // A product of N columns from shared memory: N = 32, 64 or 128

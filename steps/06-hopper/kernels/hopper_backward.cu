@@ -37,12 +37,27 @@
 // over the block's 128 keys (half the sums of DQ_ATOMIC=1); it puts dQ in shared memory and
 // a warp's lanes add it into the f32 buffer a row at a time with bulk reductions
 // (cp.reduce.async.bulk), one instruction per row instead of one per pair of values
+// DQ_ATOMIC=3: as FlashAttention-3 does, a warp of its own adds dQ. Each warpgroup stores its
+// dS transposed with stmatrix into one of two buffers, and the warpgroups meet at one barrier;
+// then each takes dQᵀ = kᵀ·dSᵀ for half the block's queries over all its keys (the sums of
+// DQ_ATOMIC=2, split evenly), stores it to one of two f32 buffers in its registers' order and
+// goes on. The producer warpgroup's second warp adds the whole 16 KB buffer into dq_accum
+// with one bulk reduction; dq_accum holds each block of 64 queries in that order, and
+// hopper_dq_convert puts the values back in rows
 #if DQ_ATOMIC && (STREAM != 64 || HEAD_DIM != 64 || PASS != 0)
 #error "DQ_ATOMIC takes the dkdv pass with STREAM 64 at HEAD_DIM 64"
 #endif
-#if DQ_ATOMIC == 2 && WGS != 2
-#error "DQ_ATOMIC=2 takes two consumer warpgroups"
+#if DQ_ATOMIC >= 2 && WGS != 2
+#error "DQ_ATOMIC=2 and 3 take two consumer warpgroups"
 #endif
+#if DQ_ATOMIC == 3 && !PRODUCER_WG
+#error "DQ_ATOMIC=3 takes a producer warpgroup (its second warp adds dQ)"
+#endif
+// DQ_ATOMIC=3's named barriers: the warpgroups' dS written (256 threads); a dQ buffer written
+// (the consumers and the adding warp, 288), and read by the bulk reduction (288)
+#define BAR_DS 1
+#define BAR_DQ_FULL 2
+#define BAR_DQ_EMPTY 4
 // EARLY_DV=1: dV += Pᵀ·dO is issued as soon as Pᵀ is made, and runs while dSᵀ is made; it
 // holds Pᵀ's fragments in registers meanwhile, which only one warpgroup, or two with the
 // producer's registers given to them, can spare (ptxas spills otherwise)
@@ -108,6 +123,33 @@ __device__ __forceinline__ void init_barriers(u64* own_bar, u64* full, u64* empt
 }
 
 #if PASS == 0
+#if DQ_ATOMIC == 3
+// The adding warp of DQ_ATOMIC=3: each step's dQ buffer (two in turn at sdq, 16 KB each) into
+// the f32 sums of its block of queries, first + n, with one bulk reduction; the consumers are
+// told when a buffer has been read. Not inlined: the producer's 24 registers would otherwise
+// have to hold what it computes
+__device__ __noinline__ void add_dq(float* dq_accum, unsigned char* sdq, int head, int first, int n_blocks, int tokens,
+                                    int lane) {
+  float* dst = dq_accum + ((u64)head * ((tokens + 63) / 64) + first) * 64 * 64;
+#pragma unroll 1
+  for (int n = 0; n < n_blocks; ++n, dst += 64 * 64) {
+    const int b = n % 2;
+    asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_FULL + b), "n"(128 * WGS + 32) : "memory");
+    if (lane == 0) {
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                   "r"(smem_u32(sdq + b * 64 * 64 * 4)), "n"(64 * 64 * 4)
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      // the buffer has been read: the consumers may write it again
+      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    }
+    __syncwarp();
+    if (n + 2 < n_blocks) asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_EMPTY + b), "n"(128 * WGS + 32) : "memory");
+  }
+  if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+#endif
+
 // ANCHOR: dkdv
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
 hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_k,
@@ -128,6 +170,9 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
 #if DQ_ATOMIC == 2
   // the block's dQ in f32 for the bulk reductions, [64 queries][DQ_ROW_BYTES]
   unsigned char* sdq = sds + WGS * 64 * 128;
+#elif DQ_ATOMIC == 3
+  // two buffers of dS (each both warpgroups' tiles, 16 KB), then two of dQ in f32 (16 KB)
+  unsigned char* sdq = sds + 2 * WGS * 64 * 128;
 #endif
   __shared__ float slse[STAGES][STREAM], sdelta[STAGES][STREAM];
   __shared__ __align__(8) u64 full[STAGES], empty[STAGES], kvbar;
@@ -145,6 +190,11 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       produce<true>(&map_k, &map_v, &map_q, &map_do, sk, sv, sq, sdo, slse, sdelta, &kvbar, full, empty, lse, delta, k0,
                     first * STREAM, n_blocks, head, layout.heads, tokens, tid % 32);
     }
+#if DQ_ATOMIC == 3
+    else if (tid < 128 * WGS + 64) {
+      add_dq(dq_accum, sdq, head, first, n_blocks, tokens, tid % 32);
+    }
+#endif
     return;
   }
 
@@ -166,8 +216,9 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
   for (int n = 0; n < n_blocks; ++n) {
     const int s = n % STAGES, q0 = (first + n) * STREAM;
     mbar_wait(smem_u32(&full[s]), (n / STAGES) & 1);
-    // a block whose queries all come before this warpgroup's keys adds nothing here
-    if (q0 + STREAM - 1 >= kw0) {
+    // a block whose queries all come before this warpgroup's keys adds nothing here (with
+    // DQ_ATOMIC=3 the warpgroup runs it all the same, masked to zeros: its dS tile is read)
+    if (DQ_ATOMIC == 3 || q0 + STREAM - 1 >= kw0) {
       const u32 aq = smem_u32(sq + s * STREAM * ROW_BYTES), ado = smem_u32(sdo + s * STREAM * ROW_BYTES);
       // two groups of products: Pᵀ is made from Sᵀ while dPᵀ is still being computed, and
       // (EARLY_DV) dV += Pᵀ·dO runs while dSᵀ is made
@@ -211,7 +262,21 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
         }
       }
       pack_fragments<STREAM>(dsf, dpt);
-#if DQ_ATOMIC
+#if DQ_ATOMIC == 3
+      // dsf[2j + h] is an 8×8 fragment (keys warp·16 + 8h.., queries 8j..): stmatrix stores four
+      // at a time transposed, a query a row, in the 128-byte swizzle (chunk c of row r at
+      // c ^ (r % 8)); lanes 8m..8m+7 name the rows of fragment m
+      const u32 ads = smem_u32(sds) + (n % 2) * WGS * 64 * 128;
+#pragma unroll
+      for (int j = 0; j < STREAM / 8; j += 2) {
+        const u32 row = 8 * (j + lane / 16) + lane % 8, chunk = 2 * warp + (lane / 8) % 2;
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                         ads + wg * 64 * 128 + row * 128 + ((chunk ^ (row % 8)) * 16)),
+                     "r"(dsf[2 * j]), "r"(dsf[2 * j + 1]), "r"(dsf[2 * j + 2]), "r"(dsf[2 * j + 3])
+                     : "memory");
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#elif DQ_ATOMIC
       // dSᵀ's register 4j+e is dS's element (query 8j + 2·(lane%4) + e%2, key warp·16 +
       // lane/4 + 8·(e/2)): stored transposed, a query a row, in the 128-byte swizzle (chunk c
       // of row r at c ^ (r % 8)), then made visible to the tensor cores' reads
@@ -261,7 +326,20 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       issue_pb<STREAM>(dv, pf, ado, STREAM);  // dV += Pᵀ·dO
 #endif
       issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
-#if DQ_ATOMIC == 1
+#if DQ_ATOMIC == 3
+      wgmma_commit();
+      // both warpgroups' dS are in shared memory (dK runs meanwhile)
+      asm volatile("bar.sync %0, %1;\n" ::"n"(BAR_DS), "n"(128 * WGS) : "memory");
+      // dQᵀ = kᵀ·dSᵀ for this warpgroup's 32 queries over the block's 128 keys, 16 a k-step:
+      // k read M-major (transposed, as v is read), dSᵀ K-major from the two tiles
+      float dqt[16];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        wgmma_m64n32_ss<1>(dqt, descriptor(smem_u32(sk) + kk * 16 * 128, V_LBO, V_SBO),
+                           descriptor(ads + (kk / 4) * 64 * 128 + wg * 32 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO), kk > 0);
+      }
+#elif DQ_ATOMIC == 1
       // dQ = dS·k over this warpgroup's 64 keys: dS from shared memory, k MN-major (as v)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
@@ -293,7 +371,25 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       wgmma_wait0();
       fence_operands(dv);
       fence_operands(dk);
-#if DQ_ATOMIC == 2
+#if DQ_ATOMIC == 3
+      fence_operands(dqt);
+      {
+        // the adding warp has read what was last in this buffer; then dQᵀ's registers go in
+        // their order, 4i..4i+3 of thread t of warpgroup w at float 4·(128·(4w + i) + t), and
+        // the warp is told
+        const int b = n % 2;
+        if (n >= 2) asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_EMPTY + b), "n"(128 * WGS + 32) : "memory");
+        const u32 adq = smem_u32(sdq) + b * 64 * 64 * 4 + (wg * 4 * 128 + tid % 128) * 16;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(adq + i * 128 * 16), "f"(dqt[4 * i]),
+                       "f"(dqt[4 * i + 1]), "f"(dqt[4 * i + 2]), "f"(dqt[4 * i + 3])
+                       : "memory");
+        }
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_FULL + b), "n"(128 * WGS + 32) : "memory");
+      }
+#elif DQ_ATOMIC == 2
       if (wg == 0) {
         fence_operands(dq);
         // register 4j + 2h + {0,1}: row warp·16 + lane/4 + 8h, columns 8j + 2·(lane%4) + {0,1}
@@ -379,14 +475,28 @@ extern "C" __global__ void hopper_delta(const u16* __restrict__ out, const Layou
 }
 
 #if DQ_ATOMIC
-// dq = 16-bit(acc · scale), two values a thread at a time: acc is [heads, tokens, HEAD_DIM],
-// dq where `layout` puts it
+// Where dQ's sum for sequence bh, token t, column d is in the f32 buffer: [heads, tokens,
+// HEAD_DIM]; with DQ_ATOMIC=3 [heads, blocks of 64 queries, 4096] in the order the adding warp
+// wrote (float 4·(128·(4w + j) + 32·warp + lane) + e holds dQᵀ's register 4j + e of that
+// thread of warpgroup w: column warp·16 + lane/4 + 8·(e/2), query 32w + 8j + 2·(lane%4) + e%2)
+__device__ __forceinline__ long long dq_index(long long bh, int t, int d, int tokens) {
+#if DQ_ATOMIC == 3
+  const int q = t % 64, w = q / 32, j = (q % 32) / 8, lane = (d % 8) * 4 + (q % 8) / 2;
+  const int e = 2 * ((d / 8) % 2) + q % 2;
+  return (bh * ((tokens + 63) / 64) + t / 64) * 4096 + 4 * (128 * (4 * w + j) + 32 * (d / 16) + lane) + e;
+#else
+  return (bh * tokens + t) * HEAD_DIM + d;
+#endif
+}
+
+// dq = 16-bit(acc · scale), two values a thread at a time, where `layout` puts it
 extern "C" __global__ void hopper_dq_convert(const float* __restrict__ acc, u16* __restrict__ dq, const Layout layout,
                                              int tokens, long long pairs, float scale) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs; i += (long long)gridDim.x * blockDim.x) {
-    const float2 a = reinterpret_cast<const float2*>(acc)[i];
-    const long long row = 2 * i / HEAD_DIM, bh = row / tokens, t = row % tokens, d = 2 * i % HEAD_DIM;
-    *reinterpret_cast<u32*>(dq + layout.start((int)bh) + t * layout.token + d) = pack(a.x * scale, a.y * scale);
+    const long long row = 2 * i / HEAD_DIM, bh = row / tokens;
+    const int t = (int)(row % tokens), d = (int)(2 * i % HEAD_DIM);
+    const float a = acc[dq_index(bh, t, d, tokens)], b = acc[dq_index(bh, t, d + 1, tokens)];
+    *reinterpret_cast<u32*>(dq + layout.start((int)bh) + (long long)t * layout.token + d) = pack(a * scale, b * scale);
   }
 }
 #endif

@@ -45,6 +45,10 @@ pub struct BackwardConfig {
     /// over the block's keys and adds it a row at a time with bulk reductions (`DQ_ATOMIC=2`:
     /// half the sums, and an instruction per row). Two consumer warpgroups.
     pub dq_bulk: bool,
+    /// With `dq_atomic`: as FlashAttention-3 does, a warp of the producer warpgroup adds dQ
+    /// with one bulk reduction a step while the consumers go on; the warpgroups split dQ's
+    /// product between them (`DQ_ATOMIC=3`). Two consumer warpgroups and a producer warpgroup.
+    pub dq_warp: bool,
 }
 
 impl BackwardConfig {
@@ -57,6 +61,7 @@ impl BackwardConfig {
             producer_warpgroup,
             dq_atomic: false,
             dq_bulk: false,
+            dq_warp: false,
         }
     }
 
@@ -77,6 +82,46 @@ impl BackwardConfig {
         }
     }
 
+    /// The dkdv shape that gives dQ too, added by a warp of its own with bulk reductions.
+    pub const fn with_dq_warp(self) -> Self {
+        BackwardConfig {
+            dq_atomic: true,
+            dq_warp: true,
+            ..self
+        }
+    }
+
+    /// The value of `DQ_ATOMIC`: 0 two passes, 1 atomics, 2 bulk reductions a row, 3 a warp
+    /// of its own.
+    fn dq_mode(&self) -> u8 {
+        match (self.dq_atomic, self.dq_bulk, self.dq_warp) {
+            (false, ..) => 0,
+            (true, false, false) => 1,
+            (true, true, _) => 2,
+            (true, false, true) => 3,
+        }
+    }
+
+    /// Floats in dkdv's f32 dQ buffer for `shape` (none in two passes): a value per value of
+    /// dQ, or with `dq_warp` 4,096 per block of 64 queries of every head.
+    pub fn dq_accum_len(&self, shape: Shape) -> usize {
+        match self.dq_mode() {
+            0 => 0,
+            3 => shape.batch * shape.heads * shape.tokens.div_ceil(64) * 64 * 64,
+            _ => shape.len(),
+        }
+    }
+
+    /// The registers a producer warpgroup keeps (`PRODUCER_REGS`): with `dq_warp` 32, for
+    /// the adding warp beside the loading one (ptxas spills at 24), else the default.
+    pub fn producer_registers(&self) -> u32 {
+        if self.dq_warp {
+            32
+        } else {
+            forward::default_producer_registers(self.warpgroups)
+        }
+    }
+
     /// Rows per block: keys (dkdv) or queries (dq).
     pub fn block_rows(&self) -> usize {
         64 * self.warpgroups
@@ -92,12 +137,14 @@ impl BackwardConfig {
     /// streamed tiles, each warpgroup's dS with `dq_atomic`, and room to align them on the
     /// swizzle's 1,024 bytes.
     pub fn smem_bytes(&self, d: usize) -> u32 {
-        // dS a warpgroup; with dq_bulk dQ's 64 rows of 288 bytes (64 f32, 32 against bank
-        // conflicts)
-        let ds = if self.dq_atomic {
-            self.block_rows() * 64 * 2 + if self.dq_bulk { 64 * 288 } else { 0 }
-        } else {
-            0
+        let ds_tiles = self.block_rows() * 64 * 2;
+        let ds = match self.dq_mode() {
+            0 => 0,
+            1 => ds_tiles,
+            // dQ's 64 rows of 288 bytes (64 f32, 32 against bank conflicts)
+            2 => ds_tiles + 64 * 288,
+            // two buffers of dS, two of dQ's 64 × 64 f32
+            _ => 2 * ds_tiles + 2 * 64 * 64 * 4,
         };
         ((2 * self.block_rows() + 2 * self.stages * self.stream) * d * 2 + ds + 1024) as u32
     }
@@ -111,10 +158,16 @@ impl BackwardConfig {
             && (!self.producer_warpgroup || self.min_blocks == 1)
             && (!self.dq_atomic || (d == 64 && self.stream == 64))
             && (!self.dq_bulk || (self.dq_atomic && self.warpgroups == 2))
+            && (!self.dq_warp
+                || (self.dq_atomic
+                    && !self.dq_bulk
+                    && self.warpgroups == 2
+                    && self.producer_warpgroup))
     }
 
     /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup), "+dqa"
-    /// (dQ with atomics), "+dqb" (dQ with bulk reductions).
+    /// (dQ with atomics), "+dqb" (dQ with bulk reductions a row), "+dqw" (dQ by a warp of its
+    /// own).
     pub fn name(&self) -> String {
         format!(
             "{}x{}x{}{}{}{}",
@@ -127,11 +180,7 @@ impl BackwardConfig {
                 String::new()
             },
             if self.producer_warpgroup { "+pwg" } else { "" },
-            match (self.dq_atomic, self.dq_bulk) {
-                (true, true) => "+dqb",
-                (true, false) => "+dqa",
-                _ => "",
-            }
+            ["", "+dqa", "+dqb", "+dqw"][self.dq_mode() as usize]
         )
     }
 }
@@ -225,6 +274,10 @@ impl BackwardConfigs {
                 dkdv: c(2, 64, true).with_dq_bulk(),
                 dq,
             });
+            all.push(BackwardConfigs {
+                dkdv: c(2, 64, true).with_dq_warp(),
+                dq,
+            });
         }
         all.retain(|c| c.dkdv.fits(d) && c.dq.fits(d));
         all
@@ -274,10 +327,8 @@ pub fn compile(
             format!("-DSTREAM={}", config.stream),
             format!("-DMIN_BLOCKS={}", config.min_blocks),
             format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
-            format!(
-                "-DDQ_ATOMIC={}",
-                config.dq_atomic as u8 + config.dq_bulk as u8
-            ),
+            format!("-DPRODUCER_REGS={}", config.producer_registers()),
+            format!("-DDQ_ATOMIC={}", config.dq_mode()),
             rank.define(),
             "--std=c++17".into(),
         ],
@@ -520,7 +571,7 @@ unsafe fn launch_passes(
     let pass = |entry: &'static str, c: BackwardConfig, qdo_rows: usize, kv_rows: usize| {
         let f = kernel(entry, c)?;
         if c.producer_warpgroup {
-            check_register_pool(&f, c.warpgroups, c.threads(), entry)?;
+            check_register_pool(&f, c.warpgroups, c.producer_registers(), c.threads(), entry)?;
         }
         // SAFETY: the caller's promise
         let maps = unsafe {
@@ -539,7 +590,7 @@ unsafe fn launch_passes(
     let (f, maps) = pass(HOPPER_DKDV, c, c.stream, c.block_rows())?;
     // dkdv's f32 dQ sums with `dq_atomic` (starting at zero), else no buffer
     let dq_accum = if c.dq_atomic {
-        let n = shape.len();
+        let n = c.dq_accum_len(shape);
         Some(
             stream
                 .alloc_zeros::<f32>(n)
@@ -582,9 +633,10 @@ unsafe fn launch_passes(
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: acc holds the shape's values in f32, an even number of them (the head dim is
-        // 64); each thread reads whole pairs below `pairs` and writes them to dq where layout
-        // puts them, within its span (the caller's promise)
+        // SAFETY: acc holds dq_accum_len values in f32, where dq_index finds each of the
+        // shape's (an even number of them: the head dim is 64); each thread takes whole pairs
+        // below `pairs` and writes them to dq where layout puts them, within its span (the
+        // caller's promise)
         unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dq_convert"))?;
         return Ok(());
     }

@@ -360,16 +360,32 @@ pub fn check_hopper(gpu: &Gpu) -> Result<(), AttnError> {
     Ok(())
 }
 
-/// The registers a producer warpgroup keeps and each consumer thread may take, as
-/// `hopper.cuh` sets them for `warpgroups` consumer warpgroups (`PRODUCER_REGS`,
-/// `CONSUMER_REGS`).
-pub(crate) fn producer_consumer_registers(warpgroups: usize) -> (u32, u32) {
-    let producer = match warpgroups {
+/// The registers a producer warpgroup keeps beside `warpgroups` consumer warpgroups, unless a
+/// kernel sets its own (`PRODUCER_REGS` in `hopper.cuh`).
+pub(crate) fn default_producer_registers(warpgroups: usize) -> u32 {
+    match warpgroups {
         1 => 56,
         2 => 24,
         _ => 32,
-    };
-    let free = (65_536 - 128 * producer) / (128 * warpgroups as u32) / 8 * 8;
+    }
+}
+
+/// The registers a block of `warpgroups` consumer warpgroups and a producer warpgroup keeping
+/// `producer` starts with, a thread: what `ptxas` gives at one block a multiprocessor, the
+/// register file shared evenly in steps of 8 (168 for 384 threads, 128 for 512, as it reports).
+pub(crate) fn start_registers(warpgroups: usize) -> u32 {
+    let threads = 128 * (warpgroups as u32 + 1);
+    (65_536 / threads / 8 * 8).min(255)
+}
+
+/// The registers a producer warpgroup keeps and each consumer thread may take, as
+/// `hopper.cuh` sets them (`PRODUCER_REGS`, `CONSUMER_REGS`): what the block starts with,
+/// less the producer's, shared by the consumers in steps of 8, at most 240.
+pub(crate) fn producer_consumer_registers(warpgroups: usize, producer: u32) -> (u32, u32) {
+    let threads = 128 * (warpgroups as u32 + 1);
+    let free =
+        (start_registers(warpgroups) * threads - 128 * producer) / (128 * warpgroups as u32) / 8
+            * 8;
     (producer, free.min(240))
 }
 
@@ -380,13 +396,14 @@ pub(crate) fn producer_consumer_registers(warpgroups: usize) -> (u32, u32) {
 pub(crate) fn check_register_pool(
     f: &cudarc::driver::CudaFunction,
     warpgroups: usize,
+    producer: u32,
     threads: u32,
     what: &str,
 ) -> Result<(), AttnError> {
     let regs = f
         .num_regs()
         .map_err(device_error("reading a kernel's register count"))? as u32;
-    let (producer, consumer) = producer_consumer_registers(warpgroups);
+    let (producer, consumer) = producer_consumer_registers(warpgroups, producer);
     let needed = 128 * producer + 128 * warpgroups as u32 * consumer;
     if regs * threads < needed {
         return Err(AttnError::Device {
@@ -575,7 +592,13 @@ unsafe fn launch(
         || compile(dtype, d, config, Descriptors::default(), rank),
     )?;
     if config.producer_warpgroup {
-        check_register_pool(&f, config.warpgroups, config.threads(), HOPPER_FORWARD)?;
+        check_register_pool(
+            &f,
+            config.warpgroups,
+            default_producer_registers(config.warpgroups),
+            config.threads(),
+            HOPPER_FORWARD,
+        )?;
     }
     let block_m = config.block_m();
     // SAFETY: the caller's promise
@@ -619,12 +642,6 @@ unsafe fn launch(
 mod tests {
     use super::*;
 
-    /// What `ptxas` gives a block of `threads` at one block a multiprocessor: the register file
-    /// shared evenly, in steps of 8 (168 for 384 threads, 128 for 512, as it reports).
-    fn launch_registers(threads: u32) -> u32 {
-        (65_536 / threads / 8 * 8).min(255)
-    }
-
     /// Every producer-warpgroup shape starts with at least the registers its roles end with,
     /// so `setmaxnreg.inc` never waits for registers that will not come.
     #[test]
@@ -634,10 +651,25 @@ mod tests {
                 .into_iter()
                 .filter(|c| c.producer_warpgroup)
             {
-                let (producer, consumer) = producer_consumer_registers(c.warpgroups);
+                let (producer, consumer) = producer_consumer_registers(
+                    c.warpgroups,
+                    default_producer_registers(c.warpgroups),
+                );
                 let needed = 128 * producer + 128 * c.warpgroups as u32 * consumer;
-                let have = launch_registers(c.threads()) * c.threads();
+                let have = start_registers(c.warpgroups) * c.threads();
                 assert!(needed <= have, "{}: {needed} > {have}", c.name());
+                assert!(consumer % 8 == 0 && (24..=256).contains(&consumer));
+                assert!(producer % 8 == 0 && (24..=256).contains(&producer));
+            }
+            for (entry, c) in crate::backward::BackwardConfigs::shapes(d)
+                .into_iter()
+                .filter(|(_, c)| c.producer_warpgroup)
+            {
+                let (producer, consumer) =
+                    producer_consumer_registers(c.warpgroups, c.producer_registers());
+                let needed = 128 * producer + 128 * c.warpgroups as u32 * consumer;
+                let have = start_registers(c.warpgroups) * c.threads();
+                assert!(needed <= have, "{entry} {}: {needed} > {have}", c.name());
                 assert!(consumer % 8 == 0 && (24..=256).contains(&consumer));
                 assert!(producer % 8 == 0 && (24..=256).contains(&producer));
             }

@@ -6,7 +6,9 @@
 //! a fraction of. Without a GPU it compiles the kernel (NVRTC, `sm_90a`) and, with `--ptx DIR`,
 //! writes the PTX for `ptxas -v`.
 //!
-//! `cargo run --release -p step06-hopper --bin hopper-check [-- [--forward | --backward] [--head-dim 128] [--ptx DIR]]`
+//! `--only NAMES` keeps the block shapes whose names hold one of NAMES (and the defaults).
+//!
+//! `cargo run --release -p step06-hopper --bin hopper-check [-- [--forward | --backward] [--head-dim 128] [--only NAMES] [--ptx DIR]]`
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -41,6 +43,35 @@ struct Args {
     /// Write each forward variant's PTX into DIR (for `ptxas -v`)
     #[arg(long, value_name = "DIR")]
     ptx: Option<PathBuf>,
+    /// Only the block shapes whose name holds one of these, comma-separated (for example
+    /// `dqw,3x2x64`); the defaults are always kept [default: every candidate]
+    #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+    only: Vec<String>,
+}
+
+impl Args {
+    /// Whether a block shape named `name` is checked and timed.
+    fn takes(&self, name: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| name.contains(o.as_str()))
+    }
+
+    /// The forward's block shapes at head dim `d` to check and time.
+    fn forward_configs(&self, d: usize) -> Vec<HopperConfig> {
+        let default = [1, 1 << 14].map(|t| HopperConfig::for_shape(t, d));
+        HopperConfig::candidates(d)
+            .into_iter()
+            .filter(|c| default.contains(c) || self.takes(&c.name()))
+            .collect()
+    }
+
+    /// The backward's pairs of block shapes at head dim `d` to check and time.
+    fn backward_configs(&self, d: usize) -> Vec<BackwardConfigs> {
+        let default = BackwardConfigs::defaults(d);
+        BackwardConfigs::candidates(d)
+            .into_iter()
+            .filter(|c| default.contains(c) || self.takes(&c.name()))
+            .collect()
+    }
 }
 
 fn head_dim(s: &str) -> Result<usize, String> {
@@ -68,7 +99,7 @@ fn run(args: Args) -> Result<bool, AttnError> {
     };
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for &d in &head_dims {
-            for config in HopperConfig::candidates(d) {
+            for config in args.forward_configs(d) {
                 let ptx = forward::compile(dtype, d, config, Default::default(), TmaRank::Three)?;
                 println!(
                     "hopper_forward {} d{d} {} compiles for sm_90a",
@@ -100,10 +131,10 @@ fn run(args: Args) -> Result<bool, AttnError> {
     dense_product(gpu)?;
     let mut all = true;
     if !args.backward {
-        all &= check_forward(gpu, &head_dims)?;
+        all &= check_forward(gpu, &head_dims, &args)?;
     }
     if !args.forward {
-        all &= check_backward(gpu, &head_dims)?;
+        all &= check_backward(gpu, &head_dims, &args)?;
     }
     Ok(all)
 }
@@ -150,7 +181,7 @@ fn dense_product(gpu: &Gpu) -> Result<(), AttnError> {
     Ok(())
 }
 
-fn check_forward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
+fn check_forward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, AttnError> {
     let mut all = true;
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for &d in head_dims {
@@ -161,7 +192,9 @@ fn check_forward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
                 (1, 2, 2048),
                 (1, 1, 4096),
             ] {
-                for (config, ok, line) in check_shape(gpu, Shape::new(b, h, t, d), dtype)? {
+                for (config, ok, line) in
+                    check_shape(gpu, Shape::new(b, h, t, d), dtype, &args.forward_configs(d))?
+                {
                     println!(
                         "{} {b}x{h}x{t} d{d} {}: {line}",
                         dtype.name(),
@@ -189,7 +222,7 @@ fn check_forward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
                 gpu.time_ms(|| gpu.forward_into(&q, &k, &v, &mut out))
             })?;
             let tf = |ms: f64| shape.forward_flops() / ms / 1e9;
-            for config in HopperConfig::candidates(d) {
+            for config in args.forward_configs(d) {
                 let hopper = median_ms(Warmup::Millis(300.0), 20, || {
                     gpu.time_ms(|| forward::forward_with(gpu, config, &q, &k, &v, &mut out))
                 })?;
@@ -210,6 +243,7 @@ fn check_shape(
     gpu: &Gpu,
     shape: Shape,
     dtype: Dtype,
+    configs: &[HopperConfig],
 ) -> Result<Vec<(HopperConfig, bool, String)>, AttnError> {
     let [q, k, v] = random_qkv(shape, 11);
     let reference = attention_f64(q.view(), k.view(), v.view())?;
@@ -221,7 +255,7 @@ fn check_shape(
         error(&ours.lse, &reference.lse).max_abs,
     );
     let mut lines = Vec::new();
-    for config in HopperConfig::candidates(shape.head_dim) {
+    for config in configs.iter().copied() {
         let mut out = gpu.alloc_output(shape, dtype)?;
         forward::forward_with(gpu, config, &dq, &dk, &dv, &mut out)?;
         let hopper = gpu.download_attention(&out)?;
@@ -242,7 +276,7 @@ fn check_shape(
 
 /// The backward's block shapes against the f64 reference beside step 04's kernels, then
 /// their speed (the backward alone, after one forward) at 4 × 12 heads in bf16.
-fn check_backward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
+fn check_backward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, AttnError> {
     use flash_core::inputs::random_normal;
     use step04_backward::reference::backward_f64;
     let mut all = true;
@@ -266,7 +300,7 @@ fn check_backward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
                     Ok(e)
                 };
                 let theirs = errors(&step04::backward(gpu, &q, &k, &v, &fwd, &dout)?)?;
-                for configs in BackwardConfigs::candidates(d) {
+                for configs in args.backward_configs(d) {
                     let ours = errors(&backward::backward_with(
                         gpu, configs, &q, &k, &v, &fwd, &dout,
                     )?)?;
@@ -321,7 +355,7 @@ fn check_backward(gpu: &Gpu, head_dims: &[usize]) -> Result<bool, AttnError> {
                 gpu.time_ms(|| step04::backward(gpu, &q, &k, &v, &fwd, &dout))
             })?;
             let tf = |ms: f64| shape.backward_flops() / ms / 1e9;
-            for configs in BackwardConfigs::candidates(d) {
+            for configs in args.backward_configs(d) {
                 let ours = median_ms(Warmup::Millis(300.0), 20, || {
                     gpu.time_ms(|| backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout))
                 })?;
