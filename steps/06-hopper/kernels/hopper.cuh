@@ -110,6 +110,7 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait2() { asm volatile("wgmma.wait_group.sync.aligned 2;\n" ::: "memory"); }
 // Pins an accumulator's registers in place around a wait: the compiler may not move a read
 // or write of them across this point (CUTLASS's warpgroup_fence_operand)
 template <int N>

@@ -50,14 +50,16 @@
 #if DQ_ATOMIC >= 2 && WGS != 2
 #error "DQ_ATOMIC=2 and 3 take two consumer warpgroups"
 #endif
-#if DQ_ATOMIC == 3 && !PRODUCER_WG
+#if DQ_ATOMIC >= 3 && !PRODUCER_WG
 #error "DQ_ATOMIC=3 takes a producer warpgroup (its second warp adds dQ)"
 #endif
-// DQ_ATOMIC=3's named barriers: the warpgroups' dS written (256 threads); a dQ buffer written
-// (the consumers and the adding warp, 288), and read by the bulk reduction (288)
+// DQ_ATOMIC=3's named barriers: the warpgroups' dS written (256 threads); a warpgroup's half
+// of dQ buffer b written (BAR_DQ_FULL + 2·wg + b: the warpgroup and the adding warp, 160), and
+// read by the bulk reduction (BAR_DQ_EMPTY + 2·wg + b)
 #define BAR_DS 1
 #define BAR_DQ_FULL 2
-#define BAR_DQ_EMPTY 4
+#define BAR_DQ_EMPTY 6
+#define BAR_DQ_COUNT (128 + 32)
 // EARLY_DV=1: dV += Pᵀ·dO is issued as soon as Pᵀ is made, and runs while dSᵀ is made; it
 // holds Pᵀ's fragments in registers meanwhile, which only one warpgroup, or two with the
 // producer's registers given to them, can spare (ptxas spills otherwise)
@@ -123,28 +125,117 @@ __device__ __forceinline__ void init_barriers(u64* own_bar, u64* full, u64* empt
 }
 
 #if PASS == 0
-#if DQ_ATOMIC == 3
-// The adding warp of DQ_ATOMIC=3: each step's dQ buffer (two in turn at sdq, 16 KB each) into
-// the f32 sums of its block of queries, first + n, with one bulk reduction; the consumers are
-// told when a buffer has been read. Not inlined: the producer's 24 registers would otherwise
-// have to hold what it computes
+// Pᵀ from Sᵀ in place, for a consumer warpgroup's keys from kw0 and a block of queries from
+// q0: register 4j+e is key kr0 + 8·(e/2), query q0 + 8j + 2·(lane%4) + e%2 (lse2: the block's
+// log-sum-exps in base 2); only a block that reaches a query before one of these keys is
+// masked
+__device__ __forceinline__ void probabilities_t(float (&st)[STREAM / 2], const float* lse2, int q0, int kw0, int kr0,
+                                                int lane, float scale_log2) {
+  const bool masked = q0 < kw0 + 63;
+#pragma unroll
+  for (int j = 0; j < STREAM / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = 8 * j + 2 * (lane % 4) + (e % 2);
+      float p = exp2f(st[4 * j + e] * scale_log2 - lse2[col]);
+      if (masked && q0 + col < kr0 + 8 * (e / 2)) p = 0.f;
+      st[4 * j + e] = p;
+    }
+  }
+}
+
+// dSᵀ = Pᵀ ∘ (dPᵀ − δ) in place of dPᵀ (δ: the block's, a query each)
+__device__ __forceinline__ void scores_grad_t(float (&dpt)[STREAM / 2], const float (&pt)[STREAM / 2],
+                                              const float* delta, int lane) {
+#pragma unroll
+  for (int j = 0; j < STREAM / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dpt[4 * j + e] = pt[4 * j + e] * (dpt[4 * j + e] - delta[8 * j + 2 * (lane % 4) + (e % 2)]);
+  }
+}
+
+#if DQ_ATOMIC >= 3
+// A compile-time flag passed as a value (to a generic lambda)
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
+// dSᵀ's fragments into a warpgroup's tile at `tile`: dsf[2j + h] is an 8×8 fragment (keys
+// warp·16 + 8h.., queries 8j..); stmatrix stores four at a time transposed, a query a row, in
+// the 128-byte swizzle (chunk c of row r at c ^ (r % 8)), lanes 8m..8m+7 naming the rows of
+// fragment m; then made visible to the tensor cores' reads
+__device__ __forceinline__ void store_ds_t(u32 tile, const u32 (&dsf)[STREAM / 4], int warp, int lane) {
+#pragma unroll
+  for (int j = 0; j < STREAM / 8; j += 2) {
+    const u32 row = 8 * (j + lane / 16) + lane % 8, chunk = 2 * warp + (lane / 8) % 2;
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     tile + row * 128 + ((chunk ^ (row % 8)) * 16)),
+                 "r"(dsf[2 * j]), "r"(dsf[2 * j + 1]), "r"(dsf[2 * j + 2]), "r"(dsf[2 * j + 3])
+                 : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// dQᵀ = kᵀ·dSᵀ for warpgroup wg's 32 of the block's 64 queries over its 128 keys, 16 a k-step:
+// k (at sk) read M-major (transposed, as v is read), dSᵀ K-major from the two tiles at ads
+__device__ __forceinline__ void issue_dq_t(float (&dqt)[16], u32 sk, u32 ads, int wg) {
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    wgmma_m64n32_ss<1>(dqt, descriptor(sk + kk * 16 * 128, V_LBO, V_SBO),
+                       descriptor(ads + (kk / 4) * 64 * 128 + wg * 32 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO), kk > 0);
+  }
+}
+
+// dQᵀ's registers into dQ buffer b for the adding warp, once it has read what was last in it:
+// 4i..4i+3 of thread t of warpgroup w at float 4·(128·(4w + i) + t); then the warp is told.
+// `reused`: the buffer held an earlier step's dQ
+__device__ __forceinline__ void store_dq_t(unsigned char* sdq, const float (&dqt)[16], int b, bool reused, int wg,
+                                           int tid) {
+  if (reused) asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_EMPTY + 2 * wg + b), "n"(BAR_DQ_COUNT) : "memory");
+  const u32 adq = smem_u32(sdq) + b * 64 * 64 * 4 + (wg * 4 * 128 + tid % 128) * 16;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(adq + i * 128 * 16), "f"(dqt[4 * i]),
+                 "f"(dqt[4 * i + 1]), "f"(dqt[4 * i + 2]), "f"(dqt[4 * i + 3])
+                 : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_FULL + 2 * wg + b), "n"(BAR_DQ_COUNT) : "memory");
+}
+#endif
+
+#if DQ_ATOMIC >= 3
+// The adding warp of DQ_ATOMIC=3 and 4: each step's dQ buffer (two in turn at sdq, 16 KB each,
+// a warpgroup's half 8 KB) into the f32 sums of its block of queries, first + n, with a bulk
+// reduction a half as each warpgroup is done with it; each warpgroup is told when its half
+// has been read. Not inlined: the producer's registers would otherwise have to hold what it
+// computes
 __device__ __noinline__ void add_dq(float* dq_accum, unsigned char* sdq, int head, int first, int n_blocks, int tokens,
                                     int lane) {
   float* dst = dq_accum + ((u64)head * ((tokens + 63) / 64) + first) * 64 * 64;
 #pragma unroll 1
   for (int n = 0; n < n_blocks; ++n, dst += 64 * 64) {
     const int b = n % 2;
-    asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_FULL + b), "n"(128 * WGS + 32) : "memory");
-    if (lane == 0) {
-      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
-                   "r"(smem_u32(sdq + b * 64 * 64 * 4)), "n"(64 * 64 * 4)
-                   : "memory");
-      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      // the buffer has been read: the consumers may write it again
-      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#pragma unroll
+    for (int w = 0; w < WGS; ++w) {
+      asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_FULL + 2 * w + b), "n"(BAR_DQ_COUNT) : "memory");
+      if (lane == 0) {
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst + w * 32 * 64),
+                     "r"(smem_u32(sdq + b * 64 * 64 * 4 + w * 32 * 64 * 4)), "n"(32 * 64 * 4)
+                     : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      }
     }
+    // the buffer has been read: the consumers may write it again
+    if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     __syncwarp();
-    if (n + 2 < n_blocks) asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_EMPTY + b), "n"(128 * WGS + 32) : "memory");
+    if (n + 2 < n_blocks) {
+#pragma unroll
+      for (int w = 0; w < WGS; ++w) {
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_EMPTY + 2 * w + b), "n"(BAR_DQ_COUNT) : "memory");
+      }
+    }
   }
   if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
@@ -170,12 +261,22 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
 #if DQ_ATOMIC == 2
   // the block's dQ in f32 for the bulk reductions, [64 queries][DQ_ROW_BYTES]
   unsigned char* sdq = sds + WGS * 64 * 128;
-#elif DQ_ATOMIC == 3
+#elif DQ_ATOMIC >= 3
   // two buffers of dS (each both warpgroups' tiles, 16 KB), then two of dQ in f32 (16 KB)
   unsigned char* sdq = sds + 2 * WGS * 64 * 128;
 #endif
   __shared__ float slse[STAGES][STREAM], sdelta[STAGES][STREAM];
   __shared__ __align__(8) u64 full[STAGES], empty[STAGES], kvbar;
+#if DQ_ATOMIC == 4
+  // a dS buffer written by both warpgroups (ds_full), read by both warpgroups' dQ (ds_empty)
+  __shared__ __align__(8) u64 ds_full[2], ds_empty[2];
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(smem_u32(&ds_full[b]), 128 * WGS);
+      mbar_init(smem_u32(&ds_empty[b]), 128 * WGS);
+    }
+  }
+#endif
 
   // the first key blocks are seen by the most queries: they start first
   const int kb = blockIdx.x, head = blockIdx.y, k0 = kb * BLOCK_ROWS;
@@ -190,7 +291,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       produce<true>(&map_k, &map_v, &map_q, &map_do, sk, sv, sq, sdo, slse, sdelta, &kvbar, full, empty, lse, delta, k0,
                     first * STREAM, n_blocks, head, layout.heads, tokens, tid % 32);
     }
-#if DQ_ATOMIC == 3
+#if DQ_ATOMIC >= 3
     else if (tid < 128 * WGS + 64) {
       add_dq(dq_accum, sdq, head, first, n_blocks, tokens, tid % 32);
     }
@@ -213,6 +314,84 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
   const u32 ak = smem_u32(sk) + wg * 64 * 128, av = smem_u32(sv) + wg * 64 * 128, kv_half = BLOCK_ROWS * 128;
   mbar_wait(smem_u32(&kvbar), 0);
 
+#if DQ_ATOMIC == 4
+  // One pass, pipelined: block n's dQ product is issued after block n + 1's Sᵀ and dPᵀ, so the
+  // warpgroups need not reach block n's dS together, and its registers are stored while
+  // block n + 1's products run. Groups of products in flight, in order: Sᵀ(n), dPᵀ(n),
+  // dQ(n − 1), dV(n), dK(n).
+  float dqt[16];
+  const u32 ads0 = smem_u32(sds);
+  // one block; the first (block 0, no dQ before it) is a step of its own, so that every
+  // wait counts the same groups in flight wherever it is (ptxas serialises the products
+  // otherwise)
+  auto step = [&](const int n, auto is_first) {
+    constexpr bool FIRST = decltype(is_first)::value;
+    const int s = n % STAGES, q0 = (first + n) * STREAM, b = n % 2;
+    mbar_wait(smem_u32(&full[s]), (n / STAGES) & 1);
+    const u32 aq = smem_u32(sq + s * STREAM * ROW_BYTES), ado = smem_u32(sdo + s * STREAM * ROW_BYTES);
+    wgmma_fence();
+    issue_abt<STREAM>(st, ak, kv_half, aq, STREAM * 128);    // Sᵀ = k·qᵀ
+    wgmma_commit();
+    issue_abt<STREAM>(dpt, av, kv_half, ado, STREAM * 128);  // dPᵀ = v·dOᵀ
+    wgmma_commit();
+    if constexpr (FIRST) {
+      wgmma_wait1();
+    } else {
+      // both warpgroups' dS of block n − 1 are in shared memory
+      mbar_wait(smem_u32(&ds_full[1 - b]), ((n - 1) / 2) & 1);
+      issue_dq_t(dqt, smem_u32(sk), ads0 + (1 - b) * WGS * 64 * 128, wg);
+      wgmma_commit();
+      wgmma_wait2();
+      // Sᵀ(n) has landed, and before it block n − 1's dV and dK: its stage is free
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_u32(&empty[(n - 1) % STAGES]));
+    }
+    fence_operands(st);
+    probabilities_t(st, slse[s], q0, kw0, kr0, lane, scale_log2);
+    pack_fragments<STREAM>(pf, st);
+    wgmma_fence();
+    issue_pb<STREAM>(dv, pf, ado, STREAM);  // dV += Pᵀ·dO
+    wgmma_commit();
+    // dPᵀ has landed (dQ(n − 1) and dV may not have)
+    if constexpr (FIRST) {
+      wgmma_wait1();
+    } else {
+      wgmma_wait2();
+    }
+    fence_operands(dpt);
+    scores_grad_t(dpt, st, sdelta[s], lane);
+    pack_fragments<STREAM>(dsf, dpt);
+    // both warpgroups' dQ products of block n − 2 have read this dS buffer
+    if (n >= 2) mbar_wait(smem_u32(&ds_empty[b]), ((n - 2) / 2) & 1);
+    store_ds_t(ads0 + b * WGS * 64 * 128 + wg * 64 * 128, dsf, warp, lane);
+    mbar_arrive(smem_u32(&ds_full[b]));
+    wgmma_fence();
+    issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
+    wgmma_commit();
+    if constexpr (!FIRST) {
+      // dQ(n − 1) has landed: its dS buffer is free, and its dQ goes to the adding warp
+      wgmma_wait2();
+      fence_operands(dqt);
+      mbar_arrive(smem_u32(&ds_empty[1 - b]));
+      store_dq_t(sdq, dqt, 1 - b, n - 1 >= 2, wg, tid);
+    }
+  };
+  step(0, Flag<true>{});
+  for (int n = 1; n < n_blocks; ++n) step(n, Flag<false>{});
+  {
+    // the last block's dQ
+    const int n = n_blocks - 1, b = n % 2;
+    mbar_wait(smem_u32(&ds_full[b]), (n / 2) & 1);
+    wgmma_fence();
+    issue_dq_t(dqt, smem_u32(sk), ads0 + b * WGS * 64 * 128, wg);
+    wgmma_commit();
+    wgmma_wait0();
+    fence_operands(dqt);
+    fence_operands(dv);
+    fence_operands(dk);
+    store_dq_t(sdq, dqt, b, n >= 2, wg, tid);
+  }
+#else
   for (int n = 0; n < n_blocks; ++n) {
     const int s = n % STAGES, q0 = (first + n) * STREAM;
     mbar_wait(smem_u32(&full[s]), (n / STAGES) & 1);
@@ -263,19 +442,8 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       }
       pack_fragments<STREAM>(dsf, dpt);
 #if DQ_ATOMIC == 3
-      // dsf[2j + h] is an 8×8 fragment (keys warp·16 + 8h.., queries 8j..): stmatrix stores four
-      // at a time transposed, a query a row, in the 128-byte swizzle (chunk c of row r at
-      // c ^ (r % 8)); lanes 8m..8m+7 name the rows of fragment m
       const u32 ads = smem_u32(sds) + (n % 2) * WGS * 64 * 128;
-#pragma unroll
-      for (int j = 0; j < STREAM / 8; j += 2) {
-        const u32 row = 8 * (j + lane / 16) + lane % 8, chunk = 2 * warp + (lane / 8) % 2;
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                         ads + wg * 64 * 128 + row * 128 + ((chunk ^ (row % 8)) * 16)),
-                     "r"(dsf[2 * j]), "r"(dsf[2 * j + 1]), "r"(dsf[2 * j + 2]), "r"(dsf[2 * j + 3])
-                     : "memory");
-      }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      store_ds_t(ads + wg * 64 * 128, dsf, warp, lane);
 #elif DQ_ATOMIC
       // dSᵀ's register 4j+e is dS's element (query 8j + 2·(lane%4) + e%2, key warp·16 +
       // lane/4 + 8·(e/2)): stored transposed, a query a row, in the 128-byte swizzle (chunk c
@@ -330,15 +498,9 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       wgmma_commit();
       // both warpgroups' dS are in shared memory (dK runs meanwhile)
       asm volatile("bar.sync %0, %1;\n" ::"n"(BAR_DS), "n"(128 * WGS) : "memory");
-      // dQᵀ = kᵀ·dSᵀ for this warpgroup's 32 queries over the block's 128 keys, 16 a k-step:
-      // k read M-major (transposed, as v is read), dSᵀ K-major from the two tiles
       float dqt[16];
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-        wgmma_m64n32_ss<1>(dqt, descriptor(smem_u32(sk) + kk * 16 * 128, V_LBO, V_SBO),
-                           descriptor(ads + (kk / 4) * 64 * 128 + wg * 32 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO), kk > 0);
-      }
+      issue_dq_t(dqt, smem_u32(sk), ads, wg);
 #elif DQ_ATOMIC == 1
       // dQ = dS·k over this warpgroup's 64 keys: dS from shared memory, k MN-major (as v)
 #pragma unroll
@@ -373,22 +535,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       fence_operands(dk);
 #if DQ_ATOMIC == 3
       fence_operands(dqt);
-      {
-        // the adding warp has read what was last in this buffer; then dQᵀ's registers go in
-        // their order, 4i..4i+3 of thread t of warpgroup w at float 4·(128·(4w + i) + t), and
-        // the warp is told
-        const int b = n % 2;
-        if (n >= 2) asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_EMPTY + b), "n"(128 * WGS + 32) : "memory");
-        const u32 adq = smem_u32(sdq) + b * 64 * 64 * 4 + (wg * 4 * 128 + tid % 128) * 16;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(adq + i * 128 * 16), "f"(dqt[4 * i]),
-                       "f"(dqt[4 * i + 1]), "f"(dqt[4 * i + 2]), "f"(dqt[4 * i + 3])
-                       : "memory");
-        }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_FULL + b), "n"(128 * WGS + 32) : "memory");
-      }
+      store_dq_t(sdq, dqt, n % 2, n >= 2, wg, tid);
 #elif DQ_ATOMIC == 2
       if (wg == 0) {
         fence_operands(dq);
@@ -444,6 +591,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
     __syncwarp();
     if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
   }
+#endif
 #if DQ_ATOMIC == 2
   // the bulk reductions read sdq until they are done: the block keeps its shared memory
   if (wg == 0 && warp == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -480,7 +628,7 @@ extern "C" __global__ void hopper_delta(const u16* __restrict__ out, const Layou
 // wrote (float 4·(128·(4w + j) + 32·warp + lane) + e holds dQᵀ's register 4j + e of that
 // thread of warpgroup w: column warp·16 + lane/4 + 8·(e/2), query 32w + 8j + 2·(lane%4) + e%2)
 __device__ __forceinline__ long long dq_index(long long bh, int t, int d, int tokens) {
-#if DQ_ATOMIC == 3
+#if DQ_ATOMIC >= 3
   const int q = t % 64, w = q / 32, j = (q % 32) / 8, lane = (d % 8) * 4 + (q % 8) / 2;
   const int e = 2 * ((d / 8) % 2) + q % 2;
   return (bh * ((tokens + 63) / 64) + t / 64) * 4096 + 4 * (128 * (4 * w + j) + 32 * (d / 16) + lane) + e;

@@ -49,6 +49,9 @@ pub struct BackwardConfig {
     /// with one bulk reduction a step while the consumers go on; the warpgroups split dQ's
     /// product between them (`DQ_ATOMIC=3`). Two consumer warpgroups and a producer warpgroup.
     pub dq_warp: bool,
+    /// With `dq_warp`: each block's dQ product issued after the next block's Sᵀ and dPᵀ, so
+    /// that the warpgroups need not meet every step (`DQ_ATOMIC=4`).
+    pub dq_pipelined: bool,
 }
 
 impl BackwardConfig {
@@ -62,6 +65,7 @@ impl BackwardConfig {
             dq_atomic: false,
             dq_bulk: false,
             dq_warp: false,
+            dq_pipelined: false,
         }
     }
 
@@ -91,6 +95,19 @@ impl BackwardConfig {
         }
     }
 
+    /// `with_dq_warp`, pipelined.
+    pub const fn with_dq_pipelined(self) -> Self {
+        BackwardConfig {
+            dq_pipelined: true,
+            ..self.with_dq_warp()
+        }
+    }
+
+    /// With `stages` buffers of the streamed tiles.
+    pub const fn with_stages(self, stages: usize) -> Self {
+        BackwardConfig { stages, ..self }
+    }
+
     /// The value of `DQ_ATOMIC`: 0 two passes, 1 atomics, 2 bulk reductions a row, 3 a warp
     /// of its own.
     fn dq_mode(&self) -> u8 {
@@ -98,7 +115,7 @@ impl BackwardConfig {
             (false, ..) => 0,
             (true, false, false) => 1,
             (true, true, _) => 2,
-            (true, false, true) => 3,
+            (true, false, true) => 3 + self.dq_pipelined as u8,
         }
     }
 
@@ -107,7 +124,7 @@ impl BackwardConfig {
     pub fn dq_accum_len(&self, shape: Shape) -> usize {
         match self.dq_mode() {
             0 => 0,
-            3 => shape.batch * shape.heads * shape.tokens.div_ceil(64) * 64 * 64,
+            3 | 4 => shape.batch * shape.heads * shape.tokens.div_ceil(64) * 64 * 64,
             _ => shape.len(),
         }
     }
@@ -180,7 +197,7 @@ impl BackwardConfig {
                 String::new()
             },
             if self.producer_warpgroup { "+pwg" } else { "" },
-            ["", "+dqa", "+dqb", "+dqw"][self.dq_mode() as usize]
+            ["", "+dqa", "+dqb", "+dqw", "+dqp"][self.dq_mode() as usize]
         )
     }
 }
@@ -278,6 +295,12 @@ impl BackwardConfigs {
                 dkdv: c(2, 64, true).with_dq_warp(),
                 dq,
             });
+            for stages in [2, 3] {
+                all.push(BackwardConfigs {
+                    dkdv: c(2, 64, true).with_dq_pipelined().with_stages(stages),
+                    dq,
+                });
+            }
         }
         all.retain(|c| c.dkdv.fits(d) && c.dq.fits(d));
         all
