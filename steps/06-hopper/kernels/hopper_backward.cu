@@ -369,8 +369,10 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
     issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
     wgmma_commit();
     if constexpr (!FIRST) {
-      // dQ(n − 1) has landed: its dS buffer is free, and its dQ goes to the adding warp
-      wgmma_wait2();
+      // dQ(n − 1) has landed: its dS buffer is free, and its dQ goes to the adding warp; so
+      // have dV(n) and dK(n) (with dK(n) left in flight, its dS fragments would be live
+      // across the loop, and ptxas would serialise the products for want of registers)
+      wgmma_wait0();
       fence_operands(dqt);
       mbar_arrive(smem_u32(&ds_empty[1 - b]));
       store_dq_t(sdq, dqt, 1 - b, n - 1 >= 2, wg, tid);

@@ -354,6 +354,9 @@ pub fn compile(
             format!("-DDQ_ATOMIC={}", config.dq_mode()),
             rank.define(),
             "--std=c++17".into(),
+            // the pipelined one-pass loop's step is a lambda, which NVRTC 13.0 takes for a
+            // host function unless told otherwise
+            "-default-device".into(),
         ],
         name: Some(format!(
             "{entry}_{}_d{head_dim}_{}_rank{}.cu",
