@@ -60,11 +60,6 @@
 #define BAR_DQ_FULL 2
 #define BAR_DQ_EMPTY 6
 #define BAR_DQ_COUNT (128 + 32)
-// DK_SMEM: a warpgroup's four warps have stored their dS (BAR_DK + wg, 128)
-#define BAR_DK 10
-#ifndef DK_SMEM
-#define DK_SMEM 0
-#endif
 // EARLY_DV=1: dV += Pᵀ·dO is issued as soon as Pᵀ is made, and runs while dSᵀ is made; it
 // holds Pᵀ's fragments in registers meanwhile, which only one warpgroup, or two with the
 // producer's registers given to them, can spare (ptxas spills otherwise)
@@ -368,34 +363,16 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
     pack_fragments<STREAM>(dsf, dpt);
     // both warpgroups' dQ products of block n − 2 have read this dS buffer
     if (n >= 2) mbar_wait(smem_u32(&ds_empty[b]), ((n - 2) / 2) & 1);
-    const u32 tile = ads0 + b * WGS * 64 * 128 + wg * 64 * 128;
-    store_ds_t(tile, dsf, warp, lane);
+    store_ds_t(ads0 + b * WGS * 64 * 128 + wg * 64 * 128, dsf, warp, lane);
     mbar_arrive(smem_u32(&ds_full[b]));
-#if DK_SMEM
-    // dK += dSᵀ·q with dSᵀ read back from the warpgroup's tile (M-major: its rows are
-    // queries), once all four warps have stored theirs, so that dS's fragments are free and
-    // dK can stay in flight into the next block
-    asm volatile("bar.sync %0, 128;\n" ::"r"(BAR_DK + wg) : "memory");
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < STREAM / 16; ++kk) {
-      wgmma_m64n64_ss<1, 1>(dk[0], descriptor(tile + kk * 16 * 128, V_LBO, V_SBO),
-                            descriptor(aq + kk * 16 * 128, V_LBO, V_SBO), 1);
-    }
-#else
     wgmma_fence();
     issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
-#endif
     wgmma_commit();
     if constexpr (!FIRST) {
       // dQ(n − 1) has landed: its dS buffer is free, and its dQ goes to the adding warp; so
-      // has dV(n) (and without DK_SMEM dK(n): left in flight, its dS fragments would be live
+      // have dV(n) and dK(n) (with dK(n) left in flight, its dS fragments would be live
       // across the loop, and ptxas would serialise the products for want of registers)
-#if DK_SMEM
-      wgmma_wait1();
-#else
       wgmma_wait0();
-#endif
       fence_operands(dqt);
       mbar_arrive(smem_u32(&ds_empty[1 - b]));
       store_dq_t(sdq, dqt, 1 - b, n - 1 >= 2, wg, tid);

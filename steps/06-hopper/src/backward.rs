@@ -52,9 +52,6 @@ pub struct BackwardConfig {
     /// With `dq_warp`: each block's dQ product issued after the next block's Sᵀ and dPᵀ, so
     /// that the warpgroups need not meet every step (`DQ_ATOMIC=4`).
     pub dq_pipelined: bool,
-    /// With `dq_pipelined`: dK's product reads dSᵀ back from shared memory, so that it can
-    /// stay in flight into the next block (`DK_SMEM`).
-    pub dk_smem: bool,
 }
 
 impl BackwardConfig {
@@ -69,7 +66,6 @@ impl BackwardConfig {
             dq_bulk: false,
             dq_warp: false,
             dq_pipelined: false,
-            dk_smem: false,
         }
     }
 
@@ -104,14 +100,6 @@ impl BackwardConfig {
         BackwardConfig {
             dq_pipelined: true,
             ..self.with_dq_warp()
-        }
-    }
-
-    /// `with_dq_pipelined`, dK reading dSᵀ from shared memory.
-    pub const fn with_dk_smem(self) -> Self {
-        BackwardConfig {
-            dk_smem: true,
-            ..self.with_dq_pipelined()
         }
     }
 
@@ -199,7 +187,7 @@ impl BackwardConfig {
     /// own).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}{}{}",
+            "{}x{}x{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.stream,
@@ -209,8 +197,7 @@ impl BackwardConfig {
                 String::new()
             },
             if self.producer_warpgroup { "+pwg" } else { "" },
-            ["", "+dqa", "+dqb", "+dqw", "+dqp"][self.dq_mode() as usize],
-            if self.dk_smem { "+dks" } else { "" }
+            ["", "+dqa", "+dqb", "+dqw", "+dqp"][self.dq_mode() as usize]
         )
     }
 }
@@ -308,13 +295,9 @@ impl BackwardConfigs {
                 dkdv: c(2, 64, true).with_dq_warp(),
                 dq,
             });
-            for stages in [2, 3, 4] {
+            for stages in [2, 3] {
                 all.push(BackwardConfigs {
                     dkdv: c(2, 64, true).with_dq_pipelined().with_stages(stages),
-                    dq,
-                });
-                all.push(BackwardConfigs {
-                    dkdv: c(2, 64, true).with_dk_smem().with_stages(stages),
                     dq,
                 });
             }
@@ -369,7 +352,6 @@ pub fn compile(
             format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
             format!("-DPRODUCER_REGS={}", config.producer_registers()),
             format!("-DDQ_ATOMIC={}", config.dq_mode()),
-            format!("-DDK_SMEM={}", config.dk_smem as u8),
             rank.define(),
             "--std=c++17".into(),
             // the pipelined one-pass loop's step is a lambda, which NVRTC 13.0 takes for a
