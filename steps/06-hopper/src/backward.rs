@@ -211,14 +211,32 @@ pub struct BackwardConfigs {
 
 impl BackwardConfigs {
     /// The shapes for a sequence length and head dim, measured fastest by `hopper-check` on the
-    /// H200 (`measurements/hopper-check.txt`, `measurements/backward-order-8b30fff.txt`): at head
-    /// dim 64 dK/dV with three consumer warpgroups (192 keys a block) and dQ with two streaming
-    /// 128 keys a step, both fed by a producer warpgroup that gives its registers to them; at
-    /// head dim 128 dkdv's four accumulators of 64 columns leave two warpgroups room for 32
-    /// queries a step, or one warpgroup for 64 (faster up to 4,096 tokens, when there are
-    /// fewer blocks of keys than multiprocessors can take two of), and dq takes the producer's
-    /// registers.
+    /// H200 (`measurements/one-pass-pipelined.txt`): at head dim 64 one pass, dQ added by a
+    /// warp of its own and its product pipelined (two consumer warpgroups, three stages); its
+    /// dQ's last bits depend on the order blocks finish in, and it takes an f32 buffer as
+    /// large as two dQs. At head dim 128, the two passes of [`BackwardConfigs::deterministic`].
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
+        match head_dim {
+            64 => BackwardConfigs {
+                dkdv: BackwardConfig::new(2, 64, true)
+                    .with_dq_pipelined()
+                    .with_stages(3),
+                dq: BackwardConfigs::deterministic(tokens, head_dim).dq,
+            },
+            _ => BackwardConfigs::deterministic(tokens, head_dim),
+        }
+    }
+
+    /// Two passes, each block writing only its own rows: the same bits run to run, and no
+    /// buffer beyond the gradients and δ. The shapes measured fastest by `hopper-check` on the
+    /// H200 (`measurements/hopper-check.txt`, `measurements/backward-order-8b30fff.txt`): at
+    /// head dim 64 dK/dV with three consumer warpgroups (192 keys a block) and dQ with two
+    /// streaming 128 keys a step, both fed by a producer warpgroup that gives its registers to
+    /// them; at head dim 128 dkdv's four accumulators of 64 columns leave two warpgroups room
+    /// for 32 queries a step, or one warpgroup for 64 (faster up to 4,096 tokens, when there
+    /// are fewer blocks of keys than multiprocessors can take two of), and dq takes the
+    /// producer's registers.
+    pub fn deterministic(tokens: usize, head_dim: usize) -> Self {
         match (head_dim, tokens) {
             (128, ..=4096) => BackwardConfigs {
                 dkdv: BackwardConfig::new(1, 64, false),
@@ -235,13 +253,19 @@ impl BackwardConfigs {
         }
     }
 
-    /// Every pair [`BackwardConfigs::for_shape`] picks at head dim `d`, the longest
-    /// sequences' first.
+    /// Every pair [`BackwardConfigs::for_shape`] and [`BackwardConfigs::deterministic`] pick
+    /// at head dim `d`, the longest sequences' first.
     pub fn defaults(d: usize) -> Vec<BackwardConfigs> {
-        let mut all = vec![BackwardConfigs::for_shape(1 << 14, d)];
-        let short = BackwardConfigs::for_shape(1, d);
-        if !all.contains(&short) {
-            all.push(short);
+        let mut all = Vec::new();
+        for tokens in [1 << 14, 1] {
+            for c in [
+                BackwardConfigs::for_shape(tokens, d),
+                BackwardConfigs::deterministic(tokens, d),
+            ] {
+                if !all.contains(&c) {
+                    all.push(c);
+                }
+            }
         }
         all
     }
@@ -280,7 +304,7 @@ impl BackwardConfigs {
         };
         if d == 64 {
             // one pass: the dq shape is not used
-            let dq = BackwardConfigs::for_shape(1 << 14, d).dq;
+            let dq = BackwardConfigs::deterministic(1 << 14, d).dq;
             // (with three warpgroups, or without the producer's registers, ptxas spills or
             // serialises the products)
             all.push(BackwardConfigs {
@@ -295,12 +319,10 @@ impl BackwardConfigs {
                 dkdv: c(2, 64, true).with_dq_warp(),
                 dq,
             });
-            for stages in [2, 3] {
-                all.push(BackwardConfigs {
-                    dkdv: c(2, 64, true).with_dq_pipelined().with_stages(stages),
-                    dq,
-                });
-            }
+            all.push(BackwardConfigs {
+                dkdv: c(2, 64, true).with_dq_pipelined(),
+                dq,
+            });
         }
         all.retain(|c| c.dkdv.fits(d) && c.dq.fits(d));
         all
@@ -371,7 +393,10 @@ pub fn compile(
 }
 
 /// The gradients of q, k and v with the Hopper kernels, given the forward's output and
-/// log-sum-exp and the output's gradient `dout`.
+/// log-sum-exp and the output's gradient `dout`, in the fastest block shapes
+/// ([`BackwardConfigs::for_shape`]): at head dim 64 one pass, whose dq may differ run to run
+/// in its last bits; [`backward_with`] and [`BackwardConfigs::deterministic`] give the same
+/// bits every time.
 pub fn backward(
     gpu: &Gpu,
     q: &DeviceTensor,

@@ -1173,7 +1173,10 @@ impl GpuTrainer {
                             dout: in_rows(s.datt_rows.ptr),
                             lse: lse.ptr,
                         };
-                        let configs = step06_hopper::backward::BackwardConfigs::for_shape(t, d);
+                        // two passes: a step's gradients the same bits every run, so that a
+                        // run can be repeated and resumed exactly (one pass adds dQ in
+                        // whatever order its blocks finish)
+                        let configs = step06_hopper::backward::BackwardConfigs::deterministic(t, d);
                         let grads = fused_thirds(s.dqkv.ptr, shape).map(|g| g.ptr);
                         // (inside this unsafe block) dqkv holds rows · 3C bf16 values, apart
                         // from every input, and each third's span ends inside it; the
