@@ -317,6 +317,23 @@ struct Look {
     same_memory_as: Option<&'static str>,
 }
 
+/// `method`'s twin in memory (its style's `same_memory_as`) where `rows` bear it out: at every
+/// length `method` was measured at, the twin took the same bytes. A method whose memory has
+/// come apart from its twin's (a pass given a buffer of its own) is
+/// drawn and tabled on its own.
+fn memory_twin(method: &str, rows: &[&Row]) -> Option<&'static str> {
+    let twin = look(method, rows.first()?.device_kind).same_memory_as?;
+    let peak = |m: &str, tokens: usize| {
+        rows.iter()
+            .find(|r| r.method == m && r.tokens == tokens)
+            .and_then(|r| r.peak_bytes)
+    };
+    rows.iter()
+        .filter(|r| r.method == method)
+        .all(|r| r.peak_bytes.is_some() && peak(twin, r.tokens) == r.peak_bytes)
+        .then_some(twin)
+}
+
 fn look(method: &str, device: Device) -> Look {
     let kind = device.to_string();
     let found = STYLES
@@ -416,7 +433,7 @@ pub fn render_all(rows: &[Row]) -> Result<Vec<(String, String)>, String> {
             let memory: Vec<&Row> = gpu
                 .iter()
                 .copied()
-                .filter(|r| look(&r.method, r.device_kind).same_memory_as.is_none())
+                .filter(|r| memory_twin(&r.method, &gpu).is_none())
                 .collect();
             charts.push((
                 format!("gpu-peak-memory-{name}.svg"),
@@ -486,7 +503,10 @@ fn table(rows: &[&Row]) -> String {
     let methods = method_order(rows);
     let looks: Vec<Look> = methods
         .iter()
-        .map(|m| look(m, rows[0].device_kind))
+        .map(|m| Look {
+            same_memory_as: memory_twin(m, rows),
+            ..look(m, rows[0].device_kind)
+        })
         .collect();
     let mut lengths: Vec<usize> = rows.iter().map(|r| r.tokens).collect();
     lengths.sort();
