@@ -21,6 +21,8 @@
 //   HOLD_Q      1: read each warp's q fragments from shared memory once, before the loop, and
 //               keep them in registers (HEAD_DIM/4 · M_TILES of them); 0 (default): read them
 //               again, 16 head dims at a time, for every block of keys
+//   XOR_OFFSETS 1: one ldmatrix offset register per lane and operand, stepped with an XOR
+//               (xor_step in tensor_cores.cuh); 0 (default): one register per 16 columns
 // [step 07]
 //   CAUSAL      1 (default): each query sees the keys up to its own position; 0: every key below
 //               T (step 07's ring computes blocks of keys that lie wholly before their queries)
@@ -108,11 +110,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     // ANCHOR_END: block_order
     const int q0 = q_block * BLOCK_M;
     const long long head = (long long)bh * T * HEAD_DIM;
-    q += head;
-    k += head;
-    v += head;
-    out += head;
-    lse += (long long)bh * T;
+    // (q, k, v, out and lse are moved on to this head where they are used: one 64-bit offset
+    // held through the loop rather than a pointer for each)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;    // fragment row and column pair (see mma_16816)
@@ -130,10 +129,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
 
     // ANCHOR: pipeline_start
     // two groups of copies in flight before the loop: q, then the first block of keys and values
-    load_tile<BLOCK_M>(sq, q, q0, T);
+    load_tile<BLOCK_M>(sq, q + head, q0, T);
     cp_async_commit();
-    load_tile<BLOCK_N>(sk, k, 0, T);
-    load_tile<BLOCK_N>(sv, v, 0, T);
+    load_tile<BLOCK_N>(sk, k + head, 0, T);
+    load_tile<BLOCK_N>(sv, v + head, 0, T);
     cp_async_commit();
     // ANCHOR_END: pipeline_start
 
@@ -141,10 +140,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     // Each lane's ldmatrix addresses, in bytes, computed once: for q's A fragments
     //   row warp·WARP_ROWS + lane % 16, chunk 2kk + lane / 16           (+ 16 rows per m-tile)
     // and for the B fragments of k and v the offsets of BOffsets (tensor_cores.cuh).
+#if XOR_OFFSETS
+    // one offset, stepped by xor_step
+    const u32 q_off = 2 * swizzled(warp * WARP_ROWS + (lane & 15), lane >> 4), sq_addr = smem_addr(sq);
+#define Q_FRAG(kk) (sq_addr + xor_step(q_off, kk))
+#else
     u32 q_frag[HEAD_DIM / 16];
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
         q_frag[kk] = smem_addr(sq + swizzled(warp * WARP_ROWS + (lane & 15), 2 * kk + (lane >> 4)));
+#define Q_FRAG(kk) q_frag[kk]
+#endif
     const BOffsets off(lane);
     const u32 sk_addr = smem_addr(sk), sv_addr = smem_addr(sv);
     // ANCHOR_END: fragment_addresses
@@ -176,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
-            ldmatrix_x4(q_frag[kk] + mt * (16 * HEAD_DIM * 2), q_held[mt][kk][0], q_held[mt][kk][1], q_held[mt][kk][2], q_held[mt][kk][3]);
+            ldmatrix_x4(Q_FRAG(kk) + mt * (16 * HEAD_DIM * 2), q_held[mt][kk][0], q_held[mt][kk][1], q_held[mt][kk][2], q_held[mt][kk][3]);
 #endif
 
     // ANCHOR: main_loop
@@ -185,8 +191,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
         const int kv0 = j * BLOCK_N;
         // start copying the next block into the other stage while this one is computed on
         if (j + 1 < n_blocks) {
-            load_tile<BLOCK_N>(sk + (stage ^ 1) * BLOCK_N * HEAD_DIM, k, kv0 + BLOCK_N, T);
-            load_tile<BLOCK_N>(sv + (stage ^ 1) * BLOCK_N * HEAD_DIM, v, kv0 + BLOCK_N, T);
+            load_tile<BLOCK_N>(sk + (stage ^ 1) * BLOCK_N * HEAD_DIM, k + head, kv0 + BLOCK_N, T);
+            load_tile<BLOCK_N>(sv + (stage ^ 1) * BLOCK_N * HEAD_DIM, v + head, kv0 + BLOCK_N, T);
         }
         cp_async_commit();
         // everything but the copy just issued has landed: q (on the first pass) and this block
@@ -227,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
 #pragma unroll
                     for (int i = 0; i < 4; ++i) qf[mt][i] = q_held[mt][kk][i];
 #else
-                    ldmatrix_x4(q_frag[kk] + mt * (16 * HEAD_DIM * 2), qf[mt][0], qf[mt][1], qf[mt][2], qf[mt][3]);
+                    ldmatrix_x4(Q_FRAG(kk) + mt * (16 * HEAD_DIM * 2), qf[mt][0], qf[mt][1], qf[mt][2], qf[mt][3]);
 #endif
 #pragma unroll
                 for (int n = 0; n < SUB_N / 8; n += 2) {
@@ -345,12 +351,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
             int row = row0 + mt * 16 + g + h * 8;
             if (row < T) {
                 float inv = 1.f / sum;
-                u16* dst = out + (long long)row * HEAD_DIM + 2 * t;
+                u16* dst = out + head + (long long)row * HEAD_DIM + 2 * t;
 #pragma unroll
                 for (int n = 0; n < HEAD_DIM / 8; ++n)
                     *(u32*)(dst + n * 8) = pack2(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
                 // ln(sum e^(s/sqrt(d))) = (m·scale_log2 + log2 l) · ln 2
-                if (t == 0) lse[row] = (m[mt][h] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
+                if (t == 0) lse[(long long)bh * T + row] = (m[mt][h] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
             }
         }
     // ANCHOR_END: finalise

@@ -38,6 +38,19 @@ __device__ __forceinline__ u32 swizzled(int row, int chunk) {
 }
 // ANCHOR_END: swizzle
 
+#ifndef XOR_OFFSETS
+#define XOR_OFFSETS 0
+#endif
+
+// ANCHOR: xor_step
+// A lane's byte offset, within a tile, of its chunk for the 16 columns 16kk..16kk+15, given its
+// offset for columns 0..15 (chunk c of its row, c = 0 or 1). Chunk 2kk + c lands at chunk
+// (2kk + c) ^ (row % SWIZZLE) = 2kk ^ (c ^ row % SWIZZLE): the step flips bits of the chunk
+// index that the row's own offset (a multiple of 2·HEAD_DIM bytes) leaves at zero, so it is
+// one XOR with a constant, and a lane needs no register per step (XOR_OFFSETS).
+__device__ __forceinline__ u32 xor_step(u32 first, int kk) { return first ^ (u32)(kk << 5); }
+// ANCHOR_END: xor_step
+
 // ANCHOR: b_offsets
 // Each lane's ldmatrix offsets, in bytes, into a tile of HEAD_DIM-wide rows, for the B operands
 // of attention's products, computed once. A tile's rows 8 apart share their swizzle (it depends
@@ -50,6 +63,15 @@ __device__ __forceinline__ u32 swizzled(int row, int chunk) {
 //   ab(n/2):  B of a·tile, the tile's rows as k (v in p·v), transposing ldmatrix:
 //             row lane % 16, chunk n + lane / 16, for n = 0, 2, ...      (+ 16 rows per k-step)
 struct BOffsets {
+#if XOR_OFFSETS
+    // One register for each: the swizzle XORs a chunk's index with the row, so 16 columns on
+    // (two chunks, 32 bytes) is the first step's offset XOR 32·kk (see xor_step).
+    u32 abt0_, ab0_;
+    __device__ __forceinline__ BOffsets(int lane)
+        : abt0_(2 * swizzled((lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1)), ab0_(2 * swizzled(lane & 15, lane >> 4)) {}
+    __device__ __forceinline__ u32 abt(int kk) const { return xor_step(abt0_, kk); }
+    __device__ __forceinline__ u32 ab(int i) const { return xor_step(ab0_, i); }
+#else
     static constexpr int GROUP = SWIZZLE / 2;  // 16-column steps per group of swizzled chunks
     u32 abt_[GROUP], ab_[GROUP];
     __device__ __forceinline__ BOffsets(int lane) {
@@ -61,6 +83,7 @@ struct BOffsets {
     // (up to head dim 64 every kk is in the first group: the same code as indexing the arrays)
     __device__ __forceinline__ u32 abt(int kk) const { return kk < GROUP ? abt_[kk] : abt_[kk % GROUP] + kk / GROUP * (SWIZZLE * 16); }
     __device__ __forceinline__ u32 ab(int i) const { return i < GROUP ? ab_[i] : ab_[i % GROUP] + i / GROUP * (SWIZZLE * 16); }
+#endif
 };
 // ANCHOR_END: b_offsets
 

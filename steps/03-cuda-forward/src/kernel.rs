@@ -58,6 +58,10 @@ pub struct ForwardConfig {
     /// Read each warp's q fragments once and hold them in registers for the whole loop, rather
     /// than reading them from shared memory again for every block of keys.
     pub hold_q: bool,
+    /// Hold one ldmatrix offset a lane for each operand and step it 16 columns at a time with
+    /// an XOR (`xor_step`), rather than one register for each 16 columns: up to 13 registers
+    /// fewer at head dim 128.
+    pub xor_offsets: bool,
 }
 
 impl ForwardConfig {
@@ -79,6 +83,7 @@ impl ForwardConfig {
                 head_group: 0,
                 min_blocks: 1,
                 hold_q: false,
+                xor_offsets: false,
             }
         } else {
             ForwardConfig {
@@ -90,6 +95,7 @@ impl ForwardConfig {
                 head_group: 0,
                 min_blocks: 1,
                 hold_q: false,
+                xor_offsets: false,
             }
         }
     }
@@ -114,6 +120,11 @@ impl ForwardConfig {
                     ..base
                 },
                 ForwardConfig { warps: 8, ..base },
+                // one offset register per operand (xor_step)
+                ForwardConfig {
+                    xor_offsets: true,
+                    ..base
+                },
             ]
         } else {
             // every key of a block at once unless said otherwise
@@ -231,6 +242,30 @@ impl ForwardConfig {
                     head_group: 12,
                     ..w4
                 },
+                // one offset register per operand (xor_step): 13 registers fewer, so all 64
+                // keys at once spill 12 bytes (the loop's bound and the head's offset, outside
+                // the products) where they spilled 60
+                ForwardConfig {
+                    xor_offsets: true,
+                    ..base
+                },
+                ForwardConfig {
+                    block_n: 64,
+                    xor_offsets: true,
+                    ..w4
+                },
+                ForwardConfig {
+                    block_n: 64,
+                    head_group: 2,
+                    xor_offsets: true,
+                    ..w4
+                },
+                ForwardConfig {
+                    block_n: 64,
+                    head_group: 8,
+                    xor_offsets: true,
+                    ..w4
+                },
             ] {
                 if !all.contains(&c) {
                     all.push(c);
@@ -257,6 +292,9 @@ impl ForwardConfig {
         }
         if self.hold_q {
             s += " holdq";
+        }
+        if self.xor_offsets {
+            s += " xor";
         }
         s
     }
@@ -367,6 +405,7 @@ fn forward_options(
             format!("-DLAZY_RESCALE={}", config.lazy_rescale as u8),
             format!("-DMIN_BLOCKS={}", config.min_blocks),
             format!("-DHOLD_Q={}", config.hold_q as u8),
+            format!("-DXOR_OFFSETS={}", config.xor_offsets as u8),
             "--std=c++17".into(),
         ],
         name: Some(format!(

@@ -33,6 +33,15 @@ struct Args {
     /// Time only the tile shape the library uses (for a profiler run)
     #[arg(long)]
     default_only: bool,
+    /// Time only these tile shapes, by their labels in the table's header (for example
+    /// "w4x2 n64 xor"), separated by commas; the library's shape is always the first column
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "LABELS",
+        conflicts_with = "default_only"
+    )]
+    only: Vec<String>,
 }
 
 /// One of the kernel's head dims: clap's `value_parser` for `--head-dim`.
@@ -46,19 +55,41 @@ fn head_dim(s: &str) -> Result<usize, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    let head_dim = args.head_dim;
+    let mut configs = ForwardConfig::candidates(head_dim);
+    // --default-only: just the shape the library uses (for a profiler run); --only: it and
+    // the shapes named
+    if args.default_only {
+        configs.truncate(1);
+    } else if !args.only.is_empty() {
+        let labels: Vec<String> = configs.iter().map(ForwardConfig::label).collect();
+        if let Some(unknown) = args
+            .only
+            .iter()
+            .find(|l| !labels.contains(&l.trim().to_string()))
+        {
+            eprintln!(
+                "forward-tune: --only: no tile shape at head dim {head_dim} is labelled {unknown:?}; the labels are: {}",
+                labels.join(", ")
+            );
+            return ExitCode::from(2);
+        }
+        let keep = |(i, c): &(usize, &ForwardConfig)| {
+            *i == 0 || args.only.iter().any(|l| l.trim() == c.label())
+        };
+        configs = configs
+            .iter()
+            .enumerate()
+            .filter(keep)
+            .map(|(_, &c)| c)
+            .collect();
+    }
+    let configs: &[ForwardConfig] = &configs;
     let tool = match Tool::start("forward-tune", args.lengths, args.runs) {
         Ok(tool) => tool,
         Err(code) => return code,
     };
     let (gpu, lengths, runs) = (&tool.gpu, &tool.lengths, tool.runs);
-    let head_dim = args.head_dim;
-    let configs = ForwardConfig::candidates(head_dim);
-    // --default-only: just the shape the library uses (for a profiler run)
-    let configs: &[ForwardConfig] = if args.default_only {
-        &configs[..1]
-    } else {
-        &configs
-    };
     // every tile shape computes the same function: outputs within a few bf16 roundings of each
     // other (other key-block sizes sum in another order, so bit-equality is not expected)
     let shape = Shape::new(2, 3, 1000, head_dim);
