@@ -59,18 +59,11 @@
 #endif
 // [/step 07]
 
-// Loads ROWS rows of a [T, HEAD_DIM] matrix starting at row `row0` into a swizzled tile; rows
-// at or past T become zeros. Thread i copies chunk i % CHUNKS of rows i / CHUNKS,
-// i / CHUNKS + THREADS / CHUNKS, ...: consecutive threads read consecutive 16-byte chunks.
+// ROWS rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are 0
+// (load_rows in tensor_cores.cuh)
 template <int ROWS>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* src, int row0, int T) {
-    const int chunk = threadIdx.x % CHUNKS;
-#pragma unroll
-    for (int r = threadIdx.x / CHUNKS; r < ROWS; r += THREADS / CHUNKS) {
-        bool valid = row0 + r < T;
-        const u16* g = src + (valid ? (long long)(row0 + r) * HEAD_DIM + chunk * 8 : 0);
-        cp_async_16(smem_addr(tile + swizzled(r, chunk)), g, valid);
-    }
+    load_rows<ROWS, THREADS>(tile, src, row0, T);
 }
 
 #ifndef MIN_BLOCKS

@@ -97,10 +97,52 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid
     int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// The same for a chunk known to be inside the sequence.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // waits until at most N of this thread's committed groups are still in flight
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ANCHOR: load_rows
+// Loads ROWS rows of a [T, HEAD_DIM] matrix starting at row `row0` into a swizzled tile, with
+// cp.async, by the NTHREADS threads of a block; rows at or past T become zeros. Thread i copies
+// chunk i % CHUNKS of rows i / CHUNKS, i / CHUNKS + STEP, ... (STEP = NTHREADS / CHUNKS):
+// consecutive threads read consecutive 16-byte chunks. The kernels copy inside their main
+// loops, where every instruction competes with the products for issue slots, so the loop has a
+// fixed count, the rows a thread copies sit at constant offsets from its first (in both
+// memories: STEP rows keep the swizzle), and a tile wholly before T copies without a test per
+// row.
+template <int ROWS, int NTHREADS>
+__device__ __forceinline__ void load_rows(u16* tile, const u16* src, int row0, int T) {
+    constexpr int STEP = NTHREADS / CHUNKS;
+    const int chunk = threadIdx.x % CHUNKS, r0 = threadIdx.x / CHUNKS;
+    if constexpr (ROWS % STEP == 0 && STEP % SWIZZLE == 0) {
+        const u32 dst = smem_addr(tile + swizzled(r0, chunk));
+        const u16* g = src + (long long)(row0 + r0) * HEAD_DIM + chunk * 8;
+        if (row0 + ROWS <= T) {
+#pragma unroll
+            for (int i = 0; i < ROWS / STEP; ++i) cp_async_16(dst + i * (STEP * HEAD_DIM * 2), g + i * (STEP * HEAD_DIM));
+        } else {
+#pragma unroll
+            for (int i = 0; i < ROWS / STEP; ++i) {
+                const bool valid = row0 + r0 + i * STEP < T;
+                cp_async_16(dst + i * (STEP * HEAD_DIM * 2), valid ? g + i * (STEP * HEAD_DIM) : src, valid);
+            }
+        }
+    } else {
+        // (a thread count that does not divide the tile: the general loop)
+#pragma unroll
+        for (int r = r0; r < ROWS; r += STEP) {
+            bool valid = row0 + r < T;
+            const u16* g = src + (valid ? (long long)(row0 + r) * HEAD_DIM + chunk * 8 : 0);
+            cp_async_16(smem_addr(tile + swizzled(r, chunk)), g, valid);
+        }
+    }
+}
+// ANCHOR_END: load_rows
 
 // ANCHOR: ldmatrix
 // Four 8x8 matrices of 16-bit values from shared memory, one register of each per thread:

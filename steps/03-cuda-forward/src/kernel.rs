@@ -71,7 +71,9 @@ impl ForwardConfig {
     /// the output alone takes 128 registers a thread, so the scores of 64 keys at once would
     /// spill, and the block's keys go through the products and the softmax 32 at a time (run
     /// 14: 207.0, 291.7, 308.1 and 286.2 TFLOP/s at 1k, 4k, 8k and 16k, against 182.9, 247.8,
-    /// 260.5 and 265.6 for the 8 warps of 16 rows before it).
+    /// 260.5 and 265.6 for the 8 warps of 16 rows before it), with one offset register for
+    /// each operand (`xor_offsets`, run 16: 229.5, 338.8, 358.5 and 352.0 against 226.2, 328.8,
+    /// 349.0 and 335.3).
     pub fn for_head_dim(head_dim: usize) -> Self {
         if head_dim <= 64 {
             ForwardConfig {
@@ -95,7 +97,7 @@ impl ForwardConfig {
                 head_group: 0,
                 min_blocks: 1,
                 hold_q: false,
-                xor_offsets: false,
+                xor_offsets: true,
             }
         }
     }
@@ -127,7 +129,13 @@ impl ForwardConfig {
                 },
             ]
         } else {
-            // every key of a block at once unless said otherwise
+            let xor = base;
+            // the shapes measured before xor_offsets, without it and with every key of a block
+            // at once unless said otherwise
+            let base = ForwardConfig {
+                xor_offsets: false,
+                ..xor
+            };
             let w8 = ForwardConfig {
                 warps: 8,
                 m_tiles: 1,
@@ -140,7 +148,7 @@ impl ForwardConfig {
                 sub_n: 0,
                 ..base
             };
-            let mut all = vec![base];
+            let mut all = vec![xor, base];
             for c in [
                 // the default before run 14
                 ForwardConfig { block_n: 64, ..w8 },
@@ -246,10 +254,6 @@ impl ForwardConfig {
                 // keys at once spill 12 bytes (the loop's bound and the head's offset, outside
                 // the products) where they spilled 60
                 ForwardConfig {
-                    xor_offsets: true,
-                    ..base
-                },
-                ForwardConfig {
                     block_n: 64,
                     xor_offsets: true,
                     ..w4
@@ -265,6 +269,10 @@ impl ForwardConfig {
                     head_group: 8,
                     xor_offsets: true,
                     ..w4
+                },
+                ForwardConfig {
+                    head_group: 8,
+                    ..xor
                 },
             ] {
                 if !all.contains(&c) {

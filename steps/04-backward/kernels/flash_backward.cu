@@ -89,14 +89,10 @@ __device__ __forceinline__ float hi16(u32 x) {
 }
 
 // ROWS rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are 0
+// (load_rows in tensor_cores.cuh)
 template <int ROWS>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* src, int row0, int T) {
-    const int chunk = threadIdx.x % CHUNKS;
-#pragma unroll
-    for (int r = threadIdx.x / CHUNKS; r < ROWS; r += THREADS / CHUNKS) {
-        bool valid = row0 + r < T;
-        cp_async_16(smem_addr(tile + swizzled(r, chunk)), src + (valid ? (long long)(row0 + r) * HEAD_DIM + chunk * 8 : 0), valid);
-    }
+    load_rows<ROWS, THREADS>(tile, src, row0, T);
 }
 
 // A fragments of this warp's rows of a tile (rows WARP_ROWS·warp ..), per 16-row tile and 16 columns
