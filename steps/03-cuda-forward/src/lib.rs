@@ -16,18 +16,20 @@
 //!
 //! | kernel | what it does | H200, B=4 H=12 D=64 bf16 causal: TFLOP/s at 1k / 4k / 16k (× FA2) |
 //! | --- | --- | --- |
-//! | `kernels/ladder_1_rows.cu` (rung 1, `cuda_rows`) | one thread per query row, f32, keys and values read from global memory one value at a time | 4.4 / 5.1 / 7.1 (0.03× / 0.02× / 0.02×) |
-//! | `kernels/ladder_2_shared.cu` (rung 2, `cuda_shared`) | rung 1 with keys and values staged through shared memory, 64 at a time, widened to f32 once | 13.1 / 19.9 / 23.9 (0.09× / 0.08× / 0.08×) |
-//! | `kernels/ladder_3_tensor_cores.cu` (rung 3, `cuda_mma_sync_loads`) | rung 4's tiles, `mma.sync` and swizzled `ldmatrix`, but copies through registers that the products wait for, and blocks in grid order | 92.6 / 115.0 / 166.0 (0.64× / 0.45× / 0.54×) |
-//! | `kernels/flash_forward.cu` (rung 4, `cuda_flash`) | 4 warps × 32 rows, 128 keys a step, `ldmatrix` from swizzled shared memory, `cp.async` two-stage K/V pipeline, `exp2` with log2 e folded into the scale, mask on diagonal blocks only, every head's longest query blocks first | 200.7 / 291.7 / 319.7 (1.39× / 1.15× / 1.05×), `charts/data/gpu.json` |
-//! | `kernels/causal_softmax.cu` (with cuBLAS) | attention by hand: the whole table in device memory | 42 / 30 / 29 |
+//! | `kernels/ladder_1_rows.cu` (rung 1, `cuda_rows`) | one thread per query row, f32, keys and values read from global memory one value at a time | 4.2 / 5.0 / 7.0 (0.03× / 0.02× / 0.02×) |
+//! | `kernels/ladder_2_shared.cu` (rung 2, `cuda_shared`) | rung 1 with keys and values staged through shared memory, 64 at a time, widened to f32 once | 11.6 / 19.9 / 23.9 (0.08× / 0.08× / 0.08×) |
+//! | `kernels/ladder_3_tensor_cores.cu` (rung 3, `cuda_mma_sync_loads`) | rung 4's tiles, `mma.sync` and swizzled `ldmatrix`, but copies through registers that the products wait for, and blocks in grid order | 92.5 / 112.0 / 161.0 (0.65× / 0.44× / 0.53×) |
+//! | `kernels/flash_forward.cu` (rung 4, `cuda_flash`) | 4 warps × 32 rows, 128 keys a step, `ldmatrix` from swizzled shared memory, `cp.async` two-stage K/V pipeline, `exp2` with log2 e folded into the scale, mask on diagonal blocks only, every head's longest query blocks first | 208.3 / 327.4 / 347.8 (1.46× / 1.28× / 1.14×), `charts/data/gpu.json` |
+//! | `kernels/causal_softmax.cu` (with cuBLAS) | attention by hand: the whole table in device memory | 42 / 33 / 28 |
 //!
 //! The tile shape came from `forward-tune` (`measurements/README.md`, the tuning log): 16 rows a
 //! warp instead of 32 ran at 223 TFLOP/s at 16k, 64 keys a step instead of 128 at 294, skipping
 //! the rescale when no maximum changed (a warp vote) lost 3–10%, and one head after another
 //! instead of all heads' longest blocks first lost 27% at 1k (145.5 against 200.5). At head
-//! dim 128 (run 14): 4 warps × 32 rows over 64 keys taken 32 at a time, 207.0 / 291.7 / 308.1 /
-//! 286.2 at 1k / 4k / 8k / 16k against FA2's 169.6 / 292.4 / 325.6 / 338.9.
+//! dim 128 (runs 14 and 16): 4 warps × 32 rows over 64 keys taken 32 at a time, one ldmatrix
+//! offset register per operand, 229.5 / 338.8 / 358.5 / 352.0 at 1k / 4k / 8k / 16k against
+//! FA2's 168.9 / 290.0 / 330.5 / 346.0. The copies of each block take a fixed count of
+//! instructions with no test per row (`load_rows`, run 16: 5–13% at both head dims).
 //!
 //! ## Layout
 //!
