@@ -104,7 +104,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     const int q0 = q_block * BLOCK_M;
     const long long head = (long long)bh * T * HEAD_DIM;
     // (q, k, v, out and lse are moved on to this head where they are used: one 64-bit offset
-    // held through the loop rather than a pointer for each)
+    // held through the loop rather than a pointer for each; with a pointer each, head dim 64's
+    // tile spills 8 bytes)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;    // fragment row and column pair (see mma_16816)
