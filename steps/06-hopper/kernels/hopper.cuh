@@ -77,6 +77,11 @@ typedef unsigned long long u64;
 #define MIN_BLOCKS 1
 #endif
 #define ROW_BYTES (HEAD_DIM * 2)
+// EXACT_EXP=1: exponentials from exp2f, as the kernels first had them (kept to measure
+// fast_exp2 against)
+#ifndef EXACT_EXP
+#define EXACT_EXP 0
+#endif
 
 __device__ __forceinline__ void producer_registers() {
 #if PRODUCER_WG
@@ -90,6 +95,22 @@ __device__ __forceinline__ void consumer_registers() {
 }
 
 #define INFINITY __int_as_float(0x7f800000)
+
+// ANCHOR: fast_exp2
+// 2^x in one instruction of the multifunction unit, as chapter 3's fast_exp2. exp2f becomes
+// four: a comparison and two multiplications around the same instruction keep results below
+// 2^-126 (subnormal) exact, which a probability never needs; this one flushes them to 0 and
+// gives 2^-inf = 0 for a masked score
+__device__ __forceinline__ float fast_exp2(float x) {
+#if EXACT_EXP
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+// ANCHOR_END: fast_exp2
 
 struct __align__(64) TensorMap {
   u64 opaque[16];

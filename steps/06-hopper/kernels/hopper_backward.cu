@@ -137,7 +137,7 @@ __device__ __forceinline__ void probabilities_t(float (&st)[STREAM / 2], const f
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int col = 8 * j + 2 * (lane % 4) + (e % 2);
-      float p = exp2f(st[4 * j + e] * scale_log2 - lse2[col]);
+      float p = fast_exp2(st[4 * j + e] * scale_log2 - lse2[col]);
       if (masked && q0 + col < kr0 + 8 * (e / 2)) p = 0.f;
       st[4 * j + e] = p;
     }
@@ -418,7 +418,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = 8 * j + 2 * (lane % 4) + (e % 2);
-          float p = exp2f(st[4 * j + e] * scale_log2 - slse[s][col]);
+          float p = fast_exp2(st[4 * j + e] * scale_log2 - slse[s][col]);
           if (masked && q0 + col < kr0 + 8 * (e / 2)) p = 0.f;
           st[4 * j + e] = p;
         }
@@ -726,7 +726,7 @@ hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ Tenso
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = key0 + 8 * j + 2 * (lane % 4) + (e % 2);
-          float p = exp2f(sc[4 * j + e] * scale_log2 - lse2[e / 2]);
+          float p = fast_exp2(sc[4 * j + e] * scale_log2 - lse2[e / 2]);
           if (masked && key > r0 + 8 * (e / 2)) p = 0.f;
           sc[4 * j + e] = p;
         }

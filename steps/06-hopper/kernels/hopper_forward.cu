@@ -29,8 +29,46 @@
 #if PINGPONG && (OVERLAP || WGS < 2)
 #error "PINGPONG takes two or more warpgroups, without OVERLAP"
 #endif
+// POLY_EXP = n: of the 16 groups of 8 keys a thread's row holds in a block, n take their
+// exponentials from a polynomial on the FMA units (exp2_poly) and the rest from the
+// multifunction unit (fast_exp2), which does 16 a cycle on a multiprocessor against 128 FMAs:
+// at head dim 64 a block's exponentials keep that unit as busy as its products keep the tensor
+// cores, so moving some of them to the FMA units frees it (FlashAttention-4 does this on
+// Blackwell)
+#ifndef POLY_EXP
+#define POLY_EXP 0
+#endif
+#if POLY_EXP < 0 || POLY_EXP > 16
+#error "POLY_EXP counts groups of 8 keys: 0 to 16"
+#endif
+#ifndef LONGEST_FIRST
+#define LONGEST_FIRST 0
+#endif
 #define BLOCK_M (64 * WGS)
 #define BLOCK_N 128
+
+// ANCHOR: exp2_poly
+// 2^x for x <= 0 (and -inf) from FMAs alone: x = j + f with j = round(x) and f in [-1/2, 1/2];
+// 2^f from a cubic (the minimax fit of its relative error: at most 7.5e-5, against 2^-9 for
+// the bf16 rounding P takes next), and j added to its exponent bits. Adding 1.5 * 2^23 rounds
+// x to an integer in the low bits of t, which the shift by 23 moves into the exponent field.
+// Clamped at -126 so that the exponent stays a float's: what a masked key gets, 2^-126 times
+// the cubic, adds nothing to a row whose largest term is 1.
+__device__ __forceinline__ float exp2_poly(float x) {
+  x = fmaxf(x, -126.f);
+  const float t = x + 12582912.f;
+  const float f = x - (t - 12582912.f);
+  const float p = fmaf(fmaf(fmaf(0.05517123f, f, 0.24261007f), f, 0.69326097f), f, 0.9999281f);
+  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+}
+// ANCHOR_END: exp2_poly
+
+// The exponential of key group j (of 16): from the polynomial for POLY_EXP groups spread
+// evenly over the 16, from the multifunction unit for the others (j is a constant once the
+// loops are unrolled, so the choice costs nothing)
+__device__ __forceinline__ float exp2_mixed(float x, int j) {
+  return (j * POLY_EXP) % 16 < POLY_EXP ? exp2_poly(x) : fast_exp2(x);
+}
 
 // ANCHOR: steps
 // register 4j+e of a thread: row r0 + 8·(e/2), key first_key + 8j + 2·(lane%4) + e%2
@@ -56,14 +94,14 @@ __device__ __forceinline__ void softmax(float (&sc)[64], float (&m)[2], float (&
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
     const float m_new = fmaxf(m[h], mx * scale_log2);
-    corr[h] = exp2f(m[h] - m_new);
+    corr[h] = fast_exp2(m[h] - m_new);
     m[h] = m_new;
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float p = exp2f(sc[4 * j + 2 * h + e] * scale_log2 - m_new);
+        const float p = exp2_mixed(sc[4 * j + 2 * h + e] * scale_log2 - m_new, j);
         sc[4 * j + 2 * h + e] = p;
         sum += p;
       }
@@ -99,9 +137,23 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   unsigned char* sv = sk + STAGES * BLOCK_N * ROW_BYTES;
   __shared__ __align__(8) u64 full[STAGES], empty[STAGES], qbar;
 
+  // ANCHOR: block_order
+  // Which (sequence, query block) this block computes. Blocks start roughly in the order of
+  // their index, x fastest, and the longest query blocks (the most keys to see) go first so
+  // that the short ones fill the grid's tail: with LONGEST_FIRST=1 the grid is (sequences,
+  // query blocks), every sequence's longest block before any sequence's next longest, as
+  // chapter 3 orders its blocks; with 0 it is (query blocks, sequences), one sequence after
+  // another, fewer keys and values in flight at once. Either way both come from the block's
+  // index registers, not from registers held through the loop.
   const int m_blocks = (tokens + BLOCK_M - 1) / BLOCK_M;
-  const int mb = m_blocks - 1 - blockIdx.x;  // longest rows first
+#if LONGEST_FIRST
+  const int mb = m_blocks - 1 - blockIdx.y;
+  const int head = blockIdx.x;
+#else
+  const int mb = m_blocks - 1 - blockIdx.x;
   const int head = blockIdx.y;
+#endif
+  // ANCHOR_END: block_order
   const int n_blocks = min((tokens + BLOCK_N - 1) / BLOCK_N, ((mb + 1) * BLOCK_M + BLOCK_N - 1) / BLOCK_N);
   const int tid = threadIdx.x;
   const int wg = tid / 128;

@@ -52,6 +52,9 @@ pub struct BackwardConfig {
     /// With `dq_warp`: each block's dQ product issued after the next block's Sᵀ and dPᵀ, so
     /// that the warpgroups need not meet every step (`DQ_ATOMIC=4`).
     pub dq_pipelined: bool,
+    /// Exponentials from `exp2f` (`EXACT_EXP`), four instructions each, rather than
+    /// `fast_exp2`'s one: kept to measure the difference.
+    pub exact_exp: bool,
 }
 
 impl BackwardConfig {
@@ -66,6 +69,7 @@ impl BackwardConfig {
             dq_bulk: false,
             dq_warp: false,
             dq_pipelined: false,
+            exact_exp: false,
         }
     }
 
@@ -100,6 +104,14 @@ impl BackwardConfig {
         BackwardConfig {
             dq_pipelined: true,
             ..self.with_dq_warp()
+        }
+    }
+
+    /// With exponentials from `exp2f`.
+    pub const fn with_exact_exp(self) -> Self {
+        BackwardConfig {
+            exact_exp: true,
+            ..self
         }
     }
 
@@ -184,10 +196,10 @@ impl BackwardConfig {
 
     /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup), "+dqa"
     /// (dQ with atomics), "+dqb" (dQ with bulk reductions a row), "+dqw" (dQ by a warp of its
-    /// own).
+    /// own), "+exp2f" (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}{}",
+            "{}x{}x{}{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.stream,
@@ -197,7 +209,8 @@ impl BackwardConfig {
                 String::new()
             },
             if self.producer_warpgroup { "+pwg" } else { "" },
-            ["", "+dqa", "+dqb", "+dqw", "+dqp"][self.dq_mode() as usize]
+            ["", "+dqa", "+dqb", "+dqw", "+dqp"][self.dq_mode() as usize],
+            if self.exact_exp { "+exp2f" } else { "" }
         )
     }
 }
@@ -324,6 +337,13 @@ impl BackwardConfigs {
                 dq,
             });
         }
+        // the defaults with the exponentials as exp2f computes them
+        for c in BackwardConfigs::defaults(d) {
+            all.push(BackwardConfigs {
+                dkdv: c.dkdv.with_exact_exp(),
+                dq: c.dq.with_exact_exp(),
+            });
+        }
         all.retain(|c| c.dkdv.fits(d) && c.dq.fits(d));
         all
     }
@@ -374,6 +394,7 @@ pub fn compile(
             format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
             format!("-DPRODUCER_REGS={}", config.producer_registers()),
             format!("-DDQ_ATOMIC={}", config.dq_mode()),
+            format!("-DEXACT_EXP={}", config.exact_exp as u8),
             rank.define(),
             "--std=c++17".into(),
             // the pipelined one-pass loop's step is a lambda, which NVRTC 13.0 takes for a

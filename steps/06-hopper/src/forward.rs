@@ -46,6 +46,17 @@ pub struct HopperConfig {
     /// beside the next one's product (`PINGPONG`, FlashAttention-3's ping-pong in its simple form); two or more
     /// warpgroups, without `overlap`.
     pub pingpong: bool,
+    /// Of the 16 groups of 8 keys a thread's row holds in a block, how many take their
+    /// exponentials from a cubic on the FMA units rather than from the multifunction unit
+    /// (`POLY_EXP`, `exp2_poly`): 0 to 16.
+    pub poly_exp: u32,
+    /// Every sequence's longest query block before any sequence's next longest, as chapter 3
+    /// orders its blocks (`LONGEST_FIRST`: a grid of sequences × query blocks), rather than
+    /// one sequence after another (query blocks × sequences). At most 65,535 query blocks.
+    pub longest_first: bool,
+    /// Exponentials from `exp2f` (`EXACT_EXP`), four instructions each, rather than
+    /// `fast_exp2`'s one: kept to measure the difference.
+    pub exact_exp: bool,
 }
 
 impl Default for HopperConfig {
@@ -57,6 +68,9 @@ impl Default for HopperConfig {
             overlap: false,
             producer_warpgroup: false,
             pingpong: false,
+            poly_exp: 0,
+            longest_first: false,
+            exact_exp: false,
         }
     }
 }
@@ -114,6 +128,7 @@ impl HopperConfig {
             && self.min_blocks * (smem + 1024) <= SMEM_PER_SM
             && (!self.producer_warpgroup || self.min_blocks == 1)
             && (!self.pingpong || (self.warpgroups >= 2 && !self.overlap))
+            && self.poly_exp <= 16
     }
 
     /// The shapes `hopper-check` compares at head dim `d`, [`HopperConfig::for_shape`]'s
@@ -124,8 +139,7 @@ impl HopperConfig {
             stages,
             min_blocks,
             overlap,
-            producer_warpgroup: false,
-            pingpong: false,
+            ..Default::default()
         };
         let pp = |c: HopperConfig| HopperConfig {
             pingpong: true,
@@ -134,6 +148,16 @@ impl HopperConfig {
         let p = |warpgroups, stages, overlap| HopperConfig {
             producer_warpgroup: true,
             ..c(warpgroups, stages, 1, overlap)
+        };
+        // exponentials from the cubic; every sequence's longest blocks first
+        let e = |poly_exp, c: HopperConfig| HopperConfig { poly_exp, ..c };
+        let lf = |c: HopperConfig| HopperConfig {
+            longest_first: true,
+            ..c
+        };
+        let x = |c: HopperConfig| HopperConfig {
+            exact_exp: true,
+            ..c
         };
         let all = if d == 128 {
             vec![
@@ -146,6 +170,11 @@ impl HopperConfig {
                 p(2, 3, true),
                 pp(p(2, 2, false)),
                 pp(c(2, 2, 1, false)),
+                e(2, p(2, 2, false)),
+                e(4, p(2, 2, false)),
+                lf(p(2, 2, false)),
+                lf(e(2, p(2, 2, false))),
+                x(p(2, 2, false)),
             ]
         } else {
             vec![
@@ -168,23 +197,80 @@ impl HopperConfig {
                 pp(p(2, 2, false)),
                 p(3, 2, false),
                 pp(p(3, 2, false)),
+                // the exponentials shared between the multifunction unit and the FMAs (in
+                // 128 registers a thread the cubic's spill: shapes with more)
+                e(4, c(1, 2, 2, false)),
+                e(4, c(1, 2, 2, true)),
+                e(8, c(1, 2, 2, true)),
+                e(4, p(3, 2, false)),
+                e(8, p(3, 2, false)),
+                e(4, pp(p(3, 2, false))),
+                e(4, p(3, 2, true)),
+                e(8, p(3, 2, true)),
+                e(4, p(2, 2, false)),
+                e(8, p(2, 2, false)),
+                // and every sequence's longest query blocks first
+                lf(c(1, 2, 3, false)),
+                lf(c(3, 2, 1, false)),
+                lf(e(4, c(1, 2, 2, true))),
+                lf(e(4, p(3, 2, false))),
+                lf(e(4, p(3, 2, true))),
+                // the exponentials as exp2f computes them
+                x(c(1, 2, 3, false)),
+                x(c(3, 2, 1, false)),
             ]
         };
         all.into_iter().filter(|c| c.fits(d)).collect()
     }
 
     /// A short name for tables and PTX files: warpgroups × stages × blocks, "+overlap",
-    /// "+pwg" (a producer warpgroup), "+pp" (ping-pong).
+    /// "+pwg" (a producer warpgroup), "+pp" (ping-pong), "+eN" (N groups of exponentials from
+    /// the cubic), "+lf" (every sequence's longest blocks first), "+exp2f" (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}{}",
+            "{}x{}x{}{}{}{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.min_blocks,
             if self.overlap { "+overlap" } else { "" },
             if self.producer_warpgroup { "+pwg" } else { "" },
-            if self.pingpong { "+pp" } else { "" }
+            if self.pingpong { "+pp" } else { "" },
+            match self.poly_exp {
+                0 => String::new(),
+                n => format!("+e{n}"),
+            },
+            if self.longest_first { "+lf" } else { "" },
+            if self.exact_exp { "+exp2f" } else { "" }
         )
+    }
+
+    /// The grid of a launch for `shape`: one block per `block_m` queries of each sequence, as
+    /// (query blocks, sequences) or, longest first, (sequences, query blocks); an error where
+    /// the y dimension would pass its 65,535.
+    pub fn grid(&self, shape: Shape) -> Result<(u32, u32, u32), AttnError> {
+        let (blocks, sequences) = (
+            shape.tokens.div_ceil(self.block_m()),
+            shape.batch * shape.heads,
+        );
+        let (x, y) = if self.longest_first {
+            (sequences, blocks)
+        } else {
+            (blocks, sequences)
+        };
+        if y > 65_535 {
+            return Err(AttnError::Unsupported {
+                what: format!(
+                    "{shape}: the Hopper block shape {} takes at most 65,535 {} (a grid's y dimension), this shape needs {y}",
+                    self.name(),
+                    if self.longest_first {
+                        "blocks of queries"
+                    } else {
+                        "sequences × heads"
+                    }
+                ),
+            });
+        }
+        Ok((x as u32, y as u32, 1))
     }
 }
 
@@ -228,6 +314,9 @@ pub fn compile(
             format!("-DOVERLAP={}", config.overlap as u8),
             format!("-DPINGPONG={}", config.pingpong as u8),
             format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
+            format!("-DPOLY_EXP={}", config.poly_exp),
+            format!("-DLONGEST_FIRST={}", config.longest_first as u8),
+            format!("-DEXACT_EXP={}", config.exact_exp as u8),
             format!("-DQK_LBO={}", desc.qk_leading),
             format!("-DQK_SBO={}", desc.qk_stride),
             format!("-DV_LBO={}", desc.v_leading),
@@ -584,6 +673,7 @@ unsafe fn launch(
             ),
         });
     }
+    let grid = config.grid(shape)?;
     let rank = TmaRank::of(&[q.layout, k.layout, v.layout], shape);
     let f = gpu.kernel(
         format!("hopper forward {dtype:?} d{d} {} {rank:?}", config.name()),
@@ -610,11 +700,7 @@ unsafe fn launch(
         ]
     };
     let launch_config = LaunchConfig {
-        grid_dim: (
-            shape.tokens.div_ceil(block_m) as u32,
-            (shape.batch * shape.heads) as u32,
-            1,
-        ),
+        grid_dim: grid,
         block_dim: (config.threads(), 1, 1),
         shared_mem_bytes: smem,
     };
