@@ -81,11 +81,14 @@ pub(crate) const SMEM_PER_BLOCK: usize = 227 * 1024;
 
 impl HopperConfig {
     /// The shape measured fastest for a length (`hopper-check`, H200,
-    /// `measurements/hopper-check.txt`): up to 8,192 tokens one warpgroup of 64 rows a block,
-    /// three blocks to a multiprocessor taking turns at its tensor cores; from 16,384 three
-    /// warpgroups a block, sharing each block of keys and values among 192 rows. Head dim 128
-    /// takes two warpgroups a block at every length, loaded by a producer warpgroup that gives
-    /// its registers to them (`setmaxnreg`).
+    /// `measurements/fast-exp2-63efe98.txt`): at head dim 64 up to 4,096 tokens one
+    /// warpgroup of 64 rows a block, three blocks to a multiprocessor taking turns at its tensor
+    /// cores; from 8,192 three warpgroups a block, sharing each block of keys and values among
+    /// 192 rows, with a producer warpgroup that gives its registers to them (`setmaxnreg`).
+    /// Head dim 128 takes two warpgroups and a producer warpgroup at every length. Up to 4,096
+    /// tokens (8,192 at head dim 64) every sequence's longest query blocks go first
+    /// (`longest_first`); at 16,384 one sequence after another, whose keys and values stay in
+    /// the L2 cache, is faster.
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
         let c = |warpgroups, min_blocks| HopperConfig {
             warpgroups,
@@ -93,13 +96,20 @@ impl HopperConfig {
             min_blocks,
             ..Default::default()
         };
+        let p = |warpgroups| HopperConfig {
+            producer_warpgroup: true,
+            ..c(warpgroups, 1)
+        };
+        let lf = |c: HopperConfig| HopperConfig {
+            longest_first: true,
+            ..c
+        };
         match (head_dim, tokens) {
-            (128, _) => HopperConfig {
-                producer_warpgroup: true,
-                ..c(2, 1)
-            },
-            (_, 16384..) => c(3, 1),
-            _ => c(1, 3),
+            (128, ..=4096) => lf(p(2)),
+            (128, _) => p(2),
+            (_, ..=4096) => lf(c(1, 3)),
+            (_, ..=8192) => lf(p(3)),
+            _ => p(3),
         }
     }
 
@@ -213,6 +223,7 @@ impl HopperConfig {
                 lf(c(1, 2, 3, false)),
                 lf(c(3, 2, 1, false)),
                 lf(e(4, c(1, 2, 2, true))),
+                lf(p(3, 2, false)),
                 lf(e(4, p(3, 2, false))),
                 lf(e(4, p(3, 2, true))),
                 // the exponentials as exp2f computes them
