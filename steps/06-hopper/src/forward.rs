@@ -739,6 +739,34 @@ unsafe fn launch(
 mod tests {
     use super::*;
 
+    /// Longest first, the grid is (sequences, query blocks); a shape with more query blocks
+    /// than the y dimension takes is an error that says so, and `for_shape` takes the order
+    /// only where every length it covers fits.
+    #[test]
+    fn longest_first_swaps_the_grid_and_names_its_limit() {
+        let one = HopperConfig::for_shape(1 << 14, 64);
+        let lf = HopperConfig {
+            longest_first: true,
+            ..one
+        };
+        let s = Shape::new(4, 12, 1000, 64);
+        assert_eq!(one.grid(s).unwrap(), (6, 48, 1));
+        assert_eq!(lf.grid(s).unwrap(), (48, 6, 1));
+        let long = Shape::new(1, 1, 65_536 * 192, 64);
+        assert!(one.grid(long).is_ok());
+        let e = lf.grid(long).unwrap_err().to_string();
+        assert!(
+            e.contains("65,535 blocks of queries") && e.contains("65536"),
+            "{e}"
+        );
+        for d in HEAD_DIMS {
+            for t in [1, 4096, 4097, 8192, 8193, 1 << 16, 1 << 24] {
+                let c = HopperConfig::for_shape(t, d);
+                assert!(c.grid(Shape::new(1, 1, t, d)).is_ok(), "{t} d{d}: {c:?}");
+            }
+        }
+    }
+
     /// Every producer-warpgroup shape starts with at least the registers its roles end with,
     /// so `setmaxnreg.inc` never waits for registers that will not come.
     #[test]

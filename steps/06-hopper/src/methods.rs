@@ -118,8 +118,17 @@ pub fn implementation() -> String {
         } else {
             ""
         };
+        let order = if c.longest_first {
+            ", every sequence's longest query blocks first"
+        } else {
+            ""
+        };
+        let poly = match c.poly_exp {
+            0 => String::new(),
+            n => format!(", {n} of 16 exponentials from a cubic on the FMA units"),
+        };
         format!(
-            "{}x{} tiles, {} consumer warpgroup(s) and {producer}, {} stages, {} block(s) a multiprocessor{overlap}",
+            "{}x{} tiles, {} consumer warpgroup(s) and {producer}, {} stages, {} block(s) a multiprocessor{overlap}{poly}{order}",
             c.block_m(),
             forward::BLOCK_N,
             c.warpgroups,
@@ -129,9 +138,11 @@ pub fn implementation() -> String {
     };
     let b = |t, d| backward::BackwardConfigs::for_shape(t, d).name();
     format!(
-        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, NVRTC sm_90a; head dim 64 up to 8k tokens {}, from 16k {}; head dim 128 {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 {}, head dim 128 up to 4k tokens {}, from 8k {}",
+        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, ex2.approx, NVRTC sm_90a; head dim 64 up to 4k tokens {}, at 8k {}, from 16k {}; head dim 128 up to 4k tokens {}, from 8k {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 {}, head dim 128 up to 4k tokens {}, from 8k {}",
+        describe(HopperConfig::for_shape(4096, 64)),
         describe(HopperConfig::for_shape(8192, 64)),
         describe(HopperConfig::for_shape(16384, 64)),
+        describe(HopperConfig::for_shape(4096, 128)),
         describe(HopperConfig::for_shape(16384, 128)),
         b(16384, 64),
         b(4096, 128),
