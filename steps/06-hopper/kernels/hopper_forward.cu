@@ -34,7 +34,8 @@
 // multifunction unit (fast_exp2), which does 16 a cycle on a multiprocessor against 128 FMAs:
 // at head dim 64 a block's exponentials keep that unit as busy as its products keep the tensor
 // cores, so moving some of them to the FMA units frees it (FlashAttention-4 does this on
-// Blackwell)
+// Blackwell). On the H200 it measured slower at every length: the cubic's eight instructions
+// take the warp schedulers' issue slots, which fast_exp2 leaves the busier resource (chapter 6)
 #ifndef POLY_EXP
 #define POLY_EXP 0
 #endif
