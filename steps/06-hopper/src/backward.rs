@@ -286,8 +286,8 @@ impl BackwardConfigs {
     /// The pairs `hopper-check` compares at head dim `d`: every one fits and compiles without
     /// spills (`hopper-kernel-check`).
     pub fn candidates(d: usize) -> Vec<BackwardConfigs> {
-        let pairs = |dkdv: &[BackwardConfig], dq: &[BackwardConfig]| {
-            let mut all = BackwardConfigs::defaults(d);
+        let mut all = BackwardConfigs::defaults(d);
+        let mut pairs = |dkdv: &[BackwardConfig], dq: &[BackwardConfig]| {
             for &a in dkdv {
                 for &b in dq {
                     let c = BackwardConfigs { dkdv: a, dq: b };
@@ -296,14 +296,34 @@ impl BackwardConfigs {
                     }
                 }
             }
-            all
         };
         let c = BackwardConfig::new;
-        let mut all = if d == 128 {
+        if d == 128 {
             pairs(
                 &[c(2, 32, true), c(1, 64, false)],
                 &[c(2, 64, true), c(2, 32, false), c(1, 64, false)],
-            )
+            );
+            // each pass's further shapes beside the other's defaults: 64 queries a step for
+            // two warpgroups with the producer's registers, a third stage, three warpgroups
+            // streaming 32 keys, 128 keys a step
+            pairs(
+                &[
+                    c(2, 64, true),
+                    c(2, 64, true).with_stages(3),
+                    c(2, 32, true).with_stages(3),
+                    c(1, 64, true),
+                    c(1, 64, false).with_stages(3),
+                ],
+                &[c(2, 64, true)],
+            );
+            pairs(
+                &[c(2, 32, true), c(1, 64, false)],
+                &[
+                    c(2, 128, true),
+                    c(2, 64, true).with_stages(3),
+                    c(3, 32, true),
+                ],
+            );
         } else {
             pairs(
                 &[
@@ -313,8 +333,20 @@ impl BackwardConfigs {
                     c(2, 32, false),
                 ],
                 &[c(2, 64, false), c(2, 128, true), c(3, 64, false)],
-            )
-        };
+            );
+            pairs(
+                &[c(3, 64, true).with_stages(3), c(3, 32, true)],
+                &[c(2, 128, true)],
+            );
+            pairs(
+                &[c(3, 64, true)],
+                &[
+                    c(2, 128, true).with_stages(3),
+                    c(3, 64, true),
+                    c(2, 64, true),
+                ],
+            );
+        }
         if d == 64 {
             // one pass: the dq shape is not used
             let dq = BackwardConfigs::deterministic(1 << 14, d).dq;

@@ -178,6 +178,9 @@ impl HopperConfig {
                 p(2, 2, false),
                 p(2, 2, true),
                 p(2, 3, true),
+                // a third stage of keys and values, without the overlap
+                p(2, 3, false),
+                lf(p(2, 3, false)),
                 pp(p(2, 2, false)),
                 pp(c(2, 2, 1, false)),
                 e(2, p(2, 2, false)),
