@@ -224,13 +224,14 @@ pub struct BackwardConfigs {
 
 impl BackwardConfigs {
     /// The shapes for a sequence length and head dim, measured fastest by `hopper-check` on the
-    /// H200 (`measurements/one-pass-pipelined.txt`): at head dim 64 one pass, dQ added by a
-    /// warp of its own and its product pipelined (two consumer warpgroups, three stages); its
-    /// dQ's last bits depend on the order blocks finish in, and it takes an f32 buffer as
-    /// large as two dQs. At head dim 128, the two passes of [`BackwardConfigs::deterministic`].
+    /// H200 (`measurements/backward-shapes-d657487.txt`): the two passes of
+    /// [`BackwardConfigs::deterministic`], except at head dim 64 from 16,384 tokens one pass,
+    /// dQ added by a warp of its own and its product pipelined (two consumer warpgroups, three
+    /// stages; `measurements/one-pass-pipelined.txt`); that dQ's last bits depend on the order
+    /// blocks finish in, and it takes an f32 buffer as large as two dQs.
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
-        match head_dim {
-            64 => BackwardConfigs {
+        match (head_dim, tokens) {
+            (64, 8193..) => BackwardConfigs {
                 dkdv: BackwardConfig::new(2, 64, true)
                     .with_dq_pipelined()
                     .with_stages(3),
@@ -242,26 +243,26 @@ impl BackwardConfigs {
 
     /// Two passes, each block writing only its own rows: the same bits run to run, and no
     /// buffer beyond the gradients and δ. The shapes measured fastest by `hopper-check` on the
-    /// H200 (`measurements/hopper-check.txt`, `measurements/backward-order-8b30fff.txt`): at
-    /// head dim 64 dK/dV with three consumer warpgroups (192 keys a block) and dQ with two
-    /// streaming 128 keys a step, both fed by a producer warpgroup that gives its registers to
-    /// them; at head dim 128 dkdv's four accumulators of 64 columns leave two warpgroups room
-    /// for 32 queries a step, or one warpgroup for 64 (faster up to 4,096 tokens, when there
-    /// are fewer blocks of keys than multiprocessors can take two of), and dq takes the
-    /// producer's registers.
+    /// H200 (`measurements/backward-shapes-d657487.txt`), every pass fed by a producer
+    /// warpgroup that gives its registers to the consumers: at head dim 64 dK/dV with three
+    /// consumer warpgroups (192 keys a block), three stages up to 8,192 tokens and two beyond,
+    /// and dQ with two streaming 128 keys a step; at head dim 128 dK/dV with two warpgroups
+    /// streaming 64 queries a step (their accumulators and a block's Pᵀ and dPᵀ take 208 of the
+    /// 240 registers the producer's leave them) and dQ with two streaming 128 keys.
     pub fn deterministic(tokens: usize, head_dim: usize) -> Self {
+        let c = BackwardConfig::new;
         match (head_dim, tokens) {
-            (128, ..=4096) => BackwardConfigs {
-                dkdv: BackwardConfig::new(1, 64, false),
-                dq: BackwardConfig::new(2, 64, true),
-            },
             (128, _) => BackwardConfigs {
-                dkdv: BackwardConfig::new(2, 32, true),
-                dq: BackwardConfig::new(2, 64, true),
+                dkdv: c(2, 64, true),
+                dq: c(2, 128, true),
+            },
+            (_, ..=8192) => BackwardConfigs {
+                dkdv: c(3, 64, true).with_stages(3),
+                dq: c(2, 128, true),
             },
             _ => BackwardConfigs {
-                dkdv: BackwardConfig::new(3, 64, true),
-                dq: BackwardConfig::new(2, 128, true),
+                dkdv: c(3, 64, true),
+                dq: c(2, 128, true),
             },
         }
     }
@@ -299,13 +300,15 @@ impl BackwardConfigs {
         };
         let c = BackwardConfig::new;
         if d == 128 {
+            // the shapes of the defaults before commit d657487 (dkdv 2x2x32+pwg from 8,192
+            // tokens, 1x2x64 below, dq 2x2x64+pwg), then each pass's further shapes beside
+            // them: 64 queries a step for two warpgroups with the producer's registers, third
+            // stages, three warpgroups streaming 32 keys, 128 keys a step; then the new dkdv
+            // shapes with 128 keys a step in dq
             pairs(
                 &[c(2, 32, true), c(1, 64, false)],
                 &[c(2, 64, true), c(2, 32, false), c(1, 64, false)],
             );
-            // each pass's further shapes beside the other's defaults: 64 queries a step for
-            // two warpgroups with the producer's registers, a third stage, three warpgroups
-            // streaming 32 keys, 128 keys a step
             pairs(
                 &[
                     c(2, 64, true),
@@ -324,6 +327,7 @@ impl BackwardConfigs {
                     c(3, 32, true),
                 ],
             );
+            pairs(&[c(2, 64, true).with_stages(3)], &[c(2, 128, true)]);
         } else {
             pairs(
                 &[
@@ -334,12 +338,10 @@ impl BackwardConfigs {
                 ],
                 &[c(2, 64, false), c(2, 128, true), c(3, 64, false)],
             );
+            // a third stage, 32 queries a step, and the dq shapes beside both dkdv defaults
+            pairs(&[c(3, 32, true)], &[c(2, 128, true)]);
             pairs(
-                &[c(3, 64, true).with_stages(3), c(3, 32, true)],
-                &[c(2, 128, true)],
-            );
-            pairs(
-                &[c(3, 64, true)],
+                &[c(3, 64, true), c(3, 64, true).with_stages(3)],
                 &[
                     c(2, 128, true).with_stages(3),
                     c(3, 64, true),
