@@ -304,8 +304,8 @@ impl BackwardConfigs {
             // the shapes of the defaults before commit d657487 (dkdv 2x2x32+pwg from 8,192
             // tokens, 1x2x64 below, dq 2x2x64+pwg), then each pass's further shapes beside
             // them: 64 queries a step for two warpgroups with the producer's registers, third
-            // stages, three warpgroups streaming 32 keys, 128 keys a step; then the new dkdv
-            // shapes with 128 keys a step in dq
+            // stages, three warpgroups streaming 32 keys, 128 keys a step; then dkdv 2x2x64+pwg
+            // beside dq 2x2x128+pwg (the defaults take that pair with a third stage for dkdv)
             pairs(
                 &[c(2, 32, true), c(1, 64, false)],
                 &[c(2, 64, true), c(2, 32, false), c(1, 64, false)],
