@@ -252,17 +252,13 @@ impl BackwardConfigs {
     /// 10% slower at 8,192 tokens beside this dQ) and dQ with two streaming 128 keys.
     pub fn deterministic(tokens: usize, head_dim: usize) -> Self {
         let c = BackwardConfig::new;
-        match (head_dim, tokens) {
-            (128, _) => BackwardConfigs {
+        match head_dim {
+            128 => BackwardConfigs {
                 dkdv: c(2, 64, true).with_stages(3),
                 dq: c(2, 128, true),
             },
-            (_, ..=8192) => BackwardConfigs {
-                dkdv: c(3, 64, true).with_stages(3),
-                dq: c(2, 128, true),
-            },
             _ => BackwardConfigs {
-                dkdv: c(3, 64, true),
+                dkdv: c(3, 64, true).with_stages(if tokens <= 8192 { 3 } else { 2 }),
                 dq: c(2, 128, true),
             },
         }
@@ -450,8 +446,8 @@ pub fn compile(
 
 /// The gradients of q, k and v with the Hopper kernels, given the forward's output and
 /// log-sum-exp and the output's gradient `dout`, in the fastest block shapes
-/// ([`BackwardConfigs::for_shape`]): at head dim 64 one pass, whose dq may differ run to run
-/// in its last bits; [`backward_with`] and [`BackwardConfigs::deterministic`] give the same
+/// ([`BackwardConfigs::for_shape`]): at head dim 64 from 16,384 tokens one pass, whose dq may
+/// differ run to run in its last bits; [`backward_with`] and [`BackwardConfigs::deterministic`] give the same
 /// bits every time.
 pub fn backward(
     gpu: &Gpu,
