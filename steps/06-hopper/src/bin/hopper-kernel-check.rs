@@ -25,10 +25,15 @@ use step06_hopper::probe;
 struct Args {
     #[command(flatten)]
     flags: ptxas::Flags,
+    /// Only the variants whose names hold one of these comma-separated strings (for example
+    /// "d128_2x2x64+pwg+dqw"), the probe aside
+    #[arg(long, value_name = "STRINGS", value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 fn main() -> ExitCode {
-    let mut flags = Args::parse().flags;
+    let Args { mut flags, only } = Args::parse();
+    let wanted = |name: &str| only.is_empty() || only.iter().any(|s| name.contains(s.as_str()));
     // wgmma and setmaxnreg exist on sm_90a only
     if flags.arch == "sm_90" {
         flags.arch = "sm_90a".into();
@@ -52,30 +57,32 @@ fn main() -> ExitCode {
                 ];
                 for c in HopperConfig::candidates(d) {
                     for &rank in ranks(picked.contains(&c)) {
-                        kernels.push(Variant::used(
-                            format!(
-                                "hopper_forward_{}_d{d}_{}_rank{}",
-                                dtype.name(),
-                                c.name(),
-                                rank.rank()
-                            ),
-                            forward::compile(dtype, d, c, Default::default(), rank),
-                        ));
+                        let name = format!(
+                            "hopper_forward_{}_d{d}_{}_rank{}",
+                            dtype.name(),
+                            c.name(),
+                            rank.rank()
+                        );
+                        if wanted(&name) {
+                            let ptx = forward::compile(dtype, d, c, Default::default(), rank);
+                            kernels.push(Variant::used(name, ptx));
+                        }
                     }
                 }
                 let defaults = BackwardConfigs::defaults(d);
                 for (entry, c) in BackwardConfigs::shapes(d) {
                     let used = defaults.iter().any(|p| c == p.dkdv || c == p.dq);
                     for &rank in ranks(used) {
-                        kernels.push(Variant::used(
-                            format!(
-                                "{entry}_{}_d{d}_{}_rank{}",
-                                dtype.name(),
-                                c.name(),
-                                rank.rank()
-                            ),
-                            backward::compile(dtype, d, entry, c, rank),
-                        ));
+                        let name = format!(
+                            "{entry}_{}_d{d}_{}_rank{}",
+                            dtype.name(),
+                            c.name(),
+                            rank.rank()
+                        );
+                        if wanted(&name) {
+                            let ptx = backward::compile(dtype, d, entry, c, rank);
+                            kernels.push(Variant::used(name, ptx));
+                        }
                     }
                 }
             }
