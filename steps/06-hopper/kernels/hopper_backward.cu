@@ -41,17 +41,23 @@
 // dS transposed with stmatrix into one of two buffers, and the warpgroups meet at one barrier;
 // then each takes dQᵀ = kᵀ·dSᵀ for half the block's queries over all its keys (the sums of
 // DQ_ATOMIC=2, split evenly), stores it to one of two f32 buffers in its registers' order and
-// goes on. The producer warpgroup's second warp adds the whole 16 KB buffer into dq_accum
-// with one bulk reduction; dq_accum holds each block of 64 queries in that order, and
-// hopper_dq_convert puts the values back in rows
-#if DQ_ATOMIC && (STREAM != 64 || HEAD_DIM != 64 || PASS != 0)
-#error "DQ_ATOMIC takes the dkdv pass with STREAM 64 at HEAD_DIM 64"
+// goes on. The producer warpgroup's second warp adds the buffer (16 KB at head dim 64, 32 at
+// 128) into dq_accum with a bulk reduction a half; dq_accum holds each block of 64 queries in
+// that order, and hopper_dq_convert puts the values back in rows
+#if DQ_ATOMIC && (STREAM != 64 || PASS != 0 || (HEAD_DIM != 64 && DQ_ATOMIC != 3))
+#error "DQ_ATOMIC takes the dkdv pass with STREAM 64, at HEAD_DIM 64 (or 128 with DQ_ATOMIC=3)"
 #endif
 #if DQ_ATOMIC >= 2 && WGS != 2
 #error "DQ_ATOMIC=2 and 3 take two consumer warpgroups"
 #endif
 #if DQ_ATOMIC >= 3 && !PRODUCER_WG
 #error "DQ_ATOMIC=3 takes a producer warpgroup (its second warp adds dQ)"
+#endif
+// DQ_ATOMIC=3 and 4's buffers of dQ, 64 queries in f32 each: with one, a warpgroup stores a
+// block's dQ only once the adding warp has read the last block's (the shared memory of a
+// third stage at head dim 128)
+#ifndef DQ_BUFS
+#define DQ_BUFS 2
 #endif
 // DQ_ATOMIC=3's named barriers: the warpgroups' dS written (256 threads); a warpgroup's half
 // of dQ buffer b written (BAR_DQ_FULL + 2·wg + b: the warpgroup and the adding warp, 160), and
@@ -62,9 +68,10 @@
 #define BAR_DQ_COUNT (128 + 32)
 // EARLY_DV=1: dV += Pᵀ·dO is issued as soon as Pᵀ is made, and runs while dSᵀ is made; it
 // holds Pᵀ's fragments in registers meanwhile, which only one warpgroup, or two with the
-// producer's registers given to them, can spare (ptxas spills otherwise)
+// producer's registers given to them, can spare (ptxas spills otherwise); at head dim 128
+// with DQ_ATOMIC=3, whose producer keeps 32 registers for the adding warp, they cannot
 #ifndef EARLY_DV
-#define EARLY_DV (WGS == 1 || (WGS == 2 && PRODUCER_WG))
+#define EARLY_DV (WGS == 1 || (WGS == 2 && PRODUCER_WG && !(DQ_ATOMIC == 3 && HEAD_DIM == 128)))
 #endif
 #define DQ_ROW_BYTES 288  // a row of dQ in shared memory: 64 f32 and 32 bytes against bank conflicts
 #define BLOCK_ROWS (64 * WGS)
@@ -177,28 +184,35 @@ __device__ __forceinline__ void store_ds_t(u32 tile, const u32 (&dsf)[STREAM / 4
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// dQᵀ = kᵀ·dSᵀ for warpgroup wg's 32 of the block's 64 queries over its 128 keys, 16 a k-step:
-// k (at sk) read M-major (transposed, as v is read), dSᵀ K-major from the two tiles at ads
-__device__ __forceinline__ void issue_dq_t(float (&dqt)[16], u32 sk, u32 ads, int wg) {
+// dQᵀ = kᵀ·dSᵀ for warpgroup wg's 32 of the block's 64 queries over its 128 keys, 16 a k-step,
+// a product for each 64 columns of the head dim (dqt[h]: columns 64h..): k (at sk) read
+// M-major (transposed, as v is read), dSᵀ K-major from the two tiles at ads
+__device__ __forceinline__ void issue_dq_t(float (&dqt)[HALVES][16], u32 sk, u32 ads, int wg) {
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
-    wgmma_m64n32_ss<1>(dqt, descriptor(sk + kk * 16 * 128, V_LBO, V_SBO),
-                       descriptor(ads + (kk / 4) * 64 * 128 + wg * 32 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO), kk > 0);
+    const u64 b = descriptor(ads + (kk / 4) * 64 * 128 + wg * 32 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO);
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+      wgmma_m64n32_ss<1>(dqt[h], descriptor(sk + h * BLOCK_ROWS * 128 + kk * 16 * 128, V_LBO, V_SBO), b, kk > 0);
+    }
   }
 }
 
 // dQᵀ's registers into dQ buffer b for the adding warp, once it has read what was last in it:
-// 4i..4i+3 of thread t of warpgroup w at float 4·(128·(4w + i) + t); then the warp is told.
-// `reused`: the buffer held an earlier step's dQ
-__device__ __forceinline__ void store_dq_t(unsigned char* sdq, const float (&dqt)[16], int b, bool reused, int wg,
-                                           int tid) {
+// dqt[h][4i..4i+3] of thread t of warpgroup w at float 4·(128·(4·HALVES·w + 4h + i) + t);
+// then the warp is told. `reused`: the buffer held an earlier step's dQ
+__device__ __forceinline__ void store_dq_t(unsigned char* sdq, const float (&dqt)[HALVES][16], int b, bool reused,
+                                           int wg, int tid) {
   if (reused) asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_EMPTY + 2 * wg + b), "n"(BAR_DQ_COUNT) : "memory");
-  const u32 adq = smem_u32(sdq) + b * 64 * 64 * 4 + (wg * 4 * 128 + tid % 128) * 16;
+  const u32 adq = smem_u32(sdq) + b * 64 * HEAD_DIM * 4 + (wg * 4 * HALVES * 128 + tid % 128) * 16;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(adq + i * 128 * 16), "f"(dqt[4 * i]),
-                 "f"(dqt[4 * i + 1]), "f"(dqt[4 * i + 2]), "f"(dqt[4 * i + 3])
-                 : "memory");
+  for (int h = 0; h < HALVES; ++h) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(adq + (4 * h + i) * 128 * 16), "f"(dqt[h][4 * i]),
+                   "f"(dqt[h][4 * i + 1]), "f"(dqt[h][4 * i + 2]), "f"(dqt[h][4 * i + 3])
+                   : "memory");
+    }
   }
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_FULL + 2 * wg + b), "n"(BAR_DQ_COUNT) : "memory");
@@ -206,23 +220,23 @@ __device__ __forceinline__ void store_dq_t(unsigned char* sdq, const float (&dqt
 #endif
 
 #if DQ_ATOMIC >= 3
-// The adding warp of DQ_ATOMIC=3 and 4: each step's dQ buffer (two in turn at sdq, 16 KB each,
-// a warpgroup's half 8 KB) into the f32 sums of its block of queries, first + n, with a bulk
+// The adding warp of DQ_ATOMIC=3 and 4: each step's dQ buffer (DQ_BUFS in turn at sdq, 64 queries
+// of HEAD_DIM f32 each, a warpgroup's half 32 queries) into the f32 sums of its block of queries, first + n, with a bulk
 // reduction a half as each warpgroup is done with it; each warpgroup is told when its half
 // has been read. Not inlined: the producer's registers would otherwise have to hold what it
 // computes
 __device__ __noinline__ void add_dq(float* dq_accum, unsigned char* sdq, int head, int first, int n_blocks, int tokens,
                                     int lane) {
-  float* dst = dq_accum + ((u64)head * ((tokens + 63) / 64) + first) * 64 * 64;
+  float* dst = dq_accum + ((u64)head * ((tokens + 63) / 64) + first) * 64 * HEAD_DIM;
 #pragma unroll 1
-  for (int n = 0; n < n_blocks; ++n, dst += 64 * 64) {
-    const int b = n % 2;
+  for (int n = 0; n < n_blocks; ++n, dst += 64 * HEAD_DIM) {
+    const int b = n % DQ_BUFS;
 #pragma unroll
     for (int w = 0; w < WGS; ++w) {
       asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_FULL + 2 * w + b), "n"(BAR_DQ_COUNT) : "memory");
       if (lane == 0) {
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst + w * 32 * 64),
-                     "r"(smem_u32(sdq + b * 64 * 64 * 4 + w * 32 * 64 * 4)), "n"(32 * 64 * 4)
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst + w * 32 * HEAD_DIM),
+                     "r"(smem_u32(sdq + b * 64 * HEAD_DIM * 4 + w * 32 * HEAD_DIM * 4)), "n"(32 * HEAD_DIM * 4)
                      : "memory");
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
       }
@@ -230,7 +244,7 @@ __device__ __noinline__ void add_dq(float* dq_accum, unsigned char* sdq, int hea
     // the buffer has been read: the consumers may write it again
     if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     __syncwarp();
-    if (n + 2 < n_blocks) {
+    if (n + DQ_BUFS < n_blocks) {
 #pragma unroll
       for (int w = 0; w < WGS; ++w) {
         asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_EMPTY + 2 * w + b), "n"(BAR_DQ_COUNT) : "memory");
@@ -262,7 +276,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
   // the block's dQ in f32 for the bulk reductions, [64 queries][DQ_ROW_BYTES]
   unsigned char* sdq = sds + WGS * 64 * 128;
 #elif DQ_ATOMIC >= 3
-  // two buffers of dS (each both warpgroups' tiles, 16 KB), then two of dQ in f32 (16 KB)
+  // two buffers of dS (each both warpgroups' tiles, 16 KB), then DQ_BUFS of dQ in f32 (64 queries)
   unsigned char* sdq = sds + 2 * WGS * 64 * 128;
 #endif
   __shared__ float slse[STAGES][STREAM], sdelta[STAGES][STREAM];
@@ -319,7 +333,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
   // warpgroups need not reach block n's dS together, and its registers are stored while
   // block n + 1's products run. Groups of products in flight, in order: Sᵀ(n), dPᵀ(n),
   // dQ(n − 1), dV(n), dK(n).
-  float dqt[16];
+  float dqt[HALVES][16];
   const u32 ads0 = smem_u32(sds);
   // one block; the first (block 0, no dQ before it) is a step of its own, so that every
   // wait counts the same groups in flight wherever it is (ptxas serialises the products
@@ -375,7 +389,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       wgmma_wait0();
       fence_operands(dqt);
       mbar_arrive(smem_u32(&ds_empty[1 - b]));
-      store_dq_t(sdq, dqt, 1 - b, n - 1 >= 2, wg, tid);
+      store_dq_t(sdq, dqt, (n - 1) % DQ_BUFS, n - 1 >= DQ_BUFS, wg, tid);
     }
   };
   step(0, Flag<true>{});
@@ -391,7 +405,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
     fence_operands(dqt);
     fence_operands(dv);
     fence_operands(dk);
-    store_dq_t(sdq, dqt, b, n >= 2, wg, tid);
+    store_dq_t(sdq, dqt, n % DQ_BUFS, n >= DQ_BUFS, wg, tid);
   }
 #else
   for (int n = 0; n < n_blocks; ++n) {
@@ -500,7 +514,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       wgmma_commit();
       // both warpgroups' dS are in shared memory (dK runs meanwhile)
       asm volatile("bar.sync %0, %1;\n" ::"n"(BAR_DS), "n"(128 * WGS) : "memory");
-      float dqt[16];
+      float dqt[HALVES][16];
       wgmma_fence();
       issue_dq_t(dqt, smem_u32(sk), ads, wg);
 #elif DQ_ATOMIC == 1
@@ -537,7 +551,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       fence_operands(dk);
 #if DQ_ATOMIC == 3
       fence_operands(dqt);
-      store_dq_t(sdq, dqt, n % 2, n >= 2, wg, tid);
+      store_dq_t(sdq, dqt, n % DQ_BUFS, n >= DQ_BUFS, wg, tid);
 #elif DQ_ATOMIC == 2
       if (wg == 0) {
         fence_operands(dq);
@@ -626,14 +640,15 @@ extern "C" __global__ void hopper_delta(const u16* __restrict__ out, const Layou
 
 #if DQ_ATOMIC
 // Where dQ's sum for sequence bh, token t, column d is in the f32 buffer: [heads, tokens,
-// HEAD_DIM]; with DQ_ATOMIC=3 [heads, blocks of 64 queries, 4096] in the order the adding warp
-// wrote (float 4·(128·(4w + j) + 32·warp + lane) + e holds dQᵀ's register 4j + e of that
-// thread of warpgroup w: column warp·16 + lane/4 + 8·(e/2), query 32w + 8j + 2·(lane%4) + e%2)
+// HEAD_DIM]; with DQ_ATOMIC=3 [heads, blocks of 64 queries, 64 · HEAD_DIM] in the order the
+// adding warp wrote (float 4·(128·(4·HALVES·w + 4h + j) + 32·warp + lane) + e holds dQᵀ's
+// register 4j + e of half h of that thread of warpgroup w: column 64h + warp·16 + lane/4 +
+// 8·(e/2), query 32w + 8j + 2·(lane%4) + e%2)
 __device__ __forceinline__ long long dq_index(long long bh, int t, int d, int tokens) {
 #if DQ_ATOMIC >= 3
   const int q = t % 64, w = q / 32, j = (q % 32) / 8, lane = (d % 8) * 4 + (q % 8) / 2;
-  const int e = 2 * ((d / 8) % 2) + q % 2;
-  return (bh * ((tokens + 63) / 64) + t / 64) * 4096 + 4 * (128 * (4 * w + j) + 32 * (d / 16) + lane) + e;
+  const int e = 2 * ((d / 8) % 2) + q % 2, h = d / 64, warp = (d % 64) / 16;
+  return (bh * ((tokens + 63) / 64) + t / 64) * (64 * HEAD_DIM) + 4 * (128 * (4 * HALVES * w + 4 * h + j) + 32 * warp + lane) + e;
 #else
   return (bh * tokens + t) * HEAD_DIM + d;
 #endif

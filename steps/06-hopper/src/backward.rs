@@ -38,8 +38,8 @@ pub struct BackwardConfig {
     /// The producer a warpgroup that hands its registers to the consumers (`PRODUCER_WG`).
     pub producer_warpgroup: bool,
     /// dkdv only: dQ in the same pass, added into f32 with atomics (`DQ_ATOMIC`), so that
-    /// no dq pass runs; its last bits then depend on the order blocks finish in. Head dim 64,
-    /// 64 queries streamed.
+    /// no dq pass runs; its last bits then depend on the order blocks finish in. 64 queries
+    /// streamed; head dim 64, or 128 with `dq_warp` (not pipelined).
     pub dq_atomic: bool,
     /// With `dq_atomic`: the warpgroups' dS meet in shared memory, one warpgroup takes dQ
     /// over the block's keys and adds it a row at a time with bulk reductions (`DQ_ATOMIC=2`:
@@ -52,6 +52,9 @@ pub struct BackwardConfig {
     /// With `dq_warp`: each block's dQ product issued after the next block's Sᵀ and dPᵀ, so
     /// that the warpgroups need not meet every step (`DQ_ATOMIC=4`).
     pub dq_pipelined: bool,
+    /// With `dq_warp`: the buffers of a block's dQ in shared memory (`DQ_BUFS`), 2, or 1 to
+    /// leave room for a third stage at head dim 128.
+    pub dq_buffers: usize,
     /// Exponentials from `exp2f` (`EXACT_EXP`), four instructions each, rather than
     /// `fast_exp2`'s one: kept to measure the difference.
     pub exact_exp: bool,
@@ -69,6 +72,7 @@ impl BackwardConfig {
             dq_bulk: false,
             dq_warp: false,
             dq_pipelined: false,
+            dq_buffers: 2,
             exact_exp: false,
         }
     }
@@ -107,6 +111,14 @@ impl BackwardConfig {
         }
     }
 
+    /// `with_dq_warp` with one buffer of dQ.
+    pub const fn with_one_dq_buffer(self) -> Self {
+        BackwardConfig {
+            dq_buffers: 1,
+            ..self.with_dq_warp()
+        }
+    }
+
     /// With exponentials from `exp2f`.
     pub const fn with_exact_exp(self) -> Self {
         BackwardConfig {
@@ -132,11 +144,11 @@ impl BackwardConfig {
     }
 
     /// Floats in dkdv's f32 dQ buffer for `shape` (none in two passes): a value per value of
-    /// dQ, or with `dq_warp` 4,096 per block of 64 queries of every head.
+    /// dQ, or with `dq_warp` 64 · head dim per block of 64 queries of every head.
     pub fn dq_accum_len(&self, shape: Shape) -> usize {
         match self.dq_mode() {
             0 => 0,
-            3 | 4 => shape.batch * shape.heads * shape.tokens.div_ceil(64) * 64 * 64,
+            3 | 4 => shape.batch * shape.heads * shape.tokens.div_ceil(64) * 64 * shape.head_dim,
             _ => shape.len(),
         }
     }
@@ -172,8 +184,8 @@ impl BackwardConfig {
             1 => ds_tiles,
             // dQ's 64 rows of 288 bytes (64 f32, 32 against bank conflicts)
             2 => ds_tiles + 64 * 288,
-            // two buffers of dS, two of dQ's 64 × 64 f32
-            _ => 2 * ds_tiles + 2 * 64 * 64 * 4,
+            // two buffers of dS, `dq_buffers` of dQ's 64 × d f32
+            _ => 2 * ds_tiles + self.dq_buffers * 64 * d * 4,
         };
         ((2 * self.block_rows() + 2 * self.stages * self.stream) * d * 2 + ds + 1024) as u32
     }
@@ -185,8 +197,10 @@ impl BackwardConfig {
         smem <= SMEM_PER_BLOCK
             && self.min_blocks * (smem + 1024) <= SMEM_PER_SM
             && (!self.producer_warpgroup || self.min_blocks == 1)
-            && (!self.dq_atomic || (d == 64 && self.stream == 64))
+            && (!self.dq_atomic
+                || (self.stream == 64 && (d == 64 || (self.dq_warp && !self.dq_pipelined))))
             && (!self.dq_bulk || (self.dq_atomic && self.warpgroups == 2))
+            && (self.dq_buffers == 2 || (self.dq_buffers == 1 && self.dq_warp))
             && (!self.dq_warp
                 || (self.dq_atomic
                     && !self.dq_bulk
@@ -196,10 +210,10 @@ impl BackwardConfig {
 
     /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup), "+dqa"
     /// (dQ with atomics), "+dqb" (dQ with bulk reductions a row), "+dqw" (dQ by a warp of its
-    /// own), "+exp2f" (`exact_exp`).
+    /// own), "+dqp" (that, pipelined), "+1dq" (one buffer of dQ), "+exp2f" (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}{}{}",
+            "{}x{}x{}{}{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.stream,
@@ -210,6 +224,7 @@ impl BackwardConfig {
             },
             if self.producer_warpgroup { "+pwg" } else { "" },
             ["", "+dqa", "+dqb", "+dqw", "+dqp"][self.dq_mode() as usize],
+            if self.dq_buffers == 1 { "+1dq" } else { "" },
             if self.exact_exp { "+exp2f" } else { "" }
         )
     }
@@ -225,17 +240,22 @@ pub struct BackwardConfigs {
 impl BackwardConfigs {
     /// The shapes for a sequence length and head dim, measured fastest by `hopper-check` on the
     /// H200 (`measurements/backward-shapes-d657487.txt`): the two passes of
-    /// [`BackwardConfigs::deterministic`], except at head dim 64 from 16,384 tokens one pass,
-    /// dQ added by a warp of its own and its product pipelined (two consumer warpgroups, three
-    /// stages; `measurements/one-pass-pipelined.txt`); that dQ's last bits depend on the order
-    /// blocks finish in, and it takes an f32 buffer as large as two dQs.
+    /// [`BackwardConfigs::deterministic`], except for one pass, dQ added by a warp of its own
+    /// (two consumer warpgroups): at head dim 64 from 16,384 tokens, its product pipelined, in
+    /// three stages (`measurements/one-pass-pipelined.txt`); at head dim 128 from 4,096 tokens,
+    /// in two stages (`measurements/one-pass-d128.txt`). That dQ's last bits depend on the
+    /// order blocks finish in, and it takes an f32 buffer as large as two dQs.
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
+        let dq = BackwardConfigs::deterministic(tokens, head_dim).dq;
+        let one_pass = BackwardConfig::new(2, 64, true);
         match (head_dim, tokens) {
             (64, 8193..) => BackwardConfigs {
-                dkdv: BackwardConfig::new(2, 64, true)
-                    .with_dq_pipelined()
-                    .with_stages(3),
-                dq: BackwardConfigs::deterministic(tokens, head_dim).dq,
+                dkdv: one_pass.with_dq_pipelined().with_stages(3),
+                dq,
+            },
+            (128, 2049..) => BackwardConfigs {
+                dkdv: one_pass.with_dq_warp(),
+                dq,
             },
             _ => BackwardConfigs::deterministic(tokens, head_dim),
         }
@@ -346,6 +366,20 @@ impl BackwardConfigs {
                 ],
             );
         }
+        if d == 128 {
+            // one pass, dQ added by a warp of its own: the dq shape is not used
+            let dq = BackwardConfigs::deterministic(1 << 14, d).dq;
+            // (pipelined, as at head dim 64, ptxas spills: dQᵀ's accumulators would be live
+            // beside the next block's Sᵀ and dPᵀ)
+            // and with one buffer of dQ, which leaves room for a third stage
+            for dkdv in [
+                c(2, 64, true).with_dq_warp(),
+                c(2, 64, true).with_one_dq_buffer(),
+                c(2, 64, true).with_one_dq_buffer().with_stages(3),
+            ] {
+                all.push(BackwardConfigs { dkdv, dq });
+            }
+        }
         if d == 64 {
             // one pass: the dq shape is not used
             let dq = BackwardConfigs::deterministic(1 << 14, d).dq;
@@ -425,6 +459,7 @@ pub fn compile(
             format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
             format!("-DPRODUCER_REGS={}", config.producer_registers()),
             format!("-DDQ_ATOMIC={}", config.dq_mode()),
+            format!("-DDQ_BUFS={}", config.dq_buffers),
             format!("-DEXACT_EXP={}", config.exact_exp as u8),
             rank.define(),
             "--std=c++17".into(),
@@ -446,8 +481,8 @@ pub fn compile(
 
 /// The gradients of q, k and v with the Hopper kernels, given the forward's output and
 /// log-sum-exp and the output's gradient `dout`, in the fastest block shapes
-/// ([`BackwardConfigs::for_shape`]): at head dim 64 from 16,384 tokens one pass, whose dq may
-/// differ run to run in its last bits; [`backward_with`] and [`BackwardConfigs::deterministic`] give the same
+/// ([`BackwardConfigs::for_shape`]): at head dim 64 from 16,384 tokens and at 128 from 4,096
+/// one pass, whose dq may differ run to run in its last bits; [`backward_with`] and [`BackwardConfigs::deterministic`] give the same
 /// bits every time.
 pub fn backward(
     gpu: &Gpu,
@@ -737,7 +772,7 @@ unsafe fn launch_passes(
             shared_mem_bytes: 0,
         };
         // SAFETY: acc holds dq_accum_len values in f32, where dq_index finds each of the
-        // shape's (an even number of them: the head dim is 64); each thread takes whole pairs
+        // shape's (an even number of them: the head dim is 64 or 128); each thread takes whole pairs
         // below `pairs` and writes them to dq where layout puts them, within its span (the
         // caller's promise)
         unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dq_convert"))?;

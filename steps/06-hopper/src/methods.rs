@@ -18,7 +18,7 @@ pub fn methods() -> Vec<Method> {
             "cuda_hopper",
             "06-hopper",
             Device::Cuda,
-            "FlashAttention with Hopper's instructions: TMA copies by a producer warp, wgmma products by consumer warpgroups, no T×T table; the backward in two passes (dK and dV, then dQ) of the same products, or in one at head dim 64 from 16k tokens (compute capability 9.0, head dims 64 and 128)",
+            "FlashAttention with Hopper's instructions: TMA copies by a producer warp, wgmma products by consumer warpgroups, no T×T table; the backward in two passes (dK and dV, then dQ) of the same products, or in one at head dim 64 from 16k tokens and at 128 from 4k (compute capability 9.0, head dims 64 and 128)",
             hopper_forward,
         )
         .with_dtype(hopper_forward_dtype)
@@ -138,7 +138,7 @@ pub fn implementation() -> String {
     };
     let b = |t, d| backward::BackwardConfigs::for_shape(t, d).name();
     format!(
-        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, ex2.approx, NVRTC sm_90a; head dim 64 up to 4k tokens {}, at 8k {}, from 16k {}; head dim 128 up to 4k tokens {}, from 8k {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 up to 8k tokens {}, from 16k {}; head dim 128 {}",
+        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, ex2.approx, NVRTC sm_90a; head dim 64 up to 4k tokens {}, at 8k {}, from 16k {}; head dim 128 up to 4k tokens {}, from 8k {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 up to 8k tokens {}, from 16k {}; head dim 128 up to 2k tokens {}, from 4k {}",
         describe(HopperConfig::for_shape(4096, 64)),
         describe(HopperConfig::for_shape(8192, 64)),
         describe(HopperConfig::for_shape(16384, 64)),
@@ -146,6 +146,7 @@ pub fn implementation() -> String {
         describe(HopperConfig::for_shape(16384, 128)),
         b(8192, 64),
         b(16384, 64),
+        b(2048, 128),
         b(16384, 128)
     )
 }
