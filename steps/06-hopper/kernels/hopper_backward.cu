@@ -638,30 +638,46 @@ extern "C" __global__ void hopper_delta(const u16* __restrict__ out, const Layou
   if (lane == 0) delta[(long long)bh * tokens + t] = sum;
 }
 
-#if DQ_ATOMIC
-// Where dQ's sum for sequence bh, token t, column d is in the f32 buffer: [heads, tokens,
-// HEAD_DIM]; with DQ_ATOMIC=3 [heads, blocks of 64 queries, 64 · HEAD_DIM] in the order the
-// adding warp wrote (float 4·(128·(4·HALVES·w + 4h + j) + 32·warp + lane) + e holds dQᵀ's
-// register 4j + e of half h of that thread of warpgroup w: column 64h + warp·16 + lane/4 +
-// 8·(e/2), query 32w + 8j + 2·(lane%4) + e%2)
-__device__ __forceinline__ long long dq_index(long long bh, int t, int d, int tokens) {
 #if DQ_ATOMIC >= 3
-  const int q = t % 64, w = q / 32, j = (q % 32) / 8, lane = (d % 8) * 4 + (q % 8) / 2;
-  const int e = 2 * ((d / 8) % 2) + q % 2, h = d / 64, warp = (d % 64) / 16;
-  return (bh * ((tokens + 63) / 64) + t / 64) * (64 * HEAD_DIM) + 4 * (128 * (4 * HALVES * w + 4 * h + j) + 32 * warp + lane) + e;
-#else
-  return (bh * tokens + t) * HEAD_DIM + d;
-#endif
-}
-
-// dq = 16-bit(acc · scale), two values a thread at a time, where `layout` puts it
+// dq = 16-bit(acc · scale) where `layout` puts it, from the f32 sums in the order the adding
+// warp wrote: [heads, blocks of 64 queries, 64 · HEAD_DIM], where the float4 at 128·R + t
+// (R = 4·HALVES·w + 4h + j, t = 32·warp + lane) holds register 4j + e (e = 0..3) of dQᵀ's half
+// h in thread t of warpgroup w: column 64h + 16·warp + lane/4 + 8·(e/2), query 32w + 8j +
+// 2·(lane%4) + e%2. Lanes L and L + 4 hold neighbouring columns, so a thread reads both
+// float4s (L/4 even) and writes four pairs of columns: `items` is an eighth of the sums
 extern "C" __global__ void hopper_dq_convert(const float* __restrict__ acc, u16* __restrict__ dq, const Layout layout,
-                                             int tokens, long long pairs, float scale) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < pairs; i += (long long)gridDim.x * blockDim.x) {
+                                             int tokens, long long items, float scale) {
+  const int blocks = (tokens + 63) / 64;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items; i += (long long)gridDim.x * blockDim.x) {
+    const long long blk = i / (8 * HEAD_DIM);
+    const int r = (int)(i % (8 * HEAD_DIM)), R = r / 64, u = r % 64;
+    const int warp = u / 16, L = 8 * ((u % 16) / 4) + u % 4;
+    const int w = R / (4 * HALVES), h = (R / 4) % HALVES, j = R % 4;
+    const float4* at = reinterpret_cast<const float4*>(acc + blk * 64 * HEAD_DIM) + 128 * R + 32 * warp + L;
+    const float4 a = at[0], b = at[4];
+    const int bh = (int)(blk / blocks), q = (int)(blk % blocks) * 64 + 32 * w + 8 * j + 2 * (L % 4);
+    const int d = 64 * h + 16 * warp + L / 4;
+    u16* row = dq + layout.start(bh) + (long long)q * layout.token + d;
+    if (q < tokens) {
+      *reinterpret_cast<u32*>(row) = pack(a.x * scale, b.x * scale);
+      *reinterpret_cast<u32*>(row + 8) = pack(a.z * scale, b.z * scale);
+    }
+    if (q + 1 < tokens) {
+      *reinterpret_cast<u32*>(row + layout.token) = pack(a.y * scale, b.y * scale);
+      *reinterpret_cast<u32*>(row + layout.token + 8) = pack(a.w * scale, b.w * scale);
+    }
+  }
+}
+#elif DQ_ATOMIC
+// dq = 16-bit(acc · scale), two values a thread at a time, where `layout` puts it, from the
+// f32 sums [heads, tokens, HEAD_DIM] (`items`: half the values)
+extern "C" __global__ void hopper_dq_convert(const float* __restrict__ acc, u16* __restrict__ dq, const Layout layout,
+                                             int tokens, long long items, float scale) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items; i += (long long)gridDim.x * blockDim.x) {
     const long long row = 2 * i / HEAD_DIM, bh = row / tokens;
     const int t = (int)(row % tokens), d = (int)(2 * i % HEAD_DIM);
-    const float a = acc[dq_index(bh, t, d, tokens)], b = acc[dq_index(bh, t, d + 1, tokens)];
-    *reinterpret_cast<u32*>(dq + layout.start((int)bh) + (long long)t * layout.token + d) = pack(a * scale, b * scale);
+    const float2 ab = reinterpret_cast<const float2*>(acc)[i];
+    *reinterpret_cast<u32*>(dq + layout.start((int)bh) + (long long)t * layout.token + d) = pack(ab.x * scale, ab.y * scale);
   }
 }
 #endif

@@ -757,24 +757,29 @@ unsafe fn launch_passes(
 
     if let Some(acc) = &dq_accum {
         let f = kernel(HOPPER_DQ_CONVERT, c)?;
-        let pairs = (shape.len() / 2) as i64;
+        // a thread takes two values of dQ, or with `dq_warp` eight
+        let items = match c.dq_mode() {
+            3 | 4 => c.dq_accum_len(shape) / 8,
+            _ => shape.len() / 2,
+        } as i64;
         let mut launch = stream.launch_builder(&f);
         launch
             .arg(acc)
             .arg(&dq)
             .arg(&layout)
             .arg(&tokens)
-            .arg(&pairs)
+            .arg(&items)
             .arg(&scale);
         let config = LaunchConfig {
-            grid_dim: ((pairs as u64).div_ceil(256).min(65_535) as u32, 1, 1),
+            grid_dim: ((items as u64).div_ceil(256).min(65_535) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: acc holds dq_accum_len values in f32, where dq_index finds each of the
-        // shape's (an even number of them: the head dim is 64 or 128); each thread takes whole pairs
-        // below `pairs` and writes them to dq where layout puts them, within its span (the
-        // caller's promise)
+        // SAFETY: acc holds dq_accum_len values in f32: a value per value of dQ, or with
+        // `dq_warp` 64 rows of every block of 64 queries, eight values for each of `items`
+        // threads (the head dim is 64 or 128); each thread reads its own values and writes
+        // them to dq where layout puts them, for rows below `tokens` only, within its span
+        // (the caller's promise)
         unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dq_convert"))?;
         return Ok(());
     }
