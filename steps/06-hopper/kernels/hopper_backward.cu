@@ -220,11 +220,11 @@ __device__ __forceinline__ void store_dq_t(unsigned char* sdq, const float (&dqt
 #endif
 
 #if DQ_ATOMIC >= 3
-// The adding warp of DQ_ATOMIC=3 and 4: each step's dQ buffer (DQ_BUFS in turn at sdq, 64 queries
-// of HEAD_DIM f32 each, a warpgroup's half 32 queries) into the f32 sums of its block of queries, first + n, with a bulk
-// reduction a half as each warpgroup is done with it; each warpgroup is told when its half
-// has been read. Not inlined: the producer's registers would otherwise have to hold what it
-// computes
+// The adding warp of DQ_ATOMIC=3 and 4: each step's dQ buffer (DQ_BUFS in turn at sdq, 64
+// queries of HEAD_DIM f32 each, a warpgroup's half 32 of them) into the f32 sums of its block
+// of queries, first + n, with a bulk reduction a half as each warpgroup is done with it; each
+// warpgroup is told when its half has been read. Not inlined: the producer's registers would
+// otherwise have to hold what it computes
 __device__ __noinline__ void add_dq(float* dq_accum, unsigned char* sdq, int head, int first, int n_blocks, int tokens,
                                     int lane) {
   float* dst = dq_accum + ((u64)head * ((tokens + 63) / 64) + first) * 64 * HEAD_DIM;
