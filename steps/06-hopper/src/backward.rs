@@ -367,11 +367,11 @@ impl BackwardConfigs {
             );
         }
         if d == 128 {
-            // one pass, dQ added by a warp of its own: the dq shape is not used
+            // one pass, dQ added by a warp of its own (the dq shape is not used), also with
+            // one buffer of dQ, which leaves room for a third stage; pipelined, as at head
+            // dim 64, ptxas spills (dQᵀ's accumulators would be live beside the next block's
+            // Sᵀ and dPᵀ)
             let dq = BackwardConfigs::deterministic(1 << 14, d).dq;
-            // (pipelined, as at head dim 64, ptxas spills: dQᵀ's accumulators would be live
-            // beside the next block's Sᵀ and dPᵀ)
-            // and with one buffer of dQ, which leaves room for a third stage
             for dkdv in [
                 c(2, 64, true).with_dq_warp(),
                 c(2, 64, true).with_one_dq_buffer(),
@@ -482,8 +482,8 @@ pub fn compile(
 /// The gradients of q, k and v with the Hopper kernels, given the forward's output and
 /// log-sum-exp and the output's gradient `dout`, in the fastest block shapes
 /// ([`BackwardConfigs::for_shape`]): at head dim 64 from 16,384 tokens and at 128 from 4,096
-/// one pass, whose dq may differ run to run in its last bits; [`backward_with`] and [`BackwardConfigs::deterministic`] give the same
-/// bits every time.
+/// one pass, whose dq may differ run to run in its last bits; [`backward_with`] and
+/// [`BackwardConfigs::deterministic`] give the same bits every time.
 pub fn backward(
     gpu: &Gpu,
     q: &DeviceTensor,
