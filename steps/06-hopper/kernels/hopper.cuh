@@ -227,15 +227,16 @@ __device__ __forceinline__ void wgmma_m64n128_ss(float (&d)[64], u64 da, u64 db,
 }
 
 // d[32] (+)= A·B for one k-step of 16, A and B from shared memory: N = 64; A K-major, B
-// K-major too, or with TRANS_B = 1 transposed (MN-major, as v is stored)
-template <int TRANS_B = 0>
+// K-major too, or with TRANS_B = 1 transposed (MN-major, as v is stored); A transposed with
+// TRANS_A = 1 (M-major, as the backward's dQᵀ = kᵀ·dSᵀ reads k)
+template <int TRANS_B = 0, int TRANS_A = 0>
 __device__ __forceinline__ void wgmma_m64n64_ss(float (&d)[32], u64 da, u64 db, int scale_d) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." ELEM "." ELEM " "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, %35;\n}\n"
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, %36, %35;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B));
+      : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_B), "n"(TRANS_A));
 }
 
 // d[32] += A·B for one k-step of 16, A from registers, B from shared memory transposed

@@ -53,6 +53,26 @@
 #if DQ_ATOMIC >= 3 && !PRODUCER_WG
 #error "DQ_ATOMIC=3 takes a producer warpgroup (its second warp adds dQ)"
 #endif
+// How DQ_ATOMIC=3 splits a block's dQᵀ = kᵀ·dSᵀ between the warpgroups. 0: each takes 32 of
+// the 64 queries, an m64n32 product for each 64 columns of the head dim, whose k-steps read
+// 3 KB of shared memory for 16 cycles of the tensor cores (more than the 128 bytes a cycle
+// shared memory gives). 1 (head dim 128): each takes 64 of the head dim's columns for all 64
+// queries, one m64n64 product reading 4 KB for 32 cycles. 2 (head dim 64): each takes every
+// other block's whole dQᵀ (m64n64), warpgroup n % 2 block n's
+#ifndef DQ_SPLIT
+#define DQ_SPLIT 0
+#endif
+#if DQ_SPLIT && (DQ_ATOMIC != 3 || HEAD_DIM != (DQ_SPLIT == 1 ? 128 : 64) || (DQ_SPLIT == 2 && DQ_BUFS != 2))
+#error "DQ_SPLIT takes DQ_ATOMIC=3, 1 at head dim 128, 2 at head dim 64 with two dQ buffers"
+#endif
+// a warpgroup's dQᵀ registers: [HALVES][16] split by queries, [1][32] otherwise
+#if DQ_SPLIT
+#define DQT_H 1
+#define DQT_N 32
+#else
+#define DQT_H HALVES
+#define DQT_N 16
+#endif
 // DQ_ATOMIC=3 and 4's buffers of dQ, 64 queries in f32 each: with one, a warpgroup stores a
 // block's dQ only once the adding warp has read the last block's (the shared memory of a
 // third stage at head dim 128)
@@ -63,6 +83,9 @@
 // of dQ buffer b written (BAR_DQ_FULL + 2·wg + b: the warpgroup and the adding warp, 160), and
 // read by the bulk reduction (BAR_DQ_EMPTY + 2·wg + b)
 #define BAR_DS 1
+// DQ_SPLIT=2's barrier for odd blocks' dS (one for each parity, so that the arrival of a
+// warpgroup that has run a block ahead is not counted as the other's)
+#define BAR_DS_ODD 10
 #define BAR_DQ_FULL 2
 #define BAR_DQ_EMPTY 6
 #define BAR_DQ_COUNT (128 + 32)
@@ -70,8 +93,13 @@
 // holds Pᵀ's fragments in registers meanwhile, which only one warpgroup, or two with the
 // producer's registers given to them, can spare (ptxas spills otherwise); at head dim 128
 // with DQ_ATOMIC=3, whose producer keeps 32 registers for the adding warp, they cannot
+// DS_FROM_P=1: dSᵀ is made from Pᵀ's packed 16-bit fragments (which the products read) rather
+// than from Sᵀ's f32 registers, so that those are free once Pᵀ is packed
+#ifndef DS_FROM_P
+#define DS_FROM_P 0
+#endif
 #ifndef EARLY_DV
-#define EARLY_DV (WGS == 1 || (WGS == 2 && PRODUCER_WG && !(DQ_ATOMIC == 3 && HEAD_DIM == 128)))
+#define EARLY_DV (WGS == 1 || (WGS == 2 && PRODUCER_WG && (DS_FROM_P || !(DQ_ATOMIC == 3 && HEAD_DIM == 128))))
 #endif
 #define DQ_ROW_BYTES 288  // a row of dQ in shared memory: 64 f32 and 32 bytes against bank conflicts
 #define BLOCK_ROWS (64 * WGS)
@@ -184,32 +212,42 @@ __device__ __forceinline__ void store_ds_t(u32 tile, const u32 (&dsf)[STREAM / 4
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// dQᵀ = kᵀ·dSᵀ for warpgroup wg's 32 of the block's 64 queries over its 128 keys, 16 a k-step,
-// a product for each 64 columns of the head dim (dqt[h]: columns 64h..): k (at sk) read
-// M-major (transposed, as v is read), dSᵀ K-major from the two tiles at ads
-__device__ __forceinline__ void issue_dq_t(float (&dqt)[HALVES][16], u32 sk, u32 ads, int wg) {
+// dQᵀ = kᵀ·dSᵀ for warpgroup wg's part of the block's 64 queries (DQ_SPLIT) over its 128 keys,
+// 16 a k-step: k (at sk) read M-major (transposed, as v is read), dSᵀ K-major from the two
+// tiles at ads. Split by queries, wg's 32 with a product for each 64 columns of the head dim
+// (dqt[h]: columns 64h..); by columns, wg's 64 (dqt[0]: columns 64·wg..); by blocks, all
+__device__ __forceinline__ void issue_dq_t(float (&dqt)[DQT_H][DQT_N], u32 sk, u32 ads, int wg) {
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
+#if DQ_SPLIT
+    const u64 b = descriptor(ads + (kk / 4) * 64 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO);
+    const u32 a = sk + (DQ_SPLIT == 1 ? wg : 0) * BLOCK_ROWS * 128 + kk * 16 * 128;
+    wgmma_m64n64_ss<0, 1>(dqt[0], descriptor(a, V_LBO, V_SBO), b, kk > 0);
+#else
     const u64 b = descriptor(ads + (kk / 4) * 64 * 128 + wg * 32 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO);
 #pragma unroll
     for (int h = 0; h < HALVES; ++h) {
       wgmma_m64n32_ss<1>(dqt[h], descriptor(sk + h * BLOCK_ROWS * 128 + kk * 16 * 128, V_LBO, V_SBO), b, kk > 0);
     }
+#endif
   }
 }
 
-// dQᵀ's registers into dQ buffer b for the adding warp, once it has read what was last in it:
-// dqt[h][4i..4i+3] of thread t of warpgroup w at float 4·(128·(4·HALVES·w + 4h + i) + t);
-// then the warp is told. `reused`: the buffer held an earlier step's dQ
-__device__ __forceinline__ void store_dq_t(unsigned char* sdq, const float (&dqt)[HALVES][16], int b, bool reused,
+// dQᵀ's registers into dQ buffer b for the adding warp, once it has read what was last in it,
+// in the order of the split by queries: dqt[h][4i..4i+3] of thread t of warpgroup w at float
+// 4·(128·(4·HALVES·w + 4h + i) + t) (the split by columns puts its registers 4j.. (query 8j..)
+// where that split has them, as does the split by blocks); then the warp is told. `reused`:
+// the buffer held an earlier block's dQ
+__device__ __forceinline__ void store_dq_t(unsigned char* sdq, const float (&dqt)[DQT_H][DQT_N], int b, bool reused,
                                            int wg, int tid) {
   if (reused) asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_EMPTY + 2 * wg + b), "n"(BAR_DQ_COUNT) : "memory");
-  const u32 adq = smem_u32(sdq) + b * 64 * HEAD_DIM * 4 + (wg * 4 * HALVES * 128 + tid % 128) * 16;
+  const u32 adq = smem_u32(sdq) + b * 64 * HEAD_DIM * 4 + (tid % 128) * 16;
 #pragma unroll
-  for (int h = 0; h < HALVES; ++h) {
+  for (int h = 0; h < DQT_H; ++h) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(adq + (4 * h + i) * 128 * 16), "f"(dqt[h][4 * i]),
+    for (int i = 0; i < DQT_N / 4; ++i) {
+      const int r = DQ_SPLIT == 1 ? 8 * (i / 4) + 4 * wg + i % 4 : DQ_SPLIT == 2 ? i : 4 * HALVES * wg + 4 * h + i;
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(adq + r * 128 * 16), "f"(dqt[h][4 * i]),
                    "f"(dqt[h][4 * i + 1]), "f"(dqt[h][4 * i + 2]), "f"(dqt[h][4 * i + 3])
                    : "memory");
     }
@@ -217,36 +255,47 @@ __device__ __forceinline__ void store_dq_t(unsigned char* sdq, const float (&dqt
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_FULL + 2 * wg + b), "n"(BAR_DQ_COUNT) : "memory");
 }
+
 #endif
 
 #if DQ_ATOMIC >= 3
 // The adding warp of DQ_ATOMIC=3 and 4: each step's dQ buffer (DQ_BUFS in turn at sdq, 64
-// queries of HEAD_DIM f32 each, a warpgroup's half 32 of them) into the f32 sums of its block
-// of queries, first + n, with a bulk reduction a half as each warpgroup is done with it; each
-// warpgroup is told when its half has been read. Not inlined: the producer's registers would
-// otherwise have to hold what it computes
+// queries of HEAD_DIM f32 each, a half 32 of them) into the f32 sums of its block of queries,
+// first + n, with a bulk reduction a half; each warpgroup that wrote the buffer is told when
+// it has been read. Split by queries, a half is a warpgroup's, added as soon as it is done;
+// by columns both warpgroups write both halves; by blocks warpgroup n % 2 writes the buffer
+// alone. Not inlined: the producer's registers would otherwise have to hold what it computes
 __device__ __noinline__ void add_dq(float* dq_accum, unsigned char* sdq, int head, int first, int n_blocks, int tokens,
                                     int lane) {
   float* dst = dq_accum + ((u64)head * ((tokens + 63) / 64) + first) * 64 * HEAD_DIM;
+  const auto reduce_half = [&](int b, int half) {
+    if (lane == 0) {
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst + half * 32 * HEAD_DIM),
+                   "r"(smem_u32(sdq + b * 64 * HEAD_DIM * 4 + half * 32 * HEAD_DIM * 4)), "n"(32 * HEAD_DIM * 4)
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    }
+  };
 #pragma unroll 1
   for (int n = 0; n < n_blocks; ++n, dst += 64 * HEAD_DIM) {
     const int b = n % DQ_BUFS;
-#pragma unroll
-    for (int w = 0; w < WGS; ++w) {
+    // the warpgroups that write this block's buffer
+    const int w_first = DQ_SPLIT == 2 ? n % 2 : 0, w_last = DQ_SPLIT == 2 ? n % 2 : WGS - 1;
+#pragma unroll 1
+    for (int w = w_first; w <= w_last; ++w) {
       asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_FULL + 2 * w + b), "n"(BAR_DQ_COUNT) : "memory");
-      if (lane == 0) {
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst + w * 32 * HEAD_DIM),
-                     "r"(smem_u32(sdq + b * 64 * HEAD_DIM * 4 + w * 32 * HEAD_DIM * 4)), "n"(32 * HEAD_DIM * 4)
-                     : "memory");
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      }
+      if (DQ_SPLIT == 0) reduce_half(b, w);
+    }
+    if (DQ_SPLIT != 0) {
+      reduce_half(b, 0);
+      reduce_half(b, 1);
     }
     // the buffer has been read: the consumers may write it again
     if (lane == 0) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     __syncwarp();
     if (n + DQ_BUFS < n_blocks) {
-#pragma unroll
-      for (int w = 0; w < WGS; ++w) {
+#pragma unroll 1
+      for (int w = w_first; w <= w_last; ++w) {
         asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_EMPTY + 2 * w + b), "n"(BAR_DQ_COUNT) : "memory");
       }
     }
@@ -333,7 +382,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
   // warpgroups need not reach block n's dS together, and its registers are stored while
   // block n + 1's products run. Groups of products in flight, in order: Sᵀ(n), dPᵀ(n),
   // dQ(n − 1), dV(n), dK(n).
-  float dqt[HALVES][16];
+  float dqt[DQT_H][DQT_N];
   const u32 ads0 = smem_u32(sds);
   // one block; the first (block 0, no dQ before it) is a step of its own, so that every
   // wait counts the same groups in flight wherever it is (ptxas serialises the products
@@ -453,7 +502,13 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = 8 * j + 2 * (lane % 4) + (e % 2);
-          dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - sdelta[s][col]);
+#if DS_FROM_P
+          const u32 pp = pf[2 * j + e / 2];
+          const float p = from16(e % 2 ? (u16)(pp >> 16) : (u16)(pp & 0xffff));
+#else
+          const float p = st[4 * j + e];
+#endif
+          dpt[4 * j + e] = p * (dpt[4 * j + e] - sdelta[s][col]);
         }
       }
       pack_fragments<STREAM>(dsf, dpt);
@@ -512,11 +567,26 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
 #if DQ_ATOMIC == 3
       wgmma_commit();
+      float dqt[DQT_H][DQT_N];
+#if DQ_SPLIT == 2
+      // this warpgroup takes block n's dQ (the index read through a shuffle: ptxas then sees
+      // the branch taken by whole warps and does not serialise the products in it); it waits
+      // for the other's dS, which goes on (dK runs meanwhile)
+      const bool dq_here = __shfl_sync(0xffffffff, wg, 0) == n % 2;
+      const int bar_ds = n % 2 ? BAR_DS_ODD : BAR_DS;
+      if (dq_here) {
+        asm volatile("bar.sync %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
+        wgmma_fence();
+        issue_dq_t(dqt, smem_u32(sk), ads, wg);
+      } else {
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
+      }
+#else
       // both warpgroups' dS are in shared memory (dK runs meanwhile)
       asm volatile("bar.sync %0, %1;\n" ::"n"(BAR_DS), "n"(128 * WGS) : "memory");
-      float dqt[HALVES][16];
       wgmma_fence();
       issue_dq_t(dqt, smem_u32(sk), ads, wg);
+#endif
 #elif DQ_ATOMIC == 1
       // dQ = dS·k over this warpgroup's 64 keys: dS from shared memory, k MN-major (as v)
 #pragma unroll
@@ -550,8 +620,15 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       fence_operands(dv);
       fence_operands(dk);
 #if DQ_ATOMIC == 3
+#if DQ_SPLIT == 2
+      if (dq_here) {
+        fence_operands(dqt);
+        store_dq_t(sdq, dqt, n % DQ_BUFS, n >= DQ_BUFS, wg, tid);
+      }
+#else
       fence_operands(dqt);
       store_dq_t(sdq, dqt, n % DQ_BUFS, n >= DQ_BUFS, wg, tid);
+#endif
 #elif DQ_ATOMIC == 2
       if (wg == 0) {
         fence_operands(dq);

@@ -55,9 +55,28 @@ pub struct BackwardConfig {
     /// With `dq_warp`: the buffers of a block's dQ in shared memory (`DQ_BUFS`), 2, or 1 to
     /// leave room for a third stage at head dim 128.
     pub dq_buffers: usize,
+    /// With `dq_warp` (not pipelined): how the warpgroups split a block's dQ product
+    /// (`DQ_SPLIT`).
+    pub dq_split: DqSplit,
+    /// dSᵀ made from Pᵀ's packed 16-bit fragments rather than from its f32 registers
+    /// (`DS_FROM_P`), which frees those to issue dV's product before dSᵀ is made.
+    pub ds_from_p: bool,
     /// Exponentials from `exp2f` (`EXACT_EXP`), four instructions each, rather than
     /// `fast_exp2`'s one: kept to measure the difference.
     pub exact_exp: bool,
+}
+
+/// How the one pass's two warpgroups split a block's dQᵀ = kᵀ·dSᵀ (64 queries over the block's
+/// 128 keys) between them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DqSplit {
+    /// 32 queries each: an m64n32 product for each 64 columns of the head dim, whose k-steps
+    /// read more shared memory than it gives in the cycles they take.
+    Queries,
+    /// Head dim 128: 64 of the head dim's columns each, one m64n64 product.
+    Columns,
+    /// Head dim 64: every other block's whole product (m64n64) each.
+    Blocks,
 }
 
 impl BackwardConfig {
@@ -73,6 +92,8 @@ impl BackwardConfig {
             dq_warp: false,
             dq_pipelined: false,
             dq_buffers: 2,
+            dq_split: DqSplit::Queries,
+            ds_from_p: false,
             exact_exp: false,
         }
     }
@@ -116,6 +137,22 @@ impl BackwardConfig {
         BackwardConfig {
             dq_buffers: 1,
             ..self.with_dq_warp()
+        }
+    }
+
+    /// `with_dq_warp`, dQ's product split between the warpgroups by `split`.
+    pub const fn with_dq_split(self, split: DqSplit) -> Self {
+        BackwardConfig {
+            dq_split: split,
+            ..self.with_dq_warp()
+        }
+    }
+
+    /// With dSᵀ from Pᵀ's packed fragments.
+    pub const fn with_ds_from_p(self) -> Self {
+        BackwardConfig {
+            ds_from_p: true,
+            ..self
         }
     }
 
@@ -201,6 +238,14 @@ impl BackwardConfig {
                 || (self.stream == 64 && (d == 64 || (self.dq_warp && !self.dq_pipelined))))
             && (!self.dq_bulk || (self.dq_atomic && self.warpgroups == 2))
             && (self.dq_buffers == 2 || (self.dq_buffers == 1 && self.dq_warp))
+            && (!self.ds_from_p || !self.dq_pipelined)
+            && match self.dq_split {
+                DqSplit::Queries => true,
+                DqSplit::Columns => self.dq_warp && !self.dq_pipelined && d == 128,
+                DqSplit::Blocks => {
+                    self.dq_warp && !self.dq_pipelined && d == 64 && self.dq_buffers == 2
+                }
+            }
             && (!self.dq_warp
                 || (self.dq_atomic
                     && !self.dq_bulk
@@ -210,10 +255,11 @@ impl BackwardConfig {
 
     /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup), "+dqa"
     /// (dQ with atomics), "+dqb" (dQ with bulk reductions a row), "+dqw" (dQ by a warp of its
-    /// own), "+dqp" (that, pipelined), "+1dq" (one buffer of dQ), "+exp2f" (`exact_exp`).
+    /// own), "+dqp" (that, pipelined), "+1dq" (one buffer of dQ), "+dqc" and "+dqn" (its
+    /// product split by columns or by blocks), "+dsp" (`ds_from_p`), "+exp2f" (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}{}{}{}",
+            "{}x{}x{}{}{}{}{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.stream,
@@ -225,6 +271,8 @@ impl BackwardConfig {
             if self.producer_warpgroup { "+pwg" } else { "" },
             ["", "+dqa", "+dqb", "+dqw", "+dqp"][self.dq_mode() as usize],
             if self.dq_buffers == 1 { "+1dq" } else { "" },
+            ["", "+dqc", "+dqn"][self.dq_split as usize],
+            if self.ds_from_p { "+dsp" } else { "" },
             if self.exact_exp { "+exp2f" } else { "" }
         )
     }
@@ -239,26 +287,22 @@ pub struct BackwardConfigs {
 
 impl BackwardConfigs {
     /// The shapes for a sequence length and head dim, measured fastest by `hopper-check` on the
-    /// H200 (`measurements/backward-shapes-d657487.txt`): the two passes of
-    /// [`BackwardConfigs::deterministic`], except for one pass, dQ added by a warp of its own
-    /// (two consumer warpgroups): at head dim 64 from 16,384 tokens, its product pipelined, in
-    /// three stages (`measurements/one-pass-pipelined.txt`); at head dim 128 from 4,096 tokens,
-    /// in two stages (`measurements/one-pass-d128.txt`). That dQ's last bits depend on the
-    /// order blocks finish in, and it takes an f32 buffer as large as two dQs.
-    pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
-        let dq = BackwardConfigs::deterministic(tokens, head_dim).dq;
-        let one_pass = BackwardConfig::new(2, 64, true);
-        match (head_dim, tokens) {
-            (64, 8193..) => BackwardConfigs {
-                dkdv: one_pass.with_dq_pipelined().with_stages(3),
-                dq,
-            },
-            (128, 2049..) => BackwardConfigs {
-                dkdv: one_pass.with_dq_warp(),
-                dq,
-            },
-            _ => BackwardConfigs::deterministic(tokens, head_dim),
-        }
+    /// H200 (`measurements/dq-split.txt`): at every length one pass, dQ added by a warp of its
+    /// own (two consumer warpgroups, three stages), its product split between the warpgroups
+    /// by blocks at head dim 64 and by columns at 128 (with one buffer of dQ). That dQ's last
+    /// bits depend on the order blocks finish in, and it takes an f32 buffer as large as two
+    /// dQs; [`BackwardConfigs::deterministic`] takes neither.
+    pub fn for_shape(_tokens: usize, head_dim: usize) -> Self {
+        let one_pass = BackwardConfig::new(2, 64, true).with_stages(3);
+        let dkdv = match head_dim {
+            128 => one_pass
+                .with_dq_split(DqSplit::Columns)
+                .with_one_dq_buffer(),
+            _ => one_pass.with_dq_split(DqSplit::Blocks),
+        };
+        // the dq pass is not launched
+        let dq = BackwardConfigs::deterministic(1 << 14, head_dim).dq;
+        BackwardConfigs { dkdv, dq }
     }
 
     /// Two passes, each block writing only its own rows: the same bits run to run, and no
@@ -372,10 +416,15 @@ impl BackwardConfigs {
             // dim 64, ptxas spills (dQᵀ's accumulators would be live beside the next block's
             // Sᵀ and dPᵀ)
             let dq = BackwardConfigs::deterministic(1 << 14, d).dq;
+            // then dQ's product split by columns, also with dSᵀ from Pᵀ's fragments (dV early)
+            let columns = c(2, 64, true).with_dq_split(DqSplit::Columns);
             for dkdv in [
                 c(2, 64, true).with_dq_warp(),
                 c(2, 64, true).with_one_dq_buffer(),
                 c(2, 64, true).with_one_dq_buffer().with_stages(3),
+                columns,
+                columns.with_one_dq_buffer().with_stages(3),
+                columns.with_ds_from_p().with_one_dq_buffer().with_stages(3),
             ] {
                 all.push(BackwardConfigs { dkdv, dq });
             }
@@ -401,6 +450,13 @@ impl BackwardConfigs {
                 dkdv: c(2, 64, true).with_dq_pipelined(),
                 dq,
             });
+            // dQ's product taken by each warpgroup every other block
+            for stages in [2, 3] {
+                let blocks = c(2, 64, true)
+                    .with_dq_split(DqSplit::Blocks)
+                    .with_stages(stages);
+                all.push(BackwardConfigs { dkdv: blocks, dq });
+            }
         }
         // the defaults with the exponentials as exp2f computes them
         for c in BackwardConfigs::defaults(d) {
@@ -460,6 +516,8 @@ pub fn compile(
             format!("-DPRODUCER_REGS={}", config.producer_registers()),
             format!("-DDQ_ATOMIC={}", config.dq_mode()),
             format!("-DDQ_BUFS={}", config.dq_buffers),
+            format!("-DDQ_SPLIT={}", config.dq_split as u8),
+            format!("-DDS_FROM_P={}", config.ds_from_p as u8),
             format!("-DEXACT_EXP={}", config.exact_exp as u8),
             rank.define(),
             "--std=c++17".into(),
@@ -481,9 +539,9 @@ pub fn compile(
 
 /// The gradients of q, k and v with the Hopper kernels, given the forward's output and
 /// log-sum-exp and the output's gradient `dout`, in the fastest block shapes
-/// ([`BackwardConfigs::for_shape`]): at head dim 64 from 16,384 tokens and at 128 from 4,096
-/// one pass, whose dq may differ run to run in its last bits; [`backward_with`] and
-/// [`BackwardConfigs::deterministic`] give the same bits every time.
+/// ([`BackwardConfigs::for_shape`]): one pass, whose dq may differ run to run in its last
+/// bits; [`backward_with`] and [`BackwardConfigs::deterministic`] give the same bits every
+/// time.
 pub fn backward(
     gpu: &Gpu,
     q: &DeviceTensor,
