@@ -40,8 +40,8 @@
 // DQ_ATOMIC=3: as FlashAttention-3 does, a warp of its own adds dQ. Each warpgroup stores its
 // dS transposed with stmatrix into one of two buffers, and the warpgroups meet at one barrier;
 // then each takes dQᵀ = kᵀ·dSᵀ for half the block's queries over all its keys (the sums of
-// DQ_ATOMIC=2, split evenly), stores it to one of two f32 buffers in its registers' order and
-// goes on. The producer warpgroup's second warp adds the buffer (16 KB at head dim 64, 32 at
+// DQ_ATOMIC=2, split evenly; DQ_SPLIT splits them otherwise), stores it to one of two f32
+// buffers in its registers' order and goes on. The producer warpgroup's second warp adds the buffer (16 KB at head dim 64, 32 at
 // 128) into dq_accum with a bulk reduction a half; dq_accum holds each block of 64 queries in
 // that order, and hopper_dq_convert puts the values back in rows
 #if DQ_ATOMIC && (STREAM != 64 || PASS != 0 || (HEAD_DIM != 64 && DQ_ATOMIC != 3))
@@ -89,15 +89,16 @@
 #define BAR_DQ_FULL 2
 #define BAR_DQ_EMPTY 6
 #define BAR_DQ_COUNT (128 + 32)
-// EARLY_DV=1: dV += Pᵀ·dO is issued as soon as Pᵀ is made, and runs while dSᵀ is made; it
-// holds Pᵀ's fragments in registers meanwhile, which only one warpgroup, or two with the
-// producer's registers given to them, can spare (ptxas spills otherwise); at head dim 128
-// with DQ_ATOMIC=3, whose producer keeps 32 registers for the adding warp, they cannot
 // DS_FROM_P=1: dSᵀ is made from Pᵀ's packed 16-bit fragments (which the products read) rather
 // than from Sᵀ's f32 registers, so that those are free once Pᵀ is packed
 #ifndef DS_FROM_P
 #define DS_FROM_P 0
 #endif
+// EARLY_DV=1: dV += Pᵀ·dO is issued as soon as Pᵀ is made, and runs while dSᵀ is made; it
+// holds Pᵀ's fragments in registers meanwhile, which only one warpgroup, or two with the
+// producer's registers given to them, can spare (ptxas spills otherwise); at head dim 128
+// with DQ_ATOMIC=3, whose producer keeps 32 registers for the adding warp, only with
+// DS_FROM_P, which frees Sᵀ's
 #ifndef EARLY_DV
 #define EARLY_DV (WGS == 1 || (WGS == 2 && PRODUCER_WG && (DS_FROM_P || !(DQ_ATOMIC == 3 && HEAD_DIM == 128))))
 #endif
