@@ -89,6 +89,12 @@
 #define BAR_DQ_FULL 2
 #define BAR_DQ_EMPTY 6
 #define BAR_DQ_COUNT (128 + 32)
+// LONGEST_FIRST=1: the grid is (heads, blocks) rather than (blocks, heads), so that every
+// head's longest block (the most rows streamed past it) starts before any head's next longest
+// and the short ones fill the grid's tail, as the forward's LONGEST_FIRST orders its blocks
+#ifndef LONGEST_FIRST
+#define LONGEST_FIRST 0
+#endif
 // DS_FROM_P=1: dSᵀ is made from Pᵀ's packed 16-bit fragments (which the products read) rather
 // than from Sᵀ's f32 registers, so that those are free once Pᵀ is packed
 #ifndef DS_FROM_P
@@ -343,7 +349,11 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
 #endif
 
   // the first key blocks are seen by the most queries: they start first
+#if LONGEST_FIRST
+  const int kb = blockIdx.y, head = blockIdx.x, k0 = kb * BLOCK_ROWS;
+#else
   const int kb = blockIdx.x, head = blockIdx.y, k0 = kb * BLOCK_ROWS;
+#endif
   // the queries from the block holding key k0 to the end see these keys
   const int first = k0 / STREAM, n_blocks = (tokens + STREAM - 1) / STREAM - first;
   const int tid = threadIdx.x, wg = tid / 128;
@@ -777,7 +787,11 @@ hopper_dq(const __grid_constant__ TensorMap map_q, const __grid_constant__ Tenso
 
   // the last query blocks see the most keys: they start first
   const int m_blocks = (tokens + BLOCK_ROWS - 1) / BLOCK_ROWS;
+#if LONGEST_FIRST
+  const int mb = m_blocks - 1 - blockIdx.y, head = blockIdx.x, q0 = mb * BLOCK_ROWS;
+#else
   const int mb = m_blocks - 1 - blockIdx.x, head = blockIdx.y, q0 = mb * BLOCK_ROWS;
+#endif
   // the keys up to this block's last query
   const int n_blocks = min((tokens + STREAM - 1) / STREAM, (q0 + BLOCK_ROWS + STREAM - 1) / STREAM);
   const int tid = threadIdx.x, wg = tid / 128;

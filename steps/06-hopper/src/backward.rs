@@ -58,6 +58,9 @@ pub struct BackwardConfig {
     /// With `dq_warp` (not pipelined): how the warpgroups split a block's dQ product
     /// (`DQ_SPLIT`).
     pub dq_split: DqSplit,
+    /// The grid (heads, blocks) rather than (blocks, heads) (`LONGEST_FIRST`): every head's
+    /// longest block before any head's next longest.
+    pub longest_first: bool,
     /// dSᵀ made from Pᵀ's packed 16-bit fragments rather than from its f32 registers
     /// (`DS_FROM_P`), which frees those to issue dV's product before dSᵀ is made.
     pub ds_from_p: bool,
@@ -93,6 +96,7 @@ impl BackwardConfig {
             dq_pipelined: false,
             dq_buffers: 2,
             dq_split: DqSplit::Queries,
+            longest_first: false,
             ds_from_p: false,
             exact_exp: false,
         }
@@ -145,6 +149,14 @@ impl BackwardConfig {
         BackwardConfig {
             dq_split: split,
             ..self.with_dq_warp()
+        }
+    }
+
+    /// With every head's longest block first.
+    pub const fn with_longest_first(self) -> Self {
+        BackwardConfig {
+            longest_first: true,
+            ..self
         }
     }
 
@@ -205,6 +217,34 @@ impl BackwardConfig {
         64 * self.warpgroups
     }
 
+    /// The grid for `shape`: (blocks, heads) or, longest first, (heads, blocks); an error
+    /// where the y dimension would pass its 65,535.
+    pub fn grid(&self, shape: Shape) -> Result<(u32, u32, u32), AttnError> {
+        let (blocks, heads) = (
+            shape.tokens.div_ceil(self.block_rows()),
+            shape.batch * shape.heads,
+        );
+        let (x, y) = if self.longest_first {
+            (heads, blocks)
+        } else {
+            (blocks, heads)
+        };
+        if y > 65_535 {
+            return Err(AttnError::Unsupported {
+                what: format!(
+                    "{shape}: the Hopper backward's block shape {} takes at most 65,535 {} (a grid's y dimension), this shape needs {y}",
+                    self.name(),
+                    if self.longest_first {
+                        format!("blocks of {} rows", self.block_rows())
+                    } else {
+                        "sequences × heads".to_string()
+                    }
+                ),
+            });
+        }
+        Ok((x as u32, y as u32, 1))
+    }
+
     /// Threads per block: the consumer warpgroups and a producer warp (or warpgroup).
     pub fn threads(&self) -> u32 {
         let producer = if self.producer_warpgroup { 128 } else { 32 };
@@ -256,10 +296,11 @@ impl BackwardConfig {
     /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup), "+dqa"
     /// (dQ with atomics), "+dqb" (dQ with bulk reductions a row), "+dqw" (dQ by a warp of its
     /// own), "+dqp" (that, pipelined), "+1dq" (one buffer of dQ), "+dqc" and "+dqn" (its
-    /// product split by columns or by blocks), "+dsp" (`ds_from_p`), "+exp2f" (`exact_exp`).
+    /// product split by columns or by blocks), "+lf" (`longest_first`), "+dsp" (`ds_from_p`),
+    /// "+exp2f" (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}{}{}{}{}{}",
+            "{}x{}x{}{}{}{}{}{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.stream,
@@ -272,6 +313,7 @@ impl BackwardConfig {
             ["", "+dqa", "+dqb", "+dqw", "+dqp"][self.dq_mode() as usize],
             if self.dq_buffers == 1 { "+1dq" } else { "" },
             ["", "+dqc", "+dqn"][self.dq_split as usize],
+            if self.longest_first { "+lf" } else { "" },
             if self.ds_from_p { "+dsp" } else { "" },
             if self.exact_exp { "+exp2f" } else { "" }
         )
@@ -289,10 +331,11 @@ impl BackwardConfigs {
     /// The shapes for a sequence length and head dim, measured fastest by `hopper-check` on the
     /// H200 (`measurements/dq-split.txt`): at every length one pass, dQ added by a warp of its
     /// own (two consumer warpgroups, three stages), its product split between the warpgroups
-    /// by blocks at head dim 64 and by columns at 128 (with one buffer of dQ). That dQ's last
-    /// bits depend on the order blocks finish in, and it takes an f32 buffer as large as two
-    /// dQs; [`BackwardConfigs::deterministic`] takes neither.
-    pub fn for_shape(_tokens: usize, head_dim: usize) -> Self {
+    /// by blocks at head dim 64 and by columns at 128 (with one buffer of dQ); up to 4,096
+    /// tokens every head's longest blocks first. That dQ's last bits depend on the order blocks
+    /// finish in, and it takes an f32 buffer as large as two dQs;
+    /// [`BackwardConfigs::deterministic`] takes neither.
+    pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
         let one_pass = BackwardConfig::new(2, 64, true).with_stages(3);
         let dkdv = match head_dim {
             128 => one_pass
@@ -302,7 +345,7 @@ impl BackwardConfigs {
         };
         // the dq pass is not launched
         let dq = BackwardConfigs::deterministic(1 << 14, head_dim).dq;
-        BackwardConfigs { dkdv, dq }
+        BackwardConfigs { dkdv, dq }.longest_first_up_to_4k(tokens)
     }
 
     /// Two passes, each block writing only its own rows: the same bits run to run, and no
@@ -313,10 +356,11 @@ impl BackwardConfigs {
     /// and dQ with two streaming 128 keys a step; at head dim 128 dK/dV with two warpgroups
     /// streaming 64 queries a step in three stages (their accumulators and a block's Pᵀ and
     /// dPᵀ take 208 of the 240 registers the producer's leave them; with two stages it ran
-    /// 10% slower at 8,192 tokens beside this dQ) and dQ with two streaming 128 keys.
+    /// 10% slower at 8,192 tokens beside this dQ) and dQ with two streaming 128 keys. Up to
+    /// 4,096 tokens every head's longest blocks first (`measurements/dq-split.txt`, call 5).
     pub fn deterministic(tokens: usize, head_dim: usize) -> Self {
         let c = BackwardConfig::new;
-        match head_dim {
+        let configs = match head_dim {
             128 => BackwardConfigs {
                 dkdv: c(2, 64, true).with_stages(3),
                 dq: c(2, 128, true),
@@ -325,6 +369,21 @@ impl BackwardConfigs {
                 dkdv: c(3, 64, true).with_stages(if tokens <= 8192 { 3 } else { 2 }),
                 dq: c(2, 128, true),
             },
+        };
+        configs.longest_first_up_to_4k(tokens)
+    }
+
+    /// Both passes with every head's longest blocks first up to 4,096 tokens, where that
+    /// gained 2% to 21% in `hopper-check`; from 8,192 it lost 2% to 11%, and each head's
+    /// blocks stay together (`measurements/dq-split.txt`, call 5).
+    fn longest_first_up_to_4k(self, tokens: usize) -> Self {
+        if tokens <= 4096 {
+            BackwardConfigs {
+                dkdv: self.dkdv.with_longest_first(),
+                dq: self.dq.with_longest_first(),
+            }
+        } else {
+            self
         }
     }
 
@@ -458,6 +517,24 @@ impl BackwardConfigs {
                 all.push(BackwardConfigs { dkdv: blocks, dq });
             }
         }
+        // the defaults up to 4,096 tokens with each head's blocks together, and those from
+        // 8,192 with every head's longest first
+        for c in BackwardConfigs::defaults(d) {
+            let lf = !c.dkdv.longest_first;
+            let toggled = BackwardConfigs {
+                dkdv: BackwardConfig {
+                    longest_first: lf,
+                    ..c.dkdv
+                },
+                dq: BackwardConfig {
+                    longest_first: lf,
+                    ..c.dq
+                },
+            };
+            if !all.contains(&toggled) {
+                all.push(toggled);
+            }
+        }
         // the defaults with the exponentials as exp2f computes them
         for c in BackwardConfigs::defaults(d) {
             all.push(BackwardConfigs {
@@ -517,6 +594,7 @@ pub fn compile(
             format!("-DDQ_ATOMIC={}", config.dq_mode()),
             format!("-DDQ_BUFS={}", config.dq_buffers),
             format!("-DDQ_SPLIT={}", config.dq_split as u8),
+            format!("-DLONGEST_FIRST={}", config.longest_first as u8),
             format!("-DDS_FROM_P={}", config.ds_from_p as u8),
             format!("-DEXACT_EXP={}", config.exact_exp as u8),
             rank.define(),
@@ -698,6 +776,8 @@ unsafe fn launch_passes(
                 ),
             });
         }
+        // the grid's limit, before anything is launched
+        c.grid(shape)?;
     }
     let i = inputs;
     let rank = TmaRank::of(&[i.q.layout, i.k.layout, i.v.layout, i.dout.layout], shape);
@@ -754,13 +834,14 @@ unsafe fn launch_passes(
         delta
     };
 
-    let heads = (shape.batch * shape.heads) as u32;
     let scale = 1.0 / (d as f32).sqrt();
     let scale_log2 = shape.scale_log2();
-    let launch_config = |c: BackwardConfig| LaunchConfig {
-        grid_dim: (shape.tokens.div_ceil(c.block_rows()) as u32, heads, 1),
-        block_dim: (c.threads(), 1, 1),
-        shared_mem_bytes: c.smem_bytes(d),
+    let launch_config = |c: BackwardConfig| {
+        Ok::<_, AttnError>(LaunchConfig {
+            grid_dim: c.grid(shape)?,
+            block_dim: (c.threads(), 1, 1),
+            shared_mem_bytes: c.smem_bytes(d),
+        })
     };
     // a pass's kernel, with the register check of a producer warpgroup, and the maps of q,
     // k, v and dO, in boxes of `qdo_rows` rows (q, dO) and `kv_rows` rows (k, v)
@@ -807,11 +888,12 @@ unsafe fn launch_passes(
         None => launch.arg(&no_buffer),
     };
     launch.arg(&tokens).arg(&scale_log2).arg(&scale);
+    let config = launch_config(c)?;
     // SAFETY: the maps read within q, k, v and dO (rows past a head's end read as zeros),
     // lse and δ hold a value a row; each block writes dk and dv for its own keys below
     // `tokens` only, where layout puts them (within its span: the caller's promise); the grid
-    // is one block per block of keys of each head, with at most 65,535 heads (check_shape)
-    unsafe { launch.launch(launch_config(c)) }.map_err(device_error("launching hopper_dkdv"))?;
+    // is one block per block of keys of each head, its y at most 65,535 (checked above)
+    unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dkdv"))?;
 
     if let Some(acc) = &dq_accum {
         let f = kernel(HOPPER_DQ_CONVERT, c)?;
@@ -852,7 +934,30 @@ unsafe fn launch_passes(
     launch.arg(&inputs.lse).arg(&delta);
     launch.arg(&dq).arg(&layout);
     launch.arg(&tokens).arg(&scale_log2).arg(&scale);
+    let config = launch_config(c)?;
     // SAFETY: as for dkdv; each block writes dq for its own queries below `tokens` only
-    unsafe { launch.launch(launch_config(c)) }.map_err(device_error("launching hopper_dq"))?;
+    unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dq"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn longest_first_swaps_the_grid_and_names_its_limit() {
+        let one = BackwardConfigs::for_shape(1 << 14, 64).dkdv;
+        let lf = BackwardConfigs::for_shape(1000, 64).dkdv;
+        assert_eq!(lf, one.with_longest_first());
+        let s = Shape::new(4, 12, 1000, 64);
+        assert_eq!(one.grid(s).unwrap(), (8, 48, 1));
+        assert_eq!(lf.grid(s).unwrap(), (48, 8, 1));
+        let long = Shape::new(1, 1, 65_536 * 128, 64);
+        assert!(one.grid(long).is_ok());
+        let e = lf.grid(long).unwrap_err().to_string();
+        assert!(
+            e.contains("65,535 blocks of 128 rows") && e.contains("65536"),
+            "{e}"
+        );
+    }
 }

@@ -138,13 +138,15 @@ pub fn implementation() -> String {
     };
     let b = |t, d| backward::BackwardConfigs::for_shape(t, d).name();
     format!(
-        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, ex2.approx, NVRTC sm_90a; head dim 64 up to 4k tokens {}, at 8k {}, from 16k {}; head dim 128 up to 4k tokens {}, from 8k {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 {}; head dim 128 {}",
+        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, ex2.approx, NVRTC sm_90a; head dim 64 up to 4k tokens {}, at 8k {}, from 16k {}; head dim 128 up to 4k tokens {}, from 8k {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 up to 4k tokens {}, from 8k {}; head dim 128 up to 4k tokens {}, from 8k {}",
         describe(HopperConfig::for_shape(4096, 64)),
         describe(HopperConfig::for_shape(8192, 64)),
         describe(HopperConfig::for_shape(16384, 64)),
         describe(HopperConfig::for_shape(4096, 128)),
         describe(HopperConfig::for_shape(16384, 128)),
+        b(4096, 64),
         b(16384, 64),
+        b(4096, 128),
         b(16384, 128)
     )
 }
