@@ -220,29 +220,13 @@ impl BackwardConfig {
     /// The grid for `shape`: (blocks, heads) or, longest first, (heads, blocks); an error
     /// where the y dimension would pass its 65,535.
     pub fn grid(&self, shape: Shape) -> Result<(u32, u32, u32), AttnError> {
-        let (blocks, heads) = (
-            shape.tokens.div_ceil(self.block_rows()),
-            shape.batch * shape.heads,
-        );
-        let (x, y) = if self.longest_first {
-            (heads, blocks)
-        } else {
-            (blocks, heads)
-        };
-        if y > 65_535 {
-            return Err(AttnError::Unsupported {
-                what: format!(
-                    "{shape}: the Hopper backward's block shape {} takes at most 65,535 {} (a grid's y dimension), this shape needs {y}",
-                    self.name(),
-                    if self.longest_first {
-                        format!("blocks of {} rows", self.block_rows())
-                    } else {
-                        "sequences × heads".to_string()
-                    }
-                ),
-            });
-        }
-        Ok((x as u32, y as u32, 1))
+        forward::ordered_grid(
+            shape,
+            self.block_rows(),
+            self.longest_first,
+            &format!("backward's block shape {}", self.name()),
+            &format!("blocks of {} rows", self.block_rows()),
+        )
     }
 
     /// Threads per block: the consumer warpgroups and a producer warp (or warpgroup).

@@ -262,30 +262,45 @@ impl HopperConfig {
     /// (query blocks, sequences) or, longest first, (sequences, query blocks); an error where
     /// the y dimension would pass its 65,535.
     pub fn grid(&self, shape: Shape) -> Result<(u32, u32, u32), AttnError> {
-        let (blocks, sequences) = (
-            shape.tokens.div_ceil(self.block_m()),
-            shape.batch * shape.heads,
-        );
-        let (x, y) = if self.longest_first {
-            (sequences, blocks)
-        } else {
-            (blocks, sequences)
-        };
-        if y > 65_535 {
-            return Err(AttnError::Unsupported {
-                what: format!(
-                    "{shape}: the Hopper block shape {} takes at most 65,535 {} (a grid's y dimension), this shape needs {y}",
-                    self.name(),
-                    if self.longest_first {
-                        "blocks of queries"
-                    } else {
-                        "sequences × heads"
-                    }
-                ),
-            });
-        }
-        Ok((x as u32, y as u32, 1))
+        ordered_grid(
+            shape,
+            self.block_m(),
+            self.longest_first,
+            &format!("block shape {}", self.name()),
+            "blocks of queries",
+        )
     }
+}
+
+/// A grid of one block per `rows` tokens of each sequence: (blocks, sequences) or, longest
+/// first, (sequences, blocks); an error naming `kernel` (what takes the grid) and `blocks`
+/// (what the y dimension counts when longest first) where y would pass its 65,535.
+pub(crate) fn ordered_grid(
+    shape: Shape,
+    rows: usize,
+    longest_first: bool,
+    kernel: &str,
+    blocks: &str,
+) -> Result<(u32, u32, u32), AttnError> {
+    let (n, sequences) = (shape.tokens.div_ceil(rows), shape.batch * shape.heads);
+    let (x, y) = if longest_first {
+        (sequences, n)
+    } else {
+        (n, sequences)
+    };
+    if y > 65_535 {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "{shape}: the Hopper {kernel} takes at most 65,535 {} (a grid's y dimension), this shape needs {y}",
+                if longest_first {
+                    blocks
+                } else {
+                    "sequences × heads"
+                }
+            ),
+        });
+    }
+    Ok((x as u32, y as u32, 1))
 }
 
 /// The byte offsets of the shared-memory matrix descriptors (see `wgmma-probe`).
