@@ -40,10 +40,11 @@
 // DQ_ATOMIC=3: as FlashAttention-3 does, a warp of its own adds dQ. Each warpgroup stores its
 // dS transposed with stmatrix into one of two buffers, and the warpgroups meet at one barrier;
 // then each takes dQᵀ = kᵀ·dSᵀ for half the block's queries over all its keys (the sums of
-// DQ_ATOMIC=2, split evenly; DQ_SPLIT splits them otherwise), stores it to one of two f32
-// buffers in its registers' order and goes on. The producer warpgroup's second warp adds the buffer (16 KB at head dim 64, 32 at
-// 128) into dq_accum with a bulk reduction a half; dq_accum holds each block of 64 queries in
-// that order, and hopper_dq_convert puts the values back in rows
+// DQ_ATOMIC=2, split evenly; DQ_SPLIT splits them otherwise, and with its split by blocks
+// only the warpgroup that takes dQ waits at the barrier), stores it to one of two f32 buffers
+// in its registers' order and goes on. The producer warpgroup's second warp adds the buffer
+// (16 KB at head dim 64, 32 at 128) into dq_accum with a bulk reduction a half; dq_accum holds
+// each block of 64 queries in that order, and hopper_dq_convert puts the values back in rows
 #if DQ_ATOMIC && (STREAM != 64 || PASS != 0 || (HEAD_DIM != 64 && DQ_ATOMIC != 3))
 #error "DQ_ATOMIC takes the dkdv pass with STREAM 64, at HEAD_DIM 64 (or 128 with DQ_ATOMIC=3)"
 #endif
@@ -79,9 +80,10 @@
 #ifndef DQ_BUFS
 #define DQ_BUFS 2
 #endif
-// DQ_ATOMIC=3's named barriers: the warpgroups' dS written (256 threads); a warpgroup's half
-// of dQ buffer b written (BAR_DQ_FULL + 2·wg + b: the warpgroup and the adding warp, 160), and
-// read by the bulk reduction (BAR_DQ_EMPTY + 2·wg + b)
+// DQ_ATOMIC=3's named barriers: the warpgroups' dS written (256 threads); a warpgroup's part
+// of dQ buffer b written (BAR_DQ_FULL + 2·wg + b: the warpgroup and the adding warp, 160; its
+// half split by queries, its columns of both halves split by columns, the whole buffer split
+// by blocks), and read by the bulk reductions (BAR_DQ_EMPTY + 2·wg + b)
 #define BAR_DS 1
 // DQ_SPLIT=2's barrier for odd blocks' dS (one for each parity, so that the arrival of a
 // warpgroup that has run a block ahead is not counted as the other's)
@@ -95,18 +97,12 @@
 #ifndef LONGEST_FIRST
 #define LONGEST_FIRST 0
 #endif
-// DS_FROM_P=1: dSᵀ is made from Pᵀ's packed 16-bit fragments (which the products read) rather
-// than from Sᵀ's f32 registers, so that those are free once Pᵀ is packed
-#ifndef DS_FROM_P
-#define DS_FROM_P 0
-#endif
 // EARLY_DV=1: dV += Pᵀ·dO is issued as soon as Pᵀ is made, and runs while dSᵀ is made; it
 // holds Pᵀ's fragments in registers meanwhile, which only one warpgroup, or two with the
 // producer's registers given to them, can spare (ptxas spills otherwise); at head dim 128
-// with DQ_ATOMIC=3, whose producer keeps 32 registers for the adding warp, only with
-// DS_FROM_P, which frees Sᵀ's
+// with DQ_ATOMIC=3, whose producer keeps 32 registers for the adding warp, they cannot
 #ifndef EARLY_DV
-#define EARLY_DV (WGS == 1 || (WGS == 2 && PRODUCER_WG && (DS_FROM_P || !(DQ_ATOMIC == 3 && HEAD_DIM == 128))))
+#define EARLY_DV (WGS == 1 || (WGS == 2 && PRODUCER_WG && !(DQ_ATOMIC == 3 && HEAD_DIM == 128)))
 #endif
 #define DQ_ROW_BYTES 288  // a row of dQ in shared memory: 64 f32 and 32 bytes against bank conflicts
 #define BLOCK_ROWS (64 * WGS)
@@ -513,13 +509,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int col = 8 * j + 2 * (lane % 4) + (e % 2);
-#if DS_FROM_P
-          const u32 pp = pf[2 * j + e / 2];
-          const float p = from16(e % 2 ? (u16)(pp >> 16) : (u16)(pp & 0xffff));
-#else
-          const float p = st[4 * j + e];
-#endif
-          dpt[4 * j + e] = p * (dpt[4 * j + e] - sdelta[s][col]);
+          dpt[4 * j + e] = st[4 * j + e] * (dpt[4 * j + e] - sdelta[s][col]);
         }
       }
       pack_fragments<STREAM>(dsf, dpt);

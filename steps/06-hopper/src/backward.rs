@@ -61,9 +61,6 @@ pub struct BackwardConfig {
     /// The grid (heads, blocks) rather than (blocks, heads) (`LONGEST_FIRST`): every head's
     /// longest block before any head's next longest.
     pub longest_first: bool,
-    /// dSᵀ made from Pᵀ's packed 16-bit fragments rather than from its f32 registers
-    /// (`DS_FROM_P`), which frees those to issue dV's product before dSᵀ is made.
-    pub ds_from_p: bool,
     /// Exponentials from `exp2f` (`EXACT_EXP`), four instructions each, rather than
     /// `fast_exp2`'s one: kept to measure the difference.
     pub exact_exp: bool,
@@ -97,7 +94,6 @@ impl BackwardConfig {
             dq_buffers: 2,
             dq_split: DqSplit::Queries,
             longest_first: false,
-            ds_from_p: false,
             exact_exp: false,
         }
     }
@@ -156,14 +152,6 @@ impl BackwardConfig {
     pub const fn with_longest_first(self) -> Self {
         BackwardConfig {
             longest_first: true,
-            ..self
-        }
-    }
-
-    /// With dSᵀ from Pᵀ's packed fragments.
-    pub const fn with_ds_from_p(self) -> Self {
-        BackwardConfig {
-            ds_from_p: true,
             ..self
         }
     }
@@ -262,7 +250,6 @@ impl BackwardConfig {
                 || (self.stream == 64 && (d == 64 || (self.dq_warp && !self.dq_pipelined))))
             && (!self.dq_bulk || (self.dq_atomic && self.warpgroups == 2))
             && (self.dq_buffers == 2 || (self.dq_buffers == 1 && self.dq_warp))
-            && (!self.ds_from_p || !self.dq_pipelined)
             && match self.dq_split {
                 DqSplit::Queries => true,
                 DqSplit::Columns => self.dq_warp && !self.dq_pipelined && d == 128,
@@ -280,11 +267,11 @@ impl BackwardConfig {
     /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup), "+dqa"
     /// (dQ with atomics), "+dqb" (dQ with bulk reductions a row), "+dqw" (dQ by a warp of its
     /// own), "+dqp" (that, pipelined), "+1dq" (one buffer of dQ), "+dqc" and "+dqn" (its
-    /// product split by columns or by blocks), "+lf" (`longest_first`), "+dsp" (`ds_from_p`),
-    /// "+exp2f" (`exact_exp`).
+    /// product split by columns or by blocks), "+lf" (`longest_first`), "+exp2f"
+    /// (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}{}{}{}{}{}{}",
+            "{}x{}x{}{}{}{}{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.stream,
@@ -298,7 +285,6 @@ impl BackwardConfig {
             if self.dq_buffers == 1 { "+1dq" } else { "" },
             ["", "+dqc", "+dqn"][self.dq_split as usize],
             if self.longest_first { "+lf" } else { "" },
-            if self.ds_from_p { "+dsp" } else { "" },
             if self.exact_exp { "+exp2f" } else { "" }
         )
     }
@@ -358,8 +344,8 @@ impl BackwardConfigs {
     }
 
     /// Both passes with every head's longest blocks first up to 4,096 tokens, where that
-    /// gained 2% to 21% in `hopper-check`; from 8,192 it lost 2% to 11%, and each head's
-    /// blocks stay together (`measurements/dq-split.txt`, call 5).
+    /// gained 2% to 21% in `hopper-check`; from 8,192 it tied or lost, up to 11%, and each
+    /// head's blocks stay together (`measurements/dq-split.txt`, call 5).
     fn longest_first_up_to_4k(self, tokens: usize) -> Self {
         if tokens <= 4096 {
             BackwardConfigs {
@@ -375,7 +361,7 @@ impl BackwardConfigs {
     /// at head dim `d`, the longest sequences' first.
     pub fn defaults(d: usize) -> Vec<BackwardConfigs> {
         let mut all = Vec::new();
-        for tokens in [1 << 14, 1] {
+        for tokens in [1 << 14, 8192, 1] {
             for c in [
                 BackwardConfigs::for_shape(tokens, d),
                 BackwardConfigs::deterministic(tokens, d),
@@ -459,7 +445,7 @@ impl BackwardConfigs {
             // dim 64, ptxas spills (dQᵀ's accumulators would be live beside the next block's
             // Sᵀ and dPᵀ)
             let dq = BackwardConfigs::deterministic(1 << 14, d).dq;
-            // then dQ's product split by columns, also with dSᵀ from Pᵀ's fragments (dV early)
+            // then dQ's product split by columns
             let columns = c(2, 64, true).with_dq_split(DqSplit::Columns);
             for dkdv in [
                 c(2, 64, true).with_dq_warp(),
@@ -467,9 +453,10 @@ impl BackwardConfigs {
                 c(2, 64, true).with_one_dq_buffer().with_stages(3),
                 columns,
                 columns.with_one_dq_buffer().with_stages(3),
-                columns.with_ds_from_p().with_one_dq_buffer().with_stages(3),
             ] {
-                all.push(BackwardConfigs { dkdv, dq });
+                if !all.contains(&BackwardConfigs { dkdv, dq }) {
+                    all.push(BackwardConfigs { dkdv, dq });
+                }
             }
         }
         if d == 64 {
@@ -498,33 +485,28 @@ impl BackwardConfigs {
                 let blocks = c(2, 64, true)
                     .with_dq_split(DqSplit::Blocks)
                     .with_stages(stages);
-                all.push(BackwardConfigs { dkdv: blocks, dq });
+                if !all.contains(&BackwardConfigs { dkdv: blocks, dq }) {
+                    all.push(BackwardConfigs { dkdv: blocks, dq });
+                }
             }
         }
-        // the defaults up to 4,096 tokens with each head's blocks together, and those from
-        // 8,192 with every head's longest first
-        for c in BackwardConfigs::defaults(d) {
-            let lf = !c.dkdv.longest_first;
-            let toggled = BackwardConfigs {
-                dkdv: BackwardConfig {
-                    longest_first: lf,
-                    ..c.dkdv
-                },
-                dq: BackwardConfig {
-                    longest_first: lf,
-                    ..c.dq
-                },
-            };
-            if !all.contains(&toggled) {
-                all.push(toggled);
+        // the defaults up to 4,096 tokens with each head's blocks together; then every default
+        // shape, blocks together, with the exponentials as exp2f computes them
+        let together = |c: BackwardConfig| BackwardConfig {
+            longest_first: false,
+            ..c
+        };
+        for exact_exp in [false, true] {
+            for c in BackwardConfigs::defaults(d) {
+                let (dkdv, dq) = (together(c.dkdv), together(c.dq));
+                let c = BackwardConfigs {
+                    dkdv: BackwardConfig { exact_exp, ..dkdv },
+                    dq: BackwardConfig { exact_exp, ..dq },
+                };
+                if !all.contains(&c) {
+                    all.push(c);
+                }
             }
-        }
-        // the defaults with the exponentials as exp2f computes them
-        for c in BackwardConfigs::defaults(d) {
-            all.push(BackwardConfigs {
-                dkdv: c.dkdv.with_exact_exp(),
-                dq: c.dq.with_exact_exp(),
-            });
         }
         all.retain(|c| c.dkdv.fits(d) && c.dq.fits(d));
         all
@@ -579,7 +561,6 @@ pub fn compile(
             format!("-DDQ_BUFS={}", config.dq_buffers),
             format!("-DDQ_SPLIT={}", config.dq_split as u8),
             format!("-DLONGEST_FIRST={}", config.longest_first as u8),
-            format!("-DDS_FROM_P={}", config.ds_from_p as u8),
             format!("-DEXACT_EXP={}", config.exact_exp as u8),
             rank.define(),
             "--std=c++17".into(),
