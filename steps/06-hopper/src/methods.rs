@@ -18,7 +18,7 @@ pub fn methods() -> Vec<Method> {
             "cuda_hopper",
             "06-hopper",
             Device::Cuda,
-            "FlashAttention with Hopper's instructions: TMA copies by a producer warp, wgmma products by consumer warpgroups, no T×T table; the backward in two passes (dK and dV, then dQ) of the same products, or in one at head dim 64 from 16k tokens and at 128 from 4k (compute capability 9.0, head dims 64 and 128)",
+            "FlashAttention with Hopper's instructions: TMA copies by a producer warp, wgmma products by consumer warpgroups, no T×T table; the backward in one pass that adds dQ with a warp of its own, or in two (dK and dV, then dQ) that give the same bits every run (compute capability 9.0, head dims 64 and 128)",
             hopper_forward,
         )
         .with_dtype(hopper_forward_dtype)
