@@ -18,16 +18,25 @@
 #ifndef OVERLAP
 #define OVERLAP 0
 #endif
-// PINGPONG=1: the consumer warpgroups take turns issuing their scores' product
-// (FlashAttention-3's ping-pong, without the overlap it pairs it with): warpgroup w waits at
-// named barrier 1 + w for its turn, issues q·kᵀ, and hands the turn to the next, so that one
+// EARLY_RESCALE=1 (with OVERLAP): o is multiplied by the last softmax's correction while the
+// next block's scores are on the tensor cores, just before P·v is issued (FlashAttention-3's
+// order), rather than after P·v, when the tensor cores would wait for it
+#ifndef EARLY_RESCALE
+#define EARLY_RESCALE 0
+#endif
+#if EARLY_RESCALE && !OVERLAP
+#error "EARLY_RESCALE takes OVERLAP"
+#endif
+// PINGPONG=1: the consumer warpgroups take turns issuing their products (FlashAttention-3's
+// ping-pong): warpgroup w waits at named barrier 1 + w for its turn, issues q·kᵀ (with
+// OVERLAP, and the last block's P·v), and hands the turn to the next, so that one
 // warpgroup's softmax runs on the CUDA cores while the next one's product has the tensor
 // cores, rather than all of them wanting the same unit at once
 #ifndef PINGPONG
 #define PINGPONG 0
 #endif
-#if PINGPONG && (OVERLAP || WGS < 2)
-#error "PINGPONG takes two or more warpgroups, without OVERLAP"
+#if PINGPONG && WGS < 2
+#error "PINGPONG takes two or more warpgroups"
 #endif
 // POLY_EXP = n: of the 16 groups of 8 keys a thread's row holds in a block, n take their
 // exponentials from a polynomial on the FMA units (exp2_poly) and the rest from the
@@ -213,13 +222,28 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   auto crosses = [&](int n) { return n * BLOCK_N + BLOCK_N - 1 > first_row; };
   mbar_wait(smem_u32(&qbar), 0);
 
+#if PINGPONG
+  // the last warpgroup opens the first turn, warpgroup 0's (every warpgroup takes n_blocks
+  // turns, so each barrier sees as many arrivals as waits)
+  if (wg == WGS - 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+  // this warpgroup's turn; the next warpgroup's (the last one's final turn opens none)
+  auto my_turn = [&]() { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory"); };
+  auto next_turn = [&](int n) {
+    if (wg < WGS - 1 || n + 1 < n_blocks) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (wg + 1) % WGS) : "memory");
+  };
+#else
+  auto my_turn = [&]() {};
+  auto next_turn = [&](int) {};
+#endif
 #if OVERLAP
   // block 0's scores and softmax alone; then each step issues block n's scores and block
   // n-1's P·v together, and the softmax of block n runs while P·v is on the tensor cores
   mbar_wait(smem_u32(&full[0]), 0);
+  my_turn();
   wgmma_fence();
   issue_abt<BLOCK_N>(sc, aq, q_half, k_tile(0), k_half);
   wgmma_commit();
+  next_turn(0);
   wgmma_wait0();
   fence_operands(sc);
   if (crosses(0)) mask(sc, 0, r0, lane);
@@ -227,11 +251,19 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   pack_fragments<BLOCK_N>(p, sc);
   for (int n = 1; n < n_blocks; ++n) {
     mbar_wait(smem_u32(&full[n % STAGES]), (n / STAGES) & 1);
+    my_turn();
     wgmma_fence();
     issue_abt<BLOCK_N>(sc, aq, q_half, k_tile(n), k_half);
     wgmma_commit();
+#if EARLY_RESCALE
+    // o as far as block n-2, to the maxima of block n-1, while the scores are computed
+    fence_operands(o);
+    rescale(o, corr);
+    wgmma_fence();
+#endif
     issue_pb<BLOCK_N>(o, p, v_tile(n - 1), BLOCK_N);
     wgmma_commit();
+    next_turn(n);
     wgmma_wait1();  // the scores are ready; P·v may still run
     fence_operands(sc);
     if (crosses(n)) mask(sc, n * BLOCK_N, r0, lane);
@@ -239,32 +271,27 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     wgmma_wait0();  // P·v of block n-1 is done: o may be rescaled, p rewritten
     fence_operands(o);
     if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[(n - 1) % STAGES]));
+#if !EARLY_RESCALE
     rescale(o, corr);
+#endif
     pack_fragments<BLOCK_N>(p, sc);
   }
+#if EARLY_RESCALE
+  rescale(o, corr);
+#endif
   wgmma_fence();
   issue_pb<BLOCK_N>(o, p, v_tile(n_blocks - 1), BLOCK_N);
   wgmma_commit();
   wgmma_wait0();
   fence_operands(o);
 #else
-#if PINGPONG
-  // the last warpgroup opens the first turn, warpgroup 0's (every warpgroup runs n_blocks
-  // steps, so each barrier sees as many arrivals as waits)
-  if (wg == WGS - 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
-#endif
   for (int n = 0; n < n_blocks; ++n) {
     mbar_wait(smem_u32(&full[n % STAGES]), (n / STAGES) & 1);
-#if PINGPONG
-    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");  // this warpgroup's turn
-#endif
+    my_turn();
     wgmma_fence();
     issue_abt<BLOCK_N>(sc, aq, q_half, k_tile(n), k_half);
     wgmma_commit();
-#if PINGPONG
-    // the next warpgroup's turn (the last one's final step opens none)
-    if (wg < WGS - 1 || n + 1 < n_blocks) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (wg + 1) % WGS) : "memory");
-#endif
+    next_turn(n);
     wgmma_wait0();
     fence_operands(sc);
     if (crosses(n)) mask(sc, n * BLOCK_N, r0, lane);

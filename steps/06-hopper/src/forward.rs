@@ -39,12 +39,15 @@ pub struct HopperConfig {
     /// The next block's scores and this block's P·v issued together, the softmax running
     /// while P·v is on the tensor cores (`OVERLAP`).
     pub overlap: bool,
+    /// With `overlap`, the output multiplied by the last softmax's correction while the next
+    /// block's scores are on the tensor cores, just before P·v is issued (FlashAttention-3's
+    /// order, `EARLY_RESCALE`), rather than after P·v, when the tensor cores wait for it.
+    pub early_rescale: bool,
     /// The producer a whole warpgroup that hands most of its registers to the consumers
     /// (`setmaxnreg`, `PRODUCER_WG`), rather than one warp; one block a multiprocessor only.
     pub producer_warpgroup: bool,
-    /// The consumer warpgroups take turns issuing their scores' product, one's softmax
-    /// beside the next one's product (`PINGPONG`, FlashAttention-3's ping-pong in its simple form); two or more
-    /// warpgroups, without `overlap`.
+    /// The consumer warpgroups take turns issuing their products, one's softmax beside the
+    /// next one's products (`PINGPONG`, FlashAttention-3's ping-pong); two or more warpgroups.
     pub pingpong: bool,
     /// Of the 16 groups of 8 keys a thread's row holds in a block, how many take their
     /// exponentials from a cubic on the FMA units rather than from the multifunction unit
@@ -66,6 +69,7 @@ impl Default for HopperConfig {
             stages: 2,
             min_blocks: 1,
             overlap: false,
+            early_rescale: false,
             producer_warpgroup: false,
             pingpong: false,
             poly_exp: 0,
@@ -137,7 +141,8 @@ impl HopperConfig {
         smem <= SMEM_PER_BLOCK
             && self.min_blocks * (smem + 1024) <= SMEM_PER_SM
             && (!self.producer_warpgroup || self.min_blocks == 1)
-            && (!self.pingpong || (self.warpgroups >= 2 && !self.overlap))
+            && (!self.pingpong || self.warpgroups >= 2)
+            && (!self.early_rescale || self.overlap)
             && self.poly_exp <= 16
     }
 
@@ -169,6 +174,10 @@ impl HopperConfig {
             exact_exp: true,
             ..c
         };
+        let er = |c: HopperConfig| HopperConfig {
+            early_rescale: true,
+            ..c
+        };
         let all = if d == 128 {
             vec![
                 c(2, 2, 1, false),
@@ -188,6 +197,13 @@ impl HopperConfig {
                 lf(p(2, 2, false)),
                 lf(e(2, p(2, 2, false))),
                 x(p(2, 2, false)),
+                // the overlap in FlashAttention-3's order, with and without the turns
+                er(p(2, 2, true)),
+                er(p(2, 3, true)),
+                pp(p(2, 2, true)),
+                pp(er(p(2, 2, true))),
+                lf(er(p(2, 2, true))),
+                lf(pp(er(p(2, 2, true)))),
             ]
         } else {
             vec![
@@ -232,21 +248,29 @@ impl HopperConfig {
                 // the exponentials as exp2f computes them
                 x(c(1, 2, 3, false)),
                 x(c(3, 2, 1, false)),
+                // the overlap in FlashAttention-3's order, with and without the turns
+                er(c(1, 2, 2, true)),
+                lf(er(c(1, 2, 2, true))),
+                er(p(3, 2, true)),
+                pp(er(p(3, 2, true))),
+                lf(er(p(3, 2, true))),
             ]
         };
         all.into_iter().filter(|c| c.fits(d)).collect()
     }
 
     /// A short name for tables and PTX files: warpgroups × stages × blocks, "+overlap",
+    /// "+er" (`early_rescale`),
     /// "+pwg" (a producer warpgroup), "+pp" (ping-pong), "+eN" (N groups of exponentials from
     /// the cubic), "+lf" (every sequence's longest blocks first), "+exp2f" (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}{}{}{}{}",
+            "{}x{}x{}{}{}{}{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.min_blocks,
             if self.overlap { "+overlap" } else { "" },
+            if self.early_rescale { "+er" } else { "" },
             if self.producer_warpgroup { "+pwg" } else { "" },
             if self.pingpong { "+pp" } else { "" },
             match self.poly_exp {
@@ -341,6 +365,7 @@ pub fn compile(
             format!("-DMIN_BLOCKS={}", config.min_blocks),
             format!("-DHEAD_DIM={head_dim}"),
             format!("-DOVERLAP={}", config.overlap as u8),
+            format!("-DEARLY_RESCALE={}", config.early_rescale as u8),
             format!("-DPINGPONG={}", config.pingpong as u8),
             format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
             format!("-DPOLY_EXP={}", config.poly_exp),
