@@ -54,6 +54,15 @@
 #ifndef LONGEST_FIRST
 #define LONGEST_FIRST 0
 #endif
+// KV_BARRIERS=1: the keys and the values of a buffer each have their own "full" and "empty"
+// mbarriers, and the producer brings each block's keys one block ahead of its values, in the
+// order the products take them: a block's keys are free once its scores are computed, so the
+// next keys can come in while P·v still reads the values. With OVERLAP and one barrier pair
+// per buffer, two buffers are held at once (the scores' keys and the last block's values),
+// and with two stages the next block cannot start to arrive until P·v is done
+#ifndef KV_BARRIERS
+#define KV_BARRIERS 0
+#endif
 #define BLOCK_M (64 * WGS)
 #define BLOCK_N 128
 
@@ -145,7 +154,12 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   unsigned char* sq = smem;
   unsigned char* sk = sq + BLOCK_M * ROW_BYTES;
   unsigned char* sv = sk + STAGES * BLOCK_N * ROW_BYTES;
-  __shared__ __align__(8) u64 full[STAGES], empty[STAGES], qbar;
+  __shared__ __align__(8) u64 full_k[STAGES], empty_k[STAGES], qbar;
+#if KV_BARRIERS
+  __shared__ __align__(8) u64 full_v[STAGES], empty_v[STAGES];
+#else
+  u64 *const full_v = full_k, *const empty_v = empty_k;
+#endif
 
   // ANCHOR: block_order
   // Which (sequence, query block) this block computes. Blocks start roughly in the order of
@@ -170,8 +184,12 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(smem_u32(&full[s]), 1);
-      mbar_init(smem_u32(&empty[s]), WGS);
+      mbar_init(smem_u32(&full_k[s]), 1);
+      mbar_init(smem_u32(&empty_k[s]), WGS);
+#if KV_BARRIERS
+      mbar_init(smem_u32(&full_v[s]), 1);
+      mbar_init(smem_u32(&empty_v[s]), WGS);
+#endif
     }
     mbar_init(smem_u32(&qbar), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -185,14 +203,28 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     if (tid == 128 * WGS) {
       mbar_expect_tx(smem_u32(&qbar), BLOCK_M * ROW_BYTES);
       tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), BLOCK_M, mb * BLOCK_M, head, out_layout.heads);
-      for (int n = 0; n < n_blocks; ++n) {
+      // block n's keys or values into buffer n % STAGES, once every consumer is done with
+      // what was last in it
+      auto load = [&](const TensorMap* map, unsigned char* tiles, u64* full, u64* empty, int n, u32 bytes) {
         const int s = n % STAGES;
-        // wait until every consumer is done with the keys and values last in this buffer
         if (n >= STAGES) mbar_wait(smem_u32(&empty[s]), ((n / STAGES) - 1) & 1);
-        mbar_expect_tx(smem_u32(&full[s]), 2 * BLOCK_N * ROW_BYTES);
-        tma_load(smem_u32(sk + s * BLOCK_N * ROW_BYTES), &map_k, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head, out_layout.heads);
-        tma_load(smem_u32(sv + s * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head, out_layout.heads);
+        mbar_expect_tx(smem_u32(&full[s]), bytes);
+        tma_load(smem_u32(tiles + s * BLOCK_N * ROW_BYTES), map, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head, out_layout.heads);
+      };
+#if KV_BARRIERS
+      load(&map_k, sk, full_k, empty_k, 0, BLOCK_N * ROW_BYTES);
+      for (int n = 1; n <= n_blocks; ++n) {
+        if (n < n_blocks) load(&map_k, sk, full_k, empty_k, n, BLOCK_N * ROW_BYTES);
+        load(&map_v, sv, full_v, empty_v, n - 1, BLOCK_N * ROW_BYTES);
       }
+#else
+      for (int n = 0; n < n_blocks; ++n) {
+        // one barrier pair for the keys and values of a buffer: the second copy neither
+        // waits again nor expects bytes of its own
+        load(&map_k, sk, full_k, empty_k, n, 2 * BLOCK_N * ROW_BYTES);
+        tma_load(smem_u32(sv + (n % STAGES) * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&full_k[n % STAGES]), BLOCK_N, n * BLOCK_N, head, out_layout.heads);
+      }
+#endif
     }
     return;
   }
@@ -220,6 +252,18 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   auto v_tile = [&](int n) { return smem_u32(sv + (n % STAGES) * BLOCK_N * ROW_BYTES); };
   // only the blocks that cross the diagonal are masked
   auto crosses = [&](int n) { return n * BLOCK_N + BLOCK_N - 1 > first_row; };
+  // waiting for block n's keys or values, and handing their buffer back (with one barrier
+  // pair a buffer, the keys' wait is the values' too, and the values' release the keys')
+  auto keys_ready = [&](int n) { mbar_wait(smem_u32(&full_k[n % STAGES]), (n / STAGES) & 1); };
+  auto values_ready = [&](int n) {
+    if (KV_BARRIERS) mbar_wait(smem_u32(&full_v[n % STAGES]), (n / STAGES) & 1);
+  };
+  auto keys_done = [&](int n) {
+    if (KV_BARRIERS && tid % 128 == 0) mbar_arrive(smem_u32(&empty_k[n % STAGES]));
+  };
+  auto values_done = [&](int n) {
+    if (tid % 128 == 0) mbar_arrive(smem_u32(&empty_v[n % STAGES]));
+  };
   mbar_wait(smem_u32(&qbar), 0);
 
 #if PINGPONG
@@ -238,7 +282,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
 #if OVERLAP
   // block 0's scores and softmax alone; then each step issues block n's scores and block
   // n-1's P·v together, and the softmax of block n runs while P·v is on the tensor cores
-  mbar_wait(smem_u32(&full[0]), 0);
+  keys_ready(0);
   my_turn();
   wgmma_fence();
   issue_abt<BLOCK_N>(sc, aq, q_half, k_tile(0), k_half);
@@ -246,11 +290,13 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   next_turn(0);
   wgmma_wait0();
   fence_operands(sc);
+  keys_done(0);
   if (crosses(0)) mask(sc, 0, r0, lane);
   softmax(sc, m, l, corr, scale_log2);
   pack_fragments<BLOCK_N>(p, sc);
   for (int n = 1; n < n_blocks; ++n) {
-    mbar_wait(smem_u32(&full[n % STAGES]), (n / STAGES) & 1);
+    keys_ready(n);
+    values_ready(n - 1);
     my_turn();
     wgmma_fence();
     issue_abt<BLOCK_N>(sc, aq, q_half, k_tile(n), k_half);
@@ -266,11 +312,12 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     next_turn(n);
     wgmma_wait1();  // the scores are ready; P·v may still run
     fence_operands(sc);
+    keys_done(n);
     if (crosses(n)) mask(sc, n * BLOCK_N, r0, lane);
     softmax(sc, m, l, corr, scale_log2);
     wgmma_wait0();  // P·v of block n-1 is done: o may be rescaled, p rewritten
     fence_operands(o);
-    if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[(n - 1) % STAGES]));
+    values_done(n - 1);
 #if !EARLY_RESCALE
     rescale(o, corr);
 #endif
@@ -279,6 +326,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
 #if EARLY_RESCALE
   rescale(o, corr);
 #endif
+  values_ready(n_blocks - 1);
   wgmma_fence();
   issue_pb<BLOCK_N>(o, p, v_tile(n_blocks - 1), BLOCK_N);
   wgmma_commit();
@@ -286,7 +334,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   fence_operands(o);
 #else
   for (int n = 0; n < n_blocks; ++n) {
-    mbar_wait(smem_u32(&full[n % STAGES]), (n / STAGES) & 1);
+    keys_ready(n);
     my_turn();
     wgmma_fence();
     issue_abt<BLOCK_N>(sc, aq, q_half, k_tile(n), k_half);
@@ -294,17 +342,19 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     next_turn(n);
     wgmma_wait0();
     fence_operands(sc);
+    keys_done(n);
     if (crosses(n)) mask(sc, n * BLOCK_N, r0, lane);
     softmax(sc, m, l, corr, scale_log2);
     rescale(o, corr);
     pack_fragments<BLOCK_N>(p, sc);
+    values_ready(n);
     wgmma_fence();
     issue_pb<BLOCK_N>(o, p, v_tile(n), BLOCK_N);
     wgmma_commit();
     wgmma_wait0();
     fence_operands(o);
     // this warpgroup is done with the buffer
-    if (tid % 128 == 0) mbar_arrive(smem_u32(&empty[n % STAGES]));
+    values_done(n);
   }
 #endif
   // ANCHOR_END: consumer

@@ -43,6 +43,10 @@ pub struct HopperConfig {
     /// block's scores are on the tensor cores, just before P·v is issued (FlashAttention-3's
     /// order, `EARLY_RESCALE`), rather than after P·v, when the tensor cores wait for it.
     pub early_rescale: bool,
+    /// The keys and the values of a buffer each with their own mbarriers, the keys brought
+    /// one block ahead of the values (`KV_BARRIERS`): a block's keys are free once its scores
+    /// are computed, so the next keys come in while P·v still reads the values.
+    pub kv_barriers: bool,
     /// The producer a whole warpgroup that hands most of its registers to the consumers
     /// (`setmaxnreg`, `PRODUCER_WG`), rather than one warp; one block a multiprocessor only.
     pub producer_warpgroup: bool,
@@ -70,6 +74,7 @@ impl Default for HopperConfig {
             min_blocks: 1,
             overlap: false,
             early_rescale: false,
+            kv_barriers: false,
             producer_warpgroup: false,
             pingpong: false,
             poly_exp: 0,
@@ -178,6 +183,10 @@ impl HopperConfig {
             early_rescale: true,
             ..c
         };
+        let kv = |c: HopperConfig| HopperConfig {
+            kv_barriers: true,
+            ..c
+        };
         let all = if d == 128 {
             vec![
                 c(2, 2, 1, false),
@@ -204,6 +213,16 @@ impl HopperConfig {
                 pp(er(p(2, 2, true))),
                 lf(er(p(2, 2, true))),
                 lf(pp(er(p(2, 2, true)))),
+                // the keys' and the values' own barriers
+                kv(p(2, 2, false)),
+                kv(pp(p(2, 2, false))),
+                kv(p(2, 2, true)),
+                kv(er(p(2, 2, true))),
+                kv(pp(p(2, 2, true))),
+                kv(pp(er(p(2, 2, true)))),
+                lf(kv(p(2, 2, false))),
+                lf(kv(er(p(2, 2, true)))),
+                lf(kv(pp(er(p(2, 2, true))))),
             ]
         } else {
             vec![
@@ -254,23 +273,32 @@ impl HopperConfig {
                 er(p(3, 2, true)),
                 pp(er(p(3, 2, true))),
                 lf(er(p(3, 2, true))),
+                // the keys' and the values' own barriers
+                kv(c(1, 2, 2, true)),
+                lf(kv(er(c(1, 2, 2, true)))),
+                kv(p(3, 2, false)),
+                kv(p(3, 2, true)),
+                kv(er(p(3, 2, true))),
+                kv(pp(er(p(3, 2, true)))),
+                lf(kv(p(3, 2, false))),
             ]
         };
         all.into_iter().filter(|c| c.fits(d)).collect()
     }
 
     /// A short name for tables and PTX files: warpgroups × stages × blocks, "+overlap",
-    /// "+er" (`early_rescale`),
+    /// "+er" (`early_rescale`), "+kv" (`kv_barriers`),
     /// "+pwg" (a producer warpgroup), "+pp" (ping-pong), "+eN" (N groups of exponentials from
     /// the cubic), "+lf" (every sequence's longest blocks first), "+exp2f" (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}{}{}{}{}{}",
+            "{}x{}x{}{}{}{}{}{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.min_blocks,
             if self.overlap { "+overlap" } else { "" },
             if self.early_rescale { "+er" } else { "" },
+            if self.kv_barriers { "+kv" } else { "" },
             if self.producer_warpgroup { "+pwg" } else { "" },
             if self.pingpong { "+pp" } else { "" },
             match self.poly_exp {
@@ -366,6 +394,7 @@ pub fn compile(
             format!("-DHEAD_DIM={head_dim}"),
             format!("-DOVERLAP={}", config.overlap as u8),
             format!("-DEARLY_RESCALE={}", config.early_rescale as u8),
+            format!("-DKV_BARRIERS={}", config.kv_barriers as u8),
             format!("-DPINGPONG={}", config.pingpong as u8),
             format!("-DPRODUCER_WG={}", config.producer_warpgroup as u8),
             format!("-DPOLY_EXP={}", config.poly_exp),
