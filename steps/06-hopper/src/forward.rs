@@ -90,14 +90,16 @@ pub(crate) const SMEM_PER_BLOCK: usize = 227 * 1024;
 
 impl HopperConfig {
     /// The shape measured fastest for a length (`hopper-check`, H200,
-    /// `measurements/fast-exp2-63efe98.txt`): at head dim 64 up to 4,096 tokens one
-    /// warpgroup of 64 rows a block, three blocks to a multiprocessor taking turns at its tensor
-    /// cores; from 8,192 three warpgroups a block, sharing each block of keys and values among
-    /// 192 rows, with a producer warpgroup that gives its registers to them (`setmaxnreg`).
-    /// Head dim 128 takes two warpgroups and a producer warpgroup at every length. Up to 4,096
-    /// tokens (8,192 at head dim 64) every sequence's longest query blocks go first
-    /// (`longest_first`); at 16,384 one sequence after another, whose keys and values stay in
-    /// the L2 cache, is faster.
+    /// `measurements/fast-exp2-63efe98.txt` and `measurements/kv-barriers.txt`): at head dim
+    /// 64 up to 4,096 tokens one warpgroup of 64 rows a block, three blocks to a multiprocessor
+    /// taking turns at its tensor cores, every sequence's longest query blocks first
+    /// (`longest_first`); from 8,192 three warpgroups a block, sharing each block of keys and
+    /// values among 192 rows, with a producer warpgroup that gives its registers to them
+    /// (`setmaxnreg`). Head dim 128 takes two warpgroups and a producer warpgroup at every
+    /// length, longest first up to 2,048 tokens. Wherever there is a producer warpgroup, the
+    /// softmax runs beside P·v (`overlap`), the warpgroups take turns at their products
+    /// (`pingpong`) and the keys and values have barriers of their own (`kv_barriers`); with
+    /// the output rescaled early (`early_rescale`) but at head dim 128 from 4,096 tokens.
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
         let c = |warpgroups, min_blocks| HopperConfig {
             warpgroups,
@@ -113,12 +115,23 @@ impl HopperConfig {
             longest_first: true,
             ..c
         };
+        // the softmax beside P·v, the warpgroups taking turns at their products, the keys'
+        // and the values' own barriers
+        let turns = |c: HopperConfig| HopperConfig {
+            overlap: true,
+            pingpong: true,
+            kv_barriers: true,
+            ..c
+        };
+        let er = |c: HopperConfig| HopperConfig {
+            early_rescale: true,
+            ..c
+        };
         match (head_dim, tokens) {
-            (128, ..=4096) => lf(p(2)),
-            (128, _) => p(2),
+            (128, ..=2048) => lf(er(turns(p(2)))),
+            (128, _) => turns(p(2)),
             (_, ..=4096) => lf(c(1, 3)),
-            (_, ..=8192) => lf(p(3)),
-            _ => p(3),
+            _ => er(turns(p(3))),
         }
     }
 

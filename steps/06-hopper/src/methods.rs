@@ -111,13 +111,24 @@ pub fn implementation() -> String {
         } else {
             "a producer warp"
         };
-        let overlap = if c.overlap {
-            ", the softmax overlapped with P·v"
-        } else if c.pingpong {
-            ", the warpgroups taking turns at the scores' product"
-        } else {
-            ""
-        };
+        let overlap = [
+            (c.overlap, ", the softmax overlapped with P·v"),
+            (
+                c.early_rescale,
+                ", the output rescaled before P·v is issued",
+            ),
+            (
+                c.pingpong,
+                ", the warpgroups taking turns at their products",
+            ),
+            (
+                c.kv_barriers,
+                ", the keys and the values with barriers of their own",
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(on, what)| on.then_some(what))
+        .collect::<String>();
         let order = if c.longest_first {
             ", every sequence's longest query blocks first"
         } else {
@@ -138,12 +149,11 @@ pub fn implementation() -> String {
     };
     let b = |t, d| backward::BackwardConfigs::for_shape(t, d).name();
     format!(
-        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, ex2.approx, NVRTC sm_90a; head dim 64 up to 4k tokens {}, at 8k {}, from 16k {}; head dim 128 up to 4k tokens {}, from 8k {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 up to 4k tokens {}, from 8k {}; head dim 128 up to 4k tokens {}, from 8k {}",
+        "hopper_forward.cu: TMA copies, wgmma m64n128k16 and m64n64k16, ex2.approx, NVRTC sm_90a; head dim 64 up to 4k tokens {}, from 8k {}; head dim 128 up to 2k tokens {}, from 4k {}; hopper_backward.cu (warpgroups x stages x rows streamed): head dim 64 up to 4k tokens {}, from 8k {}; head dim 128 up to 4k tokens {}, from 8k {}",
         describe(HopperConfig::for_shape(4096, 64)),
         describe(HopperConfig::for_shape(8192, 64)),
-        describe(HopperConfig::for_shape(16384, 64)),
+        describe(HopperConfig::for_shape(2048, 128)),
         describe(HopperConfig::for_shape(4096, 128)),
-        describe(HopperConfig::for_shape(16384, 128)),
         b(4096, 64),
         b(16384, 64),
         b(4096, 128),

@@ -44,15 +44,29 @@ struct Args {
     #[arg(long, value_name = "DIR")]
     ptx: Option<PathBuf>,
     /// Only the block shapes whose name holds one of these, comma-separated (for example
-    /// `dqw,3x2x64`); the defaults are always kept [default: every candidate]
+    /// `dqw,3x2x64`; `=NAME` takes that name alone); the defaults are always kept [default:
+    /// every candidate]
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     only: Vec<String>,
+    /// The lengths to time, comma-separated
+    #[arg(
+        long,
+        value_name = "TOKENS",
+        value_delimiter = ',',
+        default_value = "1024,2048,4096,8192,16384",
+        value_parser = tokens
+    )]
+    lengths: Vec<usize>,
 }
 
 impl Args {
     /// Whether a block shape named `name` is checked and timed.
     fn takes(&self, name: &str) -> bool {
-        self.only.is_empty() || self.only.iter().any(|o| name.contains(o.as_str()))
+        self.only.is_empty()
+            || self.only.iter().any(|o| match o.strip_prefix('=') {
+                Some(exact) => name == exact,
+                None => name.contains(o.as_str()),
+            })
     }
 
     /// The forward's block shapes at head dim `d` to check and time.
@@ -72,6 +86,13 @@ impl Args {
             .filter(|c| default.contains(c) || self.takes(&c.name()))
             .collect()
     }
+}
+
+fn tokens(s: &str) -> Result<usize, String> {
+    s.parse()
+        .ok()
+        .filter(|&t| t >= 1)
+        .ok_or_else(|| format!("`{s}` is not a length: a whole number of tokens, 1 or more"))
 }
 
 fn head_dim(s: &str) -> Result<usize, String> {
@@ -212,7 +233,7 @@ fn check_forward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, At
             "\nhead dim {d}\n\n| T | config | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |"
         );
         println!("| --- | --- | --- | --- | --- | --- | --- |");
-        for t in [1024, 2048, 4096, 8192, 16384] {
+        for &t in &args.lengths {
             let shape = Shape::new(4, 12, t, d);
             let [q, k, v] = random_qkv(shape, 7);
             let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), Dtype::Bf16);
@@ -344,7 +365,7 @@ fn check_backward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, A
             "\nbackward, head dim {d}\n\n| T | config | hopper ms | hopper TFLOP/s | step 04 ms | step 04 TFLOP/s | ratio |"
         );
         println!("| --- | --- | --- | --- | --- | --- | --- |");
-        for t in [1024, 2048, 4096, 8192, 16384] {
+        for &t in &args.lengths {
             let shape = Shape::new(4, 12, t, d);
             let [q, k, v] = random_qkv(shape, 7);
             let dout = random_normal(shape, 8);
