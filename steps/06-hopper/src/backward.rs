@@ -909,6 +909,32 @@ unsafe fn launch_passes(
 mod tests {
     use super::*;
 
+    /// What `for_shape` and `deterministic` pick at any length is a candidate pair, so the GPU
+    /// tests, `hopper-check` and `hopper-kernel-check` cover it; and no two pairs share a name.
+    #[test]
+    fn the_defaults_are_candidates_with_names_of_their_own() {
+        for d in forward::HEAD_DIMS {
+            let all = BackwardConfigs::candidates(d);
+            for t in [1, 2048, 4096, 4097, 8192, 8193, 1 << 14, 1 << 20] {
+                for c in [
+                    BackwardConfigs::for_shape(t, d),
+                    BackwardConfigs::deterministic(t, d),
+                ] {
+                    assert!(
+                        all.contains(&c),
+                        "{t} d{d}: {} is not a candidate",
+                        c.name()
+                    );
+                }
+            }
+            let mut names: Vec<_> = all.iter().map(|c| c.name()).collect();
+            names.sort();
+            let n = names.len();
+            names.dedup();
+            assert_eq!(names.len(), n, "d{d}: two pairs share a name");
+        }
+    }
+
     #[test]
     fn longest_first_swaps_the_grid_and_names_its_limit() {
         let one = BackwardConfigs::for_shape(1 << 14, 64).dkdv;

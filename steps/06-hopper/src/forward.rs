@@ -852,6 +852,28 @@ mod tests {
         }
     }
 
+    /// What `for_shape` picks at any length is a candidate, so the GPU tests, `hopper-check`
+    /// and `hopper-kernel-check` cover it; and no two candidates share a name.
+    #[test]
+    fn the_defaults_are_candidates_with_names_of_their_own() {
+        for d in HEAD_DIMS {
+            let all = HopperConfig::candidates(d);
+            for t in [1, 2048, 2049, 4096, 4097, 8192, 8193, 1 << 14, 1 << 20] {
+                let c = HopperConfig::for_shape(t, d);
+                assert!(
+                    all.contains(&c),
+                    "{t} d{d}: {} is not a candidate",
+                    c.name()
+                );
+            }
+            let mut names: Vec<_> = all.iter().map(|c| c.name()).collect();
+            names.sort();
+            let n = names.len();
+            names.dedup();
+            assert_eq!(names.len(), n, "d{d}: two candidates share a name");
+        }
+    }
+
     /// Every producer-warpgroup shape starts with at least the registers its roles end with,
     /// so `setmaxnreg.inc` never waits for registers that will not come.
     #[test]
