@@ -29,7 +29,7 @@
 #endif
 // PINGPONG=1: the consumer warpgroups take turns issuing their products (FlashAttention-3's
 // ping-pong): warpgroup w waits at named barrier 1 + w for its turn, issues q·kᵀ (with
-// OVERLAP, and the last block's P·v), and hands the turn to the next, so that one
+// OVERLAP, and the previous block's P·v), and hands the turn to the next, so that one
 // warpgroup's softmax runs on the CUDA cores while the next one's product has the tensor
 // cores, rather than all of them wanting the same unit at once
 #ifndef PINGPONG
@@ -305,6 +305,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     // o as far as block n-2, to the maxima of block n-1, while the scores are computed
     fence_operands(o);
     rescale(o, corr);
+    fence_operands(o);
     wgmma_fence();
 #endif
     issue_pb<BLOCK_N>(o, p, v_tile(n - 1), BLOCK_N);
@@ -315,7 +316,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
     keys_done(n);
     if (crosses(n)) mask(sc, n * BLOCK_N, r0, lane);
     softmax(sc, m, l, corr, scale_log2);
-    wgmma_wait0();  // P·v of block n-1 is done: o may be rescaled, p rewritten
+    wgmma_wait0();  // P·v of block n-1 is done: o may be read and rescaled, p rewritten
     fence_operands(o);
     values_done(n - 1);
 #if !EARLY_RESCALE
@@ -325,6 +326,7 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   }
 #if EARLY_RESCALE
   rescale(o, corr);
+  fence_operands(o);
 #endif
   values_ready(n_blocks - 1);
   wgmma_fence();
