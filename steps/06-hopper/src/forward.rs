@@ -99,7 +99,7 @@ impl HopperConfig {
     /// length, longest first up to 2,048 tokens. Wherever there is a producer warpgroup, the
     /// softmax runs beside P·v (`overlap`), the warpgroups take turns at their products
     /// (`pingpong`) and the keys and values have barriers of their own (`kv_barriers`); with
-    /// the output rescaled early (`early_rescale`) but at head dim 128 from 4,096 tokens.
+    /// the output rescaled early (`early_rescale`) except at head dim 128 from 4,096 tokens.
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
         let c = |warpgroups, min_blocks| HopperConfig {
             warpgroups,
