@@ -44,7 +44,8 @@ struct Args {
     #[arg(long, value_name = "DIR")]
     ptx: Option<PathBuf>,
     /// Only the block shapes whose name holds one of these, comma-separated (for example
-    /// `dqw,3x2x64`; `=NAME` takes that name alone); the defaults are always kept [default:
+    /// `dqw,3x2x64`; a part of a name matches wherever it appears, so `+e` takes `+er` and
+    /// `+e4` alike, and `=NAME` takes that name alone); the defaults are always kept [default:
     /// every candidate]
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     only: Vec<String>,
