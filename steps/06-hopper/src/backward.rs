@@ -378,6 +378,7 @@ impl BackwardConfigs {
     /// spills (`hopper-kernel-check`).
     pub fn candidates(d: usize) -> Vec<BackwardConfigs> {
         let mut all = BackwardConfigs::defaults(d);
+        // every dkdv shape beside every dq shape, each pair once
         let mut pairs = |dkdv: &[BackwardConfig], dq: &[BackwardConfig]| {
             for &a in dkdv {
                 for &b in dq {
@@ -447,48 +448,35 @@ impl BackwardConfigs {
             let dq = BackwardConfigs::deterministic(1 << 14, d).dq;
             // then dQ's product split by columns
             let columns = c(2, 64, true).with_dq_split(DqSplit::Columns);
-            for dkdv in [
-                c(2, 64, true).with_dq_warp(),
-                c(2, 64, true).with_one_dq_buffer(),
-                c(2, 64, true).with_one_dq_buffer().with_stages(3),
-                columns,
-                columns.with_one_dq_buffer().with_stages(3),
-            ] {
-                if !all.contains(&BackwardConfigs { dkdv, dq }) {
-                    all.push(BackwardConfigs { dkdv, dq });
-                }
-            }
+            pairs(
+                &[
+                    c(2, 64, true).with_dq_warp(),
+                    c(2, 64, true).with_one_dq_buffer(),
+                    c(2, 64, true).with_one_dq_buffer().with_stages(3),
+                    columns,
+                    columns.with_one_dq_buffer().with_stages(3),
+                ],
+                &[dq],
+            );
         }
         if d == 64 {
             // one pass: the dq shape is not used
             let dq = BackwardConfigs::deterministic(1 << 14, d).dq;
             // (with three warpgroups, or without the producer's registers, ptxas spills or
-            // serialises the products)
-            all.push(BackwardConfigs {
-                dkdv: c(2, 64, true).with_dq_atomic(),
-                dq,
-            });
-            all.push(BackwardConfigs {
-                dkdv: c(2, 64, true).with_dq_bulk(),
-                dq,
-            });
-            all.push(BackwardConfigs {
-                dkdv: c(2, 64, true).with_dq_warp(),
-                dq,
-            });
-            all.push(BackwardConfigs {
-                dkdv: c(2, 64, true).with_dq_pipelined(),
-                dq,
-            });
-            // dQ's product taken by each warpgroup every other block
-            for stages in [2, 3] {
-                let blocks = c(2, 64, true)
-                    .with_dq_split(DqSplit::Blocks)
-                    .with_stages(stages);
-                if !all.contains(&BackwardConfigs { dkdv: blocks, dq }) {
-                    all.push(BackwardConfigs { dkdv: blocks, dq });
-                }
-            }
+            // serialises the products); then dQ's product taken by each warpgroup every other
+            // block
+            let blocks = c(2, 64, true).with_dq_split(DqSplit::Blocks);
+            pairs(
+                &[
+                    c(2, 64, true).with_dq_atomic(),
+                    c(2, 64, true).with_dq_bulk(),
+                    c(2, 64, true).with_dq_warp(),
+                    c(2, 64, true).with_dq_pipelined(),
+                    blocks,
+                    blocks.with_stages(3),
+                ],
+                &[dq],
+            );
         }
         // the defaults up to 4,096 tokens with each head's blocks together; then every default
         // shape, blocks together, with the exponentials as exp2f computes them
@@ -498,14 +486,16 @@ impl BackwardConfigs {
         };
         for exact_exp in [false, true] {
             for c in BackwardConfigs::defaults(d) {
-                let (dkdv, dq) = (together(c.dkdv), together(c.dq));
-                let c = BackwardConfigs {
-                    dkdv: BackwardConfig { exact_exp, ..dkdv },
-                    dq: BackwardConfig { exact_exp, ..dq },
-                };
-                if !all.contains(&c) {
-                    all.push(c);
-                }
+                pairs(
+                    &[BackwardConfig {
+                        exact_exp,
+                        ..together(c.dkdv)
+                    }],
+                    &[BackwardConfig {
+                        exact_exp,
+                        ..together(c.dq)
+                    }],
+                );
             }
         }
         all.retain(|c| c.dkdv.fits(d) && c.dq.fits(d));
@@ -927,11 +917,8 @@ mod tests {
                     );
                 }
             }
-            let mut names: Vec<_> = all.iter().map(|c| c.name()).collect();
-            names.sort();
-            let n = names.len();
-            names.dedup();
-            assert_eq!(names.len(), n, "d{d}: two pairs share a name");
+            let names: std::collections::HashSet<_> = all.iter().map(|c| c.name()).collect();
+            assert_eq!(names.len(), all.len(), "d{d}: two pairs share a name");
         }
     }
 
