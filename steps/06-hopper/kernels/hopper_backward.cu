@@ -59,15 +59,23 @@
 // 3 KB of shared memory for 16 cycles of the tensor cores (more than the 128 bytes a cycle
 // shared memory gives). 1 (head dim 128): each takes 64 of the head dim's columns for all 64
 // queries, one m64n64 product reading 4 KB for 32 cycles. 2 (head dim 64): each takes every
-// other block's whole dQᵀ (m64n64), warpgroup n % 2 block n's
+// other block's whole dQᵀ (m64n64), warpgroup n % 2 block n's. 3 (head dim 128): as 2, but
+// as dQ = dS·k, not transposed: one m64n128 product the head dim across, whose k-steps read
+// 6 KB for 64 cycles (96 bytes a cycle, where the m64n64 products take all 128); the
+// warpgroup first waits for its dV and dK, whose fragments' registers then hold dQ's 64
+// accumulators, and the other goes on to the next block meanwhile
 #ifndef DQ_SPLIT
 #define DQ_SPLIT 0
 #endif
-#if DQ_SPLIT && (DQ_ATOMIC != 3 || HEAD_DIM != (DQ_SPLIT == 1 ? 128 : 64) || (DQ_SPLIT == 2 && DQ_BUFS != 2))
-#error "DQ_SPLIT takes DQ_ATOMIC=3, 1 at head dim 128, 2 at head dim 64 with two dQ buffers"
+#if DQ_SPLIT && (DQ_ATOMIC != 3 || HEAD_DIM != (DQ_SPLIT == 1 || DQ_SPLIT == 3 ? 128 : 64) || (DQ_SPLIT == 2 && DQ_BUFS != 2))
+#error "DQ_SPLIT takes DQ_ATOMIC=3, 1 and 3 at head dim 128, 2 at head dim 64 with two dQ buffers"
 #endif
-// a warpgroup's dQᵀ registers: [HALVES][16] split by queries, [1][32] otherwise
-#if DQ_SPLIT
+// a warpgroup's dQᵀ registers: [HALVES][16] split by queries, [1][32] by columns or blocks;
+// DQ_SPLIT=3's dQ (not transposed), [1][64]
+#if DQ_SPLIT == 3
+#define DQT_H 1
+#define DQT_N 64
+#elif DQ_SPLIT
 #define DQT_H 1
 #define DQT_N 32
 #else
@@ -83,14 +91,17 @@
 // DQ_ATOMIC=3's named barriers: the warpgroups' dS written (256 threads); a warpgroup's part
 // of dQ buffer b written (BAR_DQ_FULL + 2·wg + b: the warpgroup and the adding warp, 160; its
 // half split by queries, its columns of both halves split by columns, the whole buffer split
-// by blocks), and read by the bulk reductions (BAR_DQ_EMPTY + 2·wg + b)
+// by blocks), and read by the bulk reductions (BAR_DQ_EMPTY + 2·wg + b; with DQ_SPLIT=3,
+// whose warpgroups take turns at one buffer, BAR_DQ_EMPTY + b, whoever wrote it)
 #define BAR_DS 1
-// DQ_SPLIT=2's barrier for odd blocks' dS (one for each parity, so that the arrival of a
+// DQ_SPLIT=2 and 3's barrier for odd blocks' dS (one for each parity, so that the arrival of a
 // warpgroup that has run a block ahead is not counted as the other's)
 #define BAR_DS_ODD 10
 #define BAR_DQ_FULL 2
 #define BAR_DQ_EMPTY 6
 #define BAR_DQ_COUNT (128 + 32)
+// the barrier on which the adding warp says that buffer b, written by warpgroup wg, was read
+#define BAR_DQ_READ(wg, b) (DQ_SPLIT == 3 ? BAR_DQ_EMPTY + (b) : BAR_DQ_EMPTY + 2 * (wg) + (b))
 // LONGEST_FIRST=1: the grid is (heads, blocks) rather than (blocks, heads), so that every
 // head's longest block (the most rows streamed past it) starts before any head's next longest
 // and the short ones fill the grid's tail, as the forward's LONGEST_FIRST orders its blocks
@@ -218,11 +229,16 @@ __device__ __forceinline__ void store_ds_t(u32 tile, const u32 (&dsf)[STREAM / 4
 // dQᵀ = kᵀ·dSᵀ for warpgroup wg's part of the block's 64 queries (DQ_SPLIT) over its 128 keys,
 // 16 a k-step: k (at sk) read M-major (transposed, as v is read), dSᵀ K-major from the two
 // tiles at ads. Split by queries, wg's 32 with a product for each 64 columns of the head dim
-// (dqt[h]: columns 64h..); by columns, wg's 64 (dqt[0]: columns 64·wg..); by blocks, all
+// (dqt[h]: columns 64h..); by columns, wg's 64 (dqt[0]: columns 64·wg..); by blocks, all.
+// DQ_SPLIT=3 takes dQ = dS·k instead: dS K-major as A, k MN-major as B over the whole head dim,
+// its two 64-column halves BLOCK_ROWS·128 bytes apart (the descriptor's leading offset)
 __device__ __forceinline__ void issue_dq_t(float (&dqt)[DQT_H][DQT_N], u32 sk, u32 ads, int wg) {
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
-#if DQ_SPLIT
+#if DQ_SPLIT == 3
+    const u64 a = descriptor(ads + (kk / 4) * 64 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO);
+    wgmma_m64n128_ss<1>(dqt[0], a, descriptor(sk + kk * 16 * 128, BLOCK_ROWS * 128, V_SBO), kk > 0);
+#elif DQ_SPLIT
     const u64 b = descriptor(ads + (kk / 4) * 64 * 128 + (kk % 4) * 32, QK_LBO, QK_SBO);
     const u32 a = sk + (DQ_SPLIT == 1 ? wg : 0) * BLOCK_ROWS * 128 + kk * 16 * 128;
     wgmma_m64n64_ss<0, 1>(dqt[0], descriptor(a, V_LBO, V_SBO), b, kk > 0);
@@ -239,17 +255,18 @@ __device__ __forceinline__ void issue_dq_t(float (&dqt)[DQT_H][DQT_N], u32 sk, u
 // dQᵀ's registers into dQ buffer b for the adding warp, once it has read what was last in it,
 // in the order of the split by queries: dqt[h][4i..4i+3] of thread t of warpgroup w at float
 // 4·(128·(4·HALVES·w + 4h + i) + t) (the split by columns puts its registers 4j.. (query 8j..)
-// where that split has them, as does the split by blocks); then the warp is told. `reused`:
-// the buffer held an earlier block's dQ
+// where that split has them, as does the split by blocks; DQ_SPLIT=3's dQ, not transposed,
+// has dqt[0][4i..4i+3] at float 4·(128·i + t)); then the warp is told. `reused`: the buffer
+// held an earlier block's dQ
 __device__ __forceinline__ void store_dq_t(unsigned char* sdq, const float (&dqt)[DQT_H][DQT_N], int b, bool reused,
                                            int wg, int tid) {
-  if (reused) asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_EMPTY + 2 * wg + b), "n"(BAR_DQ_COUNT) : "memory");
+  if (reused) asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_READ(wg, b)), "n"(BAR_DQ_COUNT) : "memory");
   const u32 adq = smem_u32(sdq) + b * 64 * HEAD_DIM * 4 + (tid % 128) * 16;
 #pragma unroll
   for (int h = 0; h < DQT_H; ++h) {
 #pragma unroll
     for (int i = 0; i < DQT_N / 4; ++i) {
-      const int r = DQ_SPLIT == 1 ? 8 * (i / 4) + 4 * wg + i % 4 : DQ_SPLIT == 2 ? i : 4 * HALVES * wg + 4 * h + i;
+      const int r = DQ_SPLIT == 1 ? 8 * (i / 4) + 4 * wg + i % 4 : DQ_SPLIT >= 2 ? i : 4 * HALVES * wg + 4 * h + i;
       asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(adq + r * 128 * 16), "f"(dqt[h][4 * i]),
                    "f"(dqt[h][4 * i + 1]), "f"(dqt[h][4 * i + 2]), "f"(dqt[h][4 * i + 3])
                    : "memory");
@@ -283,7 +300,7 @@ __device__ __noinline__ void add_dq(float* dq_accum, unsigned char* sdq, int hea
   for (int n = 0; n < n_blocks; ++n, dst += 64 * HEAD_DIM) {
     const int b = n % DQ_BUFS;
     // the warpgroups that write this block's buffer
-    const int w_first = DQ_SPLIT == 2 ? n % 2 : 0, w_last = DQ_SPLIT == 2 ? n % 2 : WGS - 1;
+    const int w_first = DQ_SPLIT >= 2 ? n % 2 : 0, w_last = DQ_SPLIT >= 2 ? n % 2 : WGS - 1;
 #pragma unroll 1
     for (int w = w_first; w <= w_last; ++w) {
       asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_FULL + 2 * w + b), "n"(BAR_DQ_COUNT) : "memory");
@@ -299,7 +316,7 @@ __device__ __noinline__ void add_dq(float* dq_accum, unsigned char* sdq, int hea
     if (n + DQ_BUFS < n_blocks) {
 #pragma unroll 1
       for (int w = w_first; w <= w_last; ++w) {
-        asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_EMPTY + 2 * w + b), "n"(BAR_DQ_COUNT) : "memory");
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_READ(w, b)), "n"(BAR_DQ_COUNT) : "memory");
       }
     }
   }
@@ -568,7 +585,32 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
 #if DQ_ATOMIC == 3
       wgmma_commit();
+#if DQ_SPLIT == 3
+      {
+        // warpgroup n % 2 takes block n's dQ (the index read through a shuffle: ptxas then
+        // sees the branch taken by whole warps). Both wait for their dV and dK first, outside
+        // any branch, so that ptxas sees Pᵀ's and dSᵀ's fragments free wherever dQ's 64
+        // accumulators are live; the other warpgroup says its dS is written before it waits
+        const bool dq_here = __shfl_sync(0xffffffff, wg, 0) == n % 2;
+        const int bar_ds = n % 2 ? BAR_DS_ODD : BAR_DS;
+        if (!dq_here) asm volatile("bar.arrive %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
+        wgmma_wait0();
+        fence_operands(dv);
+        fence_operands(dk);
+        if (dq_here) {
+          float dqt[DQT_H][DQT_N];
+          asm volatile("bar.sync %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
+          wgmma_fence();
+          issue_dq_t(dqt, smem_u32(sk), ads, wg);
+          wgmma_commit();
+          wgmma_wait0();
+          fence_operands(dqt);
+          store_dq_t(sdq, dqt, n % DQ_BUFS, n >= DQ_BUFS, wg, tid);
+        }
+      }
+#else
       float dqt[DQT_H][DQT_N];
+#endif
 #if DQ_SPLIT == 2
       // this warpgroup takes block n's dQ (the index read through a shuffle: ptxas then sees
       // the branch taken by whole warps and does not serialise the products in it); it waits
@@ -582,7 +624,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       } else {
         asm volatile("bar.arrive %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
       }
-#else
+#elif DQ_SPLIT < 2
       // both warpgroups' dS are in shared memory (dK runs meanwhile)
       asm volatile("bar.sync %0, %1;\n" ::"n"(BAR_DS), "n"(128 * WGS) : "memory");
       wgmma_fence();
@@ -616,12 +658,16 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
         }
       }
 #endif
+#if DQ_ATOMIC != 3 || DQ_SPLIT != 3
+      // (DQ_SPLIT=3 waited and stored above: an empty group's commit would cost a product)
       wgmma_commit();
       wgmma_wait0();
       fence_operands(dv);
       fence_operands(dk);
+#endif
 #if DQ_ATOMIC == 3
-#if DQ_SPLIT == 2
+#if DQ_SPLIT == 3
+#elif DQ_SPLIT == 2
       if (dq_here) {
         fence_operands(dqt);
         store_dq_t(sdq, dqt, n % DQ_BUFS, n >= DQ_BUFS, wg, tid);
@@ -716,7 +762,35 @@ extern "C" __global__ void hopper_delta(const u16* __restrict__ out, const Layou
   if (lane == 0) delta[(long long)bh * tokens + t] = sum;
 }
 
-#if DQ_ATOMIC >= 3
+#if DQ_ATOMIC >= 3 && DQ_SPLIT == 3
+// dq = 16-bit(acc · scale) where `layout` puts it, from the f32 sums in the order the adding
+// warp wrote: [heads, blocks of 64 queries, 64 · HEAD_DIM], where the float4 at 128·j + t
+// (t = 32·warp + lane) holds register 4j + e (e = 0..3) of dQ in thread t of the warpgroup
+// that took it: query 16·warp + lane/4 + 8·(e/2), column 8j + 2·(lane%4) + e%2. A thread reads
+// the float4s of j and j + 1 (j even) and writes two pairs of columns in each of two rows:
+// `items` is an eighth of the sums
+extern "C" __global__ void hopper_dq_convert(const float* __restrict__ acc, u16* __restrict__ dq, const Layout layout,
+                                             int tokens, long long items, float scale) {
+  const int blocks = (tokens + 63) / 64;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < items; i += (long long)gridDim.x * blockDim.x) {
+    const long long blk = i / (8 * HEAD_DIM);
+    const int r = (int)(i % (8 * HEAD_DIM)), j = 2 * (r / 128), t = r % 128;
+    const int warp = t / 32, lane = t % 32;
+    const float4* at = reinterpret_cast<const float4*>(acc + blk * 64 * HEAD_DIM) + 128 * j + t;
+    const float4 a = at[0], b = at[128];
+    const int bh = (int)(blk / blocks), q = (int)(blk % blocks) * 64 + 16 * warp + lane / 4;
+    u16* row = dq + layout.start(bh) + (long long)q * layout.token + 8 * j + 2 * (lane % 4);
+    if (q < tokens) {
+      *reinterpret_cast<u32*>(row) = pack(a.x * scale, a.y * scale);
+      *reinterpret_cast<u32*>(row + 8) = pack(b.x * scale, b.y * scale);
+    }
+    if (q + 8 < tokens) {
+      *reinterpret_cast<u32*>(row + 8 * layout.token) = pack(a.z * scale, a.w * scale);
+      *reinterpret_cast<u32*>(row + 8 * layout.token + 8) = pack(b.z * scale, b.w * scale);
+    }
+  }
+}
+#elif DQ_ATOMIC >= 3
 // dq = 16-bit(acc · scale) where `layout` puts it, from the f32 sums in the order the adding
 // warp wrote: [heads, blocks of 64 queries, 64 · HEAD_DIM], where the float4 at 128·R + t
 // (R = 4·HALVES·w + 4h + j, t = 32·warp + lane) holds register 4j + e (e = 0..3) of dQᵀ's half

@@ -77,6 +77,10 @@ pub enum DqSplit {
     Columns,
     /// Head dim 64: every other block's whole product (m64n64) each.
     Blocks,
+    /// Head dim 128: every other block's whole product each, as dQ = dS·k (one m64n128
+    /// product the head dim across, which reads a quarter less shared memory a cycle than
+    /// the m64n64 ones), once the warpgroup's dV and dK have landed.
+    Rows,
 }
 
 impl BackwardConfig {
@@ -256,6 +260,7 @@ impl BackwardConfig {
                 DqSplit::Blocks => {
                     self.dq_warp && !self.dq_pipelined && d == 64 && self.dq_buffers == 2
                 }
+                DqSplit::Rows => self.dq_warp && !self.dq_pipelined && d == 128,
             }
             && (!self.dq_warp
                 || (self.dq_atomic
@@ -266,8 +271,9 @@ impl BackwardConfig {
 
     /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup), "+dqa"
     /// (dQ with atomics), "+dqb" (dQ with bulk reductions a row), "+dqw" (dQ by a warp of its
-    /// own), "+dqp" (that, pipelined), "+1dq" (one buffer of dQ), "+dqc" and "+dqn" (its
-    /// product split by columns or by blocks), "+lf" (`longest_first`), "+exp2f"
+    /// own), "+dqp" (that, pipelined), "+1dq" (one buffer of dQ), "+dqc", "+dqn" and "+dqr"
+    /// (its product split by columns, by blocks, or by blocks as dQ's rows), "+lf"
+    /// (`longest_first`), "+exp2f"
     /// (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
@@ -283,7 +289,7 @@ impl BackwardConfig {
             if self.producer_warpgroup { "+pwg" } else { "" },
             ["", "+dqa", "+dqb", "+dqw", "+dqp"][self.dq_mode() as usize],
             if self.dq_buffers == 1 { "+1dq" } else { "" },
-            ["", "+dqc", "+dqn"][self.dq_split as usize],
+            ["", "+dqc", "+dqn", "+dqr"][self.dq_split as usize],
             if self.longest_first { "+lf" } else { "" },
             if self.exact_exp { "+exp2f" } else { "" }
         )
@@ -299,18 +305,17 @@ pub struct BackwardConfigs {
 
 impl BackwardConfigs {
     /// The shapes for a sequence length and head dim, measured fastest by `hopper-check` on the
-    /// H200 (`measurements/dq-split.txt`): at every length one pass, dQ added by a warp of its
-    /// own (two consumer warpgroups, three stages), its product split between the warpgroups
-    /// by blocks at head dim 64 and by columns at 128 (with one buffer of dQ); up to 4,096
-    /// tokens every head's longest blocks first. That dQ's last bits depend on the order blocks
-    /// finish in, and it takes an f32 buffer as large as two dQs;
-    /// [`BackwardConfigs::deterministic`] takes neither.
+    /// H200 (`measurements/dq-split.txt`, and at head dim 128 `measurements/dq-rows.txt`): at
+    /// every length one pass, dQ added by a warp of its own (two consumer warpgroups, three
+    /// stages), its product taken by each warpgroup every other block, as dQᵀ at head dim 64
+    /// and as dQ's rows at 128 (with one buffer of dQ); up to 4,096 tokens every head's
+    /// longest blocks first. That dQ's last bits depend on the order blocks finish in, and it
+    /// takes an f32 buffer as large as two dQs; [`BackwardConfigs::deterministic`] takes
+    /// neither.
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
         let one_pass = BackwardConfig::new(2, 64, true).with_stages(3);
         let dkdv = match head_dim {
-            128 => one_pass
-                .with_dq_split(DqSplit::Columns)
-                .with_one_dq_buffer(),
+            128 => one_pass.with_dq_split(DqSplit::Rows).with_one_dq_buffer(),
             _ => one_pass.with_dq_split(DqSplit::Blocks),
         };
         // the dq pass is not launched
@@ -446,8 +451,13 @@ impl BackwardConfigs {
             // dim 64, ptxas spills (dQᵀ's accumulators would be live beside the next block's
             // Sᵀ and dPᵀ)
             let dq = BackwardConfigs::deterministic(1 << 14, d).dq;
-            // then dQ's product split by columns
+            // then dQ's product split by columns (the defaults before dq-rows.txt), and by
+            // blocks as dQ's rows (the defaults since)
             let columns = c(2, 64, true).with_dq_split(DqSplit::Columns);
+            let rows = c(2, 64, true)
+                .with_dq_split(DqSplit::Rows)
+                .with_one_dq_buffer()
+                .with_stages(3);
             pairs(
                 &[
                     c(2, 64, true).with_dq_warp(),
@@ -455,8 +465,19 @@ impl BackwardConfigs {
                     c(2, 64, true).with_one_dq_buffer().with_stages(3),
                     columns,
                     columns.with_one_dq_buffer().with_stages(3),
+                    rows,
+                    c(2, 64, true).with_dq_split(DqSplit::Rows),
                 ],
                 &[dq],
+            );
+            // the defaults before dq-rows.txt up to 4,096 tokens (the unused dq shape as the
+            // defaults pair it, longest first too: one-pass pairs are named by dkdv alone)
+            pairs(
+                &[columns
+                    .with_one_dq_buffer()
+                    .with_stages(3)
+                    .with_longest_first()],
+                &[dq.with_longest_first()],
             );
         }
         if d == 64 {
