@@ -171,7 +171,7 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 phase) {
 #define TMA_RANK 3
 #endif
 // One box of a tensor map into shared memory, completing on `bar`: `rows` rows from `token`
-// on of sequence `bh` (batch · heads + head), 64 columns from `column`.
+// on of head `bh` (batch · heads + head), 64 columns from `column`.
 __device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, u32 bar, int column, int token, int bh,
                                         int heads) {
 #if TMA_RANK == 3
@@ -186,7 +186,7 @@ __device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, u32 bar, 
       : "memory");
 #endif
 }
-// A tile of `rows` rows of sequence `bh` (batch · heads + head), half by half: the half of
+// A tile of `rows` rows of head `bh` (batch · heads + head), half by half: the half of
 // columns 64h.. lands at dst + h·rows·128
 __device__ __forceinline__ void tma_load(u32 dst, const TensorMap* map, u32 bar, int rows, int token, int bh,
                                          int heads) {
@@ -323,7 +323,7 @@ __device__ __forceinline__ void pack_fragments(u32 (&p)[N / 4], const float (&s)
 struct Layout {
   long long batch, head, token;
   int heads;
-  // the first value of sequence `bh` (blockIdx.y: batch · heads + head)
+  // the first value of head `bh` (blockIdx.y: batch · heads + head)
   __device__ __forceinline__ long long start(int bh) const { return (long long)(bh / heads) * batch + (long long)(bh % heads) * head; }
 };
 

@@ -57,9 +57,10 @@ pub struct HopperConfig {
     /// exponentials from a cubic on the FMA units rather than from the multifunction unit
     /// (`POLY_EXP`, `exp2_poly`): 0 to 16.
     pub poly_exp: u32,
-    /// Every sequence's longest query block before any sequence's next longest, as chapter 3
-    /// orders its blocks (`LONGEST_FIRST`: a grid of sequences × query blocks), rather than
-    /// one sequence after another (query blocks × sequences). At most 65,535 query blocks.
+    /// Every head's longest query block before any head's next longest, as chapter 3 orders
+    /// its blocks (`LONGEST_FIRST`: a grid of heads × query blocks, the heads of every
+    /// sequence), rather than one head after another (query blocks × heads). At most 65,535
+    /// query blocks.
     pub longest_first: bool,
     /// Exponentials from `exp2f` (`EXACT_EXP`), four instructions each, rather than
     /// `fast_exp2`'s one: kept to measure the difference.
@@ -92,7 +93,7 @@ impl HopperConfig {
     /// The shape measured fastest for a length (`hopper-check`, H200,
     /// `measurements/fast-exp2-63efe98.txt` and `measurements/kv-barriers.txt`): at head dim
     /// 64 up to 4,096 tokens one warpgroup of 64 rows a block, three blocks to a multiprocessor
-    /// taking turns at its tensor cores, every sequence's longest query blocks first
+    /// taking turns at its tensor cores, every head's longest query blocks first
     /// (`longest_first`); from 8,192 three warpgroups a block, sharing each block of keys and
     /// values among 192 rows, with a producer warpgroup that gives its registers to them
     /// (`setmaxnreg`). Head dim 128 takes two warpgroups and a producer warpgroup at every
@@ -182,7 +183,7 @@ impl HopperConfig {
             producer_warpgroup: true,
             ..c(warpgroups, stages, 1, overlap)
         };
-        // exponentials from the cubic; every sequence's longest blocks first
+        // exponentials from the cubic; every head's longest blocks first
         let e = |poly_exp, c: HopperConfig| HopperConfig { poly_exp, ..c };
         let lf = |c: HopperConfig| HopperConfig {
             longest_first: true,
@@ -270,7 +271,7 @@ impl HopperConfig {
                 e(8, p(3, 2, true)),
                 e(4, p(2, 2, false)),
                 e(8, p(2, 2, false)),
-                // and every sequence's longest query blocks first
+                // and every head's longest query blocks first
                 lf(c(1, 2, 3, false)),
                 lf(c(3, 2, 1, false)),
                 lf(e(4, c(1, 2, 2, true))),
@@ -302,7 +303,7 @@ impl HopperConfig {
     /// A short name for tables and PTX files: warpgroups × stages × blocks, "+overlap",
     /// "+er" (`early_rescale`), "+kv" (`kv_barriers`),
     /// "+pwg" (a producer warpgroup), "+pp" (ping-pong), "+eN" (N groups of exponentials from
-    /// the cubic), "+lf" (every sequence's longest blocks first), "+exp2f" (`exact_exp`).
+    /// the cubic), "+lf" (every head's longest blocks first), "+exp2f" (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
             "{}x{}x{}{}{}{}{}{}{}{}{}",
@@ -323,8 +324,8 @@ impl HopperConfig {
         )
     }
 
-    /// The grid of a launch for `shape`: one block per `block_m` queries of each sequence, as
-    /// (query blocks, sequences) or, longest first, (sequences, query blocks); an error where
+    /// The grid of a launch for `shape`: one block per `block_m` queries of each head of each
+    /// sequence, as (query blocks, heads) or, longest first, (heads, query blocks); an error where
     /// the y dimension would pass its 65,535.
     pub fn grid(&self, shape: Shape) -> Result<(u32, u32, u32), AttnError> {
         ordered_grid(
@@ -337,8 +338,8 @@ impl HopperConfig {
     }
 }
 
-/// A grid of one block per `rows` tokens of each sequence: (blocks, sequences) or, longest
-/// first, (sequences, blocks); an error naming `kernel` (what takes the grid) and `blocks`
+/// A grid of one block per `rows` tokens of each head of each sequence: (blocks, heads) or,
+/// longest first, (heads, blocks); an error naming `kernel` (what takes the grid) and `blocks`
 /// (what the y dimension counts when longest first) where y would pass its 65,535.
 pub(crate) fn ordered_grid(
     shape: Shape,
@@ -347,11 +348,11 @@ pub(crate) fn ordered_grid(
     kernel: &str,
     blocks: &str,
 ) -> Result<(u32, u32, u32), AttnError> {
-    let (n, sequences) = (shape.tokens.div_ceil(rows), shape.batch * shape.heads);
+    let (n, heads) = (shape.tokens.div_ceil(rows), shape.batch * shape.heads);
     let (x, y) = if longest_first {
-        (sequences, n)
+        (heads, n)
     } else {
-        (n, sequences)
+        (n, heads)
     };
     if y > 65_535 {
         return Err(AttnError::Unsupported {
@@ -824,7 +825,7 @@ unsafe fn launch(
 mod tests {
     use super::*;
 
-    /// Longest first, the grid is (sequences, query blocks); a shape with more query blocks
+    /// Longest first, the grid is (heads, query blocks); a shape with more query blocks
     /// than the y dimension takes is an error that says so, and `for_shape` takes the order
     /// only where every length it covers fits.
     #[test]

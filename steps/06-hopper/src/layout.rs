@@ -113,7 +113,7 @@ impl Layout {
     }
 }
 
-/// How a launch's tensor maps address a sequence, a compile-time choice of its kernels
+/// How a launch's tensor maps address a head's rows, a compile-time choice of its kernels
 /// (`TMA_RANK`): with every layout of the launch keeping one head after another at the same
 /// distance across batches (a `[batch, heads, tokens, head_dim]` tensor, or one batch), batches
 /// and heads merge into one dimension of the maps, and the kernels ask TMA for boxes in three

@@ -130,7 +130,7 @@ pub fn implementation() -> String {
         .filter_map(|(on, what)| on.then_some(what))
         .collect::<String>();
         let order = if c.longest_first {
-            ", every sequence's longest query blocks first"
+            ", every head's longest query blocks first"
         } else {
             ""
         };
