@@ -585,38 +585,36 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       issue_pb<STREAM>(dk, dsf, aq, STREAM);  // dK += dSᵀ·q  (· scale at the end)
 #if DQ_ATOMIC == 3
       wgmma_commit();
+#if DQ_SPLIT >= 2
+      // split by blocks, this warpgroup takes block n's dQ (the index read through a shuffle:
+      // ptxas then sees the branch taken by whole warps and does not serialise the products in
+      // it); it waits for the other's dS, which goes on
+      const bool dq_here = __shfl_sync(0xffffffff, wg, 0) == n % 2;
+      const int bar_ds = n % 2 ? BAR_DS_ODD : BAR_DS;
+#endif
 #if DQ_SPLIT == 3
-      {
-        // warpgroup n % 2 takes block n's dQ (the index read through a shuffle: ptxas then
-        // sees the branch taken by whole warps). Both wait for their dV and dK first, outside
-        // any branch, so that ptxas sees Pᵀ's and dSᵀ's fragments free wherever dQ's 64
-        // accumulators are live; the other warpgroup says its dS is written before it waits
-        const bool dq_here = __shfl_sync(0xffffffff, wg, 0) == n % 2;
-        const int bar_ds = n % 2 ? BAR_DS_ODD : BAR_DS;
-        if (!dq_here) asm volatile("bar.arrive %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
+      // Both warpgroups wait for their dV and dK first, outside any branch, so that ptxas sees
+      // Pᵀ's and dSᵀ's fragments free wherever dQ's 64 accumulators are live; the other
+      // warpgroup says its dS is written before it waits
+      if (!dq_here) asm volatile("bar.arrive %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
+      wgmma_wait0();
+      fence_operands(dv);
+      fence_operands(dk);
+      if (dq_here) {
+        float dqt[DQT_H][DQT_N];
+        asm volatile("bar.sync %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
+        wgmma_fence();
+        issue_dq_t(dqt, smem_u32(sk), ads, wg);
+        wgmma_commit();
         wgmma_wait0();
-        fence_operands(dv);
-        fence_operands(dk);
-        if (dq_here) {
-          float dqt[DQT_H][DQT_N];
-          asm volatile("bar.sync %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
-          wgmma_fence();
-          issue_dq_t(dqt, smem_u32(sk), ads, wg);
-          wgmma_commit();
-          wgmma_wait0();
-          fence_operands(dqt);
-          store_dq_t(sdq, dqt, n % DQ_BUFS, n >= DQ_BUFS, wg, tid);
-        }
+        fence_operands(dqt);
+        store_dq_t(sdq, dqt, n % DQ_BUFS, n >= DQ_BUFS, wg, tid);
       }
 #else
       float dqt[DQT_H][DQT_N];
 #endif
 #if DQ_SPLIT == 2
-      // this warpgroup takes block n's dQ (the index read through a shuffle: ptxas then sees
-      // the branch taken by whole warps and does not serialise the products in it); it waits
-      // for the other's dS, which goes on (dK runs meanwhile)
-      const bool dq_here = __shfl_sync(0xffffffff, wg, 0) == n % 2;
-      const int bar_ds = n % 2 ? BAR_DS_ODD : BAR_DS;
+      // (dK runs meanwhile)
       if (dq_here) {
         asm volatile("bar.sync %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
         wgmma_fence();
@@ -666,13 +664,12 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       fence_operands(dk);
 #endif
 #if DQ_ATOMIC == 3
-#if DQ_SPLIT == 3
-#elif DQ_SPLIT == 2
+#if DQ_SPLIT == 2
       if (dq_here) {
         fence_operands(dqt);
         store_dq_t(sdq, dqt, n % DQ_BUFS, n >= DQ_BUFS, wg, tid);
       }
-#else
+#elif DQ_SPLIT < 2
       fence_operands(dqt);
       store_dq_t(sdq, dqt, n % DQ_BUFS, n >= DQ_BUFS, wg, tid);
 #endif

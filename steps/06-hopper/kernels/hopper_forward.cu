@@ -167,8 +167,8 @@ hopper_forward(const __grid_constant__ TensorMap map_q, const __grid_constant__ 
   // (the most keys to see) go first so that the short ones fill the grid's tail: with
   // LONGEST_FIRST=1 the grid is (heads, query blocks), every head's longest block before any
   // head's next longest, as chapter 3 orders its blocks; with 0 it is (query blocks, heads),
-  // one head after another, fewer keys and values in flight at once. Either way both come from the block's
-  // index registers, not from registers held through the loop.
+  // one head after another, fewer keys and values in flight at once. Either way both come
+  // from the block's index registers, not from registers held through the loop.
   const int m_blocks = (tokens + BLOCK_M - 1) / BLOCK_M;
 #if LONGEST_FIRST
   const int mb = m_blocks - 1 - blockIdx.y;

@@ -273,8 +273,7 @@ impl BackwardConfig {
     /// (dQ with atomics), "+dqb" (dQ with bulk reductions a row), "+dqw" (dQ by a warp of its
     /// own), "+dqp" (that, pipelined), "+1dq" (one buffer of dQ), "+dqc", "+dqn" and "+dqr"
     /// (its product split by columns, by blocks, or by blocks as dQ's rows), "+lf"
-    /// (`longest_first`), "+exp2f"
-    /// (`exact_exp`).
+    /// (`longest_first`), "+exp2f" (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
             "{}x{}x{}{}{}{}{}{}{}{}",
