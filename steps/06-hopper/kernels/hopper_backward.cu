@@ -115,6 +115,27 @@
 #ifndef EARLY_DV
 #define EARLY_DV (WGS == 1 || (WGS == 2 && PRODUCER_WG && !(DQ_ATOMIC == 3 && HEAD_DIM == 128)))
 #endif
+// EARLY_FREE=1 (DQ_SPLIT=3): a warp says the stage is free once its dV and dK have landed,
+// before its warpgroup's dQ product (which reads k and dS, not the stage), so that the
+// producer may refill it meanwhile
+#ifndef EARLY_FREE
+#define EARLY_FREE 0
+#endif
+#if EARLY_FREE && DQ_SPLIT != 3
+#error "EARLY_FREE takes DQ_SPLIT=3"
+#endif
+// LANE_RELEASE=1 (dkdv): every consumer lane arrives on a stage's "empty" barrier, each
+// releasing its own reads of the stage's log-sum-exps and δs; 0: each warp's lane 0, after
+// __syncwarp has ordered the other lanes' reads before its arrival. Both are sound, but
+// compute-sanitizer's racecheck, told to check this kernel alone (--kernel-name), does not
+// follow __syncwarp into lane 0's arrival, and reports every read by lanes 1 to 31 as racing
+// the producer's next write of the stage (measurements/lane-release.txt). The __syncwarp
+// stays with LANE_RELEASE=1, where it orders nothing: without it ptxas spills in the two-pass
+// shape at head dim 128
+#ifndef LANE_RELEASE
+#define LANE_RELEASE 0
+#endif
+#define EMPTY_COUNT (LANE_RELEASE && PASS == 0 ? 128 * WGS : 4 * WGS)
 #define DQ_ROW_BYTES 288  // a row of dQ in shared memory: 64 f32 and 32 bytes against bank conflicts
 #define BLOCK_ROWS (64 * WGS)
 #define LOG2E 1.4426950408889634f
@@ -158,20 +179,33 @@ __device__ __forceinline__ void produce(const TensorMap* map_a0, const TensorMap
 }
 
 // The barriers both kernels start with: "full" counts the producer warp's 32 lanes (and the
-// copies' bytes), "empty" every consumer warp. A warp arrives on "empty" only after its own
+// copies' bytes), "empty" every consumer warp (or with LANE_RELEASE every consumer thread). A warp arrives on "empty" only after its own
 // wait on "full": a warpgroup that skips a block could otherwise release the stage while one
 // of its warps has yet to see it full, and that warp would then wait on a phase two behind
 __device__ __forceinline__ void init_barriers(u64* own_bar, u64* full, u64* empty) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(smem_u32(&full[s]), 32);
-      mbar_init(smem_u32(&empty[s]), 4 * WGS);
+      mbar_init(smem_u32(&empty[s]), EMPTY_COUNT);
     }
     mbar_init(smem_u32(own_bar), 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
 }
+
+// ANCHOR: release_stage
+// A consumer warp's release of stage s in dkdv (see LANE_RELEASE)
+__device__ __forceinline__ void release_stage(u64* empty, int s, int lane) {
+#if LANE_RELEASE
+  __syncwarp();
+  mbar_arrive(smem_u32(&empty[s]));
+#else
+  __syncwarp();
+  if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
+#endif
+}
+// ANCHOR_END: release_stage
 
 #if PASS == 0
 // Pᵀ from Sᵀ in place, for a consumer warpgroup's keys from kw0 and a block of queries from
@@ -430,8 +464,7 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       wgmma_commit();
       wgmma_wait2();
       // Sᵀ(n) has landed, and before it block n − 1's dV and dK: its stage is free
-      __syncwarp();
-      if (lane == 0) mbar_arrive(smem_u32(&empty[(n - 1) % STAGES]));
+      release_stage(empty, (n - 1) % STAGES, lane);
     }
     fence_operands(st);
     probabilities_t(st, slse[s], q0, kw0, kr0, lane, scale_log2);
@@ -600,6 +633,9 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       wgmma_wait0();
       fence_operands(dv);
       fence_operands(dk);
+#if EARLY_FREE
+      release_stage(empty, s, lane);
+#endif
       if (dq_here) {
         float dqt[DQT_H][DQT_N];
         asm volatile("bar.sync %0, %1;\n" ::"r"(bar_ds), "n"(128 * WGS) : "memory");
@@ -724,9 +760,10 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q, const __grid_constant__ Ten
       }
 #endif
     }
+#if !EARLY_FREE
     // this warp is done with the buffer
-    __syncwarp();
-    if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
+    release_stage(empty, s, lane);
+#endif
   }
 #endif
 #if DQ_ATOMIC == 2

@@ -58,6 +58,14 @@ pub struct BackwardConfig {
     /// With `dq_warp` (not pipelined): how the warpgroups split a block's dQ product
     /// (`DQ_SPLIT`).
     pub dq_split: DqSplit,
+    /// With [`DqSplit::Rows`]: each warp frees the stage once its dV and dK have landed, before
+    /// its warpgroup's dQ product, which reads k and dS, not the stage (`EARLY_FREE`).
+    pub early_free: bool,
+    /// dkdv only: every consumer thread arrives on a stage's "empty" barrier, releasing its
+    /// own reads of the stage's log-sum-exps and δs, rather than each warp's lane 0 after
+    /// `__syncwarp` (`LANE_RELEASE`). Both are sound; racecheck follows only the first when
+    /// it checks the kernel alone.
+    pub lane_release: bool,
     /// The grid (heads, blocks) rather than (blocks, heads) (`LONGEST_FIRST`): every head's
     /// longest block before any head's next longest.
     pub longest_first: bool,
@@ -97,6 +105,8 @@ impl BackwardConfig {
             dq_pipelined: false,
             dq_buffers: 2,
             dq_split: DqSplit::Queries,
+            early_free: false,
+            lane_release: false,
             longest_first: false,
             exact_exp: false,
         }
@@ -149,6 +159,22 @@ impl BackwardConfig {
         BackwardConfig {
             dq_split: split,
             ..self.with_dq_warp()
+        }
+    }
+
+    /// With the stage freed before dQ's product.
+    pub const fn with_early_free(self) -> Self {
+        BackwardConfig {
+            early_free: true,
+            ..self
+        }
+    }
+
+    /// With every consumer thread releasing its own reads of a stage.
+    pub const fn with_lane_release(self) -> Self {
+        BackwardConfig {
+            lane_release: true,
+            ..self
         }
     }
 
@@ -262,6 +288,7 @@ impl BackwardConfig {
                 }
                 DqSplit::Rows => self.dq_warp && !self.dq_pipelined && d == 128,
             }
+            && (!self.early_free || self.dq_split == DqSplit::Rows)
             && (!self.dq_warp
                 || (self.dq_atomic
                     && !self.dq_bulk
@@ -272,11 +299,12 @@ impl BackwardConfig {
     /// A short name: warpgroups × stages × stream, "+pwg" (a producer warpgroup), "+dqa"
     /// (dQ with atomics), "+dqb" (dQ with bulk reductions a row), "+dqw" (dQ by a warp of its
     /// own), "+dqp" (that, pipelined), "+1dq" (one buffer of dQ), "+dqc", "+dqn" and "+dqr"
-    /// (its product split by columns, by blocks, or by blocks as dQ's rows), "+lf"
-    /// (`longest_first`), "+exp2f" (`exact_exp`).
+    /// (its product split by columns, by blocks, or by blocks as dQ's rows), "+ef"
+    /// (`early_free`), "+lr" (`lane_release`), "+lf" (`longest_first`), "+exp2f"
+    /// (`exact_exp`).
     pub fn name(&self) -> String {
         format!(
-            "{}x{}x{}{}{}{}{}{}{}{}",
+            "{}x{}x{}{}{}{}{}{}{}{}{}{}",
             self.warpgroups,
             self.stages,
             self.stream,
@@ -289,6 +317,8 @@ impl BackwardConfig {
             ["", "+dqa", "+dqb", "+dqw", "+dqp"][self.dq_mode() as usize],
             if self.dq_buffers == 1 { "+1dq" } else { "" },
             ["", "+dqc", "+dqn", "+dqr"][self.dq_split as usize],
+            if self.early_free { "+ef" } else { "" },
+            if self.lane_release { "+lr" } else { "" },
             if self.longest_first { "+lf" } else { "" },
             if self.exact_exp { "+exp2f" } else { "" }
         )
@@ -312,7 +342,9 @@ impl BackwardConfigs {
     /// takes an f32 buffer as large as two dQs; [`BackwardConfigs::deterministic`] takes
     /// neither.
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
-        let one_pass = BackwardConfig::new(2, 64, true).with_stages(3);
+        let one_pass = BackwardConfig::new(2, 64, true)
+            .with_stages(3)
+            .with_lane_release();
         let dkdv = match head_dim {
             128 => one_pass.with_dq_split(DqSplit::Rows).with_one_dq_buffer(),
             _ => one_pass.with_dq_split(DqSplit::Blocks),
@@ -336,11 +368,13 @@ impl BackwardConfigs {
         let c = BackwardConfig::new;
         let configs = match head_dim {
             128 => BackwardConfigs {
-                dkdv: c(2, 64, true).with_stages(3),
+                dkdv: c(2, 64, true).with_stages(3).with_lane_release(),
                 dq: c(2, 128, true),
             },
             _ => BackwardConfigs {
-                dkdv: c(3, 64, true).with_stages(if tokens <= 8192 { 3 } else { 2 }),
+                dkdv: c(3, 64, true)
+                    .with_stages(if tokens <= 8192 { 3 } else { 2 })
+                    .with_lane_release(),
                 dq: c(2, 128, true),
             },
         };
@@ -466,16 +500,27 @@ impl BackwardConfigs {
                     columns.with_one_dq_buffer().with_stages(3),
                     rows,
                     c(2, 64, true).with_dq_split(DqSplit::Rows),
+                    // the stage freed before dQ's product
+                    rows.with_lane_release().with_early_free(),
+                    c(2, 64, true)
+                        .with_dq_split(DqSplit::Rows)
+                        .with_lane_release()
+                        .with_early_free(),
                 ],
                 &[dq],
             );
             // the defaults before dq-rows.txt up to 4,096 tokens (the unused dq shape as the
             // defaults pair it, longest first too: one-pass pairs are named by dkdv alone)
             pairs(
-                &[columns
-                    .with_one_dq_buffer()
-                    .with_stages(3)
-                    .with_longest_first()],
+                &[
+                    columns
+                        .with_one_dq_buffer()
+                        .with_stages(3)
+                        .with_longest_first(),
+                    rows.with_lane_release()
+                        .with_early_free()
+                        .with_longest_first(),
+                ],
                 &[dq.with_longest_first()],
             );
         }
@@ -504,6 +549,17 @@ impl BackwardConfigs {
             longest_first: false,
             ..c
         };
+        // every default pair with each warp's lane 0 releasing a stage (the defaults before
+        // lane-release.txt)
+        for c in BackwardConfigs::defaults(d) {
+            pairs(
+                &[BackwardConfig {
+                    lane_release: false,
+                    ..c.dkdv
+                }],
+                &[c.dq],
+            );
+        }
         for exact_exp in [false, true] {
             for c in BackwardConfigs::defaults(d) {
                 pairs(
@@ -570,6 +626,8 @@ pub fn compile(
             format!("-DDQ_ATOMIC={}", config.dq_mode()),
             format!("-DDQ_BUFS={}", config.dq_buffers),
             format!("-DDQ_SPLIT={}", config.dq_split as u8),
+            format!("-DEARLY_FREE={}", config.early_free as u8),
+            format!("-DLANE_RELEASE={}", config.lane_release as u8),
             format!("-DLONGEST_FIRST={}", config.longest_first as u8),
             format!("-DEXACT_EXP={}", config.exact_exp as u8),
             rank.define(),
