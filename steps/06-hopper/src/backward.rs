@@ -338,9 +338,10 @@ impl BackwardConfigs {
     /// every length one pass, dQ added by a warp of its own (two consumer warpgroups, three
     /// stages), its product taken by each warpgroup every other block, as dQᵀ at head dim 64
     /// and as dQ's rows at 128 (with one buffer of dQ); up to 4,096 tokens every head's
-    /// longest blocks first. That dQ's last bits depend on the order blocks finish in, and it
-    /// takes an f32 buffer as large as two dQs; [`BackwardConfigs::deterministic`] takes
-    /// neither.
+    /// longest blocks first; every consumer lane releasing its own reads of a stage
+    /// (`measurements/lane-release.txt`). That dQ's last bits depend on the order blocks
+    /// finish in, and it takes an f32 buffer as large as two dQs;
+    /// [`BackwardConfigs::deterministic`] takes neither.
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
         let one_pass = BackwardConfig::new(2, 64, true)
             .with_stages(3)
@@ -363,7 +364,9 @@ impl BackwardConfigs {
     /// streaming 64 queries a step in three stages (their accumulators and a block's Pᵀ and
     /// dPᵀ take 208 of the 240 registers the producer's leave them; with two stages it ran
     /// 10% slower at 8,192 tokens beside this dQ) and dQ with two streaming 128 keys. Up to
-    /// 4,096 tokens every head's longest blocks first (`measurements/dq-split.txt`, call 5).
+    /// 4,096 tokens every head's longest blocks first (`measurements/dq-split.txt`, call 5);
+    /// dK/dV's consumer lanes each releasing their own reads of a stage
+    /// (`measurements/lane-release.txt`).
     pub fn deterministic(tokens: usize, head_dim: usize) -> Self {
         let c = BackwardConfig::new;
         let configs = match head_dim {
@@ -509,8 +512,9 @@ impl BackwardConfigs {
                 ],
                 &[dq],
             );
-            // the defaults before dq-rows.txt up to 4,096 tokens (the unused dq shape as the
-            // defaults pair it, longest first too: one-pass pairs are named by dkdv alone)
+            // the defaults before dq-rows.txt up to 4,096 tokens, and the stage freed early
+            // there (the unused dq shape as the defaults pair it, longest first too: one-pass
+            // pairs are named by dkdv alone)
             pairs(
                 &[
                     columns
