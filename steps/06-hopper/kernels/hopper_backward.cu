@@ -179,9 +179,10 @@ __device__ __forceinline__ void produce(const TensorMap* map_a0, const TensorMap
 }
 
 // The barriers both kernels start with: "full" counts the producer warp's 32 lanes (and the
-// copies' bytes), "empty" every consumer warp (or with LANE_RELEASE every consumer thread). A warp arrives on "empty" only after its own
-// wait on "full": a warpgroup that skips a block could otherwise release the stage while one
-// of its warps has yet to see it full, and that warp would then wait on a phase two behind
+// copies' bytes), "empty" every consumer warp (with LANE_RELEASE every consumer thread). A
+// warp arrives on "empty" only after its own wait on "full": a warpgroup that skips a block
+// could otherwise release the stage while one of its warps has yet to see it full, and that
+// warp would then wait on a phase two behind
 __device__ __forceinline__ void init_barriers(u64* own_bar, u64* full, u64* empty) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
