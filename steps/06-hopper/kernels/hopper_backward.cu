@@ -198,13 +198,8 @@ __device__ __forceinline__ void init_barriers(u64* own_bar, u64* full, u64* empt
 // ANCHOR: release_stage
 // A consumer warp's release of stage s in dkdv (see LANE_RELEASE)
 __device__ __forceinline__ void release_stage(u64* empty, int s, int lane) {
-#if LANE_RELEASE
   __syncwarp();
-  mbar_arrive(smem_u32(&empty[s]));
-#else
-  __syncwarp();
-  if (lane == 0) mbar_arrive(smem_u32(&empty[s]));
-#endif
+  if (LANE_RELEASE || lane == 0) mbar_arrive(smem_u32(&empty[s]));
 }
 // ANCHOR_END: release_stage
 
