@@ -25,7 +25,7 @@
 //!
 //! `cargo run --release -p step02-online-softmax --example online-speed -- variants`, 1 sequence × 12
 //! heads × head dim 64, f32, causal, median of several runs, on the idle 2-core AMD EPYC
-//! (AVX-512) of the book's CPU numbers; the full output is `measurements/variants.txt`:
+//! (AVX-512) of the book's CPU numbers; the full output is `lab/logs/02-online-softmax/variants.txt`:
 //!
 //! | version | 1024 tokens | 4096 tokens |
 //! | --- | --- | --- |

@@ -22,7 +22,7 @@
 //! | `kernels/flash_forward.cu` (rung 4, `cuda_flash`) | 4 warps × 32 rows, 128 keys a step, `ldmatrix` from swizzled shared memory, `cp.async` two-stage K/V pipeline, `exp2` with log2 e folded into the scale, mask on diagonal blocks only, every head's longest query blocks first | 208.3 / 327.4 / 347.8 (1.46× / 1.28× / 1.14×), `charts/data/gpu.json` |
 //! | `kernels/causal_softmax.cu` (with cuBLAS) | attention by hand: the whole table in device memory | 42 / 33 / 28 |
 //!
-//! The tile shape came from `forward-tune` (`measurements/README.md`, the tuning log): 16 rows a
+//! The tile shape came from `forward-tune` (`lab/logs/03-cuda-forward/README.md`, the tuning log): 16 rows a
 //! warp instead of 32 ran at 223 TFLOP/s at 16k, 64 keys a step instead of 128 at 294, skipping
 //! the rescale when no maximum changed (a warp vote) lost 3–10%, and one head after another
 //! instead of all heads' longest blocks first lost 27% at 1k (145.5 against 200.5). At head

@@ -8,7 +8,7 @@
 //! ```
 //!
 //! Each number is the median of 5 timed runs (3 from 4,096 tokens) after one untimed warm-up.
-//! The output is a Markdown table (`measurements/cpu-speed.txt`, included by chapter 4).
+//! The output is a Markdown table (`book/src/output/backward-cpu-speed.txt`, included by chapter 4).
 //! Every variant's gradients are checked against the default's first. GFLOP/s use
 //! FlashAttention's count: the backward is 2.5 × the forward.
 
