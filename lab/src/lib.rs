@@ -6,3 +6,6 @@
 //! tried and what it measured (`notes/`), and the raw logs of those runs (`logs/`). No stage
 //! holds it and no chapter teaches from it; CI builds it and runs its kernel checks, so it
 //! cannot rot.
+
+pub mod hopper_shapes;
+pub mod probe;

@@ -1,19 +1,20 @@
 // What step 06's kernels share: 16-bit types, the shared-memory matrix descriptors, mbarriers,
-// TMA copies, and the warpgroup products (wgmma) they are built from. src/forward.rs and
-// src/backward.rs prepend it to each kernel's source.
+// TMA copies, and the warpgroup products (wgmma) they are built from. src/kernel.rs prepends
+// it to each kernel's source, after the -D set of the kernel's typed description.
 //
-// Compile-time parameters: IS_BF16 (1 bf16, 0 f16), HEAD_DIM (64, 128), and the descriptors'
-// byte offsets (see wgmma-probe). A row of head dim 128 is 256 bytes, wider than the swizzle's
-// 128: every tile is stored as HALVES halves of 64 columns, each [rows][128 bytes] in the
-// 128-byte swizzle and loaded by a TMA box of its own.
+// Every kernel is compiled with IS_BF16 (1 bf16, 0 f16), HEAD_DIM (64 or 128) and TMA_RANK
+// (3 or 4, below); a parameter left out is a compile error here, never a default. A row of
+// head dim 128 is 256 bytes, wider than the swizzle's 128: every tile is stored as HALVES
+// halves of 64 columns, each [rows][128 bytes] in the 128-byte swizzle and loaded by a TMA box
+// of its own.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
-#ifndef IS_BF16
-#define IS_BF16 1
-#endif
+static_assert(IS_BF16 == 0 || IS_BF16 == 1, "IS_BF16: 1 bf16, 0 f16");
+static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
+static_assert(TMA_RANK == 3 || TMA_RANK == 4, "TMA_RANK: 3 or 4");
 #if IS_BF16
 #define ELEM "bf16"
 #define CVT_PAIR "cvt.rn.bf16x2.f32"
@@ -21,77 +22,26 @@ typedef unsigned long long u64;
 #define ELEM "f16"
 #define CVT_PAIR "cvt.rn.f16x2.f32"
 #endif
-// the descriptors' byte offsets (leading, stride): q and k are K-major, v is MN-major
-#ifndef QK_LBO
+// The descriptors' byte offsets (leading, stride) in the 128-byte swizzle: q and k are
+// K-major, v is MN-major. The lab's wgmma-probe pins these down on the GPU at hand.
 #define QK_LBO 16
-#endif
-#ifndef QK_SBO
 #define QK_SBO 1024
-#endif
-#ifndef V_LBO
 #define V_LBO 16
-#endif
-#ifndef V_SBO
 #define V_SBO 1024
-#endif
-#ifndef HEAD_DIM
-#define HEAD_DIM 64
-#endif
-#if HEAD_DIM != 64 && HEAD_DIM != 128
-#error "HEAD_DIM must be 64 or 128"
-#endif
 // halves of 64 columns (128 bytes, one swizzle row) in a row
 #define HALVES (HEAD_DIM / 64)
-
-// The block's roles: WGS consumer warpgroups and a producer warp. With PRODUCER_WG=1 the
-// producer is a whole warpgroup, so that registers can move between the roles (setmaxnreg
-// acts on warpgroups): the producer gives up all but PRODUCER_REGS and each consumer thread
-// may use CONSUMER_REGS.
-#ifndef WGS
-#define WGS 2
-#endif
-#ifndef STAGES
-#define STAGES 2
-#endif
-#ifndef PRODUCER_WG
-#define PRODUCER_WG 0
-#endif
-#if PRODUCER_WG
-#define THREADS (128 * WGS + 128)
-// src/forward.rs's producer_consumer_registers mirrors these two, and checks before a launch
-// that the block starts with the registers both roles end with (a kernel whose producer needs
-// more is compiled with PRODUCER_REGS of its own)
-#ifndef PRODUCER_REGS
-#define PRODUCER_REGS (WGS == 1 ? 56 : WGS == 2 ? 24 : 32)
-#endif
-// what is left of the registers the block starts with (65,536 shared evenly, in steps of 8),
-// per consumer thread, in steps of 8, at most 240
-#define START_REGS (65536 / THREADS / 8 * 8)
-#define CONSUMER_FREE (((START_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * WGS)) / 8 * 8)
-#define CONSUMER_REGS (CONSUMER_FREE > 240 ? 240 : CONSUMER_FREE)
-#else
-#define THREADS (128 * WGS + 32)
-#endif
-// thread blocks each multiprocessor must fit (the register budget)
-#ifndef MIN_BLOCKS
-#define MIN_BLOCKS 1
-#endif
 #define ROW_BYTES (HEAD_DIM * 2)
-// EXACT_EXP=1: exponentials from exp2f, as the kernels first had them (kept to measure
-// fast_exp2 against)
-#ifndef EXACT_EXP
-#define EXACT_EXP 0
-#endif
 
-__device__ __forceinline__ void producer_registers() {
-#if PRODUCER_WG
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
-#endif
+// setmaxnreg acts on whole warpgroups: a producer warpgroup keeps REGS registers a thread and
+// gives the rest back to the block's pool, from which each consumer thread then takes up to
+// REGS. src/kernel.rs picks both and checks that the block starts with what they end with.
+template <int REGS>
+__device__ __forceinline__ void release_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
 }
-__device__ __forceinline__ void consumer_registers() {
-#if PRODUCER_WG
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
-#endif
+template <int REGS>
+__device__ __forceinline__ void take_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
 }
 
 #define INFINITY __int_as_float(0x7f800000)
@@ -102,13 +52,9 @@ __device__ __forceinline__ void consumer_registers() {
 // 2^-126 (subnormal) exact, which a probability never needs; this one flushes them to 0 and
 // gives 2^-inf = 0 for a masked score
 __device__ __forceinline__ float fast_exp2(float x) {
-#if EXACT_EXP
-  return exp2f(x);
-#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
-#endif
 }
 // ANCHOR_END: fast_exp2
 
@@ -131,7 +77,6 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait2() { asm volatile("wgmma.wait_group.sync.aligned 2;\n" ::: "memory"); }
 // Pins an accumulator's registers in place around a wait: the compiler may not move a read
 // or write of them across this point (CUTLASS's warpgroup_fence_operand)
 template <int N>
@@ -164,27 +109,24 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 phase) {
         : "memory");
   }
 }
-// TMA_RANK 3: the tensor maps merge batches and heads into one dimension, [B·H][T][D], as
-// they may when one head follows another at the same distance across batches; 4: [B][H][T][D]
-// at any strides (the trainer's fused projection). src/layout.rs's TmaRank picks it.
-#ifndef TMA_RANK
-#define TMA_RANK 3
-#endif
 // One box of a tensor map into shared memory, completing on `bar`: `rows` rows from `token`
-// on of head `bh` (batch · heads + head), 64 columns from `column`.
+// on of head `bh` (batch · heads + head), 64 columns from `column`. With TMA_RANK 3 the maps
+// merge batches and heads into one dimension, [B·H][T][D], as they may when one head follows
+// another at the same distance across batches; with 4 they are [B][H][T][D] at any strides
+// (the trainer's fused projection). src/layout.rs's TmaRank picks it.
 __device__ __forceinline__ void tma_box(u32 dst, const TensorMap* map, u32 bar, int column, int token, int bh,
                                         int heads) {
-#if TMA_RANK == 3
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"((u64)map), "r"(column), "r"(token), "r"(bh), "r"(bar)
-      : "memory");
-#else
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
-      "l"((u64)map), "r"(column), "r"(token), "r"(bh % heads), "r"(bh / heads), "r"(bar)
-      : "memory");
-#endif
+  if constexpr (TMA_RANK == 3) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"((u64)map), "r"(column), "r"(token), "r"(bh), "r"(bar)
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+        "l"((u64)map), "r"(column), "r"(token), "r"(bh % heads), "r"(bh / heads), "r"(bar)
+        : "memory");
+  }
 }
 // A tile of `rows` rows of head `bh` (batch · heads + head), half by half: the half of
 // columns 64h.. lands at dst + h·rows·128
@@ -230,7 +172,7 @@ __device__ __forceinline__ void wgmma_m64n128_ss(float (&d)[64], u64 da, u64 db,
 
 // d[32] (+)= A·B for one k-step of 16, A and B from shared memory: N = 64; A K-major, B
 // K-major too, or with TRANS_B = 1 transposed (MN-major, as v is stored); A transposed with
-// TRANS_A = 1 (M-major, as the backward's dQᵀ = kᵀ·dSᵀ reads k)
+// TRANS_A = 1 (M-major, as the one-pass backward's dQᵀ = kᵀ·dSᵀ reads k at head dim 64)
 template <int TRANS_B = 0, int TRANS_A = 0>
 __device__ __forceinline__ void wgmma_m64n64_ss(float (&d)[32], u64 da, u64 db, int scale_d) {
   asm volatile(
@@ -252,28 +194,14 @@ __device__ __forceinline__ void wgmma_m64n64_rs_tb(float (&d)[32], const u32 (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-// d[16] (+)= A·B for one k-step of 16, A and B from shared memory: N = 32; B K-major, A
-// K-major too, or with TRANS_A = 1 transposed (M-major, as the backward's dQᵀ = kᵀ·dSᵀ reads k)
-template <int TRANS_A = 0>
-__device__ __forceinline__ void wgmma_m64n32_ss(float (&d)[16], u64 da, u64 db, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32." ELEM "." ELEM " "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, %19, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(da), "l"(db), "r"(scale_d), "n"(TRANS_A));
-}
-
-// A product of N columns from shared memory: N = 32, 64 or 128
+// A product of N columns from shared memory: N = 64 or 128
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 da, u64 db, int scale_d) {
+  static_assert(N == 64 || N == 128, "N is 64 or 128");
   if constexpr (N == 128) {
     wgmma_m64n128_ss(d, da, db, scale_d);
-  } else if constexpr (N == 64) {
-    wgmma_m64n64_ss(d, da, db, scale_d);
   } else {
-    static_assert(N == 32, "N is 32, 64 or 128");
-    wgmma_m64n32_ss(d, da, db, scale_d);
+    wgmma_m64n64_ss(d, da, db, scale_d);
   }
 }
 

@@ -1,15 +1,16 @@
-//! The Hopper forward kernel on the GPU against the f64 reference with FlashAttention's rule
-//! (its error at most twice that of attention by hand in the same precision), in every block
-//! shape it can be compiled with; ignored where there is no GPU.
+//! The Hopper forward kernels on the GPU against the f64 reference with FlashAttention's rule
+//! (the error at most twice that of attention by hand in the same precision): every rung, in
+//! every block shape a method launches it in; ignored where there is no GPU.
 
 use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
 use flash_core::{AttnError, Shape};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step03_cuda_forward::{Dtype, Gpu};
-use step06_hopper::forward::{self, HopperConfig};
+use step06_hopper::forward;
+use step06_hopper::kernel::{ForwardKernel, ForwardRung, HEAD_DIMS};
 use step06_hopper::layout::TmaRank;
-use step06_hopper::methods::{hopper_forward, hopper_forward_dtype};
+use step06_hopper::methods::on_device;
 
 /// The kernel's log-sum-exp is accumulated in f32 from the 16-bit inputs' exact products.
 const KERNEL_LSE: f64 = 1e-3;
@@ -24,14 +25,37 @@ const SHAPES: [(usize, usize, usize); 6] = [
     (1, 1, 4097),
 ];
 
+/// Every kernel a method launches at head dim `d`, whatever the length: each rung in its
+/// shapes on both sides of the lengths where a shape changes.
+fn every_kernel(d: usize) -> Vec<ForwardKernel> {
+    let mut all = Vec::new();
+    for t in [1, 1 << 14] {
+        for k in ForwardRung::ALL.map(|r| r.shape(t, d)) {
+            if !all.contains(&k) {
+                all.push(k);
+            }
+        }
+    }
+    all
+}
+
+/// `cuda_hopper`'s forward on host arrays, in bf16.
+fn hopper_forward(
+    q: ndarray::ArrayView4<f32>,
+    k: ndarray::ArrayView4<f32>,
+    v: ndarray::ArrayView4<f32>,
+) -> Result<flash_core::Attention, AttnError> {
+    on_device(ForwardKernel::for_shape, q, k, v, Dtype::Bf16)
+}
+
 // ANCHOR: check_hopper
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn hopper_forward_is_within_twice_by_hand_error_in_every_block_shape() {
+fn hopper_forward_is_within_twice_by_hand_error_in_every_rung_and_shape() {
     let gpu = Gpu::shared().expect("a GPU");
     for (dtype, d) in [Dtype::Bf16, Dtype::F16]
         .into_iter()
-        .flat_map(|dtype| forward::HEAD_DIMS.map(|d| (dtype, d)))
+        .flat_map(|dtype| HEAD_DIMS.map(|d| (dtype, d)))
     {
         for (i, &(b, h, t)) in SHAPES.iter().enumerate() {
             let shape = Shape::new(b, h, t, d);
@@ -45,25 +69,28 @@ fn hopper_forward_is_within_twice_by_hand_error_in_every_block_shape() {
             );
             let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), dtype).unwrap();
             let (dq, dk, dv) = (up(&q), up(&k), up(&v));
-            for config in HopperConfig::candidates(d) {
+            for kernel in every_kernel(d) {
                 let mut result = gpu.alloc_output(shape, dtype).unwrap();
-                forward::forward_with(gpu, config, &dq, &dk, &dv, &mut result).unwrap();
+                forward::forward_with(gpu, kernel, &dq, &dk, &dv, &mut result).unwrap();
                 let got = gpu.download_attention(&result).unwrap();
                 let out = error(&got.out, &reference.out);
                 let lse = error(&got.lse, &reference.lse);
                 println!(
-                    "{} {shape} {config:?}: out {out}, lse {lse}; by hand {by_hand}",
-                    dtype.name()
+                    "{} {shape} {}: out {out}, lse {lse}; by hand {by_hand}",
+                    dtype.name(),
+                    kernel.name()
                 );
                 assert!(
                     out.max_abs <= 2.0 * by_hand.max_abs + 1e-5,
-                    "{} {shape} {config:?}: out {out}; by hand {by_hand}",
-                    dtype.name()
+                    "{} {shape} {}: out {out}; by hand {by_hand}",
+                    dtype.name(),
+                    kernel.name()
                 );
                 assert!(
                     lse.max_abs <= KERNEL_LSE,
-                    "{} {shape} {config:?}: lse {lse}",
-                    dtype.name()
+                    "{} {shape} {}: lse {lse}",
+                    dtype.name(),
+                    kernel.name()
                 );
             }
         }
@@ -74,7 +101,7 @@ fn hopper_forward_is_within_twice_by_hand_error_in_every_block_shape() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn hopper_forward_is_causal_and_deterministic() {
-    for d in forward::HEAD_DIMS {
+    for d in HEAD_DIMS {
         causal_and_deterministic(Shape::new(1, 2, 300, d));
     }
 }
@@ -103,7 +130,7 @@ fn causal_and_deterministic(shape: Shape) {
 fn hopper_forward_refuses_head_dims_it_lacks_naming_the_ones_it_takes() {
     for d in [32, 96] {
         let [q, k, v] = random_qkv(Shape::new(1, 1, 16, d), 1);
-        match hopper_forward_dtype(q.view(), k.view(), v.view(), Dtype::Bf16) {
+        match hopper_forward(q.view(), k.view(), v.view()) {
             Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
                 assert!(e.to_string().contains("64, 128"), "{e}")
             }
@@ -133,19 +160,11 @@ fn without_nvrtc_compiling_is_an_error_not_a_panic() {
     if step03_cuda_forward::kernel::nvrtc_present() {
         return;
     }
-    let e = forward::compile(
-        Dtype::Bf16,
-        64,
-        HopperConfig::default(),
-        Default::default(),
-        TmaRank::Three,
-    )
-    .unwrap_err();
-    assert!(e.to_string().contains("NVRTC"), "{e}");
-    let e = step06_hopper::probe::compile().unwrap_err();
-    assert!(e.to_string().contains("NVRTC"), "{e}");
-    let config = step06_hopper::backward::BackwardConfigs::for_shape(1 << 14, 64).dkdv;
-    let e = step06_hopper::backward::compile(Dtype::Bf16, 64, "hopper_dkdv", config, TmaRank::Four)
+    let e = ForwardKernel::for_shape(1, 64)
+        .compile(Dtype::Bf16, 64, TmaRank::Three)
         .unwrap_err();
+    assert!(e.to_string().contains("NVRTC"), "{e}");
+    let kernel = step06_hopper::kernel::BackwardKernels::for_shape(1 << 14, 64).dkdv;
+    let e = kernel.compile(Dtype::Bf16, 64, TmaRank::Four).unwrap_err();
     assert!(e.to_string().contains("NVRTC"), "{e}");
 }

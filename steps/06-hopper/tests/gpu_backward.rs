@@ -1,6 +1,6 @@
 //! The Hopper backward kernels on the GPU against the f64 reference with FlashAttention's rule
-//! (each gradient's error at most twice that of the backward by hand in the same precision),
-//! in every block shape they can be compiled with; ignored where there is no GPU.
+//! (each gradient's error at most twice that of the backward by hand in the same precision):
+//! both rungs, in every block shape a method launches them in; ignored where there is no GPU.
 
 use cudarc::driver::DevicePtr;
 use flash_core::inputs::{random_normal, random_qkv};
@@ -11,10 +11,46 @@ use step03_cuda_forward::host::round_array;
 use step03_cuda_forward::{DeviceTensor, Dtype, Gpu};
 use step04_backward::cuda::{DeviceGrads, backward_by_hand_low_precision};
 use step04_backward::reference::backward_f64;
-use step06_hopper::backward::{self, BackwardConfigs, BackwardInputs};
+use step06_hopper::backward::{self, BackwardInputs};
 use step06_hopper::forward;
+use step06_hopper::kernel::{
+    BackwardKernels, BackwardPass, BackwardRung, ForwardKernel, HEAD_DIMS,
+};
 use step06_hopper::layout::{Layout, Strided};
-use step06_hopper::methods::hopper_backward;
+
+/// `cuda_hopper`'s backward on host arrays, after a forward that returned `fwd`.
+fn hopper_backward(
+    q: ndarray::ArrayView4<f32>,
+    k: ndarray::ArrayView4<f32>,
+    v: ndarray::ArrayView4<f32>,
+    fwd: &flash_core::Attention,
+    dout: ndarray::ArrayView4<f32>,
+) -> Result<flash_core::method::Grads, AttnError> {
+    step04_backward::methods::on_host(backward::backward, q, k, v, fwd, dout, Dtype::Bf16)
+}
+
+/// Every set of kernels a method launches at head dim `d`, whatever the length: both rungs in
+/// their shapes on both sides of the lengths where a shape changes.
+fn every_rung(d: usize) -> Vec<BackwardKernels> {
+    let mut all = Vec::new();
+    for t in [1, 8193, 1 << 14] {
+        for rung in [BackwardRung::TwoPasses, BackwardRung::OnePass] {
+            let k = BackwardKernels::rung(rung, t, d);
+            if !all.contains(&k) {
+                all.push(k);
+            }
+        }
+    }
+    all
+}
+
+/// The one-pass kernels a method launches at head dim `d`.
+fn one_pass(d: usize) -> Vec<BackwardKernels> {
+    every_rung(d)
+        .into_iter()
+        .filter(|k| k.dkdv.pass == BackwardPass::OnePass)
+        .collect()
+}
 
 /// One token, partial blocks of every size the kernels stream (32, 64, 128 rows), one block,
 /// several, and the diagonal in every position.
@@ -52,12 +88,12 @@ fn download(gpu: &Gpu, g: &DeviceGrads) -> [Array4<f32>; 3] {
 // ANCHOR: check_backward
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn hopper_backward_is_within_twice_by_hand_error_in_every_block_shape() {
+fn hopper_backward_is_within_twice_by_hand_error_in_every_rung_and_shape() {
     let gpu = Gpu::shared().expect("a GPU");
     let mut seed = 700;
     for (dtype, d) in [Dtype::Bf16, Dtype::F16]
         .into_iter()
-        .flat_map(|dtype| forward::HEAD_DIMS.map(|d| (dtype, d)))
+        .flat_map(|dtype| HEAD_DIMS.map(|d| (dtype, d)))
     {
         for &(b, h, t) in &SHAPES {
             seed += 1;
@@ -78,7 +114,7 @@ fn hopper_backward_is_within_twice_by_hand_error_in_every_block_shape() {
                 up(gpu, &dout, dtype),
             );
             let fwd = forward::forward(gpu, &dq, &dk, &dv).unwrap();
-            for configs in BackwardConfigs::candidates(d) {
+            for configs in every_rung(d) {
                 let grads = backward::backward_with(gpu, configs, &dq, &dk, &dv, &fwd, &ddo)
                     .unwrap_or_else(|e| panic!("{shape} {}: {e}", configs.name()));
                 let got = download(gpu, &grads);
@@ -104,19 +140,18 @@ fn hopper_backward_is_within_twice_by_hand_error_in_every_block_shape() {
 }
 // ANCHOR_END: check_backward
 
-/// In the deterministic shapes every block writes only its own rows: two runs give the same
-/// bits.
+/// In the two passes every block writes only its own rows: two runs give the same bits.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn hopper_backward_is_deterministic() {
+fn hopper_backward_in_two_passes_is_deterministic() {
     let gpu = Gpu::shared().expect("a GPU");
-    for d in forward::HEAD_DIMS {
+    for d in HEAD_DIMS {
         let shape = Shape::new(2, 3, 1000, d);
         let [q, k, v] = random_qkv(shape, 3);
         let dout = random_normal(shape, 4);
         let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| up(gpu, x, Dtype::Bf16));
         let fwd = forward::forward(gpu, &q, &k, &v).unwrap();
-        let configs = BackwardConfigs::deterministic(shape.tokens, d);
+        let configs = BackwardKernels::two_passes(shape.tokens, d);
         let run = || {
             download(
                 gpu,
@@ -168,23 +203,15 @@ fn no_gpu_is_an_error_not_a_panic() {
     );
 }
 
-/// The one-pass backward adds dQ with atomics: dK and dV are the same bits run to run, dQ may
-/// differ in its last bits (the order of the sums), and by no more than one rounding step.
+/// The one-pass backward adds dQ into f32 sums in the order blocks finish: dK and dV are the
+/// same bits run to run, dQ may differ in its last bits, by no more than one rounding step.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn one_pass_backward_differs_run_to_run_only_in_dqs_rounding() {
     let gpu = Gpu::shared().expect("a GPU");
     for d in [64, 128] {
         let ([q, k, v, dout], fwd) = bf16_inputs(gpu, Shape::new(2, 3, 1000, d), 5);
-        let one_pass: Vec<_> = BackwardConfigs::candidates(d)
-            .into_iter()
-            .filter(|c| c.dkdv.dq_atomic)
-            .collect();
-        assert!(
-            !one_pass.is_empty(),
-            "no one-pass candidate at head dim {d}"
-        );
-        for configs in one_pass {
+        for configs in one_pass(d) {
             let run = || {
                 download(
                     gpu,
@@ -281,7 +308,7 @@ fn strided_inputs_and_outputs_give_the_same_bits() {
         unsafe {
             forward::forward_into(
                 gpu,
-                forward::HopperConfig::for_shape(t, d),
+                ForwardKernel::for_shape(t, d),
                 shape,
                 Dtype::Bf16,
                 [sq, sk, sv],
@@ -304,13 +331,7 @@ fn strided_inputs_and_outputs_give_the_same_bits() {
             "d{d}: lse"
         );
 
-        let mut all = vec![BackwardConfigs::for_shape(t, d)];
-        all.extend(
-            BackwardConfigs::candidates(d)
-                .into_iter()
-                .filter(|c| c.dkdv.dq_atomic),
-        );
-        for configs in all {
+        for configs in every_rung(d) {
             let want = download(
                 gpu,
                 &backward::backward_with(gpu, configs, &tq, &tk, &tv, &fwd, &tdout).unwrap(),
@@ -343,8 +364,8 @@ fn strided_inputs_and_outputs_give_the_same_bits() {
                 .unwrap();
             }
             let got = gpu.download(&grads).unwrap();
-            // dq may differ in its last bits where the pass adds it with atomics
-            let tolerance = if configs.dkdv.dq_atomic {
+            // dq may differ in its last bits where one pass adds it in the order blocks finish
+            let tolerance = if configs.dkdv.pass == BackwardPass::OnePass {
                 1.0 / 64.0
             } else {
                 0.0
@@ -387,7 +408,7 @@ fn strided_entry_points_refuse_what_the_kernels_cannot_take() {
         dout: at(&dout, heads),
         lse: fwd.lse.device_ptr(gpu.stream()).0,
     };
-    let configs = BackwardConfigs::for_shape(64, 64);
+    let configs = BackwardKernels::for_shape(64, 64);
     // SAFETY: each call is refused before any launch, so nothing is read or written
     unsafe {
         let wrong_heads = Layout::heads(Shape::new(1, 3, 64, 64));
@@ -409,7 +430,7 @@ fn strided_entry_points_refuse_what_the_kernels_cannot_take() {
         assert!(e.to_string().contains("multiples of 16"), "{e}");
         let e = forward::forward_into(
             gpu,
-            forward::HopperConfig::for_shape(64, 64),
+            ForwardKernel::for_shape(64, 64),
             shape,
             Dtype::Bf16,
             [off.q, off.k, off.v],

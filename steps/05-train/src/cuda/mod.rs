@@ -53,7 +53,7 @@ use gemm::{Blas, Out, plain, transposed};
 use kernels::{Kernels, NORM_BLOCKS};
 use layout::Layout;
 // [step 06]
-use step06_hopper::forward::HopperConfig;
+use step06_hopper::kernel::ForwardKernel;
 use step06_hopper::layout::{Layout as HeadLayout, Strided};
 
 /// q, k and v where the fused projection `[B · T, 3C]` at `ptr` holds them: each third's
@@ -493,10 +493,10 @@ impl GpuTrainer {
             )));
         }
         // [step 06]
-        if attention == AttentionKind::Hopper && !step06_hopper::forward::HEAD_DIMS.contains(&d) {
+        if attention == AttentionKind::Hopper && !step06_hopper::kernel::HEAD_DIMS.contains(&d) {
             return Err(TrainError::Config(format!(
                 "head dim {d} (d_model {c} / heads {h}): step 06's Hopper kernels take head dims {:?}",
-                step06_hopper::forward::HEAD_DIMS
+                step06_hopper::kernel::HEAD_DIMS
             )));
         }
         // [/step 06]
@@ -845,13 +845,13 @@ impl GpuTrainer {
                             qkv.ptr,
                         )?;
                         prof.mark(gpu, "matmul: qkv")?;
-                        let config = HopperConfig::for_shape(t, d);
+                        let kernel = ForwardKernel::for_shape(t, d);
                         // (inside this unsafe block) qkv holds rows · 3C bf16 values, each
                         // third's span (Layout::span) ends inside it; att_rows holds rows · C,
                         // lse rows · H f32, apart from qkv and each other
                         step06_hopper::forward::forward_into(
                             gpu,
-                            config,
+                            kernel,
                             shape,
                             Dtype::Bf16,
                             fused_thirds(qkv.ptr, shape),
@@ -1176,14 +1176,14 @@ impl GpuTrainer {
                         // two passes: a step's gradients the same bits every run, so that a
                         // run can be repeated and resumed exactly (one pass adds dQ in
                         // whatever order its blocks finish)
-                        let configs = step06_hopper::backward::BackwardConfigs::deterministic(t, d);
+                        let kernels = step06_hopper::kernel::BackwardKernels::two_passes(t, d);
                         let grads = fused_thirds(s.dqkv.ptr, shape).map(|g| g.ptr);
                         // (inside this unsafe block) dqkv holds rows · 3C bf16 values, apart
                         // from every input, and each third's span ends inside it; the
                         // thirds' columns are apart
                         step06_hopper::backward::backward_into(
                             gpu,
-                            configs,
+                            kernels,
                             shape,
                             Dtype::Bf16,
                             inputs,

@@ -1,6 +1,6 @@
-//! Compiles every Hopper kernel variant with NVRTC for `sm_90a` and assembles it with
-//! `ptxas -v`, printing registers, shared memory and spills; exits non-zero on a failed compile
-//! or any spill. Needs no GPU: CI runs it with NVRTC and ptxas from PyPI, as step 03's
+//! Compiles every kernel this step's methods launch with NVRTC for `sm_90a` and assembles it
+//! with `ptxas -v`, printing registers, shared memory and spills; exits non-zero on a failed
+//! compile or any spill. Needs no GPU: CI runs it with NVRTC and ptxas from PyPI, as step 03's
 //! `kernel-check`.
 //!
 //! `cargo run -p step06-hopper --bin hopper-kernel-check [-- --ptxas PATH]`
@@ -10,13 +10,12 @@ use std::process::ExitCode;
 use clap::Parser;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::ptxas::{self, Variant};
-use step06_hopper::backward::{self, BackwardConfigs};
-use step06_hopper::forward::{self, HopperConfig};
+use step06_hopper::kernel::{BackwardKernels, BackwardRung, ForwardKernel, ForwardRung, HEAD_DIMS};
 use step06_hopper::layout::TmaRank;
-use step06_hopper::probe;
 
-/// Compiles the forward kernel in every block shape and head dim (bf16 and f16) and the `wgmma` probe with
-/// NVRTC for `sm_90a`, and assembles each with `ptxas -v`.
+/// Compiles every forward rung and backward kernel the methods launch, at both head dims, in
+/// bf16 and f16, with the tensor maps of [batch, heads, tokens, head_dim] tensors and of any
+/// strides (the trainer's), with NVRTC for `sm_90a`, and assembles each with `ptxas -v`.
 ///
 /// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so
 /// on LD_LIBRARY_PATH) and ptxas, but no GPU.
@@ -25,11 +24,14 @@ use step06_hopper::probe;
 struct Args {
     #[command(flatten)]
     flags: ptxas::Flags,
-    /// Only the variants whose names hold one of these comma-separated strings (for example
-    /// "d128_2x2x64+pwg+dqw"), the probe aside
+    /// Only the kernels whose names hold one of these comma-separated strings (for example
+    /// "forward_4")
     #[arg(long, value_name = "STRINGS", value_delimiter = ',')]
     only: Vec<String>,
 }
+
+/// Lengths on both sides of every threshold at which a method changes its kernels.
+const LENGTHS: [usize; 5] = [1, 2049, 4097, 8193, 1 << 14];
 
 fn main() -> ExitCode {
     let Args { mut flags, only } = Args::parse();
@@ -39,49 +41,44 @@ fn main() -> ExitCode {
         flags.arch = "sm_90a".into();
     }
     ptxas::main(flags, |_| {
-        let mut kernels = vec![Variant::used("wgmma_probe".to_string(), probe::compile())];
+        let mut kernels = Vec::new();
         for dtype in [Dtype::Bf16, Dtype::F16] {
-            for d in forward::HEAD_DIMS {
-                // every candidate with the maps of [batch, heads, tokens, head_dim] tensors, and
-                // the defaults with the maps of any strides (the trainer's)
-                let ranks = |default: bool| {
-                    if default {
-                        &[TmaRank::Three, TmaRank::Four][..]
-                    } else {
-                        &[TmaRank::Three][..]
+            for d in HEAD_DIMS {
+                let mut forwards: Vec<ForwardKernel> = Vec::new();
+                let mut backwards = Vec::new();
+                for t in LENGTHS {
+                    for f in ForwardRung::ALL.map(|r| r.shape(t, d)) {
+                        if !forwards.contains(&f) {
+                            forwards.push(f);
+                        }
                     }
-                };
-                let picked = [
-                    HopperConfig::for_shape(1, d),
-                    HopperConfig::for_shape(1 << 14, d),
-                ];
-                for c in HopperConfig::candidates(d) {
-                    for &rank in ranks(picked.contains(&c)) {
-                        let name = format!(
-                            "hopper_forward_{}_d{d}_{}_rank{}",
-                            dtype.name(),
-                            c.name(),
-                            rank.rank()
-                        );
-                        if wanted(&name) {
-                            let ptx = forward::compile(dtype, d, c, Default::default(), rank);
-                            kernels.push(Variant::used(name, ptx));
+                    for rung in [BackwardRung::TwoPasses, BackwardRung::OnePass] {
+                        for k in BackwardKernels::rung(rung, t, d).kernels() {
+                            if !backwards.contains(&k) {
+                                backwards.push(k);
+                            }
                         }
                     }
                 }
-                let defaults = BackwardConfigs::defaults(d);
-                for (entry, c) in BackwardConfigs::shapes(d) {
-                    let used = defaults.iter().any(|p| c == p.dkdv || c == p.dq);
-                    for &rank in ranks(used) {
-                        let name = format!(
-                            "{entry}_{}_d{d}_{}_rank{}",
+                for rank in [TmaRank::Three, TmaRank::Four] {
+                    let tag = |name: String| {
+                        format!(
+                            "{}_d{d}_{}_rank{}",
                             dtype.name(),
-                            c.name(),
+                            name.replace(' ', "_"),
                             rank.rank()
-                        );
+                        )
+                    };
+                    for f in &forwards {
+                        let name = format!("forward_{}", tag(f.name()));
                         if wanted(&name) {
-                            let ptx = backward::compile(dtype, d, entry, c, rank);
-                            kernels.push(Variant::used(name, ptx));
+                            kernels.push(Variant::used(name, f.compile(dtype, d, rank)));
+                        }
+                    }
+                    for k in &backwards {
+                        let name = format!("backward_{}", tag(k.name()));
+                        if wanted(&name) {
+                            kernels.push(Variant::used(name, k.compile(dtype, d, rank)));
                         }
                     }
                 }

@@ -1,14 +1,15 @@
-//! Checks the Hopper forward kernel on the GPU and times it beside step 03's: its error
-//! against the f64 reference next to step 03's kernel's on the same inputs, then TFLOP/s of
-//! both at 4 × 12 heads, in every block shape and head dim; then the same for the backward
-//! kernels beside step 04's (`--forward` or `--backward` for one of them alone, `--head-dim D`
-//! for one head dim). It first times a dense bf16 product (cuBLAS, 8192³), the rate the kernels' TFLOP/s are
-//! a fraction of. Without a GPU it compiles the kernel (NVRTC, `sm_90a`) and, with `--ptx DIR`,
-//! writes the PTX for `ptxas -v`.
+//! Checks step 06's kernels on the GPU in every block shape the lab compares
+//! (`flash_lab::hopper_shapes`) and times them beside steps 03 and 04: each forward rung's
+//! error against the f64 reference next to step 03's kernel's on the same inputs, then TFLOP/s
+//! of both at 4 × 12 heads; then the same for the backward's rungs beside step 04's kernels
+//! (`--forward` or `--backward` for one of them alone, `--head-dim D` for one head dim). It
+//! first times a dense bf16 product (cuBLAS, 8192³), the rate the kernels' TFLOP/s are a
+//! fraction of. Without a GPU it compiles the forward kernels (NVRTC, `sm_90a`) and, with
+//! `--ptx DIR`, writes the PTX for `ptxas -v`.
 //!
-//! `--only NAMES` keeps the block shapes whose names hold one of NAMES (and the defaults).
+//! `--only NAMES` keeps the shapes whose names hold one of NAMES (and what the methods launch).
 //!
-//! `cargo run --release -p step06-hopper --bin hopper-check [-- [--forward | --backward] [--head-dim 128] [--only NAMES] [--ptx DIR]]`
+//! `cargo run --release -p flash-lab --bin hopper-check [-- [--forward | --backward] [--head-dim 128] [--only NAMES] [--ptx DIR]]`
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -19,13 +20,17 @@ use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
+use flash_lab::hopper_shapes;
 use step03_cuda_forward::{Dtype, Gpu};
 use step04_backward::cuda as step04;
-use step06_hopper::backward::{self, BackwardConfigs};
-use step06_hopper::forward::{self, HopperConfig};
+use step06_hopper::backward;
+use step06_hopper::forward;
+use step06_hopper::kernel::{
+    BackwardKernels, BackwardPass, BackwardRung, ForwardKernel, HEAD_DIMS,
+};
 use step06_hopper::layout::TmaRank;
 
-/// Checks every Hopper block shape against the f64 reference beside steps 03 and 04, then times
+/// Checks every Hopper kernel shape against the f64 reference beside steps 03 and 04, then times
 /// them at 4 × 12 heads in bf16, after a dense cuBLAS product. Without a GPU it compiles the
 /// forward kernels and stops.
 #[derive(Parser, Debug)]
@@ -43,10 +48,9 @@ struct Args {
     /// Write each forward variant's PTX into DIR (for `ptxas -v`)
     #[arg(long, value_name = "DIR")]
     ptx: Option<PathBuf>,
-    /// Only the block shapes whose name holds one of these, comma-separated (for example
-    /// `dqw,3x2x64`; a part of a name matches wherever it appears, so `+e` takes `+er` and
-    /// `+e4` alike, and `=NAME` takes that name alone); the defaults are always kept [default:
-    /// every candidate]
+    /// Only the shapes whose name holds one of these, comma-separated (for example `rung 4,one
+    /// pass`; a part of a name matches wherever it appears, and `=NAME` takes that name alone);
+    /// what the methods launch is always kept [default: every shape]
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     only: Vec<String>,
     /// The lengths to time, comma-separated
@@ -70,21 +74,21 @@ impl Args {
             })
     }
 
-    /// The forward's block shapes at head dim `d` to check and time.
-    fn forward_configs(&self, d: usize) -> Vec<HopperConfig> {
-        let default = [1, 1 << 14].map(|t| HopperConfig::for_shape(t, d));
-        HopperConfig::candidates(d)
+    /// The forward kernels at head dim `d` to check and time.
+    fn forward_kernels(&self, d: usize) -> Vec<ForwardKernel> {
+        let launched = [1, 1 << 14].map(|t| ForwardKernel::for_shape(t, d));
+        hopper_shapes::forward(d)
             .into_iter()
-            .filter(|c| default.contains(c) || self.takes(&c.name()))
+            .filter(|k| launched.contains(k) || self.takes(&k.name()))
             .collect()
     }
 
-    /// The backward's pairs of block shapes at head dim `d` to check and time.
-    fn backward_configs(&self, d: usize) -> Vec<BackwardConfigs> {
-        let default = BackwardConfigs::defaults(d);
-        BackwardConfigs::candidates(d)
+    /// The backward's kernels at head dim `d` to check and time.
+    fn backward_kernels(&self, d: usize) -> Vec<BackwardKernels> {
+        let launched = [1, 1 << 14].map(|t| BackwardKernels::rung(BackwardRung::OnePass, t, d));
+        hopper_shapes::backward(d)
             .into_iter()
-            .filter(|c| default.contains(c) || self.takes(&c.name()))
+            .filter(|k| launched.contains(k) || self.takes(&k.name()))
             .collect()
     }
 }
@@ -99,8 +103,8 @@ fn tokens(s: &str) -> Result<usize, String> {
 fn head_dim(s: &str) -> Result<usize, String> {
     s.parse()
         .ok()
-        .filter(|d| forward::HEAD_DIMS.contains(d))
-        .ok_or_else(|| format!("takes one of {:?}", forward::HEAD_DIMS))
+        .filter(|d| HEAD_DIMS.contains(d))
+        .ok_or_else(|| format!("takes one of {:?}", HEAD_DIMS))
 }
 
 fn main() -> ExitCode {
@@ -117,22 +121,22 @@ fn main() -> ExitCode {
 fn run(args: Args) -> Result<bool, AttnError> {
     let head_dims = match args.head_dim {
         Some(d) => vec![d],
-        None => forward::HEAD_DIMS.to_vec(),
+        None => HEAD_DIMS.to_vec(),
     };
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for &d in &head_dims {
-            for config in args.forward_configs(d) {
-                let ptx = forward::compile(dtype, d, config, Default::default(), TmaRank::Three)?;
+            for kernel in args.forward_kernels(d) {
+                let ptx = kernel.compile(dtype, d, TmaRank::Three)?;
                 println!(
                     "hopper_forward {} d{d} {} compiles for sm_90a",
                     dtype.name(),
-                    config.name()
+                    kernel.name()
                 );
                 if let Some(dir) = &args.ptx {
                     let path = dir.join(format!(
                         "hopper_forward_{}_d{d}_{}.ptx",
                         dtype.name(),
-                        config.name()
+                        kernel.name().replace(' ', "_")
                     ));
                     std::fs::write(&path, ptx.to_src()).map_err(|e| AttnError::Device {
                         what: format!("{}: {e}", path.display()),
@@ -215,7 +219,7 @@ fn check_forward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, At
                 (1, 1, 4096),
             ] {
                 for (config, ok, line) in
-                    check_shape(gpu, Shape::new(b, h, t, d), dtype, &args.forward_configs(d))?
+                    check_shape(gpu, Shape::new(b, h, t, d), dtype, &args.forward_kernels(d))?
                 {
                     println!(
                         "{} {b}x{h}x{t} d{d} {}: {line}",
@@ -231,7 +235,7 @@ fn check_forward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, At
     // speed, bf16, 4 × 12 heads
     for &d in head_dims {
         println!(
-            "\nhead dim {d}\n\n| T | config | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |"
+            "\nhead dim {d}\n\n| T | kernel | hopper ms | hopper TFLOP/s | cuda_flash ms | cuda_flash TFLOP/s | ratio |"
         );
         println!("| --- | --- | --- | --- | --- | --- | --- |");
         for &t in &args.lengths {
@@ -244,7 +248,7 @@ fn check_forward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, At
                 gpu.time_ms(|| gpu.forward_into(&q, &k, &v, &mut out))
             })?;
             let tf = |ms: f64| shape.forward_flops() / ms / 1e9;
-            for config in args.forward_configs(d) {
+            for config in args.forward_kernels(d) {
                 let hopper = median_ms(Warmup::Millis(300.0), 20, || {
                     gpu.time_ms(|| forward::forward_with(gpu, config, &q, &k, &v, &mut out))
                 })?;
@@ -265,8 +269,8 @@ fn check_shape(
     gpu: &Gpu,
     shape: Shape,
     dtype: Dtype,
-    configs: &[HopperConfig],
-) -> Result<Vec<(HopperConfig, bool, String)>, AttnError> {
+    configs: &[ForwardKernel],
+) -> Result<Vec<(ForwardKernel, bool, String)>, AttnError> {
     let [q, k, v] = random_qkv(shape, 11);
     let reference = attention_f64(q.view(), k.view(), v.view())?;
     let ours = gpu.attention(q.view(), k.view(), v.view(), dtype)?;
@@ -322,13 +326,13 @@ fn check_backward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, A
                     Ok(e)
                 };
                 let theirs = errors(&step04::backward(gpu, &q, &k, &v, &fwd, &dout)?)?;
-                for configs in args.backward_configs(d) {
+                for configs in args.backward_kernels(d) {
                     let ours = errors(&backward::backward_with(
                         gpu, configs, &q, &k, &v, &fwd, &dout,
                     )?)?;
                     let ok = (0..3).all(|i| ours[i] <= (2.0 * theirs[i]).max(1e-3));
                     all &= ok;
-                    if configs.dkdv.dq_atomic {
+                    if configs.dkdv.pass == BackwardPass::OnePass {
                         // dQ's sums in whatever order the blocks finish: how far two runs differ
                         let run = || -> Result<ndarray::Array4<f32>, AttnError> {
                             let g = backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout)?;
@@ -363,7 +367,7 @@ fn check_backward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, A
     }
     for &d in head_dims {
         println!(
-            "\nbackward, head dim {d}\n\n| T | config | hopper ms | hopper TFLOP/s | step 04 ms | step 04 TFLOP/s | ratio |"
+            "\nbackward, head dim {d}\n\n| T | kernel | hopper ms | hopper TFLOP/s | step 04 ms | step 04 TFLOP/s | ratio |"
         );
         println!("| --- | --- | --- | --- | --- | --- | --- |");
         for &t in &args.lengths {
@@ -377,7 +381,7 @@ fn check_backward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, A
                 gpu.time_ms(|| step04::backward(gpu, &q, &k, &v, &fwd, &dout))
             })?;
             let tf = |ms: f64| shape.backward_flops() / ms / 1e9;
-            for configs in args.backward_configs(d) {
+            for configs in args.backward_kernels(d) {
                 let ours = median_ms(Warmup::Millis(300.0), 20, || {
                     gpu.time_ms(|| backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout))
                 })?;

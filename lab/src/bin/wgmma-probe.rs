@@ -1,12 +1,12 @@
 //! Runs the `wgmma` probe with candidate descriptor offsets and prints which give the right
 //! products. Without a GPU it only compiles the probe (NVRTC, `sm_90a`).
 //!
-//! `cargo run -p step06-hopper --bin wgmma-probe`
+//! `cargo run --release -p flash-lab --bin wgmma-probe`
 
 use std::process::ExitCode;
 
+use flash_lab::probe::{self, Load, Offsets};
 use step03_cuda_forward::Gpu;
-use step06_hopper::probe::{self, Load, Offsets};
 
 fn main() -> ExitCode {
     let ptx = match probe::compile() {

@@ -10,7 +10,7 @@ use half::bf16;
 use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
 use step03_cuda_forward::{Gpu, device_error};
 
-use crate::forward::{TensorMap, encode_tiled};
+use step06_hopper::forward::{TensorMap, encode_tiled};
 
 /// The probe kernel's source.
 pub const WGMMA_PROBE_CU: &str = include_str!("../kernels/wgmma_probe.cu");

@@ -1,0 +1,76 @@
+//! Compiles every shape of step 06's kernels that `hopper-check` compares
+//! (`flash_lab::hopper_shapes`) with NVRTC for `sm_90a` and assembles it with `ptxas -v`; exits
+//! non-zero on a failed compile or a spill in a kernel the methods launch (a spill elsewhere is
+//! reported: such a shape loses anyway). No GPU needed; CI runs it, so the lab's shapes cannot
+//! rot.
+//!
+//! `cargo run -p flash-lab --bin hopper-shapes-check [-- --ptxas PATH]`
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use flash_lab::hopper_shapes;
+use step03_cuda_forward::Dtype;
+use step03_cuda_forward::ptxas::{self, Variant};
+use step06_hopper::kernel::{BackwardKernels, BackwardRung, ForwardKernel, ForwardRung, HEAD_DIMS};
+use step06_hopper::layout::TmaRank;
+
+/// Compiles every forward and backward shape `hopper-check` compares, at both head dims, in
+/// bf16, with NVRTC for `sm_90a`, and assembles each with `ptxas -v`.
+#[derive(Parser, Debug)]
+#[command(name = "hopper-shapes-check")]
+struct Args {
+    #[command(flatten)]
+    flags: ptxas::Flags,
+}
+
+fn main() -> ExitCode {
+    let Args { mut flags } = Args::parse();
+    if flags.arch == "sm_90" {
+        flags.arch = "sm_90a".into();
+    }
+    ptxas::main(flags, |_| {
+        let mut kernels = Vec::new();
+        for d in HEAD_DIMS {
+            let lengths = [1, 4097, 8193, 1 << 14];
+            let launched_f: Vec<ForwardKernel> = lengths
+                .iter()
+                .flat_map(|&t| ForwardRung::ALL.map(|r| r.shape(t, d)))
+                .collect();
+            let launched_b: Vec<BackwardKernels> = lengths
+                .iter()
+                .flat_map(|&t| {
+                    [BackwardRung::TwoPasses, BackwardRung::OnePass]
+                        .map(|r| BackwardKernels::rung(r, t, d))
+                })
+                .collect();
+            for k in hopper_shapes::forward(d) {
+                let name = format!("forward_d{d}_{}", k.name().replace(' ', "_"));
+                let ptx = k.compile(Dtype::Bf16, d, TmaRank::Three);
+                kernels.push(if launched_f.contains(&k) {
+                    Variant::used(name, ptx)
+                } else {
+                    Variant::candidate(name, ptx)
+                });
+            }
+            let mut seen = Vec::new();
+            for ks in hopper_shapes::backward(d) {
+                let launched = launched_b.contains(&ks);
+                for k in ks.kernels() {
+                    if seen.contains(&(k, launched)) {
+                        continue;
+                    }
+                    seen.push((k, launched));
+                    let name = format!("backward_d{d}_{}", k.name().replace(' ', "_"));
+                    let ptx = k.compile(Dtype::Bf16, d, TmaRank::Three);
+                    kernels.push(if launched {
+                        Variant::used(name, ptx)
+                    } else {
+                        Variant::candidate(name, ptx)
+                    });
+                }
+            }
+        }
+        kernels
+    })
+}
