@@ -15,11 +15,9 @@ static_assert(THREADS == 128 * WGS + 128, "WGS consumer warpgroups and a produce
 static_assert(MIN_BLOCKS == 1, "the producer's registers go to this block's consumers alone");
 static_assert(WGS >= 2, "turns take two or more warpgroups");
 
-// When the output takes the last softmax's correction. At head dim 64 (32 accumulators a
-// thread) it is rescaled while the next block's scores are on the tensor cores, just before
-// P·v is issued (FlashAttention-3's order); at head dim 128 (64 accumulators) that holds P·v
-// back longer than it saves, and the output is rescaled after P·v, while the tensor cores run
-// the other warpgroup's products (the lab's notes have both measured).
+// When the output takes the last softmax's correction. At head dim 64 it is rescaled while
+// the next block's scores are on the tensor cores, just before P·v is issued (FlashAttention-3's
+// order); at head dim 128 after P·v, which measured faster there (the lab's notes have both).
 #define RESCALE_EARLY (HEAD_DIM == 64)
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
