@@ -44,8 +44,12 @@ pub mod train; // [step 05]
 /// charts of earlier chapters stay as those chapters measured them. A file belongs to the
 /// first set its name starts with, so a longer name comes before its prefix.
 pub const SETS: &[&str] = &[
-    "hopper-d128", // [step 06]
-    "hopper",      // [step 06]
+    // [step 06]
+    "hopper-ladder-d128",
+    "hopper-ladder",
+    "hopper-d128",
+    "hopper",
+    // [/step 06]
 ];
 
 /// Every chart and table of `dir/data/*.json`, as `(file name, text)`: the main set's from the
@@ -254,6 +258,24 @@ const STYLES: &[Style] = &[
         same_memory_as: Some("cuda_flash"),
         ..ours("cuda_hopper", "Hopper kernel: wgmma and TMA", "Hopper", 6, RGBColor(0x08, 0x30, 0x6b), Marker::Cross)
     },
+    // the Hopper ladder, each rung in the same memory as the kernel that runs
+    Style {
+        same_memory_as: Some("cuda_hopper"),
+        ..ours("hopper_wgmma", "Hopper rung 1: TMA and wgmma", "wgmma", 6, RGBColor(0xa6, 0xbd, 0xdb), Marker::Triangle)
+    },
+    Style {
+        same_memory_as: Some("cuda_hopper"),
+        ..ours("hopper_producer_warpgroup", "Hopper rung 2: registers handed over", "setmaxnreg", 6, RGBColor(0x74, 0xa9, 0xcf), Marker::Diamond)
+    },
+    Style {
+        same_memory_as: Some("cuda_hopper"),
+        ..ours("hopper_turns", "Hopper rung 3: turns at the tensor cores", "turns", 6, RGBColor(0x36, 0x90, 0xc0), Marker::TriangleDown)
+    },
+    Style {
+        same_memory_as: Some("cuda_hopper"),
+        ..ours("hopper_overlap", "Hopper rung 4: the softmax beside the products", "overlap", 6, RGBColor(0x05, 0x70, 0xb0), Marker::Square)
+    },
+    ours("hopper_two_passes", "Hopper backward rung 1: two passes", "two passes", 6, RGBColor(0x04, 0x5a, 0x8d), Marker::Circle),
     // [/step 06]
     // [step 02]
     peer("pytorch_by_hand", "", "PyTorch by hand", "PyTorch by hand", RGBColor(0x52, 0x52, 0x52), Marker::Circle),
@@ -283,6 +305,11 @@ const VERSUS: &[(&str, &str)] = &[
     // [step 06]
     ("cuda_hopper", "pytorch_sdpa_flash"),
     ("cuda_hopper", "pytorch_sdpa_cudnn"),
+    ("hopper_wgmma", "pytorch_sdpa_cudnn"),
+    ("hopper_producer_warpgroup", "pytorch_sdpa_cudnn"),
+    ("hopper_turns", "pytorch_sdpa_cudnn"),
+    ("hopper_overlap", "pytorch_sdpa_cudnn"),
+    ("hopper_two_passes", "pytorch_sdpa_cudnn"),
     // [/step 06]
 ];
 
@@ -454,9 +481,14 @@ fn method_order<'a>(rows: &[&'a Row]) -> Vec<&'a str> {
             methods.push((&r.method, r.device_kind));
         }
     }
+    // ours first, by step, then in the order of STYLES (a ladder's rungs in turn)
     methods.sort_by_key(|&(m, d)| {
         let l = look(m, d);
-        (!l.ours, l.rank, m)
+        let listed = STYLES
+            .iter()
+            .position(|s| s.name == m)
+            .unwrap_or(usize::MAX);
+        (!l.ours, l.rank, listed, m)
     });
     methods.into_iter().map(|(m, _)| m).collect()
 }
