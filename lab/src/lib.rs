@@ -6,3 +6,15 @@
 //! tried and what it measured (`notes/`), and the raw logs of those runs (`logs/`). No stage
 //! holds it and no chapter teaches from it; CI builds it and runs its kernel checks, so it
 //! cannot rot.
+//!
+//! ## Layout
+//!
+//! - [`forward_shapes`]: the tile shapes compared with the default of step 03's forward
+//!   kernel, default first.
+//! - `src/bin/forward-tune.rs`: on a GPU, times every shape of a head dim after checking that
+//!   they all compute the same.
+//! - `src/bin/lab-kernel-check.rs`: every shape through NVRTC and ptxas, no GPU needed (CI).
+//! - `tests/gpu.rs`: every shape against the `f64` reference, ignored without a GPU.
+//! - `notes/`: what did not pay, a table a step, with the numbers from `logs/`.
+
+pub mod forward_shapes;

@@ -1,5 +1,5 @@
 //! What the command-line tools share: parsers for their flags' values (the flags themselves are
-//! each tool's clap `Parser`), and the start of the GPU timing tools (`forward-tune` here,
+//! each tool's clap `Parser`), and the start of the GPU timing tools (the lab's `forward-tune`,
 //! `backward-tune` in step 04).
 
 use std::process::ExitCode;
