@@ -9,12 +9,17 @@
 //!
 //! ## Layout
 //!
-//! - [`forward_shapes`]: the tile shapes compared with the default of step 03's forward
-//!   kernel, default first.
-//! - `src/bin/forward-tune.rs`: on a GPU, times every shape of a head dim after checking that
-//!   they all compute the same.
+//! - [`forward_shapes`], [`backward_shapes`]: the tile shapes compared with the defaults of
+//!   step 03's forward kernel and step 04's backward kernels, default first.
+//! - [`tool`]: what the timing tools share (the GPU, inputs, a median of timed calls).
+//! - `src/bin/forward-tune.rs`, `src/bin/backward-tune.rs`: on a GPU, time every shape of a
+//!   head dim after checking that they all compute the same (`backward-tune --split` times
+//!   each backward kernel on its own).
 //! - `src/bin/lab-kernel-check.rs`: every shape through NVRTC and ptxas, no GPU needed (CI).
-//! - `tests/gpu.rs`: every shape against the `f64` reference, ignored without a GPU.
+//! - `tests/gpu.rs`: every shape against the `f64` reference (forward) or the default
+//!   (backward), ignored without a GPU.
 //! - `notes/`: what did not pay, a table a step, with the numbers from `logs/`.
 
+pub mod backward_shapes;
 pub mod forward_shapes;
+pub mod tool;

@@ -1,16 +1,17 @@
 //! Every tile shape the lab's tools may time, on a GPU: each forward shape against the f64
 //! reference with FlashAttention's rule (at most twice the error of attention by hand in the
-//! same precision). Ignored where there is no GPU (`cargo test -p flash-lab --
-//! --include-ignored` runs them on one).
+//! same precision), each backward shape against the default's gradients. Ignored where there
+//! is no GPU (`cargo test -p flash-lab -- --include-ignored` runs them on one).
 
 use flash_core::Shape;
-use flash_core::inputs::random_qkv;
+use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::reference::{attention_f64, error};
-use flash_lab::forward_shapes;
+use flash_lab::{backward_shapes, forward_shapes};
 use ndarray::Array4;
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step03_cuda_forward::kernel::HEAD_DIMS;
 use step03_cuda_forward::{Dtype, Gpu};
+use step04_backward::cuda::backward_with;
 
 /// A margin for the case where both errors are (nearly) zero.
 const MARGIN: f64 = 1e-5;
@@ -54,6 +55,43 @@ fn every_forward_shape_matches_the_reference() {
                     );
                     assert!(lse.max_abs < KERNEL_LSE, "{what}: lse {lse}");
                 }
+            }
+        }
+    }
+}
+
+/// Every backward shape of every head dim gives the default's gradients, within a few bf16
+/// roundings (other tile sizes sum in another order).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_backward_shape_gives_the_same_gradients() {
+    let gpu = Gpu::new().expect("a GPU");
+    // partial blocks of every size the shapes use (64, 128), two heads, every head dim
+    for head_dim in HEAD_DIMS {
+        let shape = Shape::new(1, 2, 333, head_dim);
+        let [q, k, v] = random_qkv(shape, 7);
+        let dout = random_normal(shape, 8);
+        let up = |x: &Array4<f32>| gpu.upload(x.view(), Dtype::Bf16).unwrap();
+        let (q, k, v, dout) = (up(&q), up(&k), up(&v), up(&dout));
+        let fwd = gpu.forward(&q, &k, &v).unwrap();
+        let grads = |config| {
+            let g = backward_with(&gpu, config, &q, &k, &v, &fwd, &dout)
+                .unwrap_or_else(|e| panic!("{config:?}: {e}"));
+            [g.dq, g.dk, g.dv].map(|t| gpu.download(&t).unwrap())
+        };
+        let configs = backward_shapes::candidates(head_dim);
+        let base = grads(configs[0]);
+        for &config in &configs[1..] {
+            for (name, (a, b)) in ["dq", "dk", "dv"]
+                .iter()
+                .zip(base.iter().zip(grads(config)))
+            {
+                let diff = (a - &b).fold(0.0f32, |m, x| m.max(x.abs()));
+                let size = a.fold(0.0f32, |m, x| m.max(x.abs()));
+                assert!(
+                    diff <= 0.02 * size,
+                    "head dim {head_dim}, {config:?}: {name} differs from the default's by {diff:.3e} (largest {size:.3e})"
+                );
             }
         }
     }

@@ -1,4 +1,4 @@
-//! Compiles every tile shape the lab's tools time (`forward_shapes`) with
+//! Compiles every tile shape the lab's tools time (`forward_shapes`, `backward_shapes`) with
 //! NVRTC for `sm_90` and assembles it with `ptxas -v`, printing registers, shared memory and
 //! spills, so that the lab's candidates cannot rot. Exits non-zero on a failed compile or
 //! assembly, or on a spill in a default (the library's own checks compile those too); a
@@ -11,12 +11,14 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use flash_lab::forward_shapes;
+use flash_lab::{backward_shapes, forward_shapes};
 use step03_cuda_forward::kernel::{HEAD_DIMS, compile_forward};
 use step03_cuda_forward::ptxas::{self, Variant};
 use step03_cuda_forward::{Dtype, ForwardConfig};
+use step04_backward::cuda::{BackwardConfig, compile_backward};
 
-/// Compiles every tile shape of the lab's forward candidates (bf16 and f16, every head dim) with NVRTC and assembles it with `ptxas -v`, printing registers, shared memory
+/// Compiles every tile shape of the lab's forward and backward candidates (bf16 and f16, every
+/// head dim) with NVRTC and assembles it with `ptxas -v`, printing registers, shared memory
 /// and spills per kernel.
 ///
 /// Exits non-zero on a failed compile or assembly, or on a spill in a default shape (a
@@ -49,6 +51,16 @@ fn main() -> ExitCode {
                     let ptx = compile_forward(dtype, head_dim, kernel, arch);
                     let label = kernel.label().replace(' ', "_");
                     kernels.push(if kernel == ForwardConfig::for_head_dim(head_dim) {
+                        Variant::used(format!("{name}_{label}"), ptx)
+                    } else {
+                        Variant::candidate(format!("{name}_{label}"), ptx)
+                    });
+                }
+                let name = format!("flash_backward_{}_d{head_dim}", dtype.name());
+                for config in backward_shapes::candidates(head_dim) {
+                    let ptx = compile_backward(dtype, head_dim, config, arch);
+                    let label = config.label().replace([' ', '/'], "_");
+                    kernels.push(if config == BackwardConfig::for_head_dim(head_dim) {
                         Variant::used(format!("{name}_{label}"), ptx)
                     } else {
                         Variant::candidate(format!("{name}_{label}"), ptx)
