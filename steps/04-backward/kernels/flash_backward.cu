@@ -241,9 +241,7 @@ __device__ __forceinline__ void dkdv_block(
 
     const long long head = (long long)bh * T * HEAD_DIM;
     q += head; k += head; v += head; dout += head; dk += head; dv += head;
-#if ACCUMULATE // [step 07]
-    dk += head; dv += head;  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
-#endif // [step 07]
+    if constexpr (ACCUMULATE) { dk += head; dv += head; }  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
     lse += (long long)bh * T;
     delta += (long long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -364,9 +362,7 @@ __device__ __forceinline__ void dq_block(
 
     const long long head = (long long)bh * T * HEAD_DIM;
     q += head; k += head; v += head; dout += head; dq += head;
-#if ACCUMULATE // [step 07]
-    dq += head;  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
-#endif // [step 07]
+    if constexpr (ACCUMULATE) dq += head;  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
     lse += (long long)bh * T;
     delta += (long long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
