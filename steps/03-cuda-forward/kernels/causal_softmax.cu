@@ -1,27 +1,26 @@
 // The softmax of attention by hand on the GPU: one warp per row of the [B*H*T, T] table of
 // scaled scores, in place. Row i of a head may see keys 0..i: the rest become exact zeros.
-// Each row's natural log-sum-exp is stored too. Values are 16-bit (IS_BF16: bf16, else f16);
+// Each row's natural log-sum-exp is stored too. Values are 16-bit (IS_BF16, a -D option: 1 for bf16, 0 for f16);
 // the arithmetic is f32.
 
 typedef unsigned short u16;
 
 __device__ __forceinline__ float to_f32(u16 x) {
-#if IS_BF16
-    return __uint_as_float((unsigned int)x << 16);
-#else
-    float f;
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
-    return f;
-#endif
+    if constexpr (IS_BF16) {
+        return __uint_as_float((unsigned int)x << 16);
+    } else {
+        float f;
+        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+        return f;
+    }
 }
 
 __device__ __forceinline__ u16 from_f32(float x) {
     u16 h;
-#if IS_BF16
-    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
-#else
-    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
-#endif
+    if constexpr (IS_BF16)
+        asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+    else
+        asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
     return h;
 }
 

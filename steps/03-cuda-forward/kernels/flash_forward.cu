@@ -6,58 +6,37 @@
 // maximum m, the running sum l and the running output o in registers: the online softmax of
 // chapter 2, with the products on the tensor cores. Nothing of size T x T is ever stored.
 //
-// Compile-time parameters, given to NVRTC as -D options by src/kernel.rs:
-//   HEAD_DIM  32, 64 or 128
-//   IS_BF16   1 for bf16 inputs and output, 0 for f16
-//   WARPS       warps per block (default 4)
-//   M_TILES     16-row tiles of queries per warp (default 2: BLOCK_M = 4 x 32 = 128)
-//   BLOCK_N     keys per step (default 128)
-//   SUB_N       keys per step of the products and the softmax within a block of BLOCK_N (default
-//               BLOCK_N): fewer scores in registers at once, with the copies and barriers of
-//               BLOCK_N keys
-//   LAZY_RESCALE  1: skip rescaling o when no row of the warp found a new maximum (default 0:
-//                 the vote costs more than the multiplies it saves, measured by forward-tune)
-//   MIN_BLOCKS  blocks per multiprocessor the register budget must allow (default 1)
-//   HOLD_Q      1: read each warp's q fragments from shared memory once, before the loop, and
-//               keep them in registers (HEAD_DIM/4 · M_TILES of them); 0 (default): read them
-//               again, 16 head dims at a time, for every block of keys
-//   XOR_OFFSETS 1: one ldmatrix offset register per lane and operand, stepped with an XOR
-//               (xor_step in tensor_cores.cuh); 0 (default): one register per 16 columns
+// Compile-time parameters, every one given to NVRTC as a -D option by src/kernel.rs's
+// ForwardKernel (a missing one is a compile error; the file holds no defaults):
+//   HEAD_DIM     32, 64 or 128
+//   IS_BF16      1 for bf16 inputs and output, 0 for f16
+//   WARPS        warps per block
+//   M_TILES      16-row tiles of queries per warp (BLOCK_M = WARPS x M_TILES x 16)
+//   BLOCK_N      keys per block, copied into shared memory together
+//   SUB_N        keys per step of the products and the softmax within a block (BLOCK_N, or a
+//                divisor of it: fewer scores in registers at once)
+//   MIN_BLOCKS   blocks per multiprocessor the register budget must allow
+//   XOR_OFFSETS  1 at head dim 128: one ldmatrix offset register per lane and operand, stepped
+//                with an XOR (xor_step in tensor_cores.cuh); 0 below: one register per 16 columns
 // [step 07]
-//   CAUSAL      1 (default): each query sees the keys up to its own position; 0: every key below
-//               T (step 07's ring computes blocks of keys that lie wholly before their queries)
+//   CAUSAL       1: each query sees the keys up to its own position; 0: every key below T
+//                (step 07's ring computes blocks of keys that lie wholly before their queries)
 // [/step 07]
 //
 // src/kernel.rs prepends tensor_cores.cuh (the types, the swizzle and the tensor-core
 // instructions this file uses) before NVRTC compiles it.
 
-#ifndef WARPS
-#define WARPS 4
-#endif
-#ifndef M_TILES
-#define M_TILES 2
-#endif
+static_assert(WARPS >= 1 && M_TILES >= 1, "WARPS warps of M_TILES tiles of 16 query rows");
+static_assert(BLOCK_N % SUB_N == 0 && SUB_N % 16 == 0, "SUB_N keys a step, a multiple of 16 that divides BLOCK_N");
+static_assert(MIN_BLOCKS >= 1, "MIN_BLOCKS blocks a multiprocessor");
+static_assert(XOR_OFFSETS == 0 || XOR_OFFSETS == 1, "XOR_OFFSETS: 1 for one offset register per operand");
+// [step 07]
+static_assert(CAUSAL == 0 || CAUSAL == 1, "CAUSAL: 1 for the causal mask, 0 for every key below T");
+// [/step 07]
 // query rows per warp: M_TILES tiles of 16
 #define WARP_ROWS (M_TILES * 16)
 #define BLOCK_M (WARPS * WARP_ROWS)
-#ifndef BLOCK_N
-#define BLOCK_N 128
-#endif
-#ifndef SUB_N
-#define SUB_N BLOCK_N
-#endif
-#ifndef LAZY_RESCALE
-#define LAZY_RESCALE 0
-#endif
-#ifndef HOLD_Q
-#define HOLD_Q 0
-#endif
 #define THREADS (WARPS * 32)
-// [step 07]
-#ifndef CAUSAL
-#define CAUSAL 1
-#endif
-// [/step 07]
 
 // ROWS rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are 0
 // (load_rows in tensor_cores.cuh)
@@ -66,9 +45,36 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* src, int row0, i
     load_rows<ROWS, THREADS>(tile, src, row0, T);
 }
 
-#ifndef MIN_BLOCKS
-#define MIN_BLOCKS 1
-#endif
+// ANCHOR: offsets
+// A lane's ldmatrix addresses of the A fragments of 16 rows of a tile, rows row0 + lane % 16,
+// chunk 2kk + lane / 16 for the columns 16kk..16kk+15: one register for each 16 columns
+struct AAddresses {
+    u32 at_[HEAD_DIM / 16];
+    __device__ __forceinline__ AAddresses(const u16* tile, int row0, int lane) {
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) at_[kk] = smem_addr(tile + swizzled(row0 + (lane & 15), 2 * kk + (lane >> 4)));
+    }
+    __device__ __forceinline__ u32 operator()(int kk) const { return at_[kk]; }
+};
+// The same with one offset, stepped by xor_step, and the tile's address
+struct XorAAddresses {
+    u32 off_, tile_;
+    __device__ __forceinline__ XorAAddresses(const u16* tile, int row0, int lane)
+        : off_(2 * swizzled(row0 + (lane & 15), lane >> 4)), tile_(smem_addr(tile)) {}
+    __device__ __forceinline__ u32 operator()(int kk) const { return tile_ + xor_step(off_, kk); }
+};
+// The addresses and offsets a lane holds: one register for each 16 columns, or, with
+// XOR_OFFSETS (head dim 128, where the output alone takes 128 registers a thread), one for
+// each operand
+template <bool XOR> struct Offsets {
+    typedef AAddresses A;
+    typedef BOffsets B;
+};
+template <> struct Offsets<true> {
+    typedef XorAAddresses A;
+    typedef XorBOffsets B;
+};
+// ANCHOR_END: offsets
 
 // ANCHOR: kernel_signature
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
@@ -133,19 +139,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     // ANCHOR: fragment_addresses
     // Each lane's ldmatrix addresses, in bytes, computed once: for q's A fragments
     //   row warp·WARP_ROWS + lane % 16, chunk 2kk + lane / 16           (+ 16 rows per m-tile)
-    // and for the B fragments of k and v the offsets of BOffsets (tensor_cores.cuh).
-#if XOR_OFFSETS
-    // one offset, stepped by xor_step
-    const u32 q_off = 2 * swizzled(warp * WARP_ROWS + (lane & 15), lane >> 4), sq_addr = smem_addr(sq);
-#define Q_FRAG(kk) (sq_addr + xor_step(q_off, kk))
-#else
-    u32 q_frag[HEAD_DIM / 16];
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-        q_frag[kk] = smem_addr(sq + swizzled(warp * WARP_ROWS + (lane & 15), 2 * kk + (lane >> 4)));
-#define Q_FRAG(kk) q_frag[kk]
-#endif
-    const BOffsets off(lane);
+    // and for the B fragments of k and v the offsets of BOffsets or XorBOffsets (tensor_cores.cuh).
+    const Offsets<XOR_OFFSETS>::A q_at(sq, warp * WARP_ROWS, lane);
+    const Offsets<XOR_OFFSETS>::B off(lane);
     const u32 sk_addr = smem_addr(sk), sv_addr = smem_addr(sv);
     // ANCHOR_END: fragment_addresses
 
@@ -165,19 +161,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
         for (int n = 0; n < HEAD_DIM / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
     }
     // ANCHOR_END: running_state
-
-#if HOLD_Q
-    // q's A fragments, read once for the whole loop as soon as q has landed (the first block of
-    // keys and values may still be in flight)
-    u32 q_held[M_TILES][HEAD_DIM / 16][4];
-    cp_async_wait<1>();
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-            ldmatrix_x4(Q_FRAG(kk) + mt * (16 * HEAD_DIM * 2), q_held[mt][kk][0], q_held[mt][kk][1], q_held[mt][kk][2], q_held[mt][kk][3]);
-#endif
 
     // ANCHOR: main_loop
     for (int j = 0; j < n_blocks; ++j) {
@@ -211,8 +194,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
             // which is exactly the column-major B operand, so plain ldmatrix gives its
             // fragments, and each one serves all M_TILES row tiles. q's A fragments are read
             // again for each step, 16 head dims at a time, rather than held across the loop:
-            // registers go to the output and the scores (HOLD_Q holds them where registers are
-            // left over).
+            // registers go to the output and the scores.
             float s[M_TILES][SUB_N / 8][4];
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
@@ -223,12 +205,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
                 u32 qf[M_TILES][4];
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
-#if HOLD_Q
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) qf[mt][i] = q_held[mt][kk][i];
-#else
-                    ldmatrix_x4(Q_FRAG(kk) + mt * (16 * HEAD_DIM * 2), qf[mt][0], qf[mt][1], qf[mt][2], qf[mt][3]);
-#endif
+                    ldmatrix_x4(q_at(kk) + mt * (16 * HEAD_DIM * 2), qf[mt][0], qf[mt][1], qf[mt][2], qf[mt][3]);
 #pragma unroll
                 for (int n = 0; n < SUB_N / 8; n += 2) {
                     // keys 8n..8n+15, columns 16kk..16kk+15: the B fragments of two n-tiles
@@ -285,15 +262,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
                     float correction = fast_exp2(m[mt][h] * scale_log2 - m_scaled);
                     m[mt][h] = mx;
                     l[mt][h] *= correction;
-                    // once a row's maximum settles, the correction is exactly 1 and rescaling
-                    // o changes nothing: skip the 2·HEAD_DIM/8 multiplies when that holds for
-                    // the whole warp (the test is warp-uniform, so no thread diverges)
-                    if (!LAZY_RESCALE || __any_sync(0xffffffff, correction != 1.f)) {
 #pragma unroll
-                        for (int n = 0; n < HEAD_DIM / 8; ++n) {
-                            o[mt][n][2 * h] *= correction;
-                            o[mt][n][2 * h + 1] *= correction;
-                        }
+                    for (int n = 0; n < HEAD_DIM / 8; ++n) {
+                        o[mt][n][2 * h] *= correction;
+                        o[mt][n][2 * h + 1] *= correction;
                     }
                     // p = 2^(s·scale_log2 - m·scale_log2) = e^((s - m)/sqrt(d)): one FMA and one ex2
 #pragma unroll

@@ -7,7 +7,7 @@
 // key at the same moment, which the hardware serves as one broadcast read). No shared memory, no
 // tensor cores: this is the baseline every later rung is measured against.
 //
-// Compile-time parameters, given to NVRTC as -D options by src/ladder.rs:
+// Compile-time parameters, every one given to NVRTC as a -D option by src/ladder.rs:
 //   HEAD_DIM  32 or 64 (a row of q and one of o, in f32, take 2·HEAD_DIM registers a thread:
 //             at 128 that is more than the 255 a thread can have)
 //   IS_BF16   1 for bf16 inputs and output, 0 for f16
@@ -16,9 +16,6 @@
 // src/kernel.rs prepends tensor_cores.cuh (the 16-bit conversions and ex2) before NVRTC
 // compiles it.
 
-#ifndef BLOCK_M
-#define BLOCK_M 128
-#endif
 #define LN2 0.6931471805599453f
 
 // ANCHOR: rows_kernel

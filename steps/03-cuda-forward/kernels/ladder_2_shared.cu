@@ -7,7 +7,7 @@
 // memory once per block of BLOCK_M rows instead of once per warp of 32, and the copy is
 // coalesced: consecutive threads read consecutive 16-byte pieces of a row.
 //
-// Compile-time parameters, given to NVRTC as -D options by src/ladder.rs:
+// Compile-time parameters, every one given to NVRTC as a -D option by src/ladder.rs:
 //   HEAD_DIM  32 or 64 (as rung 1: a row of q and one of o live in one thread's registers)
 //   IS_BF16   1 for bf16 inputs and output, 0 for f16
 //   BLOCK_M   threads (= query rows) per thread block
@@ -16,12 +16,6 @@
 // src/kernel.rs prepends tensor_cores.cuh (the 16-bit conversions and ex2) before NVRTC
 // compiles it.
 
-#ifndef BLOCK_M
-#define BLOCK_M 128
-#endif
-#ifndef BLOCK_N
-#define BLOCK_N 64
-#endif
 #define LN2 0.6931471805599453f
 // 16-byte pieces (8 values) per row of keys or values
 #define PIECES (HEAD_DIM / 8)

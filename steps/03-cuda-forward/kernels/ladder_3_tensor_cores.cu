@@ -9,8 +9,8 @@
 // cores idle while the copies are in flight. And blocks run in grid order, each head's shortest
 // query block first.
 //
-// Compile-time parameters, given to NVRTC as -D options by src/ladder.rs (the values of
-// ForwardConfig::for_head_dim, the final kernel's tile):
+// Compile-time parameters, every one given to NVRTC as a -D option by src/ladder.rs (the
+// values of ForwardConfig::for_head_dim, the final kernel's tile):
 //   HEAD_DIM  32, 64 or 128
 //   IS_BF16   1 for bf16 inputs and output, 0 for f16
 //   WARPS     warps per block
@@ -20,17 +20,8 @@
 // src/kernel.rs prepends tensor_cores.cuh (the types, the swizzle and the tensor-core
 // instructions this file uses) before NVRTC compiles it.
 
-#ifndef WARPS
-#define WARPS 4
-#endif
-#ifndef M_TILES
-#define M_TILES 2
-#endif
 #define WARP_ROWS (M_TILES * 16)
 #define BLOCK_M (WARPS * WARP_ROWS)
-#ifndef BLOCK_N
-#define BLOCK_N 128
-#endif
 #define THREADS (WARPS * 32)
 #define LN2 0.6931471805599453f
 

@@ -3,9 +3,13 @@
 // mma.sync), as inline PTX, so that no CUDA header is needed and the code compiles wherever
 // NVRTC runs. src/kernel.rs prepends this file to each kernel's source.
 //
-// Compile-time parameters, given to NVRTC as -D options:
+// Compile-time parameters, given to NVRTC as -D options by every kernel that includes this file
+// (a missing one is a compile error):
 //   HEAD_DIM  32, 64 or 128
 //   IS_BF16   1 for bf16 values, 0 for f16
+
+static_assert(HEAD_DIM % 16 == 0, "HEAD_DIM: a multiple of 16 (32, 64 or 128)");
+static_assert(IS_BF16 == 0 || IS_BF16 == 1, "IS_BF16: 1 for bf16 values, 0 for f16");
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -38,19 +42,6 @@ __device__ __forceinline__ u32 swizzled(int row, int chunk) {
 }
 // ANCHOR_END: swizzle
 
-#ifndef XOR_OFFSETS
-#define XOR_OFFSETS 0
-#endif
-
-// ANCHOR: xor_step
-// A lane's byte offset, within a tile, of its chunk for the 16 columns 16kk..16kk+15, given its
-// offset for columns 0..15 (chunk c of its row, c = 0 or 1). Chunk 2kk + c lands at chunk
-// (2kk + c) ^ (row % SWIZZLE) = 2kk ^ (c ^ row % SWIZZLE): the step flips bits of the chunk
-// index that the row's own offset (a multiple of 2·HEAD_DIM bytes) leaves at zero, so it is
-// one XOR with a constant, and a lane needs no register per step (XOR_OFFSETS).
-__device__ __forceinline__ u32 xor_step(u32 first, int kk) { return first ^ (u32)(kk << 5); }
-// ANCHOR_END: xor_step
-
 // ANCHOR: b_offsets
 // Each lane's ldmatrix offsets, in bytes, into a tile of HEAD_DIM-wide rows, for the B operands
 // of attention's products, computed once. A tile's rows 8 apart share their swizzle (it depends
@@ -63,15 +54,6 @@ __device__ __forceinline__ u32 xor_step(u32 first, int kk) { return first ^ (u32
 //   ab(n/2):  B of a·tile, the tile's rows as k (v in p·v), transposing ldmatrix:
 //             row lane % 16, chunk n + lane / 16, for n = 0, 2, ...      (+ 16 rows per k-step)
 struct BOffsets {
-#if XOR_OFFSETS
-    // One register for each: the swizzle XORs a chunk's index with the row, so 16 columns on
-    // (two chunks, 32 bytes) is the first step's offset XOR 32·kk (see xor_step).
-    u32 abt0_, ab0_;
-    __device__ __forceinline__ BOffsets(int lane)
-        : abt0_(2 * swizzled((lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1)), ab0_(2 * swizzled(lane & 15, lane >> 4)) {}
-    __device__ __forceinline__ u32 abt(int kk) const { return xor_step(abt0_, kk); }
-    __device__ __forceinline__ u32 ab(int i) const { return xor_step(ab0_, i); }
-#else
     static constexpr int GROUP = SWIZZLE / 2;  // 16-column steps per group of swizzled chunks
     u32 abt_[GROUP], ab_[GROUP];
     __device__ __forceinline__ BOffsets(int lane) {
@@ -83,9 +65,26 @@ struct BOffsets {
     // (up to head dim 64 every kk is in the first group: the same code as indexing the arrays)
     __device__ __forceinline__ u32 abt(int kk) const { return kk < GROUP ? abt_[kk] : abt_[kk % GROUP] + kk / GROUP * (SWIZZLE * 16); }
     __device__ __forceinline__ u32 ab(int i) const { return i < GROUP ? ab_[i] : ab_[i % GROUP] + i / GROUP * (SWIZZLE * 16); }
-#endif
 };
 // ANCHOR_END: b_offsets
+
+// ANCHOR: xor_step
+// A lane's byte offset, within a tile, of its chunk for the 16 columns 16kk..16kk+15, given its
+// offset for columns 0..15 (chunk c of its row, c = 0 or 1). Chunk 2kk + c lands at chunk
+// (2kk + c) ^ (row % SWIZZLE) = 2kk ^ (c ^ row % SWIZZLE): the step flips bits of the chunk
+// index that the row's own offset (a multiple of 2·HEAD_DIM bytes) leaves at zero, so it is
+// one XOR with a constant, and a lane needs no register per step.
+__device__ __forceinline__ u32 xor_step(u32 first, int kk) { return first ^ (u32)(kk << 5); }
+
+// BOffsets with one register for each operand: the offset for columns 0..15, stepped by xor_step
+struct XorBOffsets {
+    u32 abt0_, ab0_;
+    __device__ __forceinline__ XorBOffsets(int lane)
+        : abt0_(2 * swizzled((lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1)), ab0_(2 * swizzled(lane & 15, lane >> 4)) {}
+    __device__ __forceinline__ u32 abt(int kk) const { return xor_step(abt0_, kk); }
+    __device__ __forceinline__ u32 ab(int i) const { return xor_step(ab0_, i); }
+};
+// ANCHOR_END: xor_step
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
@@ -179,13 +178,13 @@ __device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1
 
 // One 16-bit value widened to f32 (exactly): bf16 is the top half of an f32, f16 needs cvt.
 __device__ __forceinline__ float to_f32(u16 x) {
-#if IS_BF16
-    return __uint_as_float((u32)x << 16);
-#else
-    float f;
-    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
-    return f;
-#endif
+    if constexpr (IS_BF16) {
+        return __uint_as_float((u32)x << 16);
+    } else {
+        float f;
+        asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+        return f;
+    }
 }
 
 // One f32 value rounded to 16 bits (to nearest, ties to even), as raw bits.

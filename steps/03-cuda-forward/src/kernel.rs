@@ -1,5 +1,6 @@
-//! The kernel sources and how NVRTC compiles them: the one place that turns a `.cu` file and a
-//! (dtype, head dim) pair into PTX, used by the launcher and by the register and spill check.
+//! The kernel sources and how NVRTC compiles them: the one place that turns a `.cu` file and
+//! what it is compiled for (for the forward kernel a [`ForwardKernel`]: dtype, head dim and
+//! tile shape) into PTX, used by the launcher and by the register and spill check.
 
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::AttnError;
@@ -33,47 +34,41 @@ pub const CAUSAL_SOFTMAX: &str = "causal_softmax";
 /// The head dims the forward kernel is compiled for.
 pub const HEAD_DIMS: [usize; 3] = [32, 64, 128];
 
-/// The forward kernel's tile shape and register budget, set at compile time.
+/// The forward kernel's tile shape and register budget, set at compile time: the sizes that
+/// may change without changing what the kernel computes (other sizes sum in another order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ForwardConfig {
-    /// Warps per thread block.
+    /// Warps per thread block (`WARPS` in the source).
     pub warps: u32,
-    /// 16-row tiles of queries per warp: each fragment of k and v read from shared memory
-    /// serves this many tiles.
+    /// 16-row tiles of queries per warp (`M_TILES`): each fragment of k and v read from shared
+    /// memory serves this many tiles.
     pub m_tiles: u32,
-    /// Keys per step (`BLOCK_N` in the source).
+    /// Keys per block, copied into shared memory together (`BLOCK_N`).
     pub block_n: u32,
     /// Keys per step of the products and the softmax within a block of `block_n` (`SUB_N`),
     /// a multiple of 16 that divides `block_n`; 0 for all of them at once. Fewer scores in
     /// registers at a time, with the copies and barriers of `block_n` keys.
     pub sub_n: u32,
-    /// Skip rescaling the output when no row of a warp found a new maximum.
-    pub lazy_rescale: bool,
     /// Heads whose blocks are scheduled together, longest query blocks first; 0 for all heads
-    /// (measured fastest on the H200, forward-tune). Fewer keeps fewer heads' keys and values
-    /// in flight at once. A launch parameter, not a compile-time one.
+    /// (measured fastest on the H200). Fewer keeps fewer heads' keys and values in flight at
+    /// once. A launch parameter, not a compile-time one.
     pub head_group: u32,
-    /// Thread blocks per multiprocessor the register budget must allow (`__launch_bounds__`).
+    /// Thread blocks per multiprocessor the register budget must allow (`MIN_BLOCKS`, in
+    /// `__launch_bounds__`).
     pub min_blocks: u32,
-    /// Read each warp's q fragments once and hold them in registers for the whole loop, rather
-    /// than reading them from shared memory again for every block of keys.
-    pub hold_q: bool,
-    /// Hold one ldmatrix offset a lane for each operand and step it 16 columns at a time with
-    /// an XOR (`xor_step`), rather than one register for each 16 columns: up to 13 registers
-    /// fewer at head dim 128.
-    pub xor_offsets: bool,
 }
 
 impl ForwardConfig {
-    /// The tile shape measured fastest for a head dim (see `forward-tune` and the tuning log):
-    /// up to head dim 64, 4 warps of 32 rows and 128 keys a step (FlashAttention-2's tile for
-    /// this head dim). At 128 FlashAttention-2's tile, 4 warps of 32 rows and 64 keys a block:
-    /// the output alone takes 128 registers a thread, so the scores of 64 keys at once would
-    /// spill, and the block's keys go through the products and the softmax 32 at a time (run
-    /// 14: 207.0, 291.7, 308.1 and 286.2 TFLOP/s at 1k, 4k, 8k and 16k, against 182.9, 247.8,
-    /// 260.5 and 265.6 for the 8 warps of 16 rows before it), with one offset register for
-    /// each operand (`xor_offsets`, run 16: 229.5, 338.8, 358.5 and 352.0 against 226.2, 328.8,
-    /// 349.0 and 335.3).
+    /// The tile shape measured fastest for a head dim (the tuning log,
+    /// `lab/logs/03-cuda-forward/README.md`): up to head dim 64, 4 warps of 32 rows and 128
+    /// keys a step (FlashAttention-2's tile for this head dim). At 128 FlashAttention-2's
+    /// tile, 4 warps of 32 rows and 64 keys a block: the output alone takes 128 registers a
+    /// thread, so the scores of 64 keys at once would spill, and the block's keys go through
+    /// the products and the softmax 32 at a time (run 14: 207.0, 291.7, 308.1 and 286.2
+    /// TFLOP/s at 1k, 4k, 8k and 16k, against 182.9, 247.8, 260.5 and 265.6 for the 8 warps
+    /// of 16 rows before it), with one offset register for each operand (see
+    /// [`ForwardKernel::xor_offsets`]; run 16: 229.5, 338.8, 358.5 and 352.0 against 226.2,
+    /// 328.8, 349.0 and 335.3).
     pub fn for_head_dim(head_dim: usize) -> Self {
         if head_dim <= 64 {
             ForwardConfig {
@@ -81,11 +76,8 @@ impl ForwardConfig {
                 m_tiles: 2,
                 block_n: 128,
                 sub_n: 0,
-                lazy_rescale: false,
                 head_group: 0,
                 min_blocks: 1,
-                hold_q: false,
-                xor_offsets: false,
             }
         } else {
             ForwardConfig {
@@ -93,197 +85,13 @@ impl ForwardConfig {
                 m_tiles: 2,
                 block_n: 64,
                 sub_n: 32,
-                lazy_rescale: false,
                 head_group: 0,
                 min_blocks: 1,
-                hold_q: false,
-                xor_offsets: true,
             }
         }
     }
 
-    /// The default for a head dim and the tile shapes `forward-tune` compares it with, the
-    /// default first. `kernel-check` compiles every one (a spill fails it only in a default).
-    pub fn candidates(head_dim: usize) -> Vec<ForwardConfig> {
-        let base = ForwardConfig::for_head_dim(head_dim);
-        if head_dim <= 64 {
-            vec![
-                base,
-                ForwardConfig {
-                    head_group: 1,
-                    ..base
-                },
-                ForwardConfig {
-                    head_group: 16,
-                    ..base
-                },
-                ForwardConfig {
-                    block_n: 64,
-                    ..base
-                },
-                ForwardConfig { warps: 8, ..base },
-                // one offset register per operand (xor_step)
-                ForwardConfig {
-                    xor_offsets: true,
-                    ..base
-                },
-            ]
-        } else {
-            let xor = base;
-            // the shapes measured before xor_offsets, without it and with every key of a block
-            // at once unless said otherwise
-            let base = ForwardConfig {
-                xor_offsets: false,
-                ..xor
-            };
-            let w8 = ForwardConfig {
-                warps: 8,
-                m_tiles: 1,
-                sub_n: 0,
-                ..base
-            };
-            let w4 = ForwardConfig {
-                warps: 4,
-                m_tiles: 2,
-                sub_n: 0,
-                ..base
-            };
-            let mut all = vec![xor, base];
-            for c in [
-                // the default before run 14
-                ForwardConfig { block_n: 64, ..w8 },
-                ForwardConfig { block_n: 128, ..w8 },
-                ForwardConfig {
-                    block_n: 64,
-                    hold_q: true,
-                    ..w8
-                },
-                ForwardConfig {
-                    block_n: 128,
-                    hold_q: true,
-                    ..w8
-                },
-                ForwardConfig {
-                    block_n: 64,
-                    lazy_rescale: true,
-                    ..w8
-                },
-                // FlashAttention-2's 128 x 64 tile: 32 rows a warp, the output alone 128
-                // registers a thread, so the scores of 64 keys at once spill; 32 or 16 at a time
-                // do not
-                ForwardConfig { block_n: 32, ..w4 },
-                ForwardConfig {
-                    block_n: 64,
-                    sub_n: 32,
-                    ..w4
-                },
-                ForwardConfig {
-                    block_n: 64,
-                    sub_n: 16,
-                    ..w4
-                },
-                ForwardConfig {
-                    block_n: 64,
-                    sub_n: 16,
-                    lazy_rescale: true,
-                    ..w4
-                },
-                // 64 x 64 tiles, two blocks a multiprocessor (FlashAttention-2's causal tile on
-                // sm86 and sm89)
-                ForwardConfig {
-                    warps: 4,
-                    m_tiles: 1,
-                    block_n: 64,
-                    min_blocks: 2,
-                    ..w4
-                },
-                // at head dim 128 a head's keys and values are 8 MB at 16k tokens: fewer heads
-                // scheduled together keep fewer of them in flight, for L2's 60 MB
-                ForwardConfig {
-                    head_group: 4,
-                    ..base
-                },
-                ForwardConfig {
-                    head_group: 12,
-                    ..base
-                },
-                ForwardConfig {
-                    block_n: 128,
-                    hold_q: true,
-                    head_group: 4,
-                    ..w8
-                },
-                ForwardConfig {
-                    block_n: 128,
-                    hold_q: true,
-                    head_group: 12,
-                    ..w8
-                },
-                // the default's tile with all 64 keys at once (FlashAttention-2's loop: one
-                // rescale of the output a block, whatever ptxas spills), lazily rescaled, and
-                // in other head groups
-                ForwardConfig { block_n: 64, ..w4 },
-                ForwardConfig {
-                    lazy_rescale: true,
-                    ..base
-                },
-                ForwardConfig {
-                    head_group: 8,
-                    ..base
-                },
-                ForwardConfig {
-                    head_group: 2,
-                    ..base
-                },
-                ForwardConfig {
-                    block_n: 64,
-                    head_group: 2,
-                    ..w4
-                },
-                ForwardConfig {
-                    block_n: 64,
-                    head_group: 8,
-                    ..w4
-                },
-                ForwardConfig {
-                    block_n: 64,
-                    head_group: 12,
-                    ..w4
-                },
-                // one offset register per operand (xor_step): 13 registers fewer, so all 64
-                // keys at once spill 12 bytes (the loop's bound and the head's offset, outside
-                // the products) where they spilled 60
-                ForwardConfig {
-                    block_n: 64,
-                    xor_offsets: true,
-                    ..w4
-                },
-                ForwardConfig {
-                    block_n: 64,
-                    head_group: 2,
-                    xor_offsets: true,
-                    ..w4
-                },
-                ForwardConfig {
-                    block_n: 64,
-                    head_group: 8,
-                    xor_offsets: true,
-                    ..w4
-                },
-                ForwardConfig {
-                    head_group: 8,
-                    ..xor
-                },
-            ] {
-                if !all.contains(&c) {
-                    all.push(c);
-                }
-            }
-            all
-        }
-    }
-
-    /// A short name for tables: `w<warps>x<m-tiles> n<keys per step>` and what is set.
+    /// A short name for tables: `w<warps>x<m-tiles> n<keys per block>` and what else is set.
     pub fn label(&self) -> String {
         let mut s = format!("w{}x{} n{}", self.warps, self.m_tiles, self.block_n);
         if self.sub_n != 0 && self.sub_n != self.block_n {
@@ -294,15 +102,6 @@ impl ForwardConfig {
         }
         if self.min_blocks != 1 {
             s += &format!(" b{}", self.min_blocks);
-        }
-        if self.lazy_rescale {
-            s += " lazy";
-        }
-        if self.hold_q {
-            s += " holdq";
-        }
-        if self.xor_offsets {
-            s += " xor";
         }
         s
     }
@@ -373,57 +172,104 @@ impl ForwardConfig {
     }
 }
 
+/// One build of the forward kernel: everything its `-D` options say. It alone turns a dtype, a
+/// head dim and a tile shape into those options ([`ForwardKernel::options`]), a module name and
+/// the checks they must pass; `kernels/flash_forward.cu` holds no defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ForwardKernel {
+    pub dtype: Dtype,
+    pub head_dim: usize,
+    pub config: ForwardConfig,
+    // [step 07]
+    /// Each query sees the keys up to its own position (`CAUSAL`); without the mask, every key.
+    pub causal: bool,
+    // [/step 07]
+}
+
+impl ForwardKernel {
+    /// The causal kernel for a dtype, head dim and tile shape.
+    pub fn new(dtype: Dtype, head_dim: usize, config: ForwardConfig) -> Self {
+        ForwardKernel {
+            dtype,
+            head_dim,
+            config,
+            causal: true, // [step 07]
+        }
+    }
+
+    /// One ldmatrix offset register a lane for each operand, stepped 16 columns at a time with
+    /// an XOR (`XOR_OFFSETS`, `xor_step` in `tensor_cores.cuh`), rather than one register for
+    /// each 16 columns: at head dim 128, where the output alone takes 128 registers a thread,
+    /// it frees 13 of them (the tuning log's runs 15 and 16). Below 128 a register a step costs
+    /// nothing and was faster at 16k tokens (363.9 TFLOP/s against 355.1 at head dim 64).
+    pub fn xor_offsets(&self) -> bool {
+        self.head_dim >= 128
+    }
+
+    /// Whether this build can be compiled, or what is wrong with it.
+    pub fn check(&self) -> Result<(), AttnError> {
+        if !HEAD_DIMS.contains(&self.head_dim) {
+            return Err(unsupported_head_dim(self.head_dim));
+        }
+        self.config.check()
+    }
+
+    /// The module's name: the kernel, the dtype, the head dim and the tile shape.
+    pub fn name(&self) -> String {
+        let (dtype, head_dim) = (self.dtype.name(), self.head_dim);
+        let tile = self.config.label().replace(' ', "_");
+        // [step 07]
+        if !self.causal {
+            return format!("{FLASH_FORWARD}_full_{dtype}_d{head_dim}_{tile}.cu");
+        }
+        // [/step 07]
+        format!("{FLASH_FORWARD}_{dtype}_d{head_dim}_{tile}.cu")
+    }
+
+    /// The `-D` options that specialise `kernels/flash_forward.cu`, one for each of its
+    /// parameters.
+    pub fn options(&self, arch: &'static str) -> CompileOptions {
+        let c = self.config;
+        CompileOptions {
+            arch: Some(arch),
+            options: vec![
+                format!("-DHEAD_DIM={}", self.head_dim),
+                format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
+                format!("-DWARPS={}", c.warps),
+                format!("-DM_TILES={}", c.m_tiles),
+                format!("-DBLOCK_N={}", c.block_n),
+                format!("-DSUB_N={}", c.keys_per_step()),
+                format!("-DMIN_BLOCKS={}", c.min_blocks),
+                format!("-DXOR_OFFSETS={}", self.xor_offsets() as u8),
+                format!("-DCAUSAL={}", self.causal as u8), // [step 07]
+                "--std=c++17".into(),
+            ],
+            name: Some(self.name()),
+            ..Default::default()
+        }
+    }
+
+    /// Compiles the kernel for `arch` (`sm_90` on an H100 or H200).
+    pub fn compile(&self, arch: &'static str) -> Result<Ptx, AttnError> {
+        self.check()?;
+        compile_ptx_with_opts(FLASH_FORWARD_CU, self.options(arch))
+            .map_err(|e| compile_error(&self.name(), e))
+    }
+}
+
 // ANCHOR: compile
-/// Compiles the forward kernel for one dtype and head dim. The architecture is the device's
-/// (`sm_90` on an H100 or H200); `-D` options specialise the source.
+/// Compiles the forward kernel for one dtype, head dim and tile shape. The architecture is the
+/// device's (`sm_90` on an H100 or H200); [`ForwardKernel::options`] turns the rest into the
+/// `-D` options that specialise the source.
 pub fn compile_forward(
     dtype: Dtype,
     head_dim: usize,
     config: ForwardConfig,
     arch: &'static str,
 ) -> Result<Ptx, AttnError> {
-    if !HEAD_DIMS.contains(&head_dim) {
-        return Err(unsupported_head_dim(head_dim));
-    }
-    config.check()?;
-    compile_ptx_with_opts(
-        FLASH_FORWARD_CU,
-        forward_options(dtype, head_dim, config, arch),
-    )
-    .map_err(|e| compile_error("flash_forward", e))
+    ForwardKernel::new(dtype, head_dim, config).compile(arch)
 }
 // ANCHOR_END: compile
-
-/// The `-D` options that specialise the forward kernel's source.
-fn forward_options(
-    dtype: Dtype,
-    head_dim: usize,
-    config: ForwardConfig,
-    arch: &'static str,
-) -> CompileOptions {
-    CompileOptions {
-        arch: Some(arch),
-        options: vec![
-            format!("-DHEAD_DIM={head_dim}"),
-            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
-            format!("-DWARPS={}", config.warps),
-            format!("-DM_TILES={}", config.m_tiles),
-            format!("-DBLOCK_N={}", config.block_n),
-            format!("-DSUB_N={}", config.keys_per_step()),
-            format!("-DLAZY_RESCALE={}", config.lazy_rescale as u8),
-            format!("-DMIN_BLOCKS={}", config.min_blocks),
-            format!("-DHOLD_Q={}", config.hold_q as u8),
-            format!("-DXOR_OFFSETS={}", config.xor_offsets as u8),
-            "--std=c++17".into(),
-        ],
-        name: Some(format!(
-            "flash_forward_{}_d{head_dim}_{}.cu",
-            dtype.name(),
-            config.label().replace(' ', "_")
-        )),
-        ..Default::default()
-    }
-}
 
 // [step 07]
 /// [`compile_forward`] with the causal mask off (`-DCAUSAL=0`): every query sees every key.
@@ -434,17 +280,11 @@ pub fn compile_forward_full(
     config: ForwardConfig,
     arch: &'static str,
 ) -> Result<Ptx, AttnError> {
-    if !HEAD_DIMS.contains(&head_dim) {
-        return Err(unsupported_head_dim(head_dim));
+    ForwardKernel {
+        causal: false,
+        ..ForwardKernel::new(dtype, head_dim, config)
     }
-    config.check()?;
-    let mut options = forward_options(dtype, head_dim, config, arch);
-    options.options.push("-DCAUSAL=0".into());
-    options.name = options
-        .name
-        .map(|n| n.replace("flash_forward", "flash_forward_full"));
-    compile_ptx_with_opts(FLASH_FORWARD_CU, options)
-        .map_err(|e| compile_error("flash_forward (full)", e))
+    .compile(arch)
 }
 // [/step 07]
 

@@ -22,26 +22,35 @@
 //! | `kernels/flash_forward.cu` (rung 4, `cuda_flash`) | 4 warps × 32 rows, 128 keys a step, `ldmatrix` from swizzled shared memory, `cp.async` two-stage K/V pipeline, `exp2` with log2 e folded into the scale, mask on diagonal blocks only, every head's longest query blocks first | 208.3 / 327.4 / 347.8 (1.46× / 1.28× / 1.14×), `charts/data/gpu.json` |
 //! | `kernels/causal_softmax.cu` (with cuBLAS) | attention by hand: the whole table in device memory | 42 / 33 / 28 |
 //!
-//! The tile shape came from `forward-tune` (`lab/logs/03-cuda-forward/README.md`, the tuning log): 16 rows a
-//! warp instead of 32 ran at 223 TFLOP/s at 16k, 64 keys a step instead of 128 at 294, skipping
-//! the rescale when no maximum changed (a warp vote) lost 3–10%, and one head after another
-//! instead of all heads' longest blocks first lost 27% at 1k (145.5 against 200.5). At head
-//! dim 128 (runs 14 and 16): 4 warps × 32 rows over 64 keys taken 32 at a time, one ldmatrix
-//! offset register per operand, 229.5 / 338.8 / 358.5 / 352.0 at 1k / 4k / 8k / 16k against
-//! FA2's 168.9 / 290.0 / 330.5 / 346.0. The copies of each block take a fixed count of
-//! instructions with no test per row (`load_rows`, run 16: 5–13% at both head dims).
+//! The tile shape came from the lab's `forward-tune` (the tuning log,
+//! `lab/logs/03-cuda-forward/README.md`): 16 rows a warp instead of 32 ran at 223 TFLOP/s at
+//! 16k, 64 keys a step instead of 128 at 294, and one head after another instead of all heads'
+//! longest blocks first lost 27% at 1k (145.5 against 200.5). At head dim 128 (runs 14 and 16):
+//! 4 warps × 32 rows over 64 keys taken 32 at a time, one ldmatrix offset register per
+//! operand, 229.5 / 338.8 / 358.5 / 352.0 at 1k / 4k / 8k / 16k against FA2's 168.9 / 290.0 /
+//! 330.5 / 346.0. The copies of each block take a fixed count of instructions with no test per
+//! row (`load_rows`, run 16: 5–13% at both head dims). The variants that lost and left the
+//! kernel are in `lab/notes/03-cuda-forward.md`.
 //!
 //! ## Layout
 //!
 //! - [`Gpu`]: the context, stream and compiled kernels; [`Gpu::forward`] on device tensors,
-//!   [`Gpu::attention`] on host arrays.
+//!   [`Gpu::attention`] on host arrays, [`Gpu::forward_with`] in another tile shape.
 //! - [`DeviceTensor`]: a `[batch, heads, tokens, head_dim]` tensor of 16-bit values on the GPU.
 //! - [`ladder`]: the rungs ([`Rung`]), run by [`Gpu::ladder_forward_into`] on device tensors
 //!   and [`Gpu::ladder_attention`] on host arrays.
 //! - [`kernel`]: the `.cu` sources (with `kernels/tensor_cores.cuh`, the helpers every kernel
-//!   shares, in front) and their NVRTC compilation.
+//!   shares, in front) and their NVRTC compilation: [`ForwardConfig`], the tile shape
+//!   ([`ForwardConfig::for_head_dim`] the one each head dim runs), and
+//!   [`ForwardKernel`](kernel::ForwardKernel), which alone turns a dtype, a head dim and a
+//!   shape into the kernel's `-D` options; `flash_forward.cu` holds no defaults of its own.
 //! - [`host`]: rounding to bf16/f16 and back, and attention by hand in those precisions on the
 //!   CPU (the yardstick of the GPU tests).
+//! - [`by_hand`]: attention by hand on the GPU (cuBLAS and `kernels/causal_softmax.cu`).
+//! - [`ptxas`]: what the kernel-check binaries share; `src/bin/kernel-check.rs` compiles every
+//!   kernel the library launches with NVRTC and ptxas and fails on any spill (no GPU needed).
+//! - [`tool`], [`methods`](mod@methods): the command-line tools' flag parsers, and the step's
+//!   methods for the benchmark's registry.
 
 pub mod by_hand;
 pub mod host;

@@ -160,41 +160,6 @@ fn forward_supports_head_dims_32_and_128() {
     }
 }
 
-/// Every tile shape `forward-tune` may pick for head dim 128, in bf16 and f16, on lengths that
-/// leave partial blocks of every size (16 to 128 rows or keys), held to the rule like the default.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn every_head_dim_128_tile_shape_matches_the_reference() {
-    use step03_cuda_forward::ForwardConfig;
-    let gpu = Gpu::new().expect("a GPU");
-    for config in ForwardConfig::candidates(128) {
-        let method =
-            move |gpu: &Gpu, q: ArrayView4<f32>, k: ArrayView4<f32>, v: ArrayView4<f32>, dtype| {
-                let (q, k, v) = (
-                    gpu.upload(q, dtype)?,
-                    gpu.upload(k, dtype)?,
-                    gpu.upload(v, dtype)?,
-                );
-                let mut result = gpu.alloc_output(q.shape, dtype)?;
-                gpu.forward_with(config, &q, &k, &v, &mut result)?;
-                gpu.download_attention(&result)
-            };
-        for dtype in [Dtype::Bf16, Dtype::F16] {
-            for tokens in [200, 1000] {
-                check_method(
-                    &gpu,
-                    Shape::new(1, 2, tokens, 128),
-                    dtype,
-                    tokens as u64,
-                    &config.label(),
-                    method,
-                    KERNEL_LSE,
-                );
-            }
-        }
-    }
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn forward_is_causal_and_deterministic() {

@@ -8,84 +8,66 @@
 //                   dQ += dS K accumulates in registers
 // with P = exp(S - lse) rebuilt from the forward's log-sum-exp and dS = P o (dP - delta).
 //
-// The shapes are the forward kernel's (chapter 3): by default four warps of 32 rows (two 16-row
-// tiles, so each B fragment read from shared memory feeds two mma), the other side streamed
-// through shared memory 64 rows at a time in two stages, the next copy in flight while the
-// tensor cores work on the current one. At head dim 128 a warp's 32 rows of two operands and
-// two gradients do not fit in its registers: there the warps own 16 rows each (M_TILES 1), and
-// eight of them make a block of 128 rows.
+// The shapes are the forward kernel's (chapter 3): up to head dim 64 four warps of 32 rows (two
+// 16-row tiles, so each B fragment read from shared memory feeds two mma), the other side
+// streamed through shared memory in two stages, the next copy in flight while the tensor cores
+// work on the current one. Each warp holds its own rows' two operands (k and v in dkdv, q and dO
+// in dq) as A fragments in registers for the whole loop. At head dim 128 a warp's 32 rows of two
+// operands and two gradients do not fit in its registers: there the warps own 16 rows each
+// (M_TILES 1), and eight of them make a block of 128 rows.
 //
-// Compile-time parameters (NVRTC -D options): HEAD_DIM (32, 64, 128), IS_BF16 (1 bf16, 0 f16),
-// and the tile shape below; src/cuda.rs's BackwardConfig sets them all.
+// Compile-time parameters, every one given to NVRTC as a -D option by src/cuda.rs's
+// BackwardKernel (a missing one is a compile error; the file holds no defaults):
+//   HEAD_DIM         32, 64 or 128
+//   IS_BF16          1 for bf16, 0 for f16
+//   WARPS            warps per block
+//   M_TILES          16-row tiles per warp
+//   DKDV_STREAM      queries streamed past dkdv's keys per stage
+//   DQ_STREAM        keys streamed past dq's queries per stage
+//   DKDV_SUB         queries per step of dkdv's inner loop
+//   DQ_SUB           keys per step of dq's inner loop
+//   DKDV_MIN_BLOCKS  dkdv's blocks per multiprocessor (the register budget)
+//   DQ_MIN_BLOCKS    dq's blocks per multiprocessor (the register budget)
+// [step 07]
+//   CAUSAL           1: each query sees the keys up to its own position; 0: every key below T
+//                    (step 07's ring computes blocks of keys that lie wholly before their queries)
+//   ACCUMULATE       0: dq, dk and dv are written in 16 bits; 1: they are f32 sums that each
+//                    block's share is added to (step 07's ring sums every block's share in f32
+//                    and rounds once)
+// [/step 07]
 // src/cuda.rs prepends step 03's tensor_cores.cuh (types, swizzle, cp.async, ldmatrix, mma).
 
-#ifndef WARPS
-#define WARPS 4                            // warps per block
-#endif
-#ifndef M_TILES
-#define M_TILES 2                          // 16-row tiles per warp
-#endif
+static_assert(WARPS >= 1 && M_TILES >= 1, "WARPS warps of M_TILES tiles of 16 rows");
+static_assert(DKDV_STREAM % DKDV_SUB == 0 && DQ_STREAM % DQ_SUB == 0, "steps that divide the stages");
+static_assert(DKDV_MIN_BLOCKS >= 1 && DQ_MIN_BLOCKS >= 1, "blocks a multiprocessor");
+// [step 07]
+static_assert(CAUSAL == 0 || CAUSAL == 1, "CAUSAL: 1 for the causal mask, 0 for every key below T");
+static_assert(ACCUMULATE == 0 || ACCUMULATE == 1, "ACCUMULATE: 1 to add into f32 sums");
+// [/step 07]
 #define THREADS (WARPS * 32)
 #define WARP_ROWS (M_TILES * 16)           // keys (dkdv) or queries (dq) per warp
 #define BLOCK_ROWS (WARPS * WARP_ROWS)     // keys (dkdv) or queries (dq) per thread block
-// the tile shapes src/cuda.rs's BackwardConfig may change (defaults: the fastest measured)
-#ifndef DKDV_STREAM
-#define DKDV_STREAM 64                     // queries streamed past dkdv's keys per stage
-#endif
-#ifndef DQ_STREAM
-#define DQ_STREAM 64                       // keys streamed past dq's queries per stage
-#endif
-#ifndef DKDV_SUB
-#define DKDV_SUB 16                        // queries per step of dkdv's inner loop
-#endif
-#ifndef DQ_SUB
-#define DQ_SUB 32                          // keys per step of dq's inner loop
-#endif
-#ifndef DQ_HOLD
-#define DQ_HOLD 1                          // dq keeps its rows' q and dO fragments in registers
-#endif
-// [step 07]
-// CAUSAL 1 (default): each query sees the keys up to its own position; 0: every key below T
-// (step 07's ring computes blocks of keys that lie wholly before their queries)
-#ifndef CAUSAL
-#define CAUSAL 1
-#endif
-// ACCUMULATE 0 (default): dq, dk and dv are written in 16 bits; 1: they are f32 sums that each
-// block's share is added to (step 07's ring sums every block's share in f32 and rounds once)
-#ifndef ACCUMULATE
-#define ACCUMULATE 0
-#endif
-// [/step 07]
-#ifndef DQ_MIN_BLOCKS
-#define DQ_MIN_BLOCKS 2                    // dq's blocks per multiprocessor (register budget)
-#endif
-#ifndef DKDV_HOLD
-#define DKDV_HOLD 1                        // dkdv keeps its rows' k and v fragments in registers
-#endif
-#ifndef DKDV_MIN_BLOCKS
-#define DKDV_MIN_BLOCKS 2                  // dkdv's blocks per multiprocessor (register budget)
-#endif
 #define ROW_BYTES (HEAD_DIM * 2)
 #define LOG2E 1.4426950408889634f
 #define POS_INF __int_as_float(0x7f800000)
 
 __device__ __forceinline__ float lo16(u32 x) {
-#if IS_BF16
-    return __uint_as_float(x << 16);
-#else
-    float f;
-    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }\n" : "=f"(f) : "r"(x));
-    return f;
-#endif
+    if constexpr (IS_BF16) {
+        return __uint_as_float(x << 16);
+    } else {
+        float f;
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }\n" : "=f"(f) : "r"(x));
+        return f;
+    }
 }
 __device__ __forceinline__ float hi16(u32 x) {
-#if IS_BF16
-    return __uint_as_float(x & 0xffff0000u);
-#else
-    float f;
-    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }\n" : "=f"(f) : "r"(x));
-    return f;
-#endif
+    if constexpr (IS_BF16) {
+        return __uint_as_float(x & 0xffff0000u);
+    } else {
+        float f;
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }\n" : "=f"(f) : "r"(x));
+        return f;
+    }
 }
 
 // ROWS rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are 0
@@ -105,42 +87,21 @@ __device__ __forceinline__ void load_a(const u16* tile, int warp, int lane, u32 
                         f[mt][kk][0], f[mt][kk][1], f[mt][kk][2], f[mt][kk][3]);
 }
 
-// A's fragments for mma_abt, columns 16kk .. 16kk + 15 of the warp's rows: held in registers for
-// the whole loop, or read from shared memory (rows WARP_ROWS·warp .. of a tile) at each use
-struct HeldA {
-    const u32 (&f)[M_TILES][HEAD_DIM / 16][4];
-    __device__ __forceinline__ void operator()(int kk, u32 (&a)[M_TILES][4]) const {
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a[mt][i] = f[mt][kk][i];
-    }
-};
-struct SharedA {
-    u32 tile;
-    int warp, lane;
-    __device__ __forceinline__ void operator()(int kk, u32 (&a)[M_TILES][4]) const {
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-            ldmatrix_x4(tile + 2 * swizzled(warp * WARP_ROWS + mt * 16 + (lane & 15), 2 * kk + (lane >> 4)), a[mt][0], a[mt][1], a[mt][2], a[mt][3]);
-    }
-};
-
-// acc[mt][n] += a[mt] · tileᵀ for the tile's rows r0 .. r0 + COLS - 1 as the columns
-template <int COLS, class A>
-__device__ __forceinline__ void mma_abt(float (&acc)[M_TILES][COLS / 8][4], const A& a_at, u32 tile, int r0, const BOffsets& off) {
+// acc[mt][n] += a[mt] · tileᵀ for the tile's rows r0 .. r0 + COLS - 1 as the columns, with a the
+// A fragments of the warp's own rows, held in registers (load_a)
+template <int COLS>
+__device__ __forceinline__ void mma_abt(float (&acc)[M_TILES][COLS / 8][4], const u32 (&a)[M_TILES][HEAD_DIM / 16][4], u32 tile, int r0,
+                                        const BOffsets& off) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        u32 a[M_TILES][4];
-        a_at(kk, a);
 #pragma unroll
         for (int n = 0; n < COLS / 8; n += 2) {
             u32 b0, b1, b2, b3;
             ldmatrix_x4(tile + off.abt(kk) + (r0 + n * 8) * ROW_BYTES, b0, b1, b2, b3);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
-                mma_16816(acc[mt][n], a[mt], b0, b1);
-                mma_16816(acc[mt][n + 1], a[mt], b2, b3);
+                mma_16816(acc[mt][n], a[mt][kk], b0, b1);
+                mma_16816(acc[mt][n + 1], a[mt][kk], b2, b3);
             }
         }
     }
@@ -271,7 +232,7 @@ __device__ __forceinline__ void dkdv_block(
     float scale                      // 1/sqrt(HEAD_DIM)
 ) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sk = smem;                             // [BLOCK_ROWS][HEAD_DIM], read into registers once (DKDV_HOLD)
+    u16* sk = smem;                             // [BLOCK_ROWS][HEAD_DIM], read into registers once
     u16* sv = sk + BLOCK_ROWS * HEAD_DIM;
     u16* sq = sv + BLOCK_ROWS * HEAD_DIM;       // [2][DKDV_STREAM][HEAD_DIM], two stages
     u16* sdo = sq + 2 * DKDV_STREAM * HEAD_DIM;      // [2][DKDV_STREAM][HEAD_DIM]
@@ -280,9 +241,7 @@ __device__ __forceinline__ void dkdv_block(
 
     const long long head = (long long)bh * T * HEAD_DIM;
     q += head; k += head; v += head; dout += head; dk += head; dv += head;
-#if ACCUMULATE // [step 07]
-    dk += head; dv += head;  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
-#endif // [step 07]
+    if constexpr (ACCUMULATE) { dk += head; dv += head; }  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
     lse += (long long)bh * T;
     delta += (long long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -303,11 +262,9 @@ __device__ __forceinline__ void dkdv_block(
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-#if DKDV_HOLD
     u32 kf[M_TILES][HEAD_DIM / 16][4], vf[M_TILES][HEAD_DIM / 16][4];
     load_a(sk, warp, lane, kf);
     load_a(sv, warp, lane, vf);
-#endif
 
     float dk_acc[M_TILES][HEAD_DIM / 8][4], dv_acc[M_TILES][HEAD_DIM / 8][4];
     zero(dk_acc);
@@ -338,13 +295,8 @@ __device__ __forceinline__ void dkdv_block(
             float p[M_TILES][DKDV_SUB / 8][4], dp[M_TILES][DKDV_SUB / 8][4];
             zero(p);
             zero(dp);
-#if DKDV_HOLD
-            mma_abt<DKDV_SUB>(p, HeldA{kf}, tq, c0, off);
-            mma_abt<DKDV_SUB>(dp, HeldA{vf}, tdo, c0, off);
-#else
-            mma_abt<DKDV_SUB>(p, SharedA{smem_addr(sk), warp, lane}, tq, c0, off);
-            mma_abt<DKDV_SUB>(dp, SharedA{smem_addr(sv), warp, lane}, tdo, c0, off);
-#endif
+            mma_abt<DKDV_SUB>(p, kf, tq, c0, off);
+            mma_abt<DKDV_SUB>(dp, vf, tdo, c0, off);
             // only steps that reach a query before one of this warp's keys need the mask
 #if CAUSAL // [step 07]
             if (qs0 < key0 + WARP_ROWS - 1)
@@ -403,16 +355,14 @@ __device__ __forceinline__ void dq_block(
     float scale
 ) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sq = smem;                             // [BLOCK_ROWS][HEAD_DIM], read into registers once (DQ_HOLD)
+    u16* sq = smem;                             // [BLOCK_ROWS][HEAD_DIM], read into registers once
     u16* sdo = sq + BLOCK_ROWS * HEAD_DIM;
     u16* sk = sdo + BLOCK_ROWS * HEAD_DIM;      // [2][DQ_STREAM][HEAD_DIM], two stages
     u16* sv = sk + 2 * DQ_STREAM * HEAD_DIM;       // [2][DQ_STREAM][HEAD_DIM]
 
     const long long head = (long long)bh * T * HEAD_DIM;
     q += head; k += head; v += head; dout += head; dq += head;
-#if ACCUMULATE // [step 07]
-    dq += head;  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
-#endif // [step 07]
+    if constexpr (ACCUMULATE) dq += head;  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
     lse += (long long)bh * T;
     delta += (long long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -445,11 +395,9 @@ __device__ __forceinline__ void dq_block(
         }
     cp_async_wait<1>();
     __syncthreads();
-#if DQ_HOLD
     u32 qf[M_TILES][HEAD_DIM / 16][4], dof[M_TILES][HEAD_DIM / 16][4];
     load_a(sq, warp, lane, qf);
     load_a(sdo, warp, lane, dof);
-#endif
 
     float dq_acc[M_TILES][HEAD_DIM / 8][4];
     zero(dq_acc);
@@ -476,13 +424,8 @@ __device__ __forceinline__ void dq_block(
             float s[M_TILES][DQ_SUB / 8][4], dp[M_TILES][DQ_SUB / 8][4];
             zero(s);
             zero(dp);
-#if DQ_HOLD
-            mma_abt<DQ_SUB>(s, HeldA{qf}, tk, c0, off);    // s = q·kᵀ
-            mma_abt<DQ_SUB>(dp, HeldA{dof}, tv, c0, off);  // dp = dO·vᵀ
-#else
-            mma_abt<DQ_SUB>(s, SharedA{smem_addr(sq), warp, lane}, tk, c0, off);
-            mma_abt<DQ_SUB>(dp, SharedA{smem_addr(sdo), warp, lane}, tv, c0, off);
-#endif
+            mma_abt<DQ_SUB>(s, qf, tk, c0, off);    // s = q·kᵀ
+            mma_abt<DQ_SUB>(dp, dof, tv, c0, off);  // dp = dO·vᵀ
             // only steps that reach a key after one of this warp's rows need the mask
 #if CAUSAL // [step 07]
             if (ks0 + DQ_SUB - 1 > row0)

@@ -33,9 +33,8 @@ const MAX_GRID_Y: usize = 65_535;
 
 /// The tile shape of the backward kernels: the sizes that may change without changing the
 /// result's meaning (other sizes sum in another order). [`BackwardConfig::for_head_dim`] is the
-/// fastest measured on the H200 (`backward-tune`) up to head dim 64; at 128, the first shape
-/// that fits (not yet timed against the other candidates). Every field is a `-D` option of
-/// `kernels/flash_backward.cu`.
+/// fastest measured on the H200 (the tuning log, `lab/logs/04-backward/README.md`). Each field
+/// is a `-D` option of `kernels/flash_backward.cu` ([`BackwardKernel::options`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackwardConfig {
     /// Warps per thread block (`WARPS`): 4 or 8.
@@ -44,23 +43,18 @@ pub struct BackwardConfig {
     /// fragment read from shared memory feeds two `mma`, or 1, where 32 rows of two operands
     /// and two gradients would not fit in a warp's registers (head dim 128).
     pub m_tiles: usize,
-    /// Queries streamed past `backward_dkdv`'s keys per stage: 64 or 128.
+    /// Queries streamed past `backward_dkdv`'s keys per stage (`DKDV_STREAM`): 64 or 128.
     pub dkdv_stream: usize,
-    /// Keys streamed past `backward_dq`'s queries per stage: 64 or 128.
+    /// Keys streamed past `backward_dq`'s queries per stage (`DQ_STREAM`): 64 or 128.
     pub dq_stream: usize,
-    /// Queries per step of `backward_dkdv`'s inner loop: 16 or 32.
+    /// Queries per step of `backward_dkdv`'s inner loop (`DKDV_SUB`): 16 or 32.
     pub dkdv_sub: usize,
-    /// Keys per step of `backward_dq`'s inner loop: 16, 32 or 64.
+    /// Keys per step of `backward_dq`'s inner loop (`DQ_SUB`): 16, 32 or 64.
     pub dq_sub: usize,
-    /// Whether `backward_dkdv` holds its rows' k and v fragments in registers (or reads them
-    /// from shared memory at each use).
-    pub dkdv_hold: bool,
-    /// Whether `backward_dq` holds its rows' q and dO fragments in registers (or reads them
-    /// from shared memory at each use).
-    pub dq_hold: bool,
-    /// The blocks of `backward_dkdv` each multiprocessor must fit (the register budget): 1 or 2.
+    /// The blocks of `backward_dkdv` each multiprocessor must fit (`DKDV_MIN_BLOCKS`, the
+    /// register budget): 1 or 2.
     pub dkdv_min_blocks: usize,
-    /// The blocks of `backward_dq` each multiprocessor must fit (the register budget): 1, 2 or 3.
+    /// The blocks of `backward_dq` each multiprocessor must fit (`DQ_MIN_BLOCKS`): 1 or 2.
     pub dq_min_blocks: usize,
 }
 
@@ -69,8 +63,7 @@ impl BackwardConfig {
     /// The tile shape for a head dim. Up to 64: four warps of 32 rows, the forward's shape, the
     /// fastest measured. At 128 a warp's 32 rows of k and v (128 registers a thread) and of dK
     /// and dV (256) would not fit in 255 registers: eight warps of 16 rows, the same 128 rows a
-    /// block, one block a multiprocessor (correct on the H200; not yet timed against the
-    /// other candidates).
+    /// block, one block a multiprocessor.
     pub fn for_head_dim(head_dim: usize) -> BackwardConfig {
         let base = BackwardConfig {
             warps: 4,
@@ -79,15 +72,13 @@ impl BackwardConfig {
             dq_stream: 64,
             dkdv_sub: 16,
             dq_sub: 32,
-            dkdv_hold: true,
-            dq_hold: true,
             dkdv_min_blocks: 2,
             dq_min_blocks: 2,
         };
         if head_dim <= 64 {
             base
         } else {
-            // 8 warps of 16 rows, 128 queries a stage for dK/dV (backward-tune, 2026-12-02:
+            // 8 warps of 16 rows, 128 queries a stage for dK/dV (the tuning log's run 6:
             // 220.4 and 236.8 TFLOP/s at 4k and 16k, against 209.6 and 224.3 with 64)
             BackwardConfig {
                 warps: 8,
@@ -136,20 +127,13 @@ impl BackwardConfig {
     }
 
     /// A short name for tables: `w<warps>x<m-tiles> s<dK/dV stream>/<dQ stream>
-    /// sub<dK/dV step>/<dQ step>`, then what differs from holding both operands in registers
-    /// with the largest register budget.
+    /// sub<dK/dV step>/<dQ step>`, then the blocks a multiprocessor of each kernel where that
+    /// caps its registers below 255.
     pub fn label(&self) -> String {
         let mut s = format!(
             "w{}x{} s{}/{} sub{}/{}",
             self.warps, self.m_tiles, self.dkdv_stream, self.dq_stream, self.dkdv_sub, self.dq_sub
         );
-        if !self.dkdv_hold {
-            s += " kv-smem";
-        }
-        if !self.dq_hold {
-            s += " smem";
-        }
-        // blocks a multiprocessor when that caps the registers below 255
         let capped = |blocks: usize| blocks * self.threads() as usize > 256;
         if capped(self.dkdv_min_blocks) {
             s += &format!(" kb{}", self.dkdv_min_blocks);
@@ -160,77 +144,8 @@ impl BackwardConfig {
         s
     }
 
-    /// The default for a head dim and the shapes `backward-tune` compares it with, one change
-    /// at a time, the default first.
-    pub fn candidates(head_dim: usize) -> Vec<BackwardConfig> {
-        let base = BackwardConfig::for_head_dim(head_dim);
-        if head_dim <= 64 {
-            vec![
-                base,
-                BackwardConfig {
-                    dkdv_stream: 64,
-                    ..base
-                },
-                BackwardConfig {
-                    dq_stream: 128,
-                    ..base
-                },
-                BackwardConfig {
-                    dkdv_sub: 32,
-                    ..base
-                },
-                BackwardConfig { dq_sub: 64, ..base },
-                BackwardConfig {
-                    dq_hold: false,
-                    dq_min_blocks: 3,
-                    dq_sub: 16,
-                    ..base
-                },
-            ]
-        } else {
-            // the shapes measured beside 64 queries a stage for dK/dV, the default before
-            let old = BackwardConfig {
-                dkdv_stream: 64,
-                ..base
-            };
-            vec![
-                base,
-                old,
-                BackwardConfig {
-                    dq_stream: 128,
-                    ..old
-                },
-                BackwardConfig { dq_sub: 16, ..old },
-                BackwardConfig { dq_sub: 64, ..old },
-                // k and v read from shared memory at each use: registers for 32 queries a step
-                BackwardConfig {
-                    dkdv_hold: false,
-                    ..old
-                },
-                BackwardConfig {
-                    dkdv_hold: false,
-                    dkdv_sub: 32,
-                    ..old
-                },
-                // 64-row blocks of four warps, two blocks a multiprocessor
-                BackwardConfig {
-                    warps: 4,
-                    dkdv_min_blocks: 2,
-                    dq_min_blocks: 2,
-                    ..old
-                },
-                BackwardConfig {
-                    warps: 4,
-                    dkdv_min_blocks: 2,
-                    dq_min_blocks: 2,
-                    dkdv_stream: 128,
-                    ..old
-                },
-            ]
-        }
-    }
-
-    fn check(&self) -> Result<(), AttnError> {
+    /// Whether the kernels can be compiled with this shape, or what is wrong with it.
+    pub fn check(&self) -> Result<(), AttnError> {
         let ok = matches!(self.warps, 4 | 8)
             && matches!(self.m_tiles, 1 | 2)
             && matches!(self.dkdv_stream, 64 | 128)
@@ -238,16 +153,105 @@ impl BackwardConfig {
             && matches!(self.dkdv_sub, 16 | 32)
             && matches!(self.dq_sub, 16 | 32 | 64)
             && matches!(self.dkdv_min_blocks, 1 | 2)
-            && matches!(self.dq_min_blocks, 1..=3);
+            && matches!(self.dq_min_blocks, 1 | 2);
         if ok {
             Ok(())
         } else {
             Err(AttnError::Unsupported {
                 what: format!(
-                    "{self:?}: warps must be 4 or 8, m_tiles 1 or 2, streams 64 or 128, dkdv_sub 16 or 32, dq_sub 16, 32 or 64, dkdv_min_blocks 1 or 2, dq_min_blocks 1 to 3"
+                    "{self:?}: warps must be 4 or 8, m_tiles 1 or 2, streams 64 or 128, dkdv_sub 16 or 32, dq_sub 16, 32 or 64, and each kernel's blocks a multiprocessor 1 or 2"
                 ),
             })
         }
+    }
+}
+
+/// One build of the backward kernels: everything their `-D` options say. It alone turns a
+/// dtype, a head dim and a tile shape into those options ([`BackwardKernel::options`]), a
+/// module name and the checks they must pass; `kernels/flash_backward.cu` holds no defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BackwardKernel {
+    pub dtype: Dtype,
+    pub head_dim: usize,
+    pub config: BackwardConfig,
+    // [step 07]
+    /// Each query sees the keys up to its own position (`CAUSAL`); without the mask, every key.
+    pub causal: bool,
+    /// dq, dk and dv are `f32` sums each block's share is added to (`ACCUMULATE`), rather than
+    /// 16-bit values written once.
+    pub accumulate: bool,
+    // [/step 07]
+}
+
+impl BackwardKernel {
+    /// The causal kernels, writing 16-bit gradients, for a dtype, head dim and tile shape.
+    pub fn new(dtype: Dtype, head_dim: usize, config: BackwardConfig) -> Self {
+        BackwardKernel {
+            dtype,
+            head_dim,
+            config,
+            causal: true,      // [step 07]
+            accumulate: false, // [step 07]
+        }
+    }
+
+    /// Whether these kernels can be compiled, or what is wrong with them.
+    pub fn check(&self) -> Result<(), AttnError> {
+        if !HEAD_DIMS.contains(&self.head_dim) {
+            return Err(AttnError::UnsupportedHeadDim {
+                head_dim: self.head_dim,
+                supported: supported_head_dims(),
+            });
+        }
+        self.config.check()
+    }
+
+    /// The module's name: the kernels, what the build changes about them, the dtype, the head
+    /// dim and the tile shape.
+    pub fn name(&self) -> String {
+        let tile = self.config.label().replace([' ', '/'], "_");
+        let build = format!("{}_d{}_{tile}.cu", self.dtype.name(), self.head_dim);
+        // [step 07]
+        if !self.causal || self.accumulate {
+            let full = if self.causal { "" } else { "_full" };
+            let sums = if self.accumulate { "_accumulate" } else { "" };
+            return format!("flash_backward{full}{sums}_{build}");
+        }
+        // [/step 07]
+        format!("flash_backward_{build}")
+    }
+
+    /// The `-D` options that specialise `kernels/flash_backward.cu`, one for each of its
+    /// parameters.
+    pub fn options(&self, arch: &'static str) -> CompileOptions {
+        let c = self.config;
+        CompileOptions {
+            arch: Some(arch),
+            options: vec![
+                format!("-DHEAD_DIM={}", self.head_dim),
+                format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
+                format!("-DWARPS={}", c.warps),
+                format!("-DM_TILES={}", c.m_tiles),
+                format!("-DDKDV_STREAM={}", c.dkdv_stream),
+                format!("-DDQ_STREAM={}", c.dq_stream),
+                format!("-DDKDV_SUB={}", c.dkdv_sub),
+                format!("-DDQ_SUB={}", c.dq_sub),
+                format!("-DDKDV_MIN_BLOCKS={}", c.dkdv_min_blocks),
+                format!("-DDQ_MIN_BLOCKS={}", c.dq_min_blocks),
+                format!("-DCAUSAL={}", self.causal as u8), // [step 07]
+                format!("-DACCUMULATE={}", self.accumulate as u8), // [step 07]
+                "--std=c++17".into(),
+            ],
+            name: Some(self.name()),
+            ..Default::default()
+        }
+    }
+
+    /// Compiles the three kernels for `arch`.
+    pub fn compile(&self, arch: &'static str) -> Result<cudarc::nvrtc::Ptx, AttnError> {
+        self.check()?;
+        compile_ptx_with_opts(backward_source(), self.options(arch))
+            .map_err(|e| compile_error(&self.name(), e))
     }
 }
 
@@ -259,52 +263,15 @@ pub struct DeviceGrads {
 }
 
 // ANCHOR: compile_backward
-/// Compiles the three backward kernels for one dtype, head dim and tile shape.
+/// Compiles the three backward kernels for one dtype, head dim and tile shape
+/// ([`BackwardKernel::options`] gives their `-D` options).
 pub fn compile_backward(
     dtype: Dtype,
     head_dim: usize,
     config: BackwardConfig,
     arch: &'static str,
 ) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-    check_compile(head_dim, config)?;
-    compile_ptx_with_opts(
-        backward_source(),
-        backward_options(dtype, head_dim, config, arch),
-    )
-    .map_err(|e| compile_error("flash_backward", e))
-}
-
-/// The `-D` options that specialise the backward kernels' source.
-fn backward_options(
-    dtype: Dtype,
-    head_dim: usize,
-    config: BackwardConfig,
-    arch: &'static str,
-) -> CompileOptions {
-    CompileOptions {
-        arch: Some(arch),
-        options: vec![
-            format!("-DHEAD_DIM={head_dim}"),
-            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
-            format!("-DWARPS={}", config.warps),
-            format!("-DM_TILES={}", config.m_tiles),
-            format!("-DDKDV_STREAM={}", config.dkdv_stream),
-            format!("-DDQ_STREAM={}", config.dq_stream),
-            format!("-DDKDV_SUB={}", config.dkdv_sub),
-            format!("-DDQ_SUB={}", config.dq_sub),
-            format!("-DDQ_HOLD={}", config.dq_hold as u8),
-            format!("-DDKDV_HOLD={}", config.dkdv_hold as u8),
-            format!("-DDKDV_MIN_BLOCKS={}", config.dkdv_min_blocks),
-            format!("-DDQ_MIN_BLOCKS={}", config.dq_min_blocks),
-            "--std=c++17".into(),
-        ],
-        name: Some(format!(
-            "flash_backward_{}_d{head_dim}_{}.cu",
-            dtype.name(),
-            config.label().replace([' ', '/'], "_")
-        )),
-        ..Default::default()
-    }
+    BackwardKernel::new(dtype, head_dim, config).compile(arch)
 }
 // ANCHOR_END: compile_backward
 
@@ -317,17 +284,6 @@ fn backward_source() -> String {
     .concat()
 }
 
-/// What a compile needs of its head dim and tile shape.
-fn check_compile(head_dim: usize, config: BackwardConfig) -> Result<(), AttnError> {
-    if !HEAD_DIMS.contains(&head_dim) {
-        return Err(AttnError::UnsupportedHeadDim {
-            head_dim,
-            supported: supported_head_dims(),
-        });
-    }
-    config.check()
-}
-
 // [step 07]
 /// [`compile_backward`] with the causal mask off (`-DCAUSAL=0`): every query sees every key,
 /// for the blocks of step 07's ring that lie wholly before their queries.
@@ -337,7 +293,11 @@ pub fn compile_backward_full(
     config: BackwardConfig,
     arch: &'static str,
 ) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-    compile_backward_variant(dtype, head_dim, config, false, false, arch)
+    BackwardKernel {
+        causal: false,
+        ..BackwardKernel::new(dtype, head_dim, config)
+    }
+    .compile(arch)
 }
 
 /// The backward kernels with each block's gradients added into `f32` sums (`-DACCUMULATE=1`:
@@ -350,35 +310,12 @@ pub fn compile_backward_accumulate(
     causal: bool,
     arch: &'static str,
 ) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-    compile_backward_variant(dtype, head_dim, config, causal, true, arch)
-}
-
-/// [`compile_backward`] with `-DCAUSAL=0` unless `causal`, and `-DACCUMULATE=1` if
-/// `accumulate`; the module is named after both.
-fn compile_backward_variant(
-    dtype: Dtype,
-    head_dim: usize,
-    config: BackwardConfig,
-    causal: bool,
-    accumulate: bool,
-    arch: &'static str,
-) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-    check_compile(head_dim, config)?;
-    let mut options = backward_options(dtype, head_dim, config, arch);
-    let mut tag = String::new();
-    if !causal {
-        options.options.push("-DCAUSAL=0".into());
-        tag += "_full";
+    BackwardKernel {
+        causal,
+        accumulate: true,
+        ..BackwardKernel::new(dtype, head_dim, config)
     }
-    if accumulate {
-        options.options.push("-DACCUMULATE=1".into());
-        tag += "_accumulate";
-    }
-    options.name = options
-        .name
-        .map(|n| n.replace("flash_backward", &format!("flash_backward{tag}")));
-    compile_ptx_with_opts(backward_source(), options)
-        .map_err(|e| compile_error(&format!("flash_backward{tag}"), e))
+    .compile(arch)
 }
 // [/step 07]
 
@@ -489,7 +426,8 @@ pub fn backward_with(
 }
 
 /// [`backward_with`], calling `mark` before the first launch and after each of the three (to
-/// record an event on the stream there, say: `backward-tune --split` times each kernel so).
+/// record an event on the stream there, say: the lab's `backward-tune --split` times each
+/// kernel so).
 #[allow(clippy::too_many_arguments)]
 pub fn backward_marked(
     gpu: &Gpu,

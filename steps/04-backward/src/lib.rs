@@ -45,7 +45,13 @@
 //!   the preprocessing [`delta`](blockwise::delta).
 //!
 //! - [`cuda`]: the backward on the GPU, `kernels/flash_backward.cu` (δ, then dK and dV per
-//!   block of keys, then dQ per block of queries), through step 03's [`Gpu`](step03_cuda_forward::Gpu).
+//!   block of keys, then dQ per block of queries), through step 03's [`Gpu`](step03_cuda_forward::Gpu);
+//!   its tile shape, [`BackwardConfig`](cuda::BackwardConfig) (`for_head_dim`: the one each
+//!   head dim runs), and [`BackwardKernel`](cuda::BackwardKernel), which alone turns a dtype, a
+//!   head dim and a shape into the kernels' `-D` options (the `.cu` file holds no defaults).
+//!   `src/bin/backward-kernel-check.rs` compiles every kernel the library launches with NVRTC
+//!   and ptxas and fails on any spill (no GPU needed); the search that chose the shapes is the
+//!   lab's (`lab/notes/04-backward.md`: what did not pay).
 //! - [`cuda_by_hand`]: the backward by hand on the GPU, cuBLAS through two `[b·h, T, T]` tables
 //!   and `kernels/by_hand_backward.cu`, with the same signature as [`cuda::backward`].
 

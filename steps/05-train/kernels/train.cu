@@ -390,9 +390,8 @@ __device__ __forceinline__ void layernorm_backward_registers(
 // named layernorm_forward_K and layernorm_backward_K, with the arguments of the loops' kernels.
 // BLOCKS: the backward's blocks of 4 warps an SM holds at once, which caps its registers at
 // 65,536 / (128 · BLOCKS) a thread: 3 (168) hold K up to 6 without spilling, K = 8 needs 2.
-#ifndef LN_BACKWARD_WARPS
-#error "LN_BACKWARD_WARPS is set by the host, which launches the blocks"
-#endif
+// LN_BACKWARD_WARPS comes from kernels.rs (-D), which launches the backward's blocks
+static_assert(LN_BACKWARD_WARPS >= 1, "LN_BACKWARD_WARPS is set by the host, which launches the blocks");
 #define LAYERNORM_REGISTERS(K, BLOCKS)                                                           \
     extern "C" __global__ void layernorm_forward_##K(                                            \
         const float* res, const float* y, const float* __restrict__ y_bias, float* x,           \
@@ -506,9 +505,6 @@ extern "C" __global__ void bias_gelu(
 // a warp moves 512-byte runs of a row. A column's GELU_LANES sums meet in shared memory and
 // are added in the order of ty, so the partial sums are the same on every run.
 // GELU_LANES comes from kernels.rs (-D), which launches blocks of 32 × GELU_LANES threads
-#ifndef GELU_LANES
-#error "GELU_LANES is set by the host, which launches the blocks"
-#endif
 static_assert(32 * GELU_LANES == 256, "the column sums take one thread per column of a block");
 extern "C" __global__ void gelu_backward(
     u16* __restrict__ d,             // [rows, K] gradient of GELU's output in, of its input out

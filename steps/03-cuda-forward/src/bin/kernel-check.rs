@@ -1,9 +1,9 @@
-//! Compiles every forward kernel variant with NVRTC for `sm_90` and assembles it with
+//! Compiles every kernel the library launches with NVRTC for `sm_90` and assembles it with
 //! `ptxas -v`, printing registers, shared memory and spills; exits non-zero on a failed compile
-//! or any spill in a kernel the library launches (the other tile shapes `forward-tune` times
-//! must compile; their spills are reported). Needs no GPU: CI runs it with NVRTC and ptxas from
-//! PyPI. The rungs of the ladder (`ladder.rs`) come first, the step's kernel (rung 4) with its
-//! tile shapes after them.
+//! or any spill. Needs no GPU: CI runs it with NVRTC and ptxas from PyPI. The rungs of the
+//! ladder (`ladder.rs`) come first, the step's kernel (rung 4) in the tile shape of each head
+//! dim after them. (The other tile shapes the lab times are compiled by its own check,
+//! `lab-kernel-check`.)
 //!
 //! `cargo run -p step03-cuda-forward --bin kernel-check [-- --arch sm_90] [--ptxas PATH]`
 
@@ -14,13 +14,11 @@ use step03_cuda_forward::kernel::{HEAD_DIMS, compile_forward, compile_softmax};
 use step03_cuda_forward::ptxas::{self, Variant};
 use step03_cuda_forward::{Dtype, ForwardConfig, Rung};
 
-/// Compiles every forward kernel variant (bf16 and f16, every head dim, every tile shape
-/// forward-tune times) with NVRTC and assembles it with `ptxas -v`, printing registers, shared
-/// memory and spills per kernel.
+/// Compiles every kernel the library launches (bf16 and f16, every head dim) with NVRTC and
+/// assembles it with `ptxas -v`, printing registers, shared memory and spills per kernel.
 ///
-/// Exits non-zero on a failed compile or assembly, or on any spill in a kernel the library
-/// launches (a tuning candidate's spill is reported). Needs NVRTC (libnvrtc.so on
-/// LD_LIBRARY_PATH) and ptxas, but no GPU.
+/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so
+/// on LD_LIBRARY_PATH) and ptxas, but no GPU.
 #[derive(Parser, Debug)]
 #[command(name = "kernel-check")]
 struct Args {
@@ -40,18 +38,11 @@ fn main() -> ExitCode {
                     ));
                 }
             }
-            // the default tile shape of each head dim, then the others forward-tune may time
             for head_dim in HEAD_DIMS {
-                let name = format!("flash_forward_{}_d{head_dim}", dtype.name());
-                for config in ForwardConfig::candidates(head_dim) {
-                    let ptx = compile_forward(dtype, head_dim, config, arch);
-                    kernels.push(if config == ForwardConfig::for_head_dim(head_dim) {
-                        Variant::used(name.clone(), ptx)
-                    } else {
-                        let label = config.label().replace(' ', "_");
-                        Variant::candidate(format!("{name}_{label}"), ptx)
-                    });
-                }
+                kernels.push(Variant::used(
+                    format!("flash_forward_{}_d{head_dim}", dtype.name()),
+                    compile_forward(dtype, head_dim, ForwardConfig::for_head_dim(head_dim), arch),
+                ));
             }
             kernels.push(Variant::used(
                 format!("causal_softmax_{}", dtype.name()),

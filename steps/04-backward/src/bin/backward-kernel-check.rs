@@ -1,8 +1,7 @@
-//! Compiles every backward kernel variant with NVRTC for `sm_90` and assembles it with
-//! `ptxas -v`; fails on a failed compile or a spill in a kernel the library launches (the
-//! other tile shapes `backward-tune` times must compile; their spills are reported). Needs no
-//! GPU. The kernels of the backward by hand (`kernels/by_hand_backward.cu`) come after the
-//! FlashAttention ones.
+//! Compiles every backward kernel the library launches with NVRTC for `sm_90` and assembles it
+//! with `ptxas -v`; fails on a failed compile or any spill. Needs no GPU. The kernels of the
+//! backward by hand (`kernels/by_hand_backward.cu`) come after the FlashAttention ones. (The
+//! other tile shapes the lab times are compiled by its own check, `lab-kernel-check`.)
 //!
 //! `cargo run -p step04-backward --bin backward-kernel-check [-- --arch sm_90] [--ptxas PATH]`
 
@@ -14,13 +13,12 @@ use step03_cuda_forward::ptxas::{self, Variant};
 use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, compile_backward};
 use step04_backward::cuda_by_hand::compile_by_hand_backward;
 
-/// Compiles every backward kernel variant (bf16 and f16, every head dim, every tile shape
-/// backward-tune times) with NVRTC and assembles it with `ptxas -v`, printing registers, shared
-/// memory and spills per kernel.
+/// Compiles every backward kernel the library launches (bf16 and f16, every head dim) with
+/// NVRTC and assembles it with `ptxas -v`, printing registers, shared memory and spills per
+/// kernel.
 ///
-/// Exits non-zero on a failed compile or assembly, or on any spill in a kernel the library
-/// launches (a tuning candidate's spill is reported). Needs NVRTC (libnvrtc.so on
-/// LD_LIBRARY_PATH) and ptxas, but no GPU.
+/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so
+/// on LD_LIBRARY_PATH) and ptxas, but no GPU.
 #[derive(Parser, Debug)]
 #[command(name = "backward-kernel-check")]
 struct Args {
@@ -32,18 +30,12 @@ fn main() -> ExitCode {
     ptxas::main(Args::parse().flags, |arch| {
         let mut kernels = Vec::new();
         for dtype in [Dtype::Bf16, Dtype::F16] {
-            // the default tile shape of each head dim, then the others backward-tune may time
             for head_dim in HEAD_DIMS {
-                let name = format!("flash_backward_{}_d{head_dim}", dtype.name());
-                for config in BackwardConfig::candidates(head_dim) {
-                    let ptx = compile_backward(dtype, head_dim, config, arch);
-                    kernels.push(if config == BackwardConfig::for_head_dim(head_dim) {
-                        Variant::used(name.clone(), ptx)
-                    } else {
-                        let label = config.label().replace([' ', '/'], "_");
-                        Variant::candidate(format!("{name}_{label}"), ptx)
-                    });
-                }
+                let config = BackwardConfig::for_head_dim(head_dim);
+                kernels.push(Variant::used(
+                    format!("flash_backward_{}_d{head_dim}", dtype.name()),
+                    compile_backward(dtype, head_dim, config, arch),
+                ));
             }
         }
         for dtype in [Dtype::Bf16, Dtype::F16] {

@@ -78,24 +78,6 @@ fn main() -> ExitCode {
                     format!("ring_{tag}"),
                     compile_ring(dtype, head_dim, arch),
                 ));
-                // the other tile shapes, for comparison: compiled and reported, not launched
-                if std::env::var_os("RING_CHECK_CANDIDATES").is_some() {
-                    for c in ForwardConfig::candidates(head_dim).into_iter().skip(1) {
-                        kernels.push(Variant::candidate(
-                            format!("flash_forward_full_{tag}_{}", c.label().replace(' ', "_")),
-                            compile_forward_full(dtype, head_dim, c, arch),
-                        ));
-                    }
-                    for c in BackwardConfig::candidates(head_dim).into_iter().skip(1) {
-                        kernels.push(Variant::candidate(
-                            format!(
-                                "flash_backward_full_{tag}_{}",
-                                c.label().replace([' ', '/'], "_")
-                            ),
-                            compile_backward_full(dtype, head_dim, c, arch),
-                        ));
-                    }
-                }
             }
         }
         kernels

@@ -1,15 +1,17 @@
 //! Times the forward kernel in several tile shapes on the tutorial's GPU shape (4 sequences,
 //! 12 heads, head dim 64 or another, bf16, causal) and checks that they all give the same
-//! output: the measurements behind `ForwardConfig::for_head_dim`.
+//! output: the measurements behind step 03's `ForwardConfig::for_head_dim`. The shapes are
+//! [`forward_shapes::candidates`](flash_lab::forward_shapes::candidates).
 //!
-//! `forward-tune [--lengths 1024,4096,16384] [--runs 20] [--head-dim 128] [--default-only]`
+//! `cargo run --release -p flash-lab --bin forward-tune -- [--lengths 1024,4096,16384] [--runs 20] [--head-dim 128] [--default-only]`
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use flash_core::Shape;
+use flash_lab::forward_shapes;
+use flash_lab::tool::{Tool, at_least_one, median_ms, random_input};
 use step03_cuda_forward::kernel::HEAD_DIMS;
-use step03_cuda_forward::tool::{Tool, at_least_one, median_ms, random_input};
 use step03_cuda_forward::{Dtype, ForwardConfig};
 
 /// Times the forward kernel in several tile shapes (4 sequences, 12 heads, bf16, causal) after
@@ -34,7 +36,7 @@ struct Args {
     #[arg(long)]
     default_only: bool,
     /// Time only these tile shapes, by their labels in the table's header (for example
-    /// "w4x2 n64 xor"), separated by commas; the library's shape is always the first column
+    /// "w4x2 n64 g8"), separated by commas; the library's shape is always the first column
     #[arg(
         long,
         value_delimiter = ',',
@@ -56,7 +58,7 @@ fn head_dim(s: &str) -> Result<usize, String> {
 fn main() -> ExitCode {
     let args = Args::parse();
     let head_dim = args.head_dim;
-    let mut configs = ForwardConfig::candidates(head_dim);
+    let mut configs = forward_shapes::candidates(head_dim);
     // --default-only: just the shape the library uses (for a profiler run); --only: it and
     // the shapes named
     if args.default_only {

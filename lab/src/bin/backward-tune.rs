@@ -1,8 +1,9 @@
 //! Times the backward kernels in several tile shapes on the tutorial's GPU shape (4 sequences,
 //! 12 heads, head dim 64 or another, bf16, causal) and checks that they all give the same
-//! gradients: the measurements behind `BackwardConfig::for_head_dim`.
+//! gradients: the measurements behind step 04's `BackwardConfig::for_head_dim`. The shapes are
+//! [`backward_shapes::candidates`](flash_lab::backward_shapes::candidates).
 //!
-//! `backward-tune [--lengths 4096,16384] [--runs 20] [--head-dim 128] [--split]`
+//! `cargo run --release -p flash-lab --bin backward-tune -- [--lengths 4096,16384] [--runs 20] [--head-dim 128] [--split]`
 //!
 //! `--split` times, for the default shape only, the forward and each backward kernel on its
 //! own (events between the launches), with each kernel's rate in the products it really does.
@@ -13,7 +14,8 @@ use clap::Parser;
 use cudarc::driver::sys::CUevent_flags;
 use flash_core::Shape;
 use flash_core::timing::median;
-use step03_cuda_forward::tool::{Tool, at_least_one, median_ms, random_input};
+use flash_lab::backward_shapes;
+use flash_lab::tool::{Tool, at_least_one, median_ms, random_input};
 use step03_cuda_forward::{Gpu, cudarc};
 use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, backward_marked, backward_with};
 
@@ -63,7 +65,7 @@ fn main() -> ExitCode {
         split(gpu, lengths, runs, head_dim);
         return ExitCode::SUCCESS;
     }
-    let configs = BackwardConfig::candidates(head_dim);
+    let configs = backward_shapes::candidates(head_dim);
     let base = configs[0];
     // every tile shape computes the same gradients, within a few bf16 roundings (other sizes
     // sum in another order)
