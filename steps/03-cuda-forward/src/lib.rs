@@ -42,6 +42,8 @@
 //!   shares, in front) and their NVRTC compilation.
 //! - [`host`]: rounding to bf16/f16 and back, and attention by hand in those precisions on the
 //!   CPU (the yardstick of the GPU tests).
+//! - [`methods`](mod@methods): the step's methods in the registry, [`Ladder`], [`CudaNaive`]
+//!   and [`CudaFlash`].
 
 pub mod by_hand;
 pub mod host;
@@ -51,7 +53,7 @@ pub mod methods;
 pub mod ptxas;
 pub mod tool;
 
-pub use methods::methods;
+pub use methods::{CudaFlash, CudaNaive, Ladder, methods};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -2,7 +2,7 @@
 //! `attend`, and prepared on the device for the benchmark, as step 03's `cuda_flash` is; its
 //! backward is this step's backward kernels after its forward, as step 04 pairs `cuda_flash`'s.
 
-use flash_core::method::{DeviceHooks, DeviceRun, DeviceRunSpec, Grads};
+use flash_core::method::{DeviceRun, DeviceRunSpec, Grads};
 use flash_core::{Attention, AttnError, Device, Dtype, Method, check_qkv};
 use ndarray::ArrayView4;
 use step03_cuda_forward::methods::{describe, prepare_inputs};
@@ -13,36 +13,69 @@ use crate::backward;
 use crate::forward::{self, HopperConfig};
 
 /// This step's methods.
-pub fn methods() -> Vec<Method> {
-    let mut hopper = Method::new(
-            "cuda_hopper",
-            "06-hopper",
-            Device::Cuda,
-            "FlashAttention with Hopper's instructions: TMA copies by a producer warp, wgmma products by consumer warpgroups, no T×T table; the backward in one pass that adds dQ with a warp of its own, or in two (dK and dV, then dQ) that give the same bits every run (compute capability 9.0, head dims 64 and 128)",
-            hopper_forward,
-        )
-        .with_dtype(hopper_forward_dtype)
-        .with_implementation(implementation)
-        .with_gpu(HOPPER_HOOKS);
-    hopper.backward = Some(hopper_backward);
-    hopper.backward_dtype = Some(hopper_backward_dtype);
-    hopper.gpu_backward = Some(HOPPER_BACKWARD_HOOKS);
-    vec![hopper]
+pub fn methods() -> Vec<&'static dyn Method> {
+    vec![&CudaHopper]
 }
 
-/// The backward kernels on host arrays, in bf16, after a forward that returned `fwd`.
+/// `cuda_hopper`: the forward and backward kernels of this step.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaHopper;
+
+impl Method for CudaHopper {
+    fn name(&self) -> &'static str {
+        "cuda_hopper"
+    }
+    fn step(&self) -> &'static str {
+        "06-hopper"
+    }
+    fn device(&self) -> Device {
+        Device::Cuda
+    }
+    fn about(&self) -> &'static str {
+        "FlashAttention with Hopper's instructions: TMA copies by a producer warp, wgmma products by consumer warpgroups, no T×T table; the backward in one pass that adds dQ with a warp of its own, or in two (dK and dV, then dQ) that give the same bits every run (compute capability 9.0, head dims 64 and 128)"
+    }
+    fn implementation(&self) -> String {
+        implementation()
+    }
+    fn dtypes(&self) -> &'static [Dtype] {
+        &[Dtype::Bf16, Dtype::F16]
+    }
+    fn forward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        hopper_forward(q, k, v, dtype)
+    }
+    fn describe_device(&self) -> Result<String, AttnError> {
+        describe()
+    }
+    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        prepare(spec)
+    }
+    fn has_backward(&self) -> bool {
+        true
+    }
+    fn backward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        fwd: &Attention,
+        dout: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Grads, AttnError> {
+        hopper_backward(q, k, v, fwd, dout, dtype)
+    }
+    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        prepare_pair(HOPPER_PAIR, spec)
+    }
+}
+
+/// The backward kernels on host arrays, in bf16 or f16, after a forward that returned `fwd`.
 pub fn hopper_backward(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-    fwd: &Attention,
-    dout: ArrayView4<f32>,
-) -> Result<Grads, AttnError> {
-    hopper_backward_dtype(q, k, v, fwd, dout, Dtype::Bf16)
-}
-
-/// [`hopper_backward`] in bf16 or f16.
-pub fn hopper_backward_dtype(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
@@ -72,23 +105,8 @@ const HOPPER_PAIR: Pair = Pair {
     backward: backward::backward,
 };
 
-/// `cuda_hopper`'s forward and backward on the device, for the benchmark's `--backward`.
-pub const HOPPER_BACKWARD_HOOKS: DeviceHooks = DeviceHooks {
-    describe,
-    prepare: |spec| prepare_pair(HOPPER_PAIR, spec),
-};
-
-/// The kernel on host arrays, in bf16.
+/// The kernel on host arrays, in bf16 or f16.
 pub fn hopper_forward(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-) -> Result<Attention, AttnError> {
-    hopper_forward_dtype(q, k, v, Dtype::Bf16)
-}
-
-/// [`hopper_forward`] in bf16 or f16.
-pub fn hopper_forward_dtype(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
@@ -198,6 +216,3 @@ impl DeviceRun for Prepared {
         self.gpu.download_attention(&r)
     }
 }
-
-/// `cuda_hopper` on the device, for the benchmark.
-pub const HOPPER_HOOKS: DeviceHooks = DeviceHooks { describe, prepare };
