@@ -47,3 +47,19 @@ pub fn by_name(name: &str) -> Result<&'static dyn Method, String> {
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--methods`, `attend` and [`by_name`] find a method by its name: a second method of
+    /// the same name could never be reached.
+    #[test]
+    fn every_name_is_one_method() {
+        let all = all();
+        for m in &all {
+            let same: Vec<_> = all.iter().filter(|o| o.name() == m.name()).collect();
+            assert_eq!(same.len(), 1, "{} is listed {} times", m.name(), same.len());
+        }
+    }
+}

@@ -158,3 +158,34 @@ fn every_cuda_backward_is_within_twice_by_hand_error_in_bf16() {
         }
     }
 }
+
+/// A method says it has a backward exactly when its backward does more than refuse: with
+/// shapes that do not match, one that has a backward names the mismatch (before any work, on
+/// the CPU or the GPU), one that has none says so.
+#[test]
+fn every_method_has_a_backward_exactly_when_it_says_so() {
+    use flash_core::AttnError;
+    let [q, k, v] = random_qkv(flash_core::Shape::new(1, 2, 8, 16), 1);
+    let fwd = step01_naive::attention(q.view(), k.view(), v.view()).unwrap();
+    let dout = Array4::<f32>::zeros((1, 2, 9, 16));
+    for m in methods::all() {
+        let got = m.backward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &fwd,
+            dout.view(),
+            m.dtypes()[0],
+        );
+        match (m.has_backward(), got) {
+            (true, Err(AttnError::ShapeMismatch { .. })) => {}
+            (false, Err(e @ AttnError::NoBackward { .. })) => {
+                assert!(e.to_string().contains(m.name()), "{e}")
+            }
+            (has, other) => panic!(
+                "{}: says it has a backward: {has}; its backward gave {other:?}",
+                m.name()
+            ),
+        }
+    }
+}
