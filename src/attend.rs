@@ -18,12 +18,11 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use flash_core::{Attention, AttnError};
-use ndarray::{Array4, ArrayView4};
+use ndarray::Array4;
 
-use crate::methods::{self, Method};
+use crate::methods;
 // [step 03]
-use crate::methods::Dtype;
+use crate::methods::{Dtype, Method};
 // [/step 03]
 use crate::npy;
 
@@ -49,21 +48,24 @@ pub struct AttendArgs {
 /// Runs the method and writes its results; returns the paths written.
 pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     let method = methods::by_name(&args.method)?;
+    // the element type to compute in: the method's default unless --dtype asks for another
+    let dtype = method.dtypes()[0];
     // [step 03]
     if let Some(dtype) = args.dtype {
-        check_dtype(&method, dtype)?;
+        check_dtype(method, dtype)?;
     }
+    let dtype = args.dtype.unwrap_or(dtype);
     // [/step 03]
     // [step 04]
-    if args.dout.is_some() && method.backward.is_none() {
+    if args.dout.is_some() && !method.has_backward() {
         let with: Vec<_> = methods::all()
             .into_iter()
-            .filter(|m| m.backward.is_some())
-            .map(|m| m.name)
+            .filter(|m| m.has_backward())
+            .map(|m| m.name())
             .collect();
         return Err(format!(
             "--dout asks for the backward pass, and method {:?} has none; {}",
-            method.name,
+            method.name(),
             if with.is_empty() {
                 "no method in this build has one yet".to_string()
             } else {
@@ -89,8 +91,9 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     };
     // [/step 04]
 
-    let result = forward(&method, args, q.view(), k.view(), v.view())
-        .map_err(|e| format!("{} failed: {e}", method.name))?;
+    let result = method
+        .forward(q.view(), k.view(), v.view(), dtype)
+        .map_err(|e| format!("{} failed: {e}", method.name()))?;
     fs::create_dir_all(&args.out_dir)
         .map_err(|e| format!("{}: cannot create it: {e}", args.out_dir.display()))?;
     let mut written = Vec::new();
@@ -103,14 +106,10 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     write("out.npy", result.out.view().into_dyn())?;
     write("lse.npy", result.lse.view().into_dyn())?;
     // [step 04]
-    if let (Some(dout), Some(backward)) = (dout, method.backward) {
-        let grads = match (method.backward_dtype, args.dtype) {
-            (Some(backward), Some(dtype)) => {
-                backward(q.view(), k.view(), v.view(), &result, dout.view(), dtype)
-            }
-            _ => backward(q.view(), k.view(), v.view(), &result, dout.view()),
-        }
-        .map_err(|e| format!("{} backward failed: {e}", method.name))?;
+    if let Some(dout) = dout {
+        let grads = method
+            .backward(q.view(), k.view(), v.view(), &result, dout.view(), dtype)
+            .map_err(|e| format!("{} backward failed: {e}", method.name()))?;
         write("dq.npy", grads.dq.view().into_dyn())?;
         write("dk.npy", grads.dk.view().into_dyn())?;
         write("dv.npy", grads.dv.view().into_dyn())?;
@@ -119,26 +118,9 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     Ok(written)
 }
 
-/// The method's forward, in the element type asked for where the method takes more than one.
-fn forward(
-    method: &Method,
-    args: &AttendArgs,
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-) -> Result<Attention, AttnError> {
-    // [step 03]
-    if let (Some(forward), Some(dtype)) = (method.forward_dtype, args.dtype) {
-        return forward(q, k, v, dtype);
-    }
-    // [/step 03]
-    let _ = args;
-    (method.forward)(q, k, v)
-}
-
 // [step 03]
 /// That the method computes in `dtype`: an error saying which it takes if not.
-pub fn check_dtype(method: &Method, dtype: Dtype) -> Result<(), String> {
+pub fn check_dtype(method: &dyn Method, dtype: Dtype) -> Result<(), String> {
     let takes = method.dtypes();
     if takes.contains(&dtype) {
         return Ok(());
@@ -146,8 +128,8 @@ pub fn check_dtype(method: &Method, dtype: Dtype) -> Result<(), String> {
     let names: Vec<&str> = takes.iter().map(|d| d.name()).collect();
     Err(format!(
         "--dtype {dtype}: method {:?} runs on {} and computes in {}",
-        method.name,
-        method.device,
+        method.name(),
+        method.device(),
         names.join(" or ")
     ))
 }
@@ -212,7 +194,7 @@ mod tests {
     // [step 04]
     #[test]
     fn with_dout_the_gradients_match_the_in_process_backward() {
-        let Some(m) = methods::all().into_iter().find(|m| m.backward.is_some()) else {
+        let Some(m) = methods::all().into_iter().find(|m| m.has_backward()) else {
             eprintln!("no method with a backward pass in this build; nothing to check");
             return;
         };
@@ -220,15 +202,18 @@ mod tests {
         let (dir, mut args, [q, k, v]) = setup("backward", shape);
         let dout = random_qkv(shape, 99)[0].clone();
         npy::write_f32(&dir.join("dout.npy"), dout.view()).unwrap();
-        args.method = m.name.into();
+        args.method = m.name().into();
         args.dout = Some(dir.join("dout.npy"));
         let written = attend(&args).unwrap();
         assert_eq!(written.len(), 5);
-        let fwd = (m.forward)(q.view(), k.view(), v.view()).unwrap();
-        let grads = (m.backward.unwrap())(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
+        let dtype = m.dtypes()[0];
+        let fwd = m.forward(q.view(), k.view(), v.view(), dtype).unwrap();
+        let grads = m
+            .backward(q.view(), k.view(), v.view(), &fwd, dout.view(), dtype)
+            .unwrap();
         for (name, expected) in [("dq", &grads.dq), ("dk", &grads.dk), ("dv", &grads.dv)] {
             let got = npy::read_f32_4d(&args.out_dir.join(format!("{name}.npy"))).unwrap();
-            assert_eq!(&got, expected, "{name} of {}", m.name);
+            assert_eq!(&got, expected, "{name} of {}", m.name());
         }
         fs::remove_dir_all(dir).unwrap();
     }
@@ -266,12 +251,12 @@ mod tests {
 
         // [step 04]
         // --dout for a method without a backward pass is refused before any work
-        if let Some(m) = methods::all().into_iter().find(|m| m.backward.is_none()) {
+        if let Some(m) = methods::all().into_iter().find(|m| !m.has_backward()) {
             let mut args = args.clone();
-            args.method = m.name.into();
+            args.method = m.name().into();
             args.dout = Some(dir.join("q.npy"));
             let err = attend(&args).unwrap_err();
-            assert!(err.contains("backward") && err.contains(m.name), "{err}");
+            assert!(err.contains("backward") && err.contains(m.name()), "{err}");
         }
         // [/step 04]
         fs::remove_dir_all(dir).unwrap();

@@ -64,10 +64,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
     let device = cpu_description();
     // [step 03]
     let device = if cuda {
-        let hooks = chosen[0]
-            .gpu
-            .ok_or_else(|| format!("{} has no device hooks", chosen[0].name))?;
-        (hooks.describe)().map_err(|e| e.to_string())?
+        chosen[0].describe_device().map_err(|e| e.to_string())?
     } else {
         device
     };
@@ -90,16 +87,16 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
     if args.methods.is_empty() {
         let left_out: Vec<&str> = methods::all()
             .iter()
-            .filter(|m| m.device == args.device && !chosen.iter().any(|c| c.name == m.name))
-            .map(|m| m.name)
+            .filter(|m| m.device() == args.device && !chosen.iter().any(|c| c.name() == m.name()))
+            .map(|m| m.name())
             .collect();
         if !left_out.is_empty() {
             println!("left out, no backward pass: {}", left_out.join(", "));
         }
     }
-    let implementations: Vec<String> = chosen.iter().map(Method::implementation).collect();
+    let implementations: Vec<String> = chosen.iter().map(|m| m.implementation()).collect();
     for (m, imp) in chosen.iter().zip(&implementations) {
-        println!("  {:<16} (step {}) {imp}", m.name, m.step);
+        println!("  {:<16} (step {}) {imp}", m.name(), m.step());
     }
     println!();
     println!("{}", report::table_header(cuda));
@@ -109,12 +106,12 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
     // each method's last measured row, for the next row's estimate
     let mut pace: HashMap<&str, Pace> = HashMap::new();
     for &tokens in &args.lengths {
-        for (m, imp) in chosen.iter().zip(&implementations) {
+        for (&m, imp) in chosen.iter().zip(&implementations) {
             let shape = Shape::new(args.batch, args.heads, tokens, args.head_dim);
             eprintln!(
                 "[{}/{total}] {} at {tokens} tokens ({}) ...",
                 rows.len() + 1,
-                m.name,
+                m.name(),
                 args.pass()
             );
             let flops = shape.flops(args.pass());
@@ -122,7 +119,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
             let fits = cuda
                 || memory_and_swap().is_none_or(|have| input_bytes(shape, args.pass()) <= have);
             let estimate = fits
-                .then(|| estimate_s(m, shape, args, pace.get(m.name).copied(), cuda))
+                .then(|| estimate_s(m, shape, args, pace.get(m.name()).copied(), cuda))
                 .flatten();
             if let Some(est) = estimate.filter(|&est| est > ANNOUNCE_AFTER_S) {
                 let memory = if cuda {
@@ -148,7 +145,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
                 Ok(Measured { ms, peak_bytes }) => {
                     let seconds = started.elapsed().as_secs_f64();
                     pace.insert(
-                        m.name,
+                        m.name(),
                         Pace {
                             seconds,
                             flops,
@@ -160,7 +157,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
                 Err(e) => (None, None, Some(e)),
             };
             let row = Row {
-                method: m.name.to_string(),
+                method: m.name().to_string(),
                 implementation: imp.clone(),
                 device: device.clone(),
                 device_kind: args.device,
@@ -216,7 +213,7 @@ struct Pace {
 /// tokens, times the calls a row makes (the peak child's, the check's and the timed runs).
 /// None for a GPU method's first row: a quick call there would compile its kernels.
 fn estimate_s(
-    m: &Method,
+    m: &dyn Method,
     shape: Shape,
     args: &BenchArgs,
     pace: Option<Pace>,
@@ -239,7 +236,7 @@ fn estimate_s(
     }
     let (qkv, dout) = cpu_inputs(small, pass);
     let start = Instant::now();
-    call_once(m, &qkv, dout.as_ref()).ok()?;
+    call_once(m, &qkv, dout.as_ref(), args.dtype).ok()?;
     let per_flop = start.elapsed().as_secs_f64() / small.flops(pass);
     Some(per_flop * flops * (args.runs + 2) as f64)
 }
@@ -414,14 +411,15 @@ pub fn check_result(
 /// One call of the pass being measured: the forward, and the backward after it for `fwd+bwd`.
 /// Returns whatever it computed, so that a caller can keep it alive while reading the peak.
 fn call_once(
-    m: &Method,
+    m: &dyn Method,
     [q, k, v]: &[Array4<f32>; 3],
     dout: Option<&Array4<f32>>,
+    dtype: Dtype,
 ) -> Result<Box<dyn std::any::Any>, AttnError> {
-    let fwd = (m.forward)(q.view(), k.view(), v.view())?;
+    let fwd = m.forward(q.view(), k.view(), v.view(), dtype)?;
     // [step 04]
-    if let (Some(dout), Some(backward)) = (dout, m.backward) {
-        let grads = backward(q.view(), k.view(), v.view(), &fwd, dout.view())?;
+    if let Some(dout) = dout {
+        let grads = m.backward(q.view(), k.view(), v.view(), &fwd, dout.view(), dtype)?;
         return Ok(Box::new((fwd, grads)));
     }
     // [/step 04]
@@ -431,7 +429,7 @@ fn call_once(
 
 /// One CPU row: the peak in a fresh process first (which also finds a length that does not
 /// fit), then the warm-up and the timed runs here.
-pub fn measure_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measured, String> {
+pub fn measure_cpu(m: &dyn Method, shape: Shape, args: &BenchArgs) -> Result<Measured, String> {
     // inputs larger than memory and swap cannot be made: say so without trying (where the
     // kernel overcommits, trying would end in the OOM killer after minutes of paging)
     let need = input_bytes(shape, args.pass());
@@ -457,16 +455,17 @@ pub fn measure_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measure
 
 /// The part of a CPU row that runs in this process: one call checked against the reference
 /// (an error beginning with [`WRONG_RESULT`] if it is off), then the median of the timed runs.
-pub fn check_then_time_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<f64, String> {
+pub fn check_then_time_cpu(m: &dyn Method, shape: Shape, args: &BenchArgs) -> Result<f64, String> {
     let (qkv, dout) = cpu_inputs(shape, args.pass());
     // check, then time: the checked call also warms up (pages in the code and the
     // allocator's arenas, starts the thread pool)
-    let first =
-        (m.forward)(qkv[0].view(), qkv[1].view(), qkv[2].view()).map_err(|e| describe_error(&e))?;
+    let first = m
+        .forward(qkv[0].view(), qkv[1].view(), qkv[2].view(), args.dtype)
+        .map_err(|e| describe_error(&e))?;
     check_result(&qkv, &first, args.dtype)?;
     drop(first);
     cpu_median_ms(Warmup::Calls(0), args.runs, || {
-        call_once(m, &qkv, dout.as_ref())
+        call_once(m, &qkv, dout.as_ref(), args.dtype)
     })
     .map_err(|e| describe_error(&e))
 }
@@ -474,23 +473,18 @@ pub fn check_then_time_cpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result
 // [step 03]
 /// One GPU row: the method prepares its inputs on the device once, checks one result against
 /// the reference on a sample of rows, then times itself.
-pub fn measure_gpu(m: &Method, shape: Shape, args: &BenchArgs) -> Result<Measured, String> {
-    let hooks = m.gpu;
-    // [step 04]
-    let hooks = if args.pass() == Pass::ForwardBackward {
-        m.gpu_backward
-    } else {
-        hooks
-    };
-    // [/step 04]
-    let hooks = hooks.ok_or_else(|| format!("{} has no device hooks", m.name))?;
+pub fn measure_gpu(m: &dyn Method, shape: Shape, args: &BenchArgs) -> Result<Measured, String> {
     let spec = DeviceRunSpec {
         shape,
         dtype: args.dtype,
         seed: SEED,
         gpus: args.gpus, // [step 07]
     };
-    let mut run = (hooks.prepare)(&spec).map_err(|e| describe_error(&e))?;
+    let mut run = match args.pass() {
+        Pass::Forward => m.prepare_forward(&spec),
+        Pass::ForwardBackward => m.prepare_backward(&spec), // [step 04]
+    }
+    .map_err(|e| describe_error(&e))?;
     let got = run.result().map_err(|e| describe_error(&e))?;
     check_result(&random_qkv(shape, SEED), &got, args.dtype)?;
     drop(got);
@@ -518,12 +512,12 @@ pub enum PeakError {
 }
 
 /// Runs the benchmark's own executable as a fresh child measuring one call's peak.
-pub fn peak_in_child(m: &Method, shape: Shape, pass: Pass) -> Result<u64, PeakError> {
+pub fn peak_in_child(m: &dyn Method, shape: Shape, pass: Pass) -> Result<u64, PeakError> {
     let exe = std::env::current_exe()
         .map_err(|e| PeakError::Unavailable(format!("cannot find our own executable: {e}")))?;
     let mut cmd = Command::new(exe);
     cmd.arg(PEAK_CHILD)
-        .args(["--methods", m.name])
+        .args(["--methods", m.name()])
         .args(["--lengths", &shape.tokens.to_string()])
         .args(["--batch", &shape.batch.to_string()])
         .args(["--heads", &shape.heads.to_string()])
@@ -619,7 +613,7 @@ pub fn peak_child(args: &BenchArgs) -> i32 {
             return EXIT_UNAVAILABLE;
         }
     };
-    let result = call_once(&m, &qkv, dout.as_ref());
+    let result = call_once(m, &qkv, dout.as_ref(), args.dtype);
     // read while the result is alive: the output and the log-sum-exp are part of the cost
     let after = read_hwm();
     match (result, after) {
@@ -753,15 +747,49 @@ mod tests {
         }
     }
 
+    /// The two broken forwards above as methods of the registry.
+    #[derive(Clone, Copy)]
+    enum Broken {
+        SwappedRows,
+        MissingRescale,
+    }
+
+    impl Method for Broken {
+        fn name(&self) -> &'static str {
+            match self {
+                Broken::SwappedRows => "swapped_rows",
+                Broken::MissingRescale => "missing_rescale",
+            }
+        }
+        fn step(&self) -> &'static str {
+            "test"
+        }
+        fn device(&self) -> Device {
+            Device::Cpu
+        }
+        fn about(&self) -> &'static str {
+            "a broken method"
+        }
+        fn forward(
+            &self,
+            q: ArrayView4<f32>,
+            k: ArrayView4<f32>,
+            v: ArrayView4<f32>,
+            _dtype: Dtype,
+        ) -> Result<Attention, AttnError> {
+            match self {
+                Broken::SwappedRows => swapped_rows(q, k, v),
+                Broken::MissingRescale => missing_rescale(q, k, v),
+            }
+        }
+    }
+
     #[test]
     fn a_broken_method_is_caught_before_it_is_timed() {
         let args = args("--methods naive --lengths 100 --heads 2 --head-dim 16 --runs 1");
         let shape = Shape::new(1, 2, 100, 16);
-        for (name, forward) in [
-            ("swapped_rows", swapped_rows as flash_core::ForwardFn),
-            ("missing_rescale", missing_rescale),
-        ] {
-            let broken = Method::new(name, "test", Device::Cpu, "a broken method", forward);
+        for broken in [Broken::SwappedRows, Broken::MissingRescale] {
+            let name = broken.name();
             let err = check_then_time_cpu(&broken, shape, &args).unwrap_err();
             assert!(
                 err.starts_with(WRONG_RESULT) && err.contains("max abs error"),
@@ -807,7 +835,7 @@ mod tests {
     fn a_correct_method_passes_the_check_and_is_timed() {
         let args = args("--methods naive --lengths 100 --heads 2 --head-dim 16 --runs 2");
         let naive = crate::methods::by_name("naive").unwrap();
-        let ms = check_then_time_cpu(&naive, Shape::new(1, 2, 100, 16), &args).unwrap();
+        let ms = check_then_time_cpu(naive, Shape::new(1, 2, 100, 16), &args).unwrap();
         assert!(ms.is_finite() && ms >= 0.0, "{ms}");
         let qkv = random_qkv(Shape::new(3, 2, 77, 8), 5);
         let got = step01_naive::attention(qkv[0].view(), qkv[1].view(), qkv[2].view()).unwrap();
@@ -827,17 +855,17 @@ mod tests {
             flops: half.flops(Pass::Forward),
             tokens: 4096,
         };
-        let est = estimate_s(&naive, shape, &args, Some(last), false).unwrap();
+        let est = estimate_s(naive, shape, &args, Some(last), false).unwrap();
         let want = 10.0 * shape.flops(Pass::Forward) / half.flops(Pass::Forward);
         assert!((est - want).abs() < 1e-9 && est > 39.0, "{est}");
-        let est = estimate_s(&naive, shape, &args, Some(last), true).unwrap();
+        let est = estimate_s(naive, shape, &args, Some(last), true).unwrap();
         assert!((est - 20.0).abs() < 1e-9, "{est}");
         // a first row no larger than the quick call needs no estimate; a large one gets one
         assert_eq!(
-            estimate_s(&naive, Shape::new(1, 12, 256, 64), &args, None, false),
+            estimate_s(naive, Shape::new(1, 12, 256, 64), &args, None, false),
             None
         );
-        assert!(estimate_s(&naive, shape, &args, None, false).is_some_and(|s| s > 0.0));
+        assert!(estimate_s(naive, shape, &args, None, false).is_some_and(|s| s > 0.0));
         assert_eq!(input_bytes(shape, Pass::Forward), 3 * 12 * 8192 * 64 * 4);
         assert_eq!(seconds(95.0), "95 s");
         assert_eq!(seconds(600.0), "10 min");

@@ -218,10 +218,10 @@ fn method_list() -> String {
     for m in methods::all() {
         text += &format!(
             "    {:<14} {:<5} step {}: {}\n",
-            m.name,
-            m.device.name(),
-            m.step,
-            m.about
+            m.name(),
+            m.device().name(),
+            m.step(),
+            m.about()
         );
     }
     text
@@ -249,7 +249,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
                 .map_err(|e| invalid(&mut cmd, format!("--method: {e}")))?;
             // [step 03]
             if let Some(dtype) = a.dtype {
-                crate::attend::check_dtype(&method, dtype).map_err(|e| invalid(&mut cmd, e))?;
+                crate::attend::check_dtype(method, dtype).map_err(|e| invalid(&mut cmd, e))?;
             }
             // [/step 03]
             let _ = method;
@@ -287,22 +287,22 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
 
 /// The methods the flags choose, checked against the device, the dtype and the pass: an
 /// unknown name, or a method of another device, is an argument error.
-pub fn choose(args: &BenchArgs) -> Result<Vec<Method>, String> {
-    let of_device: Vec<Method> = methods::all()
+pub fn choose(args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
+    let of_device: Vec<&dyn Method> = methods::all()
         .into_iter()
-        .filter(|m| m.device == args.device)
+        .filter(|m| m.device() == args.device)
         .collect();
-    let names = |ms: &[Method]| ms.iter().map(|m| m.name).collect::<Vec<_>>().join(", ");
-    let chosen: Vec<Method> = if args.methods.is_empty() {
+    let names = |ms: &[&dyn Method]| ms.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ");
+    let chosen: Vec<&dyn Method> = if args.methods.is_empty() {
         of_device.clone()
     } else {
         let mut chosen = Vec::new();
         for name in &args.methods {
             let m = methods::by_name(name)?;
-            if m.device != args.device {
+            if m.device() != args.device {
                 return Err(format!(
                     "method {name:?} runs on {}, not {}; the {} methods are: {}",
-                    m.device.name(),
+                    m.device().name(),
                     args.device.name(),
                     args.device.name(),
                     names(&of_device)
@@ -322,12 +322,12 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<Method>, String> {
     if args.backward {
         let without: Vec<&str> = chosen
             .iter()
-            .filter(|m| m.backward.is_none())
-            .map(|m| m.name)
+            .filter(|m| !m.has_backward())
+            .map(|m| m.name())
             .collect();
-        let with: Vec<Method> = of_device
+        let with: Vec<&dyn Method> = of_device
             .iter()
-            .filter(|m| m.backward.is_some())
+            .filter(|m| m.has_backward())
             .copied()
             .collect();
         if !without.is_empty() {
@@ -352,15 +352,19 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<Method>, String> {
         }
         let single: Vec<&str> = chosen
             .iter()
-            .filter(|m| !m.multi_gpu)
-            .map(|m| m.name)
+            .filter(|m| !m.multi_gpu())
+            .map(|m| m.name())
             .collect();
-        let multi: Vec<Method> = chosen.iter().filter(|m| m.multi_gpu).copied().collect();
+        let multi: Vec<&dyn Method> = chosen.iter().filter(|m| m.multi_gpu()).copied().collect();
         if !single.is_empty() {
             if args.methods.is_empty() {
                 return Ok(multi);
             }
-            let all: Vec<Method> = of_device.iter().filter(|m| m.multi_gpu).copied().collect();
+            let all: Vec<&dyn Method> = of_device
+                .iter()
+                .filter(|m| m.multi_gpu())
+                .copied()
+                .collect();
             return Err(format!(
                 "--gpus {}: {} runs on one GPU; the methods that spread over several are: {}",
                 args.gpus,
@@ -556,7 +560,7 @@ mod tests {
     fn several_gpus_choose_the_methods_that_spread_over_them() {
         let b = bench("--device cuda --gpus 2");
         assert_eq!(b.gpus, 2);
-        let names: Vec<&str> = choose(&b).unwrap().iter().map(|m| m.name).collect();
+        let names: Vec<&str> = choose(&b).unwrap().iter().map(|m| m.name()).collect();
         assert_eq!(names, ["cuda_ring"]);
         assert_eq!(bench("").gpus, 1);
     }
@@ -566,7 +570,7 @@ mod tests {
     fn help_lists_the_methods() {
         let help = command().render_long_help().to_string();
         for m in methods::all() {
-            assert!(help.contains(m.name), "{help}");
+            assert!(help.contains(m.name()), "{help}");
         }
         assert!(help.contains("EXIT STATUS"), "{help}");
     }

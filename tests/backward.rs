@@ -9,7 +9,7 @@
 //! head with matrix products, a fraction of a second at the table's longest length (1000).
 
 use cross_step_tests::cases;
-use flash_attention::methods::{self, Device};
+use flash_attention::methods::{self, Device, Dtype};
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::reference::error;
 use ndarray::Array4;
@@ -44,7 +44,7 @@ fn allowed(want: &ReferenceGrads) -> [f64; 3] {
 fn every_cpu_backward_matches_the_f64_reference() {
     let methods: Vec<_> = methods::all()
         .into_iter()
-        .filter(|m| m.device == Device::Cpu)
+        .filter(|m| m.device() == Device::Cpu)
         .collect();
     assert!(!methods.is_empty());
     for case in cases() {
@@ -58,15 +58,16 @@ fn every_cpu_backward_matches_the_f64_reference() {
         let base = backward_by_hand(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
         let base = errors(&base, &want);
         for m in &methods {
-            let fwd = (m.forward)(q.view(), k.view(), v.view())
-                .unwrap_or_else(|e| panic!("{} failed on {shape}: {e}", m.name));
+            let fwd = m
+                .forward(q.view(), k.view(), v.view(), Dtype::F32)
+                .unwrap_or_else(|e| panic!("{} failed on {shape}: {e}", m.name()));
             let mut runs = vec![(
-                format!("{} forward, blockwise backward", m.name),
+                format!("{} forward, blockwise backward", m.name()),
                 backward(q.view(), k.view(), v.view(), &fwd, dout.view()),
             )];
-            if let Some(own) = m.backward {
-                let got = own(q.view(), k.view(), v.view(), &fwd, dout.view());
-                runs.push((format!("{} forward and backward", m.name), got));
+            if m.has_backward() {
+                let got = m.backward(q.view(), k.view(), v.view(), &fwd, dout.view(), Dtype::F32);
+                runs.push((format!("{} forward and backward", m.name()), got));
             }
             for (name, got) in runs {
                 let got = got.unwrap_or_else(|e| panic!("{name} failed on {shape}: {e}"));
@@ -104,7 +105,7 @@ fn every_cuda_backward_is_within_twice_by_hand_error_in_bf16() {
     use step04_backward::cuda::backward_by_hand_low_precision;
     let methods: Vec<_> = methods::all()
         .into_iter()
-        .filter(|m| m.device == Device::Cuda && m.backward.is_some())
+        .filter(|m| m.device() == Device::Cuda && m.has_backward())
         .collect();
     assert!(!methods.is_empty());
     let bf16 = GpuDtype::Bf16;
@@ -119,33 +120,72 @@ fn every_cuda_backward_is_within_twice_by_hand_error_in_bf16() {
         let size = |r: &Array4<f64>| r.iter().fold(1.0f64, |m, x| m.max(x.abs()));
         let sizes = [size(&want.dq), size(&want.dk), size(&want.dv)];
         for m in &methods {
-            let backward = m.backward.unwrap();
-            let got = (m.forward)(q.view(), k.view(), v.view())
-                .and_then(|fwd| backward(q.view(), k.view(), v.view(), &fwd, dout.view()));
+            let got = m
+                .forward(q.view(), k.view(), v.view(), Dtype::Bf16)
+                .and_then(|fwd| {
+                    m.backward(q.view(), k.view(), v.view(), &fwd, dout.view(), Dtype::Bf16)
+                });
             let got = match got {
                 Ok(got) => got,
                 // a head dim a method's kernels are not compiled for
                 Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
-                    println!("{:>16} {shape}: {e}", m.name);
+                    println!("{:>16} {shape}: {e}", m.name());
                     continue;
                 }
-                Err(e) => panic!("{} failed on {shape}: {e}", m.name),
+                Err(e) => panic!("{} failed on {shape}: {e}", m.name()),
             };
             let errs = errors(&got, &want);
             println!(
                 "{:>16} {shape}: dq {:.2e}, dk {:.2e}, dv {:.2e}; by hand in bf16 {:.2e}, {:.2e}, {:.2e}",
-                m.name, errs[0], errs[1], errs[2], base[0], base[1], base[2]
+                m.name(),
+                errs[0],
+                errs[1],
+                errs[2],
+                base[0],
+                base[1],
+                base[2]
             );
             for (i, grad) in ["dq", "dk", "dv"].into_iter().enumerate() {
                 let margin = 1e-5 * sizes[i];
                 assert!(
                     errs[i] <= 2.0 * base[i] + margin,
                     "{} on {shape}: {grad} max abs {:.3e}; by hand in bf16 {:.3e} (+{margin:.1e})",
-                    m.name,
+                    m.name(),
                     errs[i],
                     base[i]
                 );
             }
+        }
+    }
+}
+
+/// A method says it has a backward exactly when its backward does more than refuse: with
+/// shapes that do not match, one that has a backward names the mismatch (before any work, on
+/// the CPU or the GPU), one that has none says so.
+#[test]
+fn every_method_has_a_backward_exactly_when_it_says_so() {
+    use flash_core::AttnError;
+    let [q, k, v] = random_qkv(flash_core::Shape::new(1, 2, 8, 16), 1);
+    let fwd = step01_naive::attention(q.view(), k.view(), v.view()).unwrap();
+    let dout = Array4::<f32>::zeros((1, 2, 9, 16));
+    for m in methods::all() {
+        let got = m.backward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &fwd,
+            dout.view(),
+            m.dtypes()[0],
+        );
+        match (m.has_backward(), got) {
+            (true, Err(AttnError::ShapeMismatch { .. })) => {}
+            (false, Err(e @ AttnError::NoBackward { .. })) => {
+                assert!(e.to_string().contains(m.name()), "{e}")
+            }
+            (has, other) => panic!(
+                "{}: says it has a backward: {has}; its backward gave {other:?}",
+                m.name()
+            ),
         }
     }
 }

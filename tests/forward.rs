@@ -1,7 +1,7 @@
 //! Every method the registry lists, on every case of the table, against the f64 reference.
 
 use cross_step_tests::{F32_MAX_ABS, cases};
-use flash_attention::methods::{self, Device};
+use flash_attention::methods::{self, Device, Dtype};
 use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
 
@@ -9,22 +9,23 @@ use flash_core::reference::{attention_f64, error};
 fn every_cpu_method_matches_the_f64_reference() {
     let methods: Vec<_> = methods::all()
         .into_iter()
-        .filter(|m| m.device == Device::Cpu)
+        .filter(|m| m.device() == Device::Cpu)
         .collect();
     assert!(!methods.is_empty());
     for case in cases() {
         let [q, k, v] = random_qkv(case.shape, case.seed);
         let reference = attention_f64(q.view(), k.view(), v.view()).unwrap();
         for m in &methods {
-            let got = (m.forward)(q.view(), k.view(), v.view())
-                .unwrap_or_else(|e| panic!("{} failed on {}: {e}", m.name, case.shape));
+            let got = m
+                .forward(q.view(), k.view(), v.view(), Dtype::F32)
+                .unwrap_or_else(|e| panic!("{} failed on {}: {e}", m.name(), case.shape));
             let out = error(&got.out, &reference.out);
             let lse = error(&got.lse, &reference.lse);
-            println!("{:>16} {}: out {out}; lse {lse}", m.name, case.shape);
+            println!("{:>16} {}: out {out}; lse {lse}", m.name(), case.shape);
             assert!(
                 out.max_abs < F32_MAX_ABS && lse.max_abs < F32_MAX_ABS,
                 "{} on {}: out {out}, lse {lse}; allowed max abs {F32_MAX_ABS:e}",
-                m.name,
+                m.name(),
                 case.shape
             );
         }
@@ -38,18 +39,21 @@ fn every_method_rejects_mismatched_shapes_and_zero_head_dim() {
     let b = Array4::<f32>::zeros((1, 2, 9, 16));
     let z = Array4::<f32>::zeros((1, 2, 8, 0));
     for m in methods::all() {
-        let err = (m.forward)(a.view(), b.view(), a.view())
+        let dtype = m.dtypes()[0];
+        let err = m
+            .forward(a.view(), b.view(), a.view(), dtype)
             .unwrap_err()
             .to_string();
         assert!(
             err.contains("shape mismatch") && err.contains("[1, 2, 9, 16]"),
             "{}: {err}",
-            m.name
+            m.name()
         );
-        let err = (m.forward)(z.view(), z.view(), z.view())
+        let err = m
+            .forward(z.view(), z.view(), z.view(), dtype)
             .unwrap_err()
             .to_string();
-        assert!(err.contains("head_dim is 0"), "{}: {err}", m.name);
+        assert!(err.contains("head_dim is 0"), "{}: {err}", m.name());
     }
 }
 
@@ -71,16 +75,16 @@ fn every_method_refuses_non_finite_input_naming_the_tensor_and_position() {
         qkv[tensor][[1, 2, 16, 7]] = f32::NEG_INFINITY;
         let [q, k, v] = &qkv;
         for m in methods::all() {
-            match (m.forward)(q.view(), k.view(), v.view()) {
+            match m.forward(q.view(), k.view(), v.view(), m.dtypes()[0]) {
                 Err(e @ AttnError::NonFinite { .. }) => {
                     let e = e.to_string();
                     assert!(
                         e.contains(says) && e.contains("non-finite"),
                         "{}: {e}",
-                        m.name
+                        m.name()
                     );
                 }
-                other => panic!("{}: {says}: expected NonFinite, got {other:?}", m.name),
+                other => panic!("{}: {says}: expected NonFinite, got {other:?}", m.name()),
             }
         }
     }
@@ -90,17 +94,23 @@ fn every_method_refuses_non_finite_input_naming_the_tensor_and_position() {
     let fwd = step01_naive::attention(q.view(), k.view(), v.view()).unwrap();
     let mut dout = random_qkv(shape, 10)[0].clone();
     dout[[0, 2, 9, 3]] = f32::NAN;
-    for m in methods::all() {
-        let Some(backward) = m.backward else { continue };
-        match backward(q.view(), k.view(), v.view(), &fwd, dout.view()) {
+    for m in methods::all().into_iter().filter(|m| m.has_backward()) {
+        match m.backward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &fwd,
+            dout.view(),
+            m.dtypes()[0],
+        ) {
             Err(AttnError::NonFinite { what }) => {
                 assert!(
                     what.contains("dout[0, 2, 9, 3] is NaN"),
                     "{}: {what}",
-                    m.name
+                    m.name()
                 )
             }
-            other => panic!("{} backward: expected NonFinite, got {other:?}", m.name),
+            other => panic!("{} backward: expected NonFinite, got {other:?}", m.name()),
         }
     }
     // [/step 04]
@@ -113,11 +123,11 @@ fn every_cpu_method_returns_an_empty_output_for_empty_input() {
         let x = Array4::<f32>::zeros(dims);
         for m in methods::all()
             .into_iter()
-            .filter(|m| m.device == Device::Cpu)
+            .filter(|m| m.device() == Device::Cpu)
         {
-            let got = (m.forward)(x.view(), x.view(), x.view()).unwrap();
-            assert_eq!(got.out.dim(), dims, "{}", m.name);
-            assert_eq!(got.lse.dim(), (dims.0, dims.1, dims.2), "{}", m.name);
+            let got = m.forward(x.view(), x.view(), x.view(), Dtype::F32).unwrap();
+            assert_eq!(got.out.dim(), dims, "{}", m.name());
+            assert_eq!(got.lse.dim(), (dims.0, dims.1, dims.2), "{}", m.name());
         }
     }
 }
@@ -133,7 +143,7 @@ fn every_cuda_method_is_within_twice_by_hand_error_in_bf16() {
     use step03_cuda_forward::host::{by_hand_low_precision, round_array};
     let methods: Vec<_> = methods::all()
         .into_iter()
-        .filter(|m| m.device == Device::Cuda)
+        .filter(|m| m.device() == Device::Cuda)
         .collect();
     assert!(!methods.is_empty());
     for case in cases() {
@@ -146,24 +156,25 @@ fn every_cuda_method_is_within_twice_by_hand_error_in_bf16() {
             &reference.out,
         );
         for m in &methods {
-            let got = match (m.forward)(q.view(), k.view(), v.view()) {
+            let got = match m.forward(q.view(), k.view(), v.view(), Dtype::Bf16) {
                 Ok(got) => got,
                 // the first rungs of the ladder keep a row in registers: not every head dim
                 Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
-                    println!("{:>16} {}: {e}", m.name, case.shape);
+                    println!("{:>16} {}: {e}", m.name(), case.shape);
                     continue;
                 }
-                Err(e) => panic!("{} failed on {}: {e}", m.name, case.shape),
+                Err(e) => panic!("{} failed on {}: {e}", m.name(), case.shape),
             };
             let out = error(&got.out, &reference.out);
             println!(
                 "{:>16} {}: out {out}; by hand in bf16 {by_hand}",
-                m.name, case.shape
+                m.name(),
+                case.shape
             );
             assert!(
                 out.max_abs <= 2.0 * by_hand.max_abs + 1e-5,
                 "{} on {}: out {out}; by hand in bf16 {by_hand}",
-                m.name,
+                m.name(),
                 case.shape
             );
         }

@@ -446,10 +446,14 @@ fn attend_on_the_gpu_computes_in_the_dtype_asked_for() {
     let (stdout, stderr) = text(&o);
     assert!(o.status.success(), "{stdout}\n{stderr}");
     let out = npy::read_f32_4d(&dir.join("out/out.npy")).unwrap();
-    let f16 =
-        step03_cuda_forward::methods::flash_forward_dtype(q.view(), k.view(), v.view(), Dtype::F16)
-            .unwrap();
-    let bf16 = step03_cuda_forward::methods::flash_forward(q.view(), k.view(), v.view()).unwrap();
+    use flash_core::Method;
+    let flash = step03_cuda_forward::CudaFlash;
+    let f16 = flash
+        .forward(q.view(), k.view(), v.view(), Dtype::F16)
+        .unwrap();
+    let bf16 = flash
+        .forward(q.view(), k.view(), v.view(), Dtype::Bf16)
+        .unwrap();
     assert_eq!(out, f16.out);
     assert_ne!(out, bf16.out);
     fs::remove_dir_all(dir).unwrap();

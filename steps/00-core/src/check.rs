@@ -168,6 +168,10 @@ pub enum AttnError {
     OutOfMemory { what: String, bytes: u128 },
     /// No usable device, or the device failed (no GPU, no NVRTC, a failed compile or launch).
     Device { what: String },
+    // [step 04]
+    /// A backward pass was asked of a method that has none.
+    NoBackward { method: String },
+    // [/step 04]
 }
 
 impl fmt::Display for AttnError {
@@ -205,6 +209,9 @@ impl fmt::Display for AttnError {
                 *bytes as f64 / 1e6
             ),
             AttnError::Device { what } => write!(f, "device error: {what}"),
+            // [step 04]
+            AttnError::NoBackward { method } => write!(f, "method {method:?} has no backward pass"),
+            // [/step 04]
         }
     }
 }

@@ -1,7 +1,14 @@
-//! One shape of function for every method, so one test table and one benchmark run them all.
-//! Each step exports its methods as [`Method`] values (its `methods()`); the root crate's
-//! registry lists them, one line per step.
+//! One trait for every method, so one test table and one benchmark run them all.
+//!
+//! Each method is a small type in the crate of the step that introduces it (`step01_naive::Naive`
+//! is the first) that implements [`Method`]: what the help says about it (name, step, device,
+//! one line) and its forward pass on host arrays, in the element type it is given. What a later
+//! step adds to the trait comes with a default that says the method lacks it, so that the
+//! methods of earlier steps need not change. Each step exports its methods (its `methods()`);
+//! the root crate's registry lists them, one line per step, so that a reader follows a call
+//! from the benchmark to the method's type, and from there to the code that computes it.
 
+use std::any::Any;
 use std::fmt;
 
 use ndarray::ArrayView4;
@@ -51,7 +58,8 @@ impl fmt::Display for Device {
     }
 }
 
-/// The element type a run computes in. CPU methods take `f32`; GPU methods say which they take.
+/// The element type a run computes in. CPU methods take `f32` ([`check_f32`]); GPU methods say
+/// which they take ([`Method::dtypes`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
@@ -100,17 +108,16 @@ impl fmt::Display for Dtype {
     }
 }
 
-/// One forward method: `f32` inputs `[batch, heads, tokens, head_dim]` in, output and
-/// log-sum-exp out.
-pub type ForwardFn =
-    fn(ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>) -> Result<Attention, AttnError>;
-
-// [step 03]
-/// A forward that computes in the element type it is given (a GPU method: bf16 or f16), on
-/// `f32` host arrays: the inputs are rounded to it, the output widened back.
-pub type ForwardDtypeFn =
-    fn(ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>, Dtype) -> Result<Attention, AttnError>;
-// [/step 03]
+/// `Ok` for `f32`, the one element type the CPU methods compute in; an error naming it for any
+/// other, so that a CPU method never computes in a type other than the one it was asked for.
+pub fn check_f32(dtype: Dtype) -> Result<(), AttnError> {
+    if dtype == Dtype::F32 {
+        return Ok(());
+    }
+    Err(AttnError::Unsupported {
+        what: format!("the CPU methods compute in f32, not {dtype}"),
+    })
+}
 
 // [step 04]
 /// The gradients of a scalar loss with respect to q, k and v, each `[batch, heads, tokens,
@@ -132,27 +139,6 @@ impl Grads {
         }
     }
 }
-
-/// One backward method: q, k, v, what the forward returned for them (its log-sum-exp is what
-/// lets the backward rebuild the probabilities without a stored table), and the gradient of the
-/// output `dO`, all `f32`, in; dq, dk and dv out.
-pub type BackwardFn = fn(
-    ArrayView4<f32>,
-    ArrayView4<f32>,
-    ArrayView4<f32>,
-    &Attention,
-    ArrayView4<f32>,
-) -> Result<Grads, AttnError>;
-
-/// [`BackwardFn`] in the element type it is given, like [`ForwardDtypeFn`].
-pub type BackwardDtypeFn = fn(
-    ArrayView4<f32>,
-    ArrayView4<f32>,
-    ArrayView4<f32>,
-    &Attention,
-    ArrayView4<f32>,
-    Dtype,
-) -> Result<Grads, AttnError>;
 // [/step 04]
 
 // [step 03]
@@ -193,125 +179,96 @@ pub trait DeviceRun {
     // [/step 04]
 }
 
-/// How the benchmark drives a GPU method.
-#[derive(Clone, Copy, Debug)]
-pub struct DeviceHooks {
-    /// One line about the device: name, compute capability, driver and NVRTC versions;
-    /// `AttnError::Device` when there is no usable device.
-    pub describe: fn() -> Result<String, AttnError>,
-    /// Makes random inputs of the spec on the device and returns the run that times one pass.
-    pub prepare: fn(&DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError>,
+/// What a CPU method answers when it is asked about a device or to prepare a run on one.
+pub fn not_on_a_device(method: &str) -> AttnError {
+    AttnError::Device {
+        what: format!("{method} runs on the CPU, not on a GPU"),
+    }
 }
 // [/step 03]
 
-/// A method and what a reader needs to know to pick it.
-#[derive(Clone, Copy, Debug)]
-pub struct Method {
+/// An attention method: what a reader needs to know to pick it, and its passes.
+///
+/// It is `Any` so that the registry can find a method by its type and put a later step's
+/// extension of it in its place: that is how step 04 gives methods of earlier steps a backward.
+pub trait Method: Any + Send + Sync {
     /// The name the benchmark's `--methods` takes.
-    pub name: &'static str,
+    fn name(&self) -> &'static str;
     /// The step that introduces it.
-    pub step: &'static str,
-    pub device: Device,
+    fn step(&self) -> &'static str;
+    fn device(&self) -> Device;
     /// One line: what it does and what it keeps in memory.
-    pub about: &'static str,
-    /// The forward pass on host arrays (a GPU method copies in and out): what the tests and
-    /// the `attend` command call.
-    pub forward: ForwardFn,
+    fn about(&self) -> &'static str;
     /// What runs on this machine, when that is decided at run time: the SIMD path, the thread
-    /// count, the kernel and its tiles. The benchmark prints it next to `about`.
-    pub implementation: Option<fn() -> String>,
+    /// count, the kernel and its tiles. The benchmark prints it next to the name.
+    fn implementation(&self) -> String {
+        self.about().to_string()
+    }
+    /// The element types it computes in, its default first: f32 on the CPU, bf16 and f16 for
+    /// the GPU methods.
+    fn dtypes(&self) -> &'static [Dtype] {
+        &[Dtype::F32]
+    }
+    /// The forward pass on `f32` host arrays `[batch, heads, tokens, head_dim]`, computed in
+    /// `dtype` (a GPU method rounds the inputs to it and widens its output back): the output
+    /// and each row's log-sum-exp. What the tests and `attend` call.
+    fn forward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError>;
     // [step 03]
-    /// For GPU methods: how the benchmark prepares the forward on the device and times it.
-    pub gpu: Option<DeviceHooks>,
-    /// For methods that compute in more than one element type: [`Method::forward`] in the
-    /// one asked for (what `attend --dtype` calls); `forward` is this in the first of
-    /// [`Method::dtypes`].
-    pub forward_dtype: Option<ForwardDtypeFn>,
+    /// For a GPU method: one line about the device (name, compute capability, driver and
+    /// NVRTC versions) for the benchmark's header; `AttnError::Device` when there is no
+    /// usable device.
+    fn describe_device(&self) -> Result<String, AttnError> {
+        Err(not_on_a_device(self.name()))
+    }
+    /// For a GPU method: random inputs of `spec` made on the device, and the forward on them
+    /// ready to be timed (what the benchmark measures on a GPU).
+    fn prepare_forward(&self, _spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        Err(not_on_a_device(self.name()))
+    }
     // [/step 03]
     // [step 04]
-    /// The backward pass on host arrays, for methods that have one.
-    pub backward: Option<BackwardFn>,
-    /// For GPU methods with a backward: the forward and the backward prepared and timed
-    /// together on the device.
-    pub gpu_backward: Option<DeviceHooks>,
-    /// The backward in the element type asked for, as `forward_dtype` is the forward.
-    pub backward_dtype: Option<BackwardDtypeFn>,
+    /// Whether it has a backward pass: what `--backward` and `attend --dout` choose by. A
+    /// method that has one overrides this and [`Method::backward`] (and, on a GPU,
+    /// [`Method::prepare_backward`]).
+    fn has_backward(&self) -> bool {
+        false
+    }
+    /// The backward pass on host arrays, computed in `dtype`: q, k, v, what the forward
+    /// returned for them (its log-sum-exp lets the backward rebuild the probabilities without
+    /// a stored table), and the gradient of the output `dout` in; dq, dk and dv out.
+    /// [`AttnError::NoBackward`] for a method without one.
+    fn backward(
+        &self,
+        _q: ArrayView4<f32>,
+        _k: ArrayView4<f32>,
+        _v: ArrayView4<f32>,
+        _fwd: &Attention,
+        _dout: ArrayView4<f32>,
+        _dtype: Dtype,
+    ) -> Result<Grads, AttnError> {
+        Err(AttnError::NoBackward {
+            method: self.name().into(),
+        })
+    }
+    /// For a GPU method with a backward: the forward and the backward prepared together on
+    /// the device, as [`Method::prepare_forward`] prepares the forward.
+    fn prepare_backward(&self, _spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        Err(AttnError::NoBackward {
+            method: self.name().into(),
+        })
+    }
     // [/step 04]
     // [step 07]
-    /// Whether the device hooks spread one call over several GPUs (`--gpus`).
-    pub multi_gpu: bool,
-    // [/step 07]
-}
-
-impl Method {
-    /// A forward-only method; the `with_*` functions below add the rest.
-    pub const fn new(
-        name: &'static str,
-        step: &'static str,
-        device: Device,
-        about: &'static str,
-        forward: ForwardFn,
-    ) -> Method {
-        Method {
-            name,
-            step,
-            device,
-            about,
-            forward,
-            implementation: None,
-            // [step 03]
-            gpu: None,
-            forward_dtype: None,
-            // [/step 03]
-            // [step 04]
-            backward: None,
-            gpu_backward: None,
-            backward_dtype: None,
-            // [/step 04]
-            multi_gpu: false, // [step 07]
-        }
-    }
-
-    pub const fn with_implementation(mut self, implementation: fn() -> String) -> Method {
-        self.implementation = Some(implementation);
-        self
-    }
-
-    // [step 03]
-    pub const fn with_gpu(mut self, gpu: DeviceHooks) -> Method {
-        self.gpu = Some(gpu);
-        self
-    }
-
-    pub const fn with_dtype(mut self, forward_dtype: ForwardDtypeFn) -> Method {
-        self.forward_dtype = Some(forward_dtype);
-        self
-    }
-
-    // [step 07]
-    /// Marks a method whose device hooks take [`DeviceRunSpec::gpus`] GPUs.
-    pub const fn with_multi_gpu(mut self) -> Method {
-        self.multi_gpu = true;
-        self
+    /// Whether its runs prepared on the device spread one call over [`DeviceRunSpec::gpus`]
+    /// GPUs (`--gpus`).
+    fn multi_gpu(&self) -> bool {
+        false
     }
     // [/step 07]
-
-    /// The element types the method computes in, its default first: f32 on the CPU, bf16
-    /// and f16 for a GPU method that takes either.
-    pub fn dtypes(&self) -> &'static [Dtype] {
-        match (self.forward_dtype, self.device) {
-            (Some(_), _) => &[Dtype::Bf16, Dtype::F16],
-            (None, Device::Cpu) => &[Dtype::F32],
-            (None, Device::Cuda) => &[Dtype::Bf16],
-        }
-    }
-    // [/step 03]
-
-    /// What runs here: the method's own report if it has one, else its one-line description.
-    pub fn implementation(&self) -> String {
-        match self.implementation {
-            Some(report) => report(),
-            None => self.about.to_string(),
-        }
-    }
 }

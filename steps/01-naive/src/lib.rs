@@ -11,21 +11,44 @@
 //!
 //! - [`attention`]: the method itself, in four visible stages ([`scores`], [`apply_causal_mask`],
 //!   [`softmax_rows`], then the product with v).
-//! - [`methods`]: what this step adds to the benchmark's registry.
+//! - [`Naive`]: the method as the benchmark's registry lists it ([`methods`]).
 
-use flash_core::{Attention, AttnError, Device, Method, check_qkv, try_zeros};
+use flash_core::{Attention, AttnError, Device, Dtype, Method, check_f32, check_qkv, try_zeros};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array3, Array4, ArrayView4, s};
 
 /// This step's methods, as the benchmark and the cross-step tests run them.
-pub fn methods() -> Vec<Method> {
-    vec![Method::new(
-        "naive",
-        "01-naive",
-        Device::Cpu,
-        "attention by hand: the whole [b, h, T, T] table of scores, single-threaded",
-        attention,
-    )]
+pub fn methods() -> Vec<&'static dyn Method> {
+    vec![&Naive]
+}
+
+/// `naive`: [`attention`], the method every later one is checked against.
+#[derive(Clone, Copy, Debug)]
+pub struct Naive;
+
+impl Method for Naive {
+    fn name(&self) -> &'static str {
+        "naive"
+    }
+    fn step(&self) -> &'static str {
+        "01-naive"
+    }
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn about(&self) -> &'static str {
+        "attention by hand: the whole [b, h, T, T] table of scores, single-threaded"
+    }
+    fn forward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        check_f32(dtype)?;
+        attention(q, k, v)
+    }
 }
 
 // ANCHOR: by_hand

@@ -47,7 +47,7 @@
 //!   one head's keys and values, then runs the query blocks in parallel.
 //! - [`kernels`]: the micro-kernels in three instruction sets ([`Isa`]), the `2^x` polynomial,
 //!   and all of the crate's `unsafe`.
-//! - [`methods`]: what this step adds to the benchmark's registry.
+//! - [`OnlineLoop`], [`Online`]: the two as the benchmark's registry lists them ([`methods`]).
 //! - `examples/online-speed.rs`: milliseconds and GFLOP/s at 1k–8k tokens, and the alternatives
 //!   measured; `benches/online.rs`: criterion.
 
@@ -59,25 +59,71 @@ pub use blocked::{DEFAULT_BLOCK, attention_blocked, attention_loop};
 pub use fast::{Config, attention, attention_with};
 pub use kernels::Isa;
 
-use flash_core::{Device, Method};
+use flash_core::{Attention, AttnError, Device, Dtype, Method, check_f32};
+use ndarray::ArrayView4;
 
 /// This step's methods, as the benchmark and the cross-step tests run them.
-pub fn methods() -> Vec<Method> {
-    vec![
-        Method::new(
-            "online_loop",
-            "02-online-softmax",
-            Device::Cpu,
-            "the online softmax as plain loops, blocks of 64: a running max, sum and output per row, no T×T table; single-threaded",
-            attention_loop,
-        ),
-        Method::new(
-            "online",
-            "02-online-softmax",
-            Device::Cpu,
-            "the online softmax, parallel over (sequence, head, query block), AVX-512/AVX2 micro-kernels, 2^x by polynomial; no T×T table",
-            attention,
-        )
-        .with_implementation(fast::implementation),
-    ]
+pub fn methods() -> Vec<&'static dyn Method> {
+    vec![&OnlineLoop, &Online]
+}
+
+/// `online_loop`: [`attention_loop`], the readable version.
+#[derive(Clone, Copy, Debug)]
+pub struct OnlineLoop;
+
+impl Method for OnlineLoop {
+    fn name(&self) -> &'static str {
+        "online_loop"
+    }
+    fn step(&self) -> &'static str {
+        "02-online-softmax"
+    }
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn about(&self) -> &'static str {
+        "the online softmax as plain loops, blocks of 64: a running max, sum and output per row, no T×T table; single-threaded"
+    }
+    fn forward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        check_f32(dtype)?;
+        attention_loop(q, k, v)
+    }
+}
+
+/// `online`: [`attention`], the fast version.
+#[derive(Clone, Copy, Debug)]
+pub struct Online;
+
+impl Method for Online {
+    fn name(&self) -> &'static str {
+        "online"
+    }
+    fn step(&self) -> &'static str {
+        "02-online-softmax"
+    }
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+    fn about(&self) -> &'static str {
+        "the online softmax, parallel over (sequence, head, query block), AVX-512/AVX2 micro-kernels, 2^x by polynomial; no T×T table"
+    }
+    fn implementation(&self) -> String {
+        fast::implementation()
+    }
+    fn forward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        check_f32(dtype)?;
+        attention(q, k, v)
+    }
 }

@@ -49,8 +49,9 @@
 //! - [`by_hand`]: attention by hand on the GPU (cuBLAS and `kernels/causal_softmax.cu`).
 //! - [`ptxas`]: what the kernel-check binaries share; `src/bin/kernel-check.rs` compiles every
 //!   kernel the library launches with NVRTC and ptxas and fails on any spill (no GPU needed).
-//! - [`tool`], [`methods`](mod@methods): the command-line tools' flag parsers, and the step's
-//!   methods for the benchmark's registry.
+//! - [`tool`]: the command-line tools' flag parsers.
+//! - [`methods`](mod@methods): the step's methods in the registry, [`Ladder`], [`CudaNaive`]
+//!   and [`CudaFlash`].
 
 pub mod by_hand;
 pub mod host;
@@ -60,7 +61,7 @@ pub mod methods;
 pub mod ptxas;
 pub mod tool;
 
-pub use methods::methods;
+pub use methods::{CudaFlash, CudaNaive, Ladder, methods};
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -1,145 +1,164 @@
-//! This step's methods in the registry: the kernel and attention by hand on the GPU, on host
-//! arrays for the tests and `attend`, and prepared on the device for the benchmark (inputs
-//! made once there, each timed run bracketed by CUDA events, peak memory from the
-//! stream-ordered pool's high-water mark).
+//! This step's methods in the registry, one type each: the three lower rungs of the ladder
+//! ([`Ladder`]), attention by hand on the GPU ([`CudaNaive`]) and the kernel ([`CudaFlash`]).
+//! Each runs on host arrays for the tests and `attend`, and is prepared on the device for the
+//! benchmark (inputs made once there, each timed run bracketed by CUDA events, peak memory from
+//! the stream-ordered pool's high-water mark).
 
 use flash_core::inputs::random_qkv;
-use flash_core::method::{DeviceHooks, DeviceRun, DeviceRunSpec, ForwardDtypeFn};
-use flash_core::{Attention, AttnError, Device, Dtype, ForwardFn, Method, check_qkv};
+use flash_core::method::{DeviceRun, DeviceRunSpec};
+use flash_core::{Attention, AttnError, Device, Dtype, Method, check_qkv};
 use ndarray::ArrayView4;
 
 use crate::{DeviceAttention, DeviceTensor, ForwardConfig, Gpu, Rung, half_dtype};
 
-/// This step's methods, as the benchmark and the cross-step tests run them.
-pub fn methods() -> Vec<Method> {
-    // the ladder of kernels that leads to the FlashAttention kernel, rung by rung: each rung's
-    // name and description are the ladder's own (the last rung is cuda_flash, below)
-    let ladder = (0..3).map(|i| {
-        let rung = Rung::ALL[i];
-        Method::new(
-            rung.name(),
-            "03-cuda-forward",
-            Device::Cuda,
-            rung.describe(),
-            LADDER_FORWARD[i],
-        )
-        .with_dtype(LADDER_FORWARD_DTYPE[i])
-        .with_gpu(LADDER_HOOKS[i])
-    });
-    ladder
-        .chain([
-        Method::new(
-            "cuda_naive",
-            "03-cuda-forward",
-            Device::Cuda,
-            "attention by hand on the GPU: cuBLAS products and a softmax kernel through the whole [b·h, T, T] table in device memory",
-            naive_forward,
-        )
-        .with_dtype(naive_forward_dtype)
-        .with_gpu(NAIVE_HOOKS),
-        Method::new(
-            "cuda_flash",
-            "03-cuda-forward",
-            Device::Cuda,
-            "the FlashAttention forward kernel: tensor cores (mma.sync), keys and values streamed through shared memory, no T×T table",
-            flash_forward,
-        )
-        .with_dtype(flash_forward_dtype)
-        .with_implementation(flash_implementation)
-        .with_gpu(FLASH_HOOKS),
-        ])
-        .collect()
+/// This step's methods, as the benchmark and the cross-step tests run them: the ladder of
+/// kernels that leads to the FlashAttention kernel, attention by hand, then the kernel itself
+/// (the ladder's last rung).
+pub fn methods() -> Vec<&'static dyn Method> {
+    vec![
+        &Ladder(Rung::Rows),
+        &Ladder(Rung::Shared),
+        &Ladder(Rung::MmaSyncLoads),
+        &CudaNaive,
+        &CudaFlash,
+    ]
 }
 
-/// Rungs 1 to 3 on host arrays, in bf16 and in the dtype asked for.
-const LADDER_FORWARD: [ForwardFn; 3] = [
-    ladder_forward::<0>,
-    ladder_forward::<1>,
-    ladder_forward::<2>,
-];
-const LADDER_FORWARD_DTYPE: [ForwardDtypeFn; 3] = [
-    ladder_forward_dtype::<0>,
-    ladder_forward_dtype::<1>,
-    ladder_forward_dtype::<2>,
-];
+/// What every method of this step computes in, its default first.
+const HALF: &[Dtype] = &[Dtype::Bf16, Dtype::F16];
 
 /// One line about the GPU, for the benchmark's header.
 pub fn describe() -> Result<String, AttnError> {
     Ok(Gpu::shared()?.describe())
 }
 
-/// The kernel on host arrays, in bf16: `out` and the log-sum-exp, nothing of size T².
-pub fn flash_forward(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-) -> Result<Attention, AttnError> {
-    flash_forward_dtype(q, k, v, Dtype::Bf16)
+/// A lower rung of the ladder (rungs 1 to 3; rung 4 is [`CudaFlash`]): its name and
+/// description are the ladder's own.
+#[derive(Clone, Copy, Debug)]
+pub struct Ladder(pub Rung);
+
+impl Method for Ladder {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn step(&self) -> &'static str {
+        "03-cuda-forward"
+    }
+    fn device(&self) -> Device {
+        Device::Cuda
+    }
+    fn about(&self) -> &'static str {
+        self.0.describe()
+    }
+    fn dtypes(&self) -> &'static [Dtype] {
+        HALF
+    }
+    fn forward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        // bad shapes and dtypes are refused the same way with or without a GPU
+        check_qkv(&q, &k, &v)?;
+        let dtype = half_dtype(dtype)?;
+        Gpu::shared()?.ladder_attention(self.0, q, k, v, dtype)
+    }
+    fn describe_device(&self) -> Result<String, AttnError> {
+        describe()
+    }
+    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        prepare(Which::Ladder(self.0), spec)
+    }
 }
 
-/// [`flash_forward`] in bf16 or f16.
-pub fn flash_forward_dtype(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-    dtype: Dtype,
-) -> Result<Attention, AttnError> {
-    // bad shapes and dtypes are refused the same way with or without a GPU
-    check_qkv(&q, &k, &v)?;
-    let dtype = half_dtype(dtype)?;
-    Gpu::shared()?.attention(q, k, v, dtype)
-}
-
-/// A rung of the ladder (`Rung::ALL[R]`) on host arrays, in bf16.
-pub fn ladder_forward<const R: usize>(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-) -> Result<Attention, AttnError> {
-    ladder_forward_dtype::<R>(q, k, v, Dtype::Bf16)
-}
-
-/// [`ladder_forward`] in bf16 or f16.
-pub fn ladder_forward_dtype<const R: usize>(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-    dtype: Dtype,
-) -> Result<Attention, AttnError> {
-    check_qkv(&q, &k, &v)?;
-    let dtype = half_dtype(dtype)?;
-    Gpu::shared()?.ladder_attention(Rung::ALL[R], q, k, v, dtype)
-}
-
-/// Attention by hand on the GPU on host arrays, in bf16: cuBLAS, the whole table, a softmax
+/// `cuda_naive`: attention by hand on the GPU, cuBLAS through the whole table and a softmax
 /// kernel.
-pub fn naive_forward(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-) -> Result<Attention, AttnError> {
-    naive_forward_dtype(q, k, v, Dtype::Bf16)
+#[derive(Clone, Copy, Debug)]
+pub struct CudaNaive;
+
+impl Method for CudaNaive {
+    fn name(&self) -> &'static str {
+        "cuda_naive"
+    }
+    fn step(&self) -> &'static str {
+        "03-cuda-forward"
+    }
+    fn device(&self) -> Device {
+        Device::Cuda
+    }
+    fn about(&self) -> &'static str {
+        "attention by hand on the GPU: cuBLAS products and a softmax kernel through the whole [b·h, T, T] table in device memory"
+    }
+    fn dtypes(&self) -> &'static [Dtype] {
+        HALF
+    }
+    fn forward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        check_qkv(&q, &k, &v)?;
+        let dtype = half_dtype(dtype)?;
+        Gpu::shared()?.attention_by_hand(q, k, v, dtype)
+    }
+    fn describe_device(&self) -> Result<String, AttnError> {
+        describe()
+    }
+    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        prepare(Which::ByHand, spec)
+    }
 }
 
-/// [`naive_forward`] in bf16 or f16.
-pub fn naive_forward_dtype(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-    dtype: Dtype,
-) -> Result<Attention, AttnError> {
-    check_qkv(&q, &k, &v)?;
-    let dtype = half_dtype(dtype)?;
-    Gpu::shared()?.attention_by_hand(q, k, v, dtype)
-}
+/// `cuda_flash`: the FlashAttention forward kernel, `kernels/flash_forward.cu`: the output and
+/// the log-sum-exp, nothing of size T².
+#[derive(Clone, Copy, Debug)]
+pub struct CudaFlash;
 
-/// What `cuda_flash` runs: the kernel, its tiles for head dim 64, how it loads.
-pub fn flash_implementation() -> String {
-    let c = ForwardConfig::for_head_dim(64);
-    format!(
-        "flash_forward.cu: {} (head dim 64), mma.sync m16n8k16, cp.async two stages, NVRTC",
-        c.describe()
-    )
+impl Method for CudaFlash {
+    fn name(&self) -> &'static str {
+        "cuda_flash"
+    }
+    fn step(&self) -> &'static str {
+        "03-cuda-forward"
+    }
+    fn device(&self) -> Device {
+        Device::Cuda
+    }
+    fn about(&self) -> &'static str {
+        "the FlashAttention forward kernel: tensor cores (mma.sync), keys and values streamed through shared memory, no T×T table"
+    }
+    /// The kernel, its tiles for head dim 64, how it loads.
+    fn implementation(&self) -> String {
+        let c = ForwardConfig::for_head_dim(64);
+        format!(
+            "flash_forward.cu: {} (head dim 64), mma.sync m16n8k16, cp.async two stages, NVRTC",
+            c.describe()
+        )
+    }
+    fn dtypes(&self) -> &'static [Dtype] {
+        HALF
+    }
+    fn forward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        check_qkv(&q, &k, &v)?;
+        let dtype = half_dtype(dtype)?;
+        Gpu::shared()?.attention(q, k, v, dtype)
+    }
+    fn describe_device(&self) -> Result<String, AttnError> {
+        describe()
+    }
+    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        prepare(Which::Flash, spec)
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -225,27 +244,3 @@ impl DeviceRun for Prepared {
         gpu.download_attention(&r)
     }
 }
-
-pub const FLASH_HOOKS: DeviceHooks = DeviceHooks {
-    describe,
-    prepare: |spec| prepare(Which::Flash, spec),
-};
-/// Rungs 1 to 3 of the ladder, in order.
-pub const LADDER_HOOKS: [DeviceHooks; 3] = [
-    DeviceHooks {
-        describe,
-        prepare: |spec| prepare(Which::Ladder(Rung::ALL[0]), spec),
-    },
-    DeviceHooks {
-        describe,
-        prepare: |spec| prepare(Which::Ladder(Rung::ALL[1]), spec),
-    },
-    DeviceHooks {
-        describe,
-        prepare: |spec| prepare(Which::Ladder(Rung::ALL[2]), spec),
-    },
-];
-pub const NAIVE_HOOKS: DeviceHooks = DeviceHooks {
-    describe,
-    prepare: |spec| prepare(Which::ByHand, spec),
-};

@@ -35,10 +35,10 @@
 //! ## Layout
 //!
 //! - [`check_backward`]: the checks every backward runs before any work (CPU or GPU); the
-//!   result, [`Grads`], and the one shape of a backward function, [`BackwardFn`], are the shared
-//!   core's, so the registry can hold them.
-//! - [`add_backwards`]: what this step adds to the benchmark's registry: a backward for each
-//!   method that has one, by name.
+//!   result, [`Grads`], is the shared core's, so the registry's methods can return it;
+//!   [`BackwardFn`] is the one shape of this step's backward functions.
+//! - [`methods`](mod@methods): what this step adds to the benchmark's registry: [`WithBackward`],
+//!   four earlier methods each with its [`Backward`].
 //! - [`reference`](mod@reference): the `f64` backward, through the full table of probabilities.
 //! - [`by_hand`]: [`backward_by_hand`], `f32` through step 01's tables.
 //! - [`blockwise`]: [`backward`], [`backward_with_blocks`] and [`backward_two_pass`], with
@@ -62,11 +62,11 @@ pub mod cuda_by_hand;
 pub mod methods;
 pub mod reference;
 
-pub use methods::add_backwards;
+pub use methods::{Backward, WithBackward};
 
 pub use blockwise::{BlockSizes, backward, backward_two_pass, backward_with_blocks};
 pub use by_hand::backward_by_hand;
-pub use flash_core::method::{BackwardFn, Grads};
+pub use flash_core::method::Grads;
 pub use flash_core::{Attention, AttnError, Shape};
 /// The forward of this pair: step 01's attention by hand, which returns the output and the
 /// natural-log log-sum-exp of each row that every backward here needs.
@@ -74,6 +74,17 @@ pub use step01_naive::attention as forward;
 
 use flash_core::{check_qkv, check_same};
 use ndarray::ArrayView4;
+
+/// The shape of every backward function of this step: q, k, v, what the forward returned for
+/// them (its log-sum-exp is what lets the backward rebuild the probabilities without a stored
+/// table), and the gradient of the output `dO`, all `f32`, in; dq, dk and dv out.
+pub type BackwardFn = fn(
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    &Attention,
+    ArrayView4<f32>,
+) -> Result<Grads, AttnError>;
 
 // ANCHOR: check_backward
 /// Checks the inputs of a backward pass before any work and returns their common shape.

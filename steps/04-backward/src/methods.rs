@@ -1,82 +1,167 @@
-//! This step's part of the registry: it gives the methods of earlier steps their backward, by
-//! name, without touching their lines: `naive` the backward by hand, `online` the blockwise
-//! backward, `cuda_naive` the backward by hand on the GPU and `cuda_flash` the backward kernels
-//! (each GPU one on host arrays, and prepared on the device with its forward for the benchmark).
+//! This step's part of the registry. It adds no method; it gives four methods of earlier steps
+//! a backward. For each, [`Backward`] is implemented on the earlier step's type: `naive` the
+//! backward by hand, `online` the blockwise backward, `cuda_naive` the backward by hand on the
+//! GPU and `cuda_flash` the backward kernels (each GPU one on host arrays, and prepared on the
+//! device with its forward for the benchmark). [`WithBackward`] of that type is the method with
+//! its backward, which the registry puts where the method stood.
 
 use flash_core::inputs::random_normal;
-use flash_core::method::{DeviceHooks, DeviceRun, DeviceRunSpec};
-use flash_core::{Attention, AttnError, Dtype, Method};
+use flash_core::method::{DeviceRun, DeviceRunSpec, not_on_a_device};
+use flash_core::{Attention, AttnError, Device, Dtype, Method, check_f32};
 use ndarray::ArrayView4;
-use step03_cuda_forward::methods::{describe, prepare_inputs};
-use step03_cuda_forward::{DeviceAttention, DeviceTensor, Gpu, device_error};
+use step01_naive::Naive;
+use step02_online_softmax::Online;
+use step03_cuda_forward::methods::prepare_inputs;
+use step03_cuda_forward::{CudaFlash, CudaNaive, DeviceAttention, DeviceTensor, Gpu, device_error};
 
 use crate::cuda::{DeviceBackwardFn, DeviceForwardFn, DeviceGrads};
-use crate::{BackwardFn, Grads, check_backward, cuda, cuda_by_hand};
-use flash_core::method::BackwardDtypeFn;
+use crate::{Grads, check_backward, cuda, cuda_by_hand};
 
-/// A method's backward: on host arrays, in the element type asked for where it takes one,
-/// and prepared on the device for the benchmark.
-type Backwards = (
-    &'static str,
-    BackwardFn,
-    Option<BackwardDtypeFn>,
-    Option<DeviceHooks>,
-);
+/// An earlier step's method `M` with the backward this step gives it: `M`'s name, forward and
+/// device runs, and `M`'s [`Backward`].
+#[derive(Clone, Copy, Debug)]
+pub struct WithBackward<M>(pub M);
 
-/// Which backward goes with which method of the earlier steps.
-const BACKWARDS: &[Backwards] = &[
-    // the tables P and dP, [b, h, T, T] each
-    ("naive", crate::backward_by_hand, None, None),
-    // P rebuilt from the log-sum-exp a block at a time
-    ("online", crate::backward, None, None),
-    // cuBLAS through the tables P and dP on the GPU, [b·h, T, T] each
-    (
-        "cuda_naive",
-        gpu_backward::<BY_HAND>,
-        Some(gpu_backward_dtype::<BY_HAND>),
-        Some(HOOKS[BY_HAND]),
-    ),
-    // δ, then dK and dV per block of keys, then dQ per block of queries
-    (
-        "cuda_flash",
-        gpu_backward::<FLASH>,
-        Some(gpu_backward_dtype::<FLASH>),
-        Some(HOOKS[FLASH]),
-    ),
-];
-
-/// Gives each method of `methods` that has a backward in this step its backward.
-pub fn add_backwards(methods: &mut [Method]) {
-    for m in methods.iter_mut() {
-        if let Some(&(_, host, dtype, gpu)) = BACKWARDS.iter().find(|(name, ..)| *name == m.name) {
-            m.backward = Some(host);
-            m.backward_dtype = dtype;
-            m.gpu_backward = gpu;
-        }
+/// What this step gives a method of an earlier step: its backward pass, on host arrays and,
+/// for a GPU method, prepared with its forward on the device. [`WithBackward`] makes the two
+/// one [`Method`].
+pub trait Backward: Method {
+    /// [`Method::backward`].
+    fn backward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        fwd: &Attention,
+        dout: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Grads, AttnError>;
+    /// [`Method::prepare_backward`]; a CPU method has nothing to prepare.
+    fn prepare_backward(&self, _spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        Err(not_on_a_device(self.name()))
     }
 }
 
-/// A GPU backward (`PAIRS[P]`'s) on host arrays, in bf16, after a forward that returned `fwd`.
-pub fn gpu_backward<const P: usize>(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-    fwd: &Attention,
-    dout: ArrayView4<f32>,
-) -> Result<Grads, AttnError> {
-    gpu_backward_dtype::<P>(q, k, v, fwd, dout, Dtype::Bf16)
+impl<M: Backward> Method for WithBackward<M> {
+    fn name(&self) -> &'static str {
+        self.0.name()
+    }
+    fn step(&self) -> &'static str {
+        self.0.step()
+    }
+    fn device(&self) -> Device {
+        self.0.device()
+    }
+    fn about(&self) -> &'static str {
+        self.0.about()
+    }
+    fn implementation(&self) -> String {
+        self.0.implementation()
+    }
+    fn dtypes(&self) -> &'static [Dtype] {
+        self.0.dtypes()
+    }
+    fn forward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        self.0.forward(q, k, v, dtype)
+    }
+    fn describe_device(&self) -> Result<String, AttnError> {
+        self.0.describe_device()
+    }
+    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        self.0.prepare_forward(spec)
+    }
+    fn has_backward(&self) -> bool {
+        true
+    }
+    fn backward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        fwd: &Attention,
+        dout: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Grads, AttnError> {
+        Backward::backward(&self.0, q, k, v, fwd, dout, dtype)
+    }
+    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        Backward::prepare_backward(&self.0, spec)
+    }
 }
 
-/// [`gpu_backward`] in bf16 or f16.
-pub fn gpu_backward_dtype<const P: usize>(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-    fwd: &Attention,
-    dout: ArrayView4<f32>,
-    dtype: Dtype,
-) -> Result<Grads, AttnError> {
-    on_host(PAIRS[P].backward, q, k, v, fwd, dout, dtype)
+/// `naive`'s: through the tables P and dP, [b, h, T, T] each.
+impl Backward for Naive {
+    fn backward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        fwd: &Attention,
+        dout: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Grads, AttnError> {
+        check_f32(dtype)?;
+        crate::backward_by_hand(q, k, v, fwd, dout)
+    }
+}
+
+/// `online`'s: P rebuilt from the log-sum-exp a block at a time.
+impl Backward for Online {
+    fn backward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        fwd: &Attention,
+        dout: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Grads, AttnError> {
+        check_f32(dtype)?;
+        crate::backward(q, k, v, fwd, dout)
+    }
+}
+
+/// `cuda_naive`'s: cuBLAS through the tables P and dP on the GPU, [b·h, T, T] each.
+impl Backward for CudaNaive {
+    fn backward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        fwd: &Attention,
+        dout: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Grads, AttnError> {
+        on_host(cuda_by_hand::backward, q, k, v, fwd, dout, dtype)
+    }
+    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        prepare(BY_HAND, spec)
+    }
+}
+
+/// `cuda_flash`'s: δ, then dK and dV per block of keys, then dQ per block of queries
+/// (`kernels/flash_backward.cu`).
+impl Backward for CudaFlash {
+    fn backward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        fwd: &Attention,
+        dout: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Grads, AttnError> {
+        on_host(cuda::backward, q, k, v, fwd, dout, dtype)
+    }
+    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        prepare(FLASH, spec)
+    }
 }
 
 /// A backward on device tensors run on host arrays: the inputs and what the forward returned
@@ -139,24 +224,18 @@ pub struct Pair {
     pub backward: DeviceBackwardFn,
 }
 
-/// The GPU methods' pairs: `cuda_naive`'s, attention by hand both ways, and `cuda_flash`'s, the
-/// kernels.
-const PAIRS: [Pair; 2] = [
-    Pair {
-        forward: Gpu::by_hand,
-        forward_into: None,
-        backward: cuda_by_hand::backward,
-    },
-    Pair {
-        forward: Gpu::forward,
-        forward_into: Some(Gpu::forward_into),
-        backward: cuda::backward,
-    },
-];
-/// `cuda_naive`'s place in [`PAIRS`].
-pub const BY_HAND: usize = 0;
-/// `cuda_flash`'s place in [`PAIRS`].
-pub const FLASH: usize = 1;
+/// `cuda_naive`'s pair: attention by hand both ways.
+pub const BY_HAND: Pair = Pair {
+    forward: Gpu::by_hand,
+    forward_into: None,
+    backward: cuda_by_hand::backward,
+};
+/// `cuda_flash`'s pair: the kernels.
+pub const FLASH: Pair = Pair {
+    forward: Gpu::forward,
+    forward_into: Some(Gpu::forward_into),
+    backward: cuda::backward,
+};
 
 /// A forward and its backward, prepared together on the device.
 struct Prepared {
@@ -232,15 +311,3 @@ impl DeviceRun for Prepared {
         download_grads(self.gpu, &g).map(Some)
     }
 }
-
-/// Each pair's forward and backward prepared for the benchmark, in the order of [`PAIRS`].
-pub const HOOKS: [DeviceHooks; 2] = [
-    DeviceHooks {
-        describe,
-        prepare: |spec| prepare(PAIRS[BY_HAND], spec),
-    },
-    DeviceHooks {
-        describe,
-        prepare: |spec| prepare(PAIRS[FLASH], spec),
-    },
-];

@@ -10,7 +10,7 @@ use step03_cuda_forward::{Dtype, Gpu};
 use step06_hopper::forward;
 use step06_hopper::kernel::{ForwardKernel, ForwardRung, HEAD_DIMS};
 use step06_hopper::layout::TmaRank;
-use step06_hopper::methods::on_device;
+use step06_hopper::methods::Forward;
 
 /// The kernel's log-sum-exp is accumulated in f32 from the 16-bit inputs' exact products.
 const KERNEL_LSE: f64 = 1e-3;
@@ -39,13 +39,14 @@ fn every_kernel(d: usize) -> Vec<ForwardKernel> {
     all
 }
 
-/// `cuda_hopper`'s forward on host arrays, in bf16.
+/// `cuda_hopper`'s forward on host arrays.
 fn hopper_forward(
     q: ndarray::ArrayView4<f32>,
     k: ndarray::ArrayView4<f32>,
     v: ndarray::ArrayView4<f32>,
+    dtype: Dtype,
 ) -> Result<flash_core::Attention, AttnError> {
-    on_device(ForwardKernel::for_shape, q, k, v, Dtype::Bf16)
+    Forward::Library.on_host(q, k, v, dtype)
 }
 
 // ANCHOR: check_hopper
@@ -108,15 +109,15 @@ fn hopper_forward_is_causal_and_deterministic() {
 
 fn causal_and_deterministic(shape: Shape) {
     let [q, k, v] = random_qkv(shape, 5);
-    let first = hopper_forward(q.view(), k.view(), v.view()).unwrap();
-    let again = hopper_forward(q.view(), k.view(), v.view()).unwrap();
+    let first = hopper_forward(q.view(), k.view(), v.view(), Dtype::Bf16).unwrap();
+    let again = hopper_forward(q.view(), k.view(), v.view(), Dtype::Bf16).unwrap();
     assert_eq!(first.out, again.out, "{shape}: two runs differ");
     assert_eq!(first.lse, again.lse, "{shape}: two runs differ");
     // a change to the keys and values after row 150 leaves rows 0..=150 exactly as they were
     let (mut k2, mut v2) = (k.clone(), v.clone());
     k2.slice_mut(ndarray::s![.., .., 151.., ..]).fill(3.0);
     v2.slice_mut(ndarray::s![.., .., 151.., ..]).fill(-7.0);
-    let changed = hopper_forward(q.view(), k2.view(), v2.view()).unwrap();
+    let changed = hopper_forward(q.view(), k2.view(), v2.view(), Dtype::Bf16).unwrap();
     let rows = ndarray::s![.., .., ..151, ..];
     assert_eq!(
         first.out.slice(rows),
@@ -130,7 +131,7 @@ fn causal_and_deterministic(shape: Shape) {
 fn hopper_forward_refuses_head_dims_it_lacks_naming_the_ones_it_takes() {
     for d in [32, 96] {
         let [q, k, v] = random_qkv(Shape::new(1, 1, 16, d), 1);
-        match hopper_forward(q.view(), k.view(), v.view()) {
+        match hopper_forward(q.view(), k.view(), v.view(), Dtype::Bf16) {
             Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
                 assert!(e.to_string().contains("64, 128"), "{e}")
             }
@@ -146,7 +147,7 @@ fn no_gpu_is_an_error_not_a_panic() {
         return;
     }
     let [q, k, v] = random_qkv(Shape::new(1, 1, 8, 64), 1);
-    let e = hopper_forward(q.view(), k.view(), v.view()).unwrap_err();
+    let e = hopper_forward(q.view(), k.view(), v.view(), Dtype::Bf16).unwrap_err();
     assert!(
         e.to_string().contains("GPU") || e.to_string().contains("CUDA"),
         "{e}"

@@ -25,8 +25,9 @@ fn hopper_backward(
     v: ndarray::ArrayView4<f32>,
     fwd: &flash_core::Attention,
     dout: ndarray::ArrayView4<f32>,
+    dtype: Dtype,
 ) -> Result<flash_core::method::Grads, AttnError> {
-    step04_backward::methods::on_host(backward::backward, q, k, v, fwd, dout, Dtype::Bf16)
+    step04_backward::methods::on_host(backward::backward, q, k, v, fwd, dout, dtype)
 }
 
 /// Every set of kernels a method launches at head dim `d`, whatever the length: both rungs in
@@ -172,14 +173,24 @@ fn hopper_backward_on_host_arrays_refuses_what_it_cannot_take() {
     let [q, k, v] = random_qkv(shape, 1);
     let fwd = step01_forward(&q, &k, &v);
     let dout = random_normal(shape, 2);
-    match hopper_backward(q.view(), k.view(), v.view(), &fwd, dout.view()) {
+    match hopper_backward(q.view(), k.view(), v.view(), &fwd, dout.view(), Dtype::Bf16) {
         Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
             assert!(e.to_string().contains("64, 128"), "{e}")
         }
         other => panic!("head dim 96: {:?}", other.map(|_| ())),
     }
     let wrong = random_normal(Shape::new(1, 2, 41, 96), 2);
-    assert!(hopper_backward(q.view(), k.view(), v.view(), &fwd, wrong.view()).is_err());
+    assert!(
+        hopper_backward(
+            q.view(),
+            k.view(),
+            v.view(),
+            &fwd,
+            wrong.view(),
+            Dtype::Bf16
+        )
+        .is_err()
+    );
 }
 
 fn step01_forward(q: &Array4<f32>, k: &Array4<f32>, v: &Array4<f32>) -> flash_core::Attention {
@@ -196,7 +207,8 @@ fn no_gpu_is_an_error_not_a_panic() {
     let [q, k, v] = random_qkv(shape, 1);
     let fwd = step01_forward(&q, &k, &v);
     let dout = random_normal(shape, 2);
-    let e = hopper_backward(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap_err();
+    let e =
+        hopper_backward(q.view(), k.view(), v.view(), &fwd, dout.view(), Dtype::Bf16).unwrap_err();
     assert!(
         e.to_string().contains("GPU") || e.to_string().contains("CUDA"),
         "{e}"

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::method::Grads;
-use flash_core::method::{DeviceHooks, DeviceRun, DeviceRunSpec};
+use flash_core::method::{DeviceRun, DeviceRunSpec};
 use flash_core::{Attention, AttnError, Device, Dtype, Method, Shape, check_qkv};
 use ndarray::{Array3, Array4, ArrayView4, s};
 use step03_cuda_forward::methods::describe;
@@ -20,22 +20,68 @@ use crate::gpu::{Ranks, RingAttention, Shard, ShardAttention, ring_forward};
 pub const HOST_RANKS: Ranks = Ranks::Simulated { gpu: 0, ranks: 2 };
 
 /// This step's methods.
-pub fn methods() -> Vec<Method> {
-    let mut ring = Method::new(
-        "cuda_ring",
-        "07-multi-gpu",
-        Device::Cuda,
-        "ring attention: the sequence split zig-zag over GPUs, keys and values passed round a ring (NCCL) while each GPU runs step 03's and step 04's kernels on its blocks, partial results merged through their log-sum-exps",
-        ring_host_forward,
-    )
-    .with_dtype(ring_host_forward_dtype)
-    .with_implementation(implementation)
-    .with_gpu(RING_FORWARD_HOOKS)
-    .with_multi_gpu();
-    ring.backward = Some(ring_host_backward);
-    ring.backward_dtype = Some(ring_host_backward_dtype);
-    ring.gpu_backward = Some(RING_BACKWARD_HOOKS);
-    vec![ring]
+pub fn methods() -> Vec<&'static dyn Method> {
+    vec![&CudaRing]
+}
+
+/// `cuda_ring`: ring attention over GPUs, forward and backward.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaRing;
+
+impl Method for CudaRing {
+    fn name(&self) -> &'static str {
+        "cuda_ring"
+    }
+    fn step(&self) -> &'static str {
+        "07-multi-gpu"
+    }
+    fn device(&self) -> Device {
+        Device::Cuda
+    }
+    fn about(&self) -> &'static str {
+        "ring attention: the sequence split zig-zag over GPUs, keys and values passed round a ring (NCCL) while each GPU runs step 03's and step 04's kernels on its blocks, partial results merged through their log-sum-exps"
+    }
+    fn implementation(&self) -> String {
+        implementation()
+    }
+    fn dtypes(&self) -> &'static [Dtype] {
+        &[Dtype::Bf16, Dtype::F16]
+    }
+    fn forward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        ring_host_forward(q, k, v, dtype)
+    }
+    fn describe_device(&self) -> Result<String, AttnError> {
+        describe()
+    }
+    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        prepare(spec, false)
+    }
+    fn has_backward(&self) -> bool {
+        true
+    }
+    fn backward(
+        &self,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        fwd: &Attention,
+        dout: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Grads, AttnError> {
+        ring_host_backward(q, k, v, fwd, dout, dtype)
+    }
+    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+        prepare(spec, true)
+    }
+    fn multi_gpu(&self) -> bool {
+        true
+    }
 }
 
 /// What `cuda_ring` runs.
@@ -61,17 +107,8 @@ fn cut(x: Array4<f32>, tokens: usize) -> Array4<f32> {
     x.slice(s![.., .., ..tokens, ..]).to_owned()
 }
 
-/// `cuda_ring` on host arrays, in bf16.
+/// `cuda_ring` on host arrays, in bf16 or f16.
 pub fn ring_host_forward(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-) -> Result<Attention, AttnError> {
-    ring_host_forward_dtype(q, k, v, Dtype::Bf16)
-}
-
-/// [`ring_host_forward`] in bf16 or f16.
-pub fn ring_host_forward_dtype(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
@@ -97,21 +134,10 @@ pub fn ring_host_forward_dtype(
     })
 }
 
-/// `cuda_ring`'s backward on host arrays, in bf16.
+/// `cuda_ring`'s backward on host arrays, in bf16 or f16: the forward's result `fwd` scattered
+/// over the ranks as each rank's merged output and log-sum-exp, then the ring's backward.
+/// Padding rows get a zero gradient of the output, so they add nothing to any gradient.
 pub fn ring_host_backward(
-    q: ArrayView4<f32>,
-    k: ArrayView4<f32>,
-    v: ArrayView4<f32>,
-    fwd: &Attention,
-    dout: ArrayView4<f32>,
-) -> Result<Grads, AttnError> {
-    ring_host_backward_dtype(q, k, v, fwd, dout, Dtype::Bf16)
-}
-
-/// [`ring_host_backward`] in bf16 or f16: the forward's result `fwd` scattered over the ranks
-/// as each rank's merged output and log-sum-exp, then the ring's backward. Padding rows get a
-/// zero gradient of the output, so they add nothing to any gradient.
-pub fn ring_host_backward_dtype(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
@@ -336,17 +362,6 @@ impl DeviceRun for Prepared {
     }
 }
 
-/// `cuda_ring`'s forward on the device, for the benchmark.
-pub const RING_FORWARD_HOOKS: DeviceHooks = DeviceHooks {
-    describe,
-    prepare: |spec| prepare(spec, false),
-};
-/// `cuda_ring`'s forward and backward on the device, for the benchmark.
-pub const RING_BACKWARD_HOOKS: DeviceHooks = DeviceHooks {
-    describe,
-    prepare: |spec| prepare(spec, true),
-};
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -361,8 +376,8 @@ mod tests {
 
     #[test]
     fn the_method_is_in_the_registry_with_its_backward() {
-        let m = &methods()[0];
-        assert_eq!(m.name, "cuda_ring");
-        assert!(m.gpu.is_some() && m.gpu_backward.is_some() && m.backward.is_some());
+        let m = methods()[0];
+        assert_eq!(m.name(), "cuda_ring");
+        assert!(m.device() == Device::Cuda && m.has_backward() && m.multi_gpu());
     }
 }

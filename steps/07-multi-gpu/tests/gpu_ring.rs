@@ -289,13 +289,17 @@ fn the_ring_over_nccl_matches_the_reference_within_twice_by_hand_error() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_registry_method_takes_any_length() {
-    let m = &step07_multi_gpu::methods::methods()[0];
+    let m = step07_multi_gpu::methods::methods()[0];
     for (tokens, seed) in [(1, 1000), (77, 1001), (130, 1002)] {
         let shape = Shape::new(2, 3, tokens, 64);
         let [q, k, v] = random_qkv(shape, seed);
         let dout = random_normal(shape, seed + 1);
-        let fwd = (m.forward)(q.view(), k.view(), v.view()).unwrap();
-        let grads = (m.backward.unwrap())(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
+        let fwd = m
+            .forward(q.view(), k.view(), v.view(), Dtype::Bf16)
+            .unwrap();
+        let grads = m
+            .backward(q.view(), k.view(), v.view(), &fwd, dout.view(), Dtype::Bf16)
+            .unwrap();
         let want = expected([&q, &k, &v, &dout], Dtype::Bf16);
         check(&format!("cuda_ring {shape}"), &(fwd, grads), &want);
     }
