@@ -32,6 +32,7 @@ static_assert(TMA_RANK == 3 || TMA_RANK == 4, "TMA_RANK: 3 or 4");
 #define HALVES (HEAD_DIM / 64)
 #define ROW_BYTES (HEAD_DIM * 2)
 
+// ANCHOR: setmaxnreg
 // setmaxnreg acts on whole warpgroups: a producer warpgroup keeps REGS registers a thread and
 // gives the rest back to the block's pool, from which each consumer thread then takes up to
 // REGS. src/kernel.rs picks both and checks that the block starts with what they end with.
@@ -43,6 +44,7 @@ template <int REGS>
 __device__ __forceinline__ void take_registers() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
 }
+// ANCHOR_END: setmaxnreg
 
 #define INFINITY __int_as_float(0x7f800000)
 
