@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
+use flash_core::timing::median;
 use flash_core::{AttnError, Pass, Shape};
 use ndarray::{Array4, Axis, concatenate};
 use serde::Serialize;
@@ -93,11 +94,6 @@ struct Report {
     longest: Vec<Longest>,
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
 /// Warm-up, then the median of `runs` timed calls.
 fn timed(runs: usize, mut f: impl FnMut() -> Result<f64, AttnError>) -> Result<f64, AttnError> {
     let start = Instant::now();
@@ -107,7 +103,9 @@ fn timed(runs: usize, mut f: impl FnMut() -> Result<f64, AttnError>) -> Result<f
         f()?;
         n += 1;
     }
-    let xs = (0..runs).map(|_| f()).collect::<Result<Vec<_>, _>>()?;
+    let xs = (0..runs.max(1))
+        .map(|_| f())
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(median(xs))
 }
 
