@@ -72,7 +72,7 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
         device
     };
     // [/step 03]
-    let (commit, date) = (row::commit(), row::utc_now());
+    let (commit, date) = (row::COMMIT.to_string(), row::utc_now());
 
     println!("device: {device}");
     if !cuda {

@@ -2,7 +2,6 @@
 //! charts read them, and the PyTorch peer script (`charts/peers/pytorch_peers.py`) writes the
 //! same keys. A file is a JSON list of rows.
 
-use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -76,23 +75,11 @@ pub fn from_json(json: &str, source: &str) -> Result<Vec<Row>, String> {
     serde_json::from_str(json).map_err(|e| format!("{source}: not a list of benchmark rows: {e}"))
 }
 
-/// `$BENCH_COMMIT` if set, else `git rev-parse --short HEAD`, or "unknown" outside a git checkout.
-pub fn commit() -> String {
-    // a copy of the tree on another machine (a GPU box) is no git checkout: the caller names
-    // the commit it was copied from
-    if let Some(c) = std::env::var("BENCH_COMMIT").ok().filter(|c| !c.is_empty()) {
-        return c;
-    }
-    Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "unknown".into())
-}
+/// The commit these binaries were built from: `git rev-parse --short HEAD` when they were built,
+/// `-dirty` if tracked files differed from it, `unknown` outside this repository's git
+/// (`build.rs`). Baked in at build time: a binary copied to another machine (a GPU box) names
+/// its own commit there, without the source or git.
+pub const COMMIT: &str = env!("FLASH_COMMIT");
 
 /// The time now in UTC as `YYYY-MM-DDTHH:MM:SSZ`.
 pub fn utc_now() -> String {
@@ -125,6 +112,15 @@ fn utc(secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_commit_is_a_hash_or_unknown() {
+        let hash = COMMIT.strip_suffix("-dirty").unwrap_or(COMMIT);
+        assert!(
+            COMMIT == "unknown" || (hash.len() >= 7 && hash.chars().all(|c| c.is_ascii_hexdigit())),
+            "{COMMIT}"
+        );
+    }
 
     #[test]
     fn dates_are_civil_utc() {

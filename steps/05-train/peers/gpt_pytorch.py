@@ -519,14 +519,25 @@ def describe(device):
 
 
 def commit():
+    """`BENCH_COMMIT` if set (a copy of the tree on another machine is no checkout: the caller
+    names the commit it came from); else the commit as the Rust binaries name theirs
+    (steps/00-core/build.rs): git's short hash, `-dirty` if tracked files differ from it, where
+    the git repository around this file is this one, and `unknown` elsewhere."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
+    root = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+
+    def git(*args):
+        out = subprocess.run(["git", "--no-optional-locks", "-C", root, *args], capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else None
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        )
-        return out.stdout.strip() or "unknown"
+        # a copy of the tree inside another repository is not that repository's commit
+        top = git("rev-parse", "--show-toplevel")
+        head = git("rev-parse", "--short", "HEAD")
+        if top is None or os.path.realpath(top) != root or not head:
+            return "unknown"
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except OSError:
         return "unknown"
 

@@ -280,7 +280,7 @@ fn run(args: &Args) -> Result<Report, AttnError> {
     }
     Ok(Report {
         device,
-        commit: flash_core::row::commit(),
+        commit: flash_core::row::COMMIT.into(),
         date: flash_core::row::utc_now(),
         batch: args.batch,
         heads: args.heads,
