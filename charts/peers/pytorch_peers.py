@@ -308,11 +308,31 @@ def profile_default(args, fn, rows, cuda):
         said = ran
 
 
+def row_a_line(value, sort_keys=False):
+    """`value` as JSON laid out one row a line, as the Rust side writes every file of
+    charts/data/ (flash_core::row::row_a_line): a list whose first item is an object, when it
+    is the whole file or one of the file's fields, puts each item on a line of its own; an
+    object that is the whole file puts each field on a line of its own; everything else stays
+    on one line."""
+    def one(v):
+        return json.dumps(v, sort_keys=sort_keys, ensure_ascii=False)
+
+    def rows(v, indent):
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            inner = indent + "  "
+            return "[\n" + ",\n".join(inner + one(x) for x in v) + "\n" + indent + "]"
+        return one(v)
+
+    if isinstance(value, dict) and value:
+        fields = sorted(value.items()) if sort_keys else value.items()
+        return "{\n" + ",\n".join(f"  {one(k)}: {rows(v, '  ')}" for k, v in fields) + "\n}\n"
+    return rows(value, "") + "\n"
+
+
 def write_rows(path, rows):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(rows, f, indent=2, sort_keys=True, ensure_ascii=False)
-        f.write("\n")
+        f.write(row_a_line(rows, sort_keys=True))
 
 
 def commit():

@@ -320,8 +320,8 @@ fn main() -> ExitCode {
     match run(&args) {
         Ok(report) => {
             if let Some(out) = &args.out {
-                let json = serde_json::to_string_pretty(&report).expect("plain values");
-                if let Err(e) = std::fs::write(out, json + "\n") {
+                let json = flash_core::row::to_json_row_a_line(&report);
+                if let Err(e) = std::fs::write(out, json) {
                     eprintln!("{}: {e}", out.display());
                     return ExitCode::FAILURE;
                 }
