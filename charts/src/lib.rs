@@ -1216,5 +1216,26 @@ mod tests {
             );
         }
     }
+
+    /// Every file of `charts/data/` is laid out one row a line, whichever program wrote it (the
+    /// benchmark, the trainer, the PyTorch peers), so that a new measurement's diff is a diff of
+    /// rows.
+    #[test]
+    fn data_files_are_laid_out_one_row_a_line() {
+        let mut files = 0;
+        for entry in fs::read_dir("data").unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "json") {
+                let text = fs::read_to_string(&path).unwrap();
+                assert!(
+                    row::row_a_line(&text) == text,
+                    "{} is not laid out one row a line (flash_core::row::row_a_line)",
+                    path.display()
+                );
+                files += 1;
+            }
+        }
+        assert!(files > 0, "no JSON files in charts/data/");
+    }
     // [/step 02]
 }
