@@ -1234,15 +1234,12 @@ mod tests {
         // [/step 04]
     }
 
+    // [step 02]
+    // step 01 measures nothing yet: chapter 2 brings the first measurements, and this test
     #[test]
     fn committed_charts_are_regenerated_from_committed_data() {
         // tests run in their package's folder: charts/ in this checkout, wherever it was built
         let dir = Path::new(".");
-        if !dir.join("data").is_dir() {
-            // step 01 measures nothing yet: chapter 2 brings the first measurements
-            println!("no charts/data/ in this stage: no charts to regenerate");
-            return;
-        }
         for (name, svg) in render_dir(dir).unwrap() {
             let committed = fs::read_to_string(dir.join(&name)).unwrap_or_default();
             assert!(
@@ -1251,4 +1248,26 @@ mod tests {
             );
         }
     }
+
+    /// Every file of `charts/data/` is laid out one row a line, whichever program wrote it (the
+    /// benchmark, the trainer, the PyTorch peers), so that a new measurement's diff is a diff of
+    /// rows.
+    #[test]
+    fn data_files_are_laid_out_one_row_a_line() {
+        let mut files = 0;
+        for entry in fs::read_dir("data").unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "json") {
+                let text = fs::read_to_string(&path).unwrap();
+                assert!(
+                    row::row_a_line(&text) == text,
+                    "{} is not laid out one row a line (flash_core::row::row_a_line)",
+                    path.display()
+                );
+                files += 1;
+            }
+        }
+        assert!(files > 0, "no JSON files in charts/data/");
+    }
+    // [/step 02]
 }

@@ -24,6 +24,7 @@
 use std::fs;
 use std::path::Path;
 
+use flash_core::timing::median;
 use flash_core::{Device, Pass};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -264,17 +265,8 @@ impl Run {
 
     /// The median milliseconds of a step, every step but the first.
     fn median_ms(&self) -> Option<f64> {
-        let mut ms: Vec<f64> = self.steps.iter().skip(1).map(|s| s.ms).collect();
-        if ms.is_empty() {
-            return None;
-        }
-        ms.sort_by(f64::total_cmp);
-        let n = ms.len();
-        Some(if n % 2 == 1 {
-            ms[n / 2]
-        } else {
-            (ms[n / 2 - 1] + ms[n / 2]) / 2.0
-        })
+        let ms: Vec<f64> = self.steps.iter().skip(1).map(|s| s.ms).collect();
+        (!ms.is_empty()).then(|| median(ms))
     }
 
     /// The largest relative difference of this run's losses from `other`'s at the steps both

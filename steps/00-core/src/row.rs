@@ -2,7 +2,6 @@
 //! charts read them, and the PyTorch peer script (`charts/peers/pytorch_peers.py`) writes the
 //! same keys. A file is a JSON list of rows.
 
-use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -64,11 +63,93 @@ impl Row {
     }
 }
 
-/// The rows as a file holds them: a list, one object per row.
+/// The rows as a file holds them: a list, one row a line ([`row_a_line`]).
 pub fn to_json(rows: &[Row]) -> String {
-    let mut text = serde_json::to_string_pretty(rows).expect("rows are plain values");
-    text.push('\n');
-    text
+    to_json_row_a_line(rows)
+}
+
+/// `value` as JSON laid out one row a line ([`row_a_line`]), as every file of `charts/data/`
+/// is written: the benchmark's rows, a training run's record, ring-scaling's report.
+pub fn to_json_row_a_line<T: Serialize + ?Sized>(value: &T) -> String {
+    row_a_line(&serde_json::to_string(value).expect("plain values serialise"))
+}
+
+/// The JSON text `json` laid out one row a line, every token kept as it is written: a list
+/// whose first item is an object (a list of rows: benchmark rows, a run's steps), when it is
+/// the whole file or one of the file's fields, puts each item on a line of its own; an object
+/// that is the whole file puts each field on a line of its own; everything else stays on one
+/// line, items after `, ` and values after `: `. A file's diff is then a diff of rows, and a
+/// run of 200 steps is 200 lines, not one a number. The PyTorch peers lay out theirs the same
+/// way, and a test holds every file of `charts/data/` to it.
+pub fn row_a_line(json: &str) -> String {
+    // the tokens with the whitespace between them dropped
+    let mut chars = Vec::with_capacity(json.len());
+    let mut in_string = false;
+    let mut escaped = false;
+    for c in json.chars() {
+        if in_string {
+            in_string = escaped || c != '"';
+            escaped = !escaped && c == '\\';
+        } else if c.is_whitespace() {
+            continue;
+        } else {
+            in_string = c == '"';
+        }
+        chars.push(c);
+    }
+    let mut out = String::with_capacity(chars.len() * 11 / 10);
+    // for each list or object open: its bracket, and whether it puts its items on lines of
+    // their own
+    let mut open: Vec<(char, bool)> = Vec::new();
+    let indent = |depth: usize| "  ".repeat(depth);
+    let (mut in_string, mut escaped) = (false, false);
+    for (i, &c) in chars.iter().enumerate() {
+        if in_string {
+            in_string = escaped || c != '"';
+            escaped = !escaped && c == '\\';
+            out.push(c);
+            continue;
+        }
+        let next = chars.get(i + 1).copied();
+        match c {
+            '"' => {
+                in_string = true;
+                out.push(c);
+            }
+            '[' | '{' => {
+                let empty = matches!(next, Some(']' | '}'));
+                // the whole file, or one of the fields of a file that is an object
+                let top = open.is_empty() || (open.len() == 1 && open[0].0 == '{');
+                let rows = !empty
+                    && match c {
+                        '[' => top && next == Some('{'),
+                        _ => open.is_empty(),
+                    };
+                out.push(c);
+                open.push((c, rows));
+                if rows {
+                    out.push('\n');
+                    out.push_str(&indent(open.len()));
+                }
+            }
+            ']' | '}' => {
+                if open.pop().is_some_and(|(_, rows)| rows) {
+                    out.push('\n');
+                    out.push_str(&indent(open.len()));
+                }
+                out.push(c);
+            }
+            ',' if open.last().is_some_and(|&(_, rows)| rows) => {
+                out.push_str(",\n");
+                out.push_str(&indent(open.len()));
+            }
+            ',' => out.push_str(", "),
+            ':' => out.push_str(": "),
+            _ => out.push(c),
+        }
+    }
+    out.push('\n');
+    out
 }
 
 /// The rows of one file; `source` names it in the error.
@@ -76,23 +157,11 @@ pub fn from_json(json: &str, source: &str) -> Result<Vec<Row>, String> {
     serde_json::from_str(json).map_err(|e| format!("{source}: not a list of benchmark rows: {e}"))
 }
 
-/// `$BENCH_COMMIT` if set, else `git rev-parse --short HEAD`, or "unknown" outside a git checkout.
-pub fn commit() -> String {
-    // a copy of the tree on another machine (a GPU box) is no git checkout: the caller names
-    // the commit it was copied from
-    if let Some(c) = std::env::var("BENCH_COMMIT").ok().filter(|c| !c.is_empty()) {
-        return c;
-    }
-    Command::new("git")
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "unknown".into())
-}
+/// The commit these binaries were built from: `git rev-parse --short HEAD` when they were built,
+/// `-dirty` if tracked files differed from it, `unknown` outside this repository's git
+/// (`build.rs`). Baked in at build time: a binary copied to another machine (a GPU box) names
+/// its own commit there, without the source or git.
+pub const COMMIT: &str = env!("FLASH_COMMIT");
 
 /// The time now in UTC as `YYYY-MM-DDTHH:MM:SSZ`.
 pub fn utc_now() -> String {
@@ -125,6 +194,39 @@ fn utc(secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_commit_is_a_hash_or_unknown() {
+        let hash = COMMIT.strip_suffix("-dirty").unwrap_or(COMMIT);
+        assert!(
+            COMMIT == "unknown" || (hash.len() >= 7 && hash.chars().all(|c| c.is_ascii_hexdigit())),
+            "{COMMIT}"
+        );
+    }
+
+    #[test]
+    fn files_are_laid_out_one_row_a_line() {
+        // rows: a list of objects, each on a line of its own
+        let rows = r#"[{"a": 1, "b": [1, 2], "c": {"d": "x, \"y\": [z]"}}, {"a": 1e-08}]"#;
+        assert_eq!(
+            row_a_line(rows),
+            "[\n  {\"a\": 1, \"b\": [1, 2], \"c\": {\"d\": \"x, \\\"y\\\": [z]\"}},\n  {\"a\": 1e-08}\n]\n"
+        );
+        // a run: a field a line, its lists of objects a row a line, other lists on one line
+        let run = "{\"config\":{\"layers\":2},\"steps\":[{\"step\":1,\"loss\":5.3},{\"step\":2,\
+                   \"loss\":5.1}],\"ms\":[1.5,2.0],\"profile\":[],\"seconds\":1.0}";
+        let want = "{\n  \"config\": {\"layers\": 2},\n  \"steps\": [\n    {\"step\": 1, \"loss\": 5.3},\n    \
+                    {\"step\": 2, \"loss\": 5.1}\n  ],\n  \"ms\": [1.5, 2.0],\n  \"profile\": [],\n  \
+                    \"seconds\": 1.0\n}\n";
+        assert_eq!(row_a_line(run), want);
+        // the layout is a fixed point, and whitespace is all it changes
+        assert_eq!(row_a_line(want), want);
+        let spread = run.replace(',', ",\n    ").replace(':', " :\t");
+        assert_eq!(row_a_line(&spread), want);
+        assert_eq!(row_a_line("[]"), "[]\n");
+        assert_eq!(row_a_line(r#"[[{"a": 1}]]"#), "[[{\"a\": 1}]]\n");
+        assert_eq!(row_a_line("{}"), "{}\n");
+    }
 
     #[test]
     fn dates_are_civil_utc() {

@@ -346,8 +346,14 @@ pub fn require_nvrtc() -> Result<(), AttnError> {
     if nvrtc_present() {
         Ok(())
     } else {
-        Err(AttnError::Device {
-            what: "no NVRTC (libnvrtc.so) found: install the CUDA toolkit (or the nvidia-cuda-nvrtc wheel) and put its lib folder on LD_LIBRARY_PATH".into(),
-        })
+        Err(missing_nvrtc())
+    }
+}
+
+/// The error of [`require_nvrtc`] where NVRTC is missing, saying where to get it (a test
+/// checks it on machines that have NVRTC too).
+pub fn missing_nvrtc() -> AttnError {
+    AttnError::Device {
+        what: "no NVRTC (libnvrtc.so) found: install the CUDA toolkit (or the nvidia-cuda-nvrtc wheel) and put its lib folder on LD_LIBRARY_PATH".into(),
     }
 }

@@ -169,7 +169,8 @@ impl Rung {
         }
     }
 
-    /// Compiles the rung's kernel for one dtype and head dim, for `arch` (`sm_90` on an H200).
+    /// Compiles the rung's kernel for one dtype and head dim, for `arch` (`sm_90` on an H200);
+    /// without NVRTC, the error that says so.
     pub fn compile(
         self,
         dtype: Dtype,
@@ -177,6 +178,7 @@ impl Rung {
         arch: &'static str,
     ) -> Result<Ptx, AttnError> {
         self.check_head_dim(head_dim)?;
+        kernel::require_nvrtc()?;
         let (source, mut defines) = match self {
             Rung::Rows => (LADDER_1_ROWS_CU, vec![format!("-DBLOCK_M={ROWS_BLOCK_M}")]),
             Rung::Shared => (
@@ -365,22 +367,21 @@ mod tests {
         }
     }
 
-    /// Compiles every rung with NVRTC for sm_90 where NVRTC can be opened; kernel-check (in CI)
-    /// also assembles them and checks for spills. Without NVRTC there is nothing to run, and
-    /// the test says so on its output rather than failing.
+    /// Compiles every rung with NVRTC for sm_90 where NVRTC can be opened, and where it cannot,
+    /// checks that each compile is the error that says so rather than a panic inside cudarc;
+    /// kernel-check (in CI, with NVRTC) also assembles them and checks for spills.
     #[test]
-    fn every_rung_compiles_where_nvrtc_is_present() {
-        if !kernel::nvrtc_present() {
-            eprintln!(
-                "skipped: no NVRTC (libnvrtc.so) on this machine; kernel-check compiles the rungs in CI"
-            );
-            return;
-        }
+    fn every_rung_compiles_or_says_that_nvrtc_is_missing() {
+        let present = kernel::nvrtc_present();
+        let missing = kernel::missing_nvrtc().to_string();
         for rung in Rung::ALL {
             for &head_dim in rung.head_dims() {
                 for dtype in [Dtype::Bf16, Dtype::F16] {
-                    if let Err(e) = rung.compile(dtype, head_dim, "sm_90") {
-                        panic!("{} {} d{head_dim}: {e}", rung.name(), dtype.name());
+                    let what = format!("{} {} d{head_dim}", rung.name(), dtype.name());
+                    match rung.compile(dtype, head_dim, "sm_90") {
+                        Ok(_) => assert!(present, "{what} compiled without NVRTC"),
+                        Err(e) if present => panic!("{what}: {e}"),
+                        Err(e) => assert_eq!(e.to_string(), missing, "{what}"),
                     }
                 }
             }

@@ -518,15 +518,47 @@ def describe(device):
     return f"{model} ({torch.get_num_threads()} threads, PyTorch {torch.__version__})"
 
 
+def row_a_line(value, sort_keys=False):
+    """`value` as JSON laid out one row a line, as the Rust side writes every file of
+    charts/data/ (flash_core::row::row_a_line): a list whose first item is an object, when it
+    is the whole file or one of the file's fields, puts each item on a line of its own; an
+    object that is the whole file puts each field on a line of its own; everything else stays
+    on one line."""
+    def one(v):
+        return json.dumps(v, sort_keys=sort_keys, ensure_ascii=False)
+
+    def rows(v, indent):
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            inner = indent + "  "
+            return "[\n" + ",\n".join(inner + one(x) for x in v) + "\n" + indent + "]"
+        return one(v)
+
+    if isinstance(value, dict) and value:
+        fields = sorted(value.items()) if sort_keys else value.items()
+        return "{\n" + ",\n".join(f"  {one(k)}: {rows(v, '  ')}" for k, v in fields) + "\n}\n"
+    return rows(value, "") + "\n"
+
+
 def commit():
+    """`BENCH_COMMIT` if set (a copy of the tree on another machine is no checkout: the caller
+    names the commit it came from); else the commit as the Rust binaries name theirs
+    (steps/00-core/build.rs): git's short hash, `-dirty` if tracked files differ from it, where
+    the git repository around this file is this one, and `unknown` elsewhere."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
+    root = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+
+    def git(*args):
+        out = subprocess.run(["git", "--no-optional-locks", "-C", root, *args], capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else None
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        )
-        return out.stdout.strip() or "unknown"
+        # a copy of the tree inside another repository is not that repository's commit
+        top = git("rev-parse", "--show-toplevel")
+        head = git("rev-parse", "--short", "HEAD")
+        if top is None or os.path.realpath(top) != root or not head:
+            return "unknown"
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except OSError:
         return "unknown"
 
@@ -849,9 +881,8 @@ def run(args):
         out["kernels"] = kernels_seen(one_step, cuda)
         print("attention as the profiler saw it: " + (", ".join(out["kernels"]) or "nothing it names"))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-            f.write("\n")
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(row_a_line(out))
         print(f"run written to {args.out}")
     if args.check_against:
         return check(out, record, args.tolerance)

@@ -420,8 +420,9 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
     };
     summary(&run);
     if let Some(path) = &args.out {
-        let json = serde_json::to_string_pretty(&run).expect("plain structs serialise");
-        std::fs::write(path, json + "\n").map_err(|e| TrainError::io(path, e))?;
+        // one step a line (flash_core::row::row_a_line)
+        let json = flash_core::row::to_json_row_a_line(&run);
+        std::fs::write(path, json).map_err(|e| TrainError::io(path, e))?;
         println!("run written to {}", path.display());
     }
     if let Some(path) = &args.save {

@@ -136,8 +136,7 @@ pub struct RunRecord {
     /// None on the CPU.
     #[serde(default)]
     pub peak_memory_bytes: Option<u64>,
-    /// The commit that was built (`$BENCH_COMMIT` if set, else git's), `unknown` outside a
-    /// checkout.
+    /// The commit the trainer was built from ([`flash_core::row::COMMIT`]).
     #[serde(default)]
     pub commit: String,
     /// When the run started, UTC, `YYYY-MM-DDTHH:MM:SSZ`.
@@ -383,7 +382,7 @@ pub fn train<L: Learner + ?Sized>(
         tokens_per_step: settings.batch * settings.seq_len,
         tokens_per_s: 0.0,
         peak_memory_bytes: None,
-        commit: flash_core::row::commit(),
+        commit: flash_core::row::COMMIT.into(),
         date: flash_core::row::utc_now(),
         profile: Vec::new(),
         gpus: learner.gpus(),     // [step 07]

@@ -7,6 +7,11 @@
 //! replicas must stay identical bit for bit, since each takes the same AdamW step from the same
 //! averaged gradients. Without GPUs, what can be checked is that bad requests are refused, with
 //! a reason, before anything loads.
+//!
+//! The two-GPU test is `#[ignore = "needs two CUDA GPUs and NCCL"]`, and its name starts with
+//! `two_gpus`: a machine without them lists it as ignored; `-- --include-ignored` runs it, and
+//! run on fewer than two GPUs or without NCCL it fails, saying what it found. On a machine with
+//! one GPU, run the others with `-- --include-ignored --skip two_gpus`.
 
 mod common;
 use common::corpus;
@@ -150,13 +155,17 @@ fn rel(a: f32, b: f32) -> f64 {
 
 // ANCHOR: two_gpus
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs two CUDA GPUs and NCCL"]
 fn two_gpus_train_as_one_on_the_same_batches() {
-    let there = step03_cuda_forward::Gpu::count();
-    if there < 2 {
-        eprintln!("this machine has {there} GPU(s): data parallelism needs 2, nothing to check");
-        return;
-    }
+    let (there, nccl) = (
+        step03_cuda_forward::Gpu::count(),
+        step07_multi_gpu::comm::nccl_present(),
+    );
+    assert!(
+        there >= 2 && nccl,
+        "this test needs two GPUs and NCCL; this machine has {there} GPU(s), NCCL {}",
+        if nccl { "found" } else { "not found" }
+    );
     let (batch, steps) = (4, 20);
     let settings = settings(batch, steps);
     let corpus = corpus();

@@ -9,6 +9,12 @@
 //! does; the CPU model is f32 throughout. The loss must agree within [`LOSS_TOL`] relative and
 //! each tensor's gradient within [`GRAD_TOL`] in relative L2 norm, `‖g_gpu − g_cpu‖ / ‖g_cpu‖`.
 //! The measured errors are printed by each run.
+//!
+//! The tests that need a GPU are `#[ignore = "needs a CUDA GPU"]`: a machine without one lists
+//! them as ignored, and `-- --include-ignored` runs them, failing where no GPU opens. The
+//! others check on every machine: shapes the kernels cannot take are refused before any GPU
+//! is touched, and a trainer is made where a GPU opens and is an error saying what is missing
+//! where none does.
 
 mod common;
 use common::corpus;
@@ -297,6 +303,8 @@ fn a_short_gpu_run_learns_as_the_cpu_run_does() {
     assert_eq!(a.to_bits(), b.to_bits(), "a resumed trainer's loss");
 }
 
+/// A trainer is made where a GPU opens; where none does, it is an error that says what is
+/// missing. Checked on every machine: one makes a trainer, the other gets the error.
 #[test]
 fn without_a_gpu_the_error_says_what_is_missing() {
     let config = Config {
@@ -306,8 +314,9 @@ fn without_a_gpu_the_error_says_what_is_missing() {
         context: 16,
         vocab: 256,
     };
+    let gpu = step03_cuda_forward::Gpu::shared();
     match GpuTrainer::new(&trainer(config, 1), 1, 16, AttentionKind::Flash, false) {
-        Ok(_) => eprintln!("a GPU is here: nothing to check"),
+        Ok(_) => assert!(gpu.is_ok(), "a trainer without a GPU"),
         Err(e) => {
             let e = e.to_string();
             assert!(
@@ -317,9 +326,23 @@ fn without_a_gpu_the_error_says_what_is_missing() {
                     || e.contains("GPU"),
                 "{e}"
             );
+            // where a GPU opens, only a library the trainer adds (cuBLAS) may be missing
+            if gpu.is_ok() {
+                assert!(e.contains("cuBLAS"), "a GPU opened, but: {e}");
+            }
         }
     }
-    // shapes the kernels cannot take are refused before any GPU is touched
+}
+
+#[test]
+fn shapes_the_kernels_cannot_take_are_refused_before_any_gpu_is_touched() {
+    let config = Config {
+        layers: 1,
+        d_model: 64,
+        heads: 2,
+        context: 16,
+        vocab: 256,
+    };
     let odd = Config {
         d_model: 60,
         heads: 2,

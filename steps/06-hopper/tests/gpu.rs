@@ -1,6 +1,10 @@
 //! The Hopper forward kernels on the GPU against the f64 reference with FlashAttention's rule
 //! (the error at most twice that of attention by hand in the same precision): every rung, in
-//! every block shape a method launches it in; ignored where there is no GPU.
+//! every block shape a method launches it in. Those tests are `#[ignore = "needs a Hopper GPU
+//! …"]`: a machine without one lists them as ignored; `-- --include-ignored` runs them, and
+//! run where there is no Hopper GPU they fail, saying so. The last two check on every machine:
+//! what the method and the compiler say without a Hopper GPU or without NVRTC, and that they
+//! work with.
 
 use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
@@ -51,7 +55,7 @@ fn hopper_forward(
 
 // ANCHOR: check_hopper
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn hopper_forward_is_within_twice_by_hand_error_in_every_rung_and_shape() {
     let gpu = Gpu::shared().expect("a GPU");
     for (dtype, d) in [Dtype::Bf16, Dtype::F16]
@@ -100,7 +104,7 @@ fn hopper_forward_is_within_twice_by_hand_error_in_every_rung_and_shape() {
 // ANCHOR_END: check_hopper
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn hopper_forward_is_causal_and_deterministic() {
     for d in HEAD_DIMS {
         causal_and_deterministic(Shape::new(1, 2, 300, d));
@@ -127,7 +131,7 @@ fn causal_and_deterministic(shape: Shape) {
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn hopper_forward_refuses_head_dims_it_lacks_naming_the_ones_it_takes() {
     for d in [32, 96] {
         let [q, k, v] = random_qkv(Shape::new(1, 1, 16, d), 1);
@@ -140,32 +144,49 @@ fn hopper_forward_refuses_head_dims_it_lacks_naming_the_ones_it_takes() {
     }
 }
 
-/// Without a GPU (or without a Hopper one), the method is an error that says what it needs.
+/// Without a GPU (or without a Hopper one), the method is an error that says what it needs,
+/// not a panic; with a Hopper GPU it runs. Checked on every machine: the method on this one,
+/// and what a GPU of compute capability 8.0 is told.
 #[test]
 fn no_gpu_is_an_error_not_a_panic() {
-    if Gpu::shared().is_ok() {
-        return;
-    }
+    let hopper = Gpu::shared().is_ok_and(|gpu| forward::check_hopper(gpu).is_ok());
     let [q, k, v] = random_qkv(Shape::new(1, 1, 8, 64), 1);
-    let e = hopper_forward(q.view(), k.view(), v.view(), Dtype::Bf16).unwrap_err();
-    assert!(
-        e.to_string().contains("GPU") || e.to_string().contains("CUDA"),
-        "{e}"
-    );
+    match hopper_forward(q.view(), k.view(), v.view(), Dtype::Bf16) {
+        Ok(_) => assert!(hopper, "the Hopper forward ran without a Hopper GPU"),
+        Err(e) => {
+            assert!(!hopper, "on a Hopper GPU: {e}");
+            assert!(
+                e.to_string().contains("GPU") || e.to_string().contains("CUDA"),
+                "{e}"
+            );
+        }
+    }
+    let e = forward::check_capability(8, 0).unwrap_err().to_string();
+    assert!(e.contains("9.0") && e.contains("this one is 8.0"), "{e}");
 }
 
-/// Without NVRTC, compiling is an error that says what is missing, not a panic inside cudarc
-/// (where NVRTC is installed there is nothing to check).
+/// Without NVRTC, compiling is an error that says what is missing, not a panic inside cudarc;
+/// with it, each kernel compiles for `sm_90a` (no GPU needed). Checked on every machine: the
+/// one this machine gets, and the error's message.
 #[test]
 fn without_nvrtc_compiling_is_an_error_not_a_panic() {
-    if step03_cuda_forward::kernel::nvrtc_present() {
-        return;
-    }
-    let e = ForwardKernel::for_shape(1, 64)
-        .compile(Dtype::Bf16, 64, TmaRank::Three)
-        .unwrap_err();
-    assert!(e.to_string().contains("NVRTC"), "{e}");
+    let present = step03_cuda_forward::kernel::nvrtc_present();
+    let missing = step03_cuda_forward::kernel::missing_nvrtc().to_string();
+    assert!(
+        missing.contains("NVRTC") && missing.contains("LD_LIBRARY_PATH"),
+        "{missing}"
+    );
+    let forward = ForwardKernel::for_shape(1, 64).compile(Dtype::Bf16, 64, TmaRank::Three);
     let kernel = step06_hopper::kernel::BackwardKernels::for_shape(1 << 14, 64).dkdv;
-    let e = kernel.compile(Dtype::Bf16, 64, TmaRank::Four).unwrap_err();
-    assert!(e.to_string().contains("NVRTC"), "{e}");
+    let backward = kernel.compile(Dtype::Bf16, 64, TmaRank::Four);
+    for (what, compiled) in [("forward", forward), ("backward", backward)] {
+        match compiled {
+            Ok(_) => assert!(present, "the {what} compiled without NVRTC"),
+            Err(e) if present => panic!("the {what}: {e}"),
+            Err(e) => {
+                assert!(e.to_string().contains("NVRTC"), "{e}");
+                assert_eq!(e.to_string(), missing, "the {what}");
+            }
+        }
+    }
 }

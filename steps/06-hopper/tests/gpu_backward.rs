@@ -1,6 +1,9 @@
 //! The Hopper backward kernels on the GPU against the f64 reference with FlashAttention's rule
 //! (each gradient's error at most twice that of the backward by hand in the same precision):
-//! both rungs, in every block shape a method launches them in; ignored where there is no GPU.
+//! both rungs, in every block shape a method launches them in. Those tests are `#[ignore =
+//! "needs a Hopper GPU …"]`: a machine without one lists them as ignored; `-- --include-ignored`
+//! runs them, and run where there is no Hopper GPU they fail, saying so. One test checks on
+//! every machine: what the backward says without a Hopper GPU, and that it runs with one.
 
 use cudarc::driver::DevicePtr;
 use flash_core::inputs::{random_normal, random_qkv};
@@ -88,7 +91,7 @@ fn download(gpu: &Gpu, g: &DeviceGrads) -> [Array4<f32>; 3] {
 
 // ANCHOR: check_backward
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn hopper_backward_is_within_twice_by_hand_error_in_every_rung_and_shape() {
     let gpu = Gpu::shared().expect("a GPU");
     let mut seed = 700;
@@ -143,7 +146,7 @@ fn hopper_backward_is_within_twice_by_hand_error_in_every_rung_and_shape() {
 
 /// In the two passes every block writes only its own rows: two runs give the same bits.
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn hopper_backward_in_two_passes_is_deterministic() {
     let gpu = Gpu::shared().expect("a GPU");
     for d in HEAD_DIMS {
@@ -167,7 +170,7 @@ fn hopper_backward_in_two_passes_is_deterministic() {
 /// The registry's `cuda_hopper` backward on host arrays, and its refusals: bad shapes before
 /// any GPU work, and a head dim the kernels lack by name.
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn hopper_backward_on_host_arrays_refuses_what_it_cannot_take() {
     let shape = Shape::new(1, 2, 40, 96);
     let [q, k, v] = random_qkv(shape, 1);
@@ -197,28 +200,31 @@ fn step01_forward(q: &Array4<f32>, k: &Array4<f32>, v: &Array4<f32>) -> flash_co
     step04_backward::forward(q.view(), k.view(), v.view()).unwrap()
 }
 
-/// Without a GPU (or without a Hopper one), the backward is an error that says what it needs.
+/// Without a GPU (or without a Hopper one), the backward is an error that says what it needs,
+/// not a panic; with a Hopper GPU it runs. Checked on every machine.
 #[test]
 fn no_gpu_is_an_error_not_a_panic() {
-    if Gpu::shared().is_ok() {
-        return;
-    }
+    let hopper = Gpu::shared().is_ok_and(|gpu| forward::check_hopper(gpu).is_ok());
     let shape = Shape::new(1, 1, 8, 64);
     let [q, k, v] = random_qkv(shape, 1);
     let fwd = step01_forward(&q, &k, &v);
     let dout = random_normal(shape, 2);
-    let e =
-        hopper_backward(q.view(), k.view(), v.view(), &fwd, dout.view(), Dtype::Bf16).unwrap_err();
-    assert!(
-        e.to_string().contains("GPU") || e.to_string().contains("CUDA"),
-        "{e}"
-    );
+    match hopper_backward(q.view(), k.view(), v.view(), &fwd, dout.view(), Dtype::Bf16) {
+        Ok(_) => assert!(hopper, "the Hopper backward ran without a Hopper GPU"),
+        Err(e) => {
+            assert!(!hopper, "on a Hopper GPU: {e}");
+            assert!(
+                e.to_string().contains("GPU") || e.to_string().contains("CUDA"),
+                "{e}"
+            );
+        }
+    }
 }
 
 /// The one-pass backward adds dQ into f32 sums in the order blocks finish: dK and dV are the
 /// same bits run to run, dQ may differ in its last bits, by no more than one rounding step.
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn one_pass_backward_differs_run_to_run_only_in_dqs_rounding() {
     let gpu = Gpu::shared().expect("a GPU");
     for d in [64, 128] {
@@ -278,7 +284,7 @@ fn ptr(gpu: &Gpu, x: &DeviceTensor) -> u64 {
 /// bits as `forward_with` and `backward_with` on `[batch, heads, tokens, d]` tensors, where
 /// the passes are deterministic.
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn strided_inputs_and_outputs_give_the_same_bits() {
     let gpu = Gpu::shared().expect("a GPU");
     for d in [64, 128] {
@@ -402,7 +408,7 @@ fn strided_inputs_and_outputs_give_the_same_bits() {
 /// A layout that does not fit the shape, or an address TMA cannot read from, is refused
 /// before anything is launched.
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn strided_entry_points_refuse_what_the_kernels_cannot_take() {
     let gpu = Gpu::shared().expect("a GPU");
     let shape = Shape::new(1, 2, 64, 64);

@@ -2,8 +2,12 @@
 //! (`CAUSAL=0`) alone, against unmasked attention in f64; then the ring's forward and backward
 //! with 1 to 4 ranks simulated on GPU 0, and with NCCL over every GPU when there are two or
 //! more, under FlashAttention's rule as steps 03 and 04 apply it: each of out, dq, dk and dv at
-//! most twice the error of attention by hand in the same precision. Ignored where there is no
-//! GPU (`cargo test -- --include-ignored` runs them on one).
+//! most twice the error of attention by hand in the same precision.
+//!
+//! Every test here is ignored by default, with what it needs as its reason: `needs a CUDA GPU`,
+//! or for the one over NCCL, whose name starts with `two_gpus`, `needs two CUDA GPUs and NCCL`.
+//! `cargo test -- --include-ignored` runs them; a test run without what it needs fails, saying
+//! what it found. On a machine with one GPU: `-- --include-ignored --skip two_gpus`.
 
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::method::Grads;
@@ -261,16 +265,14 @@ fn the_ring_on_simulated_ranks_matches_the_reference_within_twice_by_hand_error(
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
-fn the_ring_over_nccl_matches_the_reference_within_twice_by_hand_error() {
-    let gpus = Gpu::count();
-    if gpus < 2 || !nccl_present() {
-        println!(
-            "skipped: {gpus} GPU(s), NCCL {}: the NCCL ring needs two GPUs and libnccl.so",
-            if nccl_present() { "found" } else { "not found" }
-        );
-        return;
-    }
+#[ignore = "needs two CUDA GPUs and NCCL"]
+fn two_gpus_the_ring_over_nccl_matches_the_reference_within_twice_by_hand_error() {
+    let (gpus, nccl) = (Gpu::count(), nccl_present());
+    assert!(
+        gpus >= 2 && nccl,
+        "the NCCL ring needs two GPUs and libnccl.so; this machine has {gpus} GPU(s), NCCL {}",
+        if nccl { "found" } else { "not found" }
+    );
     let ranks: Vec<Ranks> = (2..=gpus.min(4)).map(Ranks::Gpus).collect();
     let mut seed = 900;
     for (dtype, shape) in [

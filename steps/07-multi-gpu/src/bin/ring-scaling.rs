@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use clap::Parser;
+use flash_core::timing::median;
 use flash_core::{AttnError, Pass, Shape};
 use ndarray::{Array4, Axis, concatenate};
 use serde::Serialize;
@@ -93,11 +94,6 @@ struct Report {
     longest: Vec<Longest>,
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
 /// Warm-up, then the median of `runs` timed calls.
 fn timed(runs: usize, mut f: impl FnMut() -> Result<f64, AttnError>) -> Result<f64, AttnError> {
     let start = Instant::now();
@@ -107,7 +103,9 @@ fn timed(runs: usize, mut f: impl FnMut() -> Result<f64, AttnError>) -> Result<f
         f()?;
         n += 1;
     }
-    let xs = (0..runs).map(|_| f()).collect::<Result<Vec<_>, _>>()?;
+    let xs = (0..runs.max(1))
+        .map(|_| f())
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(median(xs))
 }
 
@@ -282,7 +280,7 @@ fn run(args: &Args) -> Result<Report, AttnError> {
     }
     Ok(Report {
         device,
-        commit: flash_core::row::commit(),
+        commit: flash_core::row::COMMIT.into(),
         date: flash_core::row::utc_now(),
         batch: args.batch,
         heads: args.heads,
@@ -322,8 +320,8 @@ fn main() -> ExitCode {
     match run(&args) {
         Ok(report) => {
             if let Some(out) = &args.out {
-                let json = serde_json::to_string_pretty(&report).expect("plain values");
-                if let Err(e) = std::fs::write(out, json + "\n") {
+                let json = flash_core::row::to_json_row_a_line(&report);
+                if let Err(e) = std::fs::write(out, json) {
                     eprintln!("{}: {e}", out.display());
                     return ExitCode::FAILURE;
                 }
