@@ -254,11 +254,8 @@ const STYLES: &[Style] = &[
     ours("cuda_flash", "FlashAttention kernel", "flash", 3, RGBColor(0x00, 0x6d, 0x2c), Marker::Square),
     // [/step 03]
     // [step 06]
-    Style {
-        same_memory_as: Some("cuda_flash"),
-        ..ours("cuda_hopper", "Hopper kernel: wgmma and TMA", "Hopper", 6, RGBColor(0x08, 0x30, 0x6b), Marker::Cross)
-    },
-    // the Hopper ladder, each rung in the same memory as the kernel that runs
+    // the Hopper ladder, rung by rung (each in the same memory as the kernel that runs), then
+    // the kernel that runs
     Style {
         same_memory_as: Some("cuda_hopper"),
         ..ours("hopper_wgmma", "Hopper rung 1: TMA and wgmma", "wgmma", 6, RGBColor(0xa6, 0xbd, 0xdb), Marker::Triangle)
@@ -276,6 +273,10 @@ const STYLES: &[Style] = &[
         ..ours("hopper_overlap", "Hopper rung 4: the softmax beside the products", "overlap", 6, RGBColor(0x05, 0x70, 0xb0), Marker::Square)
     },
     ours("hopper_two_passes", "Hopper backward rung 1: two passes", "two passes", 6, RGBColor(0x04, 0x5a, 0x8d), Marker::Circle),
+    Style {
+        same_memory_as: Some("cuda_flash"),
+        ..ours("cuda_hopper", "Hopper kernel: wgmma and TMA", "Hopper", 6, RGBColor(0x08, 0x30, 0x6b), Marker::Cross)
+    },
     // [/step 06]
     // [step 02]
     peer("pytorch_by_hand", "", "PyTorch by hand", "PyTorch by hand", RGBColor(0x52, 0x52, 0x52), Marker::Circle),
@@ -303,13 +304,13 @@ const VERSUS: &[(&str, &str)] = &[
     ("cuda_flash", "pytorch_sdpa_cudnn"),
     // [/step 03]
     // [step 06]
-    ("cuda_hopper", "pytorch_sdpa_flash"),
-    ("cuda_hopper", "pytorch_sdpa_cudnn"),
     ("hopper_wgmma", "pytorch_sdpa_cudnn"),
     ("hopper_producer_warpgroup", "pytorch_sdpa_cudnn"),
     ("hopper_turns", "pytorch_sdpa_cudnn"),
     ("hopper_overlap", "pytorch_sdpa_cudnn"),
     ("hopper_two_passes", "pytorch_sdpa_cudnn"),
+    ("cuda_hopper", "pytorch_sdpa_flash"),
+    ("cuda_hopper", "pytorch_sdpa_cudnn"),
     // [/step 06]
 ];
 
