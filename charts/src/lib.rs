@@ -740,10 +740,11 @@ pub(crate) fn draw_legend_entry(
         root.draw(&PathElement::new(vec![(x, y), (x + 36, y)], line))
             .map_err(|x| e(&x))?;
     } else {
-        for s in [x, x + 14, x + 28] {
-            root.draw(&PathElement::new(vec![(s, y), (s + 8, y)], line))
-                .map_err(|x| e(&x))?;
-        }
+        root.draw(&PathElement::new(
+            vec![(x, y), (x + 36, y)],
+            dashed(l.colour, 2),
+        ))
+        .map_err(|x| e(&x))?;
     }
     draw_marker(root, l.marker, (x + 18, y), l.colour, l.ours)?;
     root.draw_text(
@@ -804,9 +805,24 @@ fn draw_marker(
     }
 }
 
+/// The opacity that marks a dashed line: plotters' `DashedLineSeries` writes a polyline for
+/// every dash (hundreds for a long training curve), so a dashed line is drawn solid in a colour
+/// of this opacity ([`dashed`]) and [`scalable`] makes it one dashed polyline.
+const DASH_MARK: f64 = 0.996;
+
+/// The style of a dashed line of `colour` and `width` (see [`DASH_MARK`]).
+pub(crate) fn dashed(colour: RGBColor, width: u32) -> ShapeStyle {
+    colour.mix(DASH_MARK).stroke_width(width)
+}
+
 /// plotters writes a fixed size (`<svg width="900" height="560" viewBox=...`); the book's
 /// column is narrower than that, so the chart gets only its `viewBox` and the column's width.
+/// A line marked dashed ([`dashed`]) gets its dashes.
 fn scalable(svg: String) -> String {
+    let svg = svg.replace(
+        &format!("opacity=\"{DASH_MARK}\""),
+        "opacity=\"1\" stroke-dasharray=\"8 5\"",
+    );
     match (svg.find("<svg "), svg.find("viewBox=")) {
         (Some(start), Some(view)) if view > start => {
             let mut out = String::with_capacity(svg.len());
@@ -978,11 +994,9 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
                             .map_err(|x| e(&x))?;
                     } else {
                         chart
-                            .draw_series(DashedLineSeries::new(
+                            .draw_series(LineSeries::new(
                                 points.iter().copied(),
-                                8,
-                                5,
-                                l.colour.stroke_width(2),
+                                dashed(l.colour, 2),
                             ))
                             .map_err(|x| e(&x))?;
                     }

@@ -31,7 +31,9 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
-use super::{LEGEND_ROW, Look, PLOT_HEIGHT, WIDTH, draw_legend_entry, draw_marker, look, scalable};
+use super::{
+    LEGEND_ROW, Look, PLOT_HEIGHT, WIDTH, dashed, draw_legend_entry, draw_marker, look, scalable,
+};
 
 pub mod parallel; // [step 07]
 pub mod precision;
@@ -665,12 +667,7 @@ pub(crate) fn render_loss_and_difference(
             let grey = RGBColor(0x99, 0x99, 0x99);
             for y in [-goal, goal] {
                 under
-                    .draw_series(DashedLineSeries::new(
-                        [(0.0, y), (x_hi, y)],
-                        6,
-                        4,
-                        grey.stroke_width(1),
-                    ))
+                    .draw_series(LineSeries::new([(0.0, y), (x_hi, y)], dashed(grey, 1)))
                     .map_err(|x| e(&x))?;
             }
             for (line, d) in &diffs {
@@ -698,7 +695,7 @@ fn draw_line<DB: DrawingBackend>(
             .map(|_| ())
     } else {
         chart
-            .draw_series(DashedLineSeries::new(points, 8, 5, style))
+            .draw_series(LineSeries::new(points, dashed(l.colour, 2)))
             .map(|_| ())
     };
     drawn.map_err(|e| e.to_string())
