@@ -39,18 +39,35 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 pub mod train; // [step 05]
 
 /// Measurements with charts of their own, apart from the main CPU and GPU ones: the rows of
-/// `data/NAME*.json` draw `NAME-*.svg` and `NAME-*.md`. A step whose method is measured in a
-/// call of its own (with the peers measured again beside it) keeps its rows here, so the
-/// charts of earlier chapters stay as those chapters measured them. A file belongs to the
+/// `data/NAME*.json` draw `NAME-*.md` and, as the set says, `NAME-*.svg`. A step whose method is
+/// measured in a call of its own (with the peers measured again beside it) keeps its rows here,
+/// so the charts of earlier chapters stay as those chapters measured them. A file belongs to the
 /// first set its name starts with, so a longer name comes before its prefix.
-pub const SETS: &[&str] = &[
+pub const SETS: &[(&str, Drawn)] = &[
     // [step 06]
-    "hopper-ladder-d128",
-    "hopper-ladder",
-    "hopper-d128",
-    "hopper",
+    ("hopper-ladder-d128", Drawn::Tables),
+    ("hopper-ladder", Drawn::Tables),
+    ("hopper-d128", Drawn::TablesAndRate),
+    ("hopper", Drawn::TablesAndRate),
     // [/step 06]
 ];
+
+/// What a set draws besides the main set's charts: its tables always (time, rate, peak memory
+/// and the ratios), and the charts the book shows of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drawn {
+    /// The tables alone.
+    Tables,
+    /// The tables and the rate's chart (its peak memory is in the tables).
+    TablesAndRate,
+}
+
+impl Drawn {
+    /// Whether a set drawn so writes the file `name` (as `render_all` names it).
+    fn writes(self, name: &str) -> bool {
+        !name.ends_with(".svg") || (self == Drawn::TablesAndRate && !name.contains("peak-memory"))
+    }
+}
 
 /// Every chart and table of `dir/data/*.json`, as `(file name, text)`: the main set's from the
 /// files no [`SETS`] name starts, and each set's, prefixed with its name.
@@ -60,7 +77,7 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
     let set_of = |p: &Path| {
         let file = p.file_name().map(|f| f.to_string_lossy().to_string());
         SETS.iter()
-            .find(|s| file.as_deref().is_some_and(|f| f.starts_with(*s)))
+            .find(|(s, _)| file.as_deref().is_some_and(|f| f.starts_with(*s)))
             .copied()
     };
     for set in std::iter::once(None).chain(SETS.iter().map(|s| Some(*s))) {
@@ -69,11 +86,13 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
             continue;
         }
         for (name, text) in render_all(&rows)? {
-            let name = match set {
-                Some(s) => format!("{s}-{name}"),
-                None => name,
-            };
-            charts.push((name, text));
+            match set {
+                Some((s, drawn)) if drawn.writes(&name) => {
+                    charts.push((format!("{s}-{name}"), text))
+                }
+                Some(_) => {}
+                None => charts.push((name, text)),
+            }
         }
     }
     // [step 05]
