@@ -1,19 +1,21 @@
-//! The `attend` command: run one method on q, k and v read from `.npy` files and write what it
-//! computes as `.npy` files, so anyone can check our results against their own framework.
+//! The `attend` command: run one method on q, k and v read from `.npy` files and write what
+//! it computes as `.npy` files, so anyone can check our results against their own
+//! framework.
 //!
 //! ```text
-//! flash-attention attend --method naive --q q.npy --k k.npy --v v.npy [--dout dout.npy] --out-dir DIR
+//! flash-attention attend --method naive --q q.npy --k k.npy --v v.npy [--dout dout.npy]
+//! --out-dir DIR
 //! ```
 //!
-//! writes `DIR/out.npy` (`[batch, heads, tokens, head_dim]`) and `DIR/lse.npy` (`[batch, heads,
-//! tokens]`, the natural-log log-sum-exp of each row of scores), and with `--dout` also
-//! `dq.npy`, `dk.npy` and `dv.npy`.
+//! writes `DIR/out.npy` (`[batch, heads, tokens, head_dim]`) and `DIR/lse.npy` (`[batch,
+//! heads, tokens]`, the natural-log log-sum-exp of each row of scores), and with `--dout`
+//! also `dq.npy`, `dk.npy` and `dv.npy`.
 //!
 //! ## Layout
 //!
 //! - [`AttendArgs`]: what the command line gives.
-//! - [`attend`]: checks everything it can before any work (the method, its backward, the files
-//!   and their shapes), then runs the method and writes the files.
+//! - [`attend`]: checks everything it can before any work (the method, its backward, the
+//!   files and their shapes), then runs the method and writes the files.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -135,7 +137,12 @@ pub fn check_dtype(method: &dyn Method, dtype: Dtype) -> Result<(), String> {
 }
 // [/step 03]
 
-fn same_shape(path: &Path, x: &Array4<f32>, q_path: &Path, q: &Array4<f32>) -> Result<(), String> {
+fn same_shape(
+    path: &Path,
+    x: &Array4<f32>,
+    q_path: &Path,
+    q: &Array4<f32>,
+) -> Result<(), String> {
     if x.shape() == q.shape() {
         return Ok(());
     }
@@ -156,7 +163,8 @@ mod tests {
     use flash_core::inputs::random_qkv;
 
     fn setup(name: &str, shape: Shape) -> (PathBuf, AttendArgs, [Array4<f32>; 3]) {
-        let dir = std::env::temp_dir().join(format!("attend-{name}-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("attend-{name}-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let qkv = random_qkv(shape, 7);
         for (name, x) in ["q", "k", "v"].iter().zip(&qkv) {

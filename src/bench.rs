@@ -1,8 +1,8 @@
 //! The benchmark: every chosen method at every length, time and peak memory, one row each.
 //!
-//! Time: one warm-up call, then the median of `--runs` calls, each timed around the attention
-//! call alone; the inputs are made before. On the GPU a method times itself with events on its
-//! stream ([`DeviceRun::time_ms`]), after preparing its inputs once.
+//! Time: one warm-up call, then the median of `--runs` calls, each timed around the
+//! attention call alone; the inputs are made before. On the GPU a method times itself with
+//! events on its stream ([`DeviceRun::time_ms`]), after preparing its inputs once.
 //!
 //! Peak memory on the CPU: a fresh process per method and length. The benchmark runs itself
 //! with a hidden first argument ([`PEAK_CHILD`]); the child makes the inputs, resets the
@@ -10,9 +10,9 @@
 //! `/proc/self/status` before and after one call, and prints the growth. `getrusage`'s
 //! `ru_maxrss` would not do: on Linux a child inherits its parent's high-water mark across
 //! fork and exec, so a small measurement after a large one would report the large one. The
-//! child runs first, so a length that does not fit in memory is found in a process that may die
-//! (the OOM killer's SIGKILL, or the allocator's abort) and reported as "out of memory", and
-//! the benchmark itself never tries that call.
+//! child runs first, so a length that does not fit in memory is found in a process that may
+//! die (the OOM killer's SIGKILL, or the allocator's abort) and reported as "out of
+//! memory", and the benchmark itself never tries that call.
 //!
 //! ## Layout
 //!
@@ -47,7 +47,8 @@ use crate::methods::DeviceRunSpec;
 // [/step 03]
 use crate::report;
 
-/// The seed of every benchmark input: the same inputs on every machine and in every process.
+/// The seed of every benchmark input: the same inputs on every machine and in every
+/// process.
 const SEED: u64 = 2024;
 // [step 03]
 /// How long a GPU method runs before it is timed.
@@ -56,8 +57,9 @@ const GPU_WARMUP_MS: f64 = 200.0;
 /// Exit code of a child whose method returned `AttnError::OutOfMemory`.
 const EXIT_OOM: i32 = 3;
 
-/// The whole sweep: prints the device, the methods and a table, returns the rows, and writes
-/// them to `--out` after every row (so a long sweep that is stopped keeps what it measured).
+/// The whole sweep: prints the device, the methods and a table, returns the rows, and
+/// writes them to `--out` after every row (so a long sweep that is stopped keeps what it
+/// measured).
 pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
     let chosen = choose(args)?;
     let cuda = args.device != Device::Cpu;
@@ -87,7 +89,9 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
     if args.methods.is_empty() {
         let left_out: Vec<&str> = methods::all()
             .iter()
-            .filter(|m| m.device() == args.device && !chosen.iter().any(|c| c.name() == m.name()))
+            .filter(|m| {
+                m.device() == args.device && !chosen.iter().any(|c| c.name() == m.name())
+            })
             .map(|m| m.name())
             .collect();
         if !left_out.is_empty() {
@@ -117,7 +121,8 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
             let flops = shape.flops(args.pass());
             // (inputs that cannot fit are reported at once, without an estimate)
             let fits = cuda
-                || memory_and_swap().is_none_or(|have| input_bytes(shape, args.pass()) <= have);
+                || memory_and_swap()
+                    .is_none_or(|have| input_bytes(shape, args.pass()) <= have);
             let estimate = fits
                 .then(|| estimate_s(m, shape, args, pace.get(m.name()).copied(), cuda))
                 .flatten();
@@ -197,8 +202,8 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 /// Tokens of the quick call that gives a method's speed before its first row.
 const PROBE_TOKENS: usize = 256;
 
-/// A method's last measured row: its whole wall time (the peak child and the check included),
-/// its FLOPs and its tokens.
+/// A method's last measured row: its whole wall time (the peak child and the check
+/// included), its FLOPs and its tokens.
 #[derive(Clone, Copy)]
 struct Pace {
     seconds: f64,
@@ -207,11 +212,12 @@ struct Pace {
 }
 
 /// About how long a row will take, in seconds: the method's last row's time, scaled by the
-/// FLOPs on the CPU, where the computing is most of a row, and by the tokens on a GPU, where
-/// most of a row is its check on the CPU (a sample of rows, each as long as the sequence);
-/// or, before a CPU method's first row, the speed of one quick call at [`PROBE_TOKENS`]
-/// tokens, times the calls a row makes (the peak child's, the check's and the timed runs).
-/// None for a GPU method's first row: a quick call there would compile its kernels.
+/// FLOPs on the CPU, where the computing is most of a row, and by the tokens on a GPU,
+/// where most of a row is its check on the CPU (a sample of rows, each as long as the
+/// sequence); or, before a CPU method's first row, the speed of one quick call at
+/// [`PROBE_TOKENS`] tokens, times the calls a row makes (the peak child's, the check's and
+/// the timed runs). None for a GPU method's first row: a quick call there would compile its
+/// kernels.
 fn estimate_s(
     m: &dyn Method,
     shape: Shape,
@@ -242,8 +248,8 @@ fn estimate_s(
 }
 
 /// Runs `f`, and while it runs prints to stderr every [`PROGRESS_EVERY`] how long it has
-/// been running (so a row of minutes shows that it is alive); a row shorter than that prints
-/// nothing.
+/// been running (so a row of minutes shows that it is alive); a row shorter than that
+/// prints nothing.
 fn with_progress<T>(estimate: Option<f64>, f: impl FnOnce() -> T) -> T {
     let (done, wait) = mpsc::channel::<()>();
     std::thread::scope(|scope| {
@@ -251,7 +257,8 @@ fn with_progress<T>(estimate: Option<f64>, f: impl FnOnce() -> T) -> T {
             let started = Instant::now();
             // the sender is dropped when `f` returns (or unwinds), which ends the wait
             while let Err(RecvTimeoutError::Timeout) = wait.recv_timeout(PROGRESS_EVERY) {
-                let of = estimate.map_or(String::new(), |e| format!(" of about {}", seconds(e)));
+                let of =
+                    estimate.map_or(String::new(), |e| format!(" of about {}", seconds(e)));
                 eprintln!(
                     "      still running: {}{of}",
                     seconds(started.elapsed().as_secs_f64())
@@ -343,9 +350,10 @@ fn cpu_inputs(shape: Shape, pass: Pass) -> ([Array4<f32>; 3], Option<Array4<f32>
 
 /// The largest max-abs error against the `f64` reference that the check before timing lets
 /// pass, by the element type computed in: `f32` methods agree with the reference to about
-/// 1e-6 on these inputs, so 1e-4 leaves room for long rows; a 16-bit method rounds its inputs
-/// and its probabilities, so 8 units in the last place of its type. A wrong method (a missing
-/// rescale, a swapped row, a mask off by one) misses by orders of magnitude more.
+/// 1e-6 on these inputs, so 1e-4 leaves room for long rows; a 16-bit method rounds its
+/// inputs and its probabilities, so 8 units in the last place of its type. A wrong method
+/// (a missing rescale, a swapped row, a mask off by one) misses by orders of magnitude
+/// more.
 pub fn allowed_error(dtype: Dtype) -> f64 {
     match dtype {
         Dtype::F32 => 1e-4,
@@ -385,8 +393,8 @@ pub fn check_result(
         return Ok(());
     }
     let rows = sample_rows(shape);
-    let want =
-        reference::rows_f64(q.view(), k.view(), v.view(), &rows).map_err(|e| e.to_string())?;
+    let want = reference::rows_f64(q.view(), k.view(), v.view(), &rows)
+        .map_err(|e| e.to_string())?;
     let (mut worst, mut at) = (0.0f64, rows[0]);
     for (&(b, h, i), (o, lse)) in rows.iter().zip(&want) {
         let mut err = (f64::from(got.lse[[b, h, i]]) - lse).abs();
@@ -408,8 +416,9 @@ pub fn check_result(
     ))
 }
 
-/// One call of the pass being measured: the forward, and the backward after it for `fwd+bwd`.
-/// Returns whatever it computed, so that a caller can keep it alive while reading the peak.
+/// One call of the pass being measured: the forward, and the backward after it for
+/// `fwd+bwd`. Returns whatever it computed, so that a caller can keep it alive while
+/// reading the peak.
 fn call_once(
     m: &dyn Method,
     [q, k, v]: &[Array4<f32>; 3],
@@ -429,7 +438,11 @@ fn call_once(
 
 /// One CPU row: the peak in a fresh process first (which also finds a length that does not
 /// fit), then the warm-up and the timed runs here.
-pub fn measure_cpu(m: &dyn Method, shape: Shape, args: &BenchArgs) -> Result<Measured, String> {
+pub fn measure_cpu(
+    m: &dyn Method,
+    shape: Shape,
+    args: &BenchArgs,
+) -> Result<Measured, String> {
     // inputs larger than memory and swap cannot be made: say so without trying (where the
     // kernel overcommits, trying would end in the OOM killer after minutes of paging)
     let need = input_bytes(shape, args.pass());
@@ -454,8 +467,13 @@ pub fn measure_cpu(m: &dyn Method, shape: Shape, args: &BenchArgs) -> Result<Mea
 }
 
 /// The part of a CPU row that runs in this process: one call checked against the reference
-/// (an error beginning with [`WRONG_RESULT`] if it is off), then the median of the timed runs.
-pub fn check_then_time_cpu(m: &dyn Method, shape: Shape, args: &BenchArgs) -> Result<f64, String> {
+/// (an error beginning with [`WRONG_RESULT`] if it is off), then the median of the timed
+/// runs.
+pub fn check_then_time_cpu(
+    m: &dyn Method,
+    shape: Shape,
+    args: &BenchArgs,
+) -> Result<f64, String> {
     let (qkv, dout) = cpu_inputs(shape, args.pass());
     // check, then time: the checked call also warms up (pages in the code and the
     // allocator's arenas, starts the thread pool)
@@ -471,9 +489,13 @@ pub fn check_then_time_cpu(m: &dyn Method, shape: Shape, args: &BenchArgs) -> Re
 }
 
 // [step 03]
-/// One GPU row: the method prepares its inputs on the device once, checks one result against
-/// the reference on a sample of rows, then times itself.
-pub fn measure_gpu(m: &dyn Method, shape: Shape, args: &BenchArgs) -> Result<Measured, String> {
+/// One GPU row: the method prepares its inputs on the device once, checks one result
+/// against the reference on a sample of rows, then times itself.
+pub fn measure_gpu(
+    m: &dyn Method,
+    shape: Shape,
+    args: &BenchArgs,
+) -> Result<Measured, String> {
     let spec = DeviceRunSpec {
         shape,
         dtype: args.dtype,
@@ -513,8 +535,9 @@ pub enum PeakError {
 
 /// Runs the benchmark's own executable as a fresh child measuring one call's peak.
 pub fn peak_in_child(m: &dyn Method, shape: Shape, pass: Pass) -> Result<u64, PeakError> {
-    let exe = std::env::current_exe()
-        .map_err(|e| PeakError::Unavailable(format!("cannot find our own executable: {e}")))?;
+    let exe = std::env::current_exe().map_err(|e| {
+        PeakError::Unavailable(format!("cannot find our own executable: {e}"))
+    })?;
     let mut cmd = Command::new(exe);
     cmd.arg(PEAK_CHILD)
         .args(["--methods", m.name()])
@@ -536,12 +559,14 @@ pub fn peak_in_child(m: &dyn Method, shape: Shape, pass: Pass) -> Result<u64, Pe
         .map_err(|e| PeakError::Unavailable(format!("cannot start the child: {e}")))?;
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
-    // the child's own message: the last line that is not the runtime's hint about backtraces
-    // nor the "thread ... panicked at" line in front of a panic's message
+    // the child's own message: the last line that is not the runtime's hint about
+    // backtraces nor the "thread ... panicked at" line in front of a panic's message
     let last = |s: &str| {
         s.lines()
             .map(str::trim)
-            .rfind(|l| !l.is_empty() && !l.starts_with("note: ") && !l.contains("panicked at"))
+            .rfind(|l| {
+                !l.is_empty() && !l.starts_with("note: ") && !l.contains("panicked at")
+            })
             .unwrap_or("(it printed nothing)")
             .to_string()
     };
@@ -564,7 +589,9 @@ pub fn peak_in_child(m: &dyn Method, shape: Shape, pass: Pass) -> Result<u64, Pe
             }
             // Rust's default allocation-failure handler prints this and aborts
             Some(6) => {
-                if let Some(line) = stderr.lines().find(|l| l.contains("memory allocation of")) {
+                if let Some(line) =
+                    stderr.lines().find(|l| l.contains("memory allocation of"))
+                {
                     return Err(PeakError::OutOfMemory(format!(
                         "out of memory: {}",
                         line.trim()
@@ -588,8 +615,8 @@ pub fn peak_in_child(m: &dyn Method, shape: Shape, pass: Pass) -> Result<u64, Pe
 /// Exit code of a child that cannot reset the high-water mark on this platform.
 const EXIT_UNAVAILABLE: i32 = 4;
 
-/// The hidden child: makes the inputs, resets the high-water mark, runs one call and prints the
-/// growth in bytes. Returns the process's exit code.
+/// The hidden child: makes the inputs, resets the high-water mark, runs one call and prints
+/// the growth in bytes. Returns the process's exit code.
 pub fn peak_child(args: &BenchArgs) -> i32 {
     let (m, tokens) = match (choose(args), args.lengths.as_slice()) {
         (Ok(ms), [tokens]) if ms.len() == 1 => (ms[0], *tokens),
@@ -636,15 +663,17 @@ pub fn peak_child(args: &BenchArgs) -> i32 {
     }
 }
 
-/// Resets this process's resident high-water mark to its current resident size (Linux ≥ 4.0:
-/// writing 5 to `clear_refs`), then reads it.
+/// Resets this process's resident high-water mark to its current resident size (Linux ≥
+/// 4.0: writing 5 to `clear_refs`), then reads it.
 fn reset_and_read_hwm() -> Result<u64, String> {
     fs::OpenOptions::new()
         .write(true)
         .open("/proc/self/clear_refs")
         .and_then(|mut f| f.write_all(b"5"))
         .map_err(|e| {
-            format!("cannot reset the resident high-water mark (/proc/self/clear_refs): {e}")
+            format!(
+                "cannot reset the resident high-water mark (/proc/self/clear_refs): {e}"
+            )
         })?;
     read_hwm()
 }
@@ -705,8 +734,9 @@ mod tests {
     use super::*;
     use ndarray::{ArrayView4, s};
 
-    /// Step 01's attention with the outputs of the first and the last query of the first head
-    /// swapped: the kind of slip (an index off in a store) the check before timing is for.
+    /// Step 01's attention with the outputs of the first and the last query of the first
+    /// head swapped: the kind of slip (an index off in a store) the check before timing is
+    /// for.
     fn swapped_rows(
         q: ArrayView4<f32>,
         k: ArrayView4<f32>,
@@ -838,7 +868,8 @@ mod tests {
         let ms = check_then_time_cpu(naive, Shape::new(1, 2, 100, 16), &args).unwrap();
         assert!(ms.is_finite() && ms >= 0.0, "{ms}");
         let qkv = random_qkv(Shape::new(3, 2, 77, 8), 5);
-        let got = step01_naive::attention(qkv[0].view(), qkv[1].view(), qkv[2].view()).unwrap();
+        let got =
+            step01_naive::attention(qkv[0].view(), qkv[1].view(), qkv[2].view()).unwrap();
         assert_eq!(check_result(&qkv, &got, Dtype::F32), Ok(()));
     }
 

@@ -1,6 +1,6 @@
-//! The command line, parsed by clap: the benchmark (no subcommand), `attend`, and the hidden
-//! child that measures one peak. Every argument error, whether clap finds it or a check after
-//! it does, prints in clap's style and exits with status 2 ([`EXIT_USAGE`]).
+//! The command line, parsed by clap: the benchmark (no subcommand), `attend`, and the
+//! hidden child that measures one peak. Every argument error, whether clap finds it or a
+//! check after it does, prints in clap's style and exits with status 2 ([`EXIT_USAGE`]).
 //!
 //! ## Layout
 //!
@@ -36,8 +36,8 @@ EXAMPLES
     cargo run --release -- --out charts/data/cpu.json && cargo run -p charts
     cargo run --release -- attend --method naive --q q.npy --k k.npy --v v.npy --out-dir out/";
 
-/// The causal attention benchmark: every chosen method at every length, time and peak memory,
-/// each result checked against the f64 reference before it is timed.
+/// The causal attention benchmark: every chosen method at every length, time and peak
+/// memory, each result checked against the f64 reference before it is timed.
 #[derive(Parser, Debug)]
 #[command(
     name = "flash-attention",
@@ -100,7 +100,8 @@ struct BenchFlags {
     backward: bool,
     // [/step 04]
     // [step 07]
-    /// GPUs to spread each call over, for a method that can (cuda_ring); the others take 1 [default: 1]
+    /// GPUs to spread each call over, for a method that can (cuda_ring); the others take 1
+    /// [default: 1]
     #[arg(long, default_value_t = 1, hide_default_value = true, allow_negative_numbers = true, value_parser = at_least_one)]
     gpus: usize,
     // [/step 07]
@@ -124,8 +125,8 @@ struct AttendFlags {
     #[arg(long, value_name = "FILE.npy")]
     v: PathBuf,
     // [step 03]
-    /// Element type of a GPU method: bf16 or f16; the CPU methods take f32 [default: f32; for
-    /// a GPU method bf16]
+    /// Element type of a GPU method: bf16 or f16; the CPU methods take f32 [default: f32;
+    /// for a GPU method bf16]
     #[arg(long, value_parser = parse_dtype)]
     dtype: Option<Dtype>,
     // [/step 03]
@@ -208,7 +209,8 @@ impl BenchArgs {
 pub enum Command {
     Bench(BenchArgs),
     Attend(AttendArgs),
-    /// Run one method once at one length and print the growth of the resident high-water mark.
+    /// Run one method once at one length and print the growth of the resident high-water
+    /// mark.
     PeakChild(BenchArgs),
 }
 
@@ -234,22 +236,24 @@ pub fn command() -> clap::Command {
         .after_long_help(format!("{}\n\n{EXAMPLES}", method_list()))
 }
 
-/// Parses the arguments (the program's name first) and checks every flag that can be checked
-/// before any work; on an error, returns clap's error, which prints itself and knows its exit
-/// status.
+/// Parses the arguments (the program's name first) and checks every flag that can be
+/// checked before any work; on an error, returns clap's error, which prints itself and
+/// knows its exit status.
 pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Error> {
     let mut cmd = command();
     let matches = cmd.try_get_matches_from_mut(args)?;
     let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches)
         .map_err(|e| e.format(&mut cmd))?;
-    let invalid = |cmd: &mut clap::Command, why: String| cmd.error(ErrorKind::ValueValidation, why);
+    let invalid =
+        |cmd: &mut clap::Command, why: String| cmd.error(ErrorKind::ValueValidation, why);
     match cli.command {
         Some(Sub::Attend(a)) => {
             let method = methods::by_name(&a.method)
                 .map_err(|e| invalid(&mut cmd, format!("--method: {e}")))?;
             // [step 03]
             if let Some(dtype) = a.dtype {
-                crate::attend::check_dtype(method, dtype).map_err(|e| invalid(&mut cmd, e))?;
+                crate::attend::check_dtype(method, dtype)
+                    .map_err(|e| invalid(&mut cmd, e))?;
             }
             // [/step 03]
             let _ = method;
@@ -272,7 +276,8 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
             let args = bench_args(cli.bench);
             choose(&args).map_err(|why| invalid(&mut cmd, why))?;
             for &tokens in &args.lengths {
-                let shape = flash_core::Shape::new(args.batch, args.heads, tokens, args.head_dim);
+                let shape =
+                    flash_core::Shape::new(args.batch, args.heads, tokens, args.head_dim);
                 shape
                     .checked_len()
                     .map_err(|e| invalid(&mut cmd, e.to_string()))?;
@@ -292,7 +297,8 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
         .into_iter()
         .filter(|m| m.device() == args.device)
         .collect();
-    let names = |ms: &[&dyn Method]| ms.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ");
+    let names =
+        |ms: &[&dyn Method]| ms.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ");
     let chosen: Vec<&dyn Method> = if args.methods.is_empty() {
         of_device.clone()
     } else {
@@ -355,7 +361,8 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
             .filter(|m| !m.multi_gpu())
             .map(|m| m.name())
             .collect();
-        let multi: Vec<&dyn Method> = chosen.iter().filter(|m| m.multi_gpu()).copied().collect();
+        let multi: Vec<&dyn Method> =
+            chosen.iter().filter(|m| m.multi_gpu()).copied().collect();
         if !single.is_empty() {
             if args.methods.is_empty() {
                 return Ok(multi);
@@ -406,9 +413,10 @@ fn bench_args(b: BenchFlags) -> BenchArgs {
     }
 }
 
-/// `--out` must name a file that can be written: not a folder, in a folder that exists or can
-/// be made. Checked by creating the file's folder and opening the file for appending (which
-/// leaves an existing file as it is), so that a sweep of minutes does not end in an error.
+/// `--out` must name a file that can be written: not a folder, in a folder that exists or
+/// can be made. Checked by creating the file's folder and opening the file for appending
+/// (which leaves an existing file as it is), so that a sweep of minutes does not end in an
+/// error.
 fn check_writable(out: &Path) -> Result<(), String> {
     if out.is_dir() {
         return Err(format!(
@@ -475,7 +483,8 @@ mod tests {
 
     #[test]
     fn flags_take_both_spellings() {
-        let b = bench("--methods naive,naive --lengths=16,32 --batch 2 --head-dim=8 --runs 1");
+        let b =
+            bench("--methods naive,naive --lengths=16,32 --batch 2 --head-dim=8 --runs 1");
         assert_eq!(b.methods, ["naive", "naive"]);
         assert_eq!(b.lengths, [16, 32]);
         assert_eq!((b.batch, b.head_dim, b.runs), (2, 8, 1));

@@ -1,9 +1,9 @@
 //! # The benchmark and the `attend` command
 //!
 //! The root package runs every method the repository has: the benchmark (`cargo run
-//! --release`) measures time and peak memory over a sweep of lengths and writes the JSON the
-//! charts are drawn from; `attend` runs one method on `.npy` files so that its results can be
-//! checked against any framework.
+//! --release`) measures time and peak memory over a sweep of lengths and writes the JSON
+//! the charts are drawn from; `attend` runs one method on `.npy` files so that its results
+//! can be checked against any framework.
 //!
 //! ## Layout
 //!

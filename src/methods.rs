@@ -1,6 +1,7 @@
-//! The registry: every attention method the repository has, each a type of the step that adds
-//! it implementing the one trait [`Method`] (the shared core's), so one test table and one
-//! benchmark run them all. Each step exports its methods; this list has one line per step.
+//! The registry: every attention method the repository has, each a type of the step that
+//! adds it implementing the one trait [`Method`] (the shared core's), so one test table and
+//! one benchmark run them all. Each step exports its methods; this list has one line per
+//! step.
 
 pub use flash_core::method::*;
 // [step 04]
@@ -29,7 +30,10 @@ pub fn all() -> Vec<&'static dyn Method> {
 
 // [step 04]
 /// Puts `with` where the method it wraps, of type `M`, stands.
-fn give_backward<M: Backward>(all: &mut [&'static dyn Method], with: &'static WithBackward<M>) {
+fn give_backward<M: Backward>(
+    all: &mut [&'static dyn Method],
+    with: &'static WithBackward<M>,
+) {
     let at = all.iter().position(|&m| (m as &dyn Any).is::<M>());
     let at = at.unwrap_or_else(|| panic!("{} is not in the registry", with.name()));
     all[at] = with;

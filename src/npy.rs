@@ -1,20 +1,20 @@
 //! Reading and writing NumPy's `.npy` files, for the `float32` arrays the `attend` command
 //! exchanges with other frameworks.
 //!
-//! The format itself (NumPy's `numpy.lib.format`: a magic string, a version, a header that is a
-//! Python dict literal such as `{'descr': '<f4', 'fortran_order': False, 'shape': (1, 12, 1024,
-//! 64), }`, then the data) is the `ndarray-npy` crate's business. What this module adds is the
-//! errors: each names the file, says what was wrong with it and what we accept, and, where NumPy
-//! can fix it, how.
+//! The format itself (NumPy's `numpy.lib.format`: a magic string, a version, a header that
+//! is a Python dict literal such as `{'descr': '<f4', 'fortran_order': False, 'shape': (1,
+//! 12, 1024, 64), }`, then the data) is the `ndarray-npy` crate's business. What this
+//! module adds is the errors: each names the file, says what was wrong with it and what we
+//! accept, and, where NumPy can fix it, how.
 //!
-//! We read only what the attention methods take: `float32` (`'<f4'`; a big-endian `'>f4'` is
-//! converted as it is read) in C order. We write little-endian `float32` in C order, whatever the
-//! memory layout of the array we are given.
+//! We read only what the attention methods take: `float32` (`'<f4'`; a big-endian `'>f4'`
+//! is converted as it is read) in C order. We write little-endian `float32` in C order,
+//! whatever the memory layout of the array we are given.
 //!
 //! ## Layout
 //!
-//! - [`read_f32`]: any number of dimensions; [`read_f32_4d`]: exactly `[batch, heads, tokens,
-//!   head_dim]`.
+//! - [`read_f32`]: any number of dimensions; [`read_f32_4d`]: exactly `[batch, heads,
+//!   tokens, head_dim]`.
 //! - [`write_f32`]: an array of any dimension, in C order.
 //! - [`NpyError`]: the file and what was wrong with it.
 
@@ -96,7 +96,8 @@ fn parse_f32(reader: impl Read) -> Result<ArrayD<f32>, String> {
 fn explain(e: &ReadNpyError) -> String {
     use ndarray_npy::ReadNpyError::*;
     match e {
-        // the header is read with read_exact: a file that ends inside it is an UnexpectedEof
+        // the header is read with read_exact: a file that ends inside it is an
+        // UnexpectedEof
         Io(io) if io.kind() == io::ErrorKind::UnexpectedEof => {
             "the file ends inside its .npy header; expected a float32 .npy file".into()
         }
@@ -110,7 +111,9 @@ fn explain(e: &ReadNpyError) -> String {
                     ".npy format version {version} is not one we read; expected 1.0, 2.0 or 3.0"
                 )
             } else {
-                format!("its .npy header is malformed ({header}); expected one numpy.save writes")
+                format!(
+                    "its .npy header is malformed ({header}); expected one numpy.save writes"
+                )
             }
         }
         WrongDescriptor(descr) => {
@@ -118,11 +121,15 @@ fn explain(e: &ReadNpyError) -> String {
             let name = dtype_name(descr.trim_matches(['\'', '"']))
                 .map(|n| format!(" ({n})"))
                 .unwrap_or_default();
-            format!("dtype is {descr}{name}; expected float32 ('<f4'): save x.astype(np.float32)")
+            format!(
+                "dtype is {descr}{name}; expected float32 ('<f4'): save x.astype(np.float32)"
+            )
         }
-        MissingData => "the data ends before the number of float32 values its shape needs; \
+        MissingData => {
+            "the data ends before the number of float32 values its shape needs; \
                         the file is cut short"
-            .into(),
+                .into()
+        }
         ExtraBytes(n) => format!(
             "{n} bytes follow the float32 values its shape needs; expected the file to end there"
         ),
@@ -162,7 +169,10 @@ fn python_shape(shape: &[usize]) -> String {
 }
 
 /// Writes an array as a `.npy` file of little-endian `float32` in C order.
-pub fn write_f32<D: Dimension>(path: &Path, array: ArrayView<f32, D>) -> Result<(), NpyError> {
+pub fn write_f32<D: Dimension>(
+    path: &Path,
+    array: ArrayView<f32, D>,
+) -> Result<(), NpyError> {
     // ndarray-npy writes a transposed array in Fortran order to save a copy; we read only C
     // order, so copy such an array into C order first (a C-order one is borrowed as it is)
     let array = array.as_standard_layout();
@@ -185,9 +195,16 @@ mod tests {
     }
 
     /// A hand-made file: version, descr, order and shape as given, `data` raw.
-    fn npy_bytes(version: u8, descr: &str, fortran: &str, shape: &str, data: &[u8]) -> Vec<u8> {
-        let header =
-            format!("{{'descr': '{descr}', 'fortran_order': {fortran}, 'shape': {shape}, }}\n");
+    fn npy_bytes(
+        version: u8,
+        descr: &str,
+        fortran: &str,
+        shape: &str,
+        data: &[u8],
+    ) -> Vec<u8> {
+        let header = format!(
+            "{{'descr': '{descr}', 'fortran_order': {fortran}, 'shape': {shape}, }}\n"
+        );
         let mut b = b"\x93NUMPY".to_vec();
         b.extend([version, 0]);
         if version == 1 {
@@ -206,9 +223,10 @@ mod tests {
 
     #[test]
     fn reads_a_file_as_numpy_writes_it() {
-        // np.save(f, np.arange(6, dtype=np.float32).reshape(2, 3) / 4), byte for byte: NumPy
-        // sorts the keys, leaves 20 spaces of room for the first axis to grow, pads the header
-        // so the data starts at byte 128 (a multiple of 64) and ends it with a newline
+        // np.save(f, np.arange(6, dtype=np.float32).reshape(2, 3) / 4), byte for byte:
+        // NumPy sorts the keys, leaves 20 spaces of room for the first axis to grow, pads
+        // the header so the data starts at byte 128 (a multiple of 64) and ends it with a
+        // newline
         let dict = "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }";
         let header = format!("{dict}{}\n", " ".repeat(58));
         let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
@@ -250,7 +268,8 @@ mod tests {
                 .all(|(x, y)| x.to_bits() == y.to_bits())
         );
 
-        // a transposed view is written in logical (C) order, not memory order, so it reads back
+        // a transposed view is written in logical (C) order, not memory order, so it reads
+        // back
         let t = a.view().permuted_axes([3, 2, 1, 0]);
         write_f32(&path, t).unwrap();
         let header = String::from_utf8_lossy(&fs::read(&path).unwrap()[..128]).into_owned();
@@ -265,7 +284,8 @@ mod tests {
     fn reads_versions_two_and_three_one_dim_shapes_and_big_endian() {
         let data = le_bytes(&[1.5, -2.0]);
         for version in [2, 3] {
-            let a = parse_f32(&npy_bytes(version, "<f4", "False", "(2,)", &data)[..]).unwrap();
+            let a =
+                parse_f32(&npy_bytes(version, "<f4", "False", "(2,)", &data)[..]).unwrap();
             assert_eq!(a.as_slice().unwrap(), &[1.5, -2.0]);
         }
         // '>f4' is converted as it is read, not refused
@@ -347,7 +367,9 @@ mod tests {
         .unwrap();
         let err = read_f32_4d(&two_d).unwrap_err().to_string();
         assert!(
-            err.contains("two_d.npy") && err.contains("(2, 3)") && err.contains("expected 4"),
+            err.contains("two_d.npy")
+                && err.contains("(2, 3)")
+                && err.contains("expected 4"),
             "{err}"
         );
 

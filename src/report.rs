@@ -1,9 +1,10 @@
-//! The benchmark's printed table: one line per [`Row`] as it is measured. The rows themselves,
-//! and the JSON the charts read, are the shared core's ([`flash_core::row`]).
+//! The benchmark's printed table: one line per [`Row`] as it is measured. The rows
+//! themselves, and the JSON the charts read, are the shared core's ([`flash_core::row`]).
 
 use flash_core::Row;
 
-/// The table's header; `cuda` prints TFLOP/s, the CPU GFLOP/s (its numbers are a thousandth).
+/// The table's header; `cuda` prints TFLOP/s, the CPU GFLOP/s (its numbers are a
+/// thousandth).
 pub fn table_header(cuda: bool) -> String {
     format!(
         "{:<16} {:<8} {:>7} {:>11} {:>10} {:>12}  note",

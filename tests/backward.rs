@@ -1,12 +1,14 @@
-//! Backward passes on every case of the table against the f64 reference backward of step 04:
-//! the backward each CPU method of the registry comes with, and step 04's blockwise backward
-//! after each CPU method's forward (it takes the output and log-sum-exp of any forward).
+//! Backward passes on every case of the table against the f64 reference backward of step
+//! 04: the backward each CPU method of the registry comes with, and step 04's blockwise
+//! backward after each CPU method's forward (it takes the output and log-sum-exp of any
+//! forward).
 //!
-//! On a GPU (ignored elsewhere), the backward each CUDA method of the registry comes with, after
-//! its own forward, in bf16.
+//! On a GPU (ignored elsewhere), the backward each CUDA method of the registry comes with,
+//! after its own forward, in bf16.
 //!
-//! Every case of the table runs: the f64 reference backward goes through one `T × T` table per
-//! head with matrix products, a fraction of a second at the table's longest length (1000).
+//! Every case of the table runs: the f64 reference backward goes through one `T × T` table
+//! per head with matrix products, a fraction of a second at the table's longest length
+//! (1000).
 
 use cross_step_tests::cases;
 use flash_attention::methods::{self, Device, Dtype};
@@ -20,10 +22,10 @@ use step04_backward::{Grads, backward, backward_by_hand};
 /// largest value of that gradient (at least 1); why this size: steps/04-backward/tests/
 /// against_reference.rs, where it is measured.
 const GRAD_MAX_REL: f64 = 1e-5;
-/// FlashAttention's rule on top: at most twice the error of the backward by hand in the same
-/// precision, plus this margin (relative to the gradient's largest value, at least 1) for the
-/// errors that are exactly 0 by hand: with one token, by hand's dv is exactly dout, while a
-/// forward that rounds its dot products differently moves p by an ulp.
+/// FlashAttention's rule on top: at most twice the error of the backward by hand in the
+/// same precision, plus this margin (relative to the gradient's largest value, at least 1)
+/// for the errors that are exactly 0 by hand: with one token, by hand's dv is exactly dout,
+/// while a forward that rounds its dot products differently moves p by an ulp.
 const MARGIN_REL: f64 = 1e-6;
 
 /// The max-abs errors of dq, dk and dv.
@@ -55,7 +57,8 @@ fn every_cpu_backward_matches_the_f64_reference() {
         let bounds = allowed(&want);
         // the baseline of the 2× rule: the backward by hand after attention by hand
         let fwd = step01_naive::attention(q.view(), k.view(), v.view()).unwrap();
-        let base = backward_by_hand(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
+        let base =
+            backward_by_hand(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
         let base = errors(&base, &want);
         for m in &methods {
             let fwd = m
@@ -66,7 +69,8 @@ fn every_cpu_backward_matches_the_f64_reference() {
                 backward(q.view(), k.view(), v.view(), &fwd, dout.view()),
             )];
             if m.has_backward() {
-                let got = m.backward(q.view(), k.view(), v.view(), &fwd, dout.view(), Dtype::F32);
+                let got =
+                    m.backward(q.view(), k.view(), v.view(), &fwd, dout.view(), Dtype::F32);
                 runs.push((format!("{} forward and backward", m.name()), got));
             }
             for (name, got) in runs {
@@ -92,10 +96,10 @@ fn every_cpu_backward_matches_the_f64_reference() {
     }
 }
 
-/// The CUDA methods of the registry that have a backward, on every case, in bf16: each one's
-/// forward then its own backward, against the f64 reference under FlashAttention's rule: each
-/// gradient's max-abs error at most twice that of the backward by hand in bf16 (PyTorch's
-/// autograd rounding, on the CPU), plus 10⁻⁵ of the gradient's largest value.
+/// The CUDA methods of the registry that have a backward, on every case, in bf16: each
+/// one's forward then its own backward, against the f64 reference under FlashAttention's
+/// rule: each gradient's max-abs error at most twice that of the backward by hand in bf16
+/// (PyTorch's autograd rounding, on the CPU), plus 10⁻⁵ of the gradient's largest value.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_cuda_backward_is_within_twice_by_hand_error_in_bf16() {
@@ -115,7 +119,8 @@ fn every_cuda_backward_is_within_twice_by_hand_error_in_bf16() {
         let dout = random_normal(shape, case.seed + 7919);
         let [qr, kr, vr, dr] = [&q, &k, &v, &dout].map(|x| round_array(x.view(), bf16));
         let want = backward_f64(qr.view(), kr.view(), vr.view(), dr.view()).unwrap();
-        let hand = backward_by_hand_low_precision(q.view(), k.view(), v.view(), dout.view(), bf16);
+        let hand =
+            backward_by_hand_low_precision(q.view(), k.view(), v.view(), dout.view(), bf16);
         let base = errors(&hand, &want);
         let size = |r: &Array4<f64>| r.iter().fold(1.0f64, |m, x| m.max(x.abs()));
         let sizes = [size(&want.dq), size(&want.dk), size(&want.dv)];
@@ -160,8 +165,8 @@ fn every_cuda_backward_is_within_twice_by_hand_error_in_bf16() {
 }
 
 /// A method says it has a backward exactly when its backward does more than refuse: with
-/// shapes that do not match, one that has a backward names the mismatch (before any work, on
-/// the CPU or the GPU), one that has none says so.
+/// shapes that do not match, one that has a backward names the mismatch (before any work,
+/// on the CPU or the GPU), one that has none says so.
 #[test]
 fn every_method_has_a_backward_exactly_when_it_says_so() {
     use flash_core::AttnError;

@@ -1,5 +1,5 @@
-//! The book includes code by anchor, and mdBook renders a missing, empty or unbalanced anchor as
-//! an empty block without a word: these tests make each of those a failure.
+//! The book includes code by anchor, and mdBook renders a missing, empty or unbalanced
+//! anchor as an empty block without a word: these tests make each of those a failure.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -16,7 +16,9 @@ fn repo_root() -> PathBuf {
 }
 
 fn files_under(dir: &Path, ext: &[&str], out: &mut Vec<PathBuf>) {
-    for entry in fs::read_dir(dir).unwrap_or_else(|e| panic!("reading {}: {e}", dir.display())) {
+    for entry in
+        fs::read_dir(dir).unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+    {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         if path.is_dir() {
@@ -43,11 +45,15 @@ fn includes(markdown: &str) -> Vec<(String, Option<String>)> {
         {
             let spec = spec.trim();
             match spec.split_once(':') {
-                Some((path, anchor)) if !anchor.chars().next().unwrap().is_ascii_digit() => {
+                Some((path, anchor))
+                    if !anchor.chars().next().unwrap().is_ascii_digit() =>
+                {
                     found.push((path.to_string(), Some(anchor.to_string())))
                 }
                 Some((path, _lines)) => {
-                    panic!("{path}: the book includes code by anchor, never by line numbers")
+                    panic!(
+                        "{path}: the book includes code by anchor, never by line numbers"
+                    )
                 }
                 None => found.push((spec.to_string(), None)),
             }
@@ -72,9 +78,9 @@ fn anchors(path: &Path) -> Result<BTreeMap<String, usize>, String> {
         }
         if let Some(i) = t.find("ANCHOR_END:") {
             let name = t[i + 11..].trim().to_string();
-            let lines = open
-                .remove(&name)
-                .ok_or_else(|| format!("{}: ANCHOR_END: {name} without ANCHOR", path.display()))?;
+            let lines = open.remove(&name).ok_or_else(|| {
+                format!("{}: ANCHOR_END: {name} without ANCHOR", path.display())
+            })?;
             if done.insert(name.clone(), lines).is_some() {
                 return Err(format!("{}: anchor {name} appears twice", path.display()));
             }

@@ -58,8 +58,8 @@ fn every_method_rejects_mismatched_shapes_and_zero_head_dim() {
 }
 
 /// Every method, CPU and GPU alike (a GPU method checks its input before it opens the
-/// device), refuses a NaN or an infinity with the tensor and the first position; a non-finite
-/// value is never computed with, so no answer depends on a method's block size.
+/// device), refuses a NaN or an infinity with the tensor and the first position; a
+/// non-finite value is never computed with, so no answer depends on a method's block size.
 #[test]
 fn every_method_refuses_non_finite_input_naming_the_tensor_and_position() {
     use flash_core::AttnError;

@@ -9,9 +9,9 @@ pub struct Case {
     pub seed: u64,
 }
 
-/// The cross-step table: lengths that leave partial blocks of every size we use (1, 77, 100,
-/// 300, 1000), full blocks (128, 256), odd numbers of sequences and heads, and head dims 64
-/// (the tutorial's), 32 and 128.
+/// The cross-step table: lengths that leave partial blocks of every size we use (1, 77,
+/// 100, 300, 1000), full blocks (128, 256), odd numbers of sequences and heads, and head
+/// dims 64 (the tutorial's), 32 and 128.
 pub fn cases() -> Vec<Case> {
     let mut cases = Vec::new();
     for (i, tokens) in [1, 77, 100, 128, 256, 300, 1000].into_iter().enumerate() {

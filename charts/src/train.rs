@@ -4,21 +4,24 @@
 //!
 //! For each device the runs were made on (`train-cpu-*`, `train-gpu-*`):
 //!
-//! - the loss against the step: the training loss of every step as a line, the held-out losses
-//!   as markers; ours with our flash attention beside PyTorch's with FlashAttention-2 and with
-//!   its default attention (eager), the runs that share weights and batches;
+//! - the loss against the step: the training loss of every step as a line, the held-out
+//!   losses as markers; ours with our flash attention beside PyTorch's with
+//!   FlashAttention-2 and with its default attention (eager), the runs that share weights
+//!   and batches;
 //! - tokens a second, a bar per run; and peak memory, a bar per run that measured it;
-//! - a table with a row per run (`train-cpu.md`, ...): speed, against ours, memory, the last
-//!   held-out loss, and how far its losses are from ours at the same steps.
+//! - a table with a row per run (`train-cpu.md`, ...): speed, against ours, memory, the
+//!   last held-out loss, and how far its losses are from ours at the same steps.
 //!
-//! A run looks as its attention does in every other chart: ours in blues and greens, filled;
-//! PyTorch's in oranges, reds and greys, hollow (the looks of `STYLES` in `lib.rs`).
+//! A run looks as its attention does in every other chart: ours in blues and greens,
+//! filled; PyTorch's in oranges, reds and greys, hollow (the looks of `STYLES` in
+//! `lib.rs`).
 //!
 //! ## Layout
 //!
 //! - [`read_runs`]: the run records of `charts/data/train-*.json`.
 //! - [`render_all`]: every training chart and table the runs call for.
-//! - [`precision`]: our GPU run beside PyTorch's rounded three ways (`train-precision-*.json`).
+//! - [`precision`]: our GPU run beside PyTorch's rounded three ways
+//!   (`train-precision-*.json`).
 //! - [`parallel`]: step 07's, of the runs on one GPU and on several (`train-dp-*.json`). // [step 07]
 
 use std::fs;
@@ -32,7 +35,8 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
 use super::{
-    LEGEND_ROW, Look, PLOT_HEIGHT, WIDTH, dashed, draw_legend_entry, draw_marker, look, scalable,
+    LEGEND_ROW, Look, PLOT_HEIGHT, WIDTH, dashed, draw_legend_entry, draw_marker, look,
+    scalable,
 };
 
 pub mod parallel; // [step 07]
@@ -80,9 +84,9 @@ pub struct Eval {
     pub loss: f64,
 }
 
-/// What the charts read of a `RunRecord` (`steps/05-train/src/train.rs`); the other fields are
-/// left alone. A record from before the GPU trainer lacks the fields after `evals`: it is our
-/// trainer's, on the CPU, with our flash attention in `f32`.
+/// What the charts read of a `RunRecord` (`steps/05-train/src/train.rs`); the other fields
+/// are left alone. A record from before the GPU trainer lacks the fields after `evals`: it
+/// is our trainer's, on the CPU, with our flash attention in `f32`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 pub struct Run {
     pub config: Config,
@@ -143,8 +147,8 @@ pub(crate) fn is_named(path: &Path, prefix: &str) -> bool {
         .is_some_and(|n| n.starts_with(prefix) && n.ends_with(".json"))
 }
 
-/// Every run of `dir/train-*.json` but the ones the submodules draw, the files taken in name
-/// order.
+/// Every run of `dir/train-*.json` but the ones the submodules draw, the files taken in
+/// name order.
 pub fn read_runs(dir: &Path) -> Result<Vec<Run>, String> {
     read_records(dir, |p| {
         let theirs = precision::is_precision_file(p);
@@ -167,7 +171,8 @@ pub(crate) fn read_records<T: DeserializeOwned>(
     files
         .iter()
         .map(|f| {
-            let text = fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
+            let text =
+                fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
             serde_json::from_str(&text)
                 .map_err(|e| format!("{}: not a training run's record: {e}", f.display()))
         })
@@ -187,7 +192,8 @@ impl Run {
         }
     }
 
-    /// The method of the benchmark's charts whose attention this run's is, so it looks the same.
+    /// The method of the benchmark's charts whose attention this run's is, so it looks the
+    /// same.
     fn method(&self) -> &'static str {
         let gpu = self.device == "cuda";
         match (self.is_ours(), self.attention.as_str()) {
@@ -226,21 +232,23 @@ impl Run {
         l.words
     }
 
-    /// Whether the two runs trained the same model from the same weights on the same batches at
-    /// the same rates: the model, the batch, the steps, the seed, the schedule (its rates as
-    /// `f32`, as the trainers keep them) and the training text's length.
+    /// Whether the two runs trained the same model from the same weights on the same
+    /// batches at the same rates: the model, the batch, the steps, the seed, the schedule
+    /// (its rates as `f32`, as the trainers keep them) and the training text's length.
     fn same_setup(&self, other: &Run) -> bool {
         let (a, b) = (&self.settings, &other.settings);
-        let rates =
-            |s: &Option<Schedule>| s.as_ref().map(|s| (s.max as f32, s.min as f32, s.warmup));
+        let rates = |s: &Option<Schedule>| {
+            s.as_ref().map(|s| (s.max as f32, s.min as f32, s.warmup))
+        };
         self.config == other.config
-            && (a.batch, a.seq_len, a.steps, a.seed) == (b.batch, b.seq_len, b.steps, b.seed)
+            && (a.batch, a.seq_len, a.steps, a.seed)
+                == (b.batch, b.seq_len, b.steps, b.seed)
             && rates(&a.schedule) == rates(&b.schedule)
             && self.train_bytes == other.train_bytes
     }
 
-    /// Ours with our flash attention, PyTorch's FlashAttention-2 and its default, eager: the
-    /// runs the loss chart compares.
+    /// Ours with our flash attention, PyTorch's FlashAttention-2 and its default, eager:
+    /// the runs the loss chart compares.
     fn in_loss_chart(&self) -> bool {
         if self.is_ours() {
             return self.attention == "flash";
@@ -252,8 +260,8 @@ impl Run {
             )
     }
 
-    /// Tokens a second over every step but the first, as `RunRecord::tokens_per_s`; computed
-    /// from the steps where the record lacks it.
+    /// Tokens a second over every step but the first, as `RunRecord::tokens_per_s`;
+    /// computed from the steps where the record lacks it.
     fn throughput(&self) -> f64 {
         if self.tokens_per_s > 0.0 {
             return self.tokens_per_s;
@@ -262,7 +270,8 @@ impl Run {
             return 0.0;
         }
         let seconds: f64 = self.steps[1..].iter().map(|s| s.ms / 1e3).sum();
-        ((self.steps.len() - 1) * self.settings.batch * self.settings.seq_len) as f64 / seconds
+        ((self.steps.len() - 1) * self.settings.batch * self.settings.seq_len) as f64
+            / seconds
     }
 
     /// The median milliseconds of a step, every step but the first.
@@ -271,8 +280,8 @@ impl Run {
         (!ms.is_empty()).then(|| median(ms))
     }
 
-    /// The largest relative difference of this run's losses from `other`'s at the steps both
-    /// have (training losses and held-out losses), and how many steps it is over.
+    /// The largest relative difference of this run's losses from `other`'s at the steps
+    /// both have (training losses and held-out losses), and how many steps it is over.
     fn loss_difference(&self, other: &Run) -> Option<(f64, usize)> {
         let mut worst: Option<f64> = None;
         let mut count = 0;
@@ -293,8 +302,8 @@ impl Run {
     }
 }
 
-/// The runs in the order of the looks, ours first and our flash attention first of ours (the
-/// run the others are compared with), eager before compiled.
+/// The runs in the order of the looks, ours first and our flash attention first of ours
+/// (the run the others are compared with), eager before compiled.
 fn ordered(runs: &[&Run]) -> Vec<Run> {
     let mut out: Vec<Run> = runs.iter().map(|&r| r.clone()).collect();
     out.sort_by_key(|r| {
@@ -311,9 +320,9 @@ fn ordered(runs: &[&Run]) -> Vec<Run> {
     out
 }
 
-/// Every training chart and table the runs call for, as `(file name, text)`: for the CPU runs
-/// and for the GPU runs, the loss, the throughput, the peak memory (where measured) and the
-/// table.
+/// Every training chart and table the runs call for, as `(file name, text)`: for the CPU
+/// runs and for the GPU runs, the loss, the throughput, the peak memory (where measured)
+/// and the table.
 pub fn render_all(runs: &[Run]) -> Result<Vec<(String, String)>, String> {
     let mut out = Vec::new();
     for (kind, name) in [("cpu", "cpu"), ("cuda", "gpu")] {
@@ -407,9 +416,9 @@ fn subtitle(runs: &[Run]) -> String {
     )
 }
 
-/// The title, the subtitle and a legend of `entries` (look, words: a stretch of line with the
-/// marker on it) under a plot: the drawing areas of the whole chart and of the plot, through
-/// `draw`.
+/// The title, the subtitle and a legend of `entries` (look, words: a stretch of line with
+/// the marker on it) under a plot: the drawing areas of the whole chart and of the plot,
+/// through `draw`.
 fn chart(
     title: &str,
     subtitle: &str,
@@ -436,7 +445,8 @@ fn chart(
         .map_err(|x| e(&x))?;
         top.draw_text(
             subtitle,
-            &TextStyle::from(("sans-serif", 21).into_font()).color(&RGBColor(0x44, 0x44, 0x44)),
+            &TextStyle::from(("sans-serif", 21).into_font())
+                .color(&RGBColor(0x44, 0x44, 0x44)),
             (20, 38),
         )
         .map_err(|x| e(&x))?;
@@ -457,7 +467,10 @@ fn draw_loss_axes<DB: DrawingBackend>(
     chart: &mut ChartContext<
         '_,
         DB,
-        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+        Cartesian2d<
+            plotters::coord::types::RangedCoordf64,
+            plotters::coord::types::RangedCoordf64,
+        >,
     >,
 ) -> Result<(), String> {
     chart
@@ -552,11 +565,11 @@ fn rel(a: f64, b: f64) -> f64 {
     (a - b) / b
 }
 
-/// Above: each line's training loss at every step (ours solid, PyTorch's dashed) and held-out
-/// losses (markers); below: for each pair `(reference, other)` of indices into `lines`, the
-/// other's relative difference from the reference at every step, in percent (`below` names
-/// it), with dashed lines at ±`goal` percent and the scale at least that wide either way, so a
-/// small difference looks small.
+/// Above: each line's training loss at every step (ours solid, PyTorch's dashed) and
+/// held-out losses (markers); below: for each pair `(reference, other)` of indices into
+/// `lines`, the other's relative difference from the reference at every step, in percent
+/// (`below` names it), with dashed lines at ±`goal` percent and the scale at least that
+/// wide either way, so a small difference looks small.
 pub(crate) fn render_loss_and_difference(
     title: &str,
     subtitle: &str,
@@ -683,7 +696,10 @@ fn draw_line<DB: DrawingBackend>(
     chart: &mut ChartContext<
         '_,
         DB,
-        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+        Cartesian2d<
+            plotters::coord::types::RangedCoordf64,
+            plotters::coord::types::RangedCoordf64,
+        >,
     >,
     points: Vec<(f64, f64)>,
     l: &Look,
@@ -780,8 +796,9 @@ fn render_bars(
     })
 }
 
-/// The runs as the book's table: a row per run, its speed against ours (our flash attention on
-/// the same device), its memory, its last held-out loss and how far its losses are from ours.
+/// The runs as the book's table: a row per run, its speed against ours (our flash attention
+/// on the same device), its memory, its last held-out loss and how far its losses are from
+/// ours.
 fn table(runs: &[Run]) -> String {
     let reference = runs.iter().find(|r| r.is_ours() && r.attention == "flash");
     let mut md = format!(
@@ -854,7 +871,13 @@ mod tests {
     use super::*;
 
     /// A run record as the trainers write it; `extra` adds the fields a newer record has.
-    fn run(trainer: &str, attention: &str, device: &str, speed: f64, extra: &str) -> String {
+    fn run(
+        trainer: &str,
+        attention: &str,
+        device: &str,
+        speed: f64,
+        extra: &str,
+    ) -> String {
         let steps: Vec<String> = (1..=20)
             .map(|s| {
                 let loss = 5.5 - 0.1 * s as f64 + if trainer == "step05-train" { 0.0 } else { 1e-6 };
@@ -963,7 +986,10 @@ mod tests {
             assert!(get(chart).contains(&ours_cpu), "{chart}: no {ours_cpu}");
             assert!(get(chart).contains(&sdpa_cpu), "{chart}: no {sdpa_cpu}");
         }
-        assert!(get("train-cpu-loss.svg").contains("ours: online softmax, SIMD (steps 02 and 04)"));
+        assert!(
+            get("train-cpu-loss.svg")
+                .contains("ours: online softmax, SIMD (steps 02 and 04)")
+        );
         // PyTorch by hand is in the throughput, not in the loss chart
         let by_hand = colour("pytorch_by_hand", Device::Cpu);
         assert!(get("train-cpu-throughput.svg").contains(&by_hand));
@@ -995,7 +1021,9 @@ mod tests {
         );
         // 450,000 tokens/s against our 400,000, 512 tokens in 1.14 ms; losses 1e-6 apart
         assert!(
-            md.contains("| FlashAttention-2 via PyTorch | 20 | 450,000 | 1.14 | 1.12× | 25.0 |"),
+            md.contains(
+                "| FlashAttention-2 via PyTorch | 20 | 450,000 | 1.14 | 1.12× | 25.0 |"
+            ),
             "{md}"
         );
         assert!(md.contains("over 20 steps |"), "{md}");

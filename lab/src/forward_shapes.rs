@@ -1,9 +1,9 @@
-//! The tile shapes `forward-tune` times against step 03's default, one head dim at a time. Each
-//! is a [`ForwardConfig`], the sizes step 03's kernel takes as `-D` options: warps, rows a
-//! warp, keys a block and a step, blocks a multiprocessor, and the heads scheduled together.
-//! Whether a lane holds one ldmatrix offset a step or one an operand is the head dim's
-//! ([`ForwardKernel::xor_offsets`](step03_cuda_forward::kernel::ForwardKernel::xor_offsets)),
-//! not a shape's.
+//! The tile shapes `forward-tune` times against step 03's default, one head dim at a time.
+//! Each is a [`ForwardConfig`], the sizes step 03's kernel takes as `-D` options: warps,
+//! rows a warp, keys a block and a step, blocks a multiprocessor, and the heads scheduled
+//! together. Whether a lane holds one ldmatrix offset a step or one an operand is the head
+//! dim's (one an operand at 128: `Offsets<HEAD_DIM == 128>` in `flash_forward.cu`), not a
+//! shape's.
 
 use step03_cuda_forward::ForwardConfig;
 
@@ -20,7 +20,8 @@ pub fn candidates(head_dim: usize) -> Vec<ForwardConfig> {
     if head_dim <= 64 {
         vec![
             base,
-            // one head at a time, or 16 together, rather than all heads' longest blocks first
+            // one head at a time, or 16 together, rather than all heads' longest blocks
+            // first
             with(|c| c.head_group = 1),
             with(|c| c.head_group = 16),
             // 64 keys a block
@@ -60,8 +61,8 @@ mod tests {
     use super::*;
     use step03_cuda_forward::kernel::HEAD_DIMS;
 
-    /// The default comes first (the tools' first column), every shape is one the kernel takes,
-    /// and no two share a label (the tools' `--only` picks them by it).
+    /// The default comes first (the tools' first column), every shape is one the kernel
+    /// takes, and no two share a label (the tools' `--only` picks them by it).
     #[test]
     fn the_default_first_every_shape_valid_no_label_twice() {
         for d in HEAD_DIMS {

@@ -1,6 +1,7 @@
-//! The block shapes `hopper-check` compares for step 06's kernels: every rung of the forward and
-//! both of the backward, in the shapes the step's methods launch and the others that fit. The
-//! step's `kernel` module picks one per length; these are what the picks were made among.
+//! The block shapes `hopper-check` compares for step 06's kernels: every rung of the
+//! forward and both of the backward, in the shapes the step's methods launch and the others
+//! that fit. The step's `kernel` module picks one per length; these are what the picks were
+//! made among.
 
 use step06_hopper::kernel::{
     BackwardKernel, BackwardKernels, BackwardPass, BackwardRung, ForwardKernel, ForwardRung,
@@ -16,8 +17,9 @@ fn push_new<T: PartialEq>(all: &mut Vec<T>, x: T) {
     }
 }
 
-/// Every forward kernel the methods launch at head dim `d`, first, then each rung in the other
-/// shapes that fit: warpgroups × stages × blocks a multiprocessor, each in both grid orders.
+/// Every forward kernel the methods launch at head dim `d`, first, then each rung in the
+/// other shapes that fit: warpgroups × stages × blocks a multiprocessor, each in both grid
+/// orders.
 pub fn forward(d: usize) -> Vec<ForwardKernel> {
     let mut all = Vec::new();
     for t in LENGTHS {
@@ -62,8 +64,8 @@ pub fn forward(d: usize) -> Vec<ForwardKernel> {
 }
 
 /// Every backward the methods launch at head dim `d`, first, then the two passes with each
-/// pass in its other shapes beside the other pass's default, and the one pass in two or three
-/// stages; each in both grid orders.
+/// pass in its other shapes beside the other pass's default, and the one pass in two or
+/// three stages; each in both grid orders.
 pub fn backward(d: usize) -> Vec<BackwardKernels> {
     let mut all = Vec::new();
     for t in LENGTHS {
@@ -80,8 +82,8 @@ pub fn backward(d: usize) -> Vec<BackwardKernels> {
             stream,
             longest_first,
         };
-        // (128 queries a step for dK and dV spill at head dim 64: Sᵀ and dPᵀ are 64 registers
-        // each)
+        // (128 queries a step for dK and dV spill at head dim 64: Sᵀ and dPᵀ are 64
+        // registers each)
         for (w, s, r) in [(2, 2, 64), (2, 3, 64), (3, 2, 64), (3, 3, 64), (1, 2, 64)] {
             let dkdv = kernel(BackwardPass::Dkdv, w, s, r);
             if dkdv.check(d).is_ok() {
@@ -115,8 +117,8 @@ mod tests {
     use super::*;
     use step06_hopper::kernel::HEAD_DIMS;
 
-    /// What the methods launch is among the shapes compared, every shape fits, and no two share
-    /// a name.
+    /// What the methods launch is among the shapes compared, every shape fits, and no two
+    /// share a name.
     #[test]
     fn the_defaults_are_among_the_shapes_and_every_name_is_its_own() {
         for d in HEAD_DIMS {

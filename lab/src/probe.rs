@@ -28,7 +28,8 @@ pub fn compile() -> Result<Ptx, AttnError> {
         name: Some("wgmma_probe.cu".into()),
         ..Default::default()
     };
-    compile_ptx_with_opts(WGMMA_PROBE_CU, options).map_err(|e| compile_error("wgmma_probe", e))
+    compile_ptx_with_opts(WGMMA_PROBE_CU, options)
+        .map_err(|e| compile_error("wgmma_probe", e))
 }
 
 /// The byte offsets a pair of descriptors is made with.
@@ -57,7 +58,8 @@ fn tile(seed: u64) -> (Vec<u16>, Vec<f64>) {
     )
 }
 
-/// The map of one 64×64 bf16 tile, row-major, read in one 64×64 box in the 128-byte swizzle.
+/// The map of one 64×64 bf16 tile, row-major, read in one 64×64 box in the 128-byte
+/// swizzle.
 fn tile_map(gpu: &Gpu, tile: &CudaSlice<u16>) -> Result<TensorMap, AttnError> {
     let (ptr, _sync) = tile.device_ptr(gpu.stream());
     let n = N as u64;
@@ -85,9 +87,14 @@ pub enum Load {
     Tma,
 }
 
-/// Runs the probe with the K-major descriptors' offsets `qk` and V's `v`; returns the largest
-/// absolute errors of S and of O against the host.
-pub fn run(gpu: &Gpu, load: Load, qk: Offsets, v: Offsets) -> Result<ProbeError, AttnError> {
+/// Runs the probe with the K-major descriptors' offsets `qk` and V's `v`; returns the
+/// largest absolute errors of S and of O against the host.
+pub fn run(
+    gpu: &Gpu,
+    load: Load,
+    qk: Offsets,
+    v: Offsets,
+) -> Result<ProbeError, AttnError> {
     let entry = match load {
         Load::Threads => "wgmma_probe",
         Load::Tma => "wgmma_probe_tma",

@@ -1,5 +1,5 @@
-//! What the lab's timing tools (`forward-tune`, `backward-tune`) share: their start on the GPU,
-//! their inputs, and the timing of a call.
+//! What the lab's timing tools (`forward-tune`, `backward-tune`) share: their start on the
+//! GPU, their inputs, and the timing of a call.
 
 use std::process::ExitCode;
 
@@ -18,9 +18,9 @@ pub struct Tool {
 }
 
 impl Tool {
-    /// Opens the GPU and prints what it is. Without a GPU, prints why, after the tool's name,
-    /// and gives the exit code to end with. (A malformed flag never gets here: clap refuses
-    /// it, with status 2, when the tool parses its flags.)
+    /// Opens the GPU and prints what it is. Without a GPU, prints why, after the tool's
+    /// name, and gives the exit code to end with. (A malformed flag never gets here: clap
+    /// refuses it, with status 2, when the tool parses its flags.)
     pub fn start(name: &str, lengths: Vec<usize>, runs: usize) -> Result<Tool, ExitCode> {
         let gpu = Gpu::new().map_err(|e| {
             eprintln!("{name}: {e}");
@@ -39,8 +39,8 @@ pub fn random_input(gpu: &Gpu, shape: flash_core::Shape, seed: u64) -> DeviceTen
 }
 
 /// The median milliseconds of `runs` calls of `f` after 3 untimed ones, each timed by
-/// [`Gpu::time_ms`]; on an error, prints it after the tool's name and gives the exit code to
-/// end with.
+/// [`Gpu::time_ms`]; on an error, prints it after the tool's name and gives the exit code
+/// to end with.
 pub fn median_ms<T>(
     gpu: &Gpu,
     runs: usize,

@@ -1,7 +1,7 @@
 //! Every tile shape the lab's tools may time, on a GPU: each forward shape against the f64
-//! reference with FlashAttention's rule (at most twice the error of attention by hand in the
-//! same precision), each backward shape against the default's gradients. Ignored where there
-//! is no GPU (`cargo test -p flash-lab -- --include-ignored` runs them on one).
+//! reference with FlashAttention's rule (at most twice the error of attention by hand in
+//! the same precision), each backward shape against the default's gradients. Ignored where
+//! there is no GPU (`cargo test -p flash-lab -- --include-ignored` runs them on one).
 
 use flash_core::Shape;
 use flash_core::inputs::{random_normal, random_qkv};

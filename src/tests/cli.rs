@@ -102,8 +102,8 @@ fn benchmark_prints_a_table_and_writes_every_key() {
 
 #[test]
 fn a_length_that_does_not_fit_is_a_row_not_a_crash() {
-    // 2^20 tokens of one head: inputs of 4 MB, a table of 4 TB, more than any machine's memory
-    // and swap (refused before allocating, also where the kernel would overcommit)
+    // 2^20 tokens of one head: inputs of 4 MB, a table of 4 TB, more than any machine's
+    // memory and swap (refused before allocating, also where the kernel would overcommit)
     let o = run(&[
         "--methods",
         "naive",
@@ -117,7 +117,8 @@ fn a_length_that_does_not_fit_is_a_row_not_a_crash() {
         "1",
     ]);
     let (stdout, stderr) = text(&o);
-    // a sweep goes on past a length that does not fit, and its exit status says some rows failed
+    // a sweep goes on past a length that does not fit, and its exit status says some rows
+    // failed
     assert_eq!(o.status.code(), Some(3), "{stdout}\n{stderr}");
     let lines: Vec<&str> = stdout.lines().filter(|l| l.starts_with("naive ")).collect();
     assert_eq!(lines.len(), 2, "{stdout}");
@@ -139,7 +140,9 @@ fn bad_flags_fail_with_what_is_accepted() {
     }
     let o = run(&["--help"]);
     let (stdout, _) = text(&o);
-    assert!(o.status.success() && stdout.contains("EXAMPLES") && stdout.contains("--lengths"));
+    assert!(
+        o.status.success() && stdout.contains("EXAMPLES") && stdout.contains("--lengths")
+    );
 }
 
 #[test]
@@ -461,12 +464,13 @@ fn attend_on_the_gpu_computes_in_the_dtype_asked_for() {
 // [/step 03]
 
 // [step 05]
-/// What the book shows as "run this, you will see this": each file under `book/src/output/` is
-/// a command on its first line and what it prints after it, and must be what the binary prints
-/// now. `UPDATE_BOOK_OUTPUT=1` writes them instead of comparing.
+/// What the book shows as "run this, you will see this": each file under `book/src/output/`
+/// is a command on its first line and what it prints after it, and must be what the binary
+/// prints now. `UPDATE_BOOK_OUTPUT=1` writes them instead of comparing.
 #[test]
 fn the_book_shows_what_the_binary_prints() {
-    let update = "UPDATE_BOOK_OUTPUT=1 cargo test -p flash-attention --test cli the_book_shows";
+    let update =
+        "UPDATE_BOOK_OUTPUT=1 cargo test -p flash-attention --test cli the_book_shows";
     for (name, args) in [
         ("bench-help.txt", &["--help"][..]),
         ("attend-help.txt", &["attend", "--help"][..]),

@@ -1,6 +1,6 @@
-//! Step 07's charts: data parallelism measured, from `charts/data/train-dp-*.json` (written by
-//! `step05-train train --device cuda --gpus N --out`), runs of the same model on one GPU and on
-//! several, a replica on each GPU and the step's batch split over them.
+//! Step 07's charts: data parallelism measured, from `charts/data/train-dp-*.json` (written
+//! by `step05-train train --device cuda --gpus N --out`), runs of the same model on one GPU
+//! and on several, a replica on each GPU and the step's batch split over them.
 //!
 //! - `train-dp-loss.svg`: the loss against the step of the runs that share weights, batches
 //!   and rates (one GPU and several on the same global batch), and below it their relative
@@ -8,8 +8,8 @@
 //! - `train-dp-throughput.svg`: tokens a second, a bar per run;
 //! - `train-dp.md`: a row per run: GPUs, sequences on each, tokens a second, the scaling
 //!   efficiency (tokens a second over the GPUs' count times those of one GPU with one GPU's
-//!   share of the batch), the all-reduce's milliseconds, peak memory per GPU, and how far its
-//!   losses are from the one-GPU run on the same batches.
+//!   share of the batch), the all-reduce's milliseconds, peak memory per GPU, and how far
+//!   its losses are from the one-GPU run on the same batches.
 //!
 //! These files are not among step 05's runs ([`super::read_runs`] leaves them here).
 
@@ -56,8 +56,8 @@ impl DpRun {
         self.run.settings.batch / self.gpus.max(1)
     }
 
-    /// One GPU looks as our FlashAttention kernel does everywhere; several GPUs in a colour of
-    /// ours of their own.
+    /// One GPU looks as our FlashAttention kernel does everywhere; several GPUs in a colour
+    /// of ours of their own.
     fn look(&self) -> Look {
         let base = look("cuda_flash", Device::Cuda);
         if self.gpus == 1 {
@@ -96,8 +96,8 @@ fn same_batches<'a>(runs: &'a [DpRun], r: &DpRun) -> Option<&'a DpRun> {
         .find(|o| o.gpus == 1 && !std::ptr::eq(*o, r) && o.run.same_setup(&r.run))
 }
 
-/// The one-GPU run whose batch is one GPU's share of `r`'s: the speed `r` is `N` times of at
-/// perfect scaling.
+/// The one-GPU run whose batch is one GPU's share of `r`'s: the speed `r` is `N` times of
+/// at perfect scaling.
 fn one_share<'a>(runs: &'a [DpRun], r: &DpRun) -> Option<&'a DpRun> {
     runs.iter().find(|o| {
         o.gpus == 1
@@ -114,8 +114,8 @@ fn efficiency(runs: &[DpRun], r: &DpRun) -> Option<f64> {
     (base > 0.0 && speed > 0.0).then(|| speed / (r.gpus as f64 * base))
 }
 
-/// Every chart and the table of the data-parallel runs, as `(file name, text)`; none without
-/// runs.
+/// Every chart and the table of the data-parallel runs, as `(file name, text)`; none
+/// without runs.
 pub fn render_all(runs: &[DpRun]) -> Result<Vec<(String, String)>, String> {
     if runs.is_empty() {
         return Ok(Vec::new());
@@ -156,8 +156,9 @@ pub fn render_all(runs: &[DpRun]) -> Result<Vec<(String, String)>, String> {
     Ok(out)
 }
 
-/// Above: each run's training loss at every step (a line) and held-out losses (markers); below:
-/// each several-GPU run's relative difference from its one-GPU twin at every step, in percent.
+/// Above: each run's training loss at every step (a line) and held-out losses (markers);
+/// below: each several-GPU run's relative difference from its one-GPU twin at every step,
+/// in percent.
 fn render_loss(pairs: &[(&DpRun, &DpRun)], subtitle: &str) -> Result<String, String> {
     let mut runs: Vec<&DpRun> = Vec::new();
     for (a, b) in pairs {
@@ -176,7 +177,8 @@ fn render_loss(pairs: &[(&DpRun, &DpRun)], subtitle: &str) -> Result<String, Str
             label: r.label(),
         })
         .collect();
-    let pairs: Vec<(usize, usize)> = pairs.iter().map(|(a, b)| (index(a), index(b))).collect();
+    let pairs: Vec<(usize, usize)> =
+        pairs.iter().map(|(a, b)| (index(a), index(b))).collect();
     render_loss_and_difference(
         "Loss on one GPU and on several, same batches",
         subtitle,
@@ -314,8 +316,8 @@ fn table(runs: &[DpRun], subtitle: &str) -> String {
 mod tests {
     use super::*;
 
-    /// A record as `step05-train --out` writes it, with `gpus` GPUs, `batch` sequences a step,
-    /// `speed` tokens a second and losses shifted by `shift`.
+    /// A record as `step05-train --out` writes it, with `gpus` GPUs, `batch` sequences a
+    /// step, `speed` tokens a second and losses shifted by `shift`.
     fn run(gpus: usize, batch: usize, speed: f64, shift: f64) -> DpRun {
         let steps: Vec<String> = (1..=20)
             .map(|s| {

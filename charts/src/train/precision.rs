@@ -1,12 +1,13 @@
 //! Step 05's rounding check: one run of our GPU trainer and the same run in PyTorch rounded
-//! three ways, from the same weights and batches (`charts/data/train-precision-*.json`, written
-//! by `step05-train train --device cuda --out` and by `gpt_pytorch.py --like OURS --precision P
+//! three ways, from the same weights and batches (`charts/data/train-precision-*.json`,
+//! written by `step05-train train --device cuda --out` and by `gpt_pytorch.py --like OURS
+//! --precision P
 //! --out`):
 //!
 //! - `train-precision-loss.svg`: the loss against the step, and below it each PyTorch run's
 //!   relative difference from ours at every step;
-//! - `train-precision.md`: a row per run: where it rounds to bf16, its held-out losses, and how
-//!   far its losses are from ours.
+//! - `train-precision.md`: a row per run: where it rounds to bf16, its held-out losses, and
+//!   how far its losses are from ours.
 //!
 //! These files are not among step 05's runs ([`super::read_runs`] leaves them here).
 
@@ -77,7 +78,8 @@ impl Rounding {
         }
     }
 
-    /// Ours as our flash attention looks everywhere; PyTorch's in the colours of its methods.
+    /// Ours as our flash attention looks everywhere; PyTorch's in the colours of its
+    /// methods.
     fn look(self) -> Look {
         let method = match self {
             Rounding::Ours => "cuda_flash",
@@ -137,8 +139,8 @@ pub fn render_all(runs: &[Run]) -> Result<Vec<(String, String)>, String> {
     ])
 }
 
-/// The runs as the book's table: where each rounds, its held-out losses at our run's held-out
-/// steps, and its largest difference from ours.
+/// The runs as the book's table: where each rounds, its held-out losses at our run's
+/// held-out steps, and its largest difference from ours.
 fn table(runs: &[Run], ours: usize, pairs: &[(usize, usize)], subtitle: &str) -> String {
     let steps: Vec<usize> = runs[ours]
         .evals

@@ -1,12 +1,14 @@
-//! Times the backward kernels in several tile shapes on the tutorial's GPU shape (4 sequences,
-//! 12 heads, head dim 64 or another, bf16, causal) and checks that they all give the same
-//! gradients: the measurements behind step 04's `BackwardConfig::for_head_dim`. The shapes are
-//! [`backward_shapes::candidates`](flash_lab::backward_shapes::candidates).
+//! Times the backward kernels in several tile shapes on the tutorial's GPU shape (4
+//! sequences, 12 heads, head dim 64 or another, bf16, causal) and checks that they all give
+//! the same gradients: the measurements behind step 04's `BackwardConfig::for_head_dim`.
+//! The shapes are [`backward_shapes::candidates`](flash_lab::backward_shapes::candidates).
 //!
-//! `cargo run --release -p flash-lab --bin backward-tune -- [--lengths 4096,16384] [--runs 20] [--head-dim 128] [--split]`
+//! `cargo run --release -p flash-lab --bin backward-tune -- [--lengths 4096,16384] [--runs
+//! 20] [--head-dim 128] [--split]`
 //!
 //! `--split` times, for the default shape only, the forward and each backward kernel on its
-//! own (events between the launches), with each kernel's rate in the products it really does.
+//! own (events between the launches), with each kernel's rate in the products it really
+//! does.
 
 use std::process::ExitCode;
 
@@ -22,10 +24,10 @@ use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, backward_marked, backward
 /// Times the backward kernels in several tile shapes (4 sequences, 12 heads, bf16, causal)
 /// after checking that they all give the same gradients. Needs a CUDA GPU.
 ///
-/// Prints, per length, each candidate `BackwardConfig`'s backward TFLOP/s (2.5 x the forward's
-/// FLOPs) and milliseconds (the median of --runs timed calls after 3 untimed ones): the
-/// measurements behind `BackwardConfig::for_head_dim`. The first column is the shape the
-/// library uses for the head dim.
+/// Prints, per length, each candidate `BackwardConfig`'s backward TFLOP/s (2.5 x the
+/// forward's FLOPs) and milliseconds (the median of --runs timed calls after 3 untimed
+/// ones): the measurements behind `BackwardConfig::for_head_dim`. The first column is the
+/// shape the library uses for the head dim.
 #[derive(Parser, Debug)]
 #[command(name = "backward-tune")]
 struct Args {
@@ -38,9 +40,9 @@ struct Args {
     /// The head dim to time, one the kernels are compiled for
     #[arg(long, default_value_t = 64, value_parser = head_dim)]
     head_dim: usize,
-    /// For the default tile shape only, time the forward and each backward kernel on its own
-    /// (CUDA events between the launches), with each kernel's rate in the products it really
-    /// does
+    /// For the default tile shape only, time the forward and each backward kernel on its
+    /// own (CUDA events between the launches), with each kernel's rate in the products it
+    /// really does
     #[arg(long)]
     split: bool,
 }
@@ -60,15 +62,16 @@ fn main() -> ExitCode {
         Ok(tool) => tool,
         Err(code) => return code,
     };
-    let (gpu, lengths, runs, head_dim) = (&tool.gpu, &tool.lengths, tool.runs, args.head_dim);
+    let (gpu, lengths, runs, head_dim) =
+        (&tool.gpu, &tool.lengths, tool.runs, args.head_dim);
     if args.split {
         split(gpu, lengths, runs, head_dim);
         return ExitCode::SUCCESS;
     }
     let configs = backward_shapes::candidates(head_dim);
     let base = configs[0];
-    // every tile shape computes the same gradients, within a few bf16 roundings (other sizes
-    // sum in another order)
+    // every tile shape computes the same gradients, within a few bf16 roundings (other
+    // sizes sum in another order)
     let shape = Shape::new(2, 3, 1000, head_dim);
     let x = |seed| random_input(gpu, shape, seed);
     let (q, k, v, dout) = (x(1), x(2), x(3), x(4));
@@ -124,7 +127,8 @@ fn main() -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// Median milliseconds of the forward and of the three backward kernels, each between events.
+/// Median milliseconds of the forward and of the three backward kernels, each between
+/// events.
 fn split(gpu: &Gpu, lengths: &[usize], runs: usize, head_dim: usize) {
     let config = BackwardConfig::for_head_dim(head_dim);
     println!("{}", config.describe());

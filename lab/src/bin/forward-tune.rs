@@ -1,9 +1,10 @@
-//! Times the forward kernel in several tile shapes on the tutorial's GPU shape (4 sequences,
-//! 12 heads, head dim 64 or another, bf16, causal) and checks that they all give the same
-//! output: the measurements behind step 03's `ForwardConfig::for_head_dim`. The shapes are
-//! [`forward_shapes::candidates`](flash_lab::forward_shapes::candidates).
+//! Times the forward kernel in several tile shapes on the tutorial's GPU shape (4
+//! sequences, 12 heads, head dim 64 or another, bf16, causal) and checks that they all give
+//! the same output: the measurements behind step 03's `ForwardConfig::for_head_dim`. The
+//! shapes are [`forward_shapes::candidates`](flash_lab::forward_shapes::candidates).
 //!
-//! `cargo run --release -p flash-lab --bin forward-tune -- [--lengths 1024,4096,16384] [--runs 20] [--head-dim 128] [--default-only]`
+//! `cargo run --release -p flash-lab --bin forward-tune -- [--lengths 1024,4096,16384]
+//! [--runs 20] [--head-dim 128] [--default-only]`
 
 use std::process::ExitCode;
 
@@ -14,12 +15,13 @@ use flash_lab::tool::{Tool, at_least_one, median_ms, random_input};
 use step03_cuda_forward::kernel::HEAD_DIMS;
 use step03_cuda_forward::{Dtype, ForwardConfig};
 
-/// Times the forward kernel in several tile shapes (4 sequences, 12 heads, bf16, causal) after
-/// checking that they all give the same output. Needs a CUDA GPU.
+/// Times the forward kernel in several tile shapes (4 sequences, 12 heads, bf16, causal)
+/// after checking that they all give the same output. Needs a CUDA GPU.
 ///
-/// Prints, per length, each tile shape's TFLOP/s and milliseconds (the median of --runs timed
-/// launches after 3 untimed ones): the measurements behind `ForwardConfig::for_head_dim`. The
-/// first column is the shape the library uses for the head dim.
+/// Prints, per length, each tile shape's TFLOP/s and milliseconds (the median of --runs
+/// timed launches after 3 untimed ones): the measurements behind
+/// `ForwardConfig::for_head_dim`. The first column is the shape the library uses for the
+/// head dim.
 #[derive(Parser, Debug)]
 #[command(name = "forward-tune")]
 struct Args {
@@ -92,8 +94,9 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     let (gpu, lengths, runs) = (&tool.gpu, &tool.lengths, tool.runs);
-    // every tile shape computes the same function: outputs within a few bf16 roundings of each
-    // other (other key-block sizes sum in another order, so bit-equality is not expected)
+    // every tile shape computes the same function: outputs within a few bf16 roundings of
+    // each other (other key-block sizes sum in another order, so bit-equality is not
+    // expected)
     let shape = Shape::new(2, 3, 1000, head_dim);
     let x = |seed| random_input(gpu, shape, seed);
     let (q, k, v) = (x(1), x(2), x(3));
@@ -132,10 +135,12 @@ fn main() -> ExitCode {
         let mut r = gpu.alloc_output(shape, Dtype::Bf16).unwrap();
         print!("{tokens:>7}");
         for (&config, w) in configs.iter().zip(&widths) {
-            let ms = match median_ms(gpu, runs, || gpu.forward_with(config, &q, &k, &v, &mut r)) {
-                Ok(ms) => ms,
-                Err(code) => return code,
-            };
+            let ms =
+                match median_ms(gpu, runs, || gpu.forward_with(config, &q, &k, &v, &mut r))
+                {
+                    Ok(ms) => ms,
+                    Err(code) => return code,
+                };
             let cell = format!("{:.1} {:>7.3}ms", shape.forward_flops() / ms / 1e9, ms);
             print!(" {cell:>w$}");
         }

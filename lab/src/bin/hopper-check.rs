@@ -1,15 +1,17 @@
 //! Checks step 06's kernels on the GPU in every block shape the lab compares
 //! (`flash_lab::hopper_shapes`) and times them beside steps 03 and 04: each forward rung's
-//! error against the f64 reference next to step 03's kernel's on the same inputs, then TFLOP/s
-//! of both at 4 × 12 heads; then the same for the backward's rungs beside step 04's kernels
-//! (`--forward` or `--backward` for one of them alone, `--head-dim D` for one head dim). It
-//! first times a dense bf16 product (cuBLAS, 8192³), the rate the kernels' TFLOP/s are a
-//! fraction of. Without a GPU it compiles the forward kernels (NVRTC, `sm_90a`) and, with
-//! `--ptx DIR`, writes the PTX for `ptxas -v`.
+//! error against the f64 reference next to step 03's kernel's on the same inputs, then
+//! TFLOP/s of both at 4 × 12 heads; then the same for the backward's rungs beside step 04's
+//! kernels (`--forward` or `--backward` for one of them alone, `--head-dim D` for one head
+//! dim). It first times a dense bf16 product (cuBLAS, 8192³), the rate the kernels' TFLOP/s
+//! are a fraction of. Without a GPU it compiles the forward kernels (NVRTC, `sm_90a`) and,
+//! with `--ptx DIR`, writes the PTX for `ptxas -v`.
 //!
-//! `--only NAMES` keeps the shapes whose names hold one of NAMES (and what the methods launch).
+//! `--only NAMES` keeps the shapes whose names hold one of NAMES (and what the methods
+//! launch).
 //!
-//! `cargo run --release -p flash-lab --bin hopper-check [-- [--forward | --backward] [--head-dim 128] [--only NAMES] [--ptx DIR]]`
+//! `cargo run --release -p flash-lab --bin hopper-check [-- [--forward | --backward]
+//! [--head-dim 128] [--only NAMES] [--ptx DIR]]`
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -30,9 +32,9 @@ use step06_hopper::kernel::{
 };
 use step06_hopper::layout::TmaRank;
 
-/// Checks every Hopper kernel shape against the f64 reference beside steps 03 and 04, then times
-/// them at 4 × 12 heads in bf16, after a dense cuBLAS product. Without a GPU it compiles the
-/// forward kernels and stops.
+/// Checks every Hopper kernel shape against the f64 reference beside steps 03 and 04, then
+/// times them at 4 × 12 heads in bf16, after a dense cuBLAS product. Without a GPU it
+/// compiles the forward kernels and stops.
 #[derive(Parser, Debug)]
 #[command(name = "hopper-check")]
 struct Args {
@@ -48,9 +50,9 @@ struct Args {
     /// Write each forward variant's PTX into DIR (for `ptxas -v`)
     #[arg(long, value_name = "DIR")]
     ptx: Option<PathBuf>,
-    /// Only the shapes whose name holds one of these, comma-separated (for example `rung 4,one
-    /// pass`; a part of a name matches wherever it appears, and `=NAME` takes that name alone);
-    /// what the methods launch is always kept [default: every shape]
+    /// Only the shapes whose name holds one of these, comma-separated (for example `rung
+    /// 4,one pass`; a part of a name matches wherever it appears, and `=NAME` takes that
+    /// name alone); what the methods launch is always kept [default: every shape]
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     only: Vec<String>,
     /// The lengths to time, comma-separated
@@ -85,7 +87,8 @@ impl Args {
 
     /// The backward's kernels at head dim `d` to check and time.
     fn backward_kernels(&self, d: usize) -> Vec<BackwardKernels> {
-        let launched = [1, 1 << 14].map(|t| BackwardKernels::rung(BackwardRung::OnePass, t, d));
+        let launched =
+            [1, 1 << 14].map(|t| BackwardKernels::rung(BackwardRung::OnePass, t, d));
         hopper_shapes::backward(d)
             .into_iter()
             .filter(|k| launched.contains(k) || self.takes(&k.name()))
@@ -94,10 +97,9 @@ impl Args {
 }
 
 fn tokens(s: &str) -> Result<usize, String> {
-    s.parse()
-        .ok()
-        .filter(|&t| t >= 1)
-        .ok_or_else(|| format!("`{s}` is not a length: a whole number of tokens, 1 or more"))
+    s.parse().ok().filter(|&t| t >= 1).ok_or_else(|| {
+        format!("`{s}` is not a length: a whole number of tokens, 1 or more")
+    })
 }
 
 fn head_dim(s: &str) -> Result<usize, String> {
@@ -218,9 +220,12 @@ fn check_forward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, At
                 (1, 2, 2048),
                 (1, 1, 4096),
             ] {
-                for (config, ok, line) in
-                    check_shape(gpu, Shape::new(b, h, t, d), dtype, &args.forward_kernels(d))?
-                {
+                for (config, ok, line) in check_shape(
+                    gpu,
+                    Shape::new(b, h, t, d),
+                    dtype,
+                    &args.forward_kernels(d),
+                )? {
                     println!(
                         "{} {b}x{h}x{t} d{d} {}: {line}",
                         dtype.name(),
@@ -321,7 +326,8 @@ fn check_backward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, A
                     let want = [&want.dq, &want.dk, &want.dv];
                     let mut e = [0.0; 3];
                     for i in 0..3 {
-                        e[i] = error(got[i].as_ref().map_err(Clone::clone)?, want[i]).max_abs;
+                        e[i] =
+                            error(got[i].as_ref().map_err(Clone::clone)?, want[i]).max_abs;
                     }
                     Ok(e)
                 };
@@ -333,9 +339,12 @@ fn check_backward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, A
                     let ok = (0..3).all(|i| ours[i] <= (2.0 * theirs[i]).max(1e-3));
                     all &= ok;
                     if configs.dkdv.pass == BackwardPass::OnePass {
-                        // dQ's sums in whatever order the blocks finish: how far two runs differ
+                        // dQ's sums in whatever order the blocks finish: how far two runs
+                        // differ
                         let run = || -> Result<ndarray::Array4<f32>, AttnError> {
-                            let g = backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout)?;
+                            let g = backward::backward_with(
+                                gpu, configs, &q, &k, &v, &fwd, &dout,
+                            )?;
                             gpu.download(&g.dq)
                         };
                         let (first, again) = (run()?, run()?);
@@ -383,7 +392,9 @@ fn check_backward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, A
             let tf = |ms: f64| shape.backward_flops() / ms / 1e9;
             for configs in args.backward_kernels(d) {
                 let ours = median_ms(Warmup::Millis(300.0), 20, || {
-                    gpu.time_ms(|| backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout))
+                    gpu.time_ms(|| {
+                        backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout)
+                    })
                 })?;
                 println!(
                     "| {t} | {} | {ours:.3} | {:.1} | {theirs:.3} | {:.1} | {:.2} |",

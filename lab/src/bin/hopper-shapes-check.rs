@@ -1,8 +1,8 @@
 //! Compiles every shape of step 06's kernels that `hopper-check` compares
-//! (`flash_lab::hopper_shapes`) with NVRTC for `sm_90a` and assembles it with `ptxas -v`; exits
-//! non-zero on a failed compile or a spill in a kernel the methods launch (a spill elsewhere is
-//! reported: such a shape loses anyway). No GPU needed; CI runs it, so the lab's shapes cannot
-//! rot.
+//! (`flash_lab::hopper_shapes`) with NVRTC for `sm_90a` and assembles it with `ptxas -v`;
+//! exits non-zero on a failed compile or a spill in a kernel the methods launch (a spill
+//! elsewhere is reported: such a shape loses anyway). No GPU needed; CI runs it, so the
+//! lab's shapes cannot rot.
 //!
 //! `cargo run -p flash-lab --bin hopper-shapes-check [-- --ptxas PATH]`
 
@@ -12,7 +12,9 @@ use clap::Parser;
 use flash_lab::hopper_shapes;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::ptxas::{self, Variant};
-use step06_hopper::kernel::{BackwardKernels, BackwardRung, ForwardKernel, ForwardRung, HEAD_DIMS};
+use step06_hopper::kernel::{
+    BackwardKernels, BackwardRung, ForwardKernel, ForwardRung, HEAD_DIMS,
+};
 use step06_hopper::layout::TmaRank;
 
 /// Compiles every forward and backward shape `hopper-check` compares, at both head dims, in

@@ -1,10 +1,10 @@
-//! Compiles every tile shape the lab's tools time (`forward_shapes`, `backward_shapes`) with
-//! NVRTC for `sm_90` and assembles it with `ptxas -v`, printing registers, shared memory and
-//! spills, so that the lab's candidates cannot rot. Exits non-zero on a failed compile or
-//! assembly, or on a spill in a default (the library's own checks compile those too); a
-//! candidate's spill is reported. Needs no GPU: CI runs it with NVRTC and ptxas from PyPI, as
-//! step 03's `kernel-check`. Shapes that differ only in the heads scheduled together (a launch
-//! parameter) are one kernel, compiled once.
+//! Compiles every tile shape the lab's tools time (`forward_shapes`, `backward_shapes`)
+//! with NVRTC for `sm_90` and assembles it with `ptxas -v`, printing registers, shared
+//! memory and spills, so that the lab's candidates cannot rot. Exits non-zero on a failed
+//! compile or assembly, or on a spill in a default (the library's own checks compile those
+//! too); a candidate's spill is reported. Needs no GPU: CI runs it with NVRTC and ptxas
+//! from PyPI, as step 03's `kernel-check`. Shapes that differ only in the heads scheduled
+//! together (a launch parameter) are one kernel, compiled once.
 //!
 //! `cargo run -p flash-lab --bin lab-kernel-check [-- --arch sm_90] [--ptxas PATH]`
 
@@ -17,13 +17,13 @@ use step03_cuda_forward::ptxas::{self, Variant};
 use step03_cuda_forward::{Dtype, ForwardConfig};
 use step04_backward::cuda::{BackwardConfig, compile_backward};
 
-/// Compiles every tile shape of the lab's forward and backward candidates (bf16 and f16, every
-/// head dim) with NVRTC and assembles it with `ptxas -v`, printing registers, shared memory
-/// and spills per kernel.
+/// Compiles every tile shape of the lab's forward and backward candidates (bf16 and f16,
+/// every head dim) with NVRTC and assembles it with `ptxas -v`, printing registers, shared
+/// memory and spills per kernel.
 ///
 /// Exits non-zero on a failed compile or assembly, or on a spill in a default shape (a
-/// candidate's spill is reported). Needs NVRTC (libnvrtc.so on LD_LIBRARY_PATH) and ptxas, but
-/// no GPU.
+/// candidate's spill is reported). Needs NVRTC (libnvrtc.so on LD_LIBRARY_PATH) and ptxas,
+/// but no GPU.
 #[derive(Parser, Debug)]
 #[command(name = "lab-kernel-check")]
 struct Args {

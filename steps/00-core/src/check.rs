@@ -5,7 +5,8 @@ use std::fmt;
 use ndarray::ArrayView4;
 use serde::{Deserialize, Serialize};
 
-/// The shape of one attention call: `[batch, heads, tokens, head_dim]`, as PyTorch lays it out.
+/// The shape of one attention call: `[batch, heads, tokens, head_dim]`, as PyTorch lays it
+/// out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shape {
     pub batch: usize,
@@ -34,8 +35,8 @@ impl Shape {
         self.batch * self.heads * self.tokens * self.head_dim
     }
 
-    /// [`Shape::len`], or an error naming the shape when it overflows the machine's word, so a
-    /// caller can check a shape it was given before it allocates anything.
+    /// [`Shape::len`], or an error naming the shape when it overflows the machine's word,
+    /// so a caller can check a shape it was given before it allocates anything.
     pub fn checked_len(&self) -> Result<usize, AttnError> {
         self.batch
             .checked_mul(self.heads)
@@ -66,9 +67,9 @@ impl Shape {
     // [/step 03]
 
     // ANCHOR: flops
-    /// Floating-point operations of the causal forward pass as FlashAttention, Triton and the
-    /// series this book follows count them: two products of `T·T·D` multiply-adds per head,
-    /// halved by the mask, `4·B·H·T²·D / 2`.
+    /// Floating-point operations of the causal forward pass as FlashAttention, Triton and
+    /// the series this book follows count them: two products of `T·T·D` multiply-adds per
+    /// head, halved by the mask, `4·B·H·T²·D / 2`.
     pub fn forward_flops(&self) -> f64 {
         4.0 * self.batch as f64
             * self.heads as f64
@@ -98,7 +99,9 @@ impl Shape {
 }
 
 /// What a measurement times: the forward pass, or the forward and the backward after it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 pub enum Pass {
     #[serde(rename = "fwd")]
     Forward,
@@ -160,13 +163,14 @@ pub enum AttnError {
     UnsupportedHeadDim { head_dim: usize, supported: String },
     /// Some other size the method cannot take (too many tokens for its indices, say).
     Unsupported { what: String },
-    /// An input holds a NaN or an infinity: `what` names the tensor, the first such value and
-    /// its position.
+    /// An input holds a NaN or an infinity: `what` names the tensor, the first such value
+    /// and its position.
     NonFinite { what: String },
     /// Allocating `bytes` failed: the input is too large for this method on this machine.
     /// `bytes` is 0 when the allocator did not say how much was asked for (a GPU driver).
     OutOfMemory { what: String, bytes: u128 },
-    /// No usable device, or the device failed (no GPU, no NVRTC, a failed compile or launch).
+    /// No usable device, or the device failed (no GPU, no NVRTC, a failed compile or
+    /// launch).
     Device { what: String },
     // [step 04]
     /// A backward pass was asked of a method that has none.
@@ -210,7 +214,7 @@ impl fmt::Display for AttnError {
             ),
             AttnError::Device { what } => write!(f, "device error: {what}"),
             // [step 04]
-            AttnError::NoBackward { method } => write!(f, "method {method:?} has no backward pass"),
+            AttnError::NoBackward { method } => write!(f, "no backward pass in {method:?}"),
             // [/step 04]
         }
     }
@@ -221,11 +225,11 @@ impl std::error::Error for AttnError {}
 // ANCHOR: check_qkv
 /// Checks q, k and v before any work and returns their common shape.
 ///
-/// Accepted: three arrays `[batch, heads, tokens, head_dim]` of one shape, with `head_dim ≥ 1`,
-/// holding finite numbers. Zero sequences, heads or tokens are accepted and give an empty
-/// output. A NaN or an infinity is refused rather than computed with: a method would spread it
-/// over whatever it shares a block with (a masked probability of 0 times an infinite value is
-/// NaN), so the answer would depend on the method's block size.
+/// Accepted: three arrays `[batch, heads, tokens, head_dim]` of one shape, with `head_dim ≥
+/// 1`, holding finite numbers. Zero sequences, heads or tokens are accepted and give an
+/// empty output. A NaN or an infinity is refused rather than computed with: a method would
+/// spread it over whatever it shares a block with (a masked probability of 0 times an
+/// infinite value is NaN), so the answer would depend on the method's block size.
 pub fn check_qkv<A: Copy + Into<f64>>(
     q: &ArrayView4<A>,
     k: &ArrayView4<A>,
@@ -259,7 +263,10 @@ pub fn check_qkv<A: Copy + Into<f64>>(
 // ANCHOR_END: check_qkv
 
 /// Refuses an array that holds a NaN or an infinity, naming it and the first such position.
-pub fn check_finite<A: Copy + Into<f64>>(name: &str, x: &ArrayView4<A>) -> Result<(), AttnError> {
+pub fn check_finite<A: Copy + Into<f64>>(
+    name: &str,
+    x: &ArrayView4<A>,
+) -> Result<(), AttnError> {
     match x.indexed_iter().find(|(_, v)| !(**v).into().is_finite()) {
         None => Ok(()),
         Some(((b, h, t, d), v)) => Err(AttnError::NonFinite {
@@ -268,8 +275,8 @@ pub fn check_finite<A: Copy + Into<f64>>(name: &str, x: &ArrayView4<A>) -> Resul
     }
 }
 
-/// Checks that a further array (an output gradient, say) has the shape of q and holds finite
-/// numbers.
+/// Checks that a further array (an output gradient, say) has the shape of q and holds
+/// finite numbers.
 pub fn check_same<A: Copy + Into<f64>>(
     name: &str,
     x: &ArrayView4<A>,
@@ -299,7 +306,10 @@ pub fn memory_and_swap() -> Option<u128> {
 /// allocator says no (or when `len` overflows). More than the machine's memory and swap is
 /// refused before asking: where the kernel overcommits, the allocator would say yes and the
 /// zeros would then page for minutes before the OOM killer ends the process.
-pub fn try_zeros<A: Clone + Default>(what: &str, len: Option<usize>) -> Result<Vec<A>, AttnError> {
+pub fn try_zeros<A: Clone + Default>(
+    what: &str,
+    len: Option<usize>,
+) -> Result<Vec<A>, AttnError> {
     let oom = |bytes: u128| AttnError::OutOfMemory {
         what: what.to_string(),
         bytes,

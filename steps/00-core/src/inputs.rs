@@ -1,7 +1,7 @@
 //! Seeded random inputs: the same seed gives the same q, k, v on every machine.
 //!
-//! A small generator of our own (SplitMix64, then Box–Muller for normal values) rather than a
-//! crate, so that the numbers never change under a dependency update.
+//! A small generator of our own (SplitMix64, then Box–Muller for normal values) rather than
+//! a crate, so that the numbers never change under a dependency update.
 
 use ndarray::Array4;
 

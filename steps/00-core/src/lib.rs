@@ -1,15 +1,16 @@
 //! # What every step shares
 //!
-//! The small core the steps are built on, so that each step only adds: the shape of an attention
-//! call and the error every method returns, the checks every method runs before any work, the
-//! seeded inputs, the `f64` reference every method is checked against, the types of the method
-//! registry, the FLOP count, the one timing loop, and the benchmark's row as the JSON files
-//! hold it.
+//! The small core the steps are built on, so that each step only adds: the shape of an
+//! attention call and the error every method returns, the checks every method runs before
+//! any work, the seeded inputs, the `f64` reference every method is checked against, the
+//! types of the method registry, the FLOP count, the one timing loop, and the benchmark's
+//! row as the JSON files hold it.
 //!
 //! ## Layout
 //!
 //! - [`check`]: [`Shape`], [`AttnError`], [`check_qkv`] and [`try_zeros`].
-//! - [`Attention`]: what every forward method returns, the output and each row's log-sum-exp.
+//! - [`Attention`]: what every forward method returns, the output and each row's
+//!   log-sum-exp.
 //! - [`inputs`]: seeded normal inputs, the same on every machine.
 //! - [`reference`]: causal attention in `f64`, and the one error measure.
 //! - [`method`]: [`Method`], [`Device`], [`Dtype`]: one trait for every method, so one test
@@ -38,13 +39,14 @@ use ndarray::{Array3, Array4};
 pub struct Attention {
     /// `[batch, heads, tokens, head_dim]`
     pub out: Array4<f32>,
-    /// `[batch, heads, tokens]`: each row's natural log-sum-exp of its scaled scores, the one
-    /// number per row that lets the backward pass rebuild the probabilities (step 04).
+    /// `[batch, heads, tokens]`: each row's natural log-sum-exp of its scaled scores, the
+    /// one number per row that lets the backward pass rebuild the probabilities (step 04).
     pub lse: Array3<f32>,
 }
 
 impl Attention {
-    /// The output of an empty call (no sequence, head or token): arrays with a zero dimension.
+    /// The output of an empty call (no sequence, head or token): arrays with a zero
+    /// dimension.
     pub fn empty(shape: Shape) -> Self {
         Attention {
             out: Array4::zeros(shape.dims()),

@@ -1,12 +1,13 @@
 //! One trait for every method, so one test table and one benchmark run them all.
 //!
-//! Each method is a small type in the crate of the step that introduces it (`step01_naive::Naive`
-//! is the first) that implements [`Method`]: what the help says about it (name, step, device,
-//! one line) and its forward pass on host arrays, in the element type it is given. What a later
-//! step adds to the trait comes with a default that says the method lacks it, so that the
-//! methods of earlier steps need not change. Each step exports its methods (its `methods()`);
-//! the root crate's registry lists them, one line per step, so that a reader follows a call
-//! from the benchmark to the method's type, and from there to the code that computes it.
+//! Each method is a small type in the crate of the step that introduces it
+//! (`step01_naive::Naive` is the first) that implements [`Method`]: what the help says
+//! about it (name, step, device, one line) and its forward pass on host arrays, in the
+//! element type it is given. What a later step adds to the trait comes with a default that
+//! says the method lacks it, so that the methods of earlier steps need not change. Each
+//! step exports its methods (its `methods()`); the root crate's registry lists them, one
+//! line per step, so that a reader follows a call from the benchmark to the method's type,
+//! and from there to the code that computes it.
 
 use std::any::Any;
 use std::fmt;
@@ -58,8 +59,8 @@ impl fmt::Display for Device {
     }
 }
 
-/// The element type a run computes in. CPU methods take `f32` ([`check_f32`]); GPU methods say
-/// which they take ([`Method::dtypes`]).
+/// The element type a run computes in. CPU methods take `f32` ([`check_f32`]); GPU methods
+/// say which they take ([`Method::dtypes`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
@@ -108,8 +109,9 @@ impl fmt::Display for Dtype {
     }
 }
 
-/// `Ok` for `f32`, the one element type the CPU methods compute in; an error naming it for any
-/// other, so that a CPU method never computes in a type other than the one it was asked for.
+/// `Ok` for `f32`, the one element type the CPU methods compute in; an error naming it for
+/// any other, so that a CPU method never computes in a type other than the one it was asked
+/// for.
 pub fn check_f32(dtype: Dtype) -> Result<(), AttnError> {
     if dtype == Dtype::F32 {
         return Ok(());
@@ -157,18 +159,18 @@ pub struct DeviceRunSpec {
 
 /// A GPU method with its inputs already on the device, ready to be timed.
 ///
-/// Preparing (compiling kernels, allocating and copying the inputs) happens once, before any
-/// timing; each call below then covers the pass alone.
+/// Preparing (compiling kernels, allocating and copying the inputs) happens once, before
+/// any timing; each call below then covers the pass alone.
 pub trait DeviceRun {
-    /// Runs the pass once and returns its time in milliseconds, measured by events recorded on
-    /// the stream just before and just after the pass's kernels.
+    /// Runs the pass once and returns its time in milliseconds, measured by events recorded
+    /// on the stream just before and just after the pass's kernels.
     fn time_ms(&mut self) -> Result<f64, AttnError>;
-    /// Runs the pass once and returns the device memory it allocated at its high-water mark,
-    /// above what was allocated before it (the inputs): the stream-ordered pool's
+    /// Runs the pass once and returns the device memory it allocated at its high-water
+    /// mark, above what was allocated before it (the inputs): the stream-ordered pool's
     /// `USED_MEM_HIGH` (reset, run, read), or an exact count of the method's allocations.
     fn peak_bytes(&mut self) -> Result<u64, AttnError>;
-    /// Runs the pass once and returns what it computed, copied to the host, so the benchmark
-    /// can check it before it times it.
+    /// Runs the pass once and returns what it computed, copied to the host, so the
+    /// benchmark can check it before it times it.
     fn result(&mut self) -> Result<Attention, AttnError>;
     // [step 04]
     /// For a forward and backward run: runs both once and returns the gradients, copied to
@@ -190,7 +192,8 @@ pub fn not_on_a_device(method: &str) -> AttnError {
 /// An attention method: what a reader needs to know to pick it, and its passes.
 ///
 /// It is `Any` so that the registry can find a method by its type and put a later step's
-/// extension of it in its place: that is how step 04 gives methods of earlier steps a backward.
+/// extension of it in its place: that is how step 04 gives methods of earlier steps a
+/// backward.
 pub trait Method: Any + Send + Sync {
     /// The name the benchmark's `--methods` takes.
     fn name(&self) -> &'static str;
@@ -199,19 +202,19 @@ pub trait Method: Any + Send + Sync {
     fn device(&self) -> Device;
     /// One line: what it does and what it keeps in memory.
     fn about(&self) -> &'static str;
-    /// What runs on this machine, when that is decided at run time: the SIMD path, the thread
-    /// count, the kernel and its tiles. The benchmark prints it next to the name.
+    /// What runs on this machine, when that is decided at run time: the SIMD path, the
+    /// thread count, the kernel and its tiles. The benchmark prints it next to the name.
     fn implementation(&self) -> String {
         self.about().to_string()
     }
-    /// The element types it computes in, its default first: f32 on the CPU, bf16 and f16 for
-    /// the GPU methods.
+    /// The element types it computes in, its default first: f32 on the CPU, bf16 and f16
+    /// for the GPU methods.
     fn dtypes(&self) -> &'static [Dtype] {
         &[Dtype::F32]
     }
-    /// The forward pass on `f32` host arrays `[batch, heads, tokens, head_dim]`, computed in
-    /// `dtype` (a GPU method rounds the inputs to it and widens its output back): the output
-    /// and each row's log-sum-exp. What the tests and `attend` call.
+    /// The forward pass on `f32` host arrays `[batch, heads, tokens, head_dim]`, computed
+    /// in `dtype` (a GPU method rounds the inputs to it and widens its output back): the
+    /// output and each row's log-sum-exp. What the tests and `attend` call.
     fn forward(
         &self,
         q: ArrayView4<f32>,
@@ -226,9 +229,12 @@ pub trait Method: Any + Send + Sync {
     fn describe_device(&self) -> Result<String, AttnError> {
         Err(not_on_a_device(self.name()))
     }
-    /// For a GPU method: random inputs of `spec` made on the device, and the forward on them
-    /// ready to be timed (what the benchmark measures on a GPU).
-    fn prepare_forward(&self, _spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    /// For a GPU method: random inputs of `spec` made on the device, and the forward on
+    /// them ready to be timed (what the benchmark measures on a GPU).
+    fn prepare_forward(
+        &self,
+        _spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         Err(not_on_a_device(self.name()))
     }
     // [/step 03]
@@ -240,9 +246,9 @@ pub trait Method: Any + Send + Sync {
         false
     }
     /// The backward pass on host arrays, computed in `dtype`: q, k, v, what the forward
-    /// returned for them (its log-sum-exp lets the backward rebuild the probabilities without
-    /// a stored table), and the gradient of the output `dout` in; dq, dk and dv out.
-    /// [`AttnError::NoBackward`] for a method without one.
+    /// returned for them (its log-sum-exp lets the backward rebuild the probabilities
+    /// without a stored table), and the gradient of the output `dout` in; dq, dk and dv
+    /// out. [`AttnError::NoBackward`] for a method without one.
     fn backward(
         &self,
         _q: ArrayView4<f32>,
@@ -258,7 +264,10 @@ pub trait Method: Any + Send + Sync {
     }
     /// For a GPU method with a backward: the forward and the backward prepared together on
     /// the device, as [`Method::prepare_forward`] prepares the forward.
-    fn prepare_backward(&self, _spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_backward(
+        &self,
+        _spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         Err(AttnError::NoBackward {
             method: self.name().into(),
         })

@@ -1,15 +1,16 @@
 //! The f64 reference every method is checked against, and the one way we measure error.
 //!
-//! The same computation as [`crate::attention`], in `f64` and written as plainly as possible: one
-//! row of scores at a time, its maximum, its exponentials, its sum. Inputs are the `f32` (or
-//! rounded bf16/f16) values a method saw, widened exactly to `f64`, so the only error left in a
-//! comparison is the method's own.
+//! The same computation as [`crate::attention`], in `f64` and written as plainly as
+//! possible: one row of scores at a time, its maximum, its exponentials, its sum. Inputs
+//! are the `f32` (or rounded bf16/f16) values a method saw, widened exactly to `f64`, so
+//! the only error left in a comparison is the method's own.
 
 use ndarray::{Array3, Array4, ArrayView4, Zip};
 
 use crate::{AttnError, check_qkv};
 
-/// What the reference computes: the output and each row's natural log-sum-exp of scaled scores.
+/// What the reference computes: the output and each row's natural log-sum-exp of scaled
+/// scores.
 #[derive(Clone, Debug)]
 pub struct Reference {
     /// `[batch, heads, tokens, head_dim]`
@@ -63,8 +64,8 @@ pub fn attention_f64<A: Copy + Into<f64>>(
 }
 
 /// The reference for a few rows only, `(batch, head, token)` each: that row's output and
-/// log-sum-exp in `f64`. A row of causal attention needs only its own query and the keys and
-/// values up to it, so checking a sample of rows costs `O(T·D)` each, where the whole
+/// log-sum-exp in `f64`. A row of causal attention needs only its own query and the keys
+/// and values up to it, so checking a sample of rows costs `O(T·D)` each, where the whole
 /// reference costs `O(T²·D)` per head: what lets a long run be checked before it is timed.
 pub fn rows_f64<A: Copy + Into<f64>>(
     q: ArrayView4<A>,

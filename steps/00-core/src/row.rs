@@ -1,6 +1,6 @@
 //! One measurement as `charts/data/*.json` holds it: the benchmark writes these rows, the
-//! charts read them, and the PyTorch peer script (`charts/peers/pytorch_peers.py`) writes the
-//! same keys. A file is a JSON list of rows.
+//! charts read them, and the PyTorch peer script (`charts/peers/pytorch_peers.py`) writes
+//! the same keys. A file is a JSON list of rows.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -35,8 +35,8 @@ pub struct Row {
     pub peak_bytes: Option<u64>,
     pub commit: String,
     pub date: String,
-    /// Why the row has no time: "out of memory: ...", an unsupported shape, a device error, a
-    /// wrong result.
+    /// Why the row has no time: "out of memory: ...", an unsupported shape, a device error,
+    /// a wrong result.
     pub error: Option<String>,
     // [step 07]
     /// GPUs one call ran on (`--gpus`); 1 when the file does not say, as in files written
@@ -68,19 +68,20 @@ pub fn to_json(rows: &[Row]) -> String {
     to_json_row_a_line(rows)
 }
 
-/// `value` as JSON laid out one row a line ([`row_a_line`]), as every file of `charts/data/`
-/// is written: the benchmark's rows, a training run's record, ring-scaling's report.
+/// `value` as JSON laid out one row a line ([`row_a_line`]), as every file of
+/// `charts/data/` is written: the benchmark's rows, a training run's record, ring-scaling's
+/// report.
 pub fn to_json_row_a_line<T: Serialize + ?Sized>(value: &T) -> String {
     row_a_line(&serde_json::to_string(value).expect("plain values serialise"))
 }
 
 /// The JSON text `json` laid out one row a line, every token kept as it is written: a list
-/// whose first item is an object (a list of rows: benchmark rows, a run's steps), when it is
-/// the whole file or one of the file's fields, puts each item on a line of its own; an object
-/// that is the whole file puts each field on a line of its own; everything else stays on one
-/// line, items after `, ` and values after `: `. A file's diff is then a diff of rows, and a
-/// run of 200 steps is 200 lines, not one a number. The PyTorch peers lay out theirs the same
-/// way, and a test holds every file of `charts/data/` to it.
+/// whose first item is an object (a list of rows: benchmark rows, a run's steps), when it
+/// is the whole file or one of the file's fields, puts each item on a line of its own; an
+/// object that is the whole file puts each field on a line of its own; everything else
+/// stays on one line, items after `, ` and values after `: `. A file's diff is then a diff
+/// of rows, and a run of 200 steps is 200 lines, not one a number. The PyTorch peers lay
+/// out theirs the same way, and a test holds every file of `charts/data/` to it.
 pub fn row_a_line(json: &str) -> String {
     // the tokens with the whitespace between them dropped
     let mut chars = Vec::with_capacity(json.len());
@@ -154,13 +155,14 @@ pub fn row_a_line(json: &str) -> String {
 
 /// The rows of one file; `source` names it in the error.
 pub fn from_json(json: &str, source: &str) -> Result<Vec<Row>, String> {
-    serde_json::from_str(json).map_err(|e| format!("{source}: not a list of benchmark rows: {e}"))
+    serde_json::from_str(json)
+        .map_err(|e| format!("{source}: not a list of benchmark rows: {e}"))
 }
 
-/// The commit these binaries were built from: `git rev-parse --short HEAD` when they were built,
-/// `-dirty` if tracked files differed from it, `unknown` outside this repository's git
-/// (`build.rs`). Baked in at build time: a binary copied to another machine (a GPU box) names
-/// its own commit there, without the source or git.
+/// The commit these binaries were built from: `git rev-parse --short HEAD` when they were
+/// built, `-dirty` if tracked files differed from it, `unknown` outside this repository's
+/// git (`build.rs`). Baked in at build time: a binary copied to another machine (a GPU box)
+/// names its own commit there, without the source or git.
 pub const COMMIT: &str = env!("FLASH_COMMIT");
 
 /// The time now in UTC as `YYYY-MM-DDTHH:MM:SSZ`.
@@ -199,7 +201,8 @@ mod tests {
     fn the_commit_is_a_hash_or_unknown() {
         let hash = COMMIT.strip_suffix("-dirty").unwrap_or(COMMIT);
         assert!(
-            COMMIT == "unknown" || (hash.len() >= 7 && hash.chars().all(|c| c.is_ascii_hexdigit())),
+            COMMIT == "unknown"
+                || (hash.len() >= 7 && hash.chars().all(|c| c.is_ascii_hexdigit())),
             "{COMMIT}"
         );
     }
@@ -257,9 +260,10 @@ mod tests {
 
     #[test]
     fn rows_carry_what_the_profiler_saw_pytorch_run() {
-        // pytorch_sdpa rows as the peer script writes them after profiling PyTorch's default:
-        // the operation (and on the GPU the kernels) after an arrow, in UTF-8 or escaped. The
-        // CPU rows are from a run of the script; the GPU row has the shape of one.
+        // pytorch_sdpa rows as the peer script writes them after profiling PyTorch's
+        // default: the operation (and on the GPU the kernels) after an arrow, in UTF-8 or
+        // escaped. The CPU rows are from a run of the script; the GPU row has the shape of
+        // one.
         let cpu = r#"[{"batch": 1, "commit": "c31a26e", "date": "2026-11-30T14:05:31Z",
             "device": "AMD EPYC (2 threads)", "device_kind": "cpu", "dtype": "f32", "error": null,
             "head_dim": 64, "heads": 12,
@@ -282,11 +286,9 @@ mod tests {
             "runs": 20, "tflops": 471.2, "tokens": 16384}]"#;
         let rows = from_json(gpu, "gpu").unwrap();
         assert_eq!(rows[0].device_kind, Device::Cuda);
-        assert!(
-            rows[0].implementation.contains(
-                " → aten::_scaled_dot_product_cudnn_attention; kernels: cudnn_generated_"
-            )
-        );
+        assert!(rows[0].implementation.contains(
+            " → aten::_scaled_dot_product_cudnn_attention; kernels: cudnn_generated_"
+        ));
         assert_eq!(from_json(&to_json(&rows), "again").unwrap(), rows);
         // [/step 03]
         // [step 04]
@@ -306,7 +308,8 @@ mod tests {
 
     #[test]
     fn flops_follow_the_anchors() {
-        // FlashAttention's count: at T = 16384, B = 4, H = 12, D = 64, a 5.447 ms forward is 302.8 TFLOP/s
+        // FlashAttention's count: at T = 16384, B = 4, H = 12, D = 64, a 5.447 ms forward
+        // is 302.8 TFLOP/s
         let shape = crate::Shape::new(4, 12, 16384, 64);
         let tf = shape.flops(Pass::Forward) / 5.447e-3 / 1e12;
         assert!((tf - 302.8).abs() < 0.1, "{tf}");

@@ -1,5 +1,5 @@
-//! The one timing loop: warm up, then the median of timed runs. A CPU method is timed by the
-//! process's monotonic clock around the call; a GPU method brings its own clock (events
+//! The one timing loop: warm up, then the median of timed runs. A CPU method is timed by
+//! the process's monotonic clock around the call; a GPU method brings its own clock (events
 //! recorded on its stream) and hands this loop one measured time per run.
 
 use std::time::Instant;
@@ -21,7 +21,8 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
 /// How long to warm up before the timed runs.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Warmup {
-    /// This many untimed calls (the CPU: page in the code, fill the allocator, start the pool).
+    /// This many untimed calls (the CPU: page in the code, fill the allocator, start the
+    /// pool).
     Calls(usize),
     /// Calls until their measured times add up to this many milliseconds (a GPU: its clocks
     /// leave their idle state only after some work, so the first run would be the slowest).
@@ -56,7 +57,8 @@ pub fn median_ms<E>(
 }
 
 /// Times `call` on this thread's clock: the warm-up, then the median of `runs`. Whatever
-/// `call` returns is dropped after its clock stops: freeing a result is not part of the call.
+/// `call` returns is dropped after its clock stops: freeing a result is not part of the
+/// call.
 pub fn cpu_median_ms<T, E>(
     warmup: Warmup,
     runs: usize,

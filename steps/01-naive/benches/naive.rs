@@ -1,5 +1,5 @@
-//! `cargo bench -p step01-naive`: attention by hand on the tutorial's CPU shape (one sequence,
-//! 12 heads, head dim 64) at lengths short enough for criterion's many samples.
+//! `cargo bench -p step01-naive`: attention by hand on the tutorial's CPU shape (one
+//! sequence, 12 heads, head dim 64) at lengths short enough for criterion's many samples.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use flash_core::Shape;

@@ -1,19 +1,21 @@
 //! # Step 01: attention by hand
 //!
 //! Causal attention exactly as the formula reads, `softmax(mask(q·kᵀ/√d))·v`, with every
-//! intermediate kept: a table of scores with one row and one column per token, for every head
-//! of every sequence. Its memory grows with the square of the length; the later steps exist to
-//! remove it. Its result is what every later step is checked against, through the `f64`
-//! reference of the shared core (`steps/00-core`), where the input checks, the error type and
-//! the seeded inputs live too.
+//! intermediate kept: a table of scores with one row and one column per token, for every
+//! head of every sequence. Its memory grows with the square of the length; the later steps
+//! exist to remove it. Its result is what every later step is checked against, through the
+//! `f64` reference of the shared core (`steps/00-core`), where the input checks, the error
+//! type and the seeded inputs live too.
 //!
 //! ## Layout
 //!
-//! - [`attention`]: the method itself, in four visible stages ([`scores`], [`apply_causal_mask`],
-//!   [`softmax_rows`], then the product with v).
+//! - [`attention`]: the method itself, in four visible stages ([`scores`],
+//!   [`apply_causal_mask`], [`softmax_rows`], then the product with v).
 //! - [`Naive`]: the method as the benchmark's registry lists it ([`methods`]).
 
-use flash_core::{Attention, AttnError, Device, Dtype, Method, check_f32, check_qkv, try_zeros};
+use flash_core::{
+    Attention, AttnError, Device, Dtype, Method, check_f32, check_qkv, try_zeros,
+};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array3, Array4, ArrayView4, s};
 
@@ -52,11 +54,12 @@ impl Method for Naive {
 }
 
 // ANCHOR: by_hand
-/// Causal attention by hand: `softmax(mask(q·kᵀ/√d))·v` for `[batch, heads, tokens, head_dim]`
-/// inputs, materialising the whole `[batch, heads, tokens, tokens]` table of scores.
+/// Causal attention by hand: `softmax(mask(q·kᵀ/√d))·v` for `[batch, heads, tokens,
+/// head_dim]` inputs, materialising the whole `[batch, heads, tokens, tokens]` table of
+/// scores.
 ///
-/// Empty input (zero sequences, heads or tokens) gives an empty output. A table too large to
-/// allocate gives [`AttnError::OutOfMemory`].
+/// Empty input (zero sequences, heads or tokens) gives an empty output. A table too large
+/// to allocate gives [`AttnError::OutOfMemory`].
 pub fn attention(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -88,8 +91,8 @@ pub fn attention(
 // ANCHOR_END: by_hand
 
 // ANCHOR: scores
-/// The table of scores, `s_ij = q_i·k_j / √d` for every query i and key j of every head: one
-/// `tokens × tokens` matrix per head, `4·T²` bytes each.
+/// The table of scores, `s_ij = q_i·k_j / √d` for every query i and key j of every head:
+/// one `tokens × tokens` matrix per head, `4·T²` bytes each.
 pub fn scores(q: ArrayView4<f32>, k: ArrayView4<f32>) -> Result<Array4<f32>, AttnError> {
     let shape = check_qkv(&q, &k, &k)?;
     let [b_n, h_n, t_n, _] = shape.dims();
@@ -98,7 +101,8 @@ pub fn scores(q: ArrayView4<f32>, k: ArrayView4<f32>) -> Result<Array4<f32>, Att
         .and_then(|n| n.checked_mul(t_n))
         .and_then(|n| n.checked_mul(t_n));
     let buf = try_zeros::<f32>(&format!("the table of scores for {shape}"), len)?;
-    let mut table = Array4::from_shape_vec((b_n, h_n, t_n, t_n), buf).expect("length is b·h·T·T");
+    let mut table =
+        Array4::from_shape_vec((b_n, h_n, t_n, t_n), buf).expect("length is b·h·T·T");
     let scale = shape.scale() as f32;
     for b in 0..b_n {
         for h in 0..h_n {
@@ -117,8 +121,8 @@ pub fn scores(q: ArrayView4<f32>, k: ArrayView4<f32>) -> Result<Array4<f32>, Att
 // ANCHOR_END: scores
 
 // ANCHOR: causal_mask
-/// The causal mask: token i may look at tokens 0..=i only, so every score above the diagonal
-/// becomes −∞, which the softmax turns into a probability of exactly 0.
+/// The causal mask: token i may look at tokens 0..=i only, so every score above the
+/// diagonal becomes −∞, which the softmax turns into a probability of exactly 0.
 pub fn apply_causal_mask(table: &mut Array4<f32>) {
     let t_n = table.shape()[2];
     for i in 0..t_n {
@@ -132,8 +136,8 @@ pub fn apply_causal_mask(table: &mut Array4<f32>) {
 
 // ANCHOR: softmax
 /// Turns each row of scores into probabilities in place, `p_ij = e^(s_ij − m_i) / ℓ_i` with
-/// `m_i` the row's maximum (so no exponential overflows) and `ℓ_i = Σ_j e^(s_ij − m_i)`, and
-/// returns each row's log-sum-exp `m_i + ln ℓ_i`.
+/// `m_i` the row's maximum (so no exponential overflows) and `ℓ_i = Σ_j e^(s_ij − m_i)`,
+/// and returns each row's log-sum-exp `m_i + ln ℓ_i`.
 pub fn softmax_rows(table: &mut Array4<f32>) -> Array3<f32> {
     let [b_n, h_n, t_n, _] = <[usize; 4]>::try_from(table.shape()).expect("4 dimensions");
     let mut lse = Array3::zeros((b_n, h_n, t_n));
@@ -149,7 +153,10 @@ pub fn softmax_rows(table: &mut Array4<f32>) -> Array3<f32> {
 // ANCHOR_END: softmax
 
 /// The table of probabilities itself (scores, mask, softmax), for tests and the book.
-pub fn probabilities(q: ArrayView4<f32>, k: ArrayView4<f32>) -> Result<Array4<f32>, AttnError> {
+pub fn probabilities(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+) -> Result<Array4<f32>, AttnError> {
     let mut table = scores(q, k)?;
     apply_causal_mask(&mut table);
     softmax_rows(&mut table);

@@ -26,7 +26,8 @@ fn matches_the_f64_reference() {
 
 #[test]
 fn the_reference_is_the_textbook_formula_on_a_tiny_case() {
-    // one head, two tokens, head dim 1: row 0 sees only itself; row 1 sees s = [q1·k0, q1·k1]
+    // one head, two tokens, head dim 1: row 0 sees only itself; row 1 sees s = [q1·k0,
+    // q1·k1]
     let q = Array4::from_shape_vec((1, 1, 2, 1), vec![1.0f32, 2.0]).unwrap();
     let k = Array4::from_shape_vec((1, 1, 2, 1), vec![0.5f32, -1.0]).unwrap();
     let v = Array4::from_shape_vec((1, 1, 2, 1), vec![3.0f32, 5.0]).unwrap();

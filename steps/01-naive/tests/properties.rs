@@ -1,5 +1,5 @@
-//! Properties of attention by hand that hold for any shape, checked by proptest on random shapes
-//! and seeded random inputs.
+//! Properties of attention by hand that hold for any shape, checked by proptest on random
+//! shapes and seeded random inputs.
 
 use flash_core::Shape;
 use flash_core::inputs::random_qkv;
@@ -15,8 +15,8 @@ fn shapes() -> impl Strategy<Value = (Shape, u64)> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 
-    /// Token i's output depends on keys and values 0..=i only: changing later tokens' k and v
-    /// leaves it exactly as it was.
+    /// Token i's output depends on keys and values 0..=i only: changing later tokens' k and
+    /// v leaves it exactly as it was.
     #[test]
     fn causality((shape, seed) in shapes(), cut in 0usize..40) {
         let cut = cut % shape.tokens;
@@ -31,8 +31,8 @@ proptest! {
         prop_assert_eq!(a.lse.slice(s![.., .., ..=cut]), b.lse.slice(s![.., .., ..=cut]));
     }
 
-    /// With one token, the only key it can see is itself: its probability is 1 and the output
-    /// is v.
+    /// With one token, the only key it can see is itself: its probability is 1 and the
+    /// output is v.
     #[test]
     fn one_token_gives_v((shape, seed) in shapes()) {
         let shape = Shape { tokens: 1, ..shape };

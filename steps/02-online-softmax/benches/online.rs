@@ -1,6 +1,7 @@
-//! `cargo bench -p step02-online-softmax`: both versions of the online softmax on the tutorial's
-//! CPU shape (one sequence, 12 heads, head dim 64, causal). Throughput is FlashAttention's causal
-//! FLOP count (`Shape::forward_flops`), so criterion's "elem/s" reads as FLOP/s.
+//! `cargo bench -p step02-online-softmax`: both versions of the online softmax on the
+//! tutorial's CPU shape (one sequence, 12 heads, head dim 64, causal). Throughput is
+//! FlashAttention's causal FLOP count (`Shape::forward_flops`), so criterion's "elem/s"
+//! reads as FLOP/s.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use flash_core::Shape;

@@ -1,9 +1,11 @@
-//! Milliseconds and GFLOP/s of the online softmax on the tutorial's CPU shape, 1 sequence × 12
-//! heads × T × 64, f32, causal, and of the alternatives that chose the fast version's design.
+//! Milliseconds and GFLOP/s of the online softmax on the tutorial's CPU shape, 1 sequence ×
+//! 12 heads × T × 64, f32, causal, and of the alternatives that chose the fast version's
+//! design.
 //!
 //! ```sh
-//! cargo run --release -p step02-online-softmax --example online-speed               # online, online_loop
-//! cargo run --release -p step02-online-softmax --example online-speed -- variants   # the alternatives
+//! cargo run --release -p step02-online-softmax --example online-speed               #
+//! online, online_loop cargo run --release -p step02-online-softmax --example online-speed
+//! -- variants   # the alternatives
 //! ```
 //!
 //! Each number is the median of several timed runs after one untimed warm-up; the result is
@@ -24,14 +26,18 @@ use ndarray::{Array2, Array3, Array4, ArrayView2, ArrayView4, s};
 use rayon::prelude::*;
 use step02_online_softmax::{Config, Isa, attention, attention_loop, attention_with};
 
-type Forward =
-    dyn Fn(ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>) -> Result<Attention, AttnError>;
+type Forward = dyn Fn(
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+) -> Result<Attention, AttnError>;
 
-/// This process's CPU time (user + system) in seconds, from /proc (Linux; 0 elsewhere), to tell
-/// how many of the cores the timed runs really had while others share the machine.
+/// This process's CPU time (user + system) in seconds, from /proc (Linux; 0 elsewhere), to
+/// tell how many of the cores the timed runs really had while others share the machine.
 fn cpu_seconds() -> f64 {
     let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    // the fields after the command name, which is in parentheses; utime and stime are 14 and 15
+    // the fields after the command name, which is in parentheses; utime and stime are 14
+    // and 15
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
     let f: Vec<f64> = rest
         .split_whitespace()
@@ -42,8 +48,8 @@ fn cpu_seconds() -> f64 {
     f.iter().sum::<f64>() / 100.0 // clock ticks of 1/100 s
 }
 
-/// The median of `runs` timed runs after one warm-up (the core's timing loop), in ms, and the
-/// cores used on average over them.
+/// The median of `runs` timed runs after one warm-up (the core's timing loop), in ms, and
+/// the cores used on average over them.
 fn median_ms(runs: usize, f: &dyn Fn()) -> (f64, f64) {
     let (cpu0, wall0) = (cpu_seconds(), Instant::now());
     let ms = cpu_median_ms(Warmup::Calls(1), runs, || {
@@ -76,7 +82,8 @@ fn with(cfg: Config) -> Box<Forward> {
 }
 
 /// The design this crate did not take: the same online softmax over blocks of 64, with
-/// ndarray's matrix product (matrixmultiply) for both products and the standard library's exp.
+/// ndarray's matrix product (matrixmultiply) for both products and the standard library's
+/// exp.
 fn ndarray_blocks(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -164,11 +171,11 @@ fn one_block(
 #[derive(Parser, Debug)]
 #[command(name = "online-speed")]
 struct Args {
-    /// What to time: nothing for `online` at 1k to 8k tokens and `online_loop` at 1k and 2k;
-    /// `variants` for the alternatives that chose the fast version's design (block sizes,
-    /// log2(e) folding, exp2, instruction sets, ndarray's matrix product) at 1k and 4k;
-    /// `quick` for `online` alone, to iterate on the kernels; `T=2048` for `online` at that
-    /// length only, unchecked, for profiling
+    /// What to time: nothing for `online` at 1k to 8k tokens and `online_loop` at 1k and
+    /// 2k; `variants` for the alternatives that chose the fast version's design (block
+    /// sizes, log2(e) folding, exp2, instruction sets, ndarray's matrix product) at 1k and
+    /// 4k; `quick` for `online` alone, to iterate on the kernels; `T=2048` for `online` at
+    /// that length only, unchecked, for profiling
     #[arg(value_parser = what)]
     what: Option<What>,
 }
@@ -189,7 +196,9 @@ fn what(s: &str) -> Result<What, String> {
             .and_then(|t| t.parse().ok())
             .filter(|&t| t > 0)
             .map(What::Only)
-            .ok_or_else(|| "expected `variants`, `quick` or `T=<tokens>`, such as T=2048".into()),
+            .ok_or_else(|| {
+                "expected `variants`, `quick` or `T=<tokens>`, such as T=2048".into()
+            }),
     }
 }
 

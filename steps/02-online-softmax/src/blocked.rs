@@ -1,12 +1,13 @@
-//! The online softmax written to be read next to its derivation: one block of queries against one
-//! block of keys at a time, single-threaded, in plain loops over `ndarray` views.
+//! The online softmax written to be read next to its derivation: one block of queries
+//! against one block of keys at a time, single-threaded, in plain loops over `ndarray`
+//! views.
 
 use flash_core::{Attention, AttnError, check_qkv};
 use ndarray::{Array3, Array4, ArrayView4, s};
 
 /// The block size of [`attention_loop`]: 64 queries against 64 keys, the blocks of the fast
-/// version too. Any size gives the same answer; on the GPU, FlashAttention-2's forward kernel for
-/// head dim 64 takes 128 × 128 tiles (without dropout), and so does chapter 3's.
+/// version too. Any size gives the same answer; on the GPU, FlashAttention-2's forward
+/// kernel for head dim 64 takes 128 × 128 tiles (without dropout), and so does chapter 3's.
 pub const DEFAULT_BLOCK: usize = 64;
 
 /// [`attention_blocked`] with blocks of [`DEFAULT_BLOCK`] tokens.
@@ -20,8 +21,8 @@ pub fn attention_loop(
 
 // ANCHOR: blocked
 /// Causal attention by the online softmax (Milakov & Gimelshein 2018; FlashAttention,
-/// Dao et al. 2022, Algorithm 1): queries and keys in blocks of `block` tokens, and per query row
-/// three running values instead of a row of the score table.
+/// Dao et al. 2022, Algorithm 1): queries and keys in blocks of `block` tokens, and per
+/// query row three running values instead of a row of the score table.
 ///
 /// Any `block ≥ 1` works, a block longer than the sequence included; `block = 0` is an
 /// [`AttnError::Unsupported`]. The largest buffer is one block of scores, `block²` values.
@@ -34,9 +35,9 @@ pub fn attention_blocked(
     let shape = check_qkv(&q, &k, &v)?;
     if block == 0 {
         return Err(AttnError::Unsupported {
-            what: "block size 0: the online softmax walks the keys a block at a time, so a \
-                   block must hold at least 1 token (any size from 1 up works, longer than the \
-                   sequence included)"
+            what: "block size 0: the online softmax walks the keys a block at a time, so \
+                   a block must hold at least 1 token (any size from 1 up works, longer \
+                   than the sequence included)"
                 .to_string(),
         });
     }
@@ -67,13 +68,15 @@ pub fn attention_blocked(
                 acc.fill(0.0);
                 for k0 in (0..t_n).step_by(block) {
                     // ANCHOR: causal_skip
-                    // Every key from k0 on comes after every query of this block (the last is
-                    // q0 + rows − 1): the mask would zero all of them, so they are never read.
+                    // Every key from k0 on comes after every query of this block (the last
+                    // is q0 + rows − 1): the mask would zero all of them, so they are never
+                    // read.
                     if k0 >= q0 + rows {
                         break;
                     }
-                    // Blocks are aligned and of one size, so the only block holding keys later
-                    // than some of its queries is the diagonal one: only there is the mask applied.
+                    // Blocks are aligned and of one size, so the only block holding keys
+                    // later than some of its queries is the diagonal one: only there is the
+                    // mask applied.
                     let diagonal = k0 == q0;
                     // ANCHOR_END: causal_skip
                     let cols = block.min(t_n - k0);
@@ -92,11 +95,13 @@ pub fn attention_blocked(
                     // ANCHOR: online_update
                     for i in 0..rows {
                         let row = &scores[i * cols..(i + 1) * cols];
-                        // The new maximum. Finite: block 0 holds key 0, which every row sees.
+                        // The new maximum. Finite: block 0 holds key 0, which every row
+                        // sees.
                         let m_new = row.iter().fold(m[i], |a, &s| a.max(s));
                         // Everything summed so far is relative to the old maximum;
-                        // e^(s − m_old)·e^(m_old − m_new) = e^(s − m_new) moves it to the new one.
-                        // On the first block m_old = −∞ and the correction is e^(−∞) = 0.
+                        // e^(s − m_old)·e^(m_old − m_new) = e^(s − m_new) moves it to the
+                        // new one. On the first block m_old = −∞ and the correction is
+                        // e^(−∞) = 0.
                         let correction = (m[i] - m_new).exp();
                         let acc_i = &mut acc[i * d_n..(i + 1) * d_n];
                         l[i] *= correction;
@@ -113,8 +118,8 @@ pub fn attention_blocked(
                     // ANCHOR_END: online_update
                 }
                 // ANCHOR: finalise
-                // After the last block, ℓ_i is the whole row's sum: o_i = acc_i/ℓ_i, and the
-                // log-sum-exp is ln Σ_j e^(s_ij) = m_i + ln ℓ_i.
+                // After the last block, ℓ_i is the whole row's sum: o_i = acc_i/ℓ_i, and
+                // the log-sum-exp is ln Σ_j e^(s_ij) = m_i + ln ℓ_i.
                 for i in 0..rows {
                     let mut o = out.slice_mut(s![b, h, q0 + i, ..]);
                     for (o, &a) in o.iter_mut().zip(&acc[i * d_n..(i + 1) * d_n]) {

@@ -1,5 +1,5 @@
-//! The fast version: the same online softmax, parallel over (sequence, head, query block), with
-//! register-blocked SIMD micro-kernels for the two products and a polynomial `2^x`.
+//! The fast version: the same online softmax, parallel over (sequence, head, query block),
+//! with register-blocked SIMD micro-kernels for the two products and a polynomial `2^x`.
 
 use std::f32::consts::LN_2;
 
@@ -14,23 +14,23 @@ use crate::kernels::{Dims, Isa, Kernels, LANES, log2e_rounding};
 pub struct Config {
     /// The micro-kernels' instruction set; [`Isa::detect`] by default.
     pub isa: Isa,
-    /// Queries per block, rounded up to a multiple of [`LANES`] (16): the SIMD lanes run along
-    /// the queries.
+    /// Queries per block, rounded up to a multiple of [`LANES`] (16): the SIMD lanes run
+    /// along the queries.
     pub block_q: usize,
     /// Keys per block, any size ≥ 1.
     pub block_k: usize,
     /// `2^x` by the SIMD polynomial (true) or by the standard library one value at a time.
     pub fast_exp: bool,
-    /// Fold the multiply by `log2(e)` into the subtraction of the maximum, `2^(s·log2 e − M)`
-    /// with one fused multiply-add per score (true), or subtract first and multiply every
-    /// `s − m` by `log2(e)` before `2^x` (false).
+    /// Fold the multiply by `log2(e)` into the subtraction of the maximum, `2^(s·log2 e −
+    /// M)` with one fused multiply-add per score (true), or subtract first and multiply
+    /// every `s − m` by `log2(e)` before `2^x` (false).
     pub fold_log2e: bool,
 }
 
 impl Default for Config {
-    /// 64 queries × 64 keys, the widest instructions, the polynomial, log2(e) folded: the fastest,
-    /// or within 1% of it, on the 2-core AVX-512 machine of the book's CPU numbers (the crate docs
-    /// list what else was measured).
+    /// 64 queries × 64 keys, the widest instructions, the polynomial, log2(e) folded: the
+    /// fastest, or within 1% of it, on the 2-core AVX-512 machine of the book's CPU numbers
+    /// (the crate docs list what else was measured).
     fn default() -> Self {
         Config {
             isa: Isa::detect(),
@@ -42,7 +42,8 @@ impl Default for Config {
     }
 }
 
-/// What [`attention`] runs on this machine: the instruction set, the blocks and the threads.
+/// What [`attention`] runs on this machine: the instruction set, the blocks and the
+/// threads.
 pub fn implementation() -> String {
     let c = Config::default();
     format!(
@@ -54,7 +55,8 @@ pub fn implementation() -> String {
     )
 }
 
-/// Causal attention by the online softmax, fast: [`attention_with`] and [`Config::default`].
+/// Causal attention by the online softmax, fast: [`attention_with`] and
+/// [`Config::default`].
 pub fn attention(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -107,8 +109,8 @@ struct Task<'a> {
 /// instruction set or a zero block size is an [`AttnError::Unsupported`].
 ///
 /// Memory beyond the output and the log-sum-exp: one set of block buffers per worker thread
-/// (with the default blocks, 16 KiB each of transposed queries, scores and outputs); nothing
-/// grows with T. Non-contiguous views are copied to standard layout first.
+/// (with the default blocks, 16 KiB each of transposed queries, scores and outputs);
+/// nothing grows with T. Non-contiguous views are copied to standard layout first.
 pub fn attention_with(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -155,9 +157,9 @@ pub fn attention_with(
     let mut out = try_zeros::<f32>(&format!("the output for {shape}"), Some(shape.len()))?;
     let mut lse = try_zeros::<f32>("the log-sum-exp", Some(b_n * h_n * t_n))?;
     // ANCHOR: parallel
-    // Every (sequence, head, query block) is a task of its own: it owns its rows of the output
-    // and reads its head's q, k and v in place. Later blocks see more keys; they go first, so
-    // the tasks left at the end are short ones.
+    // Every (sequence, head, query block) is a task of its own: it owns its rows of the
+    // output and reads its head's q, k and v in place. Later blocks see more keys; they go
+    // first, so the tasks left at the end are short ones.
     let br = plan.n.br;
     let mut tasks: Vec<Task> = out
         .chunks_mut(t_n * d_n)
@@ -189,13 +191,20 @@ pub fn attention_with(
 // ANCHOR: query_block
 /// One block of queries against every key block it may see: the online softmax of
 /// [`crate::attention_blocked`], one block pair at a time through the micro-kernels.
-fn query_block(plan: &Plan, q: &[f32], k: &[f32], v: &[f32], task: Task, scratch: &mut Scratch) {
+fn query_block(
+    plan: &Plan,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    task: Task,
+    scratch: &mut Scratch,
+) {
     let (kernels, n, t_n) = (plan.kernels, plan.n, plan.t_n);
     let (q0, rows) = (task.qb * n.br, task.lse.len());
-    // The block's queries, transposed (a SIMD register holds one dim of 16 queries); queries
-    // past the sequence's end are zero. Not scaled: the scale multiplies each finished dot
-    // product, as in step 01, so that the scores are step 01's to the last bit (the backward
-    // of step 04 depends on it).
+    // The block's queries, transposed (a SIMD register holds one dim of 16 queries);
+    // queries past the sequence's end are zero. Not scaled: the scale multiplies each
+    // finished dot product, as in step 01, so that the scores are step 01's to the last bit
+    // (the backward of step 04 depends on it).
     scratch.qt.fill(0.0);
     for i in 0..rows {
         for (d, &x) in q[(q0 + i) * n.d..(q0 + i + 1) * n.d].iter().enumerate() {
@@ -205,7 +214,8 @@ fn query_block(plan: &Plan, q: &[f32], k: &[f32], v: &[f32], task: Task, scratch
     scratch.m.fill(f32::NEG_INFINITY);
     scratch.l.fill(0.0);
     scratch.o.fill(0.0);
-    // the causal skip: key blocks after the one holding the block's last query are never read
+    // the causal skip: key blocks after the one holding the block's last query are never
+    // read
     let last = q0 + rows - 1;
     for k0 in (0..=last).step_by(n.bc) {
         let keys = n.bc.min(t_n - k0);
@@ -233,9 +243,10 @@ fn query_block(plan: &Plan, q: &[f32], k: &[f32], v: &[f32], task: Task, scratch
         }
         kernels.pv(st, v, &mut scratch.o, alpha, keys, n);
     }
-    // o/ℓ, and the log-sum-exp ln Σ e^s = m + ln ℓ. Folded, ℓ is 2^e times the sum of e^(s − m)
-    // (e, the rounding of m·log2 e, is the same for the whole row and cancels in o/ℓ), so
-    // ln ℓ = (log2 ℓ − e)·ln 2. m stays exact: a score, the very number the backward computes.
+    // o/ℓ, and the log-sum-exp ln Σ e^s = m + ln ℓ. Folded, ℓ is 2^e times the sum of e^(s
+    // − m) (e, the rounding of m·log2 e, is the same for the whole row and cancels in o/ℓ),
+    // so ln ℓ = (log2 ℓ − e)·ln 2. m stays exact: a score, the very number the backward
+    // computes.
     for i in 0..rows {
         let inv = 1.0 / scratch.l[i];
         let o = &scratch.o[i * n.dp..i * n.dp + n.d];

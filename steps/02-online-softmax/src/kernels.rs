@@ -2,22 +2,26 @@
 //! softmax between them, each in three instruction sets (AVX-512F, AVX2 with FMA, and plain
 //! Rust), chosen at run time.
 //!
-//! The SIMD lanes run along the *queries* of a block. The block's queries are stored transposed
-//! once per block, and the scores come out transposed too, one row per key:
+//! The SIMD lanes run along the *queries* of a block. The block's queries are stored
+//! transposed once per block, and the scores come out transposed too, one row per key:
 //!
 //! - `qt`: `d × br`, the block's queries transposed (zero past the sequence's end);
 //! - `k`, `v`: `keys × d`, rows of the input as they are (no copy, no transpose);
-//! - `st`: `bc × br` scores `s_ij = (q_i·k_j)·scale` stored at `[j][i]`, then probabilities;
+//! - `st`: `bc × br` scores `s_ij = (q_i·k_j)·scale` stored at `[j][i]`, then
+//!   probabilities;
 //! - `o`: `br × dp` running (unnormalised) outputs, `dp` = `d` rounded up to 16;
-//! - `m`, `l`, `alpha`: `br` running maxima, running sums and this block's correction factors.
+//! - `m`, `l`, `alpha`: `br` running maxima, running sums and this block's correction
+//!   factors.
 //!
-//! With a query per lane, the softmax's reductions over keys are element-wise maxima and sums
-//! across the rows of `st`, never a shuffle within a register. `br` is a multiple of [`LANES`].
+//! With a query per lane, the softmax's reductions over keys are element-wise maxima and
+//! sums across the rows of `st`, never a shuffle within a register. `br` is a multiple of
+//! [`LANES`].
 //!
-//! All `unsafe` of the crate is in this module. Its two kinds: calling a `#[target_feature]`
-//! function, sound only after the CPU was seen to have the feature, which [`Kernels::new`]
-//! checks once and a [`Kernels`] value stands for; and raw-pointer loads and stores inside the
-//! tiles, whose bounds each safe entry point asserts before the first one.
+//! All `unsafe` of the crate is in this module. Its two kinds: calling a
+//! `#[target_feature]` function, sound only after the CPU was seen to have the feature,
+//! which [`Kernels::new`] checks once and a [`Kernels`] value stands for; and raw-pointer
+//! loads and stores inside the tiles, whose bounds each safe entry point asserts before the
+//! first one.
 
 // The tiles index their register arrays by row and column on purpose: the loops mirror the
 // tile's shape and unroll completely, with each element in its own register.
@@ -55,7 +59,9 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+            }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => is_x86_feature_detected!("avx512f"),
             #[cfg(not(target_arch = "x86_64"))]
@@ -89,8 +95,8 @@ impl Dims {
     }
 }
 
-/// The kernels of one instruction set, known to be available: holding a `Kernels` is the proof
-/// the `unsafe` calls below rely on.
+/// The kernels of one instruction set, known to be available: holding a `Kernels` is the
+/// proof the `unsafe` calls below rely on.
 #[derive(Clone, Copy, Debug)]
 pub struct Kernels {
     isa: Isa,
@@ -116,22 +122,31 @@ impl Kernels {
     }
 
     // ANCHOR: scores_dispatch
-    /// `st[j][i] = (Σ_d k[j][d]·qt[d][i])·scale` for the first `keys` rows of `st`: one block
-    /// of scores, transposed.
+    /// `st[j][i] = (Σ_d k[j][d]·qt[d][i])·scale` for the first `keys` rows of `st`: one
+    /// block of scores, transposed.
     ///
     /// The sum runs over d in order, one fused multiply-add at a time, and is multiplied by
-    /// `scale` once at the end: the same rounding as `ndarray`'s matrix product, so on x86-64
-    /// with AVX2 and FMA or AVX-512 these are step 01's scores bit for bit (head dims up to
-    /// 256, where `matrixmultiply` sums in one piece). The backward of step 04 rebuilds the
-    /// probabilities from its own scores and the log-sum-exp made from these: the two must
-    /// agree to the last bit, or every probability of a row is off by the difference, which
-    /// grows with the scores (chapter 4).
-    pub fn scores(self, qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, scale: f32, n: Dims) {
+    /// `scale` once at the end: the same rounding as `ndarray`'s matrix product, so on
+    /// x86-64 with AVX2 and FMA or AVX-512 these are step 01's scores bit for bit (head
+    /// dims up to 256, where `matrixmultiply` sums in one piece). The backward of step 04
+    /// rebuilds the probabilities from its own scores and the log-sum-exp made from these:
+    /// the two must agree to the last bit, or every probability of a row is off by the
+    /// difference, which grows with the scores (chapter 4).
+    pub fn scores(
+        self,
+        qt: &[f32],
+        k: &[f32],
+        st: &mut [f32],
+        keys: usize,
+        scale: f32,
+        n: Dims,
+    ) {
         n.check(keys);
         assert!(qt.len() >= n.d * n.br && k.len() >= keys * n.d && st.len() >= n.bc * n.br);
         match self.isa {
-            // SAFETY: `self` exists only if the CPU has AVX-512F (`Kernels::new`); the asserts
-            // above bound every pointer the tiles form (keys < `keys`, d < n.d, queries < br).
+            // SAFETY: `self` exists only if the CPU has AVX-512F (`Kernels::new`); the
+            // asserts above bound every pointer the tiles form (keys < `keys`, d < n.d,
+            // queries < br).
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { avx512::scores(qt, k, st, keys, scale, n) },
             // SAFETY: as above, for AVX2 and FMA.
@@ -146,13 +161,13 @@ impl Kernels {
     /// max_j st[j][i])`, `st[j][i] = e^(st[j][i] − m_new)`, `alpha_i = e^(m_i − m_new)`,
     /// `l_i = alpha_i·l_i + Σ_j st[j][i]`, every `e^x` as `2^(x·log2 e)`.
     ///
-    /// With `FOLDED` the multiply by `log2 e` is folded into the subtraction of the maximum, one
-    /// fused multiply-add per score: `2^(s·log2 e − M)` with `M = m_new·log2 e` rounded to
-    /// `f32`. Every value of a row then carries the same factor `2^(m_new·log2 e − M)`, which
-    /// cancels in the output and which [`log2e_rounding`] gives back for the log-sum-exp.
-    /// Without, `2^((s − m_new)·log2 e)`: one multiply more per score. `fast_exp = false` takes
-    /// the standard library's `exp2` one value at a time, to measure what the polynomial
-    /// saves.
+    /// With `FOLDED` the multiply by `log2 e` is folded into the subtraction of the
+    /// maximum, one fused multiply-add per score: `2^(s·log2 e − M)` with `M = m_new·log2
+    /// e` rounded to `f32`. Every value of a row then carries the same factor
+    /// `2^(m_new·log2 e − M)`, which cancels in the output and which [`log2e_rounding`]
+    /// gives back for the log-sum-exp. Without, `2^((s − m_new)·log2 e)`: one multiply more
+    /// per score. `fast_exp = false` takes the standard library's `exp2` one value at a
+    /// time, to measure what the polynomial saves.
     #[allow(clippy::too_many_arguments)]
     pub fn softmax<const FOLDED: bool>(
         self,
@@ -167,10 +182,12 @@ impl Kernels {
         assert!(st.len() >= n.bc * n.br && m.len() >= n.br && l.len() >= n.br);
         assert!(alpha.len() >= n.br);
         match self.isa {
-            // SAFETY: `self` proves AVX-512F; the asserts above bound every pointer (rows < bc,
-            // queries < br).
+            // SAFETY: `self` proves AVX-512F; the asserts above bound every pointer (rows <
+            // bc, queries < br).
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if fast_exp => unsafe { avx512::softmax::<FOLDED>(st, m, l, alpha, n) },
+            Isa::Avx512 if fast_exp => unsafe {
+                avx512::softmax::<FOLDED>(st, m, l, alpha, n)
+            },
             // SAFETY: as above, for AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 if fast_exp => unsafe { avx2::softmax::<FOLDED>(st, m, l, alpha, n) },
@@ -178,9 +195,17 @@ impl Kernels {
         }
     }
 
-    /// `o[i] = alpha_i·o[i] + Σ_{j < keys} st[j][i]·v[j]`: rescale the running outputs and add
-    /// one block of values.
-    pub fn pv(self, pt: &[f32], v: &[f32], o: &mut [f32], alpha: &[f32], keys: usize, n: Dims) {
+    /// `o[i] = alpha_i·o[i] + Σ_{j < keys} st[j][i]·v[j]`: rescale the running outputs and
+    /// add one block of values.
+    pub fn pv(
+        self,
+        pt: &[f32],
+        v: &[f32],
+        o: &mut [f32],
+        alpha: &[f32],
+        keys: usize,
+        n: Dims,
+    ) {
         n.check(keys);
         assert!(pt.len() >= n.bc * n.br && v.len() >= keys * n.d && o.len() >= n.br * n.dp);
         assert!(alpha.len() >= n.br);
@@ -197,10 +222,10 @@ impl Kernels {
     }
 
     /// `x = 2^((x − shift)·scale)` for every element, with the softmax's polynomial: for
-    /// arguments at most 0 (probabilities), exactly 0 below about −126.5. Step 04 rebuilds its
-    /// probabilities with it, `e^(s − lse)`: the subtraction comes first, so two scores close
-    /// to the log-sum-exp cancel exactly (Sterbenz) and the error is that of `x − shift`, not
-    /// that of `x` or `shift`.
+    /// arguments at most 0 (probabilities), exactly 0 below about −126.5. Step 04 rebuilds
+    /// its probabilities with it, `e^(s − lse)`: the subtraction comes first, so two scores
+    /// close to the log-sum-exp cancel exactly (Sterbenz) and the error is that of `x −
+    /// shift`, not that of `x` or `shift`.
     pub fn exp2_shifted(self, x: &mut [f32], shift: f32, scale: f32) {
         match self.isa {
             // SAFETY: `self` proves AVX-512F; the loads and stores stay inside `x`.
@@ -215,16 +240,16 @@ impl Kernels {
 }
 
 /// What the folded softmax leaves in a row's sum: `e = m·log2 e − M` with `M = m·log2 e`
-/// rounded to `f32`, exactly (one fused multiply-add gives the rounding error of a product).
-/// The sum is `2^e` times the true one, so `ln ℓ = (log2 ℓ_folded − e)·ln 2`.
+/// rounded to `f32`, exactly (one fused multiply-add gives the rounding error of a
+/// product). The sum is `2^e` times the true one, so `ln ℓ = (log2 ℓ_folded − e)·ln 2`.
 pub fn log2e_rounding(m: f32) -> f32 {
     m.mul_add(LOG2_E, -(m * LOG2_E))
 }
 
 // ANCHOR: exp2_poly
-/// `2^f` for `f ∈ [−½, ½]`: the minimax polynomial of Cephes' `exp2f` (Moshier 1992), relative
-/// error about 2·10⁻⁷, highest degree first. `2^x = 2^n · 2^f` with `n = round(x)`, `f = x − n`,
-/// and `2^n` written straight into the exponent bits.
+/// `2^f` for `f ∈ [−½, ½]`: the minimax polynomial of Cephes' `exp2f` (Moshier 1992),
+/// relative error about 2·10⁻⁷, highest degree first. `2^x = 2^n · 2^f` with `n =
+/// round(x)`, `f = x − n`, and `2^n` written straight into the exponent bits.
 const EXP2_POLY: [f32; 6] = [
     1.535_336_2e-4,
     1.339_887_4e-3,
@@ -234,8 +259,8 @@ const EXP2_POLY: [f32; 6] = [
     6.931_472e-1,
 ];
 /// `x` is clamped here first; `n = −127` makes the exponent bits those of 0.0, so a masked
-/// score, `−∞`, gives a probability of exactly 0, as `e^(−∞)` does (and so does everything below
-/// about `2^−126.5`, under the smallest normal `f32`).
+/// score, `−∞`, gives a probability of exactly 0, as `e^(−∞)` does (and so does everything
+/// below about `2^−126.5`, under the smallest normal `f32`).
 const EXP2_MIN: f32 = -127.0;
 // ANCHOR_END: exp2_poly
 
@@ -251,9 +276,10 @@ mod scalar {
         }
     }
 
-    /// Rows `from..keys` of the transposed scores. Fused multiply-adds where `matrixmultiply`'s
-    /// kernels for this target fuse them (aarch64), separate ones where they do not (an x86
-    /// CPU without AVX2 and FMA, the only one `Isa::detect` chooses this path on).
+    /// Rows `from..keys` of the transposed scores. Fused multiply-adds where
+    /// `matrixmultiply`'s kernels for this target fuse them (aarch64), separate ones where
+    /// they do not (an x86 CPU without AVX2 and FMA, the only one `Isa::detect` chooses
+    /// this path on).
     pub fn scores(
         qt: &[f32],
         k: &[f32],
@@ -293,8 +319,8 @@ mod scalar {
                 *m = m.max(s);
             }
         }
-        // folded: 2^(s·log2 e − M) = 2^((s − m)·log2 e + e), e = m·log2 e − M exactly, which
-        // gives the SIMD paths' values without a fused multiply-add per score
+        // folded: 2^(s·log2 e − M) = 2^((s − m)·log2 e + e), e = m·log2 e − M exactly,
+        // which gives the SIMD paths' values without a fused multiply-add per score
         let e: Vec<f32> = m_new.iter().map(|&m| super::log2e_rounding(m)).collect();
         for i in 0..n.br {
             alpha[i] = if FOLDED {
@@ -368,12 +394,13 @@ mod avx512 {
     }
 
     // ANCHOR: scores_tile
-    /// One register tile of transposed scores: 8 keys × `16·NV` queries, `8·NV` accumulators.
-    /// Per dimension d: `NV` loads of `qt`'s row d, 8 broadcasts of k[j][d], `8·NV` fused
-    /// multiply-adds; at the end one multiply by the scale per score.
+    /// One register tile of transposed scores: 8 keys × `16·NV` queries, `8·NV`
+    /// accumulators. Per dimension d: `NV` loads of `qt`'s row d, 8 broadcasts of k[j][d],
+    /// `8·NV` fused multiply-adds; at the end one multiply by the scale per score.
     ///
-    /// SAFETY (caller): `qt` points at column c0 of a `d × br` block with `16·NV` columns left;
-    /// `k` at row j0 of a `· × d` block with 8 rows left; `st` at (j0, c0) of a `· × br` block.
+    /// SAFETY (caller): `qt` points at column c0 of a `d × br` block with `16·NV` columns
+    /// left; `k` at row j0 of a `· × d` block with 8 rows left; `st` at (j0, c0) of a `· ×
+    /// br` block.
     #[target_feature(enable = "avx512f")]
     unsafe fn scores_tile<const NV: usize>(
         qt: *const f32,
@@ -408,13 +435,21 @@ mod avx512 {
     // ANCHOR_END: scores_tile
 
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn scores(qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, scale: f32, n: Dims) {
+    pub unsafe fn scores(
+        qt: &[f32],
+        k: &[f32],
+        st: &mut [f32],
+        keys: usize,
+        scale: f32,
+        n: Dims,
+    ) {
         let full = keys - keys % R;
         let scale = _mm512_set1_ps(scale);
         for j0 in (0..full).step_by(R) {
             let mut c0 = 0;
-            // SAFETY (both calls): j0 + 8 ≤ keys rows of k and ≤ bc rows of st, c0 + 16·NV ≤ br
-            // columns; the slices hold d·br, keys·d and bc·br values (asserted by the caller)
+            // SAFETY (both calls): j0 + 8 ≤ keys rows of k and ≤ bc rows of st, c0 + 16·NV
+            // ≤ br columns; the slices hold d·br, keys·d and bc·br values (asserted by the
+            // caller)
             unsafe {
                 let (k, st) = (k.as_ptr().add(j0 * n.d), st.as_mut_ptr().add(j0 * n.br));
                 while c0 + 2 * LANES <= n.br {
@@ -432,7 +467,8 @@ mod avx512 {
             for c0 in (0..n.br).step_by(LANES) {
                 let mut acc = _mm512_setzero_ps();
                 for d in 0..n.d {
-                    // SAFETY: j < keys rows of k, d < n.d, c0 + 16 ≤ br columns of qt's row d
+                    // SAFETY: j < keys rows of k, d < n.d, c0 + 16 ≤ br columns of qt's row
+                    // d
                     unsafe {
                         let q = _mm512_loadu_ps(qt.as_ptr().add(d * n.br + c0));
                         acc = _mm512_fmadd_ps(_mm512_set1_ps(k[j * n.d + d]), q, acc);
@@ -450,8 +486,8 @@ mod avx512 {
     }
 
     // ANCHOR: softmax_simd
-    /// The online softmax of one block, 16 queries at a time: every reduction over keys is an
-    /// element-wise max or add down the rows of `st`.
+    /// The online softmax of one block, 16 queries at a time: every reduction over keys is
+    /// an element-wise max or add down the rows of `st`.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn softmax<const FOLDED: bool>(
         st: &mut [f32],
@@ -463,8 +499,8 @@ mod avx512 {
         // e^x = 2^(x·log2 e)
         let log2e = _mm512_set1_ps(std::f32::consts::LOG2_E);
         for c in (0..n.br).step_by(LANES) {
-            // SAFETY: c + 16 ≤ br ≤ the lengths of m, l, alpha, and every row j < bc of st has
-            // br values (asserted by the caller)
+            // SAFETY: c + 16 ≤ br ≤ the lengths of m, l, alpha, and every row j < bc of st
+            // has br values (asserted by the caller)
             unsafe {
                 let st = st.as_mut_ptr().add(c);
                 let m_old = _mm512_loadu_ps(m.as_ptr().add(c));
@@ -474,7 +510,8 @@ mod avx512 {
                 }
                 // m_new is finite: key 0 (block 0) is seen by every query. Folded, the
                 // maxima go to base 2 rounded, M = m·log2 e, and so does everything summed
-                let (mm_old, mm_new) = (_mm512_mul_ps(m_old, log2e), _mm512_mul_ps(m_new, log2e));
+                let (mm_old, mm_new) =
+                    (_mm512_mul_ps(m_old, log2e), _mm512_mul_ps(m_new, log2e));
                 let x = if FOLDED {
                     _mm512_sub_ps(mm_old, mm_new)
                 } else {
@@ -504,13 +541,15 @@ mod avx512 {
     // ANCHOR_END: softmax_simd
 
     // ANCHOR: pv_tile
-    /// One register tile of the output: 8 queries × `16·NV` dims of o, loaded once and rescaled
-    /// by alpha, then per key j: `NV` (masked) loads of v's row j, 8 broadcasts of p[j][i],
-    /// `8·NV` fused multiply-adds; stored once. `mask[c]` selects the dims < d of vector c.
+    /// One register tile of the output: 8 queries × `16·NV` dims of o, loaded once and
+    /// rescaled by alpha, then per key j: `NV` (masked) loads of v's row j, 8 broadcasts of
+    /// p[j][i], `8·NV` fused multiply-adds; stored once. `mask[c]` selects the dims < d of
+    /// vector c.
     ///
     /// SAFETY (caller): `pt` points at column i0 of a `· × br` block with `keys` rows and 8
     /// columns left, `alpha` at alpha[i0]; `v` at column c0 of a `keys × d` block, whose
-    /// columns the masks keep below d; `o` at (i0, c0) of a `· × dp` block, `16·NV` columns left.
+    /// columns the masks keep below d; `o` at (i0, c0) of a `· × dp` block, `16·NV` columns
+    /// left.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
     unsafe fn pv_tile<const NV: usize>(
@@ -528,15 +567,17 @@ mod avx512 {
             let a = _mm512_set1_ps(unsafe { *alpha.add(i) });
             for c in 0..NV {
                 // SAFETY: i < 8 rows, 16·(c+1) ≤ 16·NV columns of o left
-                acc[i][c] =
-                    _mm512_mul_ps(a, unsafe { _mm512_loadu_ps(o.add(i * n.dp + LANES * c)) });
+                acc[i][c] = _mm512_mul_ps(a, unsafe {
+                    _mm512_loadu_ps(o.add(i * n.dp + LANES * c))
+                });
             }
         }
         for j in 0..keys {
             let mut vj = [_mm512_setzero_ps(); NV];
             for c in 0..NV {
                 // SAFETY: j < keys rows of v; lanes at or past d are masked off, not read
-                vj[c] = unsafe { _mm512_maskz_loadu_ps(mask[c], v.add(j * n.d + LANES * c)) };
+                vj[c] =
+                    unsafe { _mm512_maskz_loadu_ps(mask[c], v.add(j * n.d + LANES * c)) };
             }
             for i in 0..R {
                 // SAFETY: j < keys rows, i < 8 columns left
@@ -556,7 +597,14 @@ mod avx512 {
     // ANCHOR_END: pv_tile
 
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn pv(pt: &[f32], v: &[f32], o: &mut [f32], alpha: &[f32], keys: usize, n: Dims) {
+    pub unsafe fn pv(
+        pt: &[f32],
+        v: &[f32],
+        o: &mut [f32],
+        alpha: &[f32],
+        keys: usize,
+        n: Dims,
+    ) {
         // lanes of the dim vector starting at c0 that are real dims (< d)
         let mask = |c0: usize| -> __mmask16 {
             let left = n.d.saturating_sub(c0).min(LANES);
@@ -564,8 +612,9 @@ mod avx512 {
         };
         for i0 in (0..n.br).step_by(R) {
             let mut c0 = 0;
-            // SAFETY (both calls): i0 + 8 ≤ br, c0 + 16·NV ≤ dp; masks keep v's reads below d;
-            // the slices hold bc·br, keys·d, br·dp and br values (asserted by the caller)
+            // SAFETY (both calls): i0 + 8 ≤ br, c0 + 16·NV ≤ dp; masks keep v's reads below
+            // d; the slices hold bc·br, keys·d, br·dp and br values (asserted by the
+            // caller)
             unsafe {
                 let (pt, a) = (pt.as_ptr().add(i0), alpha.as_ptr().add(i0));
                 let o = o.as_mut_ptr().add(i0 * n.dp);
@@ -622,9 +671,16 @@ mod avx2 {
         scalar::exp2_shifted(chunks.into_remainder(), shift, scale);
     }
 
-    /// 4 keys × 16 queries. SAFETY (caller): as `avx512::scores_tile` with 4 rows, 16 columns.
+    /// 4 keys × 16 queries. SAFETY (caller): as `avx512::scores_tile` with 4 rows, 16
+    /// columns.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn scores_tile(qt: *const f32, k: *const f32, st: *mut f32, scale: __m256, n: Dims) {
+    unsafe fn scores_tile(
+        qt: *const f32,
+        k: *const f32,
+        st: *mut f32,
+        scale: __m256,
+        n: Dims,
+    ) {
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         for d in 0..n.d {
             // SAFETY: d < n.d rows, 16 columns left
@@ -652,13 +708,20 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn scores(qt: &[f32], k: &[f32], st: &mut [f32], keys: usize, scale: f32, n: Dims) {
+    pub unsafe fn scores(
+        qt: &[f32],
+        k: &[f32],
+        st: &mut [f32],
+        keys: usize,
+        scale: f32,
+        n: Dims,
+    ) {
         let full = keys - keys % R;
         let scale = _mm256_set1_ps(scale);
         for j0 in (0..full).step_by(R) {
             for c0 in (0..n.br).step_by(2 * W) {
-                // SAFETY: j0 + 4 ≤ keys ≤ bc, c0 + 16 ≤ br (a multiple of 16); the slices hold
-                // d·br, keys·d and bc·br values (asserted by the caller)
+                // SAFETY: j0 + 4 ≤ keys ≤ bc, c0 + 16 ≤ br (a multiple of 16); the slices
+                // hold d·br, keys·d and bc·br values (asserted by the caller)
                 unsafe {
                     scores_tile(
                         qt.as_ptr().add(c0),
@@ -675,7 +738,8 @@ mod avx2 {
             for c0 in (0..n.br).step_by(W) {
                 let mut acc = _mm256_setzero_ps();
                 for d in 0..n.d {
-                    // SAFETY: j < keys rows of k, d < n.d, c0 + 8 ≤ br columns of qt's row d
+                    // SAFETY: j < keys rows of k, d < n.d, c0 + 8 ≤ br columns of qt's row
+                    // d
                     unsafe {
                         let q = _mm256_loadu_ps(qt.as_ptr().add(d * n.br + c0));
                         acc = _mm256_fmadd_ps(_mm256_set1_ps(k[j * n.d + d]), q, acc);
@@ -702,8 +766,8 @@ mod avx2 {
     ) {
         let log2e = _mm256_set1_ps(std::f32::consts::LOG2_E);
         for c in (0..n.br).step_by(W) {
-            // SAFETY: c + 8 ≤ br ≤ the lengths of m, l, alpha, and every row j < bc of st has
-            // br values (asserted by the caller)
+            // SAFETY: c + 8 ≤ br ≤ the lengths of m, l, alpha, and every row j < bc of st
+            // has br values (asserted by the caller)
             unsafe {
                 let st = st.as_mut_ptr().add(c);
                 let m_old = _mm256_loadu_ps(m.as_ptr().add(c));
@@ -712,7 +776,8 @@ mod avx2 {
                     m_new = _mm256_max_ps(m_new, _mm256_loadu_ps(st.add(j * n.br)));
                 }
                 // as `avx512::softmax`
-                let (mm_old, mm_new) = (_mm256_mul_ps(m_old, log2e), _mm256_mul_ps(m_new, log2e));
+                let (mm_old, mm_new) =
+                    (_mm256_mul_ps(m_old, log2e), _mm256_mul_ps(m_new, log2e));
                 let x = if FOLDED {
                     _mm256_sub_ps(mm_old, mm_new)
                 } else {
@@ -795,11 +860,18 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn pv(pt: &[f32], v: &[f32], o: &mut [f32], alpha: &[f32], keys: usize, n: Dims) {
+    pub unsafe fn pv(
+        pt: &[f32],
+        v: &[f32],
+        o: &mut [f32],
+        alpha: &[f32],
+        keys: usize,
+        n: Dims,
+    ) {
         for i0 in (0..n.br).step_by(R) {
             for c0 in (0..n.dp).step_by(2 * W) {
-                // SAFETY: i0 + 4 ≤ br, c0 + 16 ≤ dp; masks keep v's reads below d; the slices
-                // hold bc·br, keys·d, br·dp and br values (asserted by the caller)
+                // SAFETY: i0 + 4 ≤ br, c0 + 16 ≤ dp; masks keep v's reads below d; the
+                // slices hold bc·br, keys·d, br·dp and br values (asserted by the caller)
                 unsafe {
                     pv_tile(
                         pt.as_ptr().add(i0),
@@ -889,7 +961,8 @@ mod tests {
                 scalar.scores(&qt, &k, &mut s2, keys, 0.3, n);
                 close(&s1, &s2, 1e-5, &format!("scores, {what}"));
 
-                let (pt, v, alpha) = (values(bc * br, 3), values(keys * d, 4), values(br, 5));
+                let (pt, v, alpha) =
+                    (values(bc * br, 3), values(keys * d, 4), values(br, 5));
                 let (mut o1, mut o2) = (values(br * n.dp, 6), values(br * n.dp, 6));
                 kern.pv(&pt, &v, &mut o1, &alpha, keys, n);
                 scalar.pv(&pt, &v, &mut o2, &alpha, keys, n);
@@ -906,9 +979,9 @@ mod tests {
         }
     }
 
-    /// The scores are step 01's, bit for bit, for head dims whose scale is a power of two and
-    /// for others: the backward of step 04 rebuilds the probabilities from step 01's scores and
-    /// the log-sum-exp that this step made from its own.
+    /// The scores are step 01's, bit for bit, for head dims whose scale is a power of two
+    /// and for others: the backward of step 04 rebuilds the probabilities from step 01's
+    /// scores and the log-sum-exp that this step made from its own.
     #[test]
     fn the_scores_are_step_01s_to_the_last_bit() {
         let detected = Kernels::new(Isa::detect()).unwrap();

@@ -1,31 +1,33 @@
 //! # Step 02: the online softmax on the CPU
 //!
-//! The same causal attention as step 01, without its table of scores: keys and values are read a
-//! block at a time, and each query row keeps three running values, its largest score so far
-//! `m`, its sum `ℓ = Σ e^(s − m)` and its unnormalised output `Σ e^(s − m)·v`, rescaled by
-//! `e^(m_old − m_new)` whenever a larger score arrives (Milakov & Gimelshein 2018; FlashAttention,
-//! Dao et al. 2022). Memory beyond the output grows with the block size, not with T². Key blocks
-//! entirely after a query block's last row are skipped, so causal attention does about half the
-//! work of the full product.
+//! The same causal attention as step 01, without its table of scores: keys and values are
+//! read a block at a time, and each query row keeps three running values, its largest score
+//! so far `m`, its sum `ℓ = Σ e^(s − m)` and its unnormalised output `Σ e^(s − m)·v`,
+//! rescaled by `e^(m_old − m_new)` whenever a larger score arrives (Milakov & Gimelshein
+//! 2018; FlashAttention, Dao et al. 2022). Memory beyond the output grows with the block
+//! size, not with T². Key blocks entirely after a query block's last row are skipped, so
+//! causal attention does about half the work of the full product.
 //!
 //! Two versions of one algorithm:
 //!
-//! 1. [`attention_loop`] / [`attention_blocked`]: single-threaded plain loops, to be read next to
-//!    the derivation (the book includes it piece by piece).
-//! 2. [`attention`] / [`attention_with`]: parallel over (sequence, head, query block) with rayon;
-//!    register-blocked micro-kernels for `S = Q·Kᵀ` and `O += P·V` in AVX-512F, AVX2+FMA or
-//!    plain Rust, chosen at run time; `log2(e)` folded into the subtraction of the row maximum
-//!    so the softmax takes `2^x`, by a SIMD polynomial. The scores are rounded exactly as step
-//!    01 rounds them, which step 04's backward relies on ([`Kernels::scores`](kernels::Kernels::scores)).
+//! 1. [`attention_loop`] / [`attention_blocked`]: single-threaded plain loops, to be read
+//!    next to the derivation (the book includes it piece by piece).
+//! 2. [`attention`] / [`attention_with`]: parallel over (sequence, head, query block) with
+//!    rayon; register-blocked micro-kernels for `S = Q·Kᵀ` and `O += P·V` in AVX-512F,
+//!    AVX2+FMA or plain Rust, chosen at run time; `log2(e)` folded into the subtraction of
+//!    the row maximum so the softmax takes `2^x`, by a SIMD polynomial. The scores are
+//!    rounded exactly as step 01 rounds them, which step 04's backward relies on
+//!    ([`Kernels::scores`](kernels::Kernels::scores)).
 //!
 //! Both return the output and each row's natural log-sum-exp, like every method of the
 //! repository, and are checked against step 01's `f64` reference.
 //!
 //! ## Versions and what they measured
 //!
-//! `cargo run --release -p step02-online-softmax --example online-speed -- variants`, 1 sequence × 12
-//! heads × head dim 64, f32, causal, median of several runs, on the idle 2-core AMD EPYC
-//! (AVX-512) of the book's CPU numbers; the full output is `lab/logs/02-online-softmax/variants.txt`:
+//! `cargo run --release -p step02-online-softmax --example online-speed -- variants`, 1
+//! sequence × 12 heads × head dim 64, f32, causal, median of several runs, on the idle
+//! 2-core AMD EPYC (AVX-512) of the book's CPU numbers; the full output is
+//! `lab/logs/02-online-softmax/variants.txt`:
 //!
 //! | version | 1024 tokens | 4096 tokens |
 //! | --- | --- | --- |
@@ -36,20 +38,21 @@
 //! | `log2(e)` not folded (one multiply more per score) | 9.9 ms | 167.9 ms |
 //! | the online softmax on `ndarray`'s matrix product, blocks of 64 | 35.8 ms | 427.3 ms |
 //!
-//! Blocks of 32 × 64 to 256 × 64 were within 10% of 64 × 64 at 4096 tokens (128 × 64 and larger
-//! a little faster there, 256 × 64 23% slower at 1024). The book's numbers come from the
-//! repository's benchmark, not from this table.
+//! Blocks of 32 × 64 to 256 × 64 were within 10% of 64 × 64 at 4096 tokens (128 × 64 and
+//! larger a little faster there, 256 × 64 23% slower at 1024). The book's numbers come from
+//! the repository's benchmark, not from this table.
 //!
 //! ## Layout
 //!
 //! - [`blocked`]: the readable version ([`attention_blocked`], [`attention_loop`]).
-//! - [`fast`]: the fast version's driver ([`attention`], [`attention_with`], [`Config`]): packs
-//!   one head's keys and values, then runs the query blocks in parallel.
-//! - [`kernels`]: the micro-kernels in three instruction sets ([`Isa`]), the `2^x` polynomial,
-//!   and all of the crate's `unsafe`.
-//! - [`OnlineLoop`], [`Online`]: the two as the benchmark's registry lists them ([`methods`]).
-//! - `examples/online-speed.rs`: milliseconds and GFLOP/s at 1k–8k tokens, and the alternatives
-//!   measured; `benches/online.rs`: criterion.
+//! - [`fast`]: the fast version's driver ([`attention`], [`attention_with`], [`Config`]):
+//!   packs one head's keys and values, then runs the query blocks in parallel.
+//! - [`kernels`]: the micro-kernels in three instruction sets ([`Isa`]), the `2^x`
+//!   polynomial, and all of the crate's `unsafe`.
+//! - [`OnlineLoop`], [`Online`]: the two as the benchmark's registry lists them
+//!   ([`methods`]).
+//! - `examples/online-speed.rs`: milliseconds and GFLOP/s at 1k–8k tokens, and the
+//!   alternatives measured; `benches/online.rs`: criterion.
 
 pub mod blocked;
 pub mod fast;

@@ -9,8 +9,11 @@ use step02_online_softmax::{
     Config, Isa, attention, attention_blocked, attention_loop, attention_with,
 };
 
-type Forward =
-    dyn Fn(ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>) -> Result<Attention, AttnError>;
+type Forward = dyn Fn(
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+    ArrayView4<f32>,
+) -> Result<Attention, AttnError>;
 
 fn methods() -> Vec<(&'static str, Box<Forward>)> {
     vec![
@@ -19,9 +22,14 @@ fn methods() -> Vec<(&'static str, Box<Forward>)> {
     ]
 }
 
-/// Every method's output and log-sum-exp within `tol` (max abs) of the f64 reference, which is
-/// computed once per case.
-fn check_against_reference(methods: &[(&str, Box<Forward>)], shape: Shape, seed: u64, tol: f64) {
+/// Every method's output and log-sum-exp within `tol` (max abs) of the f64 reference, which
+/// is computed once per case.
+fn check_against_reference(
+    methods: &[(&str, Box<Forward>)],
+    shape: Shape,
+    seed: u64,
+    tol: f64,
+) {
     let [q, k, v] = random_qkv(shape, seed);
     let want = attention_f64(q.view(), k.view(), v.view()).unwrap();
     for (name, f) in methods {
@@ -49,7 +57,8 @@ fn matches_the_f64_reference() {
 
 #[test]
 fn any_head_dim_matches_the_f64_reference() {
-    // the fast version pads dims to 16 and masks the tail: dims below, at and past a multiple
+    // the fast version pads dims to 16 and masks the tail: dims below, at and past a
+    // multiple
     for d in [1, 3, 16, 17, 33, 80, 100, 128] {
         check_against_reference(&methods(), Shape::new(1, 2, 77, d), d as u64, 1e-5);
     }
@@ -75,8 +84,8 @@ fn agrees_with_step_01() {
     }
 }
 
-/// Every instruction set this CPU has gives the scalar path's answer, up to f32 rounding, on
-/// shapes with partial blocks and head dims with a tail.
+/// Every instruction set this CPU has gives the scalar path's answer, up to f32 rounding,
+/// on shapes with partial blocks and head dims with a tail.
 #[test]
 fn every_instruction_set_agrees_with_the_scalar_path() {
     let scalar = Config {
@@ -114,8 +123,8 @@ fn every_instruction_set_agrees_with_the_scalar_path() {
     }
 }
 
-/// The alternatives the speed example measures stay correct: natural units instead of log2(e)
-/// folded into the scale, the standard library's exp2, odd block sizes.
+/// The alternatives the speed example measures stay correct: natural units instead of
+/// log2(e) folded into the scale, the standard library's exp2, odd block sizes.
 #[test]
 fn every_configuration_matches_the_f64_reference() {
     let base = Config::default();
@@ -236,7 +245,9 @@ fn bad_input_is_an_error_that_says_what_is_accepted() {
         let got = attention_with(a.view(), a.view(), a.view(), cfg);
         assert_eq!(got.is_ok(), isa.is_available(), "{isa:?}");
         if let Err(err) = got {
-            assert!(err.to_string().contains("no ") && err.to_string().contains("available"));
+            assert!(
+                err.to_string().contains("no ") && err.to_string().contains("available")
+            );
         }
     }
 }

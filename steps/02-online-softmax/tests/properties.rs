@@ -32,10 +32,13 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
     // ANCHOR: any_block_size
-    /// Any block size, 1 to past the sequence's end, partial blocks included, gives step 01's
-    /// answer: the correction factor makes the blocking invisible.
+    /// Any block size, 1 to past the sequence's end, partial blocks included, gives step
+    /// 01's answer: the correction factor makes the blocking invisible.
     #[test]
-    fn any_block_size_gives_the_answer_of_step_01((shape, seed) in shapes(), block in 1usize..80) {
+    fn any_block_size_gives_the_answer_of_step_01(
+        (shape, seed) in shapes(),
+        block in 1usize..80,
+    ) {
         let [q, k, v] = random_qkv(shape, seed);
         let naive = step01_naive::attention(q.view(), k.view(), v.view()).unwrap();
         let got = attention_blocked(q.view(), k.view(), v.view(), block).unwrap();
@@ -59,8 +62,8 @@ proptest! {
         close_to_step_01(&got, &naive)?;
     }
 
-    /// Token i's output depends on keys and values 0..=i only: changing later tokens' k and v
-    /// leaves it exactly as it was, in both versions.
+    /// Token i's output depends on keys and values 0..=i only: changing later tokens' k and
+    /// v leaves it exactly as it was, in both versions.
     #[test]
     fn causality((shape, seed) in shapes(), cut in 0usize..70, block in 1usize..40) {
         let cut = cut % shape.tokens;

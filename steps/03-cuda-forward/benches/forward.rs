@@ -1,6 +1,6 @@
 //! `cargo bench -p step03-cuda-forward`: the forward kernel on the tutorial's GPU shape (4
-//! sequences, 12 heads, head dim 64, bf16) at lengths short enough for criterion's many samples.
-//! Without a GPU it says so and measures nothing.
+//! sequences, 12 heads, head dim 64, bf16) at lengths short enough for criterion's many
+//! samples. Without a GPU it says so and measures nothing.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use flash_core::Shape;

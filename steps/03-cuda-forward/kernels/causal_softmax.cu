@@ -1,7 +1,7 @@
 // The softmax of attention by hand on the GPU: one warp per row of the [B*H*T, T] table of
 // scaled scores, in place. Row i of a head may see keys 0..i: the rest become exact zeros.
-// Each row's natural log-sum-exp is stored too. Values are 16-bit (IS_BF16, a -D option: 1 for bf16, 0 for f16);
-// the arithmetic is f32.
+// Each row's natural log-sum-exp is stored too. Values are 16-bit (IS_BF16, a -D option: 1
+// for bf16, 0 for f16); the arithmetic is f32.
 
 typedef unsigned short u16;
 
@@ -37,7 +37,8 @@ extern "C" __global__ void causal_softmax(
     const int last = (int)(row % T);  // the last key this query may see
     u16* p = table + row * T;
 
-    // pass 1: this lane's running maximum and sum over its keys (the online softmax, per lane)
+    // pass 1: this lane's running maximum and sum over its keys (the online softmax, per
+    // lane)
     float m = -__int_as_float(0x7f800000), l = 0.f;
     for (int j = lane; j <= last; j += 32) {
         float s = to_f32(p[j]);
@@ -50,12 +51,14 @@ extern "C" __global__ void causal_softmax(
         float m_other = __shfl_xor_sync(0xffffffff, m, offset);
         float l_other = __shfl_xor_sync(0xffffffff, l, offset);
         float m_new = fmaxf(m, m_other);
-        l = (m == m_new ? l : l * __expf(m - m_new)) + (m_other == m_new ? l_other : l_other * __expf(m_other - m_new));
+        l = (m == m_new ? l : l * __expf(m - m_new)) +
+            (m_other == m_new ? l_other : l_other * __expf(m_other - m_new));
         m = m_new;
     }
     // pass 2: probabilities, and zeros above the diagonal
     float inv = 1.f / l;
-    for (int j = lane; j < T; j += 32) p[j] = j <= last ? from_f32(__expf(to_f32(p[j]) - m) * inv) : (u16)0;
+    for (int j = lane; j < T; j += 32)
+        p[j] = j <= last ? from_f32(__expf(to_f32(p[j]) - m) * inv) : (u16)0;
     if (lane == 0) lse[row] = m + __logf(l);
 }
 // ANCHOR_END: causal_softmax

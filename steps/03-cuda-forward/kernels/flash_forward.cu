@@ -1,10 +1,12 @@
-// FlashAttention forward, causal, on the tensor cores (mma.sync m16n8k16, f32 accumulation).
+// FlashAttention forward, causal, on the tensor cores (mma.sync m16n8k16, f32
+// accumulation).
 //
-// One thread block (CTA) per block of BLOCK_M = 128 queries of one head; its 4 warps own 32 query
-// rows each. The CTA streams the keys and values of its head through shared memory BLOCK_N = 128
-// at a time (cp.async, two stages), and each warp keeps, for each of its rows, the running
-// maximum m, the running sum l and the running output o in registers: the online softmax of
-// chapter 2, with the products on the tensor cores. Nothing of size T x T is ever stored.
+// One thread block (CTA) per block of BLOCK_M = 128 queries of one head; its 4 warps own 32
+// query rows each. The CTA streams the keys and values of its head through shared memory
+// BLOCK_N = 128 at a time (cp.async, two stages), and each warp keeps, for each of its
+// rows, the running maximum m, the running sum l and the running output o in registers: the
+// online softmax of chapter 2, with the products on the tensor cores. Nothing of size T x T
+// is ever stored.
 //
 // Compile-time parameters, every one given to NVRTC as a -D option by src/kernel.rs's
 // ForwardKernel (a missing one is a compile error; the file holds no defaults):
@@ -13,46 +15,47 @@
 //   WARPS        warps per block
 //   M_TILES      16-row tiles of queries per warp (BLOCK_M = WARPS x M_TILES x 16)
 //   BLOCK_N      keys per block, copied into shared memory together
-//   SUB_N        keys per step of the products and the softmax within a block (BLOCK_N, or a
-//                divisor of it: fewer scores in registers at once)
+//   SUB_N        keys per step of the products and the softmax within a block (BLOCK_N,
+//                or a divisor of it: fewer scores in registers at once)
 //   MIN_BLOCKS   blocks per multiprocessor the register budget must allow
-//   XOR_OFFSETS  1 at head dim 128: one ldmatrix offset register per lane and operand, stepped
-//                with an XOR (xor_step in tensor_cores.cuh); 0 below: one register per 16 columns
 // [step 07]
 //   CAUSAL       1: each query sees the keys up to its own position; 0: every key below T
-//                (step 07's ring computes blocks of keys that lie wholly before their queries)
+//                (step 07's ring computes blocks of keys that lie wholly before their
+//                queries)
 // [/step 07]
 //
 // src/kernel.rs prepends tensor_cores.cuh (the types, the swizzle and the tensor-core
 // instructions this file uses) before NVRTC compiles it.
 
 static_assert(WARPS >= 1 && M_TILES >= 1, "WARPS warps of M_TILES tiles of 16 query rows");
-static_assert(BLOCK_N % SUB_N == 0 && SUB_N % 16 == 0, "SUB_N keys a step, a multiple of 16 that divides BLOCK_N");
+static_assert(BLOCK_N % SUB_N == 0 && SUB_N % 16 == 0,
+              "SUB_N keys a step, a multiple of 16 that divides BLOCK_N");
 static_assert(MIN_BLOCKS >= 1, "MIN_BLOCKS blocks a multiprocessor");
-static_assert(XOR_OFFSETS == 0 || XOR_OFFSETS == 1, "XOR_OFFSETS: 1 for one offset register per operand");
 // [step 07]
-static_assert(CAUSAL == 0 || CAUSAL == 1, "CAUSAL: 1 for the causal mask, 0 for every key below T");
+static_assert(CAUSAL == 0 || CAUSAL == 1,
+              "CAUSAL: 1 for the causal mask, 0 for every key below T");
 // [/step 07]
 // query rows per warp: M_TILES tiles of 16
 #define WARP_ROWS (M_TILES * 16)
 #define BLOCK_M (WARPS * WARP_ROWS)
 #define THREADS (WARPS * 32)
 
-// ROWS rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are 0
-// (load_rows in tensor_cores.cuh)
+// ROWS rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are
+// 0 (load_rows in tensor_cores.cuh)
 template <int ROWS>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* src, int row0, int T) {
     load_rows<ROWS, THREADS>(tile, src, row0, T);
 }
 
 // ANCHOR: offsets
-// A lane's ldmatrix addresses of the A fragments of 16 rows of a tile, rows row0 + lane % 16,
-// chunk 2kk + lane / 16 for the columns 16kk..16kk+15: one register for each 16 columns
+// A lane's ldmatrix addresses of the A fragments of 16 rows of a tile, rows row0 + lane %
+// 16, chunk 2kk + lane / 16 for the columns 16kk..16kk+15: one register for each 16 columns
 struct AAddresses {
     u32 at_[HEAD_DIM / 16];
     __device__ __forceinline__ AAddresses(const u16* tile, int row0, int lane) {
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) at_[kk] = smem_addr(tile + swizzled(row0 + (lane & 15), 2 * kk + (lane >> 4)));
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
+            at_[kk] = smem_addr(tile + swizzled(row0 + (lane & 15), 2 * kk + (lane >> 4)));
     }
     __device__ __forceinline__ u32 operator()(int kk) const { return at_[kk]; }
 };
@@ -61,11 +64,12 @@ struct XorAAddresses {
     u32 off_, tile_;
     __device__ __forceinline__ XorAAddresses(const u16* tile, int row0, int lane)
         : off_(2 * swizzled(row0 + (lane & 15), lane >> 4)), tile_(smem_addr(tile)) {}
-    __device__ __forceinline__ u32 operator()(int kk) const { return tile_ + xor_step(off_, kk); }
+    __device__ __forceinline__ u32 operator()(int kk) const {
+        return tile_ + xor_step(off_, kk);
+    }
 };
-// The addresses and offsets a lane holds: one register for each 16 columns, or, with
-// XOR_OFFSETS (head dim 128, where the output alone takes 128 registers a thread), one for
-// each operand
+// The addresses and offsets a lane holds: one register for each 16 columns, or, at head dim
+// 128 (where the output alone takes 128 registers a thread), one for each operand
 template <bool XOR> struct Offsets {
     typedef AAddresses A;
     typedef BOffsets B;
@@ -91,7 +95,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     // ANCHOR_END: kernel_signature
     extern __shared__ __align__(128) u16 smem[];
     u16* sq = smem;                                     // [BLOCK_M][HEAD_DIM]
-    u16* sk = sq + BLOCK_M * HEAD_DIM;                  // [2][BLOCK_N][HEAD_DIM], two stages
+    u16* sk = sq + BLOCK_M * HEAD_DIM;  // [2][BLOCK_N][HEAD_DIM], two stages
     u16* sv = sk + 2 * BLOCK_N * HEAD_DIM;              // [2][BLOCK_N][HEAD_DIM]
 
     // ANCHOR: block_order
@@ -109,17 +113,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     // ANCHOR_END: block_order
     const int q0 = q_block * BLOCK_M;
     const long long head = (long long)bh * T * HEAD_DIM;
-    // (q, k, v, out and lse are moved on to this head where they are used: one 64-bit offset
-    // held through the loop rather than a pointer for each; with a pointer each, head dim 64's
-    // tile spills 8 bytes)
+    // (q, k, v, out and lse are moved on to this head where they are used: one 64-bit
+    // offset held through the loop rather than a pointer for each; with a pointer each,
+    // head dim 64's tile spills 8 bytes)
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;    // fragment row and column pair (see mma_16816)
     const int row0 = q0 + warp * WARP_ROWS;   // this warp's first query row
 
     // ANCHOR: causal_blocks
-    // keys 0 .. min(q0 + BLOCK_M, T) - 1 are all this block's rows may see: the key blocks past
-    // the diagonal are never loaded.
+    // keys 0 .. min(q0 + BLOCK_M, T) - 1 are all this block's rows may see: the key blocks
+    // past the diagonal are never loaded.
 #if CAUSAL // [step 07]
     const int n_blocks = (min(q0 + BLOCK_M, T) + BLOCK_N - 1) / BLOCK_N;
 #else // [step 07]
@@ -128,7 +132,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     // ANCHOR_END: causal_blocks
 
     // ANCHOR: pipeline_start
-    // two groups of copies in flight before the loop: q, then the first block of keys and values
+    // two groups of copies in flight before the loop: q, then the first block of keys and
+    // values
     load_tile<BLOCK_M>(sq, q + head, q0, T);
     cp_async_commit();
     load_tile<BLOCK_N>(sk, k + head, 0, T);
@@ -138,10 +143,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
 
     // ANCHOR: fragment_addresses
     // Each lane's ldmatrix addresses, in bytes, computed once: for q's A fragments
-    //   row warp·WARP_ROWS + lane % 16, chunk 2kk + lane / 16           (+ 16 rows per m-tile)
-    // and for the B fragments of k and v the offsets of BOffsets or XorBOffsets (tensor_cores.cuh).
-    const Offsets<XOR_OFFSETS>::A q_at(sq, warp * WARP_ROWS, lane);
-    const Offsets<XOR_OFFSETS>::B off(lane);
+    //   row warp·WARP_ROWS + lane % 16, chunk 2kk + lane / 16           (+ 16 rows per
+    //   m-tile)
+    // and for the B fragments of k and v the offsets of BOffsets or XorBOffsets
+    // (tensor_cores.cuh).
+    const Offsets<HEAD_DIM == 128>::A q_at(sq, warp * WARP_ROWS, lane);
+    const Offsets<HEAD_DIM == 128>::B off(lane);
     const u32 sk_addr = smem_addr(sk), sv_addr = smem_addr(sv);
     // ANCHOR_END: fragment_addresses
 
@@ -158,7 +165,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
         m[mt][0] = m[mt][1] = NEG_INF;
         l[mt][0] = l[mt][1] = 0.f;
 #pragma unroll
-        for (int n = 0; n < HEAD_DIM / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+        for (int n = 0; n < HEAD_DIM / 8; ++n)
+            o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
     }
     // ANCHOR_END: running_state
 
@@ -168,11 +176,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
         const int kv0 = j * BLOCK_N;
         // start copying the next block into the other stage while this one is computed on
         if (j + 1 < n_blocks) {
-            load_tile<BLOCK_N>(sk + (stage ^ 1) * BLOCK_N * HEAD_DIM, k + head, kv0 + BLOCK_N, T);
-            load_tile<BLOCK_N>(sv + (stage ^ 1) * BLOCK_N * HEAD_DIM, v + head, kv0 + BLOCK_N, T);
+            load_tile<BLOCK_N>(sk + (stage ^ 1) * BLOCK_N * HEAD_DIM, k + head,
+                               kv0 + BLOCK_N, T);
+            load_tile<BLOCK_N>(sv + (stage ^ 1) * BLOCK_N * HEAD_DIM, v + head,
+                               kv0 + BLOCK_N, T);
         }
         cp_async_commit();
-        // everything but the copy just issued has landed: q (on the first pass) and this block
+        // everything but the copy just issued has landed: q (on the first pass) and this
+        // block
         cp_async_wait<1>();
         __syncthreads();
 
@@ -184,28 +195,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
 #if CAUSAL // [step 07]
             if (kv > row0 + WARP_ROWS - 1) continue;
 #else // [step 07]
-            if (kv >= T) continue;  // keys past T only (and the branch keeps the steps apart) // [step 07]
+            if (kv >= T) continue;  // keys past T (the branch keeps the steps apart) // [step 07]
 #endif // [step 07]
-            const u32 ks = sk_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);
-            const u32 vs = sv_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);
+            const u32 ks =
+                sk_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);
+            const u32 vs =
+                sv_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);
 
             // ANCHOR: scores_mma
-            // s = q·kᵀ for the warp's rows x SUB_N keys, in 16x8 tiles. K is stored [key][dim],
-            // which is exactly the column-major B operand, so plain ldmatrix gives its
-            // fragments, and each one serves all M_TILES row tiles. q's A fragments are read
-            // again for each step, 16 head dims at a time, rather than held across the loop:
-            // registers go to the output and the scores.
+            // s = q·kᵀ for the warp's rows x SUB_N keys, in 16x8 tiles. K is stored
+            // [key][dim], which is exactly the column-major B operand, so plain ldmatrix
+            // gives its fragments, and each one serves all M_TILES row tiles. q's A
+            // fragments are read again for each step, 16 head dims at a time, rather than
+            // held across the loop: registers go to the output and the scores.
             float s[M_TILES][SUB_N / 8][4];
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                for (int n = 0; n < SUB_N / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+                for (int n = 0; n < SUB_N / 8; ++n)
+                    s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
                 u32 qf[M_TILES][4];
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
-                    ldmatrix_x4(q_at(kk) + mt * (16 * HEAD_DIM * 2), qf[mt][0], qf[mt][1], qf[mt][2], qf[mt][3]);
+                    ldmatrix_x4(q_at(kk) + mt * (16 * HEAD_DIM * 2), qf[mt][0], qf[mt][1],
+                                qf[mt][2], qf[mt][3]);
 #pragma unroll
                 for (int n = 0; n < SUB_N / 8; n += 2) {
                     // keys 8n..8n+15, columns 16kk..16kk+15: the B fragments of two n-tiles
@@ -252,12 +267,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
                 for (int h = 0; h < 2; ++h) {
                     float mx = m[mt][h];
 #pragma unroll
-                    for (int n = 0; n < SUB_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
+                    for (int n = 0; n < SUB_N / 8; ++n)
+                        mx = fmaxf(mx, fmaxf(s[mt][n][2 * h], s[mt][n][2 * h + 1]));
                     // the row's maximum over the 4 threads of the quad that hold it
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-                    // a new maximum shrinks what was summed so far by 2^((m_old - m_new)·scale_log2);
-                    // a row still all -inf (only rows past T can be) keeps its zeros
+                    // a new maximum shrinks what was summed so far by 2^((m_old -
+                    // m_new)·scale_log2); a row still all -inf (only rows past T can be)
+                    // keeps its zeros
                     float m_scaled = mx == NEG_INF ? 0.f : mx * scale_log2;
                     float correction = fast_exp2(m[mt][h] * scale_log2 - m_scaled);
                     m[mt][h] = mx;
@@ -267,11 +284,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
                         o[mt][n][2 * h] *= correction;
                         o[mt][n][2 * h + 1] *= correction;
                     }
-                    // p = 2^(s·scale_log2 - m·scale_log2) = e^((s - m)/sqrt(d)): one FMA and one ex2
+                    // p = 2^(s·scale_log2 - m·scale_log2) = e^((s - m)/sqrt(d)): one FMA
+                    // and one ex2
 #pragma unroll
                     for (int n = 0; n < SUB_N / 8; ++n) {
-                        s[mt][n][2 * h] = fast_exp2(fmaf(s[mt][n][2 * h], scale_log2, -m_scaled));
-                        s[mt][n][2 * h + 1] = fast_exp2(fmaf(s[mt][n][2 * h + 1], scale_log2, -m_scaled));
+                        s[mt][n][2 * h] =
+                            fast_exp2(fmaf(s[mt][n][2 * h], scale_log2, -m_scaled));
+                        s[mt][n][2 * h + 1] =
+                            fast_exp2(fmaf(s[mt][n][2 * h + 1], scale_log2, -m_scaled));
                         l[mt][h] += s[mt][n][2 * h] + s[mt][n][2 * h + 1];
                     }
                 }
@@ -279,18 +299,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
 
             // ANCHOR: pv_mma
             // o += p·v. The accumulator layout of two neighbouring 16x8 tiles of p is the A
-            // fragment of one 16x16 tile, so p goes from registers to the tensor cores without
-            // touching shared memory. V is stored [key][dim]: its B fragments need the
-            // transposing ldmatrix, and each serves all M_TILES row tiles.
+            // fragment of one 16x16 tile, so p goes from registers to the tensor cores
+            // without touching shared memory. V is stored [key][dim]: its B fragments need
+            // the transposing ldmatrix, and each serves all M_TILES row tiles.
 #pragma unroll
             for (int kk = 0; kk < SUB_N / 16; ++kk) {
                 u32 pa[M_TILES][4];
 #pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) accumulators_to_a(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
+                for (int mt = 0; mt < M_TILES; ++mt)
+                    accumulators_to_a(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
 #pragma unroll
                 for (int n = 0; n < HEAD_DIM / 8; n += 2) {
                     u32 b0, b1, b2, b3;
-                    ldmatrix_x4_trans(vs + off.ab(n / 2) + kk * (16 * HEAD_DIM * 2), b0, b1, b2, b3);
+                    ldmatrix_x4_trans(vs + off.ab(n / 2) + kk * (16 * HEAD_DIM * 2), b0, b1,
+                                      b2, b3);
 #pragma unroll
                     for (int mt = 0; mt < M_TILES; ++mt) {
                         mma_16816(o[mt][n], pa[mt], b0, b1);
@@ -320,9 +342,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
                 u16* dst = out + head + (long long)row * HEAD_DIM + 2 * t;
 #pragma unroll
                 for (int n = 0; n < HEAD_DIM / 8; ++n)
-                    *(u32*)(dst + n * 8) = pack2(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
+                    *(u32*)(dst + n * 8) =
+                        pack2(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
                 // ln(sum e^(s/sqrt(d))) = (m·scale_log2 + log2 l) · ln 2
-                if (t == 0) lse[(long long)bh * T + row] = (m[mt][h] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
+                if (t == 0)
+                    lse[(long long)bh * T + row] =
+                        (m[mt][h] * scale_log2 + __log2f(sum)) * 0.6931471805599453f;
             }
         }
     // ANCHOR_END: finalise

@@ -1,15 +1,16 @@
 // Rung 1 of the ladder: the CPU loop of chapter 2 moved to the GPU, as it is.
 //
 // One thread per query row. Each thread holds its row of q and its running output in
-// registers, in f32, and walks over every key its row may see, one key at a time: the online
-// softmax with blocks of a single key. Keys and values are read straight from global memory, so
-// every warp reads every key and value of its head again (the 32 threads of a warp read the same
-// key at the same moment, which the hardware serves as one broadcast read). No shared memory, no
-// tensor cores: this is the baseline every later rung is measured against.
+// registers, in f32, and walks over every key its row may see, one key at a time: the
+// online softmax with blocks of a single key. Keys and values are read straight from global
+// memory, so every warp reads every key and value of its head again (the 32 threads of a
+// warp read the same key at the same moment, which the hardware serves as one broadcast
+// read). No shared memory, no tensor cores: this is the baseline every later rung is
+// measured against.
 //
 // Compile-time parameters, every one given to NVRTC as a -D option by src/ladder.rs:
-//   HEAD_DIM  32 or 64 (a row of q and one of o, in f32, take 2·HEAD_DIM registers a thread:
-//             at 128 that is more than the 255 a thread can have)
+//   HEAD_DIM  32 or 64 (a row of q and one of o, in f32, take 2·HEAD_DIM registers a
+//             thread: at 128 that is more than the 255 a thread can have)
 //   IS_BF16   1 for bf16 inputs and output, 0 for f16
 //   BLOCK_M   threads (= query rows) per thread block
 //
@@ -20,13 +21,13 @@
 
 // ANCHOR: rows_kernel
 extern "C" __global__ void __launch_bounds__(BLOCK_M) ladder_rows(
-    const u16* __restrict__ q,   // [B*H, T, HEAD_DIM] queries, bf16 or f16 bits
-    const u16* __restrict__ k,   // [B*H, T, HEAD_DIM] keys
-    const u16* __restrict__ v,   // [B*H, T, HEAD_DIM] values
-    u16* __restrict__ out,       // [B*H, T, HEAD_DIM] output
-    float* __restrict__ lse,     // [B*H, T] natural log-sum-exp of each row's scaled scores
-    int T,                       // tokens per sequence; the grid has ceil(T / BLOCK_M) blocks a head
-    float scale_log2             // log2(e)/sqrt(HEAD_DIM): scores in base-2 units, for ex2
+    const u16* __restrict__ q,  // [B*H, T, HEAD_DIM] queries, bf16 or f16 bits
+    const u16* __restrict__ k,  // [B*H, T, HEAD_DIM] keys
+    const u16* __restrict__ v,  // [B*H, T, HEAD_DIM] values
+    u16* __restrict__ out,      // [B*H, T, HEAD_DIM] output
+    float* __restrict__ lse,    // [B*H, T] natural log-sum-exp of each row's scaled scores
+    int T,            // tokens per sequence; the grid has ceil(T / BLOCK_M) blocks a head
+    float scale_log2  // log2(e)/sqrt(HEAD_DIM): scores in base-2 units, for ex2
 ) {
     // blocks go head after head; within a head, BLOCK_M consecutive rows per block
     const int q_blocks = (T + BLOCK_M - 1) / BLOCK_M;
@@ -46,7 +47,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_M) ladder_rows(
         qr[c] = to_f32(q[c]);
         o[c] = 0.f;
     }
-    // m: the largest score seen so far; l: the sum of 2^((s - m)·scale_log2) over those keys
+    // m: the largest score seen so far; l: the sum of 2^((s - m)·scale_log2) over those
+    // keys
     float m = NEG_INF, l = 0.f;
 
     // causal: row `row` sees keys 0..row, and no others are read
@@ -56,8 +58,9 @@ extern "C" __global__ void __launch_bounds__(BLOCK_M) ladder_rows(
         float s = 0.f;
 #pragma unroll
         for (int c = 0; c < HEAD_DIM; ++c) s = fmaf(qr[c], to_f32(kj[c]), s);
-        // chapter 2's update with a block of one key: a new maximum shrinks what was summed so
-        // far by 2^((m_old - m_new)·scale_log2) (on the first key m_old = -inf gives 0)
+        // ANCHOR: rows_update
+        // chapter 2's update with a block of one key: a new maximum shrinks what was summed
+        // so far by 2^((m_old - m_new)·scale_log2) (on the first key m_old = -inf gives 0)
         const float m_new = fmaxf(m, s);
         const float correction = fast_exp2((m - m_new) * scale_log2);
         const float p = fast_exp2((s - m_new) * scale_log2);
@@ -65,6 +68,7 @@ extern "C" __global__ void __launch_bounds__(BLOCK_M) ladder_rows(
 #pragma unroll
         for (int c = 0; c < HEAD_DIM; ++c) o[c] = fmaf(o[c], correction, p * to_f32(vj[c]));
         m = m_new;
+        // ANCHOR_END: rows_update
     }
 
     // o / l, and ln(sum e^(s/sqrt(d))) = (m·scale_log2 + log2 l)·ln 2

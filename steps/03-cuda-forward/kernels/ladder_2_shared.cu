@@ -1,11 +1,11 @@
 // Rung 2 of the ladder: keys and values staged through shared memory.
 //
-// Still one thread per query row, in f32, with the same update as rung 1. What changes is where
-// the keys and values come from: the BLOCK_M threads of a block copy BLOCK_N keys and values at
-// a time from global memory into shared memory, together, each element once, widened to f32
-// once, and then every thread of the block reads them from there. A key travels from global
-// memory once per block of BLOCK_M rows instead of once per warp of 32, and the copy is
-// coalesced: consecutive threads read consecutive 16-byte pieces of a row.
+// Still one thread per query row, in f32, with the same update as rung 1. What changes is
+// where the keys and values come from: the BLOCK_M threads of a block copy BLOCK_N keys and
+// values at a time from global memory into shared memory, together, each element once,
+// widened to f32 once, and then every thread of the block reads them from there. A key
+// travels from global memory once per block of BLOCK_M rows instead of once per warp of 32,
+// and the copy is coalesced: consecutive threads read consecutive 16-byte pieces of a row.
 //
 // Compile-time parameters, every one given to NVRTC as a -D option by src/ladder.rs:
 //   HEAD_DIM  32 or 64 (as rung 1: a row of q and one of o live in one thread's registers)
@@ -31,13 +31,13 @@ __device__ __forceinline__ void widen8(uint4 x, float* dst) {
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK_M) ladder_shared(
-    const u16* __restrict__ q,   // [B*H, T, HEAD_DIM] queries, bf16 or f16 bits
-    const u16* __restrict__ k,   // [B*H, T, HEAD_DIM] keys
-    const u16* __restrict__ v,   // [B*H, T, HEAD_DIM] values
-    u16* __restrict__ out,       // [B*H, T, HEAD_DIM] output
-    float* __restrict__ lse,     // [B*H, T] natural log-sum-exp of each row's scaled scores
-    int T,                       // tokens per sequence; the grid has ceil(T / BLOCK_M) blocks a head
-    float scale_log2             // log2(e)/sqrt(HEAD_DIM): scores in base-2 units, for ex2
+    const u16* __restrict__ q,  // [B*H, T, HEAD_DIM] queries, bf16 or f16 bits
+    const u16* __restrict__ k,  // [B*H, T, HEAD_DIM] keys
+    const u16* __restrict__ v,  // [B*H, T, HEAD_DIM] values
+    u16* __restrict__ out,      // [B*H, T, HEAD_DIM] output
+    float* __restrict__ lse,    // [B*H, T] natural log-sum-exp of each row's scaled scores
+    int T,            // tokens per sequence; the grid has ceil(T / BLOCK_M) blocks a head
+    float scale_log2  // log2(e)/sqrt(HEAD_DIM): scores in base-2 units, for ex2
 ) {
     // ANCHOR: shared_tiles
     // BLOCK_N keys and values, widened to f32: 2·64·64·4 bytes = 32 KiB at head dim 64
@@ -70,8 +70,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_M) ladder_shared(
         // ANCHOR: stage
         // every thread is done reading the previous block before it is overwritten
         __syncthreads();
-        // piece i of the block (row i / PIECES, 8 values) goes to thread i % BLOCK_M: a warp
-        // reads 32 consecutive 16-byte pieces, 512 contiguous bytes, in one go
+        // piece i of the block (row i / PIECES, 8 values) goes to thread i % BLOCK_M: a
+        // warp reads 32 consecutive 16-byte pieces, 512 contiguous bytes, in one go
         for (int i = threadIdx.x; i < BLOCK_N * PIECES; i += BLOCK_M) {
             const int r = i / PIECES, c = (i % PIECES) * 8;
             uint4 kx = make_uint4(0, 0, 0, 0), vx = make_uint4(0, 0, 0, 0);
@@ -87,8 +87,8 @@ extern "C" __global__ void __launch_bounds__(BLOCK_M) ladder_shared(
         // ANCHOR_END: stage
 
         // ANCHOR: shared_loop
-        // this row sees keys kv0 .. min(kv0 + BLOCK_N, row + 1) - 1 of the block. sk[j][c] is
-        // one address for the whole warp: a broadcast, no bank conflict.
+        // this row sees keys kv0 .. min(kv0 + BLOCK_N, row + 1) - 1 of the block. sk[j][c]
+        // is one address for the whole warp: a broadcast, no bank conflict.
         const int n = min(BLOCK_N, last + 1 - kv0);
         for (int j = 0; j < n; ++j) {
             float s = 0.f;

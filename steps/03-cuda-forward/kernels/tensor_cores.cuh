@@ -1,10 +1,10 @@
-// What the attention kernels share: 16-bit values as raw bits, the swizzled layout of tiles in
-// shared memory, and the instructions the tensor cores are fed with (cp.async, ldmatrix,
+// What the attention kernels share: 16-bit values as raw bits, the swizzled layout of tiles
+// in shared memory, and the instructions the tensor cores are fed with (cp.async, ldmatrix,
 // mma.sync), as inline PTX, so that no CUDA header is needed and the code compiles wherever
 // NVRTC runs. src/kernel.rs prepends this file to each kernel's source.
 //
-// Compile-time parameters, given to NVRTC as -D options by every kernel that includes this file
-// (a missing one is a compile error):
+// Compile-time parameters, given to NVRTC as -D options by every kernel that includes this
+// file (a missing one is a compile error):
 //   HEAD_DIM  32, 64 or 128
 //   IS_BF16   1 for bf16 values, 0 for f16
 
@@ -33,54 +33,71 @@ typedef unsigned int u32;
 #endif
 
 // ANCHOR: swizzle
-// Shared-memory offset, in elements, of chunk `chunk` of row `row` in a tile of HEAD_DIM-wide
-// rows. ldmatrix reads one 16-byte chunk from each of 8 consecutive rows; unswizzled, with
-// 128-byte rows those 8 chunks sit in the same 4 banks and the read takes 8 turns. XOR-ing the
-// chunk index with the row spreads them over all 32 banks, conflict-free.
+// Shared-memory offset, in elements, of chunk `chunk` of row `row` in a tile of
+// HEAD_DIM-wide rows. ldmatrix reads one 16-byte chunk from each of 8 consecutive rows;
+// unswizzled, with 128-byte rows those 8 chunks sit in the same 4 banks and the read takes
+// 8 turns. XOR-ing the chunk index with the row spreads them over all 32 banks,
+// conflict-free.
 __device__ __forceinline__ u32 swizzled(int row, int chunk) {
     return row * HEAD_DIM + ((chunk ^ (row & (SWIZZLE - 1))) << 3);
 }
 // ANCHOR_END: swizzle
 
 // ANCHOR: b_offsets
-// Each lane's ldmatrix offsets, in bytes, into a tile of HEAD_DIM-wide rows, for the B operands
-// of attention's products, computed once. A tile's rows 8 apart share their swizzle (it depends
-// on row % 8), so moving on by 8 or 16 rows is a constant offset the compiler folds into the
-// instruction; and the swizzle permutes chunks only within groups of SWIZZLE, so moving on by
-// SWIZZLE chunks is one too (at head dim 128, chunks 8-15 sit 128 bytes after chunks 0-7).
-// Only the column chunks of the first group need a register each:
+// Each lane's ldmatrix offsets, in bytes, into a tile of HEAD_DIM-wide rows, for the B
+// operands of attention's products, computed once. A tile's rows 8 apart share their
+// swizzle (it depends on row % 8), so moving on by 8 or 16 rows is a constant offset the
+// compiler folds into the instruction; and the swizzle permutes chunks only within groups
+// of SWIZZLE, so moving on by SWIZZLE chunks is one too (at head dim 128, chunks 8-15 sit
+// 128 bytes after chunks 0-7). Only the column chunks of the first group need a register
+// each:
 //   abt(kk):  B of a·tileᵀ, the tile's rows as the columns (k in q·kᵀ), plain ldmatrix:
-//             row lane % 8 + 8·(lane / 16), chunk 2kk + (lane / 8) % 2   (+ 8 rows per n-tile)
+//             row lane % 8 + 8·(lane / 16), chunk 2kk + (lane / 8) % 2   (+ 8 rows per
+//             n-tile)
 //   ab(n/2):  B of a·tile, the tile's rows as k (v in p·v), transposing ldmatrix:
-//             row lane % 16, chunk n + lane / 16, for n = 0, 2, ...      (+ 16 rows per k-step)
+//             row lane % 16, chunk n + lane / 16, for n = 0, 2, ...      (+ 16 rows per
+//             k-step)
 struct BOffsets {
-    static constexpr int GROUP = SWIZZLE / 2;  // 16-column steps per group of swizzled chunks
+    static constexpr int GROUP =
+        SWIZZLE / 2;  // 16-column steps per group of swizzled chunks
     u32 abt_[GROUP], ab_[GROUP];
     __device__ __forceinline__ BOffsets(int lane) {
 #pragma unroll
-        for (int kk = 0; kk < GROUP; ++kk) abt_[kk] = 2 * swizzled((lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1));
+        for (int kk = 0; kk < GROUP; ++kk)
+            abt_[kk] =
+                2 * swizzled((lane & 7) + 8 * (lane >> 4), 2 * kk + ((lane >> 3) & 1));
 #pragma unroll
-        for (int i = 0; i < GROUP; ++i) ab_[i] = 2 * swizzled(lane & 15, 2 * i + (lane >> 4));
+        for (int i = 0; i < GROUP; ++i)
+            ab_[i] = 2 * swizzled(lane & 15, 2 * i + (lane >> 4));
     }
-    // (up to head dim 64 every kk is in the first group: the same code as indexing the arrays)
-    __device__ __forceinline__ u32 abt(int kk) const { return kk < GROUP ? abt_[kk] : abt_[kk % GROUP] + kk / GROUP * (SWIZZLE * 16); }
-    __device__ __forceinline__ u32 ab(int i) const { return i < GROUP ? ab_[i] : ab_[i % GROUP] + i / GROUP * (SWIZZLE * 16); }
+    // (up to head dim 64 every kk is in the first group: the same code as indexing the
+    // arrays)
+    __device__ __forceinline__ u32 abt(int kk) const {
+        return kk < GROUP ? abt_[kk] : abt_[kk % GROUP] + kk / GROUP * (SWIZZLE * 16);
+    }
+    __device__ __forceinline__ u32 ab(int i) const {
+        return i < GROUP ? ab_[i] : ab_[i % GROUP] + i / GROUP * (SWIZZLE * 16);
+    }
 };
 // ANCHOR_END: b_offsets
 
 // ANCHOR: xor_step
-// A lane's byte offset, within a tile, of its chunk for the 16 columns 16kk..16kk+15, given its
-// offset for columns 0..15 (chunk c of its row, c = 0 or 1). Chunk 2kk + c lands at chunk
-// (2kk + c) ^ (row % SWIZZLE) = 2kk ^ (c ^ row % SWIZZLE): the step flips bits of the chunk
-// index that the row's own offset (a multiple of 2·HEAD_DIM bytes) leaves at zero, so it is
-// one XOR with a constant, and a lane needs no register per step.
-__device__ __forceinline__ u32 xor_step(u32 first, int kk) { return first ^ (u32)(kk << 5); }
+// A lane's byte offset, within a tile, of its chunk for the 16 columns 16kk..16kk+15, given
+// its offset for columns 0..15 (chunk c of its row, c = 0 or 1). Chunk 2kk + c lands at
+// chunk (2kk + c) ^ (row % SWIZZLE) = 2kk ^ (c ^ row % SWIZZLE): the step flips bits of the
+// chunk index that the row's own offset (a multiple of 2·HEAD_DIM bytes) leaves at zero, so
+// it is one XOR with a constant, and a lane needs no register per step.
+__device__ __forceinline__ u32 xor_step(u32 first, int kk) {
+    return first ^ (u32)(kk << 5);
+}
 
-// BOffsets with one register for each operand: the offset for columns 0..15, stepped by xor_step
+// BOffsets with one register for each operand: the offset for columns 0..15, stepped by
+// xor_step
 struct XorBOffsets {
     u32 abt0_, ab0_;
     __device__ __forceinline__ XorBOffsets(int lane)
-        : abt0_(2 * swizzled((lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1)), ab0_(2 * swizzled(lane & 15, lane >> 4)) {}
+        : abt0_(2 * swizzled((lane & 7) + 8 * (lane >> 4), (lane >> 3) & 1)),
+          ab0_(2 * swizzled(lane & 15, lane >> 4)) {}
     __device__ __forceinline__ u32 abt(int kk) const { return xor_step(abt0_, kk); }
     __device__ __forceinline__ u32 ab(int i) const { return xor_step(ab0_, i); }
 };
@@ -91,29 +108,34 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 }
 
 // Copies 16 bytes from global to shared memory without passing through registers; with
-// `valid` false it writes 16 zero bytes and reads nothing (rows past the end of the sequence).
+// `valid` false it writes 16 zero bytes and reads nothing (rows past the end of the
+// sequence).
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, bool valid) {
     int src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(src_bytes));
 }
 // The same for a chunk known to be inside the sequence.
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
 // waits until at most N of this thread's committed groups are still in flight
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
 
 // ANCHOR: load_rows
-// Loads ROWS rows of a [T, HEAD_DIM] matrix starting at row `row0` into a swizzled tile, with
-// cp.async, by the NTHREADS threads of a block; rows at or past T become zeros. Thread i copies
-// chunk i % CHUNKS of rows i / CHUNKS, i / CHUNKS + STEP, ... (STEP = NTHREADS / CHUNKS):
-// consecutive threads read consecutive 16-byte chunks. The kernels copy inside their main
-// loops, where every instruction competes with the products for issue slots, so the loop has a
-// fixed count, the rows a thread copies sit at constant offsets from its first (in both
-// memories: STEP rows keep the swizzle), and a tile wholly before T copies without a test per
-// row.
+// Loads ROWS rows of a [T, HEAD_DIM] matrix starting at row `row0` into a swizzled tile,
+// with cp.async, by the NTHREADS threads of a block; rows at or past T become zeros. Thread
+// i copies chunk i % CHUNKS of rows i / CHUNKS, i / CHUNKS + STEP, ... (STEP = NTHREADS /
+// CHUNKS): consecutive threads read consecutive 16-byte chunks. The kernels copy inside
+// their main loops, where every instruction competes with the products for issue slots, so
+// the loop has a fixed count, the rows a thread copies sit at constant offsets from its
+// first (in both memories: STEP rows keep the swizzle), and a tile wholly before T copies
+// without a test per row.
 template <int ROWS, int NTHREADS>
 __device__ __forceinline__ void load_rows(u16* tile, const u16* src, int row0, int T) {
     constexpr int STEP = NTHREADS / CHUNKS;
@@ -123,12 +145,14 @@ __device__ __forceinline__ void load_rows(u16* tile, const u16* src, int row0, i
         const u16* g = src + (long long)(row0 + r0) * HEAD_DIM + chunk * 8;
         if (row0 + ROWS <= T) {
 #pragma unroll
-            for (int i = 0; i < ROWS / STEP; ++i) cp_async_16(dst + i * (STEP * HEAD_DIM * 2), g + i * (STEP * HEAD_DIM));
+            for (int i = 0; i < ROWS / STEP; ++i)
+                cp_async_16(dst + i * (STEP * HEAD_DIM * 2), g + i * (STEP * HEAD_DIM));
         } else {
 #pragma unroll
             for (int i = 0; i < ROWS / STEP; ++i) {
                 const bool valid = row0 + r0 + i * STEP < T;
-                cp_async_16(dst + i * (STEP * HEAD_DIM * 2), valid ? g + i * (STEP * HEAD_DIM) : src, valid);
+                cp_async_16(dst + i * (STEP * HEAD_DIM * 2),
+                            valid ? g + i * (STEP * HEAD_DIM) : src, valid);
             }
         }
     } else {
@@ -145,8 +169,9 @@ __device__ __forceinline__ void load_rows(u16* tile, const u16* src, int row0, i
 
 // ANCHOR: ldmatrix
 // Four 8x8 matrices of 16-bit values from shared memory, one register of each per thread:
-// lanes 8i..8i+7 give the addresses of matrix i's eight rows, and thread `lane` receives row
-// lane/4, columns 2(lane%4) and 2(lane%4)+1 of each matrix, the layout of an mma fragment.
+// lanes 8i..8i+7 give the addresses of matrix i's eight rows, and thread `lane` receives
+// row lane/4, columns 2(lane%4) and 2(lane%4)+1 of each matrix, the layout of an mma
+// fragment.
 __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -154,7 +179,8 @@ __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& r0, u32& r1, u32& r2,
 }
 // The same, each matrix transposed: thread `lane` receives rows 2(lane%4), 2(lane%4)+1 of
 // column lane/4.
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u32& r2,
+                                                  u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                  : "r"(addr));
@@ -162,10 +188,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& r0, u32& r1, u3
 // ANCHOR_END: ldmatrix
 
 // ANCHOR: mma
-// c += a·b for a 16x16 tile a (row-major), a 16x8 tile b (column-major) and a 16x8 tile c in
-// f32, one warp together. With g = lane/4 and t = lane%4, thread `lane` holds
-//   a: a0 = a[g][2t..2t+1], a1 = a[g+8][2t..2t+1], a2 = a[g][2t+8..2t+9], a3 = a[g+8][2t+8..2t+9]
-//   b: b0 = b[2t..2t+1][g], b1 = b[2t+8..2t+9][g]
+// c += a·b for a 16x16 tile a (row-major), a 16x8 tile b (column-major) and a 16x8 tile c
+// in f32, one warp together. With g = lane/4 and t = lane%4, thread `lane` holds
+//   a: a0 = a[g][2t..2t+1], a1 = a[g+8][2t..2t+1], a2 = a[g][2t+8..2t+9], a3 =
+//   a[g+8][2t+8..2t+9] b: b0 = b[2t..2t+1][g], b1 = b[2t+8..2t+9][g]
 //   c: c0, c1 = c[g][2t], c[g][2t+1];  c2, c3 = c[g+8][2t], c[g+8][2t+1]
 // (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating point type").
 __device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1) {
@@ -205,7 +231,8 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 // Two neighbouring 16x8 accumulator tiles (columns 16kk..16kk+15 of a product) as the A
 // fragment of one 16x16 tile, rounded to 16 bits: the layouts match (see mma_16816), so a
 // product's result feeds the next product from registers.
-__device__ __forceinline__ void accumulators_to_a(const float (&lo)[4], const float (&hi)[4], u32 (&a)[4]) {
+__device__ __forceinline__ void accumulators_to_a(const float (&lo)[4],
+                                                  const float (&hi)[4], u32 (&a)[4]) {
     a[0] = pack2(lo[0], lo[1]);
     a[1] = pack2(lo[2], lo[3]);
     a[2] = pack2(hi[0], hi[1]);

@@ -1,7 +1,8 @@
-//! Attention by hand on the GPU, the analogue of step 01 and of the tutorial's PyTorch by hand:
-//! cuBLAS writes the whole `[batch·heads, T, T]` table of scaled scores to device memory, a
-//! softmax kernel turns it into probabilities in place, and cuBLAS multiplies it by v. Its
-//! memory grows with T², so at long lengths it runs out of memory where the kernel does not.
+//! Attention by hand on the GPU, the analogue of step 01 and of the tutorial's PyTorch by
+//! hand: cuBLAS writes the whole `[batch·heads, T, T]` table of scaled scores to device
+//! memory, a softmax kernel turns it into probabilities in place, and cuBLAS multiplies it
+//! by v. Its memory grows with T², so at long lengths it runs out of memory where the
+//! kernel does not.
 
 use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
 use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig};
@@ -11,19 +12,21 @@ use half::{bf16, f16};
 
 use crate::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error};
 
-/// Bytes attention by hand takes on the GPU beyond its inputs: the table, the output and the
-/// log-sum-exp.
+/// Bytes attention by hand takes on the GPU beyond its inputs: the table, the output and
+/// the log-sum-exp.
 pub fn by_hand_bytes(q: &DeviceTensor) -> u128 {
     let s = q.shape;
     let heads = (s.batch * s.heads) as u128;
-    heads * (s.tokens as u128).pow(2) * 2 + s.len() as u128 * 2 + heads * s.tokens as u128 * 4
+    heads * (s.tokens as u128).pow(2) * 2
+        + s.len() as u128 * 2
+        + heads * s.tokens as u128 * 4
 }
 
 impl Gpu {
     // ANCHOR: by_hand_gpu
     /// Causal attention by hand on the GPU: `S = q·kᵀ/√d` for every head into one table,
-    /// softmax of each row with the mask, `out = S·v`. Fails with `OutOfMemory` when the table
-    /// does not fit.
+    /// softmax of each row with the mask, `out = S·v`. Fails with `OutOfMemory` when the
+    /// table does not fit.
     pub fn by_hand(
         &self,
         q: &DeviceTensor,
@@ -42,18 +45,21 @@ impl Gpu {
         );
         // SAFETY: uninitialised device memory is never read: the first product writes every
         // entry (beta = 0, so cuBLAS does not read it) before the softmax reads any
-        let mut table = unsafe { self.alloc_table(shape, "attention by hand's", "scores") }?;
+        let mut table =
+            unsafe { self.alloc_table(shape, "attention by hand's", "scores") }?;
         let rows = heads as usize * shape.tokens;
         let scale = 1.0 / (shape.head_dim as f32).sqrt();
         match q.dtype {
             Dtype::Bf16 => {
-                let (s, w) = products(heads, t, d, bf16::from_f32(scale), bf16::ONE, bf16::ZERO);
+                let (s, w) =
+                    products(heads, t, d, bf16::from_f32(scale), bf16::ONE, bf16::ZERO);
                 self.gemm(s, &k.data, &q.data, &mut table)?;
                 self.softmax(q.dtype, &mut table, &mut result.lse, shape.tokens, rows)?;
                 self.gemm(w, &v.data, &table, &mut result.out.data)?;
             }
             Dtype::F16 => {
-                let (s, w) = products(heads, t, d, f16::from_f32(scale), f16::ONE, f16::ZERO);
+                let (s, w) =
+                    products(heads, t, d, f16::from_f32(scale), f16::ONE, f16::ZERO);
                 self.gemm(s, &k.data, &q.data, &mut table)?;
                 self.softmax(q.dtype, &mut table, &mut result.lse, shape.tokens, rows)?;
                 self.gemm(w, &v.data, &table, &mut result.out.data)?;
@@ -67,8 +73,8 @@ impl Gpu {
     // ANCHOR_END: by_hand_gpu
 
     /// A `[batch·heads, T, T]` table of 16-bit values for `shape`, left uninitialised; when
-    /// it does not fit (or its size overflows), `OutOfMemory` naming `whose` table of `what`
-    /// and its bytes.
+    /// it does not fit (or its size overflows), `OutOfMemory` naming `whose` table of
+    /// `what` and its bytes.
     ///
     /// # Safety
     ///
@@ -114,11 +120,14 @@ impl Gpu {
         // SAFETY: bf16 and f16 are 16-bit values with the layout of u16 (repr(transparent))
         let a: CudaView<'_, T> = unsafe { a.transmute(a_len) }.expect("same size");
         let b: CudaView<'_, T> = unsafe { b.transmute(b_len) }.expect("same size");
-        let mut c: CudaViewMut<'_, T> = unsafe { c.transmute_mut(c_len) }.expect("same size");
-        // SAFETY: the caller's configs read stride·batch values of a and b and write those of c,
-        // within the buffers check_device and the allocations above sized
-        unsafe { blas.gemm_strided_batched(cfg, &a, &b, &mut c) }.map_err(|e| AttnError::Device {
-            what: format!("cuBLAS: {e:?}"),
+        let mut c: CudaViewMut<'_, T> =
+            unsafe { c.transmute_mut(c_len) }.expect("same size");
+        // SAFETY: the caller's configs read stride·batch values of a and b and write those
+        // of c, within the buffers check_device and the allocations above sized
+        unsafe { blas.gemm_strided_batched(cfg, &a, &b, &mut c) }.map_err(|e| {
+            AttnError::Device {
+                what: format!("cuBLAS: {e:?}"),
+            }
         })
     }
 
@@ -135,8 +144,10 @@ impl Gpu {
         let (t, rows) = (tokens as i32, rows as i64);
         let mut launch = self.stream().launch_builder(&f);
         launch.arg(table).arg(lse).arg(&t).arg(&rows);
-        // SAFETY: the table holds rows·T values and lse rows values; each warp touches one row
-        unsafe { launch.launch(config) }.map_err(device_error("launching causal_softmax"))?;
+        // SAFETY: the table holds rows·T values and lse rows values; each warp touches one
+        // row
+        unsafe { launch.launch(config) }
+            .map_err(device_error("launching causal_softmax"))?;
         Ok(())
     }
 }
@@ -160,12 +171,12 @@ pub fn warp_per_row(rows: usize, kernel: &str) -> Result<LaunchConfig, AttnError
     })
 }
 
-/// The two products of attention by hand as cuBLAS calls, one batch entry per head. cuBLAS is
-/// column-major: a row-major [T, D] matrix is a column-major [D, T] one, so row-major
-/// `S = scale·q·kᵀ` is column-major `Sᵀ = scale·k·qᵀ` (k transposed, q as it is), and row-major
-/// `out = P·v` is column-major `outᵀ = vᵀ·Pᵀ` (both as they are). `scores_alpha` multiplies
-/// the first product (the scale), `weighted_alpha` the second (1); `zero` is beta, so neither
-/// reads what its output held.
+/// The two products of attention by hand as cuBLAS calls, one batch entry per head. cuBLAS
+/// is column-major: a row-major [T, D] matrix is a column-major [D, T] one, so row-major
+/// `S = scale·q·kᵀ` is column-major `Sᵀ = scale·k·qᵀ` (k transposed, q as it is), and
+/// row-major `out = P·v` is column-major `outᵀ = vᵀ·Pᵀ` (both as they are). `scores_alpha`
+/// multiplies the first product (the scale), `weighted_alpha` the second (1); `zero` is
+/// beta, so neither reads what its output held.
 pub fn products<T: Copy>(
     heads: i64,
     t: i64,

@@ -1,5 +1,5 @@
-//! The CPU side of 16-bit attention: rounding to bf16 or f16 and back, and attention by hand in
-//! those precisions, rounded where a GPU running it would round.
+//! The CPU side of 16-bit attention: rounding to bf16 or f16 and back, and attention by
+//! hand in those precisions, rounded where a GPU running it would round.
 
 use half::{bf16, f16};
 use ndarray::linalg::general_mat_mul;
@@ -47,10 +47,11 @@ pub fn round_array(x: ArrayView4<f32>, dtype: Dtype) -> Array4<f32> {
 }
 
 // ANCHOR: by_hand_low_precision
-/// Attention by hand as PyTorch computes it on a GPU in `dtype`: inputs in `dtype`; products
-/// accumulated in f32 and their results rounded to `dtype` (the scores, then the scaled
-/// scores); the softmax computed in f32 and rounded; the output rounded. FlashAttention's test
-/// rule compares a kernel's error with this computation's error: both against `f64`.
+/// Attention by hand as PyTorch computes it on a GPU in `dtype`: inputs in `dtype`;
+/// products accumulated in f32 and their results rounded to `dtype` (the scores, then the
+/// scaled scores); the softmax computed in f32 and rounded; the output rounded.
+/// FlashAttention's test rule compares a kernel's error with this computation's error: both
+/// against `f64`.
 pub fn by_hand_low_precision(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -82,8 +83,8 @@ pub fn by_hand_low_precision(
 
 /// One head's table of probabilities as [`by_hand_low_precision`] computes it: `q` and `k`
 /// (`[tokens, head_dim]`, values already in `dtype`) multiplied with f32 accumulation, the
-/// scores rounded, scaled by the rounded `1/√d` and rounded again, masked, softmaxed in f32 and
-/// rounded. The backward by hand in low precision (step 04) starts from the same table.
+/// scores rounded, scaled by the rounded `1/√d` and rounded again, masked, softmaxed in f32
+/// and rounded. The backward by hand in low precision (step 04) starts from the same table.
 pub fn probabilities_low_precision(
     q: ArrayView2<f32>,
     k: ArrayView2<f32>,
@@ -110,14 +111,18 @@ mod tests {
 
     #[test]
     fn rounding_is_to_nearest_even_and_widening_is_exact() {
-        // 1 + 2^-8 lies halfway between two bf16 values (1 and 1 + 2^-7): ties go to even, 1
+        // 1 + 2^-8 lies halfway between two bf16 values (1 and 1 + 2^-7): ties go to even,
+        // 1
         assert_eq!(round(1.0 + 1.0 / 256.0, Dtype::Bf16), 1.0);
         assert_eq!(round(1.0 + 3.0 / 256.0, Dtype::Bf16), 1.0 + 4.0 / 256.0);
         // f16 has 10 fraction bits
         assert_eq!(round(1.0 + 1.0 / 1024.0, Dtype::F16), 1.0 + 1.0 / 1024.0);
         let shape = Shape::new(1, 1, 2, 3);
-        let x = Array4::from_shape_vec(shape.dims(), vec![0.1f32, -2.5, 3.0e4, 1.0e-3, 7.0, -0.0])
-            .unwrap();
+        let x = Array4::from_shape_vec(
+            shape.dims(),
+            vec![0.1f32, -2.5, 3.0e4, 1.0e-3, 7.0, -0.0],
+        )
+        .unwrap();
         for dtype in [Dtype::Bf16, Dtype::F16] {
             let back = from_bits(&to_bits(x.view(), dtype), shape, dtype);
             assert_eq!(back, round_array(x.view(), dtype));

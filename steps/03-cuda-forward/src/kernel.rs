@@ -1,6 +1,6 @@
-//! The kernel sources and how NVRTC compiles them: the one place that turns a `.cu` file and
-//! what it is compiled for (for the forward kernel a [`ForwardKernel`]: dtype, head dim and
-//! tile shape) into PTX, used by the launcher and by the register and spill check.
+//! The kernel sources and how NVRTC compiles them: the one place that turns a `.cu` file
+//! and what it is compiled for (for the forward kernel a [`ForwardKernel`]: dtype, head dim
+//! and tile shape) into PTX, used by the launcher and by the register and spill check.
 
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::AttnError;
@@ -8,19 +8,20 @@ use flash_core::AttnError;
 use crate::Dtype;
 
 /// What every attention kernel starts with: the types, the shared-memory swizzle and the
-/// tensor-core instructions (`kernels/tensor_cores.cuh`), prepended to each kernel's source.
+/// tensor-core instructions (`kernels/tensor_cores.cuh`), prepended to each kernel's
+/// source.
 pub const TENSOR_CORES_CUH: &str = include_str!("../kernels/tensor_cores.cuh");
-/// The forward kernel with [`TENSOR_CORES_CUH`] in front, embedded so that binaries carry it
-/// wherever they run.
+/// The forward kernel with [`TENSOR_CORES_CUH`] in front, embedded so that binaries carry
+/// it wherever they run.
 pub const FLASH_FORWARD_CU: &str = concat!(
     include_str!("../kernels/tensor_cores.cuh"),
     include_str!("../kernels/flash_forward.cu")
 );
 /// The entry point in [`FLASH_FORWARD_CU`].
 pub const FLASH_FORWARD: &str = "flash_forward";
-/// A kernel that keeps the GPU busy for a given number of clock cycles. Queued before a timed
-/// call, it lets the host finish launching the call while the GPU is still busy, so the
-/// measured time is the call's kernels alone, not the host's work to start them.
+/// A kernel that keeps the GPU busy for a given number of clock cycles. Queued before a
+/// timed call, it lets the host finish launching the call while the GPU is still busy, so
+/// the measured time is the call's kernels alone, not the host's work to start them.
 pub const SPIN_CU: &str = r#"
 extern "C" __global__ void spin(long long cycles) {  // cycles: how long to stay busy
     long long start = clock64();
@@ -40,8 +41,8 @@ pub const HEAD_DIMS: [usize; 3] = [32, 64, 128];
 pub struct ForwardConfig {
     /// Warps per thread block (`WARPS` in the source).
     pub warps: u32,
-    /// 16-row tiles of queries per warp (`M_TILES`): each fragment of k and v read from shared
-    /// memory serves this many tiles.
+    /// 16-row tiles of queries per warp (`M_TILES`): each fragment of k and v read from
+    /// shared memory serves this many tiles.
     pub m_tiles: u32,
     /// Keys per block, copied into shared memory together (`BLOCK_N`).
     pub block_n: u32,
@@ -49,9 +50,9 @@ pub struct ForwardConfig {
     /// a multiple of 16 that divides `block_n`; 0 for all of them at once. Fewer scores in
     /// registers at a time, with the copies and barriers of `block_n` keys.
     pub sub_n: u32,
-    /// Heads whose blocks are scheduled together, longest query blocks first; 0 for all heads
-    /// (measured fastest on the H200). Fewer keeps fewer heads' keys and values in flight at
-    /// once. A launch parameter, not a compile-time one.
+    /// Heads whose blocks are scheduled together, longest query blocks first; 0 for all
+    /// heads (measured fastest on the H200). Fewer keeps fewer heads' keys and values in
+    /// flight at once. A launch parameter, not a compile-time one.
     pub head_group: u32,
     /// Thread blocks per multiprocessor the register budget must allow (`MIN_BLOCKS`, in
     /// `__launch_bounds__`).
@@ -63,12 +64,13 @@ impl ForwardConfig {
     /// `lab/logs/03-cuda-forward/README.md`): up to head dim 64, 4 warps of 32 rows and 128
     /// keys a step (FlashAttention-2's tile for this head dim). At 128 FlashAttention-2's
     /// tile, 4 warps of 32 rows and 64 keys a block: the output alone takes 128 registers a
-    /// thread, so the scores of 64 keys at once would spill, and the block's keys go through
-    /// the products and the softmax 32 at a time (run 14: 207.0, 291.7, 308.1 and 286.2
-    /// TFLOP/s at 1k, 4k, 8k and 16k, against 182.9, 247.8, 260.5 and 265.6 for the 8 warps
-    /// of 16 rows before it), with one offset register for each operand (see
-    /// [`ForwardKernel::xor_offsets`]; run 16: 229.5, 338.8, 358.5 and 352.0 against 226.2,
-    /// 328.8, 349.0 and 335.3).
+    /// thread, so the scores of 64 keys at once would spill, and the block's keys go
+    /// through the products and the softmax 32 at a time (run 14: 207.0, 291.7, 308.1 and
+    /// 286.2 TFLOP/s at 1k, 4k, 8k and 16k, against 182.9, 247.8, 260.5 and 265.6 for the 8
+    /// warps of 16 rows before it). At that head dim the kernel holds one ldmatrix offset
+    /// register for each operand (`Offsets<HEAD_DIM == 128>` in `flash_forward.cu`; run 16:
+    /// 229.5,
+    /// 338.8, 358.5 and 352.0 against 226.2, 328.8, 349.0 and 335.3).
     pub fn for_head_dim(head_dim: usize) -> Self {
         if head_dim <= 64 {
             ForwardConfig {
@@ -91,7 +93,8 @@ impl ForwardConfig {
         }
     }
 
-    /// A short name for tables: `w<warps>x<m-tiles> n<keys per block>` and what else is set.
+    /// A short name for tables: `w<warps>x<m-tiles> n<keys per block>` and what else is
+    /// set.
     pub fn label(&self) -> String {
         let mut s = format!("w{}x{} n{}", self.warps, self.m_tiles, self.block_n);
         if self.sub_n != 0 && self.sub_n != self.block_n {
@@ -172,16 +175,17 @@ impl ForwardConfig {
     }
 }
 
-/// One build of the forward kernel: everything its `-D` options say. It alone turns a dtype, a
-/// head dim and a tile shape into those options ([`ForwardKernel::options`]), a module name and
-/// the checks they must pass; `kernels/flash_forward.cu` holds no defaults.
+/// One build of the forward kernel: everything its `-D` options say. It alone turns a
+/// dtype, a head dim and a tile shape into those options ([`ForwardKernel::options`]), a
+/// module name and the checks they must pass; `kernels/flash_forward.cu` holds no defaults.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ForwardKernel {
     pub dtype: Dtype,
     pub head_dim: usize,
     pub config: ForwardConfig,
     // [step 07]
-    /// Each query sees the keys up to its own position (`CAUSAL`); without the mask, every key.
+    /// Each query sees the keys up to its own position (`CAUSAL`); without the mask, every
+    /// key.
     pub causal: bool,
     // [/step 07]
 }
@@ -195,15 +199,6 @@ impl ForwardKernel {
             config,
             causal: true, // [step 07]
         }
-    }
-
-    /// One ldmatrix offset register a lane for each operand, stepped 16 columns at a time with
-    /// an XOR (`XOR_OFFSETS`, `xor_step` in `tensor_cores.cuh`), rather than one register for
-    /// each 16 columns: at head dim 128, where the output alone takes 128 registers a thread,
-    /// it frees 13 of them (the tuning log's runs 15 and 16). Below 128 a register a step costs
-    /// nothing and was faster at 16k tokens (363.9 TFLOP/s against 355.1 at head dim 64).
-    pub fn xor_offsets(&self) -> bool {
-        self.head_dim >= 128
     }
 
     /// Whether this build can be compiled, or what is wrong with it.
@@ -240,7 +235,6 @@ impl ForwardKernel {
                 format!("-DBLOCK_N={}", c.block_n),
                 format!("-DSUB_N={}", c.keys_per_step()),
                 format!("-DMIN_BLOCKS={}", c.min_blocks),
-                format!("-DXOR_OFFSETS={}", self.xor_offsets() as u8),
                 format!("-DCAUSAL={}", self.causal as u8), // [step 07]
                 "--std=c++17".into(),
             ],
@@ -258,9 +252,9 @@ impl ForwardKernel {
 }
 
 // ANCHOR: compile
-/// Compiles the forward kernel for one dtype, head dim and tile shape. The architecture is the
-/// device's (`sm_90` on an H100 or H200); [`ForwardKernel::options`] turns the rest into the
-/// `-D` options that specialise the source.
+/// Compiles the forward kernel for one dtype, head dim and tile shape. The architecture is
+/// the device's (`sm_90` on an H100 or H200); [`ForwardKernel::options`] turns the rest
+/// into the `-D` options that specialise the source.
 pub fn compile_forward(
     dtype: Dtype,
     head_dim: usize,

@@ -1,21 +1,24 @@
-//! The ladder: one causal forward written four times, each kernel one idea faster than the one
-//! before it, the way llm.c's `dev/cuda` and siboehm's SGEMM kernels teach. Every rung takes
-//! the same `[batch, heads, tokens, head_dim]` bf16 or f16 tensors and writes the same output
-//! and natural log-sum-exp, so the tests hold each one to the same rule and the benchmark can
-//! time each one on the same inputs.
+//! The ladder: one causal forward written five times, each kernel one idea faster than the
+//! one before it, the way llm.c's `dev/cuda` and siboehm's SGEMM kernels teach. Every rung
+//! takes the same `[batch, heads, tokens, head_dim]` bf16 or f16 tensors and writes the
+//! same output and natural log-sum-exp, so the tests hold each one to the same rule and the
+//! benchmark can time each one on the same inputs.
 //!
 //! | rung | kernel | what changed |
 //! | --- | --- | --- |
 //! | 1 [`Rung::Rows`] | `kernels/ladder_1_rows.cu` | chapter 2's loop, one thread per query row, f32, keys read from global memory one at a time |
 //! | 2 [`Rung::Shared`] | `kernels/ladder_2_shared.cu` | keys and values staged through shared memory 64 at a time, copied once per block of 128 rows |
-//! | 3 [`Rung::MmaSyncLoads`] | `kernels/ladder_3_tensor_cores.cu` | `mma.sync` on the tensor cores, fragments by `ldmatrix` from swizzled tiles; copies and products take turns |
-//! | 4 [`Rung::Flash`] | `kernels/flash_forward.cu` | `cp.async` copies of the next block overlap the products on this one; every head's longest query blocks first |
+//! | 3 [`Rung::Mma`] | `kernels/ladder_3_mma.cu` | `mma.sync` on the tensor cores, 128 × 128 tiles, fragments built with plain loads from tiles stored row by row; copies and products take turns |
+//! | 4 [`Rung::Ldmatrix`] | `kernels/ladder_4_ldmatrix.cu` | fragments by `ldmatrix` from swizzled tiles: fewer loads, no bank conflicts |
+//! | 5 [`Rung::Flash`] | `kernels/flash_forward.cu` | `cp.async` copies of the next block overlap the products on this one; every head's longest query blocks first |
 //!
 //! ## Layout
 //!
 //! - [`Rung`]: which kernel, its file, entry point, head dims and NVRTC compilation.
 //! - [`Gpu::ladder_forward_into`], [`Gpu::ladder_forward`]: a rung on device tensors;
-//!   [`Gpu::ladder_attention`]: on host arrays, as [`Gpu::attention`] is for rung 4.
+//!   [`Gpu::ladder_attention`]: on host arrays, as [`Gpu::attention`] is for rung 5.
+
+use std::hash::{Hash, Hasher};
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
@@ -23,9 +26,12 @@ use flash_core::{Attention, AttnError, check_qkv};
 use ndarray::ArrayView4;
 
 use crate::kernel::{self, ForwardConfig, compile_error};
-use crate::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, check_output, device_error};
+use crate::{
+    DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, check_output, device_error,
+};
 
-/// Rung 1's source (with `tensor_cores.cuh` in front, for the 16-bit conversions and `ex2`).
+/// Rung 1's source (with `tensor_cores.cuh` in front, for the 16-bit conversions and
+/// `ex2`).
 pub const LADDER_1_ROWS_CU: &str = concat!(
     include_str!("../kernels/tensor_cores.cuh"),
     include_str!("../kernels/ladder_1_rows.cu")
@@ -36,9 +42,16 @@ pub const LADDER_2_SHARED_CU: &str = concat!(
     include_str!("../kernels/ladder_2_shared.cu")
 );
 /// Rung 3's source.
-pub const LADDER_3_TENSOR_CORES_CU: &str = concat!(
+pub const LADDER_3_MMA_CU: &str = concat!(
     include_str!("../kernels/tensor_cores.cuh"),
-    include_str!("../kernels/ladder_3_tensor_cores.cu")
+    include_str!("../kernels/ladder_mma.cuh"),
+    include_str!("../kernels/ladder_3_mma.cu")
+);
+/// Rung 4's source.
+pub const LADDER_4_LDMATRIX_CU: &str = concat!(
+    include_str!("../kernels/tensor_cores.cuh"),
+    include_str!("../kernels/ladder_mma.cuh"),
+    include_str!("../kernels/ladder_4_ldmatrix.cu")
 );
 
 /// Query rows (one a thread) per thread block of rungs 1 and 2.
@@ -50,12 +63,17 @@ pub const SHARED_BLOCK_N: usize = 64;
 /// A rung of the ladder of forward kernels, slowest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Rung {
-    /// One thread per query row, f32, keys and values read from global memory one at a time.
+    /// One thread per query row, f32, keys and values read from global memory one at a
+    /// time.
     Rows,
-    /// As [`Rung::Rows`], with keys and values staged through shared memory a block at a time.
+    /// As [`Rung::Rows`], with keys and values staged through shared memory a block at a
+    /// time.
     Shared,
-    /// Tensor cores (`mma.sync`, `ldmatrix`, swizzled tiles), copies and products in turn.
-    MmaSyncLoads,
+    /// Tensor cores (`mma.sync`), fragments by plain loads from tiles stored row by row,
+    /// copies and products in turn.
+    Mma,
+    /// As [`Rung::Mma`], with fragments by `ldmatrix` from swizzled tiles.
+    Ldmatrix,
     /// The step's kernel, `flash_forward.cu`: copies overlapped with the products, longest
     /// query blocks first.
     Flash,
@@ -63,14 +81,21 @@ pub enum Rung {
 
 impl Rung {
     /// Every rung, in the order of the ladder.
-    pub const ALL: [Rung; 4] = [Rung::Rows, Rung::Shared, Rung::MmaSyncLoads, Rung::Flash];
+    pub const ALL: [Rung; 5] = [
+        Rung::Rows,
+        Rung::Shared,
+        Rung::Mma,
+        Rung::Ldmatrix,
+        Rung::Flash,
+    ];
 
     /// The method name the registry lists the rung under.
     pub fn name(self) -> &'static str {
         match self {
             Rung::Rows => "cuda_rows",
             Rung::Shared => "cuda_shared",
-            Rung::MmaSyncLoads => "cuda_mma_sync_loads",
+            Rung::Mma => "cuda_mma",
+            Rung::Ldmatrix => "cuda_ldmatrix",
             Rung::Flash => "cuda_flash",
         }
     }
@@ -80,7 +105,7 @@ impl Rung {
         Rung::ALL.into_iter().find(|r| r.name() == name)
     }
 
-    /// 1 to 4.
+    /// 1 to 5.
     pub fn number(self) -> usize {
         self as usize + 1
     }
@@ -90,7 +115,8 @@ impl Rung {
         match self {
             Rung::Rows => "kernels/ladder_1_rows.cu",
             Rung::Shared => "kernels/ladder_2_shared.cu",
-            Rung::MmaSyncLoads => "kernels/ladder_3_tensor_cores.cu",
+            Rung::Mma => "kernels/ladder_3_mma.cu",
+            Rung::Ldmatrix => "kernels/ladder_4_ldmatrix.cu",
             Rung::Flash => "kernels/flash_forward.cu",
         }
     }
@@ -100,7 +126,8 @@ impl Rung {
         match self {
             Rung::Rows => "ladder_rows",
             Rung::Shared => "ladder_shared",
-            Rung::MmaSyncLoads => "ladder_mma_sync_loads",
+            Rung::Mma => "ladder_mma",
+            Rung::Ldmatrix => "ladder_ldmatrix",
             Rung::Flash => kernel::FLASH_FORWARD,
         }
     }
@@ -114,22 +141,25 @@ impl Rung {
             Rung::Shared => {
                 "ladder rung 2: rung 1 with keys and values staged through shared memory, 64 at a time, once per block of 128 rows"
             }
-            Rung::MmaSyncLoads => {
-                "ladder rung 3: the products on the tensor cores (mma.sync, ldmatrix from swizzled tiles); copies and products take turns"
+            Rung::Mma => {
+                "ladder rung 3: the products on the tensor cores (mma.sync), fragments by plain loads from tiles stored row by row; copies and products take turns"
+            }
+            Rung::Ldmatrix => {
+                "ladder rung 4: rung 3 with fragments by ldmatrix from swizzled tiles, free of bank conflicts"
             }
             Rung::Flash => {
-                "ladder rung 4: the step's kernel, cp.async copies overlapped with the products, every head's longest query blocks first"
+                "ladder rung 5: the step's kernel, cp.async copies overlapped with the products, every head's longest query blocks first"
             }
         }
     }
 
     /// The head dims the rung is compiled for. Rungs 1 and 2 keep a row of q and one of the
-    /// output in one thread's registers, 2·head_dim of them in f32: at 128 that is more than
-    /// the 255 a thread can have, so they stop at 64.
+    /// output in one thread's registers, 2·head_dim of them in f32: at 128 that is more
+    /// than the 255 a thread can have, so they stop at 64.
     pub fn head_dims(self) -> &'static [usize] {
         match self {
             Rung::Rows | Rung::Shared => &[32, 64],
-            Rung::MmaSyncLoads | Rung::Flash => &kernel::HEAD_DIMS,
+            Rung::Mma | Rung::Ldmatrix | Rung::Flash => &kernel::HEAD_DIMS,
         }
     }
 
@@ -150,15 +180,15 @@ impl Rung {
         }
     }
 
-    /// Threads per block, query rows per block and dynamic shared memory in bytes, for a head
-    /// dim.
+    /// Threads per block, query rows per block and dynamic shared memory in bytes, for a
+    /// head dim.
     fn launch_shape(self, head_dim: usize) -> (u32, usize, u32) {
         match self {
             Rung::Rows | Rung::Shared => (ROWS_BLOCK_M as u32, ROWS_BLOCK_M, 0),
-            Rung::MmaSyncLoads => {
+            Rung::Mma | Rung::Ldmatrix => {
                 let c = ForwardConfig::for_head_dim(head_dim);
-                // a tile of q and one stage of k and v (rung 4 keeps two), of the keys rung 4
-                // computes on at a time
+                // a tile of q and one stage of k and v (rung 5 keeps two), of the keys rung
+                // 5 computes on at a time
                 let smem = (c.block_m() + 2 * c.keys_per_step() as usize) * head_dim * 2;
                 (c.threads(), c.block_m(), smem as u32)
             }
@@ -169,46 +199,88 @@ impl Rung {
         }
     }
 
-    /// Compiles the rung's kernel for one dtype and head dim, for `arch` (`sm_90` on an H200);
-    /// without NVRTC, the error that says so.
+    /// The rung's kernel file alone, without the `tensor_cores.cuh` that NVRTC compiles in
+    /// front of it: what chapter 3's exercise asks a reader to write again for rung 1.
+    pub fn kernel_file(self) -> &'static str {
+        match self {
+            Rung::Rows => include_str!("../kernels/ladder_1_rows.cu"),
+            Rung::Shared => include_str!("../kernels/ladder_2_shared.cu"),
+            Rung::Mma => include_str!("../kernels/ladder_3_mma.cu"),
+            Rung::Ldmatrix => include_str!("../kernels/ladder_4_ldmatrix.cu"),
+            Rung::Flash => include_str!("../kernels/flash_forward.cu"),
+        }
+    }
+
+    /// Compiles the rung's kernel for one dtype and head dim, for `arch` (`sm_90` on an
+    /// H200); without NVRTC, the error that says so.
     pub fn compile(
         self,
         dtype: Dtype,
         head_dim: usize,
         arch: &'static str,
     ) -> Result<Ptx, AttnError> {
-        self.check_head_dim(head_dim)?;
-        kernel::require_nvrtc()?;
-        let (source, mut defines) = match self {
-            Rung::Rows => (LADDER_1_ROWS_CU, vec![format!("-DBLOCK_M={ROWS_BLOCK_M}")]),
-            Rung::Shared => (
-                LADDER_2_SHARED_CU,
-                vec![
-                    format!("-DBLOCK_M={ROWS_BLOCK_M}"),
-                    format!("-DBLOCK_N={SHARED_BLOCK_N}"),
-                ],
-            ),
-            Rung::MmaSyncLoads => {
-                // the final kernel's tile, so that rungs 3 and 4 differ only in their copies
-                // and their order: rung 3 copies the keys rung 4 computes on at a time (all
-                // of a block up to head dim 64, half of one at 128)
-                let c = ForwardConfig::for_head_dim(head_dim);
-                (
-                    LADDER_3_TENSOR_CORES_CU,
-                    vec![
-                        format!("-DWARPS={}", c.warps),
-                        format!("-DM_TILES={}", c.m_tiles),
-                        format!("-DBLOCK_N={}", c.keys_per_step()),
-                    ],
-                )
-            }
-            Rung::Flash => {
-                return kernel::compile_forward(
+        match self.ladder_source() {
+            Some(source) => self.compile_source(source, dtype, head_dim, arch),
+            None => {
+                self.check_head_dim(head_dim)?;
+                kernel::require_nvrtc()?;
+                kernel::compile_forward(
                     dtype,
                     head_dim,
                     ForwardConfig::for_head_dim(head_dim),
                     arch,
-                );
+                )
+            }
+        }
+    }
+
+    /// The source NVRTC compiles for rungs 1 to 4 (`tensor_cores.cuh` and the rung's file);
+    /// none for rung 5, whose kernel and options are [`kernel::ForwardKernel`]'s.
+    fn ladder_source(self) -> Option<&'static str> {
+        match self {
+            Rung::Rows => Some(LADDER_1_ROWS_CU),
+            Rung::Shared => Some(LADDER_2_SHARED_CU),
+            Rung::Mma => Some(LADDER_3_MMA_CU),
+            Rung::Ldmatrix => Some(LADDER_4_LDMATRIX_CU),
+            Rung::Flash => None,
+        }
+    }
+
+    /// Compiles `source`, a kernel with this rung's entry point and parameters (its own
+    /// file or a reader's, with `tensor_cores.cuh` in front), with the `-D` options the
+    /// rung's own kernel gets. Rungs 1 to 4: rung 5's options are
+    /// [`ForwardKernel`](kernel::ForwardKernel)'s.
+    pub fn compile_source(
+        self,
+        source: &str,
+        dtype: Dtype,
+        head_dim: usize,
+        arch: &'static str,
+    ) -> Result<Ptx, AttnError> {
+        self.check_head_dim(head_dim)?;
+        kernel::require_nvrtc()?;
+        let mut defines = match self {
+            Rung::Rows => vec![format!("-DBLOCK_M={ROWS_BLOCK_M}")],
+            Rung::Shared => vec![
+                format!("-DBLOCK_M={ROWS_BLOCK_M}"),
+                format!("-DBLOCK_N={SHARED_BLOCK_N}"),
+            ],
+            Rung::Mma | Rung::Ldmatrix => {
+                // the final kernel's tile, so that rungs 3, 4 and 5 differ only in how they
+                // read fragments, how they copy and in what order: rungs 3 and 4 copy the
+                // keys rung 5 computes on at a time (all of a block up to head dim 64, half
+                // of one at 128)
+                let c = ForwardConfig::for_head_dim(head_dim);
+                vec![
+                    format!("-DWARPS={}", c.warps),
+                    format!("-DM_TILES={}", c.m_tiles),
+                    format!("-DBLOCK_N={}", c.keys_per_step()),
+                ]
+            }
+            Rung::Flash => {
+                return Err(AttnError::Unsupported {
+                    what: "a kernel of another source is for rungs 1 to 4; rung 5 is compiled by ForwardKernel".into(),
+                });
             }
         };
         defines.extend([
@@ -241,8 +313,8 @@ impl Gpu {
         Ok(result)
     }
 
-    /// [`Gpu::ladder_forward`] into buffers allocated before (what a benchmark times). Rung 4
-    /// is [`Gpu::forward_into`] itself.
+    /// [`Gpu::ladder_forward`] into buffers allocated before (what a benchmark times). Rung
+    /// 5 is [`Gpu::forward_into`] itself.
     pub fn ladder_forward_into(
         &self,
         rung: Rung,
@@ -251,9 +323,24 @@ impl Gpu {
         v: &DeviceTensor,
         result: &mut DeviceAttention,
     ) -> Result<(), AttnError> {
-        if rung == Rung::Flash {
-            return self.forward_into(q, k, v, result);
+        match rung.ladder_source() {
+            Some(source) => self.ladder_forward_from(rung, source, q, k, v, result),
+            None => self.forward_into(q, k, v, result),
         }
+    }
+
+    /// [`Gpu::ladder_forward_into`] with the rung's kernel compiled from `source` (with
+    /// `tensor_cores.cuh` in front) instead of its own file, with the same `-D` options and
+    /// launch: chapter 3's exercise runs a reader's rung 1 so. Rungs 1 to 4.
+    pub fn ladder_forward_from(
+        &self,
+        rung: Rung,
+        source: &str,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+        result: &mut DeviceAttention,
+    ) -> Result<(), AttnError> {
         // a head dim no kernel takes is refused naming the head dims this rung takes
         let shape = check_device(q, k, v).map_err(|e| match e {
             AttnError::UnsupportedHeadDim { head_dim, .. } => {
@@ -267,11 +354,20 @@ impl Gpu {
             return Ok(());
         }
         let (threads, block_m, smem) = rung.launch_shape(shape.head_dim);
+        // the source is part of the key: a reader's kernel is compiled apart from the
+        // rung's own
+        let mut hasher = std::hash::DefaultHasher::new();
+        source.hash(&mut hasher);
         let f = self.kernel(
-            format!("ladder {rung:?} {:?} {}", q.dtype, shape.head_dim),
+            format!(
+                "ladder {rung:?} {:?} {} {:016x}",
+                q.dtype,
+                shape.head_dim,
+                hasher.finish()
+            ),
             rung.entry(),
             smem,
-            || rung.compile(q.dtype, shape.head_dim, self.arch),
+            || rung.compile_source(source, q.dtype, shape.head_dim, self.arch),
         )?;
         // one block per block_m queries of each head, head after head
         let blocks = crate::grid_blocks(shape, block_m)?;
@@ -291,17 +387,19 @@ impl Gpu {
             .arg(&mut result.lse)
             .arg(&tokens)
             .arg(&scale_log2);
-        // SAFETY: check_device proved q, k, v hold batch·heads·tokens·head_dim values of one
-        // dtype and a head dim the kernel is compiled for; check_output that out and lse match
-        // them; the grid covers tokens in blocks of block_m for every head, and each kernel
-        // writes only rows below `tokens`; smem is what the kernel's tiles take.
-        unsafe { launch.launch(config) }.map_err(device_error("launching a ladder kernel"))?;
+        // SAFETY: check_device proved q, k, v hold batch·heads·tokens·head_dim values of
+        // one dtype and a head dim the kernel is compiled for; check_output that out and
+        // lse match them; the grid covers tokens in blocks of block_m for every head, and
+        // each kernel writes only rows below `tokens`; smem is what the kernel's tiles
+        // take.
+        unsafe { launch.launch(config) }
+            .map_err(device_error("launching a ladder kernel"))?;
         Ok(())
     }
 
-    /// Host-side entry point for a rung, as [`Gpu::attention`] is for rung 4: rounds `f32`
-    /// inputs to `dtype`, runs [`Gpu::ladder_forward`] and returns the output widened back to
-    /// `f32`.
+    /// Host-side entry point for a rung, as [`Gpu::attention`] is for rung 5: rounds `f32`
+    /// inputs to `dtype`, runs [`Gpu::ladder_forward`] and returns the output widened back
+    /// to `f32`.
     pub fn ladder_attention(
         &self,
         rung: Rung,
@@ -313,6 +411,25 @@ impl Gpu {
         // a head dim the rung does not take is refused before anything is copied
         rung.check_head_dim(check_qkv(&q, &k, &v)?.head_dim)?;
         self.on_host(q, k, v, dtype, |q, k, v| self.ladder_forward(rung, q, k, v))
+    }
+
+    /// [`Gpu::ladder_attention`] with the rung's kernel compiled from `source`
+    /// ([`Gpu::ladder_forward_from`]).
+    pub fn ladder_attention_from(
+        &self,
+        rung: Rung,
+        source: &str,
+        q: ArrayView4<f32>,
+        k: ArrayView4<f32>,
+        v: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<Attention, AttnError> {
+        rung.check_head_dim(check_qkv(&q, &k, &v)?.head_dim)?;
+        self.on_host(q, k, v, dtype, |q, k, v| {
+            let mut result = self.alloc_output(q.shape, q.dtype)?;
+            self.ladder_forward_from(rung, source, q, k, v, &mut result)?;
+            Ok(result)
+        })
     }
 }
 
@@ -339,7 +456,8 @@ mod tests {
         for (rung, source) in [
             (Rung::Rows, LADDER_1_ROWS_CU),
             (Rung::Shared, LADDER_2_SHARED_CU),
-            (Rung::MmaSyncLoads, LADDER_3_TENSOR_CORES_CU),
+            (Rung::Mma, LADDER_3_MMA_CU),
+            (Rung::Ldmatrix, LADDER_4_LDMATRIX_CU),
             (Rung::Flash, kernel::FLASH_FORWARD_CU),
         ] {
             assert!(
@@ -360,16 +478,18 @@ mod tests {
         );
         assert!(err.to_string().contains("supported: 32, 64"), "{err}");
         assert!(Rung::Shared.check_head_dim(48).is_err());
-        assert!(Rung::MmaSyncLoads.check_head_dim(128).is_ok());
+        assert!(Rung::Mma.check_head_dim(128).is_ok());
+        assert!(Rung::Ldmatrix.check_head_dim(128).is_ok());
         for rung in Rung::ALL {
             assert!(rung.check_head_dim(64).is_ok());
             assert!(rung.compile(Dtype::Bf16, 96, "sm_90").is_err());
         }
     }
 
-    /// Compiles every rung with NVRTC for sm_90 where NVRTC can be opened, and where it cannot,
-    /// checks that each compile is the error that says so rather than a panic inside cudarc;
-    /// kernel-check (in CI, with NVRTC) also assembles them and checks for spills.
+    /// Compiles every rung with NVRTC for sm_90 where NVRTC can be opened, and where it
+    /// cannot, checks that each compile is the error that says so rather than a panic
+    /// inside cudarc; kernel-check (in CI, with NVRTC) also assembles them and checks for
+    /// spills.
     #[test]
     fn every_rung_compiles_or_says_that_nvrtc_is_missing() {
         let present = kernel::nvrtc_present();

@@ -1,64 +1,76 @@
 //! # Step 03: the forward pass as a CUDA kernel
 //!
 //! The online softmax of step 02, moved onto a GPU's tensor cores: one thread block per 128
-//! queries of a head, keys and values streamed through shared memory 128 at a time, `mma.sync`
-//! products in bf16 or f16 with f32 accumulation, and each row's log-sum-exp stored for the
-//! backward pass. The kernel lives in a real `.cu` file; NVRTC compiles it on first use (cached
-//! per dtype and head dim) and cudarc launches it. cudarc opens `libcuda` and `libnvrtc` at run
-//! time, so this crate builds and its CPU tests run on machines without CUDA: there, every call
-//! returns [`AttnError::Device`] saying what is missing.
+//! queries of a head, keys and values streamed through shared memory 128 at a time,
+//! `mma.sync` products in bf16 or f16 with f32 accumulation, and each row's log-sum-exp
+//! stored for the backward pass. The kernel lives in a real `.cu` file; NVRTC compiles it
+//! on first use (cached per dtype and head dim) and cudarc launches it. cudarc opens
+//! `libcuda` and `libnvrtc` at run time, so this crate builds and its CPU tests run on
+//! machines without CUDA: there, every call returns [`AttnError::Device`] saying what is
+//! missing.
 //!
 //! ## Kernels
 //!
-//! The step's kernel is the last of four rungs of a ladder ([`ladder`]): each of the first three
-//! is the same causal forward one idea slower, so that the book can build the fast kernel up one
-//! idea at a time.
+//! The step's kernel is the last of five rungs of a ladder ([`ladder`]): each of the first
+//! four is the same causal forward one idea slower, so that the book can build the fast
+//! kernel up one idea at a time.
 //!
 //! | kernel | what it does | H200, B=4 H=12 D=64 bf16 causal: TFLOP/s at 1k / 4k / 16k (× FA2) |
 //! | --- | --- | --- |
-//! | `kernels/ladder_1_rows.cu` (rung 1, `cuda_rows`) | one thread per query row, f32, keys and values read from global memory one value at a time | 4.2 / 5.0 / 7.0 (0.03× / 0.02× / 0.02×) |
-//! | `kernels/ladder_2_shared.cu` (rung 2, `cuda_shared`) | rung 1 with keys and values staged through shared memory, 64 at a time, widened to f32 once | 11.6 / 19.9 / 23.9 (0.08× / 0.08× / 0.08×) |
-//! | `kernels/ladder_3_tensor_cores.cu` (rung 3, `cuda_mma_sync_loads`) | rung 4's tiles, `mma.sync` and swizzled `ldmatrix`, but copies through registers that the products wait for, and blocks in grid order | 92.5 / 112.0 / 161.0 (0.65× / 0.44× / 0.53×) |
-//! | `kernels/flash_forward.cu` (rung 4, `cuda_flash`) | 4 warps × 32 rows, 128 keys a step, `ldmatrix` from swizzled shared memory, `cp.async` two-stage K/V pipeline, `exp2` with log2 e folded into the scale, mask on diagonal blocks only, every head's longest query blocks first | 208.3 / 327.4 / 347.8 (1.46× / 1.28× / 1.14×), `charts/data/gpu.json` |
-//! | `kernels/causal_softmax.cu` (with cuBLAS) | attention by hand: the whole table in device memory | 42 / 33 / 28 |
+//! | `kernels/ladder_1_rows.cu` (rung 1, `cuda_rows`) | one thread per query row, f32, keys and values read from global memory one value at a time | 4.3 / 5.1 / 7.1 (0.03× / 0.02× / 0.02×) |
+//! | `kernels/ladder_2_shared.cu` (rung 2, `cuda_shared`) | rung 1 with keys and values staged through shared memory, 64 at a time, widened to f32 once | 13.2 / 20.0 / 23.9 (0.09× / 0.08× / 0.08×) |
+//! | `kernels/ladder_3_mma.cu` (rung 3, `cuda_mma`) | rung 5's tiles and `mma.sync`, fragments by plain loads from tiles stored row by row (bank conflicts), copies through registers that the products wait for, blocks in grid order | 44.8 / 68.1 / 84.0 (0.31× / 0.27× / 0.27×) |
+//! | `kernels/ladder_4_ldmatrix.cu` (rung 4, `cuda_ldmatrix`) | rung 3 with fragments by `ldmatrix` from swizzled tiles | 93.0 / 115.4 / 165.7 (0.65× / 0.46× / 0.54×) |
+//! | `kernels/flash_forward.cu` (rung 5, `cuda_flash`) | 4 warps × 32 rows, 128 keys a step, `ldmatrix` from swizzled shared memory, `cp.async` two-stage K/V pipeline, `exp2` with log2 e folded into the scale, mask on diagonal blocks only, every head's longest query blocks first | 208.8 / 329.3 / 349.9 (1.46× / 1.31× / 1.14×), `charts/data/gpu.json` |
+//! | `kernels/causal_softmax.cu` (with cuBLAS) | attention by hand: the whole table in device memory | 43 / 31 / 25 |
 //!
 //! The tile shape came from the lab's `forward-tune` (the tuning log,
-//! `lab/logs/03-cuda-forward/README.md`): 16 rows a warp instead of 32 ran at 223 TFLOP/s at
-//! 16k, 64 keys a step instead of 128 at 294, and one head after another instead of all heads'
-//! longest blocks first lost 27% at 1k (145.5 against 200.5). At head dim 128 (runs 14 and 16):
-//! 4 warps × 32 rows over 64 keys taken 32 at a time, one ldmatrix offset register per
-//! operand, 229.5 / 338.8 / 358.5 / 352.0 at 1k / 4k / 8k / 16k against FA2's 168.9 / 290.0 /
-//! 330.5 / 346.0. The copies of each block take a fixed count of instructions with no test per
-//! row (`load_rows`, run 16: 5–13% at both head dims). The variants that lost and left the
-//! kernel are in `lab/notes/03-cuda-forward.md`.
+//! `lab/logs/03-cuda-forward/README.md`): 16 rows a warp instead of 32 ran at 223 TFLOP/s
+//! at 16k, 64 keys a step instead of 128 at 294, and one head after another instead of all
+//! heads' longest blocks first lost 27% at 1k (145.5 against 200.5). At head dim 128 (runs
+//! 14 and 16): 4 warps × 32 rows over 64 keys taken 32 at a time, one ldmatrix offset
+//! register per operand, 229.5 / 338.8 / 358.5 / 352.0 at 1k / 4k / 8k / 16k against FA2's
+//! 168.9 / 290.0 /
+//! 330.5 / 346.0. The copies of each block take a fixed count of instructions with no test
+//! per row (`load_rows`, run 16: 5–13% at both head dims). The variants that lost and left
+//! the kernel are in `lab/notes/03-cuda-forward.md`.
 //!
 //! ## Layout
 //!
 //! - [`Gpu`]: the context, stream and compiled kernels; [`Gpu::forward`] on device tensors,
 //!   [`Gpu::attention`] on host arrays, [`Gpu::forward_with`] in another tile shape.
-//! - [`DeviceTensor`]: a `[batch, heads, tokens, head_dim]` tensor of 16-bit values on the GPU.
-//! - [`ladder`]: the rungs ([`Rung`]), run by [`Gpu::ladder_forward_into`] on device tensors
-//!   and [`Gpu::ladder_attention`] on host arrays.
-//! - [`kernel`]: the `.cu` sources (with `kernels/tensor_cores.cuh`, the helpers every kernel
-//!   shares, in front) and their NVRTC compilation: [`ForwardConfig`], the tile shape
-//!   ([`ForwardConfig::for_head_dim`] the one each head dim runs), and
+//! - [`DeviceTensor`]: a `[batch, heads, tokens, head_dim]` tensor of 16-bit values on the
+//!   GPU.
+//! - [`ladder`]: the rungs ([`Rung`]), run by [`Gpu::ladder_forward_into`] on device
+//!   tensors and [`Gpu::ladder_attention`] on host arrays.
+//! - [`kernel`]: the `.cu` sources (with `kernels/tensor_cores.cuh`, the helpers every
+//!   kernel shares, in front) and their NVRTC compilation: [`ForwardConfig`], the tile
+//!   shape ([`ForwardConfig::for_head_dim`] the one each head dim runs), and
 //!   [`ForwardKernel`](kernel::ForwardKernel), which alone turns a dtype, a head dim and a
 //!   shape into the kernel's `-D` options; `flash_forward.cu` holds no defaults of its own.
-//! - [`host`]: rounding to bf16/f16 and back, and attention by hand in those precisions on the
-//!   CPU (the yardstick of the GPU tests).
+//! - [`host`]: rounding to bf16/f16 and back, and attention by hand in those precisions on
+//!   the CPU (the yardstick of the GPU tests).
 //! - [`by_hand`]: attention by hand on the GPU (cuBLAS and `kernels/causal_softmax.cu`).
-//! - [`ptxas`]: what the kernel-check binaries share; `src/bin/kernel-check.rs` compiles every
-//!   kernel the library launches with NVRTC and ptxas and fails on any spill (no GPU needed).
+//! - [`rule`]: FlashAttention's rule ([`ForwardCheck`](rule::ForwardCheck)), which the GPU
+//!   tests and the exercise checker both apply.
+//! - [`exercise`]: chapter 3's exercise, rung 1's key loop written by the reader in
+//!   `exercises/rows.cu`; `src/bin/exercise.rs` checks it on the GPU
+//!   (`cargo run -p step03-cuda-forward --bin exercise -- rows`).
+//! - [`ptxas`]: what the kernel-check binaries share; `src/bin/kernel-check.rs` compiles
+//!   every kernel the library launches (and the exercise's template) with NVRTC and ptxas
+//!   and fails on any spill (no GPU needed).
 //! - [`tool`]: the command-line tools' flag parsers.
-//! - [`methods`](mod@methods): the step's methods in the registry, [`Ladder`], [`CudaNaive`]
-//!   and [`CudaFlash`].
+//! - [`methods`](mod@methods): the step's methods in the registry, [`Ladder`],
+//!   [`CudaNaive`] and [`CudaFlash`].
 
 pub mod by_hand;
+pub mod exercise;
 pub mod host;
 pub mod kernel;
 pub mod ladder;
 pub mod methods;
 pub mod ptxas;
+pub mod rule;
 pub mod tool;
 
 pub use methods::{CudaFlash, CudaNaive, Ladder, methods};
@@ -68,8 +80,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute, CUresult};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError,
+    LaunchConfig, PushKernelArg,
 };
 use flash_core::{Attention, AttnError, Shape, check_qkv};
 use ndarray::{Array3, Array4, ArrayView4};
@@ -86,13 +98,15 @@ pub fn half_dtype(dtype: Dtype) -> Result<Dtype, AttnError> {
     match dtype {
         Dtype::Bf16 | Dtype::F16 => Ok(dtype),
         Dtype::F32 => Err(AttnError::Unsupported {
-            what: "the CUDA methods compute in bf16 or f16, not f32: pass --dtype bf16 or f16"
-                .into(),
+            what:
+                "the CUDA methods compute in bf16 or f16, not f32: pass --dtype bf16 or f16"
+                    .into(),
         }),
     }
 }
 
-/// A `[batch, heads, tokens, head_dim]` tensor of bf16 or f16 values in GPU memory, row-major.
+/// A `[batch, heads, tokens, head_dim]` tensor of bf16 or f16 values in GPU memory,
+/// row-major.
 pub struct DeviceTensor {
     pub data: CudaSlice<u16>,
     pub shape: Shape,
@@ -143,7 +157,8 @@ pub fn alloc_error(what: &str, bytes: u128) -> impl Fn(DriverError) -> AttnError
 
 impl Gpu {
     /// Opens GPU 0. Errors, each saying what is missing: no CUDA driver library, no NVRTC
-    /// library, no GPU, or a GPU older than compute capability 8.0 (bf16 `mma.sync` needs it).
+    /// library, no GPU, or a GPU older than compute capability 8.0 (bf16 `mma.sync` needs
+    /// it).
     pub fn new() -> Result<Gpu, AttnError> {
         Gpu::open(0)
     }
@@ -248,13 +263,18 @@ impl Gpu {
             .unwrap_or(0);
         let mut version = 0;
         // SAFETY: the driver library is loaded (Gpu::new checked) and writes one int
-        let driver = match unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) } {
-            CUresult::CUDA_SUCCESS => format!("{}.{}", version / 1000, (version % 1000) / 10),
+        let driver = match unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        {
+            CUresult::CUDA_SUCCESS => {
+                format!("{}.{}", version / 1000, (version % 1000) / 10)
+            }
             _ => "?".into(),
         };
         let (mut major, mut minor) = (0, 0);
         // SAFETY: NVRTC's library is loaded (Gpu::new checked) and writes two ints
-        let nvrtc = match unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) } {
+        let nvrtc = match unsafe {
+            cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor)
+        } {
             cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS => format!("{major}.{minor}"),
             _ => "?".into(),
         };
@@ -266,7 +286,8 @@ impl Gpu {
 
     /// The kernel `entry` of the module `compile` gives, compiled and loaded once per `key`
     /// (every entry of one module under one key: one compile); `smem` is the dynamic shared
-    /// memory it will be launched with. Later steps compile their kernels through this cache.
+    /// memory it will be launched with. Later steps compile their kernels through this
+    /// cache.
     pub fn kernel(
         &self,
         key: String,
@@ -320,7 +341,8 @@ impl Gpu {
     /// Keeps the GPU busy for about `micros` microseconds (at 2 GHz), queued on the stream:
     /// see [`kernel::SPIN_CU`].
     pub fn spin(&self, micros: u64) -> Result<(), AttnError> {
-        let f = self.kernel("spin".into(), "spin", 0, || kernel::compile_spin(self.arch))?;
+        let f =
+            self.kernel("spin".into(), "spin", 0, || kernel::compile_spin(self.arch))?;
         let cycles = (micros * 2000) as i64;
         let config = LaunchConfig {
             grid_dim: (1, 1, 1),
@@ -371,8 +393,8 @@ impl Gpu {
         f: impl FnOnce() -> Result<R, AttnError>,
     ) -> Result<(R, Option<u64>), AttnError> {
         use cudarc::driver::sys::{
-            CUmemPool_attribute, CUmemoryPool, cuDeviceGetDefaultMemPool, cuMemPoolGetAttribute,
-            cuMemPoolSetAttribute,
+            CUmemPool_attribute, CUmemoryPool, cuDeviceGetDefaultMemPool,
+            cuMemPoolGetAttribute, cuMemPoolSetAttribute,
         };
         let call = |r: CUresult, what: &str| match r {
             CUresult::CUDA_SUCCESS => Ok(()),
@@ -431,11 +453,15 @@ impl Gpu {
     }
 
     /// Runs `f` once and returns how long its work took on the GPU, in milliseconds: CUDA
-    /// events recorded on the stream just before and just after it, with a 0.5 ms spin kernel
-    /// in front so that the GPU is still busy while the host launches `f`'s kernels (the time
-    /// is theirs, not the launch's). Whatever `f` returns is dropped after its end is recorded.
-    /// Every GPU timing of the repository goes through here and the core's timing loop.
-    pub fn time_ms<T>(&self, f: impl FnOnce() -> Result<T, AttnError>) -> Result<f64, AttnError> {
+    /// events recorded on the stream just before and just after it, with a 0.5 ms spin
+    /// kernel in front so that the GPU is still busy while the host launches `f`'s kernels
+    /// (the time is theirs, not the launch's). Whatever `f` returns is dropped after its
+    /// end is recorded. Every GPU timing of the repository goes through here and the core's
+    /// timing loop.
+    pub fn time_ms<T>(
+        &self,
+        f: impl FnOnce() -> Result<T, AttnError>,
+    ) -> Result<f64, AttnError> {
         use cudarc::driver::sys::CUevent_flags;
         let event = || {
             self.ctx
@@ -457,8 +483,13 @@ impl Gpu {
             .map_err(device_error("reading an elapsed time"))? as f64)
     }
 
-    /// Copies an `f32` array to the GPU, rounding each value to `dtype` (to nearest, ties to even).
-    pub fn upload(&self, x: ArrayView4<f32>, dtype: Dtype) -> Result<DeviceTensor, AttnError> {
+    /// Copies an `f32` array to the GPU, rounding each value to `dtype` (to nearest, ties
+    /// to even).
+    pub fn upload(
+        &self,
+        x: ArrayView4<f32>,
+        dtype: Dtype,
+    ) -> Result<DeviceTensor, AttnError> {
         let (b, h, t, d) = x.dim();
         let dtype = half_dtype(dtype)?;
         let bits = host::to_bits(x, dtype);
@@ -483,7 +514,11 @@ impl Gpu {
     }
 
     /// Allocates what [`Gpu::forward_into`] writes, for a given input.
-    pub fn alloc_output(&self, shape: Shape, dtype: Dtype) -> Result<DeviceAttention, AttnError> {
+    pub fn alloc_output(
+        &self,
+        shape: Shape,
+        dtype: Dtype,
+    ) -> Result<DeviceAttention, AttnError> {
         let dtype = half_dtype(dtype)?;
         let out = self
             .stream
@@ -508,7 +543,8 @@ impl Gpu {
     }
 
     // ANCHOR: forward
-    /// Causal attention on the GPU: `out = softmax(mask(q·kᵀ/√d))·v` and each row's log-sum-exp.
+    /// Causal attention on the GPU: `out = softmax(mask(q·kᵀ/√d))·v` and each row's
+    /// log-sum-exp.
     pub fn forward(
         &self,
         q: &DeviceTensor,
@@ -616,17 +652,19 @@ impl Gpu {
             .arg(&heads_arg)
             .arg(&head_group)
             .arg(&scale_log2);
-        // SAFETY: check_device proved q, k, v hold batch·heads·tokens·head_dim values of one
-        // dtype, the output was checked to match, lse holds batch·heads·tokens; the grid covers
-        // tokens in blocks of BLOCK_M and batch·heads heads, and the kernel writes only rows
-        // below `tokens`; the dynamic shared memory is what the kernel's tiles take.
-        unsafe { launch.launch(launch_config) }.map_err(device_error("launching flash_forward"))?;
+        // SAFETY: check_device proved q, k, v hold batch·heads·tokens·head_dim values of
+        // one dtype, the output was checked to match, lse holds batch·heads·tokens; the
+        // grid covers tokens in blocks of BLOCK_M and batch·heads heads, and the kernel
+        // writes only rows below `tokens`; the dynamic shared memory is what the kernel's
+        // tiles take.
+        unsafe { launch.launch(launch_config) }
+            .map_err(device_error("launching flash_forward"))?;
         Ok(())
     }
     // ANCHOR_END: launch_forward
 
-    /// Host-side entry point: rounds `f32` inputs to `dtype`, runs [`Gpu::forward`] and returns
-    /// the output widened back to `f32`.
+    /// Host-side entry point: rounds `f32` inputs to `dtype`, runs [`Gpu::forward`] and
+    /// returns the output widened back to `f32`.
     pub fn attention(
         &self,
         q: ArrayView4<f32>,
@@ -675,7 +713,10 @@ impl Gpu {
     }
 
     /// Copies a result back: the output widened to `f32`, the log-sum-exp as it is.
-    pub fn download_attention(&self, result: &DeviceAttention) -> Result<Attention, AttnError> {
+    pub fn download_attention(
+        &self,
+        result: &DeviceAttention,
+    ) -> Result<Attention, AttnError> {
         let shape = result.out.shape;
         let out = self.download(&result.out)?;
         let lse = self

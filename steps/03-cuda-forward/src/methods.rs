@@ -1,8 +1,8 @@
-//! This step's methods in the registry, one type each: the three lower rungs of the ladder
-//! ([`Ladder`]), attention by hand on the GPU ([`CudaNaive`]) and the kernel ([`CudaFlash`]).
-//! Each runs on host arrays for the tests and `attend`, and is prepared on the device for the
-//! benchmark (inputs made once there, each timed run bracketed by CUDA events, peak memory from
-//! the stream-ordered pool's high-water mark).
+//! This step's methods in the registry, one type each: the four lower rungs of the ladder
+//! ([`Ladder`]), attention by hand on the GPU ([`CudaNaive`]) and the kernel
+//! ([`CudaFlash`]). Each runs on host arrays for the tests and `attend`, and is prepared on
+//! the device for the benchmark (inputs made once there, each timed run bracketed by CUDA
+//! events, peak memory from the stream-ordered pool's high-water mark).
 
 use flash_core::inputs::random_qkv;
 use flash_core::method::{DeviceRun, DeviceRunSpec};
@@ -12,13 +12,14 @@ use ndarray::ArrayView4;
 use crate::{DeviceAttention, DeviceTensor, ForwardConfig, Gpu, Rung, half_dtype};
 
 /// This step's methods, as the benchmark and the cross-step tests run them: the ladder of
-/// kernels that leads to the FlashAttention kernel, attention by hand, then the kernel itself
-/// (the ladder's last rung).
+/// kernels that leads to the FlashAttention kernel, attention by hand, then the kernel
+/// itself (the ladder's last rung).
 pub fn methods() -> Vec<&'static dyn Method> {
     vec![
         &Ladder(Rung::Rows),
         &Ladder(Rung::Shared),
-        &Ladder(Rung::MmaSyncLoads),
+        &Ladder(Rung::Mma),
+        &Ladder(Rung::Ldmatrix),
         &CudaNaive,
         &CudaFlash,
     ]
@@ -32,7 +33,7 @@ pub fn describe() -> Result<String, AttnError> {
     Ok(Gpu::shared()?.describe())
 }
 
-/// A lower rung of the ladder (rungs 1 to 3; rung 4 is [`CudaFlash`]): its name and
+/// A lower rung of the ladder (rungs 1 to 4; rung 5 is [`CudaFlash`]): its name and
 /// description are the ladder's own.
 #[derive(Clone, Copy, Debug)]
 pub struct Ladder(pub Rung);
@@ -68,7 +69,10 @@ impl Method for Ladder {
     fn describe_device(&self) -> Result<String, AttnError> {
         describe()
     }
-    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_forward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         prepare(Which::Ladder(self.0), spec)
     }
 }
@@ -108,13 +112,16 @@ impl Method for CudaNaive {
     fn describe_device(&self) -> Result<String, AttnError> {
         describe()
     }
-    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_forward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         prepare(Which::ByHand, spec)
     }
 }
 
-/// `cuda_flash`: the FlashAttention forward kernel, `kernels/flash_forward.cu`: the output and
-/// the log-sum-exp, nothing of size T².
+/// `cuda_flash`: the FlashAttention forward kernel, `kernels/flash_forward.cu`: the output
+/// and the log-sum-exp, nothing of size T².
 #[derive(Clone, Copy, Debug)]
 pub struct CudaFlash;
 
@@ -156,7 +163,10 @@ impl Method for CudaFlash {
     fn describe_device(&self) -> Result<String, AttnError> {
         describe()
     }
-    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_forward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         prepare(Which::Flash, spec)
     }
 }
@@ -226,11 +236,14 @@ impl DeviceRun for Prepared {
         let (gpu, q, k, v) = (self.gpu, &self.q, &self.k, &self.v);
         let peak = match self.which {
             Which::Flash => gpu.peak_allocated(|| gpu.forward(q, k, v))?.1,
-            Which::Ladder(rung) => gpu.peak_allocated(|| gpu.ladder_forward(rung, q, k, v))?.1,
+            Which::Ladder(rung) => {
+                gpu.peak_allocated(|| gpu.ladder_forward(rung, q, k, v))?.1
+            }
             Which::ByHand => gpu.peak_allocated(|| gpu.by_hand(q, k, v))?.1,
         };
         peak.ok_or_else(|| AttnError::Device {
-            what: "this driver has no stream-ordered memory pool to read a peak from".into(),
+            what: "this driver has no stream-ordered memory pool to read a peak from"
+                .into(),
         })
     }
 

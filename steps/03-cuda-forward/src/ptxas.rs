@@ -26,8 +26,8 @@ pub fn parse(log: &str) -> Vec<Report> {
         .skip(1)
         .filter_map(|section| {
             let function = section.split('\'').next()?.to_string();
-            // "Used 96 registers, used 1 barriers, 512 bytes smem" and "0 bytes spill stores":
-            // the number just before each name
+            // "Used 96 registers, used 1 barriers, 512 bytes smem" and "0 bytes spill
+            // stores": the number just before each name
             let number_before = |what: &str| {
                 section
                     .split([',', '\n'])
@@ -51,7 +51,8 @@ pub fn parse(log: &str) -> Vec<Report> {
 }
 
 fn assemble(ptx: &Ptx, arch: &str, ptxas: &str, file: &Path) -> Result<String, String> {
-    std::fs::write(file, ptx.to_src()).map_err(|e| format!("writing {}: {e}", file.display()))?;
+    std::fs::write(file, ptx.to_src())
+        .map_err(|e| format!("writing {}: {e}", file.display()))?;
     let output = Command::new(ptxas)
         .args([&format!("-arch={arch}"), "-v", "-o", "/dev/null"])
         .arg(file)
@@ -79,8 +80,9 @@ pub struct Flags {
     pub verbose: bool,
 }
 
-/// One kernel variant to check: its name, what NVRTC made of it, and whether a spill fails the
-/// check (a variant the library launches) or is only reported (a shape a tuner may time).
+/// One kernel variant to check: its name, what NVRTC made of it, and whether a spill fails
+/// the check (a variant the library launches) or is only reported (a shape a tuner may
+/// time).
 pub struct Variant {
     pub name: String,
     pub ptx: Result<Ptx, AttnError>,
@@ -107,9 +109,9 @@ impl Variant {
     }
 }
 
-/// The whole kernel-check program, once its flags are parsed. `kernels` compiles every variant
-/// for an architecture. Prints one line per entry point; fails on a failed compile, a failed
-/// assembly, or any spill or serialised `wgmma` in a variant the library launches.
+/// The whole kernel-check program, once its flags are parsed. `kernels` compiles every
+/// variant for an architecture. Prints one line per entry point; fails on a failed compile,
+/// a failed assembly, or any spill or serialised `wgmma` in a variant the library launches.
 pub fn main(flags: Flags, kernels: impl Fn(&'static str) -> Vec<Variant>) -> ExitCode {
     // the compile functions take the architecture for as long as the program runs
     let arch: &'static str = Box::leak(flags.arch.into_boxed_str());
@@ -173,7 +175,9 @@ pub fn main(flags: Flags, kernels: impl Fn(&'static str) -> Vec<Variant>) -> Exi
                     eprintln!("{label}: spills registers to local memory");
                     failed = true;
                 } else {
-                    println!("{label}: spills (a tuning candidate, not launched by the library)");
+                    println!(
+                        "{label}: spills (a tuning candidate, not launched by the library)"
+                    );
                 }
             }
         }

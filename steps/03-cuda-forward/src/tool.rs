@@ -1,5 +1,5 @@
-//! What the command-line tools share: parsers for their flags' values (the flags themselves are
-//! each tool's clap `Parser`).
+//! What the command-line tools share: parsers for their flags' values (the flags themselves
+//! are each tool's clap `Parser`).
 
 /// A count of at least 1 (`--runs`, and each of `--lengths`): clap's `value_parser`.
 pub fn at_least_one(s: &str) -> Result<usize, String> {

@@ -1,24 +1,13 @@
-//! The forward kernel, and every rung of the ladder that leads to it, on a GPU against the f64
-//! reference, with FlashAttention's rule: its error is at most twice that of attention by hand
-//! computed in the same precision. Ignored where there is no GPU (`cargo test --
+//! The forward kernel, and every rung of the ladder that leads to it, on a GPU against the
+//! f64 reference, with FlashAttention's rule: its error is at most twice that of attention
+//! by hand computed in the same precision. Ignored where there is no GPU (`cargo test --
 //! --include-ignored` runs them on one).
 
 use flash_core::inputs::random_qkv;
-use flash_core::reference::{attention_f64, error};
-use flash_core::{Attention, AttnError, Shape};
-use ndarray::{ArrayView4, s};
-use step03_cuda_forward::host::{by_hand_low_precision, round_array};
+use flash_core::{AttnError, Shape};
+use ndarray::s;
+use step03_cuda_forward::rule::{BY_HAND_LSE, ForwardCheck, HostFn, KERNEL_LSE};
 use step03_cuda_forward::{Dtype, Gpu, Rung};
-
-/// FlashAttention's rule: our max error ≤ 2 × by-hand's max error in the same precision, plus
-/// a margin for the case where both are (nearly) zero.
-const MARGIN: f64 = 1e-5;
-
-/// The kernel's log-sum-exp is accumulated in f32 from the 16-bit inputs' exact products.
-const KERNEL_LSE: f64 = 1e-3;
-/// Attention by hand's is taken from scores rounded to 16 bits (bf16 keeps 8 bits: about 0.4%
-/// of scores up to ~5 in size).
-const BY_HAND_LSE: f64 = 3e-2;
 
 fn check(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64) {
     check_method(
@@ -32,29 +21,14 @@ fn check(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64) {
     );
 }
 
-/// A method on host arrays: `Gpu::attention`, `Gpu::attention_by_hand`, or a rung of the ladder
-/// through `Gpu::ladder_attention`.
-trait HostFn:
-    Fn(&Gpu, ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>, Dtype) -> Result<Attention, AttnError>
-{
-}
-impl<F> HostFn for F where
-    F: Fn(
-        &Gpu,
-        ArrayView4<f32>,
-        ArrayView4<f32>,
-        ArrayView4<f32>,
-        Dtype,
-    ) -> Result<Attention, AttnError>
-{
-}
-
 /// A rung of the ladder as a [`HostFn`].
 fn rung_method(rung: Rung) -> impl HostFn {
     move |gpu: &Gpu, q, k, v, dtype| gpu.ladder_attention(rung, q, k, v, dtype)
 }
 
 // ANCHOR: check_method
+/// FlashAttention's rule for `method` on one input ([`ForwardCheck`], `src/rule.rs`), both
+/// errors printed, and in the failure message.
 fn check_method(
     gpu: &Gpu,
     shape: Shape,
@@ -64,38 +38,12 @@ fn check_method(
     method: impl HostFn,
     lse_bound: f64,
 ) {
-    let [q, k, v] = random_qkv(shape, seed);
-    let got = method(gpu, q.view(), k.view(), v.view(), dtype)
+    let check = ForwardCheck::run(gpu, shape, dtype, seed, name, method, lse_bound)
         .unwrap_or_else(|e| panic!("{name} {shape} {}: {e}", dtype.name()));
-    // the reference sees exactly the values the GPU saw
-    let (qr, kr, vr) = (
-        round_array(q.view(), dtype),
-        round_array(k.view(), dtype),
-        round_array(v.view(), dtype),
-    );
-    let reference = attention_f64(qr.view(), kr.view(), vr.view()).unwrap();
-    let ours = error(&got.out, &reference.out);
-    let by_hand = error(
-        &by_hand_low_precision(q.view(), k.view(), v.view(), dtype),
-        &reference.out,
-    );
-    let lse = error(&got.lse, &reference.lse);
-    println!(
-        "{name} {shape} {}: ours {ours}; by hand {by_hand}; lse {lse}",
-        dtype.name()
-    );
-    assert!(
-        ours.max_abs <= 2.0 * by_hand.max_abs + MARGIN,
-        "{name} {shape} {}: out max abs error {:.3e} > 2 × by hand's {:.3e} (+{MARGIN:e})",
-        dtype.name(),
-        ours.max_abs,
-        by_hand.max_abs
-    );
-    assert!(
-        lse.max_abs < lse_bound,
-        "{name} {shape} {}: lse {lse}, allowed {lse_bound:e}",
-        dtype.name()
-    );
+    println!("{check}");
+    if let Err(e) = check.verdict() {
+        panic!("{e}");
+    }
 }
 // ANCHOR_END: check_method
 
@@ -197,8 +145,8 @@ fn causal_and_deterministic(gpu: &Gpu, name: &str, method: impl HostFn) {
 }
 
 // ANCHOR: check_rung
-/// One rung of the ladder on the lengths of the step's table (1, 77, 128, 300, 1024: partial
-/// and whole blocks) in bf16 and f16 at head dim 64, then at its other head dims.
+/// One rung of the ladder on the lengths of the step's table (1, 77, 128, 300, 1024:
+/// partial and whole blocks) in bf16 and f16 at head dim 64, then at its other head dims.
 fn check_rung(rung: Rung) {
     let gpu = Gpu::new().expect("a GPU");
     let mut seed = 1000 * rung.number() as u64;
@@ -253,13 +201,19 @@ fn ladder_rung_2_shared_matches_the_reference_within_twice_by_hand_error() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn ladder_rung_3_mma_sync_loads_matches_the_reference_within_twice_by_hand_error() {
-    check_rung(Rung::MmaSyncLoads);
+fn ladder_rung_3_mma_matches_the_reference_within_twice_by_hand_error() {
+    check_rung(Rung::Mma);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn ladder_rung_4_flash_matches_the_reference_within_twice_by_hand_error() {
+fn ladder_rung_4_ldmatrix_matches_the_reference_within_twice_by_hand_error() {
+    check_rung(Rung::Ldmatrix);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ladder_rung_5_flash_matches_the_reference_within_twice_by_hand_error() {
     check_rung(Rung::Flash);
 }
 

@@ -1,14 +1,15 @@
 //! `cargo bench -p step04-backward`: the backward by hand and the blockwise backward on the
 //! tutorial's CPU shape (one sequence, 12 heads, head dim 64), at lengths short enough for
-//! criterion's many samples. The forward is run once, outside the timing; the throughput is the
-//! backward's FLOP count, 2.5 × the forward's (FlashAttention's count).
+//! criterion's many samples. The forward is run once, outside the timing; the throughput is
+//! the backward's FLOP count, 2.5 × the forward's (FlashAttention's count).
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use flash_core::inputs::{random_normal, random_qkv};
 use step04_backward::{BackwardFn, Shape, backward, backward_by_hand, forward};
 
 fn backwards(c: &mut Criterion) {
-    let methods: [(&str, BackwardFn); 2] = [("by_hand", backward_by_hand), ("blockwise", backward)];
+    let methods: [(&str, BackwardFn); 2] =
+        [("by_hand", backward_by_hand), ("blockwise", backward)];
     for (name, method) in methods {
         let mut group = c.benchmark_group(format!("backward/{name}"));
         group.sample_size(10);

@@ -1,16 +1,16 @@
-//! Milliseconds of the CPU backward alone (from the forward's output and log-sum-exp to dq, dk
-//! and dv) on the tutorial's CPU shape, 1 sequence × 12 heads × T × 64, f32, causal: one pass
-//! with several block sizes, and the two passes of the GPU's split. The measurements behind
-//! `BlockSizes::default()` and the choice of one pass.
+//! Milliseconds of the CPU backward alone (from the forward's output and log-sum-exp to dq,
+//! dk and dv) on the tutorial's CPU shape, 1 sequence × 12 heads × T × 64, f32, causal: one
+//! pass with several block sizes, and the two passes of the GPU's split. The measurements
+//! behind `BlockSizes::default()` and the choice of one pass.
 //!
 //! ```sh
 //! cargo run --release -p step04-backward --example backward-speed [-- 1024,2048,4096,8192]
 //! ```
 //!
-//! Each number is the median of 5 timed runs (3 from 4,096 tokens) after one untimed warm-up.
-//! The output is a Markdown table (`book/src/output/backward-cpu-speed.txt`, included by chapter 4).
-//! Every variant's gradients are checked against the default's first. GFLOP/s use
-//! FlashAttention's count: the backward is 2.5 × the forward.
+//! Each number is the median of 5 timed runs (3 from 4,096 tokens) after one untimed
+//! warm-up. The output is a Markdown table (`book/src/output/backward-cpu-speed.txt`,
+//! included by chapter 4). Every variant's gradients are checked against the default's
+//! first. GFLOP/s use FlashAttention's count: the backward is 2.5 × the forward.
 
 use clap::Parser;
 use flash_core::Shape;
@@ -18,14 +18,18 @@ use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::timing::{Warmup, cpu_median_ms};
 use ndarray::Array4;
 use step03_cuda_forward::tool::at_least_one;
-use step04_backward::{BlockSizes, Grads, backward_two_pass, backward_with_blocks, forward};
+use step04_backward::{
+    BlockSizes, Grads, backward_two_pass, backward_with_blocks, forward,
+};
 
-/// Milliseconds (and GFLOP/s, 2.5 × the forward's count) of the CPU backward alone, from the
-/// forward's output and log-sum-exp to dq, dk and dv, on 1 sequence × 12 heads × T × 64, f32,
-/// causal: one pass with several block sizes, and the two passes of the GPU's split.
+/// Milliseconds (and GFLOP/s, 2.5 × the forward's count) of the CPU backward alone, from
+/// the forward's output and log-sum-exp to dq, dk and dv, on 1 sequence × 12 heads × T ×
+/// 64, f32, causal: one pass with several block sizes, and the two passes of the GPU's
+/// split.
 ///
-/// Each number is the median of 5 timed runs (3 from 4,096 tokens) after one untimed warm-up;
-/// every variant's gradients are checked against the default's first. Prints a Markdown table.
+/// Each number is the median of 5 timed runs (3 from 4,096 tokens) after one untimed
+/// warm-up; every variant's gradients are checked against the default's first. Prints a
+/// Markdown table.
 #[derive(Parser, Debug)]
 #[command(name = "backward-speed")]
 struct Args {

@@ -1,20 +1,22 @@
-// FlashAttention backward, causal, on the tensor cores (mma.sync m16n8k16, f32 accumulation).
+// FlashAttention backward, causal, on the tensor cores (mma.sync m16n8k16, f32
+// accumulation).
 //
 // Three kernels, each program writing only its own rows, so results are deterministic:
-//   backward_delta  delta_i = sum_d dO_id * O_id, once per row (FlashAttention-2, Alg. 2 line 4)
-//   backward_dkdv   one block per BLOCK_ROWS (128) keys of a head: the queries that see them stream past;
-//                   dV += P^T dO and dK += dS^T Q accumulate in registers
-//   backward_dq     one block per BLOCK_ROWS queries of a head: the keys they see stream past;
-//                   dQ += dS K accumulates in registers
+//   backward_delta  delta_i = sum_d dO_id * O_id, once per row (FlashAttention-2, Alg. 2
+//   line 4) backward_dkdv   one block per BLOCK_ROWS (128) keys of a head: the queries that
+//                   see them stream past; dV += P^T dO and dK += dS^T Q accumulate in
+//                   registers
+//   backward_dq     one block per BLOCK_ROWS queries of a head: the keys they see stream
+//                   past; dQ += dS K accumulates in registers
 // with P = exp(S - lse) rebuilt from the forward's log-sum-exp and dS = P o (dP - delta).
 //
-// The shapes are the forward kernel's (chapter 3): up to head dim 64 four warps of 32 rows (two
-// 16-row tiles, so each B fragment read from shared memory feeds two mma), the other side
-// streamed through shared memory in two stages, the next copy in flight while the tensor cores
-// work on the current one. Each warp holds its own rows' two operands (k and v in dkdv, q and dO
-// in dq) as A fragments in registers for the whole loop. At head dim 128 a warp's 32 rows of two
-// operands and two gradients do not fit in its registers: there the warps own 16 rows each
-// (M_TILES 1), and eight of them make a block of 128 rows.
+// The shapes are the forward kernel's (chapter 3): up to head dim 64 four warps of 32 rows
+// (two 16-row tiles, so each B fragment read from shared memory feeds two mma), the other
+// side streamed through shared memory in two stages, the next copy in flight while the
+// tensor cores work on the current one. Each warp holds its own rows' two operands (k and v
+// in dkdv, q and dO in dq) as A fragments in registers for the whole loop. At head dim 128
+// a warp's 32 rows of two operands and two gradients do not fit in its registers: there the
+// warps own 16 rows each (M_TILES 1), and eight of them make a block of 128 rows.
 //
 // Compile-time parameters, every one given to NVRTC as a -D option by src/cuda.rs's
 // BackwardKernel (a missing one is a compile error; the file holds no defaults):
@@ -29,19 +31,23 @@
 //   DKDV_MIN_BLOCKS  dkdv's blocks per multiprocessor (the register budget)
 //   DQ_MIN_BLOCKS    dq's blocks per multiprocessor (the register budget)
 // [step 07]
-//   CAUSAL           1: each query sees the keys up to its own position; 0: every key below T
-//                    (step 07's ring computes blocks of keys that lie wholly before their queries)
-//   ACCUMULATE       0: dq, dk and dv are written in 16 bits; 1: they are f32 sums that each
-//                    block's share is added to (step 07's ring sums every block's share in f32
-//                    and rounds once)
+//   CAUSAL           1: each query sees the keys up to its own position; 0: every key below
+//                    T (step 07's ring computes blocks of keys that lie wholly before their
+//                    queries)
+//   ACCUMULATE       0: dq, dk and dv are written in 16 bits; 1: they are f32 sums that
+//                    each block's share is added to (step 07's ring sums every block's
+//                    share in f32 and rounds once)
 // [/step 07]
-// src/cuda.rs prepends step 03's tensor_cores.cuh (types, swizzle, cp.async, ldmatrix, mma).
+// src/cuda.rs prepends step 03's tensor_cores.cuh (types, swizzle, cp.async, ldmatrix,
+// mma).
 
 static_assert(WARPS >= 1 && M_TILES >= 1, "WARPS warps of M_TILES tiles of 16 rows");
-static_assert(DKDV_STREAM % DKDV_SUB == 0 && DQ_STREAM % DQ_SUB == 0, "steps that divide the stages");
+static_assert(DKDV_STREAM % DKDV_SUB == 0 && DQ_STREAM % DQ_SUB == 0,
+              "steps that divide the stages");
 static_assert(DKDV_MIN_BLOCKS >= 1 && DQ_MIN_BLOCKS >= 1, "blocks a multiprocessor");
 // [step 07]
-static_assert(CAUSAL == 0 || CAUSAL == 1, "CAUSAL: 1 for the causal mask, 0 for every key below T");
+static_assert(CAUSAL == 0 || CAUSAL == 1,
+              "CAUSAL: 1 for the causal mask, 0 for every key below T");
 static_assert(ACCUMULATE == 0 || ACCUMULATE == 1, "ACCUMULATE: 1 to add into f32 sums");
 // [/step 07]
 #define THREADS (WARPS * 32)
@@ -56,7 +62,9 @@ __device__ __forceinline__ float lo16(u32 x) {
         return __uint_as_float(x << 16);
     } else {
         float f;
-        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }\n" : "=f"(f) : "r"(x));
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }\n"
+            : "=f"(f)
+            : "r"(x));
         return f;
     }
 }
@@ -65,33 +73,39 @@ __device__ __forceinline__ float hi16(u32 x) {
         return __uint_as_float(x & 0xffff0000u);
     } else {
         float f;
-        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }\n" : "=f"(f) : "r"(x));
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }\n"
+            : "=f"(f)
+            : "r"(x));
         return f;
     }
 }
 
-// ROWS rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are 0
-// (load_rows in tensor_cores.cuh)
+// ROWS rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are
+// 0 (load_rows in tensor_cores.cuh)
 template <int ROWS>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* src, int row0, int T) {
     load_rows<ROWS, THREADS>(tile, src, row0, T);
 }
 
-// A fragments of this warp's rows of a tile (rows WARP_ROWS·warp ..), per 16-row tile and 16 columns
-__device__ __forceinline__ void load_a(const u16* tile, int warp, int lane, u32 (&f)[M_TILES][HEAD_DIM / 16][4]) {
+// A fragments of this warp's rows of a tile (rows WARP_ROWS·warp ..), per 16-row tile and
+// 16 columns
+__device__ __forceinline__ void load_a(const u16* tile, int warp, int lane,
+                                       u32 (&f)[M_TILES][HEAD_DIM / 16][4]) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM / 16; ++kk)
-            ldmatrix_x4(smem_addr(tile + swizzled(warp * WARP_ROWS + mt * 16 + (lane & 15), 2 * kk + (lane >> 4))),
+            ldmatrix_x4(smem_addr(tile + swizzled(warp * WARP_ROWS + mt * 16 + (lane & 15),
+                                                  2 * kk + (lane >> 4))),
                         f[mt][kk][0], f[mt][kk][1], f[mt][kk][2], f[mt][kk][3]);
 }
 
-// acc[mt][n] += a[mt] · tileᵀ for the tile's rows r0 .. r0 + COLS - 1 as the columns, with a the
-// A fragments of the warp's own rows, held in registers (load_a)
+// acc[mt][n] += a[mt] · tileᵀ for the tile's rows r0 .. r0 + COLS - 1 as the columns, with
+// a the A fragments of the warp's own rows, held in registers (load_a)
 template <int COLS>
-__device__ __forceinline__ void mma_abt(float (&acc)[M_TILES][COLS / 8][4], const u32 (&a)[M_TILES][HEAD_DIM / 16][4], u32 tile, int r0,
-                                        const BOffsets& off) {
+__device__ __forceinline__ void mma_abt(float (&acc)[M_TILES][COLS / 8][4],
+                                        const u32 (&a)[M_TILES][HEAD_DIM / 16][4], u32 tile,
+                                        int r0, const BOffsets& off) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
 #pragma unroll
@@ -110,17 +124,20 @@ __device__ __forceinline__ void mma_abt(float (&acc)[M_TILES][COLS / 8][4], cons
 // acc[mt] += p[mt] · tile[r0 .. r0 + K - 1] for p the accumulators of a·bᵀ over K columns,
 // turned into A fragments in registers (two neighbouring 16x8 tiles make one 16x16 A tile)
 template <int K>
-__device__ __forceinline__ void mma_pb(float (&acc)[M_TILES][HEAD_DIM / 8][4], const float (&p)[M_TILES][K / 8][4],
-                                       u32 tile, int r0, const BOffsets& off) {
+__device__ __forceinline__ void mma_pb(float (&acc)[M_TILES][HEAD_DIM / 8][4],
+                                       const float (&p)[M_TILES][K / 8][4], u32 tile,
+                                       int r0, const BOffsets& off) {
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         u32 a[M_TILES][4];
 #pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt) accumulators_to_a(p[mt][2 * kk], p[mt][2 * kk + 1], a[mt]);
+        for (int mt = 0; mt < M_TILES; ++mt)
+            accumulators_to_a(p[mt][2 * kk], p[mt][2 * kk + 1], a[mt]);
 #pragma unroll
         for (int n = 0; n < HEAD_DIM / 8; n += 2) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4_trans(tile + off.ab(n / 2) + (r0 + kk * 16) * ROW_BYTES, b0, b1, b2, b3);
+            ldmatrix_x4_trans(tile + off.ab(n / 2) + (r0 + kk * 16) * ROW_BYTES, b0, b1, b2,
+                              b3);
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt) {
                 mma_16816(acc[mt][n], a[mt], b0, b1);
@@ -135,12 +152,15 @@ __device__ __forceinline__ void zero(float (&x)[M_TILES][N][4]) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int n = 0; n < N; ++n) x[mt][n][0] = x[mt][n][1] = x[mt][n][2] = x[mt][n][3] = 0.f;
+        for (int n = 0; n < N; ++n)
+            x[mt][n][0] = x[mt][n][1] = x[mt][n][2] = x[mt][n][3] = 0.f;
 }
 
 // ANCHOR: store_rows
 // this warp's rows row0 .. row0 + WARP_ROWS - 1 of acc · scale, those before T
-__device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[M_TILES][HEAD_DIM / 8][4], float scale, int row0, int g, int t, int T) {
+__device__ __forceinline__ void store_rows(u16* dst,
+                                           const float (&acc)[M_TILES][HEAD_DIM / 8][4],
+                                           float scale, int row0, int g, int t, int T) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -149,14 +169,19 @@ __device__ __forceinline__ void store_rows(u16* dst, const float (&acc)[M_TILES]
             if (row < T) {
 #pragma unroll
                 for (int n = 0; n < HEAD_DIM / 8; ++n)
-#if ACCUMULATE // [step 07]
-                {  // the block's share added to the f32 sum; only this block writes these rows // [step 07]
-                    float2* sum = (float2*)((float*)dst + (long long)row * HEAD_DIM + n * 8 + 2 * t); // [step 07]
-                    const float2 was = *sum; // [step 07]
-                    *sum = make_float2(was.x + acc[mt][n][2 * h] * scale, was.y + acc[mt][n][2 * h + 1] * scale); // [step 07]
-                } // [step 07]
-#else // [step 07]
-                    *(u32*)(dst + (long long)row * HEAD_DIM + n * 8 + 2 * t) = pack2(acc[mt][n][2 * h] * scale, acc[mt][n][2 * h + 1] * scale);
+// [step 07]
+#if ACCUMULATE
+                {  // the block's share added to the f32 sum; only this block writes them
+                    float2* sum =
+                        (float2*)((float*)dst + (long long)row * HEAD_DIM + n * 8 + 2 * t);
+                    const float2 was = *sum;
+                    *sum = make_float2(was.x + acc[mt][n][2 * h] * scale,
+                                       was.y + acc[mt][n][2 * h + 1] * scale);
+                }
+#else
+// [/step 07]
+                    *(u32*)(dst + (long long)row * HEAD_DIM + n * 8 + 2 * t) =
+                        pack2(acc[mt][n][2 * h] * scale, acc[mt][n][2 * h + 1] * scale);
 #endif // [step 07]
             }
         }
@@ -176,16 +201,21 @@ extern "C" __global__ void backward_delta(
     const u32* o = (const u32*)(out + row * HEAD_DIM);
     const u32* d = (const u32*)(dout + row * HEAD_DIM);
     float sum = 0.f;
-    for (int i = lane; i < HEAD_DIM / 2; i += 32) sum += lo16(o[i]) * lo16(d[i]) + hi16(o[i]) * hi16(d[i]);
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+    for (int i = lane; i < HEAD_DIM / 2; i += 32)
+        sum += lo16(o[i]) * lo16(d[i]) + hi16(o[i]) * hi16(d[i]);
+    for (int offset = 16; offset > 0; offset /= 2)
+        sum += __shfl_xor_sync(0xffffffff, sum, offset);
     if (lane == 0) delta[row] = sum;
 }
 // ANCHOR_END: delta
 
-// Stage `stage` of the queries' tiles: rows q0 .. q0 + DKDV_STREAM - 1 of q and dO (cp.async), and
-// their log-sum-exp in base 2 and δ. A query past T gets lse = +inf, so its p is 0.
-__device__ __forceinline__ void load_queries(u16* sq, u16* sdo, float* slse, float* sdelta, const u16* q, const u16* dout,
-                                             const float* lse, const float* delta, int q0, int T) {
+// Stage `stage` of the queries' tiles: rows q0 .. q0 + DKDV_STREAM - 1 of q and dO
+// (cp.async), and their log-sum-exp in base 2 and δ. A query past T gets lse = +inf, so its
+// p is 0.
+__device__ __forceinline__ void load_queries(u16* sq, u16* sdo, float* slse, float* sdelta,
+                                             const u16* q, const u16* dout,
+                                             const float* lse, const float* delta, int q0,
+                                             int T) {
     load_tile<DKDV_STREAM>(sq, q, q0, T);
     load_tile<DKDV_STREAM>(sdo, dout, q0, T);
     for (int i = threadIdx.x; i < DKDV_STREAM; i += THREADS) {
@@ -196,12 +226,14 @@ __device__ __forceinline__ void load_queries(u16* sq, u16* sdo, float* slse, flo
 }
 
 // ANCHOR: dkdv_probabilities
-// pT = e^(sT/√d - lse) for a warp's keys and DKDV_SUB queries from column c0 of the stage, and
-// dsT = pT o (dpT - delta), in place. With MASK, pT is 0 where the query comes before the key;
-// `rel` is the stage's first query minus the warp's first key.
+// pT = e^(sT/√d - lse) for a warp's keys and DKDV_SUB queries from column c0 of the stage,
+// and dsT = pT o (dpT - delta), in place. With MASK, pT is 0 where the query comes before
+// the key; `rel` is the stage's first query minus the warp's first key.
 template <bool MASK>
-__device__ __forceinline__ void dkdv_probabilities(float (&p)[M_TILES][DKDV_SUB / 8][4], float (&dp)[M_TILES][DKDV_SUB / 8][4],
-                                                   const float* tl, const float* td, int c0, int rel, float scale_log2, int g, int t) {
+__device__ __forceinline__ void
+dkdv_probabilities(float (&p)[M_TILES][DKDV_SUB / 8][4],
+                   float (&dp)[M_TILES][DKDV_SUB / 8][4], const float* tl, const float* td,
+                   int c0, int rel, float scale_log2, int g, int t) {
 #pragma unroll
     for (int n = 0; n < DKDV_SUB / 8; ++n) {
         const int col = c0 + n * 8 + 2 * t;  // this thread's two queries: col, col + 1
@@ -210,7 +242,8 @@ __device__ __forceinline__ void dkdv_probabilities(float (&p)[M_TILES][DKDV_SUB 
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                float pe = fast_exp2(fmaf(p[mt][n][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
+                float pe =
+                    fast_exp2(fmaf(p[mt][n][e], scale_log2, -((e & 1) ? l2.y : l2.x)));
                 if (MASK && rel + col + (e & 1) < mt * 16 + g + 8 * (e >> 1)) pe = 0.f;
                 p[mt][n][e] = pe;
                 dp[mt][n][e] = pe * (dp[mt][n][e] - ((e & 1) ? d2.y : d2.x));
@@ -221,18 +254,19 @@ __device__ __forceinline__ void dkdv_probabilities(float (&p)[M_TILES][DKDV_SUB 
 
 // ANCHOR: dkdv
 // dK and dV for keys BLOCK_ROWS·kb .. of head bh (one thread block)
-__device__ __forceinline__ void dkdv_block(
-    int bh, int kb,
-    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,  // [B*H, T, D]
-    const u16* __restrict__ dout,    // [B*H, T, D] gradient of the output
-    const float* __restrict__ lse,   // [B*H, T] the forward's natural log-sum-exp
-    const float* __restrict__ delta, // [B*H, T] from backward_delta
-    u16* __restrict__ dk, u16* __restrict__ dv,  // [B*H, T, D] gradients written here
-    int T,                           // tokens
-    float scale                      // 1/sqrt(HEAD_DIM)
+__device__ __forceinline__ void
+dkdv_block(int bh, int kb, const u16* __restrict__ q, const u16* __restrict__ k,
+           const u16* __restrict__ v,        // [B*H, T, D]
+           const u16* __restrict__ dout,     // [B*H, T, D] gradient of the output
+           const float* __restrict__ lse,    // [B*H, T] the forward's natural log-sum-exp
+           const float* __restrict__ delta,  // [B*H, T] from backward_delta
+           u16* __restrict__ dk,
+           u16* __restrict__ dv,  // [B*H, T, D] gradients written here
+           int T,                 // tokens
+           float scale            // 1/sqrt(HEAD_DIM)
 ) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sk = smem;                             // [BLOCK_ROWS][HEAD_DIM], read into registers once
+    u16* sk = smem;  // [BLOCK_ROWS][HEAD_DIM], read into registers once
     u16* sv = sk + BLOCK_ROWS * HEAD_DIM;
     u16* sq = sv + BLOCK_ROWS * HEAD_DIM;       // [2][DKDV_STREAM][HEAD_DIM], two stages
     u16* sdo = sq + 2 * DKDV_STREAM * HEAD_DIM;      // [2][DKDV_STREAM][HEAD_DIM]
@@ -241,11 +275,15 @@ __device__ __forceinline__ void dkdv_block(
 
     const long long head = (long long)bh * T * HEAD_DIM;
     q += head; k += head; v += head; dout += head; dk += head; dv += head;
-    if constexpr (ACCUMULATE) { dk += head; dv += head; }  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
+    // [step 07]
+    // f32 sums: twice a 16-bit value's bytes each
+    if constexpr (ACCUMULATE) { dk += head; dv += head; }
+    // [/step 07]
     lse += (long long)bh * T;
     delta += (long long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-    const int kv0 = kb * BLOCK_ROWS, key0 = kv0 + warp * WARP_ROWS;  // this warp's first key
+    const int kv0 = kb * BLOCK_ROWS,
+              key0 = kv0 + warp * WARP_ROWS;  // this warp's first key
     const float scale_log2 = scale * LOG2E;
     const BOffsets off(lane);
 
@@ -274,12 +312,16 @@ __device__ __forceinline__ void dkdv_block(
         const int stage = (j - first) & 1, q0 = j * DKDV_STREAM;
         // the next queries' copy runs while this block is computed on
         if (j + 1 < q_blocks)
-            load_queries(sq + (stage ^ 1) * DKDV_STREAM * HEAD_DIM, sdo + (stage ^ 1) * DKDV_STREAM * HEAD_DIM, slse + (stage ^ 1) * DKDV_STREAM,
-                         sdelta + (stage ^ 1) * DKDV_STREAM, q, dout, lse, delta, q0 + DKDV_STREAM, T);
+            load_queries(sq + (stage ^ 1) * DKDV_STREAM * HEAD_DIM,
+                         sdo + (stage ^ 1) * DKDV_STREAM * HEAD_DIM,
+                         slse + (stage ^ 1) * DKDV_STREAM,
+                         sdelta + (stage ^ 1) * DKDV_STREAM, q, dout, lse, delta,
+                         q0 + DKDV_STREAM, T);
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        const u32 tq = smem_addr(sq + stage * DKDV_STREAM * HEAD_DIM), tdo = smem_addr(sdo + stage * DKDV_STREAM * HEAD_DIM);
+        const u32 tq = smem_addr(sq + stage * DKDV_STREAM * HEAD_DIM),
+                  tdo = smem_addr(sdo + stage * DKDV_STREAM * HEAD_DIM);
         const float* tl = slse + stage * DKDV_STREAM;
         const float* td = sdelta + stage * DKDV_STREAM;
 
@@ -287,9 +329,12 @@ __device__ __forceinline__ void dkdv_block(
         for (int sub = 0; sub < DKDV_STREAM / DKDV_SUB; ++sub) {
             const int c0 = sub * DKDV_SUB, qs0 = q0 + c0;
 #if CAUSAL // [step 07]
-            if (qs0 + DKDV_SUB - 1 < key0) continue;  // these queries all come before this warp's keys
+            if (qs0 + DKDV_SUB - 1 < key0)
+                continue;  // these queries all come before this warp's keys
 #else // [step 07]
-            if (qs0 >= T) continue;  // queries past T only (and the branch keeps the steps apart) // [step 07]
+            // [step 07]
+            if (qs0 >= T) continue;  // queries past T (the branch keeps the steps apart)
+            // [/step 07]
 #endif // [step 07]
             // sT = k·qᵀ (this warp's keys x DKDV_SUB queries) and dpT = v·dOᵀ
             float p[M_TILES][DKDV_SUB / 8][4], dp[M_TILES][DKDV_SUB / 8][4];
@@ -305,7 +350,8 @@ __device__ __forceinline__ void dkdv_block(
 #endif // [step 07]
                 dkdv_probabilities<false>(p, dp, tl, td, c0, q0 - key0, scale_log2, g, t);
             mma_pb<DKDV_SUB>(dv_acc, p, tdo, c0, off);  // dV += pT · dO
-            mma_pb<DKDV_SUB>(dk_acc, dp, tq, c0, off);  // dK += dsT · q   (· scale at the end)
+            mma_pb<DKDV_SUB>(dk_acc, dp, tq, c0,
+                             off);  // dK += dsT · q   (· scale at the end)
         }
         // every warp is done with this stage before the next iteration's copy overwrites it
         __syncthreads();
@@ -315,20 +361,25 @@ __device__ __forceinline__ void dkdv_block(
 }
 // ANCHOR_END: dkdv
 
-// One thread block per BLOCK_ROWS keys of a head. blockIdx.x is the head, so every head's first
-// key blocks, which the most queries see, start first and the short ones fill the end of the grid.
-extern "C" __global__ void __launch_bounds__(THREADS, DKDV_MIN_BLOCKS) backward_dkdv(
-    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
-    const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dk, u16* __restrict__ dv, int T, float scale) {
+// One thread block per BLOCK_ROWS keys of a head. blockIdx.x is the head, so every head's
+// first key blocks, which the most queries see, start first and the short ones fill the end
+// of the grid.
+extern "C" __global__ void __launch_bounds__(THREADS, DKDV_MIN_BLOCKS)
+    backward_dkdv(const u16* __restrict__ q, const u16* __restrict__ k,
+                  const u16* __restrict__ v, const u16* __restrict__ dout,
+                  const float* __restrict__ lse, const float* __restrict__ delta,
+                  u16* __restrict__ dk, u16* __restrict__ dv, int T, float scale) {
     dkdv_block(blockIdx.x, blockIdx.y, q, k, v, dout, lse, delta, dk, dv, T, scale);
 }
 
-// ds = p o (dp - delta) in place, p = e^(s/√d - lse), for a warp's rows and DQ_SUB keys. With
-// MASK, p is 0 where the key comes after the row; `rel` is the first key minus the warp's first row.
+// ds = p o (dp - delta) in place, p = e^(s/√d - lse), for a warp's rows and DQ_SUB keys.
+// With MASK, p is 0 where the key comes after the row; `rel` is the first key minus the
+// warp's first row.
 template <bool MASK>
-__device__ __forceinline__ void dq_probabilities(float (&s)[M_TILES][DQ_SUB / 8][4], const float (&dp)[M_TILES][DQ_SUB / 8][4],
-                                                 const float (&lse2)[M_TILES][2], const float (&dl)[M_TILES][2], int rel,
-                                                 float scale_log2, int g, int t) {
+__device__ __forceinline__ void
+dq_probabilities(float (&s)[M_TILES][DQ_SUB / 8][4],
+                 const float (&dp)[M_TILES][DQ_SUB / 8][4], const float (&lse2)[M_TILES][2],
+                 const float (&dl)[M_TILES][2], int rel, float scale_log2, int g, int t) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -344,25 +395,25 @@ __device__ __forceinline__ void dq_probabilities(float (&s)[M_TILES][DQ_SUB / 8]
 
 // ANCHOR: dq
 // dQ for queries BLOCK_ROWS·qb .. of head bh (one thread block)
-__device__ __forceinline__ void dq_block(
-    int bh, int qb,
-    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,  // [B*H, T, D]
-    const u16* __restrict__ dout,    // [B*H, T, D]
-    const float* __restrict__ lse,   // [B*H, T]
-    const float* __restrict__ delta, // [B*H, T]
-    u16* __restrict__ dq,            // [B*H, T, D]
-    int T,
-    float scale
-) {
+__device__ __forceinline__ void dq_block(int bh, int qb, const u16* __restrict__ q,
+                                         const u16* __restrict__ k,
+                                         const u16* __restrict__ v,        // [B*H, T, D]
+                                         const u16* __restrict__ dout,     // [B*H, T, D]
+                                         const float* __restrict__ lse,    // [B*H, T]
+                                         const float* __restrict__ delta,  // [B*H, T]
+                                         u16* __restrict__ dq,             // [B*H, T, D]
+                                         int T, float scale) {
     extern __shared__ __align__(128) u16 smem[];
-    u16* sq = smem;                             // [BLOCK_ROWS][HEAD_DIM], read into registers once
+    u16* sq = smem;  // [BLOCK_ROWS][HEAD_DIM], read into registers once
     u16* sdo = sq + BLOCK_ROWS * HEAD_DIM;
     u16* sk = sdo + BLOCK_ROWS * HEAD_DIM;      // [2][DQ_STREAM][HEAD_DIM], two stages
     u16* sv = sk + 2 * DQ_STREAM * HEAD_DIM;       // [2][DQ_STREAM][HEAD_DIM]
 
     const long long head = (long long)bh * T * HEAD_DIM;
     q += head; k += head; v += head; dout += head; dq += head;
-    if constexpr (ACCUMULATE) dq += head;  // f32 sums: each value twice a 16-bit one's bytes // [step 07]
+    // [step 07]
+    if constexpr (ACCUMULATE) dq += head;  // f32 sums: twice a 16-bit value's bytes each
+    // [/step 07]
     lse += (long long)bh * T;
     delta += (long long)bh * T;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -373,7 +424,7 @@ __device__ __forceinline__ void dq_block(
 #if CAUSAL // [step 07]
     const int kv_blocks = (min(q0 + BLOCK_ROWS, T) + DQ_STREAM - 1) / DQ_STREAM;
 #else // [step 07]
-    // every key: those past T are loaded as zeros, so their products add nothing to dQ // [step 07]
+    // every key: those past T load as zeros and add nothing to dQ // [step 07]
     const int kv_blocks = (T + DQ_STREAM - 1) / DQ_STREAM; // [step 07]
 #endif // [step 07]
 
@@ -405,21 +456,27 @@ __device__ __forceinline__ void dq_block(
     for (int j = 0; j < kv_blocks; ++j) {
         const int stage = j & 1, kv0 = j * DQ_STREAM;
         if (j + 1 < kv_blocks) {
-            load_tile<DQ_STREAM>(sk + (stage ^ 1) * DQ_STREAM * HEAD_DIM, k, kv0 + DQ_STREAM, T);
-            load_tile<DQ_STREAM>(sv + (stage ^ 1) * DQ_STREAM * HEAD_DIM, v, kv0 + DQ_STREAM, T);
+            load_tile<DQ_STREAM>(sk + (stage ^ 1) * DQ_STREAM * HEAD_DIM, k,
+                                 kv0 + DQ_STREAM, T);
+            load_tile<DQ_STREAM>(sv + (stage ^ 1) * DQ_STREAM * HEAD_DIM, v,
+                                 kv0 + DQ_STREAM, T);
         }
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();
-        const u32 tk = smem_addr(sk + stage * DQ_STREAM * HEAD_DIM), tv = smem_addr(sv + stage * DQ_STREAM * HEAD_DIM);
+        const u32 tk = smem_addr(sk + stage * DQ_STREAM * HEAD_DIM),
+                  tv = smem_addr(sv + stage * DQ_STREAM * HEAD_DIM);
 
 #pragma unroll
         for (int sub = 0; sub < DQ_STREAM / DQ_SUB; ++sub) {
             const int c0 = sub * DQ_SUB, ks0 = kv0 + c0;
 #if CAUSAL // [step 07]
-            if (ks0 > row0 + WARP_ROWS - 1) continue;  // these keys all come after this warp's rows
+            if (ks0 > row0 + WARP_ROWS - 1)
+                continue;  // these keys all come after this warp's rows
 #else // [step 07]
-            if (ks0 >= T) continue;  // keys past T only (and the branch keeps the steps apart) // [step 07]
+            // [step 07]
+            if (ks0 >= T) continue;  // keys past T (the branch keeps the steps apart)
+            // [/step 07]
 #endif // [step 07]
             float s[M_TILES][DQ_SUB / 8][4], dp[M_TILES][DQ_SUB / 8][4];
             zero(s);
@@ -441,10 +498,13 @@ __device__ __forceinline__ void dq_block(
 }
 // ANCHOR_END: dq
 
-// One thread block per BLOCK_ROWS queries of a head: the last query blocks see the most keys, so
-// they go first, every head's together.
-extern "C" __global__ void __launch_bounds__(THREADS, DQ_MIN_BLOCKS) backward_dq(
-    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, const u16* __restrict__ dout,
-    const float* __restrict__ lse, const float* __restrict__ delta, u16* __restrict__ dq, int T, float scale) {
-    dq_block(blockIdx.x, gridDim.y - 1 - blockIdx.y, q, k, v, dout, lse, delta, dq, T, scale);
+// One thread block per BLOCK_ROWS queries of a head: the last query blocks see the most
+// keys, so they go first, every head's together.
+extern "C" __global__ void __launch_bounds__(THREADS, DQ_MIN_BLOCKS)
+    backward_dq(const u16* __restrict__ q, const u16* __restrict__ k,
+                const u16* __restrict__ v, const u16* __restrict__ dout,
+                const float* __restrict__ lse, const float* __restrict__ delta,
+                u16* __restrict__ dq, int T, float scale) {
+    dq_block(blockIdx.x, gridDim.y - 1 - blockIdx.y, q, k, v, dout, lse, delta, dq, T,
+             scale);
 }

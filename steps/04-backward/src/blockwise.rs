@@ -1,21 +1,21 @@
 //! The blockwise backward of FlashAttention-2 (Dao 2023, Algorithm 2), on the CPU.
 //!
-//! Nothing of size T×T is ever allocated. The probabilities are rebuilt a block at a time from
-//! the scores and the log-sum-exp the forward kept, `P_ij = exp(S_ij − lse_i)`, and used at
-//! once. First [`delta`]: `δ_i = Σ_d dO_i·O_i`, once per row (FA-2 Algorithm 2, line 4; in the
-//! FlashAttention code the "preprocessing" kernel). Then one of two ways:
+//! Nothing of size T×T is ever allocated. The probabilities are rebuilt a block at a time
+//! from the scores and the log-sum-exp the forward kept, `P_ij = exp(S_ij − lse_i)`, and
+//! used at once. First [`delta`]: `δ_i = Σ_d dO_i·O_i`, once per row (FA-2 Algorithm 2,
+//! line 4; in the FlashAttention code the "preprocessing" kernel). Then one of two ways:
 //!
 //! - [`backward`] (and [`backward_with_blocks`]): Algorithm 2 as written, one pass. A task
-//!   takes a run of a head's key blocks; for each it streams past every block of queries that
-//!   can see it, adding into its rows of dK and dV and into the queries' rows of dQ. The task
-//!   owns a whole dQ for its head to add into, so no two tasks ever add to the same number:
-//!   when a head is split into several runs (so that there are enough tasks for the threads),
-//!   each run has its own dQ, and they are summed in a fixed order at the end. Five products
-//!   per block pair.
-//! - [`backward_two_pass`]: the split of the GPU kernels (chapter 4). The key pass has one task
-//!   per (sequence, head, block of keys), owning its block's dK and dV; the query pass one task
-//!   per (sequence, head, block of queries), owning its block's dQ. The scores, probabilities
-//!   and `dP` are computed twice: seven products per block pair.
+//!   takes a run of a head's key blocks; for each it streams past every block of queries
+//!   that can see it, adding into its rows of dK and dV and into the queries' rows of dQ.
+//!   The task owns a whole dQ for its head to add into, so no two tasks ever add to the
+//!   same number: when a head is split into several runs (so that there are enough tasks
+//!   for the threads), each run has its own dQ, and they are summed in a fixed order at the
+//!   end. Five products per block pair.
+//! - [`backward_two_pass`]: the split of the GPU kernels (chapter 4). The key pass has one
+//!   task per (sequence, head, block of keys), owning its block's dK and dV; the query pass
+//!   one task per (sequence, head, block of queries), owning its block's dQ. The scores,
+//!   probabilities and `dP` are computed twice: seven products per block pair.
 //!
 //! Both sum every gradient in one fixed order, chosen from the shape alone: the result is
 //! identical on every run and on any number of threads.
@@ -24,15 +24,17 @@ use std::ops::Range;
 
 use flash_core::{Attention, AttnError, Shape, try_zeros};
 use ndarray::linalg::general_mat_mul;
-use ndarray::{Array2, Array3, Array4, ArrayView1, ArrayView2, ArrayView4, ArrayViewMut2, Axis};
+use ndarray::{
+    Array2, Array3, Array4, ArrayView1, ArrayView2, ArrayView4, ArrayViewMut2, Axis,
+};
 use ndarray::{Zip, s};
 use rayon::prelude::*;
 use step02_online_softmax::{Isa, kernels::Kernels};
 
 use crate::{Grads, check_backward};
 
-/// How many queries and how many keys one block holds. Any sizes of at least 1 give the same
-/// gradients up to rounding; they only change the speed.
+/// How many queries and how many keys one block holds. Any sizes of at least 1 give the
+/// same gradients up to rounding; they only change the speed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockSizes {
     /// Rows of a block: queries (and their `dO`, `lse`, `δ`).
@@ -42,9 +44,9 @@ pub struct BlockSizes {
 }
 
 impl Default for BlockSizes {
-    /// 128 × 128: a block of `P` or `dS` is 64 KiB, and the two of them and the four `128 × d`
-    /// slices they are made from stay in a core's L2 cache; the products of `ndarray` run
-    /// faster on them than on 64 × 64 blocks.
+    /// 128 × 128: a block of `P` or `dS` is 64 KiB, and the two of them and the four `128 ×
+    /// d` slices they are made from stay in a core's L2 cache; the products of `ndarray`
+    /// run faster on them than on 64 × 64 blocks.
     fn default() -> Self {
         BlockSizes {
             queries: 128,
@@ -54,10 +56,10 @@ impl Default for BlockSizes {
 }
 
 impl BlockSizes {
-    /// The sizes [`backward`] takes for a sequence of `tokens`: 128 × 128, and 256 × 256 from
-    /// 4,096 tokens, where the longer products outweigh the larger blocks' longer tail (on the
-    /// 2-core EPYC of chapter 2, 1–10% faster at 4,096 and 8,192 tokens and 4–8% slower at
-    /// 2,048: `examples/backward-speed.rs`).
+    /// The sizes [`backward`] takes for a sequence of `tokens`: 128 × 128, and 256 × 256
+    /// from 4,096 tokens, where the longer products outweigh the larger blocks' longer tail
+    /// (on the 2-core EPYC of chapter 2, 1–10% faster at 4,096 and 8,192 tokens and 4–8%
+    /// slower at 2,048: `examples/backward-speed.rs`).
     pub fn for_tokens(tokens: usize) -> BlockSizes {
         let side = if tokens >= 4096 { 256 } else { 128 };
         BlockSizes {
@@ -105,9 +107,10 @@ pub fn backward_with_blocks(
         zeros("dv", shape.len())?,
     );
     let kernels = Kernels::new(Isa::detect())?;
-    let head = |bh: usize| Head::new(bh, shape, &q, &k, &v, &dout, fwd, &delta, blocks, kernels);
-    // each head's key blocks in runs of about equal work, `ends[r]..ends[r + 1]`; the runs after
-    // the first add into a dQ of their own, [head][run - 1][T][d]
+    let head =
+        |bh: usize| Head::new(bh, shape, &q, &k, &v, &dout, fwd, &delta, blocks, kernels);
+    // each head's key blocks in runs of about equal work, `ends[r]..ends[r + 1]`; the runs
+    // after the first add into a dQ of their own, [head][run - 1][T][d]
     let ends = runs(shape, blocks);
     let per_head = t_n * d_n;
     let extra_per_head = (ends.len() - 2) * per_head;
@@ -152,11 +155,11 @@ pub fn backward_with_blocks(
 // ANCHOR_END: blockwise_backward
 
 // ANCHOR: runs
-/// Where a head's key blocks are cut into runs: `ends[r]..ends[r + 1]` is run r. As many runs
-/// as make about 16 tasks in all (at most 4 per head, at least 2 blocks each), cut so that each
-/// run sees about the same number of queries (the first key blocks are seen by the most). A
-/// function of the shape alone, never of the thread count, so the sums run in the same order
-/// on any machine.
+/// Where a head's key blocks are cut into runs: `ends[r]..ends[r + 1]` is run r. As many
+/// runs as make about 16 tasks in all (at most 4 per head, at least 2 blocks each), cut so
+/// that each run sees about the same number of queries (the first key blocks are seen by
+/// the most). A function of the shape alone, never of the thread count, so the sums run in
+/// the same order on any machine.
 fn runs(shape: Shape, blocks: BlockSizes) -> Vec<usize> {
     let (t_n, bc) = (shape.tokens, blocks.keys);
     let n = t_n.div_ceil(bc);
@@ -200,8 +203,8 @@ fn grads(shape: Shape, dq: Vec<f32>, dk: Vec<f32>, dv: Vec<f32>) -> Grads {
 }
 
 // ANCHOR: two_pass_backward
-/// The gradients of q, k and v in two passes, as the GPU kernels compute them: dK and dV per
-/// block of keys, then dQ per block of queries.
+/// The gradients of q, k and v in two passes, as the GPU kernels compute them: dK and dV
+/// per block of keys, then dQ per block of queries.
 pub fn backward_two_pass(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -215,13 +218,16 @@ pub fn backward_two_pass(
     if shape.is_empty() {
         return Ok(Grads::zeros(shape));
     }
-    let delta = delta(fwd.out.view(), dout); // [b, h, T]: the only thing kept besides dq, dk, dv
+    // [b, h, T]: the only thing kept besides dq, dk and dv
+    let delta = delta(fwd.out.view(), dout);
     let [_, _, t_n, d_n] = shape.dims();
     let zeros = |what| try_zeros::<f32>(what, Some(shape.len()));
     let (mut dq, mut dk, mut dv) = (zeros("dq")?, zeros("dk")?, zeros("dv")?);
     let kernels = Kernels::new(Isa::detect())?;
-    let head = |bh: usize| Head::new(bh, shape, &q, &k, &v, &dout, fwd, &delta, blocks, kernels);
-    // the key pass: one task per (sequence, head, block of keys), owning its rows of dK and dV
+    let head =
+        |bh: usize| Head::new(bh, shape, &q, &k, &v, &dout, fwd, &delta, blocks, kernels);
+    // the key pass: one task per (sequence, head, block of keys), owning its rows of dK and
+    // dV
     let per_head = t_n * d_n;
     let per_key_block = blocks.keys * d_n;
     dk.par_chunks_mut(per_head)
@@ -233,7 +239,8 @@ pub fn backward_two_pass(
             chunks.enumerate().map(move |(j, kv)| (bh, j, kv))
         })
         .for_each(|(bh, j, (dk, dv))| head(bh).key_block(j, dk, dv));
-    // the query pass: one task per (sequence, head, block of queries), owning its rows of dQ
+    // the query pass: one task per (sequence, head, block of queries), owning its rows of
+    // dQ
     let per_query_block = blocks.queries * d_n;
     dq.par_chunks_mut(per_head)
         .enumerate()
@@ -257,8 +264,8 @@ pub fn delta(out: ArrayView4<f32>, dout: ArrayView4<f32>) -> Array3<f32> {
 }
 // ANCHOR_END: delta
 
-/// One head of one sequence: the `[T, d]` slices of the inputs and the `[T]` rows of `lse` and
-/// `δ`.
+/// One head of one sequence: the `[T, d]` slices of the inputs and the `[T]` rows of `lse`
+/// and `δ`.
 struct Head<'a> {
     q: ArrayView2<'a, f32>,
     k: ArrayView2<'a, f32>,
@@ -307,8 +314,10 @@ impl<'a> Head<'a> {
         let (t_n, d_n) = self.q.dim();
         let (br, bc) = (self.blocks.queries, self.blocks.keys);
         let first_key = run.start * bc;
-        let mut dk = ArrayViewMut2::from_shape((dk.len() / d_n, d_n), dk).expect("[keys, d]");
-        let mut dv = ArrayViewMut2::from_shape((dv.len() / d_n, d_n), dv).expect("[keys, d]");
+        let mut dk =
+            ArrayViewMut2::from_shape((dk.len() / d_n, d_n), dk).expect("[keys, d]");
+        let mut dv =
+            ArrayViewMut2::from_shape((dv.len() / d_n, d_n), dv).expect("[keys, d]");
         let mut dq = ArrayViewMut2::from_shape((t_n, d_n), dq).expect("[T, d]");
         let mut p = Array2::zeros((br, bc));
         let mut ds = Array2::zeros((br, bc));
@@ -318,7 +327,8 @@ impl<'a> Head<'a> {
             let mut dk = dk.slice_mut(s![local.clone(), ..]);
             let mut dv = dv.slice_mut(s![local, ..]);
             let k = self.k.slice(s![keys.clone(), ..]);
-            // causal: the query blocks before the one holding the first key see none of them
+            // causal: the query blocks before the one holding the first key see none of
+            // them
             for start in (keys.start / br * br..t_n).step_by(br) {
                 let rows = start..(start + br).min(t_n);
                 let mut p = p.slice_mut(s![..rows.len(), ..keys.len()]);
@@ -330,17 +340,20 @@ impl<'a> Head<'a> {
                     self.dout.slice(s![rows.clone(), ..]),
                 );
                 general_mat_mul(1.0, &p.t(), &dout, 1.0, &mut dv); // dV_j += P_ijᵀ·dO_i
-                general_mat_mul(self.scale, &ds.t(), &q, 1.0, &mut dk); // dK_j += dS_ijᵀ·Q_i·scale
+                // dK_j += dS_ijᵀ·Q_i·scale
+                general_mat_mul(self.scale, &ds.t(), &q, 1.0, &mut dk);
                 let mut dq = dq.slice_mut(s![rows, ..]);
-                general_mat_mul(self.scale, &ds, &k, 1.0, &mut dq); // dQ_i += dS_ij·K_j·scale
+                // dQ_i += dS_ij·K_j·scale
+                general_mat_mul(self.scale, &ds, &k, 1.0, &mut dq);
             }
         }
     }
     // ANCHOR_END: one_pass
 
     // ANCHOR: key_pass
-    /// Key block `j`: `dK_j = Σ_i dS_ijᵀ·Q_i·scale` and `dV_j = Σ_i P_ijᵀ·dO_i` over the query
-    /// blocks `i` that see any of its keys, written into `dk` and `dv`, its `[keys, d]` rows.
+    /// Key block `j`: `dK_j = Σ_i dS_ijᵀ·Q_i·scale` and `dV_j = Σ_i P_ijᵀ·dO_i` over the
+    /// query blocks `i` that see any of its keys, written into `dk` and `dv`, its `[keys,
+    /// d]` rows.
     fn key_block(&self, j: usize, dk: &mut [f32], dv: &mut [f32]) {
         let (t_n, d_n) = self.q.dim();
         let keys = j * self.blocks.keys..((j + 1) * self.blocks.keys).min(t_n);
@@ -348,8 +361,9 @@ impl<'a> Head<'a> {
         let mut dv = ArrayViewMut2::from_shape((keys.len(), d_n), dv).expect("[keys, d]");
         let mut p = Array2::zeros((self.blocks.queries, keys.len()));
         let mut ds = Array2::zeros((self.blocks.queries, keys.len()));
-        // causal: the blocks of queries before the one holding query `keys.start` see none of
-        // these keys (every query there comes before every key here), so they are skipped
+        // causal: the blocks of queries before the one holding query `keys.start` see none
+        // of these keys (every query there comes before every key here), so they are
+        // skipped
         let first = keys.start / self.blocks.queries * self.blocks.queries;
         for start in (first..t_n).step_by(self.blocks.queries) {
             let rows = start..(start + self.blocks.queries).min(t_n);
@@ -360,18 +374,20 @@ impl<'a> Head<'a> {
             let dout = self.dout.slice(s![rows.clone(), ..]);
             general_mat_mul(1.0, &p.t(), &dout, 1.0, &mut dv); // dV_j += P_ijᵀ·dO_i
             let q = self.q.slice(s![rows, ..]);
-            general_mat_mul(self.scale, &ds.t(), &q, 1.0, &mut dk); // dK_j += dS_ijᵀ·Q_i·scale
+            // dK_j += dS_ijᵀ·Q_i·scale
+            general_mat_mul(self.scale, &ds.t(), &q, 1.0, &mut dk);
         }
     }
     // ANCHOR_END: key_pass
 
     // ANCHOR: query_pass
-    /// Query block `i`: `dQ_i = Σ_j dS_ij·K_j·scale` over the key blocks `j` it sees, written
-    /// into `dq`, its `[queries, d]` rows.
+    /// Query block `i`: `dQ_i = Σ_j dS_ij·K_j·scale` over the key blocks `j` it sees,
+    /// written into `dq`, its `[queries, d]` rows.
     fn query_block(&self, i: usize, dq: &mut [f32]) {
         let (t_n, d_n) = self.q.dim();
         let rows = i * self.blocks.queries..((i + 1) * self.blocks.queries).min(t_n);
-        let mut dq = ArrayViewMut2::from_shape((rows.len(), d_n), dq).expect("[queries, d]");
+        let mut dq =
+            ArrayViewMut2::from_shape((rows.len(), d_n), dq).expect("[queries, d]");
         let mut p = Array2::zeros((rows.len(), self.blocks.keys));
         let mut ds = Array2::zeros((rows.len(), self.blocks.keys));
         // causal: the key blocks that start after the last query here are skipped
@@ -382,16 +398,17 @@ impl<'a> Head<'a> {
             self.probabilities(rows.clone(), keys.clone(), &mut p);
             self.grad_scores(rows.clone(), keys.clone(), &p.view(), &mut ds);
             let k = self.k.slice(s![keys, ..]);
-            general_mat_mul(self.scale, &ds, &k, 1.0, &mut dq); // dQ_i += dS_ij·K_j·scale
+            // dQ_i += dS_ij·K_j·scale
+            general_mat_mul(self.scale, &ds, &k, 1.0, &mut dq);
         }
     }
     // ANCHOR_END: query_pass
 
     // ANCHOR: probabilities_from_lse
-    /// The block of probabilities `P_ij = exp(S_ij − lse_i)` for queries `rows` and keys `cols`,
-    /// from the scores `S = Q·Kᵀ·scale` and the log-sum-exp the forward kept: no maximum and no
-    /// sum to find again, since `lse_i` already holds both. Masked entries (key after query)
-    /// are exactly 0.
+    /// The block of probabilities `P_ij = exp(S_ij − lse_i)` for queries `rows` and keys
+    /// `cols`, from the scores `S = Q·Kᵀ·scale` and the log-sum-exp the forward kept: no
+    /// maximum and no sum to find again, since `lse_i` already holds both. Masked entries
+    /// (key after query) are exactly 0.
     ///
     /// `S_ij − lse_i` is small where `P_ij` is large, while both may be in the hundreds: an
     /// error of one part in 10⁷ in either is an error of 10⁻⁵ in `P_ij`. So the scores are
@@ -399,7 +416,12 @@ impl<'a> Head<'a> {
     /// with the scale as its `alpha`, one rounding of the finished dot product), and the
     /// subtraction comes before anything else, where it is exact for a score near the
     /// log-sum-exp.
-    fn probabilities(&self, rows: Range<usize>, cols: Range<usize>, p: &mut ArrayViewMut2<f32>) {
+    fn probabilities(
+        &self,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        p: &mut ArrayViewMut2<f32>,
+    ) {
         let (q, k) = (
             self.q.slice(s![rows.clone(), ..]),
             self.k.slice(s![cols.clone(), ..]),
@@ -447,8 +469,10 @@ mod tests {
 
     #[test]
     fn delta_is_the_row_dot_of_out_and_dout() {
-        let out = Array4::from_shape_vec((1, 1, 2, 3), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
-        let dout = Array4::from_shape_vec((1, 1, 2, 3), vec![1.0, 0.0, -1.0, 0.5, 0.5, 0.5]);
+        let out = Array4::from_shape_vec((1, 1, 2, 3), vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+            .unwrap();
+        let dout =
+            Array4::from_shape_vec((1, 1, 2, 3), vec![1.0, 0.0, -1.0, 0.5, 0.5, 0.5]);
         let d = delta(out.view(), dout.unwrap().view());
         assert_eq!(d.into_raw_vec_and_offset().0, vec![-2.0, 7.5]);
     }

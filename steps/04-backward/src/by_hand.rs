@@ -1,10 +1,10 @@
 //! The backward of attention by hand: the chain rule in `f32` through two whole tables, the
 //! probabilities `P` and their gradient `dP`, `[batch, heads, tokens, tokens]` each.
 //!
-//! It is the backward that goes with step 01's forward if that forward had kept its table: the
-//! table is made again exactly as step 01 makes it ([`step01_naive::probabilities`]), and the
-//! forward's result is used only for its shape. Its memory is `2·B·H·T²·4` bytes, twice the
-//! forward's; a table too large to allocate gives [`AttnError::OutOfMemory`].
+//! It is the backward that goes with step 01's forward if that forward had kept its table:
+//! the table is made again exactly as step 01 makes it ([`step01_naive::probabilities`]),
+//! and the forward's result is used only for its shape. Its memory is `2·B·H·T²·4` bytes,
+//! twice the forward's; a table too large to allocate gives [`AttnError::OutOfMemory`].
 
 use flash_core::{Attention, AttnError, Shape, try_zeros};
 use ndarray::linalg::general_mat_mul;
@@ -51,8 +51,8 @@ pub fn backward_by_hand(
 }
 // ANCHOR_END: by_hand_backward
 
-/// A `[batch, heads, tokens, tokens]` table of zeros, or [`AttnError::OutOfMemory`] when its
-/// size overflows or the allocator refuses it.
+/// A `[batch, heads, tokens, tokens]` table of zeros, or [`AttnError::OutOfMemory`] when
+/// its size overflows or the allocator refuses it.
 fn table(shape: Shape, what: &str) -> Result<Array4<f32>, AttnError> {
     let [b_n, h_n, t_n, _] = shape.dims();
     let len = b_n

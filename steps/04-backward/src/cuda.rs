@@ -1,8 +1,9 @@
-//! The backward pass on the GPU: `kernels/flash_backward.cu`, compiled by NVRTC through step
-//! 03's [`Gpu`] and launched after the same kind of checks. Three launches: δ for every row,
-//! then dK and dV with one block per 128 keys, then dQ with one block per 128 queries (four
-//! warps of 32 rows up to head dim 64, eight of 16 at 128: [`BackwardConfig::for_head_dim`]).
-//! Each block writes only its own rows: no atomics, the same bits on every run.
+//! The backward pass on the GPU: `kernels/flash_backward.cu`, compiled by NVRTC through
+//! step 03's [`Gpu`] and launched after the same kind of checks. Three launches: δ for
+//! every row, then dK and dV with one block per 128 keys, then dQ with one block per 128
+//! queries (four warps of 32 rows up to head dim 64, eight of 16 at 128:
+//! [`BackwardConfig::for_head_dim`]). Each block writes only its own rows: no atomics, the
+//! same bits on every run.
 
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
@@ -11,7 +12,8 @@ use ndarray::{Array4, ArrayView4};
 use step03_cuda_forward::by_hand::warp_per_row;
 use step03_cuda_forward::kernel::compile_error;
 use step03_cuda_forward::{
-    DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, check_device, cudarc, device_error,
+    DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, check_device, cudarc,
+    device_error,
 };
 
 use crate::Grads;
@@ -19,8 +21,8 @@ use crate::Grads;
 /// The backward kernels, embedded so that binaries carry them; compiled with step 03's
 /// [`TENSOR_CORES_CUH`](step03_cuda_forward::kernel::TENSOR_CORES_CUH) in front.
 pub const FLASH_BACKWARD_CU: &str = include_str!("../kernels/flash_backward.cu");
-/// The head dims the backward kernels are compiled for: the forward kernel's (chapter 3), so
-/// that every forward the GPU runs has a backward.
+/// The head dims the backward kernels are compiled for: the forward kernel's (chapter 3),
+/// so that every forward the GPU runs has a backward.
 pub const HEAD_DIMS: [usize; 3] = step03_cuda_forward::kernel::HEAD_DIMS;
 
 /// [`HEAD_DIMS`] as error messages list them.
@@ -32,16 +34,17 @@ fn supported_head_dims() -> String {
 const MAX_GRID_Y: usize = 65_535;
 
 /// The tile shape of the backward kernels: the sizes that may change without changing the
-/// result's meaning (other sizes sum in another order). [`BackwardConfig::for_head_dim`] is the
-/// fastest measured on the H200 (the tuning log, `lab/logs/04-backward/README.md`). Each field
-/// is a `-D` option of `kernels/flash_backward.cu` ([`BackwardKernel::options`]).
+/// result's meaning (other sizes sum in another order). [`BackwardConfig::for_head_dim`] is
+/// the fastest measured on the H200 (the tuning log, `lab/logs/04-backward/README.md`).
+/// Each field is a `-D` option of `kernels/flash_backward.cu`
+/// ([`BackwardKernel::options`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackwardConfig {
     /// Warps per thread block (`WARPS`): 4 or 8.
     pub warps: usize,
     /// 16-row tiles of keys (dK/dV) or queries (dQ) per warp (`M_TILES`): 2, so that each B
-    /// fragment read from shared memory feeds two `mma`, or 1, where 32 rows of two operands
-    /// and two gradients would not fit in a warp's registers (head dim 128).
+    /// fragment read from shared memory feeds two `mma`, or 1, where 32 rows of two
+    /// operands and two gradients would not fit in a warp's registers (head dim 128).
     pub m_tiles: usize,
     /// Queries streamed past `backward_dkdv`'s keys per stage (`DKDV_STREAM`): 64 or 128.
     pub dkdv_stream: usize,
@@ -60,10 +63,10 @@ pub struct BackwardConfig {
 
 impl BackwardConfig {
     // ANCHOR: backward_for_head_dim
-    /// The tile shape for a head dim. Up to 64: four warps of 32 rows, the forward's shape, the
-    /// fastest measured. At 128 a warp's 32 rows of k and v (128 registers a thread) and of dK
-    /// and dV (256) would not fit in 255 registers: eight warps of 16 rows, the same 128 rows a
-    /// block, one block a multiprocessor.
+    /// The tile shape for a head dim. Up to 64: four warps of 32 rows, the forward's shape,
+    /// the fastest measured. At 128 a warp's 32 rows of k and v (128 registers a thread)
+    /// and of dK and dV (256) would not fit in 255 registers: eight warps of 16 rows, the
+    /// same 128 rows a block, one block a multiprocessor.
     pub fn for_head_dim(head_dim: usize) -> BackwardConfig {
         let base = BackwardConfig {
             warps: 4,
@@ -104,12 +107,12 @@ impl BackwardConfig {
     /// Dynamic shared memory of `backward_dkdv`: its own rows of k and v, and two stages of
     /// queries' q and dO with their log-sum-exp and δ.
     pub fn dkdv_smem_bytes(&self, head_dim: usize) -> u32 {
-        ((2 * self.block_rows() + 4 * self.dkdv_stream) * head_dim * 2 + 4 * self.dkdv_stream * 4)
-            as u32
+        ((2 * self.block_rows() + 4 * self.dkdv_stream) * head_dim * 2
+            + 4 * self.dkdv_stream * 4) as u32
     }
 
-    /// Dynamic shared memory of `backward_dq`: its own rows of q and dO, and two stages of keys'
-    /// k and v.
+    /// Dynamic shared memory of `backward_dq`: its own rows of q and dO, and two stages of
+    /// keys' k and v.
     pub fn dq_smem_bytes(&self, head_dim: usize) -> u32 {
         ((2 * self.block_rows() + 4 * self.dq_stream) * head_dim * 2) as u32
     }
@@ -127,12 +130,17 @@ impl BackwardConfig {
     }
 
     /// A short name for tables: `w<warps>x<m-tiles> s<dK/dV stream>/<dQ stream>
-    /// sub<dK/dV step>/<dQ step>`, then the blocks a multiprocessor of each kernel where that
-    /// caps its registers below 255.
+    /// sub<dK/dV step>/<dQ step>`, then the blocks a multiprocessor of each kernel where
+    /// that caps its registers below 255.
     pub fn label(&self) -> String {
         let mut s = format!(
             "w{}x{} s{}/{} sub{}/{}",
-            self.warps, self.m_tiles, self.dkdv_stream, self.dq_stream, self.dkdv_sub, self.dq_sub
+            self.warps,
+            self.m_tiles,
+            self.dkdv_stream,
+            self.dq_stream,
+            self.dkdv_sub,
+            self.dq_sub
         );
         let capped = |blocks: usize| blocks * self.threads() as usize > 256;
         if capped(self.dkdv_min_blocks) {
@@ -168,17 +176,19 @@ impl BackwardConfig {
 
 /// One build of the backward kernels: everything their `-D` options say. It alone turns a
 /// dtype, a head dim and a tile shape into those options ([`BackwardKernel::options`]), a
-/// module name and the checks they must pass; `kernels/flash_backward.cu` holds no defaults.
+/// module name and the checks they must pass; `kernels/flash_backward.cu` holds no
+/// defaults.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackwardKernel {
     pub dtype: Dtype,
     pub head_dim: usize,
     pub config: BackwardConfig,
     // [step 07]
-    /// Each query sees the keys up to its own position (`CAUSAL`); without the mask, every key.
+    /// Each query sees the keys up to its own position (`CAUSAL`); without the mask, every
+    /// key.
     pub causal: bool,
-    /// dq, dk and dv are `f32` sums each block's share is added to (`ACCUMULATE`), rather than
-    /// 16-bit values written once.
+    /// dq, dk and dv are `f32` sums each block's share is added to (`ACCUMULATE`), rather
+    /// than 16-bit values written once.
     pub accumulate: bool,
     // [/step 07]
 }
@@ -206,8 +216,8 @@ impl BackwardKernel {
         self.config.check()
     }
 
-    /// The module's name: the kernels, what the build changes about them, the dtype, the head
-    /// dim and the tile shape.
+    /// The module's name: the kernels, what the build changes about them, the dtype, the
+    /// head dim and the tile shape.
     pub fn name(&self) -> String {
         let tile = self.config.label().replace([' ', '/'], "_");
         let build = format!("{}_d{}_{tile}.cu", self.dtype.name(), self.head_dim);
@@ -285,8 +295,8 @@ fn backward_source() -> String {
 }
 
 // [step 07]
-/// [`compile_backward`] with the causal mask off (`-DCAUSAL=0`): every query sees every key,
-/// for the blocks of step 07's ring that lie wholly before their queries.
+/// [`compile_backward`] with the causal mask off (`-DCAUSAL=0`): every query sees every
+/// key, for the blocks of step 07's ring that lie wholly before their queries.
 pub fn compile_backward_full(
     dtype: Dtype,
     head_dim: usize,
@@ -300,9 +310,9 @@ pub fn compile_backward_full(
     .compile(arch)
 }
 
-/// The backward kernels with each block's gradients added into `f32` sums (`-DACCUMULATE=1`:
-/// dq, dk and dv are `float*`), with the causal mask or without it: step 07's ring adds every
-/// block's share to one `f32` sum per row and rounds once, at the end.
+/// The backward kernels with each block's gradients added into `f32` sums
+/// (`-DACCUMULATE=1`: dq, dk and dv are `float*`), with the causal mask or without it: step
+/// 07's ring adds every block's share to one `f32` sum per row and rounds once, at the end.
 pub fn compile_backward_accumulate(
     dtype: Dtype,
     head_dim: usize,
@@ -342,7 +352,11 @@ impl DeviceGrads {
     /// # Safety
     ///
     /// The caller writes every value before anything reads it.
-    pub unsafe fn alloc(gpu: &Gpu, shape: Shape, dtype: Dtype) -> Result<DeviceGrads, AttnError> {
+    pub unsafe fn alloc(
+        gpu: &Gpu,
+        shape: Shape,
+        dtype: Dtype,
+    ) -> Result<DeviceGrads, AttnError> {
         let alloc = |what: &str| {
             // SAFETY: the caller's promise
             unsafe { gpu.stream().alloc::<u16>(shape.len()) }
@@ -425,9 +439,9 @@ pub fn backward_with(
     backward_marked(gpu, config, q, k, v, fwd, dout, &mut || Ok(()))
 }
 
-/// [`backward_with`], calling `mark` before the first launch and after each of the three (to
-/// record an event on the stream there, say: the lab's `backward-tune --split` times each
-/// kernel so).
+/// [`backward_with`], calling `mark` before the first launch and after each of the three
+/// (to record an event on the stream there, say: the lab's `backward-tune --split` times
+/// each kernel so).
 #[allow(clippy::too_many_arguments)]
 pub fn backward_marked(
     gpu: &Gpu,
@@ -446,10 +460,10 @@ pub fn backward_marked(
 // ANCHOR_END: backward_gpu
 
 // [step 07]
-/// [`backward`] without the causal mask: the gradients of a block of queries that sees every
-/// key of a block of keys. Step 07's ring computes so the blocks that lie wholly before their
-/// queries; `fwd` then holds the whole row's output and log-sum-exp, so the probabilities are
-/// the row's own and the gradients are this block's share.
+/// [`backward`] without the causal mask: the gradients of a block of queries that sees
+/// every key of a block of keys. Step 07's ring computes so the blocks that lie wholly
+/// before their queries; `fwd` then holds the whole row's output and log-sum-exp, so the
+/// probabilities are the row's own and the gradients are this block's share.
 pub fn backward_full(
     gpu: &Gpu,
     q: &DeviceTensor,
@@ -549,10 +563,13 @@ fn launch_backward(
     config.check()?;
     // the grid is (heads, blocks of rows): its second dimension stops at 65,535
     let block = config.block_rows();
-    if shape.tokens.div_ceil(block) > MAX_GRID_Y || shape.batch * shape.heads > i32::MAX as usize {
+    if shape.tokens.div_ceil(block) > MAX_GRID_Y
+        || shape.batch * shape.heads > i32::MAX as usize
+    {
         return Err(AttnError::Unsupported {
             what: format!(
-                "{shape}: the backward kernels take at most {MAX_GRID_Y} blocks of {block} tokens ({} tokens) and 2^31 sequences × heads",
+                "{shape}: the backward kernels take at most {MAX_GRID_Y} blocks of {block} \
+                 tokens ({} tokens) and 2^31 sequences × heads",
                 MAX_GRID_Y * block
             ),
         });
@@ -567,10 +584,10 @@ fn launch_backward(
     let (t, scale) = (shape.tokens as i32, 1.0 / (shape.head_dim as f32).sqrt());
     let heads = (shape.batch * shape.heads) as u32;
     let blocks = shape.tokens.div_ceil(block) as u32;
-    // SAFETY (every launch): check_device and the checks above proved every buffer holds what
-    // the shape says; each kernel reads rows below T and writes only its own rows of delta,
-    // dk/dv or dq, and together they write all of them; each gets the dynamic shared memory its
-    // layout needs, which Gpu::kernel has allowed it.
+    // SAFETY (every launch): check_device and the checks above proved every buffer holds
+    // what the shape says; each kernel reads rows below T and writes only its own rows of
+    // delta, dk/dv or dq, and together they write all of them; each gets the dynamic shared
+    // memory its layout needs, which Gpu::kernel has allowed it.
     mark()?;
     let delta = launch_delta(gpu, &kernels("backward_delta", 0)?, fwd, dout)?;
     mark()?;
@@ -623,8 +640,12 @@ fn launch_backward(
 // ANCHOR_END: launch_backward
 
 /// A forward on device tensors: [`Gpu::forward`] or [`Gpu::by_hand`].
-pub type DeviceForwardFn =
-    fn(&Gpu, &DeviceTensor, &DeviceTensor, &DeviceTensor) -> Result<DeviceAttention, AttnError>;
+pub type DeviceForwardFn = fn(
+    &Gpu,
+    &DeviceTensor,
+    &DeviceTensor,
+    &DeviceTensor,
+) -> Result<DeviceAttention, AttnError>;
 
 /// A backward on device tensors: [`backward`] or
 /// [`cuda_by_hand::backward`](crate::cuda_by_hand::backward).
@@ -637,8 +658,8 @@ pub type DeviceBackwardFn = fn(
     &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError>;
 
-/// Forward and backward on host arrays: inputs rounded to `dtype`, the forward kernel of step
-/// 03, then [`backward`]; everything widened back to `f32`.
+/// Forward and backward on host arrays: inputs rounded to `dtype`, the forward kernel of
+/// step 03, then [`backward`]; everything widened back to `f32`.
 pub fn forward_backward(
     gpu: &Gpu,
     q: ArrayView4<f32>,
@@ -655,7 +676,14 @@ pub fn forward_backward(
 pub fn forward_backward_with(
     gpu: &Gpu,
     forward: DeviceForwardFn,
-    backward: DeviceBackwardFn,
+    backward: impl Fn(
+        &Gpu,
+        &DeviceTensor,
+        &DeviceTensor,
+        &DeviceTensor,
+        &DeviceAttention,
+        &DeviceTensor,
+    ) -> Result<DeviceGrads, AttnError>,
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
@@ -696,9 +724,9 @@ pub fn forward_backward_with(
     Ok((attention, grads))
 }
 
-/// The backward by hand as PyTorch's autograd computes it on a GPU in `dtype`: every product's
-/// result and the softmax's gradient rounded to `dtype`, arithmetic in f32. The baseline of
-/// FlashAttention's rule for the gradients.
+/// The backward by hand as PyTorch's autograd computes it on a GPU in `dtype`: every
+/// product's result and the softmax's gradient rounded to `dtype`, arithmetic in f32. The
+/// baseline of FlashAttention's rule for the gradients.
 pub fn backward_by_hand_low_precision(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -732,7 +760,8 @@ pub fn backward_by_hand_low_precision(
                 v.slice(s![b, h, .., ..]),
                 dout.slice(s![b, h, .., ..]),
             );
-            // the forward by hand's table, rounded as step 03's by_hand_low_precision rounds it
+            // the forward by hand's table, rounded as step 03's by_hand_low_precision
+            // rounds it
             let p = probabilities_low_precision(qh, kh, dtype);
             let mut dv = grads.dv.slice_mut(s![b, h, .., ..]);
             general_mat_mul(1.0, &p.t(), &doh, 0.0, &mut dv);

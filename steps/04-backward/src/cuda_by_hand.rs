@@ -1,12 +1,16 @@
 //! The backward by hand on the GPU, as PyTorch's eager autograd runs it after chapter 3's
-//! attention by hand ([`Gpu::by_hand`]): whole `[batch·heads, T, T]` tables in device memory,
-//! cuBLAS for the five products and `kernels/by_hand_backward.cu` for the two elementwise steps
-//! between them. It is the yardstick the kernels of [`cuda`](crate::cuda) are measured against,
-//! in time and in memory: it holds two tables, so its memory grows with T².
+//! attention by hand ([`Gpu::by_hand`]): whole `[batch·heads, T, T]` tables in device
+//! memory, cuBLAS for the five products and `kernels/by_hand_backward.cu` for the two
+//! elementwise steps between them. It is the yardstick the kernels of [`cuda`](crate::cuda)
+//! are measured against, in time and in memory: it holds two tables, so its memory grows
+//! with T².
 //!
 //! The forward hands over only its output and log-sum-exp ([`DeviceAttention`]), so the
-//! probabilities are rebuilt from them, `P = exp(S − lse)`, as the kernels rebuild them; the
-//! rest is the chain rule of [`reference`](crate::reference) one whole product at a time.
+//! probabilities are rebuilt from them, `P = exp(S − lse)`, as the kernels rebuild them;
+//! the rest is the chain rule of [`reference`](crate::reference) one whole product at a
+//! time.
+
+use std::hash::{Hash, Hasher};
 
 use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
@@ -17,13 +21,15 @@ use half::{bf16, f16};
 use ndarray::ArrayView4;
 use step03_cuda_forward::by_hand::{products, warp_per_row};
 use step03_cuda_forward::kernel::{TENSOR_CORES_CUH, compile_error};
-use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, cudarc, device_error};
+use step03_cuda_forward::{
+    DeviceAttention, DeviceTensor, Dtype, Gpu, cudarc, device_error,
+};
 
 use crate::Grads;
 use crate::cuda::{DeviceGrads, check_backward_device, forward_backward_with};
 
-/// The two elementwise kernels, embedded so that binaries carry them; compiled with step 03's
-/// [`TENSOR_CORES_CUH`] in front for its 16-bit conversions.
+/// The two elementwise kernels, embedded so that binaries carry them; compiled with step
+/// 03's [`TENSOR_CORES_CUH`] in front for its 16-bit conversions.
 pub const BY_HAND_BACKWARD_CU: &str = include_str!("../kernels/by_hand_backward.cu");
 
 /// Bytes the backward by hand allocates on the GPU for inputs of `shape` in a 16-bit dtype:
@@ -34,11 +40,27 @@ pub fn backward_bytes(shape: Shape) -> u128 {
 }
 
 /// Compiles [`BY_HAND_BACKWARD_CU`] for one dtype.
-pub fn compile_by_hand_backward(dtype: Dtype, arch: &'static str) -> Result<Ptx, AttnError> {
+pub fn compile_by_hand_backward(
+    dtype: Dtype,
+    arch: &'static str,
+) -> Result<Ptx, AttnError> {
+    compile_by_hand_backward_from(BY_HAND_BACKWARD_CU, dtype, arch)
+}
+
+/// Compiles `source`, a file with the two entry points of [`BY_HAND_BACKWARD_CU`] (its own,
+/// or a reader's in chapter 4's exercise), as [`compile_by_hand_backward`] compiles that
+/// one.
+pub fn compile_by_hand_backward_from(
+    source: &str,
+    dtype: Dtype,
+    arch: &'static str,
+) -> Result<Ptx, AttnError> {
+    step03_cuda_forward::kernel::require_nvrtc()?;
     let options = CompileOptions {
         arch: Some(arch),
         options: vec![
-            // tensor_cores.cuh sizes its tiles by a head dim; the row kernels use none of them
+            // tensor_cores.cuh sizes its tiles by a head dim; the row kernels use none of
+            // them
             "-DHEAD_DIM=64".into(),
             format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
             "--std=c++17".into(),
@@ -46,15 +68,14 @@ pub fn compile_by_hand_backward(dtype: Dtype, arch: &'static str) -> Result<Ptx,
         name: Some(format!("by_hand_backward_{}.cu", dtype.name())),
         ..Default::default()
     };
-    let source = [TENSOR_CORES_CUH, BY_HAND_BACKWARD_CU].concat();
+    let source = [TENSOR_CORES_CUH, source].concat();
     compile_ptx_with_opts(source, options).map_err(|e| compile_error("by_hand_backward", e))
 }
 
-// ANCHOR: by_hand_backward_gpu
-/// The gradients of q, k and v by hand on the GPU, given the forward's output and log-sum-exp
-/// (from [`Gpu::by_hand`] or [`Gpu::forward`]) and the output's gradient `dout`: the same
-/// arguments and result as [`cuda::backward`](crate::cuda::backward). Fails with
-/// `OutOfMemory`, naming the table and its bytes, when a table does not fit.
+/// The gradients of q, k and v by hand on the GPU, given the forward's output and
+/// log-sum-exp (from [`Gpu::by_hand`] or [`Gpu::forward`]) and the output's gradient
+/// `dout`: the same arguments and result as [`cuda::backward`](crate::cuda::backward).
+/// Fails with `OutOfMemory`, naming the table and its bytes, when a table does not fit.
 pub fn backward(
     gpu: &Gpu,
     q: &DeviceTensor,
@@ -63,8 +84,24 @@ pub fn backward(
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
+    backward_from(gpu, BY_HAND_BACKWARD_CU, q, k, v, fwd, dout)
+}
+
+/// [`backward`] with its two row kernels compiled from `source` instead of
+/// [`BY_HAND_BACKWARD_CU`], with the same options and launches: chapter 4's exercise runs a
+/// reader's `softmax_backward` so.
+pub fn backward_from(
+    gpu: &Gpu,
+    source: &str,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<DeviceGrads, AttnError> {
     let shape = check_backward_device(q, k, v, fwd, dout)?;
     let inputs = Inputs {
+        source,
         shape,
         q,
         k,
@@ -78,8 +115,9 @@ pub fn backward(
     }
 }
 
-/// What [`backward`] was given, checked.
+/// What [`backward_from`] was given, checked.
 struct Inputs<'a> {
+    source: &'a str,
     shape: Shape,
     q: &'a DeviceTensor,
     k: &'a DeviceTensor,
@@ -88,10 +126,12 @@ struct Inputs<'a> {
     dout: &'a DeviceTensor,
 }
 
+// ANCHOR: by_hand_backward_gpu
 /// [`backward`] in the element type `T` of cuBLAS's products, whose values `to` makes.
 fn backward_in<T: Copy>(
     gpu: &Gpu,
     &Inputs {
+        source,
         shape,
         q,
         k,
@@ -127,17 +167,18 @@ where
     let (rows, tokens) = (heads * t, t as i32);
     // P = exp(scale·q·kᵀ − lse), the mask's entries exact zeros
     gpu.gemm(scores, &k.data, &q.data, &mut p)?;
-    let (f, cfg) = row_kernel(gpu, q.dtype, "probabilities_from_lse", rows)?;
+    let (f, cfg) = row_kernel(gpu, source, q.dtype, "probabilities_from_lse", rows)?;
     let mut launch = gpu.stream().launch_builder(&f);
     launch.arg(&mut p).arg(&fwd.lse).arg(&tokens).arg(&rows);
     // SAFETY: the table holds rows·T values and lse rows (check_backward_device); each warp
     // touches its own row alone
-    unsafe { launch.launch(cfg) }.map_err(device_error("launching probabilities_from_lse"))?;
+    unsafe { launch.launch(cfg) }
+        .map_err(device_error("launching probabilities_from_lse"))?;
     // dV = Pᵀ·dO
     gpu.gemm(transposed(weighted), &dout.data, &p, &mut grads.dv.data)?;
     // dP = dO·vᵀ, then dS = P ∘ (dP − rowsum(P ∘ dP)) in its place
     gpu.gemm(unscaled_scores, &v.data, &dout.data, &mut ds)?;
-    let (f, cfg) = row_kernel(gpu, q.dtype, "softmax_backward", rows)?;
+    let (f, cfg) = row_kernel(gpu, source, q.dtype, "softmax_backward", rows)?;
     let mut launch = gpu.stream().launch_builder(&f);
     launch.arg(&p).arg(&mut ds).arg(&tokens).arg(&rows);
     // SAFETY: as above, for two tables
@@ -154,8 +195,8 @@ where
 }
 // ANCHOR_END: by_hand_backward_gpu
 
-/// `table·b` of [`products`] with the table read transposed: row-major `tableᵀ·b`. The table is
-/// square, so its leading dimension stays T.
+/// `table·b` of [`products`] with the table read transposed: row-major `tableᵀ·b`. The
+/// table is square, so its leading dimension stays T.
 fn transposed<T>(c: StridedBatchedConfig<T>) -> StridedBatchedConfig<T> {
     StridedBatchedConfig {
         gemm: GemmConfig {
@@ -166,22 +207,29 @@ fn transposed<T>(c: StridedBatchedConfig<T>) -> StridedBatchedConfig<T> {
     }
 }
 
-/// One of the two kernels for `dtype`, and its launch over `rows` rows, a warp a row.
+/// One of the two kernels of `source` for `dtype`, and its launch over `rows` rows, a warp
+/// a row.
 fn row_kernel(
     gpu: &Gpu,
+    source: &str,
     dtype: Dtype,
     entry: &str,
     rows: i64,
 ) -> Result<(CudaFunction, LaunchConfig), AttnError> {
     let arch = gpu.arch();
-    let f = gpu.kernel(format!("by hand {entry} {dtype:?}"), entry, 0, || {
-        compile_by_hand_backward(dtype, arch)
+    // the source is part of the key: a reader's kernels are compiled apart from the step's
+    // own
+    let mut hasher = std::hash::DefaultHasher::new();
+    source.hash(&mut hasher);
+    let key = format!("by hand {dtype:?} {:016x}", hasher.finish());
+    let f = gpu.kernel(key, entry, 0, || {
+        compile_by_hand_backward_from(source, dtype, arch)
     })?;
     Ok((f, warp_per_row(rows as usize, entry)?))
 }
 
-/// Forward and backward by hand on host arrays: inputs rounded to `dtype`, [`Gpu::by_hand`],
-/// then [`backward`]; everything widened back to `f32`.
+/// Forward and backward by hand on host arrays: inputs rounded to `dtype`,
+/// [`Gpu::by_hand`], then [`backward`]; everything widened back to `f32`.
 pub fn forward_backward(
     gpu: &Gpu,
     q: ArrayView4<f32>,
@@ -190,5 +238,22 @@ pub fn forward_backward(
     dout: ArrayView4<f32>,
     dtype: Dtype,
 ) -> Result<(Attention, Grads), AttnError> {
+    forward_backward_with(gpu, Gpu::by_hand, backward, q, k, v, dout, dtype)
+}
+
+/// [`forward_backward`] with the backward's row kernels compiled from `source`
+/// ([`backward_from`]).
+pub fn forward_backward_from(
+    gpu: &Gpu,
+    source: &str,
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dout: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<(Attention, Grads), AttnError> {
+    let backward = |gpu: &Gpu, q: &_, k: &_, v: &_, fwd: &_, dout: &_| {
+        backward_from(gpu, source, q, k, v, fwd, dout)
+    };
     forward_backward_with(gpu, Gpu::by_hand, backward, q, k, v, dout, dtype)
 }

@@ -1,9 +1,9 @@
-//! This step's part of the registry. It adds no method; it gives four methods of earlier steps
-//! a backward. For each, [`Backward`] is implemented on the earlier step's type: `naive` the
-//! backward by hand, `online` the blockwise backward, `cuda_naive` the backward by hand on the
-//! GPU and `cuda_flash` the backward kernels (each GPU one on host arrays, and prepared on the
-//! device with its forward for the benchmark). [`WithBackward`] of that type is the method with
-//! its backward, which the registry puts where the method stood.
+//! This step's part of the registry. It adds no method; it gives four methods of earlier
+//! steps a backward. For each, [`Backward`] is implemented on the earlier step's type:
+//! `naive` the backward by hand, `online` the blockwise backward, `cuda_naive` the backward
+//! by hand on the GPU and `cuda_flash` the backward kernels (each GPU one on host arrays,
+//! and prepared on the device with its forward for the benchmark). [`WithBackward`] of that
+//! type is the method with its backward, which the registry puts where the method stood.
 
 use flash_core::inputs::random_normal;
 use flash_core::method::{DeviceRun, DeviceRunSpec, not_on_a_device};
@@ -12,19 +12,21 @@ use ndarray::ArrayView4;
 use step01_naive::Naive;
 use step02_online_softmax::Online;
 use step03_cuda_forward::methods::prepare_inputs;
-use step03_cuda_forward::{CudaFlash, CudaNaive, DeviceAttention, DeviceTensor, Gpu, device_error};
+use step03_cuda_forward::{
+    CudaFlash, CudaNaive, DeviceAttention, DeviceTensor, Gpu, device_error,
+};
 
 use crate::cuda::{DeviceBackwardFn, DeviceForwardFn, DeviceGrads};
 use crate::{Grads, check_backward, cuda, cuda_by_hand};
 
-/// An earlier step's method `M` with the backward this step gives it: `M`'s name, forward and
-/// device runs, and `M`'s [`Backward`].
+/// An earlier step's method `M` with the backward this step gives it: `M`'s name, forward
+/// and device runs, and `M`'s [`Backward`].
 #[derive(Clone, Copy, Debug)]
 pub struct WithBackward<M>(pub M);
 
 /// What this step gives a method of an earlier step: its backward pass, on host arrays and,
-/// for a GPU method, prepared with its forward on the device. [`WithBackward`] makes the two
-/// one [`Method`].
+/// for a GPU method, prepared with its forward on the device. [`WithBackward`] makes the
+/// two one [`Method`].
 pub trait Backward: Method {
     /// [`Method::backward`].
     fn backward(
@@ -37,7 +39,10 @@ pub trait Backward: Method {
         dtype: Dtype,
     ) -> Result<Grads, AttnError>;
     /// [`Method::prepare_backward`]; a CPU method has nothing to prepare.
-    fn prepare_backward(&self, _spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_backward(
+        &self,
+        _spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         Err(not_on_a_device(self.name()))
     }
 }
@@ -73,7 +78,10 @@ impl<M: Backward> Method for WithBackward<M> {
     fn describe_device(&self) -> Result<String, AttnError> {
         self.0.describe_device()
     }
-    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_forward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         self.0.prepare_forward(spec)
     }
     fn has_backward(&self) -> bool {
@@ -90,7 +98,10 @@ impl<M: Backward> Method for WithBackward<M> {
     ) -> Result<Grads, AttnError> {
         Backward::backward(&self.0, q, k, v, fwd, dout, dtype)
     }
-    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_backward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         Backward::prepare_backward(&self.0, spec)
     }
 }
@@ -140,7 +151,10 @@ impl Backward for CudaNaive {
     ) -> Result<Grads, AttnError> {
         on_host(cuda_by_hand::backward, q, k, v, fwd, dout, dtype)
     }
-    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_backward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         prepare(BY_HAND, spec)
     }
 }
@@ -159,13 +173,16 @@ impl Backward for CudaFlash {
     ) -> Result<Grads, AttnError> {
         on_host(cuda::backward, q, k, v, fwd, dout, dtype)
     }
-    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_backward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         prepare(FLASH, spec)
     }
 }
 
-/// A backward on device tensors run on host arrays: the inputs and what the forward returned
-/// uploaded in `dtype`, the gradients downloaded and widened to `f32`.
+/// A backward on device tensors run on host arrays: the inputs and what the forward
+/// returned uploaded in `dtype`, the gradients downloaded and widened to `f32`.
 pub fn on_host(
     backward: DeviceBackwardFn,
     q: ArrayView4<f32>,
@@ -218,8 +235,9 @@ pub type ForwardIntoFn = fn(
 #[derive(Clone, Copy)]
 pub struct Pair {
     pub forward: DeviceForwardFn,
-    /// The forward into output buffers allocated once, where it has such a form: a timed run is
-    /// then the kernels alone. Attention by hand allocates its table on every call anyway.
+    /// The forward into output buffers allocated once, where it has such a form: a timed
+    /// run is then the kernels alone. Attention by hand allocates its table on every call
+    /// anyway.
     pub forward_into: Option<ForwardIntoFn>,
     pub backward: DeviceBackwardFn,
 }
@@ -297,7 +315,8 @@ impl DeviceRun for Prepared {
     fn peak_bytes(&mut self) -> Result<u64, AttnError> {
         let peak = self.gpu.peak_allocated(|| self.both().map(drop))?.1;
         peak.ok_or_else(|| AttnError::Device {
-            what: "this driver has no stream-ordered memory pool to read a peak from".into(),
+            what: "this driver has no stream-ordered memory pool to read a peak from"
+                .into(),
         })
     }
 

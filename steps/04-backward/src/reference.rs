@@ -1,10 +1,10 @@
 //! The `f64` backward every other backward is checked against.
 //!
-//! By hand through the whole table of probabilities, one head at a time, each line one formula
-//! of the chain rule. It takes no forward result: it computes the probabilities itself, in
-//! `f64`, from the inputs widened exactly, so the only error left in a comparison is the
-//! method's own. Its own correctness is checked against finite differences of the `f64`
-//! forward (`tests/finite_differences.rs`).
+//! By hand through the whole table of probabilities, one head at a time, each line one
+//! formula of the chain rule. It takes no forward result: it computes the probabilities
+//! itself, in `f64`, from the inputs widened exactly, so the only error left in a
+//! comparison is the method's own. Its own correctness is checked against finite
+//! differences of the `f64` forward (`tests/finite_differences.rs`).
 
 use flash_core::{AttnError, check_qkv, check_same};
 use ndarray::{Array2, Array4, ArrayView2, ArrayView4, s};
@@ -18,8 +18,8 @@ pub struct ReferenceGrads {
 }
 
 // ANCHOR: reference_backward
-/// The gradients of the loss `L = Σ dO ∘ O` (any loss whose gradient with respect to the output
-/// is `dout`) with respect to q, k and v of causal attention, in `f64`.
+/// The gradients of the loss `L = Σ dO ∘ O` (any loss whose gradient with respect to the
+/// output is `dout`) with respect to q, k and v of causal attention, in `f64`.
 pub fn backward_f64<A: Copy + Into<f64>>(
     q: ArrayView4<A>,
     k: ArrayView4<A>,

@@ -6,18 +6,19 @@ use flash_core::reference::{Error, error};
 use ndarray::{Array3, Array4};
 use step04_backward::reference::{ReferenceGrads, backward_f64};
 use step04_backward::{
-    AttnError, BackwardFn, BlockSizes, Grads, backward, backward_by_hand, backward_two_pass,
-    backward_with_blocks, forward,
+    AttnError, BackwardFn, BlockSizes, Grads, backward, backward_by_hand,
+    backward_two_pass, backward_with_blocks, forward,
 };
 
 /// The largest max-abs error of an f32 gradient against the f64 reference, relative to the
 /// largest value of that gradient (at least 1).
 ///
 /// The gradients are sums of up to T products of values of order 1, formed in f32 (unit
-/// roundoff 6e-8) from probabilities that carry a relative error of about `|S|·6e-8` themselves.
-/// Measured: at most 3e-6 of max abs on this file's cases and 4e-6 on the cross-step table,
-/// with gradients of magnitude 1 to 4, for both methods at every length up to 1000. The bound
-/// leaves a margin of 2.5 or more, while a mistake in a formula (a wrong scale, a δ off by
+/// roundoff 6e-8) from probabilities that carry a relative error of about `|S|·6e-8`
+/// themselves. Measured: at most 3e-6 of max abs on this file's cases and 4e-6 on the
+/// cross-step table, with gradients of magnitude 1 to 4, for both methods at every length
+/// up to 1000. The bound leaves a margin of 2.5 or more, while a mistake in a formula (a
+/// wrong scale, a δ off by
 /// 0.1%) is caught at once.
 const GRAD_MAX_REL: f64 = 1e-5;
 
@@ -43,7 +44,8 @@ const METHODS: [(&str, BackwardFn); 5] = [
 
 /// The errors of dq, dk and dv, and the largest each may be.
 fn errors(got: &Grads, want: &ReferenceGrads) -> [(&'static str, Error, f64); 3] {
-    let allowed = |r: &Array4<f64>| GRAD_MAX_REL * r.iter().fold(1.0f64, |m, x| m.max(x.abs()));
+    let allowed =
+        |r: &Array4<f64>| GRAD_MAX_REL * r.iter().fold(1.0f64, |m, x| m.max(x.abs()));
     [
         ("dq", error(&got.dq, &want.dq), allowed(&want.dq)),
         ("dk", error(&got.dk, &want.dk), allowed(&want.dk)),
@@ -166,9 +168,10 @@ fn zero_block_sizes_are_an_error() {
             keys: 0,
         },
     ] {
-        let err = backward_with_blocks(q.view(), k.view(), v.view(), &fwd, q.view(), blocks)
-            .unwrap_err()
-            .to_string();
+        let err =
+            backward_with_blocks(q.view(), k.view(), v.view(), &fwd, q.view(), blocks)
+                .unwrap_err()
+                .to_string();
         assert!(err.contains("both must be at least 1"), "{err}");
     }
 }

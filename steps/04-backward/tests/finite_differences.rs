@@ -1,5 +1,5 @@
-//! The f64 reference backward against central finite differences of the f64 forward: the check
-//! that the reference itself, and so every comparison made with it, is right.
+//! The f64 reference backward against central finite differences of the f64 forward: the
+//! check that the reference itself, and so every comparison made with it, is right.
 
 use flash_core::Shape;
 use flash_core::inputs::{random_normal, random_qkv};
@@ -8,12 +8,13 @@ use ndarray::Array4;
 use proptest::prelude::*;
 use step04_backward::reference::backward_f64;
 
-/// The step of the central difference. Its error is `h²/6·f'''` from truncation (≈ 1e-11 here)
-/// plus `ε·Σ|dO ∘ O| / h` from rounding the loss (≈ 1e-13·n / h ≤ 1e-8 for n ≤ 400 values).
+/// The step of the central difference. Its error is `h²/6·f'''` from truncation (≈ 1e-11
+/// here) plus `ε·Σ|dO ∘ O| / h` from rounding the loss (≈ 1e-13·n / h ≤ 1e-8 for n ≤ 400
+/// values).
 const H: f64 = 1e-5;
 /// Allowed `|finite difference − reference|`, relative to `1 + |reference|`: two orders of
-/// magnitude above both errors, and far below any mistake in a formula (which is of the order of
-/// the gradient itself).
+/// magnitude above both errors, and far below any mistake in a formula (which is of the
+/// order of the gradient itself).
 const TOL: f64 = 1e-6;
 
 fn small_shapes() -> impl Strategy<Value = (Shape, u64)> {
@@ -38,9 +39,8 @@ proptest! {
         let dout = random_normal(shape, seed ^ 0xd0).mapv(f64::from);
         let [q, k, v] = &qkv;
         let grads = backward_f64(q.view(), k.view(), v.view(), dout.view()).unwrap();
-        for (which, (name, grad)) in [("dq", &grads.dq), ("dk", &grads.dk), ("dv", &grads.dv)]
-            .into_iter()
-            .enumerate()
+        let named = [("dq", &grads.dq), ("dk", &grads.dk), ("dv", &grads.dv)];
+        for (which, (name, grad)) in named.into_iter().enumerate()
         {
             for (index, &want) in grad.indexed_iter() {
                 let mut moved = qkv.clone();

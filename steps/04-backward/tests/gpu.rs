@@ -1,20 +1,18 @@
 //! The backward kernels, and the backward by hand on the GPU, against the f64 reference
-//! backward, with FlashAttention's rule for each of out, dq, dk and dv: at most twice the error
-//! of attention by hand (forward and autograd backward) in the same precision, computed on the
-//! CPU. On seeded normal inputs at every head dim, and on inputs whose scores are large
-//! (queries or keys scaled up to 100 times, shifted, large values) in f16 and bf16. Ignored
-//! where there is no GPU.
+//! backward, with FlashAttention's rule for each of out, dq, dk and dv: at most twice the
+//! error of attention by hand (forward and autograd backward) in the same precision,
+//! computed on the CPU. On seeded normal inputs at every head dim, and on inputs whose
+//! scores are large (queries or keys scaled up to 100 times, shifted, large values) in f16
+//! and bf16. Ignored where there is no GPU.
 
 use flash_core::inputs::{random_normal, random_qkv};
-use flash_core::reference::{attention_f64, error};
 use flash_core::{Attention, AttnError, Shape};
 use ndarray::{Array4, ArrayView4};
-use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step03_cuda_forward::{DeviceTensor, Dtype, Gpu};
 use step04_backward::Grads;
-use step04_backward::cuda::{backward_by_hand_low_precision, forward_backward};
+use step04_backward::cuda::forward_backward;
 use step04_backward::cuda_by_hand;
-use step04_backward::reference::backward_f64;
+use step04_backward::rule::BackwardCheck;
 
 #[path = "common/cases.rs"]
 mod cases;
@@ -40,7 +38,14 @@ const SHAPES: [(usize, usize, usize, usize); 6] = [
     (2, 3, 190, 32),
 ];
 
-fn check(gpu: &Gpu, method: &str, run: ForwardBackward, shape: Shape, dtype: Dtype, seed: u64) {
+fn check(
+    gpu: &Gpu,
+    method: &str,
+    run: ForwardBackward,
+    shape: Shape,
+    dtype: Dtype,
+    seed: u64,
+) {
     let [q, k, v] = random_qkv(shape, seed);
     let dout = random_normal(shape, seed + 99);
     check_inputs(
@@ -52,63 +57,20 @@ fn check(gpu: &Gpu, method: &str, run: ForwardBackward, shape: Shape, dtype: Dty
     );
 }
 
-/// The rule for out, dq, dk and dv on one input, `what` naming it in messages.
+/// The rule for out, dq, dk and dv on one input ([`BackwardCheck`], `src/rule.rs`), `what`
+/// naming it in messages.
 fn check_inputs(
     gpu: &Gpu,
     run: ForwardBackward,
-    [q, k, v, dout]: [&Array4<f32>; 4],
+    inputs: [&Array4<f32>; 4],
     dtype: Dtype,
     what: &str,
 ) {
-    let (fwd, grads) = run(gpu, q.view(), k.view(), v.view(), dout.view(), dtype)
+    let check = BackwardCheck::run(gpu, run, inputs, dtype, what)
         .unwrap_or_else(|e| panic!("{what} {}: {e}", dtype.name()));
-    // the reference sees exactly the values the GPU saw
-    let [qr, kr, vr, dr] = [q, k, v, dout].map(|x| round_array(x.view(), dtype));
-    let want_out = attention_f64(qr.view(), kr.view(), vr.view()).unwrap();
-    let want = backward_f64(qr.view(), kr.view(), vr.view(), dr.view()).unwrap();
-    let hand_out = by_hand_low_precision(q.view(), k.view(), v.view(), dtype);
-    let hand = backward_by_hand_low_precision(q.view(), k.view(), v.view(), dout.view(), dtype);
-    let size = |x: &Array4<f64>| x.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-    let checks = [
-        (
-            "out",
-            error(&fwd.out, &want_out.out),
-            error(&hand_out, &want_out.out),
-            size(&want_out.out),
-        ),
-        (
-            "dq",
-            error(&grads.dq, &want.dq),
-            error(&hand.dq, &want.dq),
-            size(&want.dq),
-        ),
-        (
-            "dk",
-            error(&grads.dk, &want.dk),
-            error(&hand.dk, &want.dk),
-            size(&want.dk),
-        ),
-        (
-            "dv",
-            error(&grads.dv, &want.dv),
-            error(&hand.dv, &want.dv),
-            size(&want.dv),
-        ),
-    ];
-    for (name, ours, by_hand, size) in checks {
-        println!(
-            "{what} {} {name}: ours {ours}; by hand {by_hand}",
-            dtype.name()
-        );
-        // a margin of 1e-5 of the gradient's size for errors that are (nearly) zero both ways
-        let margin = 1e-5 * size;
-        assert!(
-            ours.max_abs <= 2.0 * by_hand.max_abs + margin,
-            "{what} {}: {name} max abs error {:.3e} > 2 × by hand's {:.3e} (+{margin:.1e})",
-            dtype.name(),
-            ours.max_abs,
-            by_hand.max_abs
-        );
+    println!("{check}");
+    if let Err(e) = check.verdict() {
+        panic!("{e}");
     }
 }
 
@@ -148,7 +110,8 @@ fn backward_by_hand_matches_the_reference_within_twice_by_hand_error() {
     let gpu = Gpu::new().expect("a GPU");
     let mut seed = 700;
     for dtype in [Dtype::Bf16, Dtype::F16] {
-        for (batch, heads, tokens, head_dim) in SHAPES.into_iter().chain([(2, 2, 150, 128)]) {
+        for (batch, heads, tokens, head_dim) in SHAPES.into_iter().chain([(2, 2, 150, 128)])
+        {
             seed += 1;
             let shape = Shape::new(batch, heads, tokens, head_dim);
             let run = cuda_by_hand::forward_backward;
@@ -159,8 +122,8 @@ fn backward_by_hand_matches_the_reference_within_twice_by_hand_error() {
 
 // ANCHOR: gpu_large_scores
 /// The cases of `large_scores.rs` on the GPU: scores in the hundreds and thousands, where a
-/// kernel whose probabilities and log-sum-exp disagree by a rounding is far off. In f16, which
-/// keeps three more bits than bf16, by hand's error is smaller and the rule tighter.
+/// kernel whose probabilities and log-sum-exp disagree by a rounding is far off. In f16,
+/// which keeps three more bits than bf16, by hand's error is smaller and the rule tighter.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn large_scores_meet_flash_attentions_rule_on_the_gpu() {
@@ -191,8 +154,8 @@ fn backward_is_deterministic_and_refuses_bad_input() {
     for head_dim in [64, 128] {
         deterministic_and_checks_dout(&gpu, "kernels", forward_backward, head_dim);
     }
-    // a head dim no kernel is compiled for, refused by the backward itself (the forward would
-    // refuse it first), with the head dims it takes
+    // a head dim no kernel is compiled for, refused by the backward itself (the forward
+    // would refuse it first), with the head dims it takes
     let odd = Shape::new(1, 1, 16, 96);
     let up = |x: &Array4<f32>| gpu.upload(x.view(), Dtype::Bf16).unwrap();
     let [q, k, v] = random_qkv(odd, 1).map(|x| up(&x));
@@ -201,15 +164,21 @@ fn backward_is_deterministic_and_refuses_bad_input() {
         .err()
         .expect("head dim 96 refused");
     assert!(
-        err.to_string()
-            .contains("head_dim 96 is not supported by this method; supported: 32, 64, 128"),
+        err.to_string().contains(
+            "head_dim 96 is not supported by this method; supported: 32, 64, 128"
+        ),
         "{err}"
     );
 }
 
 /// Two runs give the same bits (no race, no atomics), and a `dout` of another shape is
 /// refused with an error that names it.
-fn deterministic_and_checks_dout(gpu: &Gpu, method: &str, run: ForwardBackward, head_dim: usize) {
+fn deterministic_and_checks_dout(
+    gpu: &Gpu,
+    method: &str,
+    run: ForwardBackward,
+    head_dim: usize,
+) {
     let shape = Shape::new(2, 2, 333, head_dim);
     let [q, k, v] = random_qkv(shape, 5);
     let grads = |dout: &Array4<f32>| {
@@ -241,9 +210,9 @@ fn device_zeros(gpu: &Gpu, shape: Shape) -> DeviceTensor {
     }
 }
 
-/// compute-sanitizer counts the refused allocation (`cuMemAllocAsync`: out of memory) as one
-/// API error: it is what this test asks for (`--report-api-errors no`, or `--skip` this test,
-/// for a summary of 0).
+/// compute-sanitizer counts the refused allocation (`cuMemAllocAsync`: out of memory) as
+/// one API error: it is what this test asks for (`--report-api-errors no`, or `--skip` this
+/// test, for a summary of 0).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn backward_by_hand_names_a_table_that_does_not_fit() {

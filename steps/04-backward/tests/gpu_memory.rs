@@ -1,6 +1,6 @@
-//! The GPU memory of the two backwards: the stream-ordered pool's high-water mark over one call.
-//! A test binary of its own, so that no other test allocates in the same process while the
-//! mark is read. Ignored where there is no GPU.
+//! The GPU memory of the two backwards: the stream-ordered pool's high-water mark over one
+//! call. A test binary of its own, so that no other test allocates in the same process
+//! while the mark is read. Ignored where there is no GPU.
 
 use flash_core::Shape;
 use flash_core::inputs::{random_normal, random_qkv};

@@ -1,7 +1,7 @@
-//! The baseline of the GPU tests' rule, checked where it runs (on the CPU): the backward by hand
-//! in bf16 and f16 rounds (its error against f64 is not zero) but stays at the dtype's scale,
-//! and on the large scores of `gpu.rs` it stays finite, so that the rule still bounds the GPU's
-//! error there.
+//! The baseline of the GPU tests' rule, checked where it runs (on the CPU): the backward by
+//! hand in bf16 and f16 rounds (its error against f64 is not zero) but stays at the dtype's
+//! scale, and on the large scores of `gpu.rs` it stays finite, so that the rule still
+//! bounds the GPU's error there.
 
 use flash_core::Shape;
 use flash_core::inputs::{random_normal, random_qkv};
@@ -22,7 +22,13 @@ fn low_precision_backward_by_hand_is_close_to_the_f64_reference() {
     for (dtype, bound) in [(Dtype::Bf16, 0.1), (Dtype::F16, 0.015)] {
         let [qr, kr, vr, dr] = [&q, &k, &v, &dout].map(|x| round_array(x.view(), dtype));
         let want = backward_f64(qr.view(), kr.view(), vr.view(), dr.view()).unwrap();
-        let got = backward_by_hand_low_precision(q.view(), k.view(), v.view(), dout.view(), dtype);
+        let got = backward_by_hand_low_precision(
+            q.view(),
+            k.view(),
+            v.view(),
+            dout.view(),
+            dtype,
+        );
         for (name, g, w) in [
             ("dq", &got.dq, &want.dq),
             ("dk", &got.dk, &want.dk),
@@ -47,8 +53,10 @@ fn low_precision_backward_by_hand_is_finite_on_large_scores() {
         let dout = random_normal(shape, 8);
         for (case, [q, k, v]) in cases::large_score_cases(&q, &k, &v) {
             for dtype in [Dtype::F16, Dtype::Bf16] {
-                let [qr, kr, vr, dr] = [&q, &k, &v, &dout].map(|x| round_array(x.view(), dtype));
-                let want = backward_f64(qr.view(), kr.view(), vr.view(), dr.view()).unwrap();
+                let [qr, kr, vr, dr] =
+                    [&q, &k, &v, &dout].map(|x| round_array(x.view(), dtype));
+                let want =
+                    backward_f64(qr.view(), kr.view(), vr.view(), dr.view()).unwrap();
                 let got = backward_by_hand_low_precision(
                     q.view(),
                     k.view(),

@@ -1,5 +1,5 @@
-//! What holds for the blockwise backwards (one pass and two) on any shape and any block sizes,
-//! by proptest.
+//! What holds for the blockwise backwards (one pass and two) on any shape and any block
+//! sizes, by proptest.
 
 mod common;
 
@@ -8,7 +8,8 @@ use flash_core::inputs::{random_normal, random_qkv};
 use ndarray::{Array4, s};
 use proptest::prelude::*;
 use step04_backward::{
-    BlockSizes, Grads, backward, backward_by_hand, backward_two_pass, backward_with_blocks, forward,
+    BlockSizes, Grads, backward, backward_by_hand, backward_two_pass, backward_with_blocks,
+    forward,
 };
 
 fn shapes() -> impl Strategy<Value = (Shape, u64)> {
@@ -20,17 +21,17 @@ fn blocks() -> impl Strategy<Value = BlockSizes> {
     (1usize..40, 1usize..40).prop_map(|(queries, keys)| BlockSizes { queries, keys })
 }
 
-/// `shapes()` from head dim 4 on. With fewer dims, by hand's errors and the floor's are so small
-/// that the order in which the blockwise products sum (which neither models) can reach twice
-/// them: a case in a few thousand at head dim 1, about one in 50,000 at 2 and 3, none in
-/// 150,000 from 4.
+/// `shapes()` from head dim 4 on. With fewer dims, by hand's errors and the floor's are so
+/// small that the order in which the blockwise products sum (which neither models) can
+/// reach twice them: a case in a few thousand at head dim 1, about one in 50,000 at 2 and
+/// 3, none in 150,000 from 4.
 fn large_score_shapes() -> impl Strategy<Value = (Shape, u64)> {
     (1usize..3, 1usize..3, 1usize..90, 4usize..17, any::<u64>())
         .prop_map(|(b, h, t, d, seed)| (Shape::new(b, h, t, d), seed))
 }
 
-/// A factor for q or k, 1 to 16, as often below 4 as above: two of them put the largest scores
-/// of these shapes anywhere from a few units to about a thousand.
+/// A factor for q or k, 1 to 16, as often below 4 as above: two of them put the largest
+/// scores of these shapes anywhere from a few units to about a thousand.
 fn scale() -> impl Strategy<Value = f32> {
     (0.0f32..16f32.ln()).prop_map(f32::exp)
 }
@@ -68,8 +69,8 @@ proptest! {
         }
     }
 
-    /// dq of tokens 0..=cut depends on tokens 0..=cut only: changing every later token's q, k, v
-    /// and dO leaves it bit for bit as it was.
+    /// dq of tokens 0..=cut depends on tokens 0..=cut only: changing every later token's q,
+    /// k, v and dO leaves it bit for bit as it was.
     #[test]
     fn dq_is_causal((shape, seed) in shapes(), cut in 0usize..90, blocks in blocks()) {
         let cut = cut % shape.tokens;
@@ -90,12 +91,13 @@ proptest! {
         prop_assert_eq!(a.dq.slice(upto), b.dq.slice(upto));
     }
 
-    /// With q and k scaled so that the scores reach hundreds, the blockwise backwards (default
-    /// blocks, and 16 × 24 in one pass and in two), after the forward of step 01 and after that
-    /// of step 02, keep FlashAttention's rule for dq, dk and dv: at most twice the error of the
-    /// larger of the backward by hand and the floor of an `f32` log-sum-exp (`common`), plus
-    /// 10⁻⁶. A forward that rounds its scores otherwise than the backward does (step 02 with
-    /// `log2 e/√d` folded into its queries) fails it in every run of 32 cases.
+    /// With q and k scaled so that the scores reach hundreds, the blockwise backwards
+    /// (default blocks, and 16 × 24 in one pass and in two), after the forward of step 01
+    /// and after that of step 02, keep FlashAttention's rule for dq, dk and dv: at most
+    /// twice the error of the larger of the backward by hand and the floor of an `f32`
+    /// log-sum-exp (`common`), plus 10⁻⁶. A forward that rounds its scores otherwise than
+    /// the backward does (step 02 with `log2 e/√d` folded into its queries) fails it in
+    /// every run of 32 cases.
     #[test]
     fn large_scores_meet_flash_attentions_rule(
         (shape, seed) in large_score_shapes(),
@@ -129,8 +131,8 @@ proptest! {
     }
 }
 
-/// Every task writes only its own rows and sums in one fixed order: the gradients are the same
-/// bit for bit on one thread and on several.
+/// Every task writes only its own rows and sums in one fixed order: the gradients are the
+/// same bit for bit on one thread and on several.
 #[test]
 fn the_result_does_not_depend_on_the_number_of_threads() {
     let shape = Shape::new(2, 3, 300, 32);
@@ -145,7 +147,8 @@ fn the_result_does_not_depend_on_the_number_of_threads() {
         pool.install(|| {
             let blocks = BlockSizes::default();
             let one = backward(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
-            let two = backward_two_pass(q.view(), k.view(), v.view(), &fwd, dout.view(), blocks);
+            let two =
+                backward_two_pass(q.view(), k.view(), v.view(), &fwd, dout.view(), blocks);
             (one, two.unwrap())
         })
     };

@@ -1,16 +1,17 @@
-// Every layer of the GPT besides its matrix products (cuBLAS) and its attention (steps 03 and
-// 04): the embeddings, LayerNorm, GELU, the re-layout of q, k and v, the cross-entropy, the
-// column sums that give bias and LayerNorm gradients, the gradients' global norm and AdamW.
-// Each kernel is the GPU twin of a function of src/layers.rs, src/model.rs or src/optim.rs,
-// and the model-level test (tests/gpu.rs) checks them all against those.
+// Every layer of the GPT besides its matrix products (cuBLAS) and its attention (steps 03
+// and 04): the embeddings, LayerNorm, GELU, the re-layout of q, k and v, the cross-entropy,
+// the column sums that give bias and LayerNorm gradients, the gradients' global norm and
+// AdamW. Each kernel is the GPU twin of a function of src/layers.rs, src/model.rs or
+// src/optim.rs, and the model-level test (tests/gpu.rs) checks them all against those.
 //
-// Precision: bf16 values are raw 16-bit patterns (u16), widened to f32 by a shift and rounded
-// back to nearest-even by one PTX instruction, so no CUDA header is needed. Everything is
-// computed in f32; sums that decide the loss and the gradients' norm in f64. Reductions over
-// rows are split into a fixed grid of partial sums and a second pass over them, never atomics,
-// so a step gives the same bits on every run. The column sums that give the biases' gradients
-// ride along in the kernels that already read the gradient in question (the LayerNorm backward,
-// the GELU backward, the re-layout of dq, dk and dv), so no pass reads a gradient only to sum it.
+// Precision: bf16 values are raw 16-bit patterns (u16), widened to f32 by a shift and
+// rounded back to nearest-even by one PTX instruction, so no CUDA header is needed.
+// Everything is computed in f32; sums that decide the loss and the gradients' norm in f64.
+// Reductions over rows are split into a fixed grid of partial sums and a second pass over
+// them, never atomics, so a step gives the same bits on every run. The column sums that
+// give the biases' gradients ride along in the kernels that already read the gradient in
+// question (the LayerNorm backward, the GELU backward, the re-layout of dq, dk and dv), so
+// no pass reads a gradient only to sum it.
 
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -40,7 +41,8 @@ __device__ __forceinline__ long long global_index() {
 }
 
 // ANCHOR: embed_forward
-// x[b·T + t] = wte[token] + wpe[t]: the residual stream's start, in f32 (model.rs's forward).
+// x[b·T + t] = wte[token] + wpe[t]: the residual stream's start, in f32 (model.rs's
+// forward).
 extern "C" __global__ void embed_forward(
     const u8* __restrict__ tokens,  // [B·T] input bytes
     const float* __restrict__ wte,  // [V, C] token embedding (f32 master weights)
@@ -76,10 +78,11 @@ extern "C" __global__ void embed_backward_pos(
     dwpe[i] = s;
 }
 
-// dwte[v] += Σ dx[row] over the rows whose input token is v. `order` lists the rows sorted by
-// token (the host sorts them with the batch), `offsets[v]..offsets[v+1]` are token v's. A block
-// per (32 columns, token): its 8 warps take every 8th row, then add their sums in a fixed order.
-// Adds: the output layer's product has written its share of the tied weights' gradient first.
+// dwte[v] += Σ dx[row] over the rows whose input token is v. `order` lists the rows sorted
+// by token (the host sorts them with the batch), `offsets[v]..offsets[v+1]` are token v's.
+// A block per (32 columns, token): its 8 warps take every 8th row, then add their sums in a
+// fixed order. Adds: the output layer's product has written its share of the tied weights'
+// gradient first.
 extern "C" __global__ void embed_backward_tok(
     const float* __restrict__ dx,       // [B·T, C]
     const int* __restrict__ order,      // [B·T] row numbers, sorted by their token
@@ -92,7 +95,8 @@ extern "C" __global__ void embed_backward_tok(
     const int c = blockIdx.x * 32 + lane;
     float s = 0.f;
     if (c < C)
-        for (int j = offsets[v] + warp; j < offsets[v + 1]; j += 8) s += dx[(long long)order[j] * C + c];
+        for (int j = offsets[v] + warp; j < offsets[v + 1]; j += 8)
+            s += dx[(long long)order[j] * C + c];
     part[warp][lane] = s;
     __syncthreads();
     if (warp == 0 && c < C) {
@@ -103,36 +107,47 @@ extern "C" __global__ void embed_backward_tok(
 }
 
 // Four floats at a time (C is a multiple of 8, rows start 16-byte aligned).
-__device__ __forceinline__ float4 ld4(const float* p, int j) { return reinterpret_cast<const float4*>(p)[j]; }
-__device__ __forceinline__ void st4(float* p, int j, float4 v) { reinterpret_cast<float4*>(p)[j] = v; }
+__device__ __forceinline__ float4 ld4(const float* p, int j) {
+    return reinterpret_cast<const float4*>(p)[j];
+}
+__device__ __forceinline__ void st4(float* p, int j, float4 v) {
+    reinterpret_cast<float4*>(p)[j] = v;
+}
 __device__ __forceinline__ void add4(float* p, int j, const float* a) {
     float4 v = reinterpret_cast<float4*>(p)[j];
-    reinterpret_cast<float4*>(p)[j] = make_float4(v.x + a[0], v.y + a[1], v.z + a[2], v.w + a[3]);
+    reinterpret_cast<float4*>(p)[j] =
+        make_float4(v.x + a[0], v.y + a[1], v.z + a[2], v.w + a[3]);
 }
 
-// LayerNorm's arithmetic on 4 values of a row (a lane's chunk), shared by the kernels that read
-// the row once per pass and those that hold it in registers, so that both compute the same
-// bits in the same order.
+// LayerNorm's arithmetic on 4 values of a row (a lane's chunk), shared by the kernels that
+// read the row once per pass and those that hold it in registers, so that both compute the
+// same bits in the same order.
 // x = res + (y + bias): the residual connection closed
 __device__ __forceinline__ float4 residual4(float4 r, float4 p, float4 q) {
-    return make_float4(r.x + (p.x + q.x), r.y + (p.y + q.y), r.z + (p.z + q.z), r.w + (p.w + q.w));
+    return make_float4(r.x + (p.x + q.x), r.y + (p.y + q.y), r.z + (p.z + q.z),
+                       r.w + (p.w + q.w));
 }
 __device__ __forceinline__ float sum4(float4 v) { return (v.x + v.y) + (v.z + v.w); }
 // Σ (v − m)²
 __device__ __forceinline__ float sqdev4(float4 v, float m) {
-    return (v.x - m) * (v.x - m) + (v.y - m) * (v.y - m) + (v.z - m) * (v.z - m) + (v.w - m) * (v.w - m);
+    return (v.x - m) * (v.x - m) + (v.y - m) * (v.y - m) + (v.z - m) * (v.z - m) +
+           (v.w - m) * (v.w - m);
 }
 // Four f32 values rounded to bf16, in 8 bytes
 __device__ __forceinline__ uint2 pack_bf4(float a, float b, float c, float d) {
-    return make_uint2((u32)to_bf(a) | ((u32)to_bf(b) << 16), (u32)to_bf(c) | ((u32)to_bf(d) << 16));
+    return make_uint2((u32)to_bf(a) | ((u32)to_bf(b) << 16),
+                      (u32)to_bf(c) | ((u32)to_bf(d) << 16));
 }
 // (v − m)·r·g + o, in bf16
-__device__ __forceinline__ uint2 normalize4(float4 v, float m, float r, float4 g, float4 o) {
-    return pack_bf4((v.x - m) * r * g.x + o.x, (v.y - m) * r * g.y + o.y, (v.z - m) * r * g.z + o.z,
-                    (v.w - m) * r * g.w + o.w);
+__device__ __forceinline__ uint2 normalize4(float4 v, float m, float r, float4 g,
+                                            float4 o) {
+    return pack_bf4((v.x - m) * r * g.x + o.x, (v.y - m) * r * g.y + o.y,
+                    (v.z - m) * r * g.z + o.z, (v.w - m) * r * g.w + o.w);
 }
-// The backward's row sums, added into sg and sgx: Σ g and Σ g·x̂ with g = dy ∘ w, x̂ = (x − m)·r
-__device__ __forceinline__ void row_sums4(float4 xv, float4 d, float4 g, float m, float r, float& sg, float& sgx) {
+// The backward's row sums, added into sg and sgx: Σ g and Σ g·x̂ with g = dy ∘ w, x̂ = (x −
+// m)·r
+__device__ __forceinline__ void row_sums4(float4 xv, float4 d, float4 g, float m, float r,
+                                          float& sg, float& sgx) {
     float gs[4] = {d.x * g.x, d.y * g.y, d.z * g.z, d.w * g.w};
     float xs[4] = {xv.x, xv.y, xv.z, xv.w};
     for (int e = 0; e < 4; ++e) {
@@ -140,11 +155,13 @@ __device__ __forceinline__ void row_sums4(float4 xv, float4 d, float4 g, float m
         sgx += gs[e] * ((xs[e] - m) * r);
     }
 }
-// dx = (g − mean(g) − x̂·mean(g ∘ x̂))·r, plus `in` (the residual's gradient) where there is
-// one, and dw = dy ∘ x̂; sg and sgx are the row's means
-__device__ __forceinline__ void dx4(float4 xv, float4 dv, float4 g, const float4* in, float m, float r, float sg,
-                                    float sgx, float (&dx)[4], float (&dw)[4]) {
-    float xs[4] = {xv.x, xv.y, xv.z, xv.w}, ds[4] = {dv.x, dv.y, dv.z, dv.w}, ws[4] = {g.x, g.y, g.z, g.w};
+// dx = (g − mean(g) − x̂·mean(g ∘ x̂))·r, plus `in` (the residual's gradient) where there
+// is one, and dw = dy ∘ x̂; sg and sgx are the row's means
+__device__ __forceinline__ void dx4(float4 xv, float4 dv, float4 g, const float4* in,
+                                    float m, float r, float sg, float sgx, float (&dx)[4],
+                                    float (&dw)[4]) {
+    float xs[4] = {xv.x, xv.y, xv.z, xv.w}, ds[4] = {dv.x, dv.y, dv.z, dv.w},
+          ws[4] = {g.x, g.y, g.z, g.w};
     float ins[4] = {0.f, 0.f, 0.f, 0.f};
     if (in) {
         ins[0] = in->x;
@@ -161,11 +178,11 @@ __device__ __forceinline__ void dx4(float4 xv, float4 dv, float4 g, const float4
 }
 
 // ANCHOR: layernorm_forward
-// One warp per row, each lane 4 values at a time, in three passes over the row: the kernel for
-// rows wider than 1024 (layernorm_forward_K below holds narrower ones in registers). With a
-// product's output y, first closes the residual connection, x = res + (y + bias), and keeps x
-// (the LayerNorm's input, which its backward needs); then LayerNorm of x, statistics in f32,
-// the normalised row rounded to bf16 for the next product.
+// One warp per row, each lane 4 values at a time, in three passes over the row: the kernel
+// for rows wider than 1024 (layernorm_forward_K below holds narrower ones in registers).
+// With a product's output y, first closes the residual connection, x = res + (y + bias),
+// and keeps x (the LayerNorm's input, which its backward needs); then LayerNorm of x,
+// statistics in f32, the normalised row rounded to bf16 for the next product.
 extern "C" __global__ void layernorm_forward(
     const float* res,                  // [rows, C] the residual stream so far
     const float* y,                    // [rows, C] a product's output to add to it, or null
@@ -178,7 +195,8 @@ extern "C" __global__ void layernorm_forward(
     float* __restrict__ rstd,          // [rows] 1/sqrt(var + eps)
     int rows, int C
 ) {
-    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32,
+              lane = threadIdx.x % 32;
     if (row >= rows) return;
     const long long base = (long long)row * C;
     const float* xr = res + base;
@@ -198,7 +216,8 @@ extern "C" __global__ void layernorm_forward(
     for (int j = lane; j < C / 4; j += 32) ss += sqdev4(ld4(xr, j), m);
     const float r = 1.f / sqrtf(warp_sum(ss) / C + 1e-5f);
     for (int j = lane; j < C / 4; j += 32)
-        reinterpret_cast<uint2*>(out + base)[j] = normalize4(ld4(xr, j), m, r, ld4(w, j), ld4(b, j));
+        reinterpret_cast<uint2*>(out + base)[j] =
+            normalize4(ld4(xr, j), m, r, ld4(w, j), ld4(b, j));
     if (lane == 0) {
         mean[row] = m;
         rstd[row] = r;
@@ -208,49 +227,55 @@ extern "C" __global__ void layernorm_forward(
 
 // ANCHOR: layernorm_backward
 // One warp per row, 4 warps a block, every (gridDim.x · 4)-th row, each lane 4 values at a
-// time, in two passes over the row: the kernel for rows wider than 1024 (layernorm_backward_K
-// below holds narrower ones, and the column sums, in registers). With x̂ = (x − μ)·r and
-// g = dy ∘ w: dx = (g − mean(g) − x̂ · mean(g ∘ x̂))·r, added to the gradient reaching x along
-// the residual; the sum is written in f32 and, rounded, in bf16 for the products before it. Three column sums ride along, per warp in shared memory, then
-// per block into `partial` (reduce_partials adds the blocks): dw = Σ dy ∘ x̂, db = Σ dy, and
-// Σ of the residual gradient written, which is the gradient of the bias of the product whose
-// output joined the residual stream at x (the attention's or the MLP's output projection).
+// time, in two passes over the row: the kernel for rows wider than 1024
+// (layernorm_backward_K below holds narrower ones, and the column sums, in registers). With
+// x̂ = (x − μ)·r and g = dy ∘ w: dx = (g − mean(g) − x̂ · mean(g ∘ x̂))·r, added to the
+// gradient reaching x along the residual; the sum is written in f32 and, rounded, in bf16
+// for the products before it. Three column sums ride along, per warp in shared memory, then
+// per block into `partial` (reduce_partials adds the blocks): dw = Σ dy ∘ x̂, db = Σ dy,
+// and Σ of the residual gradient written, which is the gradient of the bias of the product
+// whose output joined the residual stream at x (the attention's or the MLP's output
+// projection).
 extern "C" __global__ void layernorm_backward(
-    const float* __restrict__ dy,      // [rows, C] gradient of the normalised output
-    const float* __restrict__ x,       // [rows, C] the forward's input
-    const float* __restrict__ w,       // [C] gain
-    const float* __restrict__ mean,    // [rows]
-    const float* __restrict__ rstd,    // [rows]
-    const float* dres_in,              // [rows, C] gradient reaching x along the residual, or null
-    float* dres_out,                   // [rows, C] dres_in + dx (may be dres_in itself)
-    u16* __restrict__ dres_out_bf16,   // [rows, C] the same, bf16
-    float* __restrict__ partial,       // [gridDim.x, 3C] per block: Σ dy·x̂, Σ dy, Σ dres_out
-    int rows, int C
-) {
+    const float* __restrict__ dy,    // [rows, C] gradient of the normalised output
+    const float* __restrict__ x,     // [rows, C] the forward's input
+    const float* __restrict__ w,     // [C] gain
+    const float* __restrict__ mean,  // [rows]
+    const float* __restrict__ rstd,  // [rows]
+    const float* dres_in,  // [rows, C] gradient reaching x along the residual, or null
+    float* dres_out,       // [rows, C] dres_in + dx (may be dres_in itself)
+    u16* __restrict__ dres_out_bf16,  // [rows, C] the same, bf16
+    float* __restrict__ partial,  // [gridDim.x, 3C] per block: Σ dy·x̂, Σ dy, Σ dres_out
+    int rows, int C) {
     extern __shared__ float acc[];  // [warps][3C]
     const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float* mine = acc + (long long)warp * 3 * C;
-    // each lane zeroes the very chunks of 4 columns it adds into below, so no lane reads what
-    // another wrote before the block's barrier
+    // each lane zeroes the very chunks of 4 columns it adds into below, so no lane reads
+    // what another wrote before the block's barrier
     for (int part = 0; part < 3; ++part)
-        for (int j = lane; j < C / 4; j += 32) st4(mine + part * C, j, make_float4(0.f, 0.f, 0.f, 0.f));
+        for (int j = lane; j < C / 4; j += 32)
+            st4(mine + part * C, j, make_float4(0.f, 0.f, 0.f, 0.f));
     for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
         const long long base = (long long)row * C;
         const float m = mean[row], r = rstd[row];
         float sg = 0.f, sgx = 0.f;
-        for (int j = lane; j < C / 4; j += 32) row_sums4(ld4(x + base, j), ld4(dy + base, j), ld4(w, j), m, r, sg, sgx);
+        for (int j = lane; j < C / 4; j += 32)
+            row_sums4(ld4(x + base, j), ld4(dy + base, j), ld4(w, j), m, r, sg, sgx);
         sg = warp_sum(sg) / C;
         sgx = warp_sum(sgx) / C;
         for (int j = lane; j < C / 4; j += 32) {
-            float4 dv = ld4(dy + base, j), in = dres_in ? ld4(dres_in + base, j) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 dv = ld4(dy + base, j),
+                   in = dres_in ? ld4(dres_in + base, j) : make_float4(0.f, 0.f, 0.f, 0.f);
             float ds[4] = {dv.x, dv.y, dv.z, dv.w}, dx[4], dw[4];
-            dx4(ld4(x + base, j), dv, ld4(w, j), dres_in ? &in : nullptr, m, r, sg, sgx, dx, dw);
+            dx4(ld4(x + base, j), dv, ld4(w, j), dres_in ? &in : nullptr, m, r, sg, sgx, dx,
+                dw);
             // this lane's own 4 columns of each sum, 16 bytes at a time (no bank conflicts)
             add4(mine, j, dw);
             add4(mine + C, j, ds);
             add4(mine + 2 * C, j, dx);
             st4(dres_out + base, j, make_float4(dx[0], dx[1], dx[2], dx[3]));
-            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] = pack_bf4(dx[0], dx[1], dx[2], dx[3]);
+            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] =
+                pack_bf4(dx[0], dx[1], dx[2], dx[3]);
         }
     }
     __syncthreads();
@@ -263,20 +288,22 @@ extern "C" __global__ void layernorm_backward(
 // ANCHOR_END: layernorm_backward
 
 // ANCHOR: layernorm_registers
-// The same two kernels with the row held in registers, for rows up to 128·K values wide: lane
-// `lane` holds the chunks of 4 columns j = lane, lane + 32, ..., K of them (those past C/4 are
-// left out), so each row is read from memory once instead of once per pass over it, and the
-// backward keeps its three column sums in registers too: a lane adds into the same columns on
-// every row, so only the block's last step goes through shared memory. The arithmetic, and its
-// order, is the loops' above. K is a compile-time constant so that the arrays stay in
-// registers; kernels.rs picks the smallest K that holds C, and the loops above past 1024.
+// The same two kernels with the row held in registers, for rows up to 128·K values wide:
+// lane `lane` holds the chunks of 4 columns j = lane, lane + 32, ..., K of them (those past
+// C/4 are left out), so each row is read from memory once instead of once per pass over it,
+// and the backward keeps its three column sums in registers too: a lane adds into the same
+// columns on every row, so only the block's last step goes through shared memory. The
+// arithmetic, and its order, is the loops' above. K is a compile-time constant so that the
+// arrays stay in registers; kernels.rs picks the smallest K that holds C, and the loops
+// above past 1024.
 template <int K>
 __device__ __forceinline__ void layernorm_forward_registers(
     const float* res, const float* y, const float* __restrict__ y_bias, float* x,
     const float* __restrict__ w, const float* __restrict__ b, u16* __restrict__ out,
     float* __restrict__ mean, float* __restrict__ rstd, int rows, int C
 ) {
-    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32,
+              lane = threadIdx.x % 32;
     if (row >= rows) return;
     const long long base = (long long)row * C;
     float4 v[K];
@@ -304,7 +331,9 @@ __device__ __forceinline__ void layernorm_forward_registers(
 #pragma unroll
     for (int k = 0; k < K; ++k) {
         const int j = lane + 32 * k;
-        if (j < C / 4) reinterpret_cast<uint2*>(out + base)[j] = normalize4(v[k], m, r, ld4(w, j), ld4(b, j));
+        if (j < C / 4)
+            reinterpret_cast<uint2*>(out + base)[j] =
+                normalize4(v[k], m, r, ld4(w, j), ld4(b, j));
     }
     if (lane == 0) {
         mean[row] = m;
@@ -320,11 +349,12 @@ __device__ __forceinline__ void add_into(float4& s, float4 v) {
 }
 
 template <int K>
-__device__ __forceinline__ void layernorm_backward_registers(
-    const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,
-    const float* __restrict__ mean, const float* __restrict__ rstd, const float* dres_in,
-    float* dres_out, u16* __restrict__ dres_out_bf16, float* __restrict__ partial, int rows, int C
-) {
+__device__ __forceinline__ void
+layernorm_backward_registers(const float* __restrict__ dy, const float* __restrict__ x,
+                             const float* __restrict__ w, const float* __restrict__ mean,
+                             const float* __restrict__ rstd, const float* dres_in,
+                             float* dres_out, u16* __restrict__ dres_out_bf16,
+                             float* __restrict__ partial, int rows, int C) {
     extern __shared__ float acc[];  // [warps][3C], filled once, at the end
     const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -349,7 +379,8 @@ __device__ __forceinline__ void layernorm_backward_registers(
         float sg = 0.f, sgx = 0.f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            if (lane + 32 * k < C / 4) row_sums4(xv[k], dv[k], ld4(w, lane + 32 * k), m, r, sg, sgx);
+            if (lane + 32 * k < C / 4)
+                row_sums4(xv[k], dv[k], ld4(w, lane + 32 * k), m, r, sg, sgx);
         }
         sg = warp_sum(sg) / C;
         sgx = warp_sum(sgx) / C;
@@ -364,7 +395,8 @@ __device__ __forceinline__ void layernorm_backward_registers(
             add_into(sdb[k], dv[k]);
             add_into(sdr[k], out);
             st4(dres_out + base, j, out);
-            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] = pack_bf4(dx[0], dx[1], dx[2], dx[3]);
+            reinterpret_cast<uint2*>(dres_out_bf16 + base)[j] =
+                pack_bf4(dx[0], dx[1], dx[2], dx[3]);
         }
     }
     // the warps' sums, added in the order of the loop above; every column of every warp's
@@ -386,27 +418,30 @@ __device__ __forceinline__ void layernorm_backward_registers(
     }
 }
 
-// One kernel of each for K = 1, 2, 4, 6 and 8 (rows up to 128, 256, 512, 768 and 1024 wide),
-// named layernorm_forward_K and layernorm_backward_K, with the arguments of the loops' kernels.
-// BLOCKS: the backward's blocks of 4 warps an SM holds at once, which caps its registers at
-// 65,536 / (128 · BLOCKS) a thread: 3 (168) hold K up to 6 without spilling, K = 8 needs 2.
-// LN_BACKWARD_WARPS comes from kernels.rs (-D), which launches the backward's blocks
-static_assert(LN_BACKWARD_WARPS >= 1, "LN_BACKWARD_WARPS is set by the host, which launches the blocks");
-#define LAYERNORM_REGISTERS(K, BLOCKS)                                                           \
-    extern "C" __global__ void layernorm_forward_##K(                                            \
-        const float* res, const float* y, const float* __restrict__ y_bias, float* x,           \
-        const float* __restrict__ w, const float* __restrict__ b, u16* __restrict__ out,         \
-        float* __restrict__ mean, float* __restrict__ rstd, int rows, int C) {                  \
-        layernorm_forward_registers<K>(res, y, y_bias, x, w, b, out, mean, rstd, rows, C);       \
-    }                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * LN_BACKWARD_WARPS, BLOCKS)                 \
-    layernorm_backward_##K(                                                                      \
-        const float* __restrict__ dy, const float* __restrict__ x, const float* __restrict__ w,  \
-        const float* __restrict__ mean, const float* __restrict__ rstd, const float* dres_in,    \
-        float* dres_out, u16* __restrict__ dres_out_bf16, float* __restrict__ partial, int rows, \
-        int C) {                                                                                 \
-        layernorm_backward_registers<K>(dy, x, w, mean, rstd, dres_in, dres_out, dres_out_bf16,  \
-                                        partial, rows, C);                                       \
+// One kernel of each for K = 1, 2, 4, 6 and 8 (rows up to 128, 256, 512, 768 and 1024
+// wide), named layernorm_forward_K and layernorm_backward_K, with the arguments of the
+// loops' kernels. BLOCKS: the backward's blocks of 4 warps an SM holds at once, which caps
+// its registers at 65,536 / (128 · BLOCKS) a thread: 3 (168) hold K up to 6 without
+// spilling, K = 8 needs 2. LN_BACKWARD_WARPS comes from kernels.rs (-D), which launches the
+// backward's blocks
+static_assert(LN_BACKWARD_WARPS >= 1,
+              "LN_BACKWARD_WARPS is set by the host, which launches the blocks");
+#define LAYERNORM_REGISTERS(K, BLOCKS)                                                     \
+    extern "C" __global__ void layernorm_forward_##K(                                      \
+        const float* res, const float* y, const float* __restrict__ y_bias, float* x,      \
+        const float* __restrict__ w, const float* __restrict__ b, u16* __restrict__ out,   \
+        float* __restrict__ mean, float* __restrict__ rstd, int rows, int C) {             \
+        layernorm_forward_registers<K>(res, y, y_bias, x, w, b, out, mean, rstd, rows, C); \
+    }                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * LN_BACKWARD_WARPS, BLOCKS)           \
+        layernorm_backward_##K(const float* __restrict__ dy, const float* __restrict__ x,  \
+                               const float* __restrict__ w,                                \
+                               const float* __restrict__ mean,                             \
+                               const float* __restrict__ rstd, const float* dres_in,       \
+                               float* dres_out, u16* __restrict__ dres_out_bf16,           \
+                               float* __restrict__ partial, int rows, int C) {             \
+        layernorm_backward_registers<K>(dy, x, w, mean, rstd, dres_in, dres_out,           \
+                                        dres_out_bf16, partial, rows, C);                  \
     }
 LAYERNORM_REGISTERS(1, 3)
 LAYERNORM_REGISTERS(2, 3)
@@ -416,15 +451,15 @@ LAYERNORM_REGISTERS(8, 2)
 // ANCHOR_END: layernorm_registers
 
 // Column sums, second pass: out[c] = Σ_p partial[p, c], the K columns cut into runs of
-// `width`, each to its own output (a LayerNorm's partials hold dw, db and the residual's sum;
-// the fused projection's, its bias's three thirds side by side). A null output is skipped.
-// Overwrites. A block of 32 × 16 threads per 32 columns: thread (x, y) sums the parts y,
-// y + 16, ..., then the 16 sums are added in order; many short loops rather than one long one
-// per column, which would wait on memory at every step.
-extern "C" __global__ void reduce_partials(
-    const float* __restrict__ partial,  // [parts, K]
-    int parts, int K, int width,
-    float* out0, float* out1, float* out2  // [width] each, for columns 0.., width.., 2·width..
+// `width`, each to its own output (a LayerNorm's partials hold dw, db and the residual's
+// sum; the fused projection's, its bias's three thirds side by side). A null output is
+// skipped. Overwrites. A block of 32 × 16 threads per 32 columns: thread (x, y) sums the
+// parts y, y + 16, ..., then the 16 sums are added in order; many short loops rather than
+// one long one per column, which would wait on memory at every step.
+extern "C" __global__ void
+reduce_partials(const float* __restrict__ partial,  // [parts, K]
+                int parts, int K, int width, float* out0, float* out1,
+                float* out2  // [width] each, for columns 0.., width.., 2·width..
 ) {
     __shared__ float sums[16][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
@@ -451,7 +486,9 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 }
 
 // GELU at x, given t = gelu_tanh(x).
-__device__ __forceinline__ float gelu_from(float x, float t) { return 0.5f * x * (1.f + t); }
+__device__ __forceinline__ float gelu_from(float x, float t) {
+    return 0.5f * x * (1.f + t);
+}
 
 __device__ __forceinline__ float gelu(float x) { return gelu_from(x, gelu_tanh(x)); }
 
@@ -472,13 +509,14 @@ __device__ __forceinline__ void unpack8(uint4 x, float* f) {
 
 __device__ __forceinline__ uint4 pack8(const float* f) {
     u32 w[4];
-    for (int e = 0; e < 4; ++e) w[e] = (u32)to_bf(f[2 * e]) | ((u32)to_bf(f[2 * e + 1]) << 16);
+    for (int e = 0; e < 4; ++e)
+        w[e] = (u32)to_bf(f[2 * e]) | ((u32)to_bf(f[2 * e + 1]) << 16);
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// The MLP's first product's bias, then GELU: out = gelu(fc + bias), in bf16. fc stays as the
-// product wrote it; the backward adds the bias again. A block per row, 8 values (16 bytes) a
-// thread at a time.
+// The MLP's first product's bias, then GELU: out = gelu(fc + bias), in bf16. fc stays as
+// the product wrote it; the backward adds the bias again. A block per row, 8 values (16
+// bytes) a thread at a time.
 extern "C" __global__ void bias_gelu(
     const u16* __restrict__ fc,      // [rows, K] the product, without its bias
     const float* __restrict__ bias,  // [K]
@@ -497,18 +535,20 @@ extern "C" __global__ void bias_gelu(
 }
 
 // The GELU backward, in one pass over the layer's fc and the gradient of GELU's output:
-// d ← d ∘ gelu'(fc + bias) in place (the gradient through GELU), out = gelu(fc + bias) (GELU's
-// output again, which the forward does not keep, for the output projection's weight gradient),
-// and the column sums of the new d (the bias's gradient) per chunk of rows. Block (x, y):
-// 32 × GELU_LANES threads over 256 columns and rows y·chunk .. (y+1)·chunk; thread (tx, ty)
-// takes 8 columns (16 bytes of each tensor) on rows ty, ty + GELU_LANES, ... of the chunk, so
-// a warp moves 512-byte runs of a row. A column's GELU_LANES sums meet in shared memory and
-// are added in the order of ty, so the partial sums are the same on every run.
-// GELU_LANES comes from kernels.rs (-D), which launches blocks of 32 × GELU_LANES threads
-static_assert(32 * GELU_LANES == 256, "the column sums take one thread per column of a block");
+// d ← d ∘ gelu'(fc + bias) in place (the gradient through GELU), out = gelu(fc + bias)
+// (GELU's output again, which the forward does not keep, for the output projection's weight
+// gradient), and the column sums of the new d (the bias's gradient) per chunk of rows.
+// Block (x, y): 32 × GELU_LANES threads over 256 columns and rows y·chunk .. (y+1)·chunk;
+// thread (tx, ty) takes 8 columns (16 bytes of each tensor) on rows ty, ty + GELU_LANES,
+// ... of the chunk, so a warp moves 512-byte runs of a row. A column's GELU_LANES sums meet
+// in shared memory and are added in the order of ty, so the partial sums are the same on
+// every run. GELU_LANES comes from kernels.rs (-D), which launches blocks of 32 ×
+// GELU_LANES threads
+static_assert(32 * GELU_LANES == 256,
+              "the column sums take one thread per column of a block");
 extern "C" __global__ void gelu_backward(
-    u16* __restrict__ d,             // [rows, K] gradient of GELU's output in, of its input out
-    const u16* __restrict__ fc,      // [rows, K] the product, without its bias
+    u16* __restrict__ d,         // [rows, K] gradient of GELU's output in, of its input out
+    const u16* __restrict__ fc,  // [rows, K] the product, without its bias
     const float* __restrict__ bias,  // [K]
     u16* __restrict__ out,           // [rows, K] gelu(fc + bias) out
     float* __restrict__ partial,     // [gridDim.y, K] column sums of the gradient out
@@ -553,8 +593,8 @@ extern "C" __global__ void gelu_backward(
 // The fused projection's output, one row per token: q's heads side by side, then k's, then
 // v's, [B·T, 3C]. Our attention kernels take each of q, k and v as [B, H, T, D]:
 // q[b, h, t, d] = qkv[b·T + t, h·D + d] + bias[h·D + d], k from columns C.., v from 2C...
-// A block per token; a thread moves 8 values (16 bytes) at a time, so a head's row of 64 is 8
-// threads' reads of one 128-byte run and their writes of another.
+// A block per token; a thread moves 8 values (16 bytes) at a time, so a head's row of 64 is
+// 8 threads' reads of one 128-byte run and their writes of another.
 extern "C" __global__ void qkv_to_heads(
     const u16* __restrict__ qkv,     // [B·T, 3C]
     const float* __restrict__ bias,  // [3C]
@@ -569,13 +609,14 @@ extern "C" __global__ void qkv_to_heads(
         unpack8(src[j], f);
         for (int e = 0; e < 8; ++e) f[e] += bias[col + e];
         u16* out = part == 0 ? q : part == 1 ? k : v;
-        *reinterpret_cast<uint4*>(out + (((long long)b * H + h) * T + t) * D + d) = pack8(f);
+        *reinterpret_cast<uint4*>(out + (((long long)b * H + h) * T + t) * D + d) =
+            pack8(f);
     }
 }
 
 // One tensor between the two layouts: [B, H, T, D] to one row per token, [B·T, C] (the
-// attention's output into the projection), or back (the output's gradient into the backward).
-// A block per token, 16 bytes a thread at a time.
+// attention's output into the projection), or back (the output's gradient into the
+// backward). A block per token, 16 bytes a thread at a time.
 extern "C" __global__ void heads_rows(
     const u16* __restrict__ src,
     u16* __restrict__ dst,
@@ -596,7 +637,8 @@ extern "C" __global__ void heads_rows(
 
 // The inverse of qkv_to_heads for the gradients: dq, dk, dv back to the fused projection's
 // columns, [B·T, 3C], and the column sums of the result (the bias's gradient) per chunk of
-// rows. Block (x, y): 128 threads, each a pair of columns, over rows y·chunk .. (y+1)·chunk.
+// rows. Block (x, y): 128 threads, each a pair of columns, over rows y·chunk ..
+// (y+1)·chunk.
 extern "C" __global__ void heads_to_qkv(
     const u16* __restrict__ dq, const u16* __restrict__ dk, const u16* __restrict__ dv,
     u16* __restrict__ dqkv,          // [B·T, 3C]
@@ -623,11 +665,11 @@ extern "C" __global__ void heads_to_qkv(
 // ANCHOR_END: heads
 
 // [step 06]
-// Column sums of a bf16 [rows, K] matrix per chunk of rows: the bias's gradient of the fused
-// projection when the attention's backward wrote its gradient in place (step 06's kernels
-// write dq, dk and dv straight into the [B·T, 3C] rows, so heads_to_qkv has nothing to move).
-// Block (x, y): 128 threads, each 8 columns (16 bytes of a row), over rows y·chunk ..
-// (y+1)·chunk, added in row order as heads_to_qkv adds them.
+// Column sums of a bf16 [rows, K] matrix per chunk of rows: the bias's gradient of the
+// fused projection when the attention's backward wrote its gradient in place (step 06's
+// kernels write dq, dk and dv straight into the [B·T, 3C] rows, so heads_to_qkv has nothing
+// to move). Block (x, y): 128 threads, each 8 columns (16 bytes of a row), over rows
+// y·chunk .. (y+1)·chunk, added in row order as heads_to_qkv adds them.
 extern "C" __global__ void column_sums(
     const u16* __restrict__ d,       // [rows, K], K a multiple of 8
     float* __restrict__ partial,     // [gridDim.y, K]
@@ -647,9 +689,10 @@ extern "C" __global__ void column_sums(
 // [/step 06]
 
 // ANCHOR: cross_entropy
-// Softmax and cross-entropy of each row of logits together, one warp per row (V ≤ 256 values,
-// 8 a lane): losses[row] = lse − logit[target] and, when dlogits is given, the gradient
-// (softmax − onehot(target))·scale in bf16, scale = 1/(B·T) for the mean over tokens.
+// Softmax and cross-entropy of each row of logits together, one warp per row (V ≤ 256
+// values, 8 a lane): losses[row] = lse − logit[target] and, when dlogits is given, the
+// gradient (softmax − onehot(target))·scale in bf16, scale = 1/(B·T) for the mean over
+// tokens.
 extern "C" __global__ void cross_entropy(
     const float* __restrict__ logits,  // [rows, V] f32
     const u8* __restrict__ targets,    // [rows]
@@ -657,7 +700,8 @@ extern "C" __global__ void cross_entropy(
     u16* __restrict__ dlogits,         // [rows, V] out, or null (held-out loss only)
     int rows, int V, float scale
 ) {
-    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32,
+              lane = threadIdx.x % 32;
     if (row >= rows) return;
     const float* l = logits + (long long)row * V;
     float m = -__int_as_float(0x7f800000);
@@ -670,7 +714,8 @@ extern "C" __global__ void cross_entropy(
     if (lane == 0) losses[row] = lse - l[target];
     if (dlogits) {
         u16* d = dlogits + (long long)row * V;
-        for (int c = lane; c < V; c += 32) d[c] = to_bf((expf(l[c] - lse) - (c == target ? 1.f : 0.f)) * scale);
+        for (int c = lane; c < V; c += 32)
+            d[c] = to_bf((expf(l[c] - lse) - (c == target ? 1.f : 0.f)) * scale);
     }
 }
 // ANCHOR_END: cross_entropy
@@ -730,11 +775,11 @@ extern "C" __global__ void norm_finish(
 // ANCHOR_END: grad_norm
 
 // ANCHOR: adamw
-// One AdamW step of every weight (optim.rs's AdamW::step after clip_grad_norm), over the flat
-// buffers: the gradient scaled by max_norm/norm when the norm (read from device memory, where
-// norm_finish left it: no trip to the host) is above max_norm; weight decay on the elements
-// below decay_end, where the layout puts every matrix. Writes the f32 master weight and its
-// bf16 copy for the products.
+// One AdamW step of every weight (optim.rs's AdamW::step after clip_grad_norm), over the
+// flat buffers: the gradient scaled by max_norm/norm when the norm (read from device
+// memory, where norm_finish left it: no trip to the host) is above max_norm; weight decay
+// on the elements below decay_end, where the layout puts every matrix. Writes the f32
+// master weight and its bf16 copy for the products.
 extern "C" __global__ void adamw(
     float* __restrict__ p,            // [n] master weights
     const float* __restrict__ g,      // [n] gradients
@@ -765,7 +810,8 @@ extern "C" __global__ void adamw(
 // ANCHOR_END: adamw
 
 // y = bf16(x): the weights' first bf16 copy, after they are uploaded.
-extern "C" __global__ void to_bf16(const float* __restrict__ x, u16* __restrict__ y, long long n) {
+extern "C" __global__ void to_bf16(const float* __restrict__ x, u16* __restrict__ y,
+                                   long long n) {
     long long i = global_index();
     if (i < n) y[i] = to_bf(x[i]);
 }

@@ -277,14 +277,16 @@ def read_corpus(path):
 
 # ANCHOR: batches
 def train_starts(n, batch, tokens, seed, step):
-    """train_batch's offsets: `batch` draws of one stream of seed and step, modulo the span."""
+    """train_batch's offsets: `batch` draws of one stream of seed and step, modulo the
+    span."""
     rng = SplitMix64(seed ^ ((step * STEP_MIX) & MASK64))
     span = n - tokens  # starts 0..span leave room for the targets
     return [rng.next_u64() % span for _ in range(batch)]
 
 
 def heldout_starts(n, batch, tokens, count):
-    """heldout_batches's offsets: batch * count windows spread evenly over the held-out bytes."""
+    """heldout_batches's offsets: batch * count windows spread evenly over the held-out
+    bytes."""
     span, windows = n - tokens, batch * count
     return [[(c * batch + b) * span // windows for b in range(batch)] for c in range(count)]
 # ANCHOR_END: batches
@@ -306,10 +308,10 @@ def windows(data, starts, tokens):
 # ANCHOR: ours_product
 class OursProduct(torch.autograd.Function if torch else object):
     """x . W as each of our GPU trainer's cuBLAS calls computes it (steps/05-train/src/cuda/
-    gemm.rs): operands rounded to bf16, the products summed in f32, the result in f32 (the
-    caller rounds it to bf16 where ours writes bf16). The backward rounds the incoming gradient
-    to bf16, as ours keeps every operand of a product; dW stays f32, as ours writes every
-    weight's gradient; dx is rounded to bf16 where ours writes it in bf16 (`dx_bf16`).
+    gemm.rs): operands rounded to bf16, the products summed in f32, the result in f32
+    (the caller rounds it to bf16 where ours writes bf16). The backward rounds the incoming
+    gradient to bf16, as ours keeps every operand of a product; dW stays f32, as ours writes
+    every weight's gradient; dx is rounded to bf16 where ours writes it in bf16 (`dx_bf16`).
 
     The f32 products run on TF32 tensor cores (precision "ours" turns TF32 on): TF32 holds a
     bf16 value exactly and sums in f32, so this is a bf16 product with an f32 result."""
@@ -367,7 +369,8 @@ class Attention(nn.Module):
         b, t, c = x.shape
         h = self.heads
         if self.ours:
-            # bf16 q, k, v, the bias (in bf16) added before the rounding, as cuBLASLt's epilogue
+            # bf16 q, k, v, the bias (in bf16) added before the rounding, as cuBLASLt's
+            # epilogue
             qkv = ours_product(x, self.c_attn.weight, dx_bf16=False)
             qkv = (qkv + self.c_attn.bias.bfloat16().float()).bfloat16()
         else:
@@ -471,15 +474,16 @@ def schedule_lr(s, step):
 
 # ANCHOR: clip
 def clip_grad_norm(grads, max_norm, exact):
-    """clip_grad_norm (optim.rs): the global norm, and every gradient scaled by max_norm / norm
-    when it is above max_norm, as ours (torch.nn.utils.clip_grad_norm_ divides by norm + 1e-6
-    instead: too small a difference for the check to see, but not ours). `exact` sums the
-    squares in f64, as ours."""
+    """clip_grad_norm (optim.rs): the global norm, and every gradient scaled by
+    max_norm / norm when it is above max_norm, as ours (torch.nn.utils.clip_grad_norm_
+    divides by norm + 1e-6 instead: too small a difference for the check to see, but not
+    ours). `exact` sums the squares in f64, as ours."""
     if exact:
         norm = torch.stack([g.double().square().sum() for g in grads]).sum().sqrt().float()
     else:
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-    scale = torch.clamp(torch.tensor(max_norm, dtype=torch.float32, device=norm.device) / norm, max=1.0)
+    limit = torch.tensor(max_norm, dtype=torch.float32, device=norm.device)
+    scale = torch.clamp(limit / norm, max=1.0)
     torch._foreach_mul_(grads, scale)
     return norm
 # ANCHOR_END: clip
@@ -747,7 +751,8 @@ def run(args):
     no_decay = [p for p in params if p.dim() != 2]
     a = s["adamw"]
     opt = torch.optim.AdamW(
-        [dict(params=decay, weight_decay=a["weight_decay"]), dict(params=no_decay, weight_decay=0.0)],
+        [dict(params=decay, weight_decay=a["weight_decay"]),
+         dict(params=no_decay, weight_decay=0.0)],
         lr=s["schedule"]["max"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
         **(dict(fused=True) if cuda else dict(foreach=False)),
     )
@@ -770,7 +775,8 @@ def run(args):
         if cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        inputs, targets = windows(train_data, train_starts(len(train_text), batch, tokens, s["seed"], step), tokens)
+        starts = train_starts(len(train_text), batch, tokens, s["seed"], step)
+        inputs, targets = windows(train_data, starts, tokens)
         loss = loss_of(inputs, targets)
         loss.backward()
         norm = clip_grad_norm([p.grad for p in params], s["clip"], exact=not cuda)

@@ -1,8 +1,8 @@
 //! Checkpoints as safetensors files: every weight under its GPT-2 name, the optimizer's two
-//! moments under `adamw.m.` and `adamw.v.` and that name, and the model's configuration, the
-//! optimizer's settings and the step in the header's metadata. Numbers are stored as they are
-//! in memory, little-endian `f32`, so a checkpoint round-trips bit for bit and PyTorch reads it
-//! with `safetensors.torch.load_file`.
+//! moments under `adamw.m.` and `adamw.v.` and that name, and the model's configuration,
+//! the optimizer's settings and the step in the header's metadata. Numbers are stored as
+//! they are in memory, little-endian `f32`, so a checkpoint round-trips bit for bit and
+//! PyTorch reads it with `safetensors.torch.load_file`.
 
 use std::collections::HashMap;
 use std::fs;
@@ -46,7 +46,8 @@ impl Checkpoint {
         let views = tensors
             .iter()
             .map(|(name, shape, data)| {
-                let view = TensorView::new(Dtype::F32, shape.clone(), data).expect("sizes agree");
+                let view =
+                    TensorView::new(Dtype::F32, shape.clone(), data).expect("sizes agree");
                 (name.clone(), view)
             })
             .collect::<Vec<_>>();
@@ -71,9 +72,10 @@ impl Checkpoint {
     /// Reads a checkpoint that [`Checkpoint::save`] wrote.
     pub fn load(path: &Path) -> Result<Checkpoint, TrainError> {
         let bytes = fs::read(path).map_err(|e| TrainError::io(path, e))?;
-        let bad = |why: String| TrainError::Checkpoint(format!("{}: {why}", path.display()));
-        let (_, header) =
-            SafeTensors::read_metadata(&bytes).map_err(|e| bad(format!("not safetensors: {e}")))?;
+        let bad =
+            |why: String| TrainError::Checkpoint(format!("{}: {why}", path.display()));
+        let (_, header) = SafeTensors::read_metadata(&bytes)
+            .map_err(|e| bad(format!("not safetensors: {e}")))?;
         let meta = header.metadata().clone().unwrap_or_default();
         let get = |key: &str| {
             meta.get(key).ok_or_else(|| {
@@ -118,8 +120,10 @@ impl Checkpoint {
         let opt = match meta.get("adamw") {
             None => None,
             Some(settings) => {
-                let settings: AdamWSettings = serde_json::from_str(settings)
-                    .map_err(|e| bad(format!("its optimizer settings do not parse: {e}")))?;
+                let settings: AdamWSettings =
+                    serde_json::from_str(settings).map_err(|e| {
+                        bad(format!("its optimizer settings do not parse: {e}"))
+                    })?;
                 let t = get("adamw.t")?
                     .parse()
                     .map_err(|e| bad(format!("adamw.t does not parse: {e}")))?;

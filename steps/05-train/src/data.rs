@@ -1,10 +1,10 @@
-//! The text the model learns from: bytes of real files, split into training and held-out text
-//! by file, and batches drawn from a seed.
+//! The text the model learns from: bytes of real files, split into training and held-out
+//! text by file, and batches drawn from a seed.
 //!
 //! The default corpus is the Rust source of the crates `Cargo.lock` pins, which cargo has
-//! unpacked under `$CARGO_HOME/registry/src/*/<name>-<version>/` on every machine that built
-//! this repository: tens of megabytes of real code, no download. Any text file or folder
-//! will do instead, or a token file written by [`Corpus::save`].
+//! unpacked under `$CARGO_HOME/registry/src/*/<name>-<version>/` on every machine that
+//! built this repository: tens of megabytes of real code, no download. Any text file or
+//! folder will do instead, or a token file written by [`Corpus::save`].
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -40,11 +40,16 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
-/// Every file under `dir` whose name ends in one of `exts` (all files when `exts` is empty),
-/// sorted, skipping hidden files and folders.
-pub fn files_under(dir: &Path, exts: &[&str], out: &mut Vec<PathBuf>) -> Result<(), TrainError> {
+/// Every file under `dir` whose name ends in one of `exts` (all files when `exts` is
+/// empty), sorted, skipping hidden files and folders.
+pub fn files_under(
+    dir: &Path,
+    exts: &[&str],
+    out: &mut Vec<PathBuf>,
+) -> Result<(), TrainError> {
     let entries = fs::read_dir(dir).map_err(|e| TrainError::io(dir, e))?;
-    let mut paths: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    let mut paths: Vec<PathBuf> =
+        entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
     paths.sort();
     for path in paths {
         let name = path.file_name().unwrap_or_default().to_string_lossy();
@@ -63,7 +68,10 @@ pub fn files_under(dir: &Path, exts: &[&str], out: &mut Vec<PathBuf>) -> Result<
 impl Corpus {
     /// Files split by a hash of their key (a path relative to the corpus's root): one in
     /// [`HELDOUT_ONE_IN`] is held out.
-    fn split_files(source: String, files: &[(String, PathBuf)]) -> Result<Corpus, TrainError> {
+    fn split_files(
+        source: String,
+        files: &[(String, PathBuf)],
+    ) -> Result<Corpus, TrainError> {
         let mut corpus = Corpus {
             source,
             train: Vec::new(),
@@ -118,8 +126,8 @@ impl Corpus {
         }
     }
 
-    /// A text file, a folder (every file in it, sorted; hidden ones skipped), or a token file
-    /// that [`Corpus::save`] wrote.
+    /// A text file, a folder (every file in it, sorted; hidden ones skipped), or a token
+    /// file that [`Corpus::save`] wrote.
     pub fn load(path: &Path) -> Result<Corpus, TrainError> {
         if !path.exists() {
             return Err(TrainError::Data(format!(
@@ -187,9 +195,14 @@ impl Corpus {
                 (key(index.map_or(Path::new(""), |i| i.as_path()), &f), f)
             })
             .collect();
+        // the lock as the reader would name it: from the current folder where it lies below it
+        let shown = std::env::current_dir()
+            .ok()
+            .and_then(|here| lock.strip_prefix(here).ok().map(Path::to_path_buf))
+            .unwrap_or_else(|| lock.to_path_buf());
         let source = format!(
             "the .rs files of the {crates} crates {} pins",
-            lock.display()
+            shown.display()
         );
         Corpus::split_files(source, &keyed)
     }
@@ -207,7 +220,9 @@ impl Corpus {
             .map(PathBuf::from)
             .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
             .ok_or_else(|| {
-                TrainError::Data("neither CARGO_HOME nor HOME is set: give --data a path".into())
+                TrainError::Data(
+                    "neither CARGO_HOME nor HOME is set: give --data a path".into(),
+                )
             })?;
         Corpus::from_cargo_lock(&lock, &cargo_home)
     }
@@ -233,7 +248,9 @@ impl Corpus {
 
     fn from_token_file(source: String, bytes: &[u8]) -> Result<Corpus, TrainError> {
         let header = 8 + 4 * 8;
-        let bad = |why: &str| TrainError::Data(format!("{source}: not a valid token file: {why}"));
+        let bad = |why: &str| {
+            TrainError::Data(format!("{source}: not a valid token file: {why}"))
+        };
         if bytes.len() < header {
             return Err(bad("shorter than its header"));
         }
@@ -260,8 +277,8 @@ impl Corpus {
         })
     }
 
-    /// Checks that both parts hold at least one window of `tokens + 1` bytes (the inputs and,
-    /// one further, the targets).
+    /// Checks that both parts hold at least one window of `tokens + 1` bytes (the inputs
+    /// and, one further, the targets).
     pub fn check_window(&self, tokens: usize) -> Result<(), TrainError> {
         for (what, part) in [("training", &self.train), ("held-out", &self.heldout)] {
             if part.len() < tokens + 1 {
@@ -339,8 +356,15 @@ impl Batch {
 
 // ANCHOR: batches
 /// The training batch of step `step`: `batch` windows at offsets drawn from a stream of
-/// `seed` and `step` alone, so a run resumed at any step sees the batches it would have seen.
-pub fn train_batch(data: &[u8], batch: usize, tokens: usize, seed: u64, step: usize) -> Batch {
+/// `seed` and `step` alone, so a run resumed at any step sees the batches it would have
+/// seen.
+pub fn train_batch(
+    data: &[u8],
+    batch: usize,
+    tokens: usize,
+    seed: u64,
+    step: usize,
+) -> Batch {
     Batch::from_starts(
         data,
         &train_starts(data.len(), batch, tokens, seed, step),
@@ -348,9 +372,16 @@ pub fn train_batch(data: &[u8], batch: usize, tokens: usize, seed: u64, step: us
     )
 }
 
-/// Where the windows of step `step` start: `batch` draws from a SplitMix64 stream seeded with
-/// `seed ^ (step · 0xD1342543DE82EF95)` (wrapping), each `next_u64() % (len − tokens)`.
-pub fn train_starts(len: usize, batch: usize, tokens: usize, seed: u64, step: usize) -> Vec<usize> {
+/// Where the windows of step `step` start: `batch` draws from a SplitMix64 stream seeded
+/// with `seed ^ (step · 0xD1342543DE82EF95)` (wrapping), each `next_u64() % (len −
+/// tokens)`.
+pub fn train_starts(
+    len: usize,
+    batch: usize,
+    tokens: usize,
+    seed: u64,
+    step: usize,
+) -> Vec<usize> {
     let mut rng = SplitMix64::new(seed ^ (step as u64).wrapping_mul(0xD134_2543_DE82_EF95));
     let span = (len - tokens) as u64; // starts 0..span leave room for the targets
     (0..batch)
@@ -358,9 +389,15 @@ pub fn train_starts(len: usize, batch: usize, tokens: usize, seed: u64, step: us
         .collect()
 }
 
-/// `count` held-out batches at offsets spread evenly over the held-out bytes: the same every
-/// time, so one run's held-out losses can be compared with each other and with another run's.
-pub fn heldout_batches(data: &[u8], batch: usize, tokens: usize, count: usize) -> Vec<Batch> {
+/// `count` held-out batches at offsets spread evenly over the held-out bytes: the same
+/// every time, so one run's held-out losses can be compared with each other and with
+/// another run's.
+pub fn heldout_batches(
+    data: &[u8],
+    batch: usize,
+    tokens: usize,
+    count: usize,
+) -> Vec<Batch> {
     heldout_starts(data.len(), batch, tokens, count)
         .iter()
         .map(|starts| Batch::from_starts(data, starts, tokens))
@@ -369,7 +406,12 @@ pub fn heldout_batches(data: &[u8], batch: usize, tokens: usize, count: usize) -
 
 /// Where the windows of each held-out batch start: window `i` of all `batch · count` at
 /// `i · (len − tokens) / (batch · count)`.
-pub fn heldout_starts(len: usize, batch: usize, tokens: usize, count: usize) -> Vec<Vec<usize>> {
+pub fn heldout_starts(
+    len: usize,
+    batch: usize,
+    tokens: usize,
+    count: usize,
+) -> Vec<Vec<usize>> {
     let span = len - tokens;
     let windows = batch * count;
     (0..count)

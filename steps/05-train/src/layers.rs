@@ -1,10 +1,11 @@
-//! The model's layers, each a forward and its backward by hand, generic over the float type.
+//! The model's layers, each a forward and its backward by hand, generic over the float
+//! type.
 //!
-//! The model trains in `f32`, on our kernels. The same code in `f64` is what its gradients are
-//! checked against: finite differences of an `f64` loss are accurate to about eight digits,
-//! those of an `f32` loss to about two (`tests/gradients.rs`). Only attention differs between
-//! the two: in `f32` it is step 02's online-softmax forward and step 04's blockwise backward,
-//! in `f64` the references those two are themselves checked against.
+//! The model trains in `f32`, on our kernels. The same code in `f64` is what its gradients
+//! are checked against: finite differences of an `f64` loss are accurate to about eight
+//! digits, those of an `f32` loss to about two (`tests/gradients.rs`). Only attention
+//! differs between the two: in `f32` it is step 02's online-softmax forward and step 04's
+//! blockwise backward, in `f64` the references those two are themselves checked against.
 //!
 //! Every backward *adds* into the gradients it is given (`+=`), as the chain rule sums over
 //! every path: the residual stream's gradient reaches a block's input both directly and
@@ -14,8 +15,8 @@ use flash_core::reference::{Reference, attention_f64};
 use flash_core::{Attention, AttnError};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{
-    Array1, Array2, Array4, ArrayView1, ArrayView2, ArrayView4, ArrayViewMut1, ArrayViewMut2, Axis,
-    NdFloat, Zip, s,
+    Array1, Array2, Array4, ArrayView1, ArrayView2, ArrayView4, ArrayViewMut1,
+    ArrayViewMut2, Axis, NdFloat, Zip, s,
 };
 
 // ANCHOR: float
@@ -129,7 +130,11 @@ pub struct Norm<A> {
 // ANCHOR: layernorm
 /// LayerNorm of each row of `x` (`[rows, d]`): `y = (x − μ)/σ · w + b`, with
 /// `σ = √(var + ε)` and the variance biased (divided by `d`), as in GPT-2.
-pub fn layernorm<A: Float>(x: ArrayView2<A>, w: ArrayView1<A>, b: ArrayView1<A>) -> Norm<A> {
+pub fn layernorm<A: Float>(
+    x: ArrayView2<A>,
+    w: ArrayView1<A>,
+    b: ArrayView1<A>,
+) -> Norm<A> {
     let (rows, d) = x.dim();
     let n = A::of(d as f64);
     let mut out = Array2::zeros((rows, d));
@@ -222,7 +227,8 @@ pub fn gelu<A: Float>(x: A) -> A {
     A::of(0.5) * x * (A::one() + u.tanh())
 }
 
-/// The derivative of [`gelu`]: `0.5·(1 + tanh u) + 0.5·x·(1 − tanh² u)·√(2/π)·(1 + 3·0.044715·x²)`.
+/// The derivative of [`gelu`]: `0.5·(1 + tanh u) + 0.5·x·(1 − tanh² u)·√(2/π)·(1 +
+/// 3·0.044715·x²)`.
 pub fn gelu_grad<A: Float>(x: A) -> A {
     let u = A::of(GELU_C) * (x + A::of(0.044715) * x * x * x);
     let t = u.tanh();
@@ -250,8 +256,8 @@ pub fn cross_entropy<A: Float>(probs: ArrayView2<A>, targets: &[u8]) -> A {
     sum / A::of(targets.len() as f64)
 }
 
-/// The gradient of [`cross_entropy`] with respect to the logits: `(p − onehot(target)) / rows`,
-/// the softmax and the logarithm differentiated together.
+/// The gradient of [`cross_entropy`] with respect to the logits: `(p − onehot(target)) /
+/// rows`, the softmax and the logarithm differentiated together.
 pub fn cross_entropy_backward<A: Float>(probs: ArrayView2<A>, targets: &[u8]) -> Array2<A> {
     let n = A::of(targets.len() as f64);
     let mut d = probs.to_owned();
@@ -277,7 +283,8 @@ pub fn to_heads<A: Float>(x: ArrayView2<A>, batch: usize, heads: usize) -> Array
         .into_owned()
 }
 
-/// The inverse of [`to_heads`]: `[batch, heads, tokens, head_dim]` back to one row per token.
+/// The inverse of [`to_heads`]: `[batch, heads, tokens, head_dim]` back to one row per
+/// token.
 pub fn from_heads<A: Float>(x: ArrayView4<A>) -> Array2<A> {
     let (batch, heads, tokens, head_dim) = x.dim();
     let x = x
@@ -288,9 +295,13 @@ pub fn from_heads<A: Float>(x: ArrayView4<A>) -> Array2<A> {
         .expect("a standard-layout array")
 }
 
-/// q, k and v from the fused projection's output `[batch·tokens, 3·d_model]`: its columns are
-/// q's heads, then k's, then v's (GPT-2's `c_attn`).
-pub fn split_qkv<A: Float>(qkv: ArrayView2<A>, batch: usize, heads: usize) -> [Array4<A>; 3] {
+/// q, k and v from the fused projection's output `[batch·tokens, 3·d_model]`: its columns
+/// are q's heads, then k's, then v's (GPT-2's `c_attn`).
+pub fn split_qkv<A: Float>(
+    qkv: ArrayView2<A>,
+    batch: usize,
+    heads: usize,
+) -> [Array4<A>; 3] {
     let d = qkv.ncols() / 3;
     let part = |i: usize| {
         let cols = qkv.slice(s![.., i * d..(i + 1) * d]);
@@ -300,7 +311,11 @@ pub fn split_qkv<A: Float>(qkv: ArrayView2<A>, batch: usize, heads: usize) -> [A
 }
 
 /// The adjoint of [`split_qkv`]: dq, dk and dv back to the fused projection's columns.
-pub fn join_qkv<A: Float>(dq: ArrayView4<A>, dk: ArrayView4<A>, dv: ArrayView4<A>) -> Array2<A> {
+pub fn join_qkv<A: Float>(
+    dq: ArrayView4<A>,
+    dk: ArrayView4<A>,
+    dv: ArrayView4<A>,
+) -> Array2<A> {
     let parts = [from_heads(dq), from_heads(dk), from_heads(dv)];
     let d = parts[0].ncols();
     let mut out = Array2::zeros((parts[0].nrows(), 3 * d));

@@ -1,18 +1,20 @@
 //! # Step 05: training a GPT with our kernels
 //!
 //! A GPT-2-style decoder (Radford et al. 2019) over bytes, trained on real text, whose
-//! attention is ours: step 02's online-softmax forward, which keeps each row's log-sum-exp, and
-//! step 04's blockwise backward, which rebuilds the probabilities from it. Everything around
-//! them is written here by hand, forward and backward, on `ndarray` in `f32`: the embeddings,
-//! LayerNorm, the fused q/k/v projection, the MLP with GELU, the tied output layer and the
-//! cross-entropy; then AdamW, the learning rate's schedule and gradient clipping. This is the
-//! CPU model, the one CI trains. The GPU trainer ([`cuda`]) is the same model on the GPU, with
-//! step 03's forward kernel and step 04's backward kernels as its attention, and is checked
-//! against the CPU model, as llm.c checks its CUDA trainer against its C one.
+//! attention is ours: step 02's online-softmax forward, which keeps each row's log-sum-exp,
+//! and step 04's blockwise backward, which rebuilds the probabilities from it. Everything
+//! around them is written here by hand, forward and backward, on `ndarray` in `f32`: the
+//! embeddings, LayerNorm, the fused q/k/v projection, the MLP with GELU, the tied output
+//! layer and the cross-entropy; then AdamW, the learning rate's schedule and gradient
+//! clipping. This is the CPU model, the one CI trains. The GPU trainer ([`cuda`]) is the
+//! same model on the GPU, with step 03's forward kernel and step 04's backward kernels as
+//! its attention, and is checked against the CPU model, as llm.c checks its CUDA trainer
+//! against its C one.
 //!
 //! The layers are generic over the float type ([`layers::Float`]): in `f64`, with the `f64`
 //! references of steps 01 and 04 in place of our kernels, the same code gives the gradients
-//! that the `f32` model's are checked against, and finite differences of its loss check those.
+//! that the `f32` model's are checked against, and finite differences of its loss check
+//! those.
 //!
 //! ## Layout
 //!
@@ -23,8 +25,8 @@
 //! - [`data`]: the [`Corpus`] (split by file into training and held-out bytes) and the
 //!   batches, drawn from a seed and the step.
 //! - [`checkpoint`]: [`Checkpoint`]s as safetensors files.
-//! - [`train`](mod@train): [`Trainer`], the [`Learner`] the loop trains (CPU or GPU), the loop
-//!   and its record, and [`sample`].
+//! - [`train`](mod@train): [`Trainer`], the [`Learner`] the loop trains (CPU or GPU), the
+//!   loop and its record, and [`sample`].
 //! - [`cuda`]: [`GpuTrainer`](cuda::GpuTrainer), the model on the GPU (`kernels/train.cu`,
 //!   cuBLAS, and the kernels of steps 03 and 04).
 //! - `src/main.rs`: the command, `train` (`--device cpu|cuda`) and `sample`.

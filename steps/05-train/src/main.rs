@@ -2,10 +2,12 @@
 //! checkpoint (on the CPU, whichever device trained it).
 //!
 //! ```sh
-//! cargo run --release -p step05-train -- train --steps 2000 --save gpt.safetensors --out run.json
-//! cargo run --release -p step05-train -- train --device cuda --model gpt2 --batch 12 --max-seconds 300
+//! cargo run --release -p step05-train -- train --steps 2000 --save gpt.safetensors --out
+//! run.json cargo run --release -p step05-train -- train --device cuda --model gpt2 --batch
+//! 12 --max-seconds 300
 //! cargo run --release -p step05-train -- train --device cuda --model gpt2 --batch 24 --gpus 2 // [step 07]
-//! cargo run --release -p step05-train -- sample --checkpoint gpt.safetensors --prompt "fn " --tokens 200
+//! cargo run --release -p step05-train -- sample --checkpoint gpt.safetensors --prompt "fn
+//! " --tokens 200
 //! ```
 
 use std::io::Write;
@@ -15,9 +17,12 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use step05_train::cuda::parallel::{DataParallel, local_batch}; // [step 07]
 use step05_train::cuda::{AttentionKind, GpuTrainer};
+use step05_train::model::Preset;
 use step05_train::optim::{AdamWSettings, Schedule};
 use step05_train::train::{Event, RunRecord};
-use step05_train::{Checkpoint, Config, Corpus, Settings, TrainError, Trainer, sample, train};
+use step05_train::{
+    Checkpoint, Config, Corpus, Settings, TrainError, Trainer, sample, train,
+};
 
 #[derive(Parser)]
 #[command(
@@ -34,31 +39,6 @@ enum Command {
     Train(Box<TrainArgs>),
     /// Generate text from a checkpoint.
     Sample(SampleArgs),
-}
-
-/// A model's shape by name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-enum Preset {
-    /// 4 layers, d_model 128, 4 heads, context 128: trains on a CPU in minutes
-    Small,
-    /// GPT-2 small's shape (12 layers, d_model 768, 12 heads) with a context of 2048 and the
-    /// 256 bytes as its vocabulary: 86.8M parameters, for the GPU
-    Gpt2,
-}
-
-impl Preset {
-    fn config(self) -> Config {
-        match self {
-            Preset::Small => DEFAULT_MODEL,
-            Preset::Gpt2 => Config {
-                layers: 12,
-                d_model: 768,
-                heads: 12,
-                context: 2048,
-                vocab: 256,
-            },
-        }
-    }
 }
 
 /// Where to train.
@@ -116,20 +96,15 @@ impl ModelArgs {
     }
 }
 
-const DEFAULT_MODEL: Config = Config {
-    layers: 4,
-    d_model: 128,
-    heads: 4,
-    context: 128,
-    vocab: 256,
-};
+const DEFAULT_MODEL: Config = Preset::Small.config();
 
 #[derive(Args)]
 struct TrainArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// A text file, a folder of text files (all, sorted) or a token file from --save-tokens;
-    /// by default the Rust sources of the crates Cargo.lock pins, from cargo's registry
+    /// A text file, a folder of text files (all, sorted) or a token file from
+    /// --save-tokens; by default the Rust sources of the crates Cargo.lock pins, from
+    /// cargo's registry
     #[arg(long)]
     data: Option<PathBuf>,
     /// Write the corpus, split, as a token file, to train on it again with --data
@@ -188,8 +163,9 @@ struct TrainArgs {
     /// state, for a peer trainer to start from the same weights
     #[arg(long)]
     save_init: Option<PathBuf>,
-    /// Write the windows of every step of the run, [steps, batch, seq_len + 1] bytes (inputs,
-    /// and the targets one byte later), and the held-out batches' likewise to PATH.heldout
+    /// Write the windows of every step of the run, [steps, batch, seq_len + 1] bytes
+    /// (inputs, and the targets one byte later), and the held-out batches' likewise to
+    /// PATH.heldout
     #[arg(long)]
     dump_batches: Option<PathBuf>,
     /// Where to train
@@ -198,12 +174,13 @@ struct TrainArgs {
     /// The attention inside the model; by-hand on the GPU only
     #[arg(long, value_enum, default_value_t = AttentionArg::Flash)]
     attention: AttentionArg,
-    /// Time each phase of every step on the GPU with CUDA events, and print where the time went
+    /// Time each phase of every step on the GPU with CUDA events, and print where the time
+    /// went
     #[arg(long)]
     profile: bool,
     // [step 07]
-    /// GPUs to train on (--device cuda): a replica of the model on each, --batch (the step's
-    /// sequences over all of them) split evenly, the gradients averaged by NCCL
+    /// GPUs to train on (--device cuda): a replica of the model on each, --batch (the
+    /// step's sequences over all of them) split evenly, the gradients averaged by NCCL
     #[arg(long, default_value_t = 1)]
     gpus: usize,
     // [/step 07]
@@ -285,7 +262,9 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
     let mut trainer = match resumed {
         Some(ckpt) => {
             let opt = ckpt.opt.ok_or_else(|| {
-                TrainError::Checkpoint("the checkpoint has no optimizer state to resume".into())
+                TrainError::Checkpoint(
+                    "the checkpoint has no optimizer state to resume".into(),
+                )
             })?;
             Trainer {
                 params: ckpt.params,
@@ -440,10 +419,13 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
 // [step 07]
 /// The GPUs `--gpus` asks for, checked against the device, the batch, the machine and NCCL
 /// before anything loads: none for the CPU.
-fn check_gpus(args: &TrainArgs) -> Result<Vec<&'static step03_cuda_forward::Gpu>, TrainError> {
+fn check_gpus(
+    args: &TrainArgs,
+) -> Result<Vec<&'static step03_cuda_forward::Gpu>, TrainError> {
     if args.gpus == 0 {
         return Err(TrainError::Config(
-            "--gpus 0: a run needs at least one GPU (--gpus 1, the default, is one GPU)".into(),
+            "--gpus 0: a run needs at least one GPU (--gpus 1, the default, is one GPU)"
+                .into(),
         ));
     }
     if args.device == DeviceArg::Cpu {
@@ -487,8 +469,8 @@ fn check_gpus(args: &TrainArgs) -> Result<Vec<&'static step03_cuda_forward::Gpu>
 }
 // [/step 07]
 
-/// How far the run is: a share of its steps or of its time budget, whichever is further, and
-/// an estimate of the time left.
+/// How far the run is: a share of its steps or of its time budget, whichever is further,
+/// and an estimate of the time left.
 fn progress(step: usize, seconds: f64, settings: &Settings, start: usize) -> String {
     let by_steps = (step - start) as f64 / (settings.steps - start).max(1) as f64;
     let by_time = settings.max_seconds.map_or(0.0, |m| seconds / m);
@@ -528,7 +510,9 @@ fn summary(run: &RunRecord) {
     // [/step 07]
     if !run.profile.is_empty() {
         let total: f64 = run.profile.iter().map(|p| p.ms).sum();
-        println!("where a step's time went (CUDA events, mean over steps after the first):");
+        println!(
+            "where a step's time went (CUDA events, mean over steps after the first):"
+        );
         let mut phases = run.profile.clone();
         phases.sort_by(|a, b| b.ms.total_cmp(&a.ms));
         for p in phases {
@@ -554,15 +538,17 @@ fn dump_batches(
     use step05_train::data::{heldout_starts, train_starts, windows};
     let (batch, tokens) = (settings.batch, settings.seq_len);
     corpus.check_window(tokens)?;
-    let mut out =
-        Vec::with_capacity((settings.steps - from.min(settings.steps)) * batch * (tokens + 1));
+    let mut out = Vec::with_capacity(
+        (settings.steps - from.min(settings.steps)) * batch * (tokens + 1),
+    );
     for step in from..settings.steps {
         let starts = train_starts(corpus.train.len(), batch, tokens, settings.seed, step);
         out.extend_from_slice(&windows(&corpus.train, &starts, tokens));
     }
     std::fs::write(path, &out).map_err(|e| TrainError::io(path, e))?;
     let mut held = Vec::new();
-    for starts in heldout_starts(corpus.heldout.len(), batch, tokens, settings.eval_batches) {
+    for starts in heldout_starts(corpus.heldout.len(), batch, tokens, settings.eval_batches)
+    {
         held.extend_from_slice(&windows(&corpus.heldout, &starts, tokens));
     }
     let mut heldout_path = path.as_os_str().to_owned();

@@ -7,11 +7,12 @@
 //! x ─┬─ LayerNorm ─ x·W_qkv + b [B·T, 3C] ─ to heads: q, k, v [B, H, T, D] ─ attention ─┐
 //!    │                                                                                  │
 //!    │         out [B, H, T, D] ─ from heads [B·T, C] ─ x·W_proj + b ─────────────── (+) ─ x'
-//! x' ─┬─ LayerNorm ─ x·W_fc + b [B·T, 4C] ─ GELU ─ x·W_fc_proj + b ─────────────── (+) ─ x''
+//! x' ─┬─ LayerNorm ─ x·W_fc + b [B·T, 4C] ─ GELU ─ x·W_fc_proj + b ─────────────── (+) ─
+//! x''
 //! ```
 //!
-//! after token and position embeddings, and followed by a final LayerNorm and the output layer,
-//! whose weights are the token embedding's (tied, as in GPT-2).
+//! after token and position embeddings, and followed by a final LayerNorm and the output
+//! layer, whose weights are the token embedding's (tied, as in GPT-2).
 
 use flash_core::inputs::SplitMix64;
 use ndarray::{Array1, Array2, Array4, ArrayView2, ArrayViewD, ArrayViewMutD, Axis};
@@ -19,8 +20,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
 use crate::layers::{
-    Float, Norm, cross_entropy, cross_entropy_backward, from_heads, gelu, gelu_grad, join_qkv,
-    layernorm, layernorm_backward, linear, linear_backward, softmax_rows, split_qkv, to_heads,
+    Float, Norm, cross_entropy, cross_entropy_backward, from_heads, gelu, gelu_grad,
+    join_qkv, layernorm, layernorm_backward, linear, linear_backward, softmax_rows,
+    split_qkv, to_heads,
 };
 
 /// The shape of a model.
@@ -72,6 +74,37 @@ impl Config {
     }
 }
 
+/// A model's shape by name, as `--model` takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// 4 layers, d_model 128, 4 heads, context 128: trains on a CPU in minutes
+    Small,
+    /// GPT-2 small's shape (12 layers, d_model 768, 12 heads) with a context of 2048 and
+    /// the 256 bytes as its vocabulary: 86.8M parameters, for the GPU
+    Gpt2,
+}
+
+impl Preset {
+    pub const fn config(self) -> Config {
+        match self {
+            Preset::Small => Config {
+                layers: 4,
+                d_model: 128,
+                heads: 4,
+                context: 128,
+                vocab: 256,
+            },
+            Preset::Gpt2 => Config {
+                layers: 12,
+                d_model: 768,
+                heads: 12,
+                context: 2048,
+                vocab: 256,
+            },
+        }
+    }
+}
+
 /// One transformer block's weights, named as in GPT-2 (Hugging Face's `GPT2Model`), with
 /// matrices `[in, out]` as its `Conv1D` keeps them.
 #[derive(Clone, Debug, PartialEq)]
@@ -94,7 +127,8 @@ pub struct Block<A> {
     pub fc_proj_b: Array1<A>,
 }
 
-/// Every weight of a model (and, the same shape, its gradients and the optimizer's moments).
+/// Every weight of a model (and, the same shape, its gradients and the optimizer's
+/// moments).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Params<A> {
     pub config: Config,
@@ -165,9 +199,10 @@ impl<A: Float> Params<A> {
     }
 
     /// GPT-2's initialisation (Radford et al. 2019, §2.3; Hugging Face's `_init_weights`):
-    /// every matrix normal with σ = 0.02, and the two projections that add into the residual
-    /// stream with σ = 0.02/√(2·layers), so the stream's variance does not grow with depth;
-    /// biases 0, LayerNorm gains 1. One stream of the seed, tensor after tensor.
+    /// every matrix normal with σ = 0.02, and the two projections that add into the
+    /// residual stream with σ = 0.02/√(2·layers), so the stream's variance does not grow
+    /// with depth; biases 0, LayerNorm gains 1. One stream of the seed, tensor after
+    /// tensor.
     pub fn init(config: Config, seed: u64) -> Result<Self, TrainError> {
         config.check()?;
         let mut p = Self::zeros(config);
@@ -260,7 +295,8 @@ pub fn forward<A: Float>(
     let (batch, tokens) = inputs.dim();
     if tokens > cfg.context {
         return Err(TrainError::Config(format!(
-            "{tokens} tokens in a row, but the model's context is {}: it has a position embedding for {} positions only",
+            "{tokens} tokens in a row, but the model's context is {}: it has a position \
+             embedding for {} positions only",
             cfg.context, cfg.context
         )));
     }
@@ -288,7 +324,8 @@ pub fn forward<A: Float>(
         let ln_2 = layernorm(x_mid.view(), w.ln_2_w.view(), w.ln_2_b.view());
         let fc = linear(ln_2.out.view(), w.fc_w.view(), w.fc_b.view());
         let fc_gelu = fc.mapv(gelu);
-        let x_out = &x_mid + &linear(fc_gelu.view(), w.fc_proj_w.view(), w.fc_proj_b.view());
+        let x_out =
+            &x_mid + &linear(fc_gelu.view(), w.fc_proj_w.view(), w.fc_proj_b.view());
         blocks.push(BlockActs {
             x,
             ln_1,
@@ -326,8 +363,8 @@ pub fn loss<A: Float>(acts: &Activations<A>, targets: ArrayView2<u8>) -> A {
 }
 
 // ANCHOR: backward
-/// The gradient of the mean cross-entropy with respect to every weight, by hand: each layer's
-/// backward in the reverse order of the forward.
+/// The gradient of the mean cross-entropy with respect to every weight, by hand: each
+/// layer's backward in the reverse order of the forward.
 pub fn backward<A: Float>(
     p: &Params<A>,
     acts: &Activations<A>,
@@ -353,8 +390,8 @@ pub fn backward<A: Float>(
         g.ln_f_b.view_mut(),
     );
     for ((w, a), gw) in p.blocks.iter().zip(&acts.blocks).zip(&mut g.blocks).rev() {
-        // dx: the gradient of the block's output; the residual passes it straight through to
-        // x_mid, and the MLP adds its own share
+        // dx: the gradient of the block's output; the residual passes it straight through
+        // to x_mid, and the MLP adds its own share
         let mut dmid = dx.clone();
         let mut dgelu = Array2::zeros(a.fc_gelu.dim());
         linear_backward(
@@ -438,7 +475,8 @@ pub fn next_token_probs(p: &Params<f32>, tokens: &[u8]) -> Result<Array1<f32>, T
     let window = &tokens[start..];
     if window.is_empty() {
         return Err(TrainError::Config(
-            "an empty prompt: the model needs at least one token to predict the next".into(),
+            "an empty prompt: the model needs at least one token to predict the next"
+                .into(),
         ));
     }
     let inputs = ArrayView2::from_shape((1, window.len()), window).expect("one row");

@@ -30,8 +30,8 @@ impl Default for AdamWSettings {
 }
 
 // ANCHOR: adamw
-/// AdamW (Loshchilov & Hutter 2019): Adam's step, and the weights shrunk by `lr·λ` apart from
-/// the gradient.
+/// AdamW (Loshchilov & Hutter 2019): Adam's step, and the weights shrunk by `lr·λ` apart
+/// from the gradient.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdamW {
     pub settings: AdamWSettings,
@@ -85,8 +85,8 @@ impl AdamW {
 // ANCHOR_END: adamw
 
 // ANCHOR: schedule
-/// The learning rate: a linear warm-up to `max` over `warmup` steps, then a cosine from `max`
-/// down to `min` at the last step (nanoGPT's `get_lr`).
+/// The learning rate: a linear warm-up to `max` over `warmup` steps, then a cosine from
+/// `max` down to `min` at the last step (nanoGPT's `get_lr`).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Schedule {
     pub max: f32,
@@ -109,9 +109,9 @@ impl Schedule {
 }
 // ANCHOR_END: schedule
 
-/// The gradients' global norm `√(Σ g²)` over every tensor; when it is above `max_norm` every
-/// gradient is scaled down by `max_norm / norm`, so a rare large batch cannot throw the
-/// weights far. Returns the norm before clipping.
+/// The gradients' global norm `√(Σ g²)` over every tensor; when it is above `max_norm`
+/// every gradient is scaled down by `max_norm / norm`, so a rare large batch cannot throw
+/// the weights far. Returns the norm before clipping.
 pub fn clip_grad_norm(grads: &mut Params<f32>, max_norm: f32) -> f32 {
     let sum: f64 = grads
         .tensors()

@@ -29,9 +29,10 @@ pub struct Settings {
     pub eval_every: usize,
     /// Batches of the held-out loss.
     pub eval_batches: usize,
-    /// A budget of training time in seconds (`--max-seconds`): the run stops after the first
-    /// step that ends past it, even before `steps`. The schedule still runs over `steps`, so a
-    /// faster trainer gets further along it in the same time. Held-out losses are not counted.
+    /// A budget of training time in seconds (`--max-seconds`): the run stops after the
+    /// first step that ends past it, even before `steps`. The schedule still runs over
+    /// `steps`, so a faster trainer gets further along it in the same time. Held-out losses
+    /// are not counted.
     #[serde(default)]
     pub max_seconds: Option<f64>,
 }
@@ -45,8 +46,8 @@ pub struct StepRecord {
     pub lr: f32,
     /// The global norm of the gradients before clipping.
     pub grad_norm: f32,
-    /// Wall-clock milliseconds of this step, from drawing its batch to its loss and gradient
-    /// norm being known on the host.
+    /// Wall-clock milliseconds of this step, from drawing its batch to its loss and
+    /// gradient norm being known on the host.
     pub ms: f64,
     /// `batch · seq_len / (ms / 1000)`.
     pub tokens_per_s: f64,
@@ -77,9 +78,9 @@ pub struct PhaseRecord {
 }
 
 // ANCHOR: run_record
-/// A whole run, as `--out` writes it for the charts. A peer trainer (PyTorch) writes the same
-/// fields; the ones after `seconds` came with the GPU trainer and read as their defaults from
-/// an older file.
+/// A whole run, as `--out` writes it for the charts. A peer trainer (PyTorch) writes the
+/// same fields; the ones after `seconds` came with the GPU trainer and read as their
+/// defaults from an older file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RunRecord {
     /// The model's shape.
@@ -94,13 +95,15 @@ pub struct RunRecord {
     pub heldout_bytes: usize,
     pub train_files: usize,
     pub heldout_files: usize,
-    /// CPU threads (rayon's pool) on the CPU; on the GPU the same count, unused by the model.
+    /// CPU threads (rayon's pool) on the CPU; on the GPU the same count, unused by the
+    /// model.
     pub threads: usize,
     /// The step the run started from: 0, or a checkpoint's with `--resume`.
     pub started_at_step: usize,
     /// Every step, in order.
     pub steps: Vec<StepRecord>,
-    /// Every held-out loss: before the first step, every `eval_every` steps, after the last.
+    /// Every held-out loss: before the first step, every `eval_every` steps, after the
+    /// last.
     pub evals: Vec<EvalRecord>,
     /// Wall-clock seconds of the whole run, held-out losses included.
     pub seconds: f64,
@@ -115,8 +118,8 @@ pub struct RunRecord {
     pub device_name: String,
     /// The attention inside the model: ours are `flash` (online softmax and the blockwise
     /// backward: steps 02 and 04 on the CPU, the kernels of steps 03 and 04 on the GPU) and
-    /// `by-hand` (the whole table of scores in memory); a peer names its own (`flash-attention-2`,
-    /// `cudnn`, ...).
+    /// `by-hand` (the whole table of scores in memory); a peer names its own
+    /// (`flash-attention-2`, `cudnn`, ...).
     #[serde(default)]
     pub attention: String,
     /// How numbers are kept: `f32` (everything, the CPU model), or `bf16-mixed` (matrix
@@ -132,8 +135,8 @@ pub struct RunRecord {
     #[serde(default)]
     pub tokens_per_s: f64,
     /// The high-water mark of device memory the run allocated, in bytes: weights, optimizer
-    /// state, gradients, activations, workspaces (PyTorch's `torch.cuda.max_memory_allocated`).
-    /// None on the CPU.
+    /// state, gradients, activations, workspaces (PyTorch's
+    /// `torch.cuda.max_memory_allocated`). None on the CPU.
     #[serde(default)]
     pub peak_memory_bytes: Option<u64>,
     /// The commit the trainer was built from ([`flash_core::row::COMMIT`]).
@@ -142,18 +145,20 @@ pub struct RunRecord {
     /// When the run started, UTC, `YYYY-MM-DDTHH:MM:SSZ`.
     #[serde(default)]
     pub date: String,
-    /// Where a step's time went, phase by phase, with `--profile` (on the GPU); empty otherwise.
+    /// Where a step's time went, phase by phase, with `--profile` (on the GPU); empty
+    /// otherwise.
     #[serde(default)]
     pub profile: Vec<PhaseRecord>,
     // [step 07]
-    /// GPUs the run trained on, a replica of the model on each (data parallelism), `--batch`
-    /// split evenly over them; 1 on one device, and in a file from before step 07.
+    /// GPUs the run trained on, a replica of the model on each (data parallelism),
+    /// `--batch` split evenly over them; 1 on one device, and in a file from before step
+    /// 07.
     #[serde(default = "one")]
     pub gpus: usize,
-    /// With several GPUs, each GPU's all-reduce of the gradients, in milliseconds a step (the
-    /// mean over the steps after the first), from CUDA events on its stream around the call:
-    /// a GPU that finished its backward first waits there for the others, so the smallest is
-    /// the collective's own time. Empty on one device.
+    /// With several GPUs, each GPU's all-reduce of the gradients, in milliseconds a step
+    /// (the mean over the steps after the first), from CUDA events on its stream around the
+    /// call: a GPU that finished its backward first waits there for the others, so the
+    /// smallest is the collective's own time. Empty on one device.
     #[serde(default)]
     pub allreduce_ms: Vec<f64>,
     // [/step 07]
@@ -326,7 +331,11 @@ impl Learner for Trainer {
 }
 
 /// Checks the settings against the model and the corpus.
-pub fn check(config: &Config, settings: &Settings, corpus: &Corpus) -> Result<(), TrainError> {
+pub fn check(
+    config: &Config,
+    settings: &Settings,
+    corpus: &Corpus,
+) -> Result<(), TrainError> {
     if settings.seq_len > config.context {
         return Err(TrainError::Config(format!(
             "--seq-len {} is longer than the model's context of {}: the model has positions \
@@ -408,7 +417,10 @@ pub fn train<L: Learner + ?Sized>(
         report(Event::Step(&record));
         run.steps.push(record);
         let step = learner.steps_done();
-        if step.is_multiple_of(every) || step == settings.steps || out_of_time(train_seconds) {
+        if step.is_multiple_of(every)
+            || step == settings.steps
+            || out_of_time(train_seconds)
+        {
             let e = eval(learner, train_seconds)?;
             report(Event::Eval(&e));
             run.evals.push(e);
@@ -444,34 +456,45 @@ pub fn sample(
     let mut tokens = prompt.to_vec();
     for _ in 0..count {
         let probs = next_token_probs(params, &tokens)?;
-        let next = if temperature <= 0.0 {
-            probs
-                .iter()
-                .enumerate()
-                .fold(
-                    (0, f32::MIN),
-                    |best, (i, &p)| if p > best.1 { (i, p) } else { best },
-                )
-                .0
-        } else {
-            // p^(1/τ), renormalised: the softmax of the logits divided by τ
-            let weights: Vec<f64> = probs
-                .iter()
-                .map(|&p| (p as f64).powf(1.0 / temperature as f64))
-                .collect();
-            let total: f64 = weights.iter().sum();
-            let mut u = rng.next_unit() * total;
-            let mut pick = weights.len() - 1;
-            for (i, w) in weights.iter().enumerate() {
-                if u <= *w {
-                    pick = i;
-                    break;
-                }
-                u -= w;
-            }
-            pick
-        };
-        tokens.push(next as u8);
+        tokens.push(pick(
+            probs.as_slice().expect("one row"),
+            temperature,
+            &mut rng,
+        ));
     }
     Ok(tokens[prompt.len()..].to_vec())
+}
+
+/// The next token from the model's distribution `probs`: the likeliest at `temperature` 0
+/// (the first of equals), otherwise a draw from `p^(1/τ)` renormalised, taking one number
+/// of `rng`.
+pub fn pick(probs: &[f32], temperature: f32, rng: &mut SplitMix64) -> u8 {
+    let next = if temperature <= 0.0 {
+        probs
+            .iter()
+            .enumerate()
+            .fold(
+                (0, f32::MIN),
+                |best, (i, &p)| if p > best.1 { (i, p) } else { best },
+            )
+            .0
+    } else {
+        // p^(1/τ), renormalised: the softmax of the logits divided by τ
+        let weights: Vec<f64> = probs
+            .iter()
+            .map(|&p| (p as f64).powf(1.0 / temperature as f64))
+            .collect();
+        let total: f64 = weights.iter().sum();
+        let mut u = rng.next_unit() * total;
+        let mut pick = weights.len() - 1;
+        for (i, w) in weights.iter().enumerate() {
+            if u <= *w {
+                pick = i;
+                break;
+            }
+            u -= w;
+        }
+        pick
+    };
+    next as u8
 }

@@ -1,17 +1,17 @@
-//! Data parallelism (step 07): `train --device cuda --gpus N`, a replica of the GPU trainer on
-//! each of N GPUs, the batch split over them, the gradients averaged by NCCL.
+//! Data parallelism (step 07): `train --device cuda --gpus N`, a replica of the GPU trainer
+//! on each of N GPUs, the batch split over them, the gradients averaged by NCCL.
 //!
-//! On two GPUs, a run must be the run of one GPU on the same batches: the same losses, up to
-//! the order in which bf16 products and the sums of the loss and the gradients round (cuBLAS
-//! picks its algorithms by the product's shape, and each GPU sums half the rows); and its
-//! replicas must stay identical bit for bit, since each takes the same AdamW step from the same
-//! averaged gradients. Without GPUs, what can be checked is that bad requests are refused, with
-//! a reason, before anything loads.
+//! On two GPUs, a run must be the run of one GPU on the same batches: the same losses, up
+//! to the order in which bf16 products and the sums of the loss and the gradients round
+//! (cuBLAS picks its algorithms by the product's shape, and each GPU sums half the rows);
+//! and its replicas must stay identical bit for bit, since each takes the same AdamW step
+//! from the same averaged gradients. Without GPUs, what can be checked is that bad requests
+//! are refused, with a reason, before anything loads.
 //!
-//! The two-GPU test is `#[ignore = "needs two CUDA GPUs and NCCL"]`, and its name starts with
-//! `two_gpus`: a machine without them lists it as ignored; `-- --include-ignored` runs it, and
-//! run on fewer than two GPUs or without NCCL it fails, saying what it found. On a machine with
-//! one GPU, run the others with `-- --include-ignored --skip two_gpus`.
+//! The two-GPU test is `#[ignore = "needs two CUDA GPUs and NCCL"]`, and its name starts
+//! with `two_gpus`: a machine without them lists it as ignored; `-- --include-ignored` runs
+//! it, and run on fewer than two GPUs or without NCCL it fails, saying what it found. On a
+//! machine with one GPU, run the others with `-- --include-ignored --skip two_gpus`.
 
 mod common;
 use common::corpus;
@@ -26,8 +26,9 @@ use step05_train::train::RunRecord;
 use step05_train::{Config, Settings, Trainer, train};
 
 /// A step's loss on two GPUs against one GPU's, relatively, at every step of the run: the
-/// same model, weights and batches; only the rounding of bf16 products and of the sums differs
-/// (measured on two H200s: 1.2e-5 at most over the 20 steps and the held-out losses).
+/// same model, weights and batches; only the rounding of bf16 products and of the sums
+/// differs (measured on two H200s: 1.2e-5 at most over the 20 steps and the held-out
+/// losses).
 const LOSS_TOL: f64 = 2e-3;
 /// The gradients' norm likewise (a norm is more sensitive than the loss to the rounding of
 /// the gradients' small components; measured: 1.7e-4 at most).
@@ -172,14 +173,16 @@ fn two_gpus_train_as_one_on_the_same_batches() {
     let start = Trainer::new(SMALL, &settings).unwrap();
     let mut one = GpuTrainer::new(&start, batch, 64, AttentionKind::Flash, false).unwrap();
     let gpus = step07_multi_gpu::comm::gpus(2).unwrap();
-    let mut two = DataParallel::new(&start, &gpus, batch, 64, AttentionKind::Flash, false).unwrap();
+    let mut two =
+        DataParallel::new(&start, &gpus, batch, 64, AttentionKind::Flash, false).unwrap();
     let run1 = train(&mut one, &corpus, &settings, |_| {}).unwrap();
     let run2 = train(&mut two, &corpus, &settings, |_| {}).unwrap();
     let (mut worst_loss, mut worst_norm) = (0f64, 0f64);
     for (a, b) in run2.steps.iter().zip(&run1.steps) {
         let (el, en) = (rel(a.loss, b.loss), rel(a.grad_norm, b.grad_norm));
         eprintln!(
-            "step {:>2}: loss 2 GPUs {:.5}, 1 GPU {:.5} (relative {el:.1e}); norm {:.4}, {:.4} ({en:.1e})",
+            "step {:>2}: loss 2 GPUs {:.5}, 1 GPU {:.5} (relative {el:.1e}); norm {:.4}, \
+            {:.4} ({en:.1e})",
             a.step, a.loss, b.loss, a.grad_norm, b.grad_norm
         );
         worst_loss = worst_loss.max(el);
@@ -193,7 +196,8 @@ fn two_gpus_train_as_one_on_the_same_batches() {
         worst_loss = worst_loss.max(rel(a.loss, b.loss));
     }
     eprintln!(
-        "largest relative difference: loss {worst_loss:.2e}, norm {worst_norm:.2e}; all-reduce {:?} ms a step",
+        "largest relative difference: loss {worst_loss:.2e}, norm {worst_norm:.2e}; \
+        all-reduce {:?} ms a step",
         run2.allreduce_ms
     );
     assert_eq!(run2.steps.len(), steps);

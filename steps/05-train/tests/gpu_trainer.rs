@@ -1,20 +1,21 @@
-//! The GPU trainer against the CPU model, as llm.c checks its CUDA trainer against its C one:
-//! the same weights and the same batch must give the same loss and the same gradient of every
-//! tensor, to bf16's accuracy; one AdamW step must move the weights as the CPU optimizer does,
-//! to f32's; and a short run must learn, step by step close to the CPU's run. Every kernel of
-//! `kernels/train.cu`, forward and backward, is inside these comparisons.
+//! The GPU trainer against the CPU model, as llm.c checks its CUDA trainer against its C
+//! one: the same weights and the same batch must give the same loss and the same gradient
+//! of every tensor, to bf16's accuracy; one AdamW step must move the weights as the CPU
+//! optimizer does, to f32's; and a short run must learn, step by step close to the CPU's
+//! run. Every kernel of `kernels/train.cu`, forward and backward, is inside these
+//! comparisons.
 //!
-//! Tolerances: the GPU computes its products from bf16 operands (8 bits of mantissa, a relative
-//! rounding error up to 2^-9 ≈ 0.2% per value) with f32 accumulation, as PyTorch's autocast
-//! does; the CPU model is f32 throughout. The loss must agree within [`LOSS_TOL`] relative and
-//! each tensor's gradient within [`GRAD_TOL`] in relative L2 norm, `‖g_gpu − g_cpu‖ / ‖g_cpu‖`.
-//! The measured errors are printed by each run.
+//! Tolerances: the GPU computes its products from bf16 operands (8 bits of mantissa, a
+//! relative rounding error up to 2^-9 ≈ 0.2% per value) with f32 accumulation, as PyTorch's
+//! autocast does; the CPU model is f32 throughout. The loss must agree within [`LOSS_TOL`]
+//! relative and each tensor's gradient within [`GRAD_TOL`] in relative L2 norm, `‖g_gpu −
+//! g_cpu‖ / ‖g_cpu‖`. The measured errors are printed by each run.
 //!
-//! The tests that need a GPU are `#[ignore = "needs a CUDA GPU"]`: a machine without one lists
-//! them as ignored, and `-- --include-ignored` runs them, failing where no GPU opens. The
-//! others check on every machine: shapes the kernels cannot take are refused before any GPU
-//! is touched, and a trainer is made where a GPU opens and is an error saying what is missing
-//! where none does.
+//! The tests that need a GPU are `#[ignore = "needs a CUDA GPU"]`: a machine without one
+//! lists them as ignored, and `-- --include-ignored` runs them, failing where no GPU opens.
+//! The others check on every machine: shapes the kernels cannot take are refused before any
+//! GPU is touched, and a trainer is made where a GPU opens and is an error saying what is
+//! missing where none does.
 
 mod common;
 use common::corpus;
@@ -23,7 +24,8 @@ use step05_train::cuda::{AttentionKind, GpuTrainer};
 use step05_train::data::train_batch;
 use step05_train::optim::{AdamWSettings, Schedule};
 use step05_train::{
-    AdamW, Config, Params, Settings, Trainer, backward, clip_grad_norm, forward, loss, train,
+    AdamW, Config, Params, Settings, Trainer, backward, clip_grad_norm, forward, loss,
+    train,
 };
 
 /// The loss's relative error, GPU against CPU: measured up to 7.5e-5 on the H200.
@@ -91,14 +93,16 @@ fn gradients_match(attention: AttentionKind, shapes: &[(usize, usize)]) {
         let (inputs, targets) = batch(b, t, 0);
         let acts = forward(&start.params, inputs.view()).unwrap();
         let cpu_loss = loss(&acts, targets.view());
-        let cpu_grads = backward(&start.params, &acts, inputs.view(), targets.view()).unwrap();
+        let cpu_grads =
+            backward(&start.params, &acts, inputs.view(), targets.view()).unwrap();
 
         let mut gpu = GpuTrainer::new(&start, b, t, attention, false).unwrap();
         let gpu_loss = gpu.forward_backward(inputs.view(), targets.view()).unwrap();
         let gpu_grads = gpu.grads().unwrap();
         let loss_err = ((gpu_loss - cpu_loss) / cpu_loss).abs() as f64;
         eprintln!(
-            "{} attention, d_model {d_model}, {heads} heads, {b} × {t} tokens: loss GPU {gpu_loss:.6}, CPU {cpu_loss:.6}, relative error {loss_err:.2e}",
+            "{} attention, d_model {d_model}, {heads} heads, {b} × {t} tokens: loss GPU \
+            {gpu_loss:.6}, CPU {cpu_loss:.6}, relative error {loss_err:.2e}",
             attention.name()
         );
         let (worst, name) = compare("gradients", &gpu_grads, &cpu_grads);
@@ -109,7 +113,9 @@ fn gradients_match(attention: AttentionKind, shapes: &[(usize, usize)]) {
         let again = gpu.forward_backward(inputs.view(), targets.view()).unwrap();
         assert_eq!(again.to_bits(), gpu_loss.to_bits(), "a second run's loss");
         let again_grads = gpu.grads().unwrap();
-        for ((name, a), (_, g)) in again_grads.tensors().into_iter().zip(gpu_grads.tensors()) {
+        for ((name, a), (_, g)) in
+            again_grads.tensors().into_iter().zip(gpu_grads.tensors())
+        {
             assert!(
                 a.iter()
                     .zip(g.iter())
@@ -145,9 +151,9 @@ fn by_hand_gradients_match_the_cpu_model() {
     gradients_match(AttentionKind::ByHand, &HEAD_DIMS_32_64);
 }
 
-/// Widths that take each LayerNorm kernel that holds a row in registers (up to 256, 512, 768
-/// and 1024 columns; 64 and 128 above take the narrowest) and, at 1152, the loops that read a
-/// row once per pass; head dim 64 throughout.
+/// Widths that take each LayerNorm kernel that holds a row in registers (up to 256, 512,
+/// 768 and 1024 columns; 64 and 128 above take the narrowest) and, at 1152, the loops that
+/// read a row once per pass; head dim 64 throughout.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gradients_match_the_cpu_model_at_every_layernorm_width() {
@@ -157,8 +163,8 @@ fn gradients_match_the_cpu_model_at_every_layernorm_width() {
     );
 }
 
-/// A width whose MLP, 4C = 384 columns, leaves the GELU backward's last block of 256 columns
-/// half full; head dim 32.
+/// A width whose MLP, 4C = 384 columns, leaves the GELU backward's last block of 256
+/// columns half full; head dim 32.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gradients_match_the_cpu_model_when_the_mlp_leaves_a_partial_block() {
@@ -192,7 +198,8 @@ fn adamw_on_the_gpu_matches_the_cpu_optimizer() {
     for (step, scale, lr) in [(0, 1.0f32, 1e-3f32), (1, 50.0, 3e-3)] {
         let (inputs, targets) = batch(b, t, step);
         let acts = forward(&cpu.params, inputs.view()).unwrap();
-        let mut grads = backward(&cpu.params, &acts, inputs.view(), targets.view()).unwrap();
+        let mut grads =
+            backward(&cpu.params, &acts, inputs.view(), targets.view()).unwrap();
         for (_, mut g) in grads.tensors_mut() {
             g.mapv_inplace(|x| x * scale);
         }
@@ -255,11 +262,11 @@ fn a_short_gpu_run_learns_as_the_cpu_run_does() {
     let mut gpu = GpuTrainer::new(&cpu, 8, 64, AttentionKind::Flash, false).unwrap();
     let cpu_run = train(&mut cpu, &corpus, &settings, |_| {}).unwrap();
     let gpu_run = train(&mut gpu, &corpus, &settings, |_| {}).unwrap();
-    // Step by step, the two runs agree to rounding until the loss spikes (steps 25-40 at this
-    // learning rate), where a small model's training amplifies any difference: one H200 saw
-    // the two 1.6e-2 apart at step 30 and 2.6e-1 at worst, and back within 1e-3 by step 70,
-    // another saw them stay within 5e-2. So the steps before the spike are compared closely,
-    // and after it what the runs learned: the held-out loss.
+    // Step by step, the two runs agree to rounding until the loss spikes (steps 25-40 at
+    // this learning rate), where a small model's training amplifies any difference: one
+    // H200 saw the two 1.6e-2 apart at step 30 and 2.6e-1 at worst, and back within 1e-3 by
+    // step 70, another saw them stay within 5e-2. So the steps before the spike are
+    // compared closely, and after it what the runs learned: the held-out loss.
     let mut worst: f64 = 0.0;
     for (g, c) in gpu_run.steps.iter().zip(&cpu_run.steps) {
         let e = ((g.loss - c.loss) / c.loss).abs() as f64;
@@ -293,7 +300,8 @@ fn a_short_gpu_run_learns_as_the_cpu_run_does() {
     assert_eq!(gpu_run.device, "cuda");
     assert!(gpu_run.peak_memory_bytes.is_some_and(|b| b > 0));
 
-    // a checkpoint of the GPU run goes on on the GPU with the same state: the same next loss
+    // a checkpoint of the GPU run goes on on the GPU with the same state: the same next
+    // loss
     let back = gpu.to_trainer().unwrap();
     assert_eq!(back.step, steps);
     let mut resumed = GpuTrainer::new(&back, 8, 64, AttentionKind::Flash, false).unwrap();

@@ -1,10 +1,10 @@
 //! The whole model's gradients against central differences of its loss, in `f64`.
 //!
 //! The model is generic over the float type: in `f64` its attention is the `f64` reference
-//! forward and backward of steps 01 and 04, and everything else is the same code that trains
-//! in `f32`. Central differences of an `f64` loss are good to about eight digits, so they
-//! check the backward by hand of every layer tightly; the `f32` model, with our kernels inside,
-//! is then held to the same differences at `f32`'s accuracy.
+//! forward and backward of steps 01 and 04, and everything else is the same code that
+//! trains in `f32`. Central differences of an `f64` loss are good to about eight digits, so
+//! they check the backward by hand of every layer tightly; the `f32` model, with our
+//! kernels inside, is then held to the same differences at `f32`'s accuracy.
 
 use ndarray::Array2;
 use step05_train::{Config, Params, backward, forward, loss};
@@ -80,15 +80,16 @@ fn every_tensor_matches_central_differences() {
             // f64: the differences' own error is about h² and 1e-16/h
             assert!(
                 e64 <= 1e-8 + 1e-6 * fd.abs(),
-                "{name}[{j}]: f64 backward {} against central differences {fd}: error {e64:.2e}",
+                "{name}[{j}]: f64 backward {} against central differences {fd}: error \
+                {e64:.2e}",
                 grad64[j]
             );
-            // f32, our kernels inside: within 1e-4 of the tensor's largest gradient (measured:
-            // about 1e-6)
+            // f32, our kernels inside: within 1e-4 of the tensor's largest gradient
+            // (measured: about 1e-6)
             assert!(
                 e32 <= 1e-4 * scale + 1e-7,
-                "{name}[{j}]: f32 backward {} against central differences {fd}: error {e32:.2e}, \
-                 the tensor's largest gradient {scale:.2e}",
+                "{name}[{j}]: f32 backward {} against central differences {fd}: error \
+                {e32:.2e}, the tensor's largest gradient {scale:.2e}",
                 grad32[j]
             );
             // ANCHOR_END: gradient_check

@@ -1,12 +1,13 @@
-//! Each layer's backward against central differences, in `f64`, on seeded random inputs; and
-//! the re-layout between a projection's rows and the `[batch, heads, tokens, head_dim]` arrays
-//! our kernels take.
+//! Each layer's backward against central differences, in `f64`, on seeded random inputs;
+//! and the re-layout between a projection's rows and the `[batch, heads, tokens, head_dim]`
+//! arrays our kernels take.
 
 use flash_core::inputs::SplitMix64;
 use ndarray::{Array1, Array2, Array4};
 use step05_train::layers::{
-    cross_entropy, cross_entropy_backward, from_heads, gelu, gelu_grad, join_qkv, layernorm,
-    layernorm_backward, linear, linear_backward, softmax_rows, split_qkv, to_heads,
+    cross_entropy, cross_entropy_backward, from_heads, gelu, gelu_grad, join_qkv,
+    layernorm, layernorm_backward, linear, linear_backward, softmax_rows, split_qkv,
+    to_heads,
 };
 
 const H: f64 = 1e-6;
@@ -57,7 +58,8 @@ fn layernorm_backward_matches_differences() {
         (&layernorm(x.view(), w.view(), b.view()).out * &dy).sum()
     };
     let norm = layernorm(x.view(), w.view(), b.view());
-    let (mut dx, mut dw, mut db) = (Array2::zeros((rows, d)), Array1::zeros(d), Array1::zeros(d));
+    let (mut dx, mut dw, mut db) =
+        (Array2::zeros((rows, d)), Array1::zeros(d), Array1::zeros(d));
     layernorm_backward(
         dy.view(),
         x.view(),
@@ -92,8 +94,9 @@ fn layernorm_backward_matches_differences() {
 fn linear_backward_matches_differences() {
     let (x, w, b) = (normal2(4, 6, 5), normal2(6, 3, 6), normal1(3, 7));
     let dy = normal2(4, 3, 8);
-    let loss =
-        |x: &Array2<f64>, w: &Array2<f64>| (&linear(x.view(), w.view(), b.view()) * &dy).sum();
+    let loss = |x: &Array2<f64>, w: &Array2<f64>| {
+        (&linear(x.view(), w.view(), b.view()) * &dy).sum()
+    };
     let (mut dx, mut dw, mut db) = (
         Array2::zeros(x.dim()),
         Array2::zeros(w.dim()),
@@ -155,7 +158,8 @@ fn cross_entropy_backward_matches_differences() {
 fn heads_relayout_is_the_layout_our_kernels_take() {
     let (batch, tokens, heads, head_dim) = (2, 5, 3, 4);
     let c = heads * head_dim;
-    let qkv = Array2::from_shape_fn((batch * tokens, 3 * c), |(r, col)| (r * 1000 + col) as f64);
+    let qkv =
+        Array2::from_shape_fn((batch * tokens, 3 * c), |(r, col)| (r * 1000 + col) as f64);
     let [q, k, v] = split_qkv(qkv.view(), batch, heads);
     assert_eq!(q.dim(), (batch, heads, tokens, head_dim));
     for ((b, h, t, d), &x) in q.indexed_iter() {

@@ -1,7 +1,8 @@
-//! Training, end to end, at a size CI can afford: a small model on this repository's own text
-//! (the Rust sources of its steps and the book's chapters) must learn, and a run must be
-//! reproducible from its seed: the same split, the same batches, a checkpoint that round-trips
-//! bit for bit, and a resumed run that gives the losses of one that never stopped.
+//! Training, end to end, at a size CI can afford: a small model on this repository's own
+//! text (the Rust sources of its steps and the book's chapters) must learn, and a run must
+//! be reproducible from its seed: the same split, the same batches, a checkpoint that
+//! round-trips bit for bit, and a resumed run that gives the losses of one that never
+//! stopped.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -10,9 +11,9 @@ use step05_train::data::{files_under, heldout_batches, train_batch};
 use step05_train::optim::{AdamWSettings, Schedule};
 use step05_train::{Checkpoint, Config, Corpus, Settings, Trainer, train};
 
-/// The repository's root, from this package's folder (`steps/05-train`): where it was built,
-/// or, for a test binary copied to another machine, the folder it runs in (cargo and the GPU
-/// runner both start a test binary in its package's folder).
+/// The repository's root, from this package's folder (`steps/05-train`): where it was
+/// built, or, for a test binary copied to another machine, the folder it runs in (cargo and
+/// the GPU runner both start a test binary in its package's folder).
 fn repo() -> PathBuf {
     let built = Path::new(env!("CARGO_MANIFEST_DIR"));
     let package = if built.is_dir() {
@@ -87,9 +88,10 @@ fn a_small_model_learns_this_repositorys_text() {
         "an untrained model's loss {first}"
     );
     // knowing only how often each byte occurs in the training text (about 3.6 here), the
-    // model must do clearly better: it has learned from the bytes before each one. Measured:
-    // 2.97 after 400 steps (120,576 weights, 205k tokens seen), in 29 s in the dev profile on
-    // 2 cores (53 s while other builds ran).
+    // model must do clearly better: it has learned from the bytes before each one.
+    // Measured:
+    // 2.97 after 400 steps (120,576 weights, 205k tokens seen), in 29 s in the dev profile
+    // on 2 cores (53 s while other builds ran).
     let unigram = unigram_loss(&corpus);
     assert!(
         last < 3.3 && last < unigram - 0.25,
@@ -145,7 +147,8 @@ fn the_split_and_the_batches_depend_only_on_the_seed() {
 #[test]
 fn a_token_file_gives_back_the_corpus() {
     let corpus = repo_text();
-    let path = std::env::temp_dir().join(format!("step05-tokens-{}.bin", std::process::id()));
+    let path =
+        std::env::temp_dir().join(format!("step05-tokens-{}.bin", std::process::id()));
     corpus.save(&path).unwrap();
     let back = Corpus::load(&path).unwrap();
     std::fs::remove_file(&path).unwrap();
@@ -183,7 +186,8 @@ fn resuming_from_a_checkpoint_gives_the_losses_of_a_run_that_never_stopped() {
     while first.step < half.steps {
         first.train_step(&corpus, &settings).unwrap();
     }
-    let path = std::env::temp_dir().join(format!("step05-ckpt-{}.safetensors", std::process::id()));
+    let path = std::env::temp_dir()
+        .join(format!("step05-ckpt-{}.safetensors", std::process::id()));
     let saved = Checkpoint {
         params: first.params.clone(),
         opt: Some(first.opt.clone()),
@@ -233,7 +237,8 @@ fn bad_data_and_lengths_are_refused_with_a_reason() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("no such file or folder"), "{err}");
-    let empty = std::env::temp_dir().join(format!("step05-empty-{}.txt", std::process::id()));
+    let empty =
+        std::env::temp_dir().join(format!("step05-empty-{}.txt", std::process::id()));
     std::fs::write(&empty, b"").unwrap();
     let err = Corpus::load(&empty).unwrap_err().to_string();
     std::fs::remove_file(&empty).unwrap();

@@ -1,8 +1,8 @@
-//! `cargo bench -p step06-hopper`: the Hopper forward kernel, and its backward after it, on the
-//! tutorial's GPU shape (4 sequences, 12 heads, bf16) at head dims 64 and 128, at lengths short
-//! enough for criterion's many samples, in the kernels `cuda_hopper` picks. Throughput is
-//! FlashAttention's causal FLOP count, so criterion's "elem/s" reads as FLOP/s. Without a Hopper
-//! GPU it says so and measures nothing.
+//! `cargo bench -p step06-hopper`: the Hopper forward kernel, and its backward after it, on
+//! the tutorial's GPU shape (4 sequences, 12 heads, bf16) at head dims 64 and 128, at
+//! lengths short enough for criterion's many samples, in the kernels `cuda_hopper` picks.
+//! Throughput is FlashAttention's causal FLOP count, so criterion's "elem/s" reads as
+//! FLOP/s. Without a Hopper GPU it says so and measures nothing.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use flash_core::Shape;
@@ -30,12 +30,16 @@ fn hopper(c: &mut Criterion) {
             let mut out = gpu.alloc_output(shape, Dtype::Bf16).unwrap();
             let kernel = ForwardKernel::for_shape(tokens, d);
             fwd_group.throughput(Throughput::Elements(shape.forward_flops() as u64));
-            fwd_group.bench_with_input(BenchmarkId::from_parameter(tokens), &tokens, |b, _| {
-                b.iter(|| {
-                    forward::forward_with(&gpu, kernel, &q, &k, &v, &mut out).unwrap();
-                    gpu.stream().synchronize().unwrap();
-                })
-            });
+            fwd_group.bench_with_input(
+                BenchmarkId::from_parameter(tokens),
+                &tokens,
+                |b, _| {
+                    b.iter(|| {
+                        forward::forward_with(&gpu, kernel, &q, &k, &v, &mut out).unwrap();
+                        gpu.stream().synchronize().unwrap();
+                    })
+                },
+            );
         }
         fwd_group.finish();
         let mut bwd_group = c.benchmark_group(format!("cuda_hopper backward d{d}"));
@@ -46,12 +50,16 @@ fn hopper(c: &mut Criterion) {
             let (q, k, v, dout) = (up(&q), up(&k), up(&v), up(&random_normal(shape, 1)));
             let fwd = forward::forward(&gpu, &q, &k, &v).unwrap();
             bwd_group.throughput(Throughput::Elements(shape.backward_flops() as u64));
-            bwd_group.bench_with_input(BenchmarkId::from_parameter(tokens), &tokens, |b, _| {
-                b.iter(|| {
-                    backward::backward(&gpu, &q, &k, &v, &fwd, &dout).unwrap();
-                    gpu.stream().synchronize().unwrap();
-                })
-            });
+            bwd_group.bench_with_input(
+                BenchmarkId::from_parameter(tokens),
+                &tokens,
+                |b, _| {
+                    b.iter(|| {
+                        backward::backward(&gpu, &q, &k, &v, &fwd, &dout).unwrap();
+                        gpu.stream().synchronize().unwrap();
+                    })
+                },
+            );
         }
         bwd_group.finish();
     }

@@ -1,32 +1,32 @@
-// The backward, rung 1: step 04's two passes with Hopper's products. This is the first, dK and
-// dV a block of keys at a time; backward_1_dq.cu is the second. After hopper.cuh and
+// The backward, rung 1: step 04's two passes with Hopper's products. This is the first, dK
+// and dV a block of keys at a time; backward_1_dq.cu is the second. After hopper.cuh and
 // backward.cuh (and, in this module, hopper_delta runs first: δ = rowsum(dO ∘ O)).
 //
 // One block per BLOCK_ROWS keys of a head, each consumer warpgroup owning 64 of them; the
 // queries that see them stream past STREAM at a time: Sᵀ = k·qᵀ and dPᵀ = v·dOᵀ (wgmma from
-// shared memory), Pᵀ = 2^(Sᵀ·scale·log2e − lse₂) and dSᵀ = Pᵀ ∘ (dPᵀ − δ) in registers, then
-// dV += Pᵀ·dO and dK += dSᵀ·q with Pᵀ and dSᵀ straight from registers. Each block writes only
-// its own rows: the same bits every run.
+// shared memory), Pᵀ = 2^(Sᵀ·scale·log2e − lse₂) and dSᵀ = Pᵀ ∘ (dPᵀ − δ) in registers,
+// then dV += Pᵀ·dO and dK += dSᵀ·q with Pᵀ and dSᵀ straight from registers. Each block
+// writes only its own rows: the same bits every run.
 
-// dV += Pᵀ·dO is issued as soon as Pᵀ is made, and runs while dSᵀ is made, where Pᵀ's fragments
-// can stay in registers meanwhile: with two warpgroups and the producer's registers given to
-// them; with three, ptxas would spill
+// dV += Pᵀ·dO is issued as soon as Pᵀ is made, and runs while dSᵀ is made, where Pᵀ's
+// fragments can stay in registers meanwhile: with two warpgroups and the producer's
+// registers given to them; with three, ptxas would spill
 #define EARLY_DV (WGS == 2)
 
 // ANCHOR: dkdv
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
-hopper_dkdv(const __grid_constant__ TensorMap map_q,   // q, read in boxes of STREAM rows
-            const __grid_constant__ TensorMap map_k,   // k, in boxes of BLOCK_ROWS rows
-            const __grid_constant__ TensorMap map_v,   // v, in boxes of BLOCK_ROWS rows
-            const __grid_constant__ TensorMap map_do,  // dO, in boxes of STREAM rows
-            const float* __restrict__ lse,             // the forward's [batch · heads, tokens]
-            const float* __restrict__ delta,           // δ, [batch · heads, tokens]
-            u16* __restrict__ dk_out,                  // dK, where `layout` says
-            u16* __restrict__ dv_out,                  // dV, where `layout` says
-            const Layout layout,                       // the gradients' strides
-            int tokens,                                // the sequence's length
-            float scale_log2,                          // 1/√d · log2(e)
-            float scale) {                             // 1/√d, dK's factor
+    hopper_dkdv(const __grid_constant__ TensorMap map_q,  // q, read in boxes of STREAM rows
+                const __grid_constant__ TensorMap map_k,  // k, in boxes of BLOCK_ROWS rows
+                const __grid_constant__ TensorMap map_v,  // v, in boxes of BLOCK_ROWS rows
+                const __grid_constant__ TensorMap map_do,  // dO, in boxes of STREAM rows
+                const float* __restrict__ lse,    // the forward's [batch · heads, tokens]
+                const float* __restrict__ delta,  // δ, [batch · heads, tokens]
+                u16* __restrict__ dk_out,         // dK, where `layout` says
+                u16* __restrict__ dv_out,         // dV, where `layout` says
+                const Layout layout,              // the gradients' strides
+                int tokens,                       // the sequence's length
+                float scale_log2,                 // 1/√d · log2(e)
+                float scale) {                    // 1/√d, dK's factor
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* sk = smem;
@@ -47,8 +47,9 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q,   // q, read in boxes of ST
   if (wg == WGS) {
     release_registers<PRODUCER_REGS>();
     if (tid < 128 * WGS + 32) {
-      produce<true>(&map_k, &map_v, &map_q, &map_do, sk, sv, sq, sdo, slse, sdelta, &kvbar, full, empty, lse, delta, k0,
-                    first * STREAM, n_blocks, head, layout.heads, tokens, tid % 32);
+      produce<true>(&map_k, &map_v, &map_q, &map_do, sk, sv, sq, sdo, slse, sdelta, &kvbar,
+                    full, empty, lse, delta, k0, first * STREAM, n_blocks, head,
+                    layout.heads, tokens, tid % 32);
     }
     return;
   }
@@ -65,7 +66,8 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q,   // q, read in boxes of ST
   }
   float st[STREAM / 2], dpt[STREAM / 2];
   u32 pf[STREAM / 4], dsf[STREAM / 4];
-  const u32 ak = smem_u32(sk) + wg * 64 * 128, av = smem_u32(sv) + wg * 64 * 128, kv_half = BLOCK_ROWS * 128;
+  const u32 ak = smem_u32(sk) + wg * 64 * 128, av = smem_u32(sv) + wg * 64 * 128,
+            kv_half = BLOCK_ROWS * 128;
   mbar_wait(smem_u32(&kvbar), 0);
 
   for (int n = 0; n < n_blocks; ++n) {
@@ -73,7 +75,8 @@ hopper_dkdv(const __grid_constant__ TensorMap map_q,   // q, read in boxes of ST
     mbar_wait(smem_u32(&full[s]), (n / STAGES) & 1);
     // a block whose queries all come before this warpgroup's keys adds nothing here
     if (q0 + STREAM - 1 >= kw0) {
-      const u32 aq = smem_u32(sq + s * STREAM * ROW_BYTES), ado = smem_u32(sdo + s * STREAM * ROW_BYTES);
+      const u32 aq = smem_u32(sq + s * STREAM * ROW_BYTES),
+                ado = smem_u32(sdo + s * STREAM * ROW_BYTES);
       // two groups of products: Pᵀ is made from Sᵀ while dPᵀ is still being computed
       wgmma_fence();
       issue_abt<STREAM>(st, ak, kv_half, aq, STREAM * 128);    // Sᵀ = k·qᵀ

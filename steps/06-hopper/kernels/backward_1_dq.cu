@@ -1,23 +1,23 @@
-// The backward, rung 1, second pass: dQ a block of queries at a time, after backward_1_dkdv.cu
-// (and its δ). After hopper.cuh and backward.cuh.
+// The backward, rung 1, second pass: dQ a block of queries at a time, after
+// backward_1_dkdv.cu (and its δ). After hopper.cuh and backward.cuh.
 //
-// One block per BLOCK_ROWS queries of a head; the keys they see stream past STREAM at a time:
-// S = q·kᵀ and dP = dO·vᵀ, P and dS = P ∘ (dP − δ) in registers, dQ += dS·k. Each block writes
-// only its own rows: the same bits every run.
+// One block per BLOCK_ROWS queries of a head; the keys they see stream past STREAM at a
+// time: S = q·kᵀ and dP = dO·vᵀ, P and dS = P ∘ (dP − δ) in registers, dQ += dS·k. Each
+// block writes only its own rows: the same bits every run.
 
 // ANCHOR: dq
-extern "C" __global__ void __launch_bounds__(THREADS, 1)
-hopper_dq(const __grid_constant__ TensorMap map_q,   // q, read in boxes of BLOCK_ROWS rows
-          const __grid_constant__ TensorMap map_k,   // k, in boxes of STREAM rows
-          const __grid_constant__ TensorMap map_v,   // v, in boxes of STREAM rows
-          const __grid_constant__ TensorMap map_do,  // dO, in boxes of BLOCK_ROWS rows
-          const float* __restrict__ lse,             // the forward's [batch · heads, tokens]
-          const float* __restrict__ delta,           // δ, [batch · heads, tokens]
-          u16* __restrict__ dq_out,                  // dQ, where `layout` says
-          const Layout layout,                       // the gradients' strides
-          int tokens,                                // the sequence's length
-          float scale_log2,                          // 1/√d · log2(e)
-          float scale) {                             // 1/√d, dQ's factor
+extern "C" __global__ void __launch_bounds__(THREADS, 1) hopper_dq(
+    const __grid_constant__ TensorMap map_q,   // q, read in boxes of BLOCK_ROWS rows
+    const __grid_constant__ TensorMap map_k,   // k, in boxes of STREAM rows
+    const __grid_constant__ TensorMap map_v,   // v, in boxes of STREAM rows
+    const __grid_constant__ TensorMap map_do,  // dO, in boxes of BLOCK_ROWS rows
+    const float* __restrict__ lse,             // the forward's [batch · heads, tokens]
+    const float* __restrict__ delta,           // δ, [batch · heads, tokens]
+    u16* __restrict__ dq_out,                  // dQ, where `layout` says
+    const Layout layout,                       // the gradients' strides
+    int tokens,                                // the sequence's length
+    float scale_log2,                          // 1/√d · log2(e)
+    float scale) {                             // 1/√d, dQ's factor
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* sq = smem;
@@ -30,15 +30,17 @@ hopper_dq(const __grid_constant__ TensorMap map_q,   // q, read in boxes of BLOC
   const BlockPlace place = block_place(tokens, true);
   const int head = place.head, q0 = place.block * BLOCK_ROWS;
   // the keys up to this block's last query
-  const int n_blocks = min((tokens + STREAM - 1) / STREAM, (q0 + BLOCK_ROWS + STREAM - 1) / STREAM);
+  const int n_blocks =
+      min((tokens + STREAM - 1) / STREAM, (q0 + BLOCK_ROWS + STREAM - 1) / STREAM);
   const int tid = threadIdx.x, wg = tid / 128;
   init_barriers(&qbar, full, empty, 4 * WGS);
 
   if (wg == WGS) {
     release_registers<PRODUCER_REGS>();
     if (tid < 128 * WGS + 32) {
-      produce<false>(&map_q, &map_do, &map_k, &map_v, sq, sdo, sk, sv, nullptr, nullptr, &qbar, full, empty, lse,
-                     delta, q0, 0, n_blocks, head, layout.heads, tokens, tid % 32);
+      produce<false>(&map_q, &map_do, &map_k, &map_v, sq, sdo, sk, sv, nullptr, nullptr,
+                     &qbar, full, empty, lse, delta, q0, 0, n_blocks, head, layout.heads,
+                     tokens, tid % 32);
     }
     return;
   }
@@ -62,7 +64,8 @@ hopper_dq(const __grid_constant__ TensorMap map_q,   // q, read in boxes of BLOC
   }
   float sc[STREAM / 2], dp[STREAM / 2];
   u32 dsf[STREAM / 4];
-  const u32 aq = smem_u32(sq) + wg * 64 * 128, ado = smem_u32(sdo) + wg * 64 * 128, q_half = BLOCK_ROWS * 128;
+  const u32 aq = smem_u32(sq) + wg * 64 * 128, ado = smem_u32(sdo) + wg * 64 * 128,
+            q_half = BLOCK_ROWS * 128;
   mbar_wait(smem_u32(&qbar), 0);
 
   for (int n = 0; n < n_blocks; ++n) {
@@ -70,7 +73,8 @@ hopper_dq(const __grid_constant__ TensorMap map_q,   // q, read in boxes of BLOC
     mbar_wait(smem_u32(&full[s]), (n / STAGES) & 1);
     // a block whose keys all come after this warpgroup's queries adds nothing here
     if (key0 <= w0 + 63) {
-      const u32 ak = smem_u32(sk + s * STREAM * ROW_BYTES), av = smem_u32(sv + s * STREAM * ROW_BYTES);
+      const u32 ak = smem_u32(sk + s * STREAM * ROW_BYTES),
+                av = smem_u32(sv + s * STREAM * ROW_BYTES);
       // two groups of products: P is made from S while dP is still being computed
       wgmma_fence();
       issue_abt<STREAM>(sc, aq, q_half, ak, STREAM * 128);  // S = q·kᵀ
@@ -96,7 +100,8 @@ hopper_dq(const __grid_constant__ TensorMap map_q,   // q, read in boxes of BLOC
 #pragma unroll
       for (int j = 0; j < STREAM / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dp[4 * j + e] = sc[4 * j + e] * (dp[4 * j + e] - dl[e / 2]);
+        for (int e = 0; e < 4; ++e)
+          dp[4 * j + e] = sc[4 * j + e] * (dp[4 * j + e] - dl[e / 2]);
       }
       pack_fragments<STREAM>(dsf, dp);
       wgmma_fence();

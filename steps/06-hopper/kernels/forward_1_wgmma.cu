@@ -3,38 +3,40 @@
 //
 // A producer warp brings q once and each block of BLOCK_N keys and values with the tensor
 // memory accelerator (TMA: one thread starts a bulk copy of a whole tile, written in the
-// 128-byte swizzle) into STAGES buffers, each with a "full" mbarrier the copies complete and an
-// "empty" one the consumers release. Each consumer warpgroup owns 64 query rows: S = q·kᵀ as one
-// asynchronous warpgroup product (wgmma) from shared memory, the online softmax on S in
-// registers, then o += P·v with P straight from registers. Only the blocks that cross the
-// diagonal are masked. With one warpgroup a block, MIN_BLOCKS blocks share a multiprocessor and
-// take turns at its tensor cores.
+// 128-byte swizzle) into STAGES buffers, each with a "full" mbarrier the copies complete
+// and an "empty" one the consumers release. Each consumer warpgroup owns 64 query rows: S =
+// q·kᵀ as one asynchronous warpgroup product (wgmma) from shared memory, the online softmax
+// on S in registers, then o += P·v with P straight from registers. Only the blocks that
+// cross the diagonal are masked. With one warpgroup a block, MIN_BLOCKS blocks share a
+// multiprocessor and take turns at its tensor cores.
 //
-// At head dim 128 every tile is two halves of 64 columns (hopper.cuh): q·kᵀ takes its k-steps
-// from one half then the other, and o is two accumulators of 64 columns.
+// At head dim 128 every tile is two halves of 64 columns (hopper.cuh): q·kᵀ takes its
+// k-steps from one half then the other, and o is two accumulators of 64 columns.
 
 static_assert(THREADS == 128 * WGS + 32, "WGS consumer warpgroups and a producer warp");
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-hopper_forward(const __grid_constant__ TensorMap map_q,  // q, read in boxes of BLOCK_M rows
-               const __grid_constant__ TensorMap map_k,  // k, in boxes of BLOCK_N rows
-               const __grid_constant__ TensorMap map_v,  // v, in boxes of BLOCK_N rows
-               u16* __restrict__ out,                    // the output, where out_layout says
-               const Layout out_layout,                  // the output's strides (q's heads)
-               float* __restrict__ lse,                  // [batch · heads, tokens] log-sum-exps
-               int tokens,                               // the sequence's length
-               float scale_log2) {                       // 1/√d · log2(e): scores to base 2
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) hopper_forward(
+    const __grid_constant__ TensorMap map_q,  // q, read in boxes of BLOCK_M rows
+    const __grid_constant__ TensorMap map_k,  // k, in boxes of BLOCK_N rows
+    const __grid_constant__ TensorMap map_v,  // v, in boxes of BLOCK_N rows
+    u16* __restrict__ out,                    // the output, where out_layout says
+    const Layout out_layout,                  // the output's strides (q's heads)
+    float* __restrict__ lse,                  // [batch · heads, tokens] log-sum-exps
+    int tokens,                               // the sequence's length
+    float scale_log2) {                       // 1/√d · log2(e): scores to base 2
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* sq = smem;
   unsigned char* sk = sq + BLOCK_M * ROW_BYTES;
   unsigned char* sv = sk + STAGES * BLOCK_N * ROW_BYTES;
-  // full[s]: stage s's keys and values have landed; empty[s]: every warpgroup is done with them
+  // full[s]: stage s's keys and values have landed; empty[s]: every warpgroup is done with
+  // them
   __shared__ __align__(8) u64 full[STAGES], empty[STAGES], qbar;
 
   const BlockPlace place = block_place(tokens);
   const int mb = place.mb, head = place.head;
-  const int n_blocks = min((tokens + BLOCK_N - 1) / BLOCK_N, ((mb + 1) * BLOCK_M + BLOCK_N - 1) / BLOCK_N);
+  const int n_blocks =
+      min((tokens + BLOCK_N - 1) / BLOCK_N, ((mb + 1) * BLOCK_M + BLOCK_N - 1) / BLOCK_N);
   const int tid = threadIdx.x;
   const int wg = tid / 128;
 
@@ -53,15 +55,18 @@ hopper_forward(const __grid_constant__ TensorMap map_q,  // q, read in boxes of 
     // the producer: its first thread starts every copy
     if (tid == 128 * WGS) {
       mbar_expect_tx(smem_u32(&qbar), BLOCK_M * ROW_BYTES);
-      tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), BLOCK_M, mb * BLOCK_M, head, out_layout.heads);
+      tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), BLOCK_M, mb * BLOCK_M, head,
+               out_layout.heads);
       for (int n = 0; n < n_blocks; ++n) {
-        // block n's keys and values into buffer n % STAGES, once every consumer is done with
-        // what was last in it; one barrier for both, which expects both copies' bytes
+        // block n's keys and values into buffer n % STAGES, once every consumer is done
+        // with what was last in it; one barrier for both, which expects both copies' bytes
         const int s = n % STAGES;
         if (n >= STAGES) mbar_wait(smem_u32(&empty[s]), ((n / STAGES) - 1) & 1);
         mbar_expect_tx(smem_u32(&full[s]), 2 * BLOCK_N * ROW_BYTES);
-        tma_load(smem_u32(sk + s * BLOCK_N * ROW_BYTES), &map_k, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head, out_layout.heads);
-        tma_load(smem_u32(sv + s * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head, out_layout.heads);
+        tma_load(smem_u32(sk + s * BLOCK_N * ROW_BYTES), &map_k, smem_u32(&full[s]),
+                 BLOCK_N, n * BLOCK_N, head, out_layout.heads);
+        tma_load(smem_u32(sv + s * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&full[s]),
+                 BLOCK_N, n * BLOCK_N, head, out_layout.heads);
       }
     }
     return;
@@ -84,14 +89,16 @@ hopper_forward(const __grid_constant__ TensorMap map_q,  // q, read in boxes of 
   float corr[2];
   float sc[64];
   u32 p[32];
-  const u32 aq = smem_u32(sq) + wg * 64 * 128, q_half = BLOCK_M * 128, k_half = BLOCK_N * 128;
+  const u32 aq = smem_u32(sq) + wg * 64 * 128, q_half = BLOCK_M * 128,
+            k_half = BLOCK_N * 128;
   mbar_wait(smem_u32(&qbar), 0);
 
   for (int n = 0; n < n_blocks; ++n) {
     const int s = n % STAGES;
     mbar_wait(smem_u32(&full[s]), (n / STAGES) & 1);
     wgmma_fence();
-    issue_abt<BLOCK_N>(sc, aq, q_half, smem_u32(sk + s * BLOCK_N * ROW_BYTES), k_half);  // S = q·kᵀ
+    issue_abt<BLOCK_N>(sc, aq, q_half, smem_u32(sk + s * BLOCK_N * ROW_BYTES),
+                       k_half);  // S = q·kᵀ
     wgmma_commit();
     wgmma_wait0();
     fence_operands(sc);

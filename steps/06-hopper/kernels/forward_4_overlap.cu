@@ -1,34 +1,37 @@
-// Rung 4: rung 3 with each warpgroup's softmax beside its own products. After hopper.cuh and
-// forward.cuh.
+// Rung 4: rung 3 with each warpgroup's softmax beside its own products. After hopper.cuh
+// and forward.cuh.
 //
 // In rung 3 a warpgroup waits for P·v before it starts the next block's scores. Here the
 // products of one block run while the softmax of the next is computed (FlashAttention-3's
 // intra-warpgroup pipelining): S of block n + 1 and P·v of block n are issued together, and
 // the warpgroup waits only for S before its softmax. P·v then still reads block n's values
-// while the next scores need block n + 1's keys, so the keys and the values of a buffer have
-// barriers of their own, and the producer brings each block's keys one block ahead of its
-// values, in the order the products take them: with one pair a buffer, two buffers would be
-// held at once, and with two stages the next block could not start to arrive until P·v is
-// done.
+// while the next scores need block n + 1's keys, so the keys and the values of a buffer
+// have barriers of their own, and the producer brings each block's keys one block ahead of
+// its values, in the order the products take them: with one pair a buffer, two buffers
+// would be held at once, and with two stages the next block could not start to arrive until
+// P·v is done.
 
-static_assert(THREADS == 128 * WGS + 128, "WGS consumer warpgroups and a producer warpgroup");
-static_assert(MIN_BLOCKS == 1, "the producer's registers go to this block's consumers alone");
+static_assert(THREADS == 128 * WGS + 128,
+              "WGS consumer warpgroups and a producer warpgroup");
+static_assert(MIN_BLOCKS == 1,
+              "the producer's registers go to this block's consumers alone");
 static_assert(WGS >= 2, "turns take two or more warpgroups");
 
 // When the output takes the last softmax's correction. At head dim 64 it is rescaled while
-// the next block's scores are on the tensor cores, just before P·v is issued (FlashAttention-3's
-// order); at head dim 128 after P·v, which measured faster there (the lab's notes have both).
+// the next block's scores are on the tensor cores, just before P·v is issued
+// (FlashAttention-3's order); at head dim 128 after P·v, which measured faster there (the
+// lab's notes have both).
 #define RESCALE_EARLY (HEAD_DIM == 64)
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS)
-hopper_forward(const __grid_constant__ TensorMap map_q,  // q, read in boxes of BLOCK_M rows
-               const __grid_constant__ TensorMap map_k,  // k, in boxes of BLOCK_N rows
-               const __grid_constant__ TensorMap map_v,  // v, in boxes of BLOCK_N rows
-               u16* __restrict__ out,                    // the output, where out_layout says
-               const Layout out_layout,                  // the output's strides (q's heads)
-               float* __restrict__ lse,                  // [batch · heads, tokens] log-sum-exps
-               int tokens,                               // the sequence's length
-               float scale_log2) {                       // 1/√d · log2(e): scores to base 2
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) hopper_forward(
+    const __grid_constant__ TensorMap map_q,  // q, read in boxes of BLOCK_M rows
+    const __grid_constant__ TensorMap map_k,  // k, in boxes of BLOCK_N rows
+    const __grid_constant__ TensorMap map_v,  // v, in boxes of BLOCK_N rows
+    u16* __restrict__ out,                    // the output, where out_layout says
+    const Layout out_layout,                  // the output's strides (q's heads)
+    float* __restrict__ lse,                  // [batch · heads, tokens] log-sum-exps
+    int tokens,                               // the sequence's length
+    float scale_log2) {                       // 1/√d · log2(e): scores to base 2
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
   unsigned char* sq = smem;
@@ -40,7 +43,8 @@ hopper_forward(const __grid_constant__ TensorMap map_q,  // q, read in boxes of 
 
   const BlockPlace place = block_place(tokens);
   const int mb = place.mb, head = place.head;
-  const int n_blocks = min((tokens + BLOCK_N - 1) / BLOCK_N, ((mb + 1) * BLOCK_M + BLOCK_N - 1) / BLOCK_N);
+  const int n_blocks =
+      min((tokens + BLOCK_N - 1) / BLOCK_N, ((mb + 1) * BLOCK_M + BLOCK_N - 1) / BLOCK_N);
   const int tid = threadIdx.x;
   const int wg = tid / 128;
 
@@ -62,14 +66,17 @@ hopper_forward(const __grid_constant__ TensorMap map_q,  // q, read in boxes of 
     // the producer: its first thread starts every copy
     if (tid == 128 * WGS) {
       mbar_expect_tx(smem_u32(&qbar), BLOCK_M * ROW_BYTES);
-      tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), BLOCK_M, mb * BLOCK_M, head, out_layout.heads);
+      tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), BLOCK_M, mb * BLOCK_M, head,
+               out_layout.heads);
       // block n's keys or values into buffer n % STAGES, once every consumer is done with
       // what was last in it
-      auto load = [&](const TensorMap* map, unsigned char* tiles, u64* full, u64* empty, int n) {
+      auto load = [&](const TensorMap* map, unsigned char* tiles, u64* full, u64* empty,
+                      int n) {
         const int s = n % STAGES;
         if (n >= STAGES) mbar_wait(smem_u32(&empty[s]), ((n / STAGES) - 1) & 1);
         mbar_expect_tx(smem_u32(&full[s]), BLOCK_N * ROW_BYTES);
-        tma_load(smem_u32(tiles + s * BLOCK_N * ROW_BYTES), map, smem_u32(&full[s]), BLOCK_N, n * BLOCK_N, head, out_layout.heads);
+        tma_load(smem_u32(tiles + s * BLOCK_N * ROW_BYTES), map, smem_u32(&full[s]),
+                 BLOCK_N, n * BLOCK_N, head, out_layout.heads);
       };
       // the keys one block ahead of the values
       load(&map_k, sk, full_k, empty_k, 0);
@@ -99,14 +106,19 @@ hopper_forward(const __grid_constant__ TensorMap map_q,  // q, read in boxes of 
   float corr[2];
   float sc[64];
   u32 p[32];
-  const u32 aq = smem_u32(sq) + wg * 64 * 128, q_half = BLOCK_M * 128, k_half = BLOCK_N * 128;
+  const u32 aq = smem_u32(sq) + wg * 64 * 128, q_half = BLOCK_M * 128,
+            k_half = BLOCK_N * 128;
   auto k_tile = [&](int n) { return smem_u32(sk + (n % STAGES) * BLOCK_N * ROW_BYTES); };
   auto v_tile = [&](int n) { return smem_u32(sv + (n % STAGES) * BLOCK_N * ROW_BYTES); };
   // only the blocks that cross the diagonal are masked
   auto crosses = [&](int n) { return n * BLOCK_N + BLOCK_N - 1 > first_row; };
   // waiting for block n's keys or values, and handing their buffer back
-  auto keys_ready = [&](int n) { mbar_wait(smem_u32(&full_k[n % STAGES]), (n / STAGES) & 1); };
-  auto values_ready = [&](int n) { mbar_wait(smem_u32(&full_v[n % STAGES]), (n / STAGES) & 1); };
+  auto keys_ready = [&](int n) {
+    mbar_wait(smem_u32(&full_k[n % STAGES]), (n / STAGES) & 1);
+  };
+  auto values_ready = [&](int n) {
+    mbar_wait(smem_u32(&full_v[n % STAGES]), (n / STAGES) & 1);
+  };
   auto keys_done = [&](int n) {
     if (tid % 128 == 0) mbar_arrive(smem_u32(&empty_k[n % STAGES]));
   };
@@ -119,7 +131,8 @@ hopper_forward(const __grid_constant__ TensorMap map_q,  // q, read in boxes of 
   if (wg == WGS - 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
   auto my_turn = [&]() { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory"); };
   auto next_turn = [&](int n) {
-    if (wg < WGS - 1 || n + 1 < n_blocks) asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (wg + 1) % WGS) : "memory");
+    if (wg < WGS - 1 || n + 1 < n_blocks)
+      asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (wg + 1) % WGS) : "memory");
   };
 
   // block 0's scores and softmax alone; then each step issues block n's scores and block

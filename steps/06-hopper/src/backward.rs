@@ -1,9 +1,11 @@
-//! The backward's host side: δ, then the kernels of a [`BackwardKernels`]: rung 1's two passes
-//! (dK and dV per block of keys, then dQ per block of queries), or rung 2's one.
+//! The backward's host side: δ, then the kernels of a [`BackwardKernels`]: rung 1's two
+//! passes (dK and dV per block of keys, then dQ per block of queries), or rung 2's one.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error};
+use step03_cuda_forward::{
+    DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error,
+};
 use step04_backward::cuda::{DeviceGrads, check_backward_device};
 
 use crate::forward::{self, check_hopper, tensor_map};
@@ -12,8 +14,9 @@ use crate::layout::{Layout, Strided, TmaRank};
 
 /// The gradients of q, k and v with the Hopper kernels, given the forward's output and
 /// log-sum-exp and the output's gradient `dout`, as `cuda_hopper` runs them
-/// ([`BackwardKernels::for_shape`]): one pass, whose dq may differ run to run in its last bits;
-/// [`backward_with`] and [`BackwardKernels::two_passes`] give the same bits every time.
+/// ([`BackwardKernels::for_shape`]): one pass, whose dq may differ run to run in its last
+/// bits; [`backward_with`] and [`BackwardKernels::two_passes`] give the same bits every
+/// time.
 pub fn backward(
     gpu: &Gpu,
     q: &DeviceTensor,
@@ -79,7 +82,8 @@ pub fn backward_with(
     let (dv, _dv) = grads.dv.data.device_ptr_mut(stream);
     // SAFETY: the inputs were checked to hold the shape's values in one dtype, contiguous;
     // the three gradients were just allocated for the shape in q's dtype, apart, and live
-    // (with their guards) until the launches are queued; every allocation is 256-byte aligned
+    // (with their guards) until the launches are queued; every allocation is 256-byte
+    // aligned
     unsafe {
         launch_passes(gpu, kernels, shape, q.dtype, inputs, [dq, dk, dv], layout)?;
     }
@@ -110,9 +114,9 @@ pub struct BackwardInputs {
 ///
 /// # Safety
 /// Each address must point into a live allocation on this GPU's context, in `dtype`, with
-/// [`Layout::span`] values for `shape` from it inside that allocation (`lse`: `batch · heads ·
-/// tokens` f32), alive until the stream has run the kernels; the values `layout` reaches from
-/// the three gradients' addresses must not overlap one another or any input.
+/// [`Layout::span`] values for `shape` from it inside that allocation (`lse`: `batch ·
+/// heads · tokens` f32), alive until the stream has run the kernels; the values `layout`
+/// reaches from the three gradients' addresses must not overlap one another or any input.
 pub unsafe fn backward_into(
     gpu: &Gpu,
     kernels: BackwardKernels,
@@ -142,8 +146,9 @@ pub unsafe fn backward_into(
     unsafe { launch_passes(gpu, kernels, shape, dtype, inputs, grads, layout) }
 }
 
-/// δ, then the passes, writing to `grads` as `layout` says: the body of [`backward_with`] and
-/// [`backward_into`], after their checks (every layout fits the shape; it is not empty).
+/// δ, then the passes, writing to `grads` as `layout` says: the body of [`backward_with`]
+/// and [`backward_into`], after their checks (every layout fits the shape; it is not
+/// empty).
 ///
 /// # Safety
 /// As [`backward_into`].
@@ -164,8 +169,8 @@ unsafe fn launch_passes(
     }
     let i = inputs;
     let rank = TmaRank::of(&[i.q.layout, i.k.layout, i.v.layout, i.dout.layout], shape);
-    // a module per kernel, shape and rank; δ's kernel, and the one pass's dQ conversion, are in
-    // the first kernel's module, under the same key, so the module is compiled once
+    // a module per kernel, shape and rank; δ's kernel, and the one pass's dQ conversion,
+    // are in the first kernel's module, under the same key, so the module is compiled once
     let function = |k: BackwardKernel, entry: &str| {
         gpu.kernel(
             format!("hopper backward {dtype:?} d{d} {} {rank:?}", k.name()),
@@ -203,8 +208,8 @@ unsafe fn launch_passes(
         };
         // SAFETY: the output and dO hold the shape's values where their layouts say (the
         // caller's promise); each warp reads one row of each and writes that row's δ, for
-        // tokens below `tokens`; the grid's y is at most 65,535 (check_shape), its x at most
-        // 2^27 (check_shape's 2^30 tokens)
+        // tokens below `tokens`; the grid's y is at most 65,535 (check_shape), its x at
+        // most 2^27 (check_shape's 2^30 tokens)
         unsafe { launch.launch(config) }.map_err(device_error("launching hopper_delta"))?;
         delta
     };
@@ -212,8 +217,8 @@ unsafe fn launch_passes(
     let scale = 1.0 / (d as f32).sqrt();
     let scale_log2 = shape.scale_log2();
     // a kernel's function, with the register check of its producer warpgroup, its launch
-    // shape, and the maps of q, k, v and dO, in boxes of `qdo_rows` rows (q, dO) and `kv_rows`
-    // rows (k, v)
+    // shape, and the maps of q, k, v and dO, in boxes of `qdo_rows` rows (q, dO) and
+    // `kv_rows` rows (k, v)
     let prepare = |k: BackwardKernel, qdo_rows: usize, kv_rows: usize| {
         let f = function(k, k.pass.entry())?;
         k.check_registers(&f)?;
@@ -262,9 +267,9 @@ unsafe fn launch_passes(
     launch.arg(&tokens).arg(&scale_log2).arg(&scale);
     // SAFETY: the maps read within q, k, v and dO (rows past a head's end read as zeros),
     // lse and δ hold a value a row; each block writes dk and dv for its own keys below
-    // `tokens` only, where layout puts them (within its span: the caller's promise), and with
-    // one pass adds into dq_accum's values of the query blocks that see them; the grid is one
-    // block per block of keys of each head, its y at most 65,535 (checked above)
+    // `tokens` only, where layout puts them (within its span: the caller's promise), and
+    // with one pass adds into dq_accum's values of the query blocks that see them; the grid
+    // is one block per block of keys of each head, its y at most 65,535 (checked above)
     unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dkdv"))?;
 
     if let Some(acc) = &dq_accum {
@@ -284,11 +289,12 @@ unsafe fn launch_passes(
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: acc holds dq_accum_len values in f32: 64 rows of every block of 64 queries,
-        // eight values for each of `items` threads (the head dim is 64 or 128); each thread
-        // reads its own values and writes them to dq where layout puts them, for rows below
-        // `tokens` only, within its span (the caller's promise)
-        unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dq_convert"))?;
+        // SAFETY: acc holds dq_accum_len values in f32: 64 rows of every block of 64
+        // queries, eight values for each of `items` threads (the head dim is 64 or 128);
+        // each thread reads its own values and writes them to dq where layout puts them,
+        // for rows below `tokens` only, within its span (the caller's promise)
+        unsafe { launch.launch(config) }
+            .map_err(device_error("launching hopper_dq_convert"))?;
     }
 
     // dQ: the block's queries and dO, the keys and values streamed

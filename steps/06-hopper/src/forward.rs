@@ -2,8 +2,9 @@
 //! [`ForwardKernel`].
 
 use cudarc::driver::sys::{
-    CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
-    CUtensorMapL2promotion, CUtensorMapSwizzle, cuTensorMapEncodeTiled,
+    CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill,
+    CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
+    cuTensorMapEncodeTiled,
 };
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use flash_core::{AttnError, Shape};
@@ -23,14 +24,14 @@ unsafe impl DeviceRepr for TensorMap {}
 
 // ANCHOR: tensor_map
 /// The map of a `[batch, heads, tokens, head_dim]` tensor of 16-bit values where `x`'s
-/// layout puts them, read in boxes of `rows` tokens of one head and (at most) 64 columns, 128
-/// bytes, in the 128-byte swizzle; rows past the end read as zeros. Of rank 3 (batches and
-/// heads merged, the sequence `b · heads + h` at `h`'s offset) or 4, as `rank` says.
+/// layout puts them, read in boxes of `rows` tokens of one head and (at most) 64 columns,
+/// 128 bytes, in the 128-byte swizzle; rows past the end read as zeros. Of rank 3 (batches
+/// and heads merged, the sequence `b · heads + h` at `h`'s offset) or 4, as `rank` says.
 ///
 /// # Safety
 /// `x` must describe values of a live allocation on this GPU's context (its layout checked
-/// against the shape, 16-byte aligned: [`Layout::check`]); with [`TmaRank::Three`] its layout
-/// must merge batches and heads ([`TmaRank::of`]).
+/// against the shape, 16-byte aligned: [`Layout::check`]); with [`TmaRank::Three`] its
+/// layout must merge batches and heads ([`TmaRank::of`]).
 pub(crate) unsafe fn tensor_map(
     x: Strided,
     dtype: Dtype,
@@ -67,12 +68,12 @@ pub(crate) unsafe fn tensor_map(
     })
 }
 
-/// A tiled tensor map in the 128-byte swizzle: `dims` innermost first, `strides` in bytes for
-/// every dimension but the innermost, one box of `boxes` per copy.
+/// A tiled tensor map in the 128-byte swizzle: `dims` innermost first, `strides` in bytes
+/// for every dimension but the innermost, one box of `boxes` per copy.
 ///
 /// # Safety
-/// `ptr` must be a live device allocation of the values `dims` and `strides` describe, 16-byte
-/// aligned.
+/// `ptr` must be a live device allocation of the values `dims` and `strides` describe,
+/// 16-byte aligned.
 pub unsafe fn encode_tiled(
     ptr: u64,
     dtype: CUtensorMapDataType,
@@ -120,8 +121,8 @@ pub fn check_hopper(gpu: &Gpu) -> Result<(), AttnError> {
     check_capability(major, minor)
 }
 
-/// [`check_hopper`] for compute capability `major.minor`: what a GPU of another generation is
-/// told (a test asks it on machines without one too).
+/// [`check_hopper`] for compute capability `major.minor`: what a GPU of another generation
+/// is told (a test asks it on machines without one too).
 pub fn check_capability(major: i32, minor: i32) -> Result<(), AttnError> {
     if (major, minor) != (9, 0) {
         return Err(AttnError::Unsupported {
@@ -133,9 +134,13 @@ pub fn check_capability(major: i32, minor: i32) -> Result<(), AttnError> {
     Ok(())
 }
 
-/// The checks before a launch: step 03's, a head dim this kernel takes, and a grid of at most
-/// 65,535 heads (its y dimension).
-pub fn check(q: &DeviceTensor, k: &DeviceTensor, v: &DeviceTensor) -> Result<Shape, AttnError> {
+/// The checks before a launch: step 03's, a head dim this kernel takes, and a grid of at
+/// most 65,535 heads (its y dimension).
+pub fn check(
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+) -> Result<Shape, AttnError> {
     let shape = check_device(q, k, v)?;
     check_shape(shape)?;
     Ok(shape)
@@ -192,7 +197,8 @@ pub fn forward_with(
     check_hopper(gpu)?;
     let shape = check(q, k, v)?;
     let rows = shape.batch * shape.heads * shape.tokens;
-    if result.out.shape != shape || result.out.dtype != q.dtype || result.lse.len() != rows {
+    if result.out.shape != shape || result.out.dtype != q.dtype || result.lse.len() != rows
+    {
         return Err(AttnError::ShapeMismatch {
             what: format!(
                 "the output buffers are for {} {}, the inputs are {shape} {}",
@@ -216,8 +222,8 @@ pub fn forward_with(
         layout: Layout::heads(shape),
     };
     // SAFETY: check() proved q, k, v hold the shape's values in one dtype, contiguous; the
-    // output buffers were checked to match them; all are allocations of this stream's context
-    // (256-byte aligned, as every allocation), alive until the launch is queued
+    // output buffers were checked to match them; all are allocations of this stream's
+    // context (256-byte aligned, as every allocation), alive until the launch is queued
     unsafe {
         launch(
             gpu,
@@ -236,14 +242,14 @@ pub fn forward_with(
 /// and each row's log-sum-exp to `lse`, `[batch · heads, tokens]` f32.
 ///
 /// TMA reads q, k and v: their addresses and strides must be multiples of 16 bytes; the
-/// kernel writes the output in pairs of values: 4 bytes. Both are checked, with each layout's
-/// heads and token stride.
+/// kernel writes the output in pairs of values: 4 bytes. Both are checked, with each
+/// layout's heads and token stride.
 ///
 /// # Safety
 /// Each address must point into a live allocation on this GPU's context, in `dtype`, with
-/// [`Layout::span`] values for `shape` from it inside that allocation (`lse`: `batch · heads ·
-/// tokens` f32), alive until the stream has run the kernel; what the output and `lse` reach
-/// must not overlap each other or any input.
+/// [`Layout::span`] values for `shape` from it inside that allocation (`lse`: `batch ·
+/// heads · tokens` f32), alive until the stream has run the kernel; what the output and
+/// `lse` reach must not overlap each other or any input.
 pub unsafe fn forward_into(
     gpu: &Gpu,
     kernel: ForwardKernel,
@@ -277,8 +283,8 @@ pub(crate) fn check_lse(lse: u64) -> Result<(), AttnError> {
     Ok(())
 }
 
-/// The forward's launch, after its callers' checks (every layout fits the shape; the shape is
-/// not empty).
+/// The forward's launch, after its callers' checks (every layout fits the shape; the shape
+/// is not empty).
 ///
 /// # Safety
 /// As [`forward_into`].
@@ -333,6 +339,7 @@ unsafe fn launch(
     // kernel writes the output where its layout says and lse, for rows below `tokens` only,
     // within what the caller vouched for; the grid is one block per block_m queries of each
     // head, within the limits check_shape tested
-    unsafe { launch.launch(launch_config) }.map_err(device_error("launching hopper_forward"))?;
+    unsafe { launch.launch(launch_config) }
+        .map_err(device_error("launching hopper_forward"))?;
     Ok(())
 }

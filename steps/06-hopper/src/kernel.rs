@@ -1,11 +1,11 @@
 //! The kernels' typed descriptions: each kernel this step launches is one value of
-//! [`ForwardKernel`] or [`BackwardKernel`], which says which source it is, the `-D` set it is
-//! compiled with, its name, and what it needs of the GPU. The `.cu` files hold no defaults: a
-//! parameter left out of the `-D` set is a compile error, so nothing here can disagree with
-//! them.
+//! [`ForwardKernel`] or [`BackwardKernel`], which says which source it is, the `-D` set it
+//! is compiled with, its name, and what it needs of the GPU. The `.cu` files hold no
+//! defaults: a parameter left out of the `-D` set is a compile error, so nothing here can
+//! disagree with them.
 //!
-//! The forward is a ladder of four rungs ([`ForwardRung`]), each a whole kernel in a file of
-//! its own, each adding one idea to the one before; the backward two ([`BackwardRung`]).
+//! The forward is a ladder of four rungs ([`ForwardRung`]), each a whole kernel in a file
+//! of its own, each adding one idea to the one before; the backward two ([`BackwardRung`]).
 
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::{AttnError, Shape};
@@ -21,8 +21,8 @@ pub const FORWARD_CUH: &str = include_str!("../kernels/forward.cuh");
 /// What the backward's kernels share: the producer's loop, Pᵀ and dSᵀ, δ.
 pub const BACKWARD_CUH: &str = include_str!("../kernels/backward.cuh");
 
-/// The head dims the kernels are compiled for: a row of 64 is one 128-byte swizzle row, a row
-/// of 128 two halves of one each.
+/// The head dims the kernels are compiled for: a row of 64 is one 128-byte swizzle row, a
+/// row of 128 two halves of one each.
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
 /// Keys per step of the forward (`BLOCK_N` in `forward.cuh`).
 pub const BLOCK_N: usize = 128;
@@ -41,8 +41,8 @@ pub enum ForwardRung {
     ProducerWarpgroup,
     /// The consumer warpgroups take turns at the tensor cores.
     Turns,
-    /// Each warpgroup's softmax beside its own products; the keys and the values with barriers
-    /// of their own.
+    /// Each warpgroup's softmax beside its own products; the keys and the values with
+    /// barriers of their own.
     Overlap,
 }
 
@@ -118,12 +118,12 @@ impl ForwardRung {
         self != ForwardRung::Wgmma
     }
 
-    /// This rung's block shape for a length and head dim: with a producer warp, one warpgroup
-    /// of 64 rows and three blocks to a multiprocessor taking turns at its tensor cores at head
-    /// dim 64, two warpgroups at 128; with a producer warpgroup, three warpgroups sharing each
-    /// block of keys and values among 192 rows at head dim 64, two at 128. Every head's longest
-    /// blocks first where a launch is a few waves: up to 4,096 tokens at head dim 64, 2,048 at
-    /// 128 (the lab's notes have the shapes measured).
+    /// This rung's block shape for a length and head dim: with a producer warp, one
+    /// warpgroup of 64 rows and three blocks to a multiprocessor taking turns at its tensor
+    /// cores at head dim 64, two warpgroups at 128; with a producer warpgroup, three
+    /// warpgroups sharing each block of keys and values among 192 rows at head dim 64, two
+    /// at 128. Every head's longest blocks first where a launch is a few waves: up to 4,096
+    /// tokens at head dim 64, 2,048 at 128 (the lab's notes have the shapes measured).
     pub fn shape(self, tokens: usize, head_dim: usize) -> ForwardKernel {
         let (warpgroups, min_blocks) = match (self, head_dim) {
             (ForwardRung::Wgmma, 64) => (1, 3),
@@ -150,8 +150,8 @@ pub struct ForwardKernel {
     pub warpgroups: usize,
     /// Buffers of keys and values in flight (`STAGES`).
     pub stages: usize,
-    /// Thread blocks each multiprocessor must fit (`MIN_BLOCKS`, the register budget); 1 with a
-    /// producer warpgroup, whose registers go to its own block's consumers.
+    /// Thread blocks each multiprocessor must fit (`MIN_BLOCKS`, the register budget); 1
+    /// with a producer warpgroup, whose registers go to its own block's consumers.
     pub min_blocks: usize,
     /// The grid as (heads, query blocks), every head's longest block before any head's next
     /// longest, rather than (query blocks, heads) (`LONGEST_FIRST`).
@@ -159,8 +159,8 @@ pub struct ForwardKernel {
 }
 
 impl ForwardKernel {
-    /// What `cuda_hopper` runs: rung 1 at head dim 64 up to 4,096 tokens, where a launch is a
-    /// few waves and small blocks fill them; rung 4 beyond, and at head dim 128.
+    /// What `cuda_hopper` runs: rung 1 at head dim 64 up to 4,096 tokens, where a launch is
+    /// a few waves and small blocks fill them; rung 4 beyond, and at head dim 128.
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
         let rung = if head_dim == 64 && tokens <= 4096 {
             ForwardRung::Wgmma
@@ -185,22 +185,26 @@ impl ForwardKernel {
         (128 * self.warpgroups + producer) as u32
     }
 
-    /// Dynamic shared memory at head dim `d`: q's tile and `stages` tiles of k and v, and room
-    /// to align them on the swizzle's 1,024 bytes.
+    /// Dynamic shared memory at head dim `d`: q's tile and `stages` tiles of k and v, and
+    /// room to align them on the swizzle's 1,024 bytes.
     pub fn smem_bytes(&self, d: usize) -> u32 {
         ((self.block_m() + 2 * self.stages * BLOCK_N) * d * 2 + 1024) as u32
     }
 
-    /// The registers a producer warpgroup keeps and each consumer thread may take, where the
-    /// rung has one.
+    /// The registers a producer warpgroup keeps and each consumer thread may take, where
+    /// the rung has one.
     fn registers(&self) -> Option<(u32, u32)> {
         self.rung.producer_warpgroup().then(|| {
-            producer_consumer_registers(self.warpgroups, producer_registers(self.warpgroups))
+            producer_consumer_registers(
+                self.warpgroups,
+                producer_registers(self.warpgroups),
+            )
         })
     }
 
-    /// That the GPU can run this kernel at head dim `d`: its shared memory, `min_blocks` blocks
-    /// a multiprocessor, what the rung needs; an error that names the limit otherwise.
+    /// That the GPU can run this kernel at head dim `d`: its shared memory, `min_blocks`
+    /// blocks a multiprocessor, what the rung needs; an error that names the limit
+    /// otherwise.
     pub fn check(&self, d: usize) -> Result<(), AttnError> {
         let name = self.name();
         let smem = self.smem_bytes(d) as usize;
@@ -214,7 +218,8 @@ impl ForwardKernel {
         }
         if !(1..=3).contains(&self.warpgroups) || self.stages < 2 || self.min_blocks < 1 {
             return unsupported(
-                "1 to 3 warpgroups, 2 or more stages, 1 or more blocks a multiprocessor".into(),
+                "1 to 3 warpgroups, 2 or more stages, 1 or more blocks a multiprocessor"
+                    .into(),
             );
         }
         if smem > SMEM_PER_BLOCK || self.min_blocks * (smem + 1024) > SMEM_PER_SM {
@@ -228,14 +233,16 @@ impl ForwardKernel {
                 "a producer warpgroup's registers go to one block a multiprocessor".into(),
             );
         }
-        if matches!(self.rung, ForwardRung::Turns | ForwardRung::Overlap) && self.warpgroups < 2 {
+        if matches!(self.rung, ForwardRung::Turns | ForwardRung::Overlap)
+            && self.warpgroups < 2
+        {
             return unsupported("turns take two or more warpgroups".into());
         }
         Ok(())
     }
 
-    /// A short name for tables and compiled modules: the rung, warpgroups × stages × blocks a
-    /// multiprocessor, and "longest first".
+    /// A short name for tables and compiled modules: the rung, warpgroups × stages × blocks
+    /// a multiprocessor, and "longest first".
     pub fn name(&self) -> String {
         format!(
             "rung {} {}x{}x{}{}",
@@ -285,8 +292,8 @@ impl ForwardKernel {
         )
     }
 
-    /// The grid of a launch for `shape`: one block per `block_m` queries of each head of each
-    /// sequence; an error where the y dimension would pass its 65,535.
+    /// The grid of a launch for `shape`: one block per `block_m` queries of each head of
+    /// each sequence; an error where the y dimension would pass its 65,535.
     pub fn grid(&self, shape: Shape) -> Result<(u32, u32, u32), AttnError> {
         ordered_grid(
             shape,
@@ -300,9 +307,14 @@ impl ForwardKernel {
     /// The registers the kernel's producer and consumers end with, checked against what the
     /// compiled kernel starts with (`f`'s register count, which ptxas sets from the launch
     /// bounds), before a launch.
-    pub fn check_registers(&self, f: &cudarc::driver::CudaFunction) -> Result<(), AttnError> {
+    pub fn check_registers(
+        &self,
+        f: &cudarc::driver::CudaFunction,
+    ) -> Result<(), AttnError> {
         match self.registers() {
-            Some(r) => check_register_pool(f, self.warpgroups, r, self.threads(), "hopper_forward"),
+            Some(r) => {
+                check_register_pool(f, self.warpgroups, r, self.threads(), "hopper_forward")
+            }
             None => Ok(()),
         }
     }
@@ -311,12 +323,12 @@ impl ForwardKernel {
 /// The backward's rungs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BackwardRung {
-    /// Step 04's two passes: dK and dV a block of keys at a time, then dQ a block of queries
-    /// at a time (`kernels/backward_1_dkdv.cu`, `kernels/backward_1_dq.cu`); each block writes
-    /// only its own rows, the same bits every run.
+    /// Step 04's two passes: dK and dV a block of keys at a time, then dQ a block of
+    /// queries at a time (`kernels/backward_1_dkdv.cu`, `kernels/backward_1_dq.cu`); each
+    /// block writes only its own rows, the same bits every run.
     TwoPasses,
-    /// One pass: the dK and dV pass adds each block's part of dQ into f32 sums, by a warp of
-    /// its own (`kernels/backward_2_one_pass.cu`).
+    /// One pass: the dK and dV pass adds each block's part of dQ into f32 sums, by a warp
+    /// of its own (`kernels/backward_2_one_pass.cu`).
     OnePass,
 }
 
@@ -384,8 +396,8 @@ impl BackwardKernel {
         (128 * self.warpgroups + 128) as u32
     }
 
-    /// With one pass, the buffers of a block's dQ in shared memory: two at head dim 64, one at
-    /// 128 (which leaves room for a third stage).
+    /// With one pass, the buffers of a block's dQ in shared memory: two at head dim 64, one
+    /// at 128 (which leaves room for a third stage).
     pub fn dq_buffers(&self, d: usize) -> usize {
         match (self.pass, d) {
             (BackwardPass::OnePass, 64) => 2,
@@ -394,8 +406,8 @@ impl BackwardKernel {
         }
     }
 
-    /// Floats in the one pass's f32 dQ sums for `shape` (none in two passes): 64 · head dim for
-    /// every block of 64 queries of every head.
+    /// Floats in the one pass's f32 dQ sums for `shape` (none in two passes): 64 · head dim
+    /// for every block of 64 queries of every head.
     pub fn dq_accum_len(&self, shape: Shape) -> usize {
         match self.pass {
             BackwardPass::OnePass => {
@@ -405,8 +417,8 @@ impl BackwardKernel {
         }
     }
 
-    /// The registers the producer warpgroup keeps and each consumer thread may take: with one
-    /// pass the producer keeps 32, for the adding warp beside the loading one.
+    /// The registers the producer warpgroup keeps and each consumer thread may take: with
+    /// one pass the producer keeps 32, for the adding warp beside the loading one.
     fn registers(&self) -> (u32, u32) {
         let producer = match self.pass {
             BackwardPass::OnePass => 32,
@@ -415,9 +427,9 @@ impl BackwardKernel {
         producer_consumer_registers(self.warpgroups, producer)
     }
 
-    /// Dynamic shared memory at head dim `d`: the block's two tiles, `stages` pairs of streamed
-    /// tiles, with one pass two buffers of both warpgroups' dS and the dQ buffers, and room to
-    /// align them on the swizzle's 1,024 bytes.
+    /// Dynamic shared memory at head dim `d`: the block's two tiles, `stages` pairs of
+    /// streamed tiles, with one pass two buffers of both warpgroups' dS and the dQ buffers,
+    /// and room to align them on the swizzle's 1,024 bytes.
     pub fn smem_bytes(&self, d: usize) -> u32 {
         let one_pass = match self.pass {
             BackwardPass::OnePass => {
@@ -425,7 +437,8 @@ impl BackwardKernel {
             }
             _ => 0,
         };
-        ((2 * self.block_rows() + 2 * self.stages * self.stream) * d * 2 + one_pass + 1024) as u32
+        ((2 * self.block_rows() + 2 * self.stages * self.stream) * d * 2 + one_pass + 1024)
+            as u32
     }
 
     /// That the GPU can run this kernel at head dim `d`; an error that names the limit
@@ -448,8 +461,11 @@ impl BackwardKernel {
                 "1 to 3 warpgroups, 2 or more stages, 64 or 128 rows streamed".into(),
             );
         }
-        if self.pass == BackwardPass::OnePass && (self.warpgroups != 2 || self.stream != 64) {
-            return unsupported("one pass takes two warpgroups and 64 queries streamed".into());
+        if self.pass == BackwardPass::OnePass && (self.warpgroups != 2 || self.stream != 64)
+        {
+            return unsupported(
+                "one pass takes two warpgroups and 64 queries streamed".into(),
+            );
         }
         // the log-sum-exps and δs of each stage are static shared memory
         let smem = self.smem_bytes(d) as usize + 2 * self.stages * self.stream * 4;
@@ -530,7 +546,10 @@ impl BackwardKernel {
     }
 
     /// As [`ForwardKernel::check_registers`].
-    pub fn check_registers(&self, f: &cudarc::driver::CudaFunction) -> Result<(), AttnError> {
+    pub fn check_registers(
+        &self,
+        f: &cudarc::driver::CudaFunction,
+    ) -> Result<(), AttnError> {
         check_register_pool(
             f,
             self.warpgroups,
@@ -552,8 +571,8 @@ pub struct BackwardKernels {
 
 impl BackwardKernels {
     /// What `cuda_hopper` runs: one pass at every length, two warpgroups and three stages;
-    /// every head's longest blocks first up to 4,096 tokens. dQ's last bits then depend on the
-    /// order blocks finish in, and it takes an f32 buffer as large as two dQs;
+    /// every head's longest blocks first up to 4,096 tokens. dQ's last bits then depend on
+    /// the order blocks finish in, and it takes an f32 buffer as large as two dQs;
     /// [`BackwardKernels::two_passes`] takes neither.
     pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
         let _ = head_dim;
@@ -569,11 +588,11 @@ impl BackwardKernels {
         }
     }
 
-    /// Rung 1, the two passes: the same bits every run, and no buffer beyond the gradients and
-    /// δ. dK and dV with three warpgroups (192 keys a block) at head dim 64, three stages up to
-    /// 8,192 tokens and two beyond, or two warpgroups and three stages at 128; dQ with two
-    /// warpgroups streaming 128 keys a step; every head's longest blocks first up to 4,096
-    /// tokens.
+    /// Rung 1, the two passes: the same bits every run, and no buffer beyond the gradients
+    /// and δ. dK and dV with three warpgroups (192 keys a block) at head dim 64, three
+    /// stages up to 8,192 tokens and two beyond, or two warpgroups and three stages at 128;
+    /// dQ with two warpgroups streaming 128 keys a step; every head's longest blocks first
+    /// up to 4,096 tokens.
     pub fn two_passes(tokens: usize, head_dim: usize) -> Self {
         let longest_first = tokens <= 4096;
         let (warpgroups, stages) = match head_dim {
@@ -648,8 +667,8 @@ fn compile(
 }
 
 /// A grid of one block per `rows` tokens of each head of each sequence: (blocks, heads) or,
-/// longest first, (heads, blocks); an error naming `kernel` (what takes the grid) and `blocks`
-/// (what the y dimension counts when longest first) where y would pass its 65,535.
+/// longest first, (heads, blocks); an error naming `kernel` (what takes the grid) and
+/// `blocks` (what the y dimension counts when longest first) where y would pass its 65,535.
 fn ordered_grid(
     shape: Shape,
     rows: usize,
@@ -678,8 +697,9 @@ fn ordered_grid(
     Ok((x as u32, y as u32, 1))
 }
 
-/// The registers a producer warpgroup keeps beside `warpgroups` consumer warpgroups: what it
-/// needs to start copies, in steps of 8, leaving the consumers as many as the budget allows.
+/// The registers a producer warpgroup keeps beside `warpgroups` consumer warpgroups: what
+/// it needs to start copies, in steps of 8, leaving the consumers as many as the budget
+/// allows.
 fn producer_registers(warpgroups: usize) -> u32 {
     match warpgroups {
         1 => 56,
@@ -688,28 +708,31 @@ fn producer_registers(warpgroups: usize) -> u32 {
     }
 }
 
-/// The registers a block of `warpgroups` consumer warpgroups and a producer warpgroup starts
-/// with, a thread: what ptxas gives at one block a multiprocessor, the register file shared
-/// evenly in steps of 8 (168 for 384 threads, 128 for 512, as it reports).
+/// The registers a block of `warpgroups` consumer warpgroups and a producer warpgroup
+/// starts with, a thread: what ptxas gives at one block a multiprocessor, the register file
+/// shared evenly in steps of 8 (168 for 384 threads, 128 for 512, as it reports).
 fn start_registers(warpgroups: usize) -> u32 {
     let threads = 128 * (warpgroups as u32 + 1);
     (65_536 / threads / 8 * 8).min(255)
 }
 
-/// The registers a producer warpgroup keeping `producer` leaves each consumer thread: what the
-/// block starts with, less the producer's, shared by the consumers in steps of 8, at most 240.
+/// The registers a producer warpgroup keeping `producer` leaves each consumer thread: what
+/// the block starts with, less the producer's, shared by the consumers in steps of 8, at
+/// most 240.
 fn producer_consumer_registers(warpgroups: usize, producer: u32) -> (u32, u32) {
     let threads = 128 * (warpgroups as u32 + 1);
-    let free =
-        (start_registers(warpgroups) * threads - 128 * producer) / (128 * warpgroups as u32) / 8
-            * 8;
+    let free = (start_registers(warpgroups) * threads - 128 * producer)
+        / (128 * warpgroups as u32)
+        / 8
+        * 8;
     (producer, free.min(240))
 }
 
 /// A producer warpgroup hands its registers to the consumers with `setmaxnreg`, and a
-/// consumer's `setmaxnreg.inc` waits until the block's pool holds what it asks for: the block
-/// must start with at least what both roles end with, or it would wait forever. The kernel's
-/// register count, which ptxas sets from the launch bounds, is checked here before a launch.
+/// consumer's `setmaxnreg.inc` waits until the block's pool holds what it asks for: the
+/// block must start with at least what both roles end with, or it would wait forever. The
+/// kernel's register count, which ptxas sets from the launch bounds, is checked here before
+/// a launch.
 fn check_register_pool(
     f: &cudarc::driver::CudaFunction,
     warpgroups: usize,
@@ -735,9 +758,9 @@ fn check_register_pool(
 mod tests {
     use super::*;
 
-    /// Longest first, the grid is (heads, query blocks); a shape with more query blocks than
-    /// the y dimension takes is an error that says so, and the defaults take the order only
-    /// where every length they cover fits.
+    /// Longest first, the grid is (heads, query blocks); a shape with more query blocks
+    /// than the y dimension takes is an error that says so, and the defaults take the order
+    /// only where every length they cover fits.
     #[test]
     fn longest_first_swaps_the_grid_and_names_its_limit() {
         let one = ForwardKernel::for_shape(1 << 14, 64);

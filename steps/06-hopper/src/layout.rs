@@ -1,7 +1,7 @@
 //! Where a tensor's values are: the kernels read q, k, v, the output and its gradient, and
 //! write the output and the gradients, at any strides between batches, heads and tokens, so
-//! that a caller whose tensors live in other buffers (the trainer's fused projection, the rows
-//! its output projection reads) hands them over without a copy.
+//! that a caller whose tensors live in other buffers (the trainer's fused projection, the
+//! rows its output projection reads) hands them over without a copy.
 
 use cudarc::driver::DeviceRepr;
 use flash_core::{AttnError, Shape};
@@ -20,8 +20,8 @@ pub struct Layout {
     _pad: i32,
 }
 
-// SAFETY: plain integers, laid out as the kernels' struct (three 8-byte fields, a 4-byte one
-// and its padding: 32 bytes, as the assertion below checks)
+// SAFETY: plain integers, laid out as the kernels' struct (three 8-byte fields, a 4-byte
+// one and its padding: 32 bytes, as the assertion below checks)
 unsafe impl DeviceRepr for Layout {}
 const _: () = assert!(std::mem::size_of::<Layout>() == 32);
 
@@ -51,9 +51,9 @@ impl Layout {
     }
 
     // ANCHOR: fused_rows
-    /// One row per token of q's, k's and v's heads side by side, `[batch · tokens, 3 · heads ·
-    /// head_dim]`, from each third's first column: the layout of the trainer's fused projection
-    /// (and of its gradient).
+    /// One row per token of q's, k's and v's heads side by side, `[batch · tokens, 3 ·
+    /// heads · head_dim]`, from each third's first column: the layout of the trainer's
+    /// fused projection (and of its gradient).
     pub fn fused_rows(s: Shape) -> Self {
         let row = 3 * (s.heads * s.head_dim) as i64;
         Layout::new(s, s.tokens as i64 * row, s.head_dim as i64, row)
@@ -80,11 +80,17 @@ impl Layout {
         last as usize
     }
 
-    /// That this layout fits `s` (its heads, a token's values not overlapping the next's, no
-    /// negative stride) and that the address and strides are multiples of `align` bytes, of
-    /// which 16-bit values: 16 for what TMA reads (its rule for addresses and strides), 4 for
-    /// what the kernels write or read in pairs. `what` names the tensor.
-    pub fn check(&self, s: Shape, ptr: u64, align: u64, what: &str) -> Result<(), AttnError> {
+    /// That this layout fits `s` (its heads, a token's values not overlapping the next's,
+    /// no negative stride) and that the address and strides are multiples of `align` bytes,
+    /// of which 16-bit values: 16 for what TMA reads (its rule for addresses and strides),
+    /// 4 for what the kernels write or read in pairs. `what` names the tensor.
+    pub fn check(
+        &self,
+        s: Shape,
+        ptr: u64,
+        align: u64,
+        what: &str,
+    ) -> Result<(), AttnError> {
         if self.heads as usize != s.heads
             || self.token < s.head_dim as i64
             || self.head < 0
@@ -115,9 +121,9 @@ impl Layout {
 
 /// How a launch's tensor maps address a head's rows, a compile-time choice of its kernels
 /// (`TMA_RANK`): with every layout of the launch keeping one head after another at the same
-/// distance across batches (a `[batch, heads, tokens, head_dim]` tensor, or one batch), batches
-/// and heads merge into one dimension of the maps, and the kernels ask TMA for boxes in three
-/// coordinates, as they did before layouts; otherwise in four.
+/// distance across batches (a `[batch, heads, tokens, head_dim]` tensor, or one batch),
+/// batches and heads merge into one dimension of the maps, and the kernels ask TMA for
+/// boxes in three coordinates, as they did before layouts; otherwise in four.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TmaRank {
     Three,

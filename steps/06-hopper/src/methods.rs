@@ -1,7 +1,7 @@
-//! This step's methods in the registry: each rung of the forward's ladder, the backward's first
-//! rung (two passes), and `cuda_hopper`, what the library runs (rung 1 or 4 of the forward by
-//! the shape, the one-pass backward); on host arrays for the tests and `attend`, and prepared
-//! on the device for the benchmark, as step 03's `cuda_flash` is.
+//! This step's methods in the registry: each rung of the forward's ladder, the backward's
+//! first rung (two passes), and `cuda_hopper`, what the library runs (rung 1 or 4 of the
+//! forward by the shape, the one-pass backward); on host arrays for the tests and `attend`,
+//! and prepared on the device for the benchmark, as step 03's `cuda_flash` is.
 
 use flash_core::method::{DeviceRun, DeviceRunSpec, Grads};
 use flash_core::{Attention, AttnError, Device, Dtype, Method, check_qkv};
@@ -15,8 +15,8 @@ use crate::backward;
 use crate::forward;
 use crate::kernel::{BackwardKernels, ForwardKernel, ForwardRung};
 
-/// This step's methods, in the ladder's order: the forward's rungs, the backward's first, then
-/// what runs.
+/// This step's methods, in the ladder's order: the forward's rungs, the backward's first,
+/// then what runs.
 pub fn methods() -> Vec<&'static dyn Method> {
     vec![
         &HopperRung(ForwardRung::Wgmma),
@@ -116,7 +116,10 @@ impl Method for HopperRung {
     fn describe_device(&self) -> Result<String, AttnError> {
         describe()
     }
-    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_forward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         Forward::Rung(self.0).prepare(spec)
     }
 }
@@ -153,7 +156,10 @@ impl Method for HopperTwoPasses {
     fn describe_device(&self) -> Result<String, AttnError> {
         describe()
     }
-    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_forward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         Forward::Library.prepare(spec)
     }
     fn has_backward(&self) -> bool {
@@ -170,7 +176,10 @@ impl Method for HopperTwoPasses {
     ) -> Result<Grads, AttnError> {
         on_host(two_passes, q, k, v, fwd, dout, dtype)
     }
-    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_backward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         prepare_pair(pair(two_passes), spec)
     }
 }
@@ -217,7 +226,10 @@ impl Method for CudaHopper {
     fn describe_device(&self) -> Result<String, AttnError> {
         describe()
     }
-    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_forward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         Forward::Library.prepare(spec)
     }
     fn has_backward(&self) -> bool {
@@ -234,7 +246,10 @@ impl Method for CudaHopper {
     ) -> Result<Grads, AttnError> {
         on_host(backward::backward, q, k, v, fwd, dout, dtype)
     }
-    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_backward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         prepare_pair(pair(backward::backward), spec)
     }
 }
@@ -289,7 +304,8 @@ impl DeviceRun for Prepared {
         })?
         .1
         .ok_or_else(|| AttnError::Device {
-            what: "this driver has no stream-ordered memory pool to read a peak from".into(),
+            what: "this driver has no stream-ordered memory pool to read a peak from"
+                .into(),
         })
     }
 

@@ -1,10 +1,10 @@
-//! The Hopper forward kernels on the GPU against the f64 reference with FlashAttention's rule
-//! (the error at most twice that of attention by hand in the same precision): every rung, in
-//! every block shape a method launches it in. Those tests are `#[ignore = "needs a Hopper GPU
-//! …"]`: a machine without one lists them as ignored; `-- --include-ignored` runs them, and
-//! run where there is no Hopper GPU they fail, saying so. The last two check on every machine:
-//! what the method and the compiler say without a Hopper GPU or without NVRTC, and that they
-//! work with.
+//! The Hopper forward kernels on the GPU against the f64 reference with FlashAttention's
+//! rule (the error at most twice that of attention by hand in the same precision): every
+//! rung, in every block shape a method launches it in. Those tests are `#[ignore = "needs a
+//! Hopper GPU …"]`: a machine without one lists them as ignored; `-- --include-ignored`
+//! runs them, and run where there is no Hopper GPU they fail, saying so. The last two check
+//! on every machine: what the method and the compiler say without a Hopper GPU or without
+//! NVRTC, and that they work with.
 
 use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
@@ -67,7 +67,8 @@ fn hopper_forward_is_within_twice_by_hand_error_in_every_rung_and_shape() {
             let [q, k, v] = random_qkv(shape, 40 + i as u64);
             let rounded = [&q, &k, &v].map(|x| round_array(x.view(), dtype));
             let reference =
-                attention_f64(rounded[0].view(), rounded[1].view(), rounded[2].view()).unwrap();
+                attention_f64(rounded[0].view(), rounded[1].view(), rounded[2].view())
+                    .unwrap();
             let by_hand = error(
                 &by_hand_low_precision(q.view(), k.view(), v.view(), dtype),
                 &reference.out,
@@ -117,7 +118,8 @@ fn causal_and_deterministic(shape: Shape) {
     let again = hopper_forward(q.view(), k.view(), v.view(), Dtype::Bf16).unwrap();
     assert_eq!(first.out, again.out, "{shape}: two runs differ");
     assert_eq!(first.lse, again.lse, "{shape}: two runs differ");
-    // a change to the keys and values after row 150 leaves rows 0..=150 exactly as they were
+    // a change to the keys and values after row 150 leaves rows 0..=150 exactly as they
+    // were
     let (mut k2, mut v2) = (k.clone(), v.clone());
     k2.slice_mut(ndarray::s![.., .., 151.., ..]).fill(3.0);
     v2.slice_mut(ndarray::s![.., .., 151.., ..]).fill(-7.0);
@@ -145,8 +147,8 @@ fn hopper_forward_refuses_head_dims_it_lacks_naming_the_ones_it_takes() {
 }
 
 /// Without a GPU (or without a Hopper one), the method is an error that says what it needs,
-/// not a panic; with a Hopper GPU it runs. Checked on every machine: the method on this one,
-/// and what a GPU of compute capability 8.0 is told.
+/// not a panic; with a Hopper GPU it runs. Checked on every machine: the method on this
+/// one, and what a GPU of compute capability 8.0 is told.
 #[test]
 fn no_gpu_is_an_error_not_a_panic() {
     let hopper = Gpu::shared().is_ok_and(|gpu| forward::check_hopper(gpu).is_ok());
@@ -165,9 +167,9 @@ fn no_gpu_is_an_error_not_a_panic() {
     assert!(e.contains("9.0") && e.contains("this one is 8.0"), "{e}");
 }
 
-/// Without NVRTC, compiling is an error that says what is missing, not a panic inside cudarc;
-/// with it, each kernel compiles for `sm_90a` (no GPU needed). Checked on every machine: the
-/// one this machine gets, and the error's message.
+/// Without NVRTC, compiling is an error that says what is missing, not a panic inside
+/// cudarc; with it, each kernel compiles for `sm_90a` (no GPU needed). Checked on every
+/// machine: the one this machine gets, and the error's message.
 #[test]
 fn without_nvrtc_compiling_is_an_error_not_a_panic() {
     let present = step03_cuda_forward::kernel::nvrtc_present();

@@ -1,9 +1,10 @@
-//! The Hopper backward kernels on the GPU against the f64 reference with FlashAttention's rule
-//! (each gradient's error at most twice that of the backward by hand in the same precision):
-//! both rungs, in every block shape a method launches them in. Those tests are `#[ignore =
-//! "needs a Hopper GPU …"]`: a machine without one lists them as ignored; `-- --include-ignored`
-//! runs them, and run where there is no Hopper GPU they fail, saying so. One test checks on
-//! every machine: what the backward says without a Hopper GPU, and that it runs with one.
+//! The Hopper backward kernels on the GPU against the f64 reference with FlashAttention's
+//! rule (each gradient's error at most twice that of the backward by hand in the same
+//! precision): both rungs, in every block shape a method launches them in. Those tests are
+//! `#[ignore = "needs a Hopper GPU …"]`: a machine without one lists them as ignored; `--
+//! --include-ignored` runs them, and run where there is no Hopper GPU they fail, saying so.
+//! One test checks on every machine: what the backward says without a Hopper GPU, and that
+//! it runs with one.
 
 use cudarc::driver::DevicePtr;
 use flash_core::inputs::{random_normal, random_qkv};
@@ -33,8 +34,8 @@ fn hopper_backward(
     step04_backward::methods::on_host(backward::backward, q, k, v, fwd, dout, dtype)
 }
 
-/// Every set of kernels a method launches at head dim `d`, whatever the length: both rungs in
-/// their shapes on both sides of the lengths where a shape changes.
+/// Every set of kernels a method launches at head dim `d`, whatever the length: both rungs
+/// in their shapes on both sides of the lengths where a shape changes.
 fn every_rung(d: usize) -> Vec<BackwardKernels> {
     let mut all = Vec::new();
     for t in [1, 8193, 1 << 14] {
@@ -56,8 +57,8 @@ fn one_pass(d: usize) -> Vec<BackwardKernels> {
         .collect()
 }
 
-/// One token, partial blocks of every size the kernels stream (32, 64, 128 rows), one block,
-/// several, and the diagonal in every position.
+/// One token, partial blocks of every size the kernels stream (32, 64, 128 rows), one
+/// block, several, and the diagonal in every position.
 const SHAPES: [(usize, usize, usize); 6] = [
     (1, 2, 1),
     (2, 3, 77),
@@ -71,8 +72,8 @@ fn up(gpu: &Gpu, x: &Array4<f32>, dtype: Dtype) -> DeviceTensor {
     gpu.upload(x.view(), dtype).unwrap()
 }
 
-/// Random bf16 q, k, v and dout of `shape` on the GPU (seeds `seed` and `seed + 1`), and the
-/// Hopper forward's output and log-sum-exp for them.
+/// Random bf16 q, k, v and dout of `shape` on the GPU (seeds `seed` and `seed + 1`), and
+/// the Hopper forward's output and log-sum-exp for them.
 fn bf16_inputs(
     gpu: &Gpu,
     shape: Shape,
@@ -105,10 +106,16 @@ fn hopper_backward_is_within_twice_by_hand_error_in_every_rung_and_shape() {
             let [q, k, v] = random_qkv(shape, seed);
             let dout = random_normal(shape, seed + 99);
             // the reference sees exactly the values the GPU saw
-            let [qr, kr, vr, dr] = [&q, &k, &v, &dout].map(|x| round_array(x.view(), dtype));
+            let [qr, kr, vr, dr] =
+                [&q, &k, &v, &dout].map(|x| round_array(x.view(), dtype));
             let want = backward_f64(qr.view(), kr.view(), vr.view(), dr.view()).unwrap();
-            let hand =
-                backward_by_hand_low_precision(q.view(), k.view(), v.view(), dout.view(), dtype);
+            let hand = backward_by_hand_low_precision(
+                q.view(),
+                k.view(),
+                v.view(),
+                dout.view(),
+                dtype,
+            );
             let hand = [&hand.dq, &hand.dk, &hand.dv];
             let want = [&want.dq, &want.dk, &want.dv];
             let (dq, dk, dv, ddo) = (
@@ -119,8 +126,9 @@ fn hopper_backward_is_within_twice_by_hand_error_in_every_rung_and_shape() {
             );
             let fwd = forward::forward(gpu, &dq, &dk, &dv).unwrap();
             for configs in every_rung(d) {
-                let grads = backward::backward_with(gpu, configs, &dq, &dk, &dv, &fwd, &ddo)
-                    .unwrap_or_else(|e| panic!("{shape} {}: {e}", configs.name()));
+                let grads =
+                    backward::backward_with(gpu, configs, &dq, &dk, &dv, &fwd, &ddo)
+                        .unwrap_or_else(|e| panic!("{shape} {}: {e}", configs.name()));
                 let got = download(gpu, &grads);
                 for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
                     let ours = error(&got[i], want[i]);
@@ -167,8 +175,8 @@ fn hopper_backward_in_two_passes_is_deterministic() {
     }
 }
 
-/// The registry's `cuda_hopper` backward on host arrays, and its refusals: bad shapes before
-/// any GPU work, and a head dim the kernels lack by name.
+/// The registry's `cuda_hopper` backward on host arrays, and its refusals: bad shapes
+/// before any GPU work, and a head dim the kernels lack by name.
 #[test]
 #[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn hopper_backward_on_host_arrays_refuses_what_it_cannot_take() {
@@ -196,12 +204,16 @@ fn hopper_backward_on_host_arrays_refuses_what_it_cannot_take() {
     );
 }
 
-fn step01_forward(q: &Array4<f32>, k: &Array4<f32>, v: &Array4<f32>) -> flash_core::Attention {
+fn step01_forward(
+    q: &Array4<f32>,
+    k: &Array4<f32>,
+    v: &Array4<f32>,
+) -> flash_core::Attention {
     step04_backward::forward(q.view(), k.view(), v.view()).unwrap()
 }
 
-/// Without a GPU (or without a Hopper one), the backward is an error that says what it needs,
-/// not a panic; with a Hopper GPU it runs. Checked on every machine.
+/// Without a GPU (or without a Hopper one), the backward is an error that says what it
+/// needs, not a panic; with a Hopper GPU it runs. Checked on every machine.
 #[test]
 fn no_gpu_is_an_error_not_a_panic() {
     let hopper = Gpu::shared().is_ok_and(|gpu| forward::check_hopper(gpu).is_ok());
@@ -221,8 +233,9 @@ fn no_gpu_is_an_error_not_a_panic() {
     }
 }
 
-/// The one-pass backward adds dQ into f32 sums in the order blocks finish: dK and dV are the
-/// same bits run to run, dQ may differ in its last bits, by no more than one rounding step.
+/// The one-pass backward adds dQ into f32 sums in the order blocks finish: dK and dV are
+/// the same bits run to run, dQ may differ in its last bits, by no more than one rounding
+/// step.
 #[test]
 #[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn one_pass_backward_differs_run_to_run_only_in_dqs_rounding() {
@@ -233,7 +246,8 @@ fn one_pass_backward_differs_run_to_run_only_in_dqs_rounding() {
             let run = || {
                 download(
                     gpu,
-                    &backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout).unwrap(),
+                    &backward::backward_with(gpu, configs, &q, &k, &v, &fwd, &dout)
+                        .unwrap(),
                 )
             };
             let (first, again) = (run(), run());
@@ -278,11 +292,11 @@ fn ptr(gpu: &Gpu, x: &DeviceTensor) -> u64 {
     x.data.device_ptr(gpu.stream()).0
 }
 
-/// The trainer's path: q, k and v read from one buffer holding a row of their heads per token
-/// (the fused projection), the output written as rows of heads (what the output projection
-/// reads), dO read from such rows, and the gradients written into one fused buffer. The same
-/// bits as `forward_with` and `backward_with` on `[batch, heads, tokens, d]` tensors, where
-/// the passes are deterministic.
+/// The trainer's path: q, k and v read from one buffer holding a row of their heads per
+/// token (the fused projection), the output written as rows of heads (what the output
+/// projection reads), dO read from such rows, and the gradients written into one fused
+/// buffer. The same bits as `forward_with` and `backward_with` on `[batch, heads, tokens,
+/// d]` tensors, where the passes are deterministic.
 #[test]
 #[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn strided_inputs_and_outputs_give_the_same_bits() {
@@ -352,7 +366,8 @@ fn strided_inputs_and_outputs_give_the_same_bits() {
         for configs in every_rung(d) {
             let want = download(
                 gpu,
-                &backward::backward_with(gpu, configs, &tq, &tk, &tv, &fwd, &tdout).unwrap(),
+                &backward::backward_with(gpu, configs, &tq, &tk, &tv, &fwd, &tdout)
+                    .unwrap(),
             );
             let grads = zeros(fused.shape);
             let [gq, gk, gv] = in_fused(ptr(gpu, &grads));
@@ -367,8 +382,8 @@ fn strided_inputs_and_outputs_give_the_same_bits() {
                 },
                 lse: lse_ptr,
             };
-            // SAFETY: as above; the gradients' thirds are apart (a token's heads of q, k and
-            // v sit side by side) and apart from every input
+            // SAFETY: as above; the gradients' thirds are apart (a token's heads of q, k
+            // and v sit side by side) and apart from every input
             unsafe {
                 backward::backward_into(
                     gpu,
@@ -382,7 +397,8 @@ fn strided_inputs_and_outputs_give_the_same_bits() {
                 .unwrap();
             }
             let got = gpu.download(&grads).unwrap();
-            // dq may differ in its last bits where one pass adds it in the order blocks finish
+            // dq may differ in its last bits where one pass adds it in the order blocks
+            // finish
             let tolerance = if configs.dkdv.pass == BackwardPass::OnePass {
                 1.0 / 64.0
             } else {
@@ -443,8 +459,9 @@ fn strided_entry_points_refuse_what_the_kernels_cannot_take() {
         assert!(e.to_string().contains("3 heads"), "{e}");
         let mut off = inputs;
         off.k.ptr += 2;
-        let e = backward::backward_into(gpu, configs, shape, Dtype::Bf16, off, [0; 3], heads)
-            .unwrap_err();
+        let e =
+            backward::backward_into(gpu, configs, shape, Dtype::Bf16, off, [0; 3], heads)
+                .unwrap_err();
         assert!(e.to_string().contains("multiples of 16"), "{e}");
         let e = forward::forward_into(
             gpu,

@@ -1,8 +1,8 @@
-// The ring's own kernels: merging one block's partial attention into a rank's accumulator (the
-// online softmax's merge, chapter 2, with whole blocks as the "keys"), and rounding an f32
-// accumulator to 16 bits at the end (the output, and the backward's dq, dk and dv, which step
-// 04's kernels add into f32 sums directly). Every block of the ring itself is a plain launch
-// of step 03's and step 04's kernels.
+// The ring's own kernels: merging one block's partial attention into a rank's accumulator
+// (the online softmax's merge, chapter 2, with whole blocks as the "keys"), and rounding an
+// f32 accumulator to 16 bits at the end (the output, and the backward's dq, dk and dv,
+// which step 04's kernels add into f32 sums directly). Every block of the ring itself is a
+// plain launch of step 03's and step 04's kernels.
 // src/gpu.rs prepends step 03's kernels/tensor_cores.cuh (u16, to_f32, pack2, NEG_INF).
 //
 // Compile-time parameters, given to NVRTC as -D options:
@@ -13,8 +13,8 @@
 #define PER_LANE (HEAD_DIM / 32)
 
 // ANCHOR: ring_merge
-// acc ⊕= part for one row a warp: two results of the online softmax over disjoint sets of keys,
-// each normalised by its own sum, merge through their log-sum-exps:
+// acc ⊕= part for one row a warp: two results of the online softmax over disjoint sets of
+// keys, each normalised by its own sum, merge through their log-sum-exps:
 //   lse = log(e^lse_acc + e^lse_part)          (logaddexp, from the larger one)
 //   out = e^(lse_acc - lse)·out_acc + e^(lse_part - lse)·out_part
 // A side with lse = -inf has seen no key and weighs 0. With `first`, the accumulator holds
@@ -60,14 +60,15 @@ extern "C" __global__ void ring_merge(
 }
 // ANCHOR_END: ring_merge
 
-// The accumulator rounded to the inputs' 16 bits (to nearest, ties to even): the ring's output,
-// and at the end of the backward its dq, dk and dv.
+// The accumulator rounded to the inputs' 16 bits (to nearest, ties to even): the ring's
+// output, and at the end of the backward its dq, dk and dv.
 extern "C" __global__ void ring_round(
     const float* __restrict__ acc,  // [n] f32
     u16* __restrict__ out,          // [n] bf16/f16
     long long n                     // values, even (HEAD_DIM is)
 ) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; 2 * i < n; i += (long long)gridDim.x * blockDim.x) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; 2 * i < n;
+         i += (long long)gridDim.x * blockDim.x) {
         const float2 x = ((const float2*)acc)[i];
         ((u32*)out)[i] = pack2(x.x, x.y);
     }

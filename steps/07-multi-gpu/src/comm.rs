@@ -1,8 +1,9 @@
-//! Opening NCCL: one communicator per GPU of the ring, with errors that say what is missing.
+//! Opening NCCL: one communicator per GPU of the ring, with errors that say what is
+//! missing.
 //!
 //! NCCL is opened at run time like the CUDA driver, so everything here compiles and the CPU
-//! tests run without it; a run that needs it and finds none gets [`AttnError::Device`] saying
-//! where to put it.
+//! tests run without it; a run that needs it and finds none gets [`AttnError::Device`]
+//! saying where to put it.
 
 use std::sync::Arc;
 
@@ -12,8 +13,8 @@ use cudarc::nccl::safe::Comm;
 use flash_core::AttnError;
 use step03_cuda_forward::Gpu;
 
-/// Whether NCCL's library can be opened (cudarc looks for `libnccl.so` and, on the folders of
-/// `LD_LIBRARY_PATH`, a few versioned names).
+/// Whether NCCL's library can be opened (cudarc looks for `libnccl.so` and, on the folders
+/// of `LD_LIBRARY_PATH`, a few versioned names).
 pub fn nccl_present() -> bool {
     // SAFETY: only tries to open the shared library
     unsafe { cudarc::nccl::sys::is_culib_present() }
@@ -26,8 +27,8 @@ pub fn nccl_error(what: &str) -> impl Fn(NcclError) -> AttnError + '_ {
     }
 }
 
-/// One communicator for each stream's GPU, rank `i` on `streams[i]` (`ncclCommInitAll`): the
-/// GPUs must be distinct, and NCCL must be there.
+/// One communicator for each stream's GPU, rank `i` on `streams[i]` (`ncclCommInitAll`):
+/// the GPUs must be distinct, and NCCL must be there.
 pub fn communicators(streams: Vec<Arc<CudaStream>>) -> Result<Vec<Comm>, AttnError> {
     if !nccl_present() {
         return Err(AttnError::Device {

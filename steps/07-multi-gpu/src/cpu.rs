@@ -1,25 +1,26 @@
 //! Ring attention on the CPU: threads as ranks, channels as the links between them.
 //!
-//! Each rank is a thread that holds two chunks of the sequence, as the zig-zag split deals them
-//! ([`ZigZag`]). Its queries stay; its keys and values go round the ring: at every step a rank
-//! computes its blocks against the keys and values it holds ([`pairs`]), then sends them to
-//! rank `r + 1` over a channel and receives those of rank `r − 1`. The forward merges each
-//! block's partial result into the rank's rows ([`merge_into`]); after `N` steps every row has
-//! seen every key before it, and the rank's rows are finished. The backward goes round the
-//! same way with the gradients of the keys and values travelling beside them: each rank adds
-//! its blocks' share into them, keeps its share of `dq`, and one more pass brings every key's
-//! gradients home to the rank that owns the key.
+//! Each rank is a thread that holds two chunks of the sequence, as the zig-zag split deals
+//! them ([`ZigZag`]). Its queries stay; its keys and values go round the ring: at every
+//! step a rank computes its blocks against the keys and values it holds ([`pairs`]), then
+//! sends them to rank `r + 1` over a channel and receives those of rank `r − 1`. The
+//! forward merges each block's partial result into the rank's rows ([`merge_into`]); after
+//! `N` steps every row has seen every key before it, and the rank's rows are finished. The
+//! backward goes round the same way with the gradients of the keys and values travelling
+//! beside them: each rank adds its blocks' share into them, keeps its share of `dq`, and
+//! one more pass brings every key's gradients home to the rank that owns the key.
 //!
-//! A block is computed by hand, as step 01 computes attention, with the causal mask only on the
-//! diagonal (a chunk against itself) and none on a block of keys wholly before its queries; its
-//! backward is step 04's formulas with the probabilities rebuilt from the whole row's
-//! log-sum-exp. The ranks share one memory, so a channel moves the arrays without copying
-//! them: what the threads show is the schedule and the algebra, which the GPU ring follows
-//! with NCCL's copies between devices.
+//! A block is computed by hand, as step 01 computes attention, with the causal mask only on
+//! the diagonal (a chunk against itself) and none on a block of keys wholly before its
+//! queries; its backward is step 04's formulas with the probabilities rebuilt from the
+//! whole row's log-sum-exp. The ranks share one memory, so a channel moves the arrays
+//! without copying them: what the threads show is the schedule and the algebra, which the
+//! GPU ring follows with NCCL's copies between devices.
 //!
-//! Any `T` splits: chunks may differ by one token, and when the sequence has fewer than `2N`
-//! tokens some are empty. A rank with no token computes nothing and still passes the keys and
-//! values on; a block with no key has the partial result `(0, −∞)`, which the merge ignores.
+//! Any `T` splits: chunks may differ by one token, and when the sequence has fewer than
+//! `2N` tokens some are empty. A rank with no token computes nothing and still passes the
+//! keys and values on; a block with no key has the partial result `(0, −∞)`, which the
+//! merge ignores.
 
 use std::ops::Range;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -38,7 +39,8 @@ use crate::schedule::{Pair, Visibility, ZigZag, pairs, visiting};
 pub const MAX_RANKS: usize = 256;
 
 // ANCHOR: ring_forward
-/// Causal attention of `[batch, heads, tokens, head_dim]` inputs on a ring of `ranks` threads.
+/// Causal attention of `[batch, heads, tokens, head_dim]` inputs on a ring of `ranks`
+/// threads.
 ///
 /// Accepted: what [`check_qkv`] accepts, and `1 ≤ ranks ≤` [`MAX_RANKS`] (more ranks than
 /// tokens included: the ranks without a token just pass the keys on).
@@ -103,8 +105,8 @@ fn forward_rank(
 
 // ANCHOR: ring_backward
 /// The gradients of q, k and v on a ring of `ranks` threads, given `fwd`, the output and
-/// natural-log log-sum-exp of each row (of any forward: a ring's, or one device's), and `dout`,
-/// the gradient of the output.
+/// natural-log log-sum-exp of each row (of any forward: a ring's, or one device's), and
+/// `dout`, the gradient of the output.
 ///
 /// Accepted: what [`check_backward`] accepts, and `1 ≤ ranks ≤` [`MAX_RANKS`].
 pub fn ring_backward(
@@ -144,9 +146,9 @@ pub fn ring_backward(
 // ANCHOR_END: ring_backward
 
 // ANCHOR: backward_rank
-/// Rank `r` of the backward: at each step it adds its blocks' share of the gradients into its
-/// `dq` and into the visiting keys' `dk` and `dv`, then passes the keys and values on with
-/// their gradients. After the `N`-th pass each rank holds its own keys again, with the
+/// Rank `r` of the backward: at each step it adds its blocks' share of the gradients into
+/// its `dq` and into the visiting keys' `dk` and `dv`, then passes the keys and values on
+/// with their gradients. After the `N`-th pass each rank holds its own keys again, with the
 /// gradients every rank added into them.
 fn backward_rank(
     split: &ZigZag,
@@ -178,10 +180,11 @@ fn backward_rank(
 // ANCHOR_END: backward_rank
 
 // ANCHOR: block_forward
-/// One block: queries `q` against keys `k` and values `v` (`[batch, heads, n, head_dim]`, any
-/// two lengths), by hand as step 01 computes attention: the scores, the causal mask on the
-/// diagonal only, a softmax per row and the product with `v`. Its partial result: the output
-/// and log-sum-exp of each row over these keys alone, `(0, −∞)` where there are none.
+/// One block: queries `q` against keys `k` and values `v` (`[batch, heads, n, head_dim]`,
+/// any two lengths), by hand as step 01 computes attention: the scores, the causal mask on
+/// the diagonal only, a softmax per row and the product with `v`. Its partial result: the
+/// output and log-sum-exp of each row over these keys alone, `(0, −∞)` where there are
+/// none.
 fn block_forward(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -206,11 +209,11 @@ fn block_forward(
 // ANCHOR_END: block_forward
 
 // ANCHOR: block_backward
-/// One block's share of the gradients, added into `dq` (the block's rows) and into `dk`, `dv`
-/// (its keys): step 04's formulas on the block. The probabilities are rebuilt from the whole
-/// row's log-sum-exp, `P = exp(S − lse)`, so they are the row's true probabilities on these
-/// keys, and `δ = rowsum(dO ∘ O)` is the whole row's too: that is all it takes for the shares
-/// of the blocks to add up to the gradients.
+/// One block's share of the gradients, added into `dq` (the block's rows) and into `dk`,
+/// `dv` (its keys): step 04's formulas on the block. The probabilities are rebuilt from the
+/// whole row's log-sum-exp, `P = exp(S − lse)`, so they are the row's true probabilities on
+/// these keys, and `δ = rowsum(dO ∘ O)` is the whole row's too: that is all it takes for
+/// the shares of the blocks to add up to the gradients.
 fn block_backward(
     rows: &Rows,
     k: ArrayView4<f32>,
@@ -254,8 +257,8 @@ fn block_backward(
 }
 // ANCHOR_END: block_backward
 
-/// The block's table of scores `s_ij = q_i·k_j/√d`, `[batch, heads, queries, keys]`, rounded
-/// as step 01 rounds its table (the product with the scale as its `alpha`).
+/// The block's table of scores `s_ij = q_i·k_j/√d`, `[batch, heads, queries, keys]`,
+/// rounded as step 01 rounds its table (the product with the scale as its `alpha`).
 fn block_scores(q: ArrayView4<f32>, k: ArrayView4<f32>) -> Array4<f32> {
     let (b_n, h_n, rows, _) = q.dim();
     let mut table = Array4::zeros((b_n, h_n, rows, k.dim().2));
@@ -279,8 +282,8 @@ fn heads(x: ArrayView4<f32>) -> impl Iterator<Item = (usize, usize)> {
     (0..b_n).flat_map(move |b| (0..h_n).map(move |h| (b, h)))
 }
 
-/// The whole call's q, k and v; each rank reads only its own chunks of them, as if each held
-/// its shard of the sequence from the start.
+/// The whole call's q, k and v; each rank reads only its own chunks of them, as if each
+/// held its shard of the sequence from the start.
 #[derive(Clone, Copy)]
 struct Inputs<'a> {
     q: ArrayView4<'a, f32>,
@@ -289,7 +292,8 @@ struct Inputs<'a> {
 }
 
 // ANCHOR: travelling
-/// What travels round the ring: the keys and values of one rank's two chunks, earlier first.
+/// What travels round the ring: the keys and values of one rank's two chunks, earlier
+/// first.
 struct Keys {
     /// The rank they belong to.
     origin: usize,
@@ -331,8 +335,8 @@ impl KeyGrads {
     }
 }
 
-/// One chunk of a rank's rows in the backward: the queries and the output's gradient, and for
-/// each row its log-sum-exp and `δ = rowsum(dO ∘ O)`, both of the whole row: the merged
+/// One chunk of a rank's rows in the backward: the queries and the output's gradient, and
+/// for each row its log-sum-exp and `δ = rowsum(dO ∘ O)`, both of the whole row: the merged
 /// forward's, never one block's.
 struct Rows<'a> {
     q: ArrayView4<'a, f32>,
@@ -365,7 +369,11 @@ fn tokens<D: Dimension>(x: ArrayView<f32, D>, chunk: Range<usize>) -> ArrayView<
 }
 
 /// Puts `part` at the tokens `chunk` of `whole`, `[batch, heads, tokens, …]`.
-fn place<D: Dimension>(whole: &mut Array<f32, D>, chunk: Range<usize>, part: &Array<f32, D>) {
+fn place<D: Dimension>(
+    whole: &mut Array<f32, D>,
+    chunk: Range<usize>,
+    part: &Array<f32, D>,
+) {
     whole
         .slice_axis_mut(Axis(2), Slice::from(chunk))
         .assign(part);
@@ -384,7 +392,8 @@ fn check_ranks(ranks: usize) -> Result<(), AttnError> {
 }
 
 // ANCHOR: link
-/// A rank's two ends of the ring: a sender to rank `r + 1` and a receiver from rank `r − 1`.
+/// A rank's two ends of the ring: a sender to rank `r + 1` and a receiver from rank `r −
+/// 1`.
 struct Link<T> {
     rank: usize,
     next: Sender<T>,
@@ -393,8 +402,8 @@ struct Link<T> {
 
 impl<T> Link<T> {
     /// One step of the ring: hands `mine` to rank `r + 1` and waits for what rank `r − 1`
-    /// hands on. The channels are unbounded, so every rank can send before it receives and no
-    /// rank waits on another's send.
+    /// hands on. The channels are unbounded, so every rank can send before it receives and
+    /// no rank waits on another's send.
     fn pass(&self, mine: T) -> Result<T, AttnError> {
         let broken = || AttnError::Device {
             what: format!("rank {}: {BROKEN}", self.rank),
@@ -409,8 +418,8 @@ impl<T> Link<T> {
 const BROKEN: &str = "the ring is broken: a neighbouring rank has stopped";
 
 // ANCHOR: ring_threads
-/// Runs `rank(r, link)` for `r` in `0..ranks`, each on a thread of its own with its link of the
-/// ring, and returns their results in rank order.
+/// Runs `rank(r, link)` for `r` in `0..ranks`, each on a thread of its own with its link of
+/// the ring, and returns their results in rank order.
 fn ring<T: Send, R: Send>(
     ranks: usize,
     rank: impl Fn(usize, Link<T>) -> Result<R, AttnError> + Sync,
@@ -427,7 +436,8 @@ fn ring<T: Send, R: Send>(
             prev,
         })
         .collect();
-    // from here each channel's only sender is in a link: a rank that stops closes its channel
+    // from here each channel's only sender is in a link: a rank that stops closes its
+    // channel
     drop(senders);
     thread::scope(|scope| {
         let rank = &rank;

@@ -1,29 +1,31 @@
-//! Ring attention on GPUs: each rank keeps its zig-zag share of the queries, the keys and values
-//! travel round the ring, and every block a rank meets is a plain launch of step 03's forward
-//! kernel (the diagonal with the causal mask, the blocks wholly in the past without it) or of
-//! step 04's backward kernels, compiled to add each block's gradients into `f32` sums
-//! (`-DACCUMULATE=1`). Between the forward's launches, `kernels/ring.cu` merges each block's
-//! partial result into an `f32` accumulator through the log-sum-exps. Everything is rounded to
-//! 16 bits once, at the end.
+//! Ring attention on GPUs: each rank keeps its zig-zag share of the queries, the keys and
+//! values travel round the ring, and every block a rank meets is a plain launch of step
+//! 03's forward kernel (the diagonal with the causal mask, the blocks wholly in the past
+//! without it) or of step 04's backward kernels, compiled to add each block's gradients
+//! into `f32` sums (`-DACCUMULATE=1`). Between the forward's launches, `kernels/ring.cu`
+//! merges each block's partial result into an `f32` accumulator through the log-sum-exps.
+//! Everything is rounded to 16 bits once, at the end.
 //!
 //! ## Layout
 //!
-//! - [`RingAttention`]: a ring over [`Ranks`] for one shape and dtype: [`RingAttention::forward`]
-//!   and [`RingAttention::backward`] on device shards, [`RingAttention::scatter`] and
-//!   [`RingAttention::gather`] between host arrays and shards.
+//! - [`RingAttention`]: a ring over [`Ranks`] for one shape and dtype:
+//!   [`RingAttention::forward`] and [`RingAttention::backward`] on device shards,
+//!   [`RingAttention::scatter`] and [`RingAttention::gather`] between host arrays and
+//!   shards.
 //! - [`Shard`], [`ShardAttention`], [`ShardGrads`]: a rank's two chunks of a tensor, of the
-//!   forward's result, of the gradients, each chunk a contiguous `[batch, heads, c, head_dim]`
-//!   tensor so that it is a plain kernel argument.
-//! - [`Transport`]: how the keys and values (and the gradients of the keys and values) pass from
-//!   rank `r` to rank `r + 1`: NCCL between GPUs, or copies on one GPU whose ranks are simulated.
+//!   forward's result, of the gradients, each chunk a contiguous `[batch, heads, c,
+//!   head_dim]` tensor so that it is a plain kernel argument.
+//! - [`Transport`]: how the keys and values (and the gradients of the keys and values) pass
+//!   from rank `r` to rank `r + 1`: NCCL between GPUs, or copies on one GPU whose ranks are
+//!   simulated.
 //! - [`ring_forward`], [`ring_forward_backward`]: the same on host arrays.
 //! - [`compile_ring`]: `kernels/ring.cu` through NVRTC.
 //!
 //! ## Streams
 //!
 //! Each rank computes on its GPU's stream (step 03's [`Gpu::stream`]) and communicates on a
-//! second one. Events order the two: a receive waits for the blocks that still read the buffer
-//! it overwrites, and a step's blocks wait for the receive that brought their keys.
+//! second one. Events order the two: a receive waits for the blocks that still read the
+//! buffer it overwrites, and a step's blocks wait for the receive that brought their keys.
 
 use std::sync::Arc;
 
@@ -41,21 +43,26 @@ use step03_cuda_forward::kernel::{
     HEAD_DIMS, TENSOR_CORES_CUH, compile_error, unsupported_head_dim,
 };
 use step03_cuda_forward::{
-    DeviceAttention, DeviceTensor, Dtype, ForwardConfig, Gpu, alloc_error, device_error, half_dtype,
+    DeviceAttention, DeviceTensor, Dtype, ForwardConfig, Gpu, alloc_error, device_error,
+    half_dtype,
 };
 use step04_backward::cuda::{BackwardConfig, compile_backward_accumulate, delta};
 
 use crate::comm::{communicators, gpus, nccl_error};
 use crate::schedule::{Pair, Visibility, ZigZag, pairs};
 
-/// The ring's kernels (merge, round, add), embedded so that binaries carry them; compiled with
-/// step 03's `tensor_cores.cuh` in front.
+/// The ring's kernels (merge, round, add), embedded so that binaries carry them; compiled
+/// with step 03's `tensor_cores.cuh` in front.
 pub const RING_CU: &str = include_str!("../kernels/ring.cu");
 /// The entry points of [`RING_CU`].
 pub const RING_ENTRIES: [&str; 2] = ["ring_merge", "ring_round"];
 
 /// Compiles `kernels/ring.cu` for one dtype and head dim.
-pub fn compile_ring(dtype: Dtype, head_dim: usize, arch: &'static str) -> Result<Ptx, AttnError> {
+pub fn compile_ring(
+    dtype: Dtype,
+    head_dim: usize,
+    arch: &'static str,
+) -> Result<Ptx, AttnError> {
     if !HEAD_DIMS.contains(&head_dim) {
         return Err(unsupported_head_dim(head_dim));
     }
@@ -78,8 +85,8 @@ pub fn compile_ring(dtype: Dtype, head_dim: usize, arch: &'static str) -> Result
 pub enum Ranks {
     /// One rank per GPU, GPUs `0 .. n`, the keys and values passed on by NCCL.
     Gpus(usize),
-    /// `ranks` ranks on GPU `gpu`, the keys and values passed on by copies within it: the ring's
-    /// schedule, buffers and events exercised on one device.
+    /// `ranks` ranks on GPU `gpu`, the keys and values passed on by copies within it: the
+    /// ring's schedule, buffers and events exercised on one device.
     Simulated { gpu: usize, ranks: usize },
 }
 
@@ -92,14 +99,14 @@ impl Ranks {
     }
 }
 
-/// One rank's share of a `[batch, heads, T, head_dim]` tensor: its two chunks of the zig-zag
-/// split, earlier first, each `[batch, heads, c, head_dim]` on the rank's GPU.
+/// One rank's share of a `[batch, heads, T, head_dim]` tensor: its two chunks of the
+/// zig-zag split, earlier first, each `[batch, heads, c, head_dim]` on the rank's GPU.
 pub struct Shard {
     pub chunks: [DeviceTensor; 2],
 }
 
-/// One rank's share of the forward's result: the output and log-sum-exp of its two chunks of
-/// queries, as step 04's backward takes them.
+/// One rank's share of the forward's result: the output and log-sum-exp of its two chunks
+/// of queries, as step 04's backward takes them.
 pub struct ShardAttention {
     pub chunks: [DeviceAttention; 2],
 }
@@ -112,9 +119,9 @@ pub struct ShardGrads {
     pub dv: Shard,
 }
 
-/// What a run does, for measuring the overlap: everything, or the blocks alone (the keys and
-/// values never move: each step computes with the rank's own, so the answer is wrong but the
-/// work is the same), or the transfers alone.
+/// What a run does, for measuring the overlap: everything, or the blocks alone (the keys
+/// and values never move: each step computes with the rank's own, so the answer is wrong
+/// but the work is the same), or the transfers alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Parts {
     Both,
@@ -161,16 +168,17 @@ impl Transport {
             Transport::Copies { stream } => {
                 for (r, into) in recvs.iter_mut().enumerate() {
                     for (src, dst) in sends[(r + n - 1) % n].iter().zip(into.iter_mut()) {
-                        stream
-                            .memcpy_dtod(src, dst)
-                            .map_err(device_error("copying keys and values to the next rank"))?;
+                        stream.memcpy_dtod(src, dst).map_err(device_error(
+                            "copying keys and values to the next rank",
+                        ))?;
                     }
                 }
                 Ok(())
             }
             Transport::Nccl { comms } => {
-                // one thread drives every GPU: all ranks' sends and receives in one group, so
-                // that NCCL starts them together instead of waiting on a peer not yet called
+                // one thread drives every GPU: all ranks' sends and receives in one group,
+                // so that NCCL starts them together instead of waiting on a peer not yet
+                // called
                 group_start().map_err(nccl_error("starting a group"))?;
                 let mut result = Ok(());
                 'ranks: for (r, comm) in comms.iter().enumerate() {
@@ -247,8 +255,8 @@ fn wait(stream: &CudaStream, event: &CudaEvent) -> Result<(), AttnError> {
 
 impl RingAttention {
     /// Checks that the ring can take `shape` and `dtype`, before any GPU is opened: bf16 or
-    /// f16, a head dim the kernels take, and `T` a multiple of `2N` (every chunk of the split
-    /// the same length, so that a block is one launch of the single-GPU kernels).
+    /// f16, a head dim the kernels take, and `T` a multiple of `2N` (every chunk of the
+    /// split the same length, so that a block is one launch of the single-GPU kernels).
     pub fn check(ranks: usize, shape: Shape, dtype: Dtype) -> Result<ZigZag, AttnError> {
         half_dtype(dtype)?;
         if shape.head_dim == 0 {
@@ -290,9 +298,14 @@ impl RingAttention {
         Ok(split)
     }
 
-    /// A ring over `ranks` for inputs of `shape` (the whole sequence) in `dtype`: the checks
-    /// of [`RingAttention::check`], then the GPUs opened and, between distinct GPUs, NCCL.
-    pub fn new(ranks: Ranks, shape: Shape, dtype: Dtype) -> Result<RingAttention, AttnError> {
+    /// A ring over `ranks` for inputs of `shape` (the whole sequence) in `dtype`: the
+    /// checks of [`RingAttention::check`], then the GPUs opened and, between distinct GPUs,
+    /// NCCL.
+    pub fn new(
+        ranks: Ranks,
+        shape: Shape,
+        dtype: Dtype,
+    ) -> Result<RingAttention, AttnError> {
         let n = ranks.count();
         let split = RingAttention::check(n, shape, dtype)?;
         let (gpus, transport) = match ranks {
@@ -394,8 +407,8 @@ impl RingAttention {
         Ok(())
     }
 
-    /// A host array of the ring's shape cut into the ranks' shards, each chunk rounded to the
-    /// ring's dtype on its rank's GPU.
+    /// A host array of the ring's shape cut into the ranks' shards, each chunk rounded to
+    /// the ring's dtype on its rank's GPU.
     pub fn scatter(&self, x: ArrayView4<f32>) -> Result<Vec<Shard>, AttnError> {
         check_same("a tensor to scatter", &x, self.shape)?;
         (0..self.ranks())
@@ -516,8 +529,8 @@ impl RingAttention {
             .arg(&part.lse)
             .arg(&rows_i)
             .arg(&first_i);
-        // SAFETY: acc_out and part.out hold rows · head_dim values, acc_lse and part.lse rows;
-        // a warp per row reads and writes only its row
+        // SAFETY: acc_out and part.out hold rows · head_dim values, acc_lse and part.lse
+        // rows; a warp per row reads and writes only its row
         unsafe { launch.launch(warp_per_row(rows, "ring_merge")?) }
             .map_err(device_error("launching ring_merge"))?;
         Ok(())
@@ -534,7 +547,8 @@ impl RingAttention {
         let mut launch = self.gpus[r].stream().launch_builder(&f);
         launch.arg(acc).arg(&mut data).arg(&n_i);
         // SAFETY: both hold n values; the grid-stride loop stays below n
-        unsafe { launch.launch(elementwise(n)) }.map_err(device_error("launching ring_round"))?;
+        unsafe { launch.launch(elementwise(n)) }
+            .map_err(device_error("launching ring_round"))?;
         Ok(DeviceTensor {
             data,
             shape: self.chunk,
@@ -542,7 +556,12 @@ impl RingAttention {
         })
     }
 
-    fn alloc_f32(&self, r: usize, n: usize, what: &str) -> Result<CudaSlice<f32>, AttnError> {
+    fn alloc_f32(
+        &self,
+        r: usize,
+        n: usize,
+        what: &str,
+    ) -> Result<CudaSlice<f32>, AttnError> {
         self.gpus[r]
             .stream()
             .alloc_zeros::<f32>(n)
@@ -577,9 +596,9 @@ impl RingAttention {
     }
 
     // ANCHOR: ring_forward
-    /// Causal attention of the whole sequence, each rank's queries against every rank's keys:
-    /// `q`, `k` and `v` hold one shard per rank (from [`RingAttention::scatter`]); the result
-    /// holds each rank's output and log-sum-exp, in the dtype of the inputs.
+    /// Causal attention of the whole sequence, each rank's queries against every rank's
+    /// keys: `q`, `k` and `v` hold one shard per rank (from [`RingAttention::scatter`]);
+    /// the result holds each rank's output and log-sum-exp, in the dtype of the inputs.
     pub fn forward(
         &self,
         q: &[Shard],
@@ -611,8 +630,8 @@ impl RingAttention {
         self.start_transfers()?;
         let mut filled = vec![[false; 2]; n];
         let config = ForwardConfig::for_head_dim(self.shape.head_dim);
-        // events: compute done with step s - 1's keys (their buffer may be overwritten), and
-        // step s's keys arrived
+        // events: compute done with step s - 1's keys (their buffer may be overwritten),
+        // and step s's keys arrived
         let mut free: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
         let mut arrived: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
         for s in 0..n {
@@ -672,8 +691,8 @@ impl RingAttention {
     }
     // ANCHOR_END: ring_forward
 
-    /// One block of the forward: the diagonal with the causal mask, a block wholly in the past
-    /// without it; `part` gets its output and log-sum-exp.
+    /// One block of the forward: the diagonal with the causal mask, a block wholly in the
+    /// past without it; `part` gets its output and log-sum-exp.
     #[allow(clippy::too_many_arguments)]
     fn forward_block(
         &self,
@@ -694,8 +713,8 @@ impl RingAttention {
         }
     }
 
-    /// Step 04's backward kernel `entry`, compiled to add into `f32` sums, with the causal mask
-    /// (the diagonal) or without it (a block wholly in the past).
+    /// Step 04's backward kernel `entry`, compiled to add into `f32` sums, with the causal
+    /// mask (the diagonal) or without it (a block wholly in the past).
     fn backward_kernel(
         &self,
         r: usize,
@@ -714,8 +733,8 @@ impl RingAttention {
     }
 
     // ANCHOR: backward_block
-    /// One block of the backward, its shares added into `f32` sums: with `dkdv` `None`, dq's
-    /// share (`backward_dq`, one thread block per 128 queries), else dk's and dv's
+    /// One block of the backward, its shares added into `f32` sums: with `dkdv` `None`,
+    /// dq's share (`backward_dq`, one thread block per 128 queries), else dk's and dv's
     /// (`backward_dkdv`, one per 128 keys). Every block of the ring is one launch of each.
     #[allow(clippy::too_many_arguments)]
     fn backward_block(
@@ -747,10 +766,10 @@ impl RingAttention {
             shared_mem_bytes: 0,
         };
         let stream = self.gpus[r].stream();
-        // SAFETY (both launches): every buffer holds one chunk ([B, H, c, D], or [B, H, c] for
-        // lse and delta), as check_shards and check_attention proved and the sums were
-        // allocated; each thread block adds to its own rows of the sums only, and launches on
-        // one stream run in order; the grid's second dimension was checked by
+        // SAFETY (both launches): every buffer holds one chunk ([B, H, c, D], or [B, H, c]
+        // for lse and delta), as check_shards and check_attention proved and the sums were
+        // allocated; each thread block adds to its own rows of the sums only, and launches
+        // on one stream run in order; the grid's second dimension was checked by
         // RingAttention::check; the shared memory is what Gpu::kernel allowed.
         if let Some(dq) = dq {
             let smem = config.dq_smem_bytes(head_dim);
@@ -788,15 +807,16 @@ impl RingAttention {
                 shared_mem_bytes: smem,
                 ..grid
             };
-            unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_dkdv"))?;
+            unsafe { launch.launch(cfg) }
+                .map_err(device_error("launching backward_dkdv"))?;
         }
         Ok(())
     }
     // ANCHOR_END: backward_block
 
-    /// Every rank's transfer stream waits for what its compute stream has queued so far: the
-    /// inputs' last writes, and the buffers just allocated there (stream-ordered allocations
-    /// are valid on another stream only after that).
+    /// Every rank's transfer stream waits for what its compute stream has queued so far:
+    /// the inputs' last writes, and the buffers just allocated there (stream-ordered
+    /// allocations are valid on another stream only after that).
     fn start_transfers(&self) -> Result<(), AttnError> {
         for r in 0..self.ranks() {
             let e = mark(self.gpus[r].stream())?;
@@ -805,8 +825,8 @@ impl RingAttention {
         Ok(())
     }
 
-    /// Every rank's compute stream waits for its transfers, so that nothing a transfer still
-    /// touches is freed (buffers are freed on the compute stream).
+    /// Every rank's compute stream waits for its transfers, so that nothing a transfer
+    /// still touches is freed (buffers are freed on the compute stream).
     fn join_transfers(&self) -> Result<(), AttnError> {
         for r in 0..self.ranks() {
             let e = mark(&self.transport.stream(r))?;
@@ -817,10 +837,10 @@ impl RingAttention {
 
     // ANCHOR: ring_backward
     /// The gradients of q, k and v, given the forward's merged result `fwd` (from
-    /// [`RingAttention::forward`]) and the output's gradient `dout`, one shard per rank each.
-    /// Each block's dq share is added on the rank; its dk and dv shares are added into f32
-    /// sums that travel round the ring with the keys and values, and come home after the last
-    /// step.
+    /// [`RingAttention::forward`]) and the output's gradient `dout`, one shard per rank
+    /// each. Each block's dq share is added on the rank; its dk and dv shares are added
+    /// into f32 sums that travel round the ring with the keys and values, and come home
+    /// after the last step.
     pub fn backward(
         &self,
         q: &[Shard],
@@ -864,7 +884,8 @@ impl RingAttention {
         let mut arrived: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
         let mut grads_arrived: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
         for s in 0..n {
-            // the keys and values of step s + 1 travel while step s computes, as in the forward
+            // the keys and values of step s + 1 travel while step s computes, as in the
+            // forward
             let mut next_arrived: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
             if s + 1 < n && self.parts.transfer() {
                 for (r, event) in free.iter().enumerate() {
@@ -890,7 +911,8 @@ impl RingAttention {
                 } else {
                     Vec::new()
                 };
-                let (qr, dr, fr, del) = (&q[r].chunks, &dout[r].chunks, &fwd[r].chunks, &deltas[r]);
+                let (qr, dr, fr, del) =
+                    (&q[r].chunks, &dout[r].chunks, &fwd[r].chunks, &deltas[r]);
                 // dq's shares first: they need nothing from the other ranks
                 for &p in &blocks {
                     let (i, j) = (p.query, p.key);
@@ -899,9 +921,9 @@ impl RingAttention {
                     self.backward_block(r, p, qkv, &fr[i], &dr[i], &del[i], dq, None)?;
                 }
                 // ANCHOR: dkdv_travel
-                // the sums of dk and dv for these keys come from rank r - 1 (its step s - 1)
-                // while dq's shares compute; this rank's shares are added into them, and they
-                // are passed on
+                // the sums of dk and dv for these keys come from rank r - 1 (its step s -
+                // 1) while dq's shares compute; this rank's shares are added into them, and
+                // they are passed on
                 if let Some(e) = &grads_arrived[r] {
                     wait(stream, e)?;
                 }
@@ -910,7 +932,16 @@ impl RingAttention {
                     let (i, j) = (p.query, p.key);
                     let (dk, dv) = (&mut sums.dk[j], &mut sums.dv[j]);
                     let qkv = (&qr[i], &hk[j], &hv[j]);
-                    self.backward_block(r, p, qkv, &fr[i], &dr[i], &del[i], None, Some((dk, dv)))?;
+                    self.backward_block(
+                        r,
+                        p,
+                        qkv,
+                        &fr[i],
+                        &dr[i],
+                        &del[i],
+                        None,
+                        Some((dk, dv)),
+                    )?;
                 }
                 // nothing reads this step's keys and values after here
                 free[r] = Some(mark(stream)?);
@@ -983,8 +1014,8 @@ impl RingAttention {
     }
 }
 
-/// The keys and values rank `r` holds at step `s`: its own at step 0 (and at every step when
-/// only the blocks are measured), then what arrived in receive buffer `(s - 1) % 2`.
+/// The keys and values rank `r` holds at step `s`: its own at step 0 (and at every step
+/// when only the blocks are measured), then what arrived in receive buffer `(s - 1) % 2`.
 fn held<'a>(
     recv: &'a [Kv],
     s: usize,
@@ -1000,7 +1031,8 @@ fn held<'a>(
     }
 }
 
-/// What every rank sends at step `s` (what it holds) and where it receives (buffer `s % 2`).
+/// What every rank sends at step `s` (what it holds) and where it receives (buffer `s %
+/// 2`).
 #[allow(clippy::type_complexity)]
 fn views<'a>(
     recv: &'a mut [Vec<Kv>],
@@ -1033,8 +1065,8 @@ fn views<'a>(
     (sends, recvs)
 }
 
-/// The sums of dk and dv each rank passes on after step `s` (`s % 2`) and where the previous
-/// rank's arrive (`(s + 1) % 2`).
+/// The sums of dk and dv each rank passes on after step `s` (`s % 2`) and where the
+/// previous rank's arrive (`(s + 1) % 2`).
 #[allow(clippy::type_complexity)]
 fn grad_views(
     travel: &mut [[KvGrads; 2]],
@@ -1075,12 +1107,15 @@ fn elementwise(n: usize) -> LaunchConfig {
 /// the driver at every synchronisation (the pool's default): a measurement then times the
 /// kernels, not the driver mapping memory again.
 pub fn keep_pool_memory(gpu: &Gpu) -> Result<(), AttnError> {
-    use cudarc::driver::sys::{CUmemoryPool, cuDeviceGetDefaultMemPool, cuMemPoolSetAttribute};
+    use cudarc::driver::sys::{
+        CUmemoryPool, cuDeviceGetDefaultMemPool, cuMemPoolSetAttribute,
+    };
     let mut pool: CUmemoryPool = std::ptr::null_mut();
     let mut threshold = u64::MAX;
     // SAFETY: the driver is loaded (a Gpu exists); each call reads or writes one value
     let ok = unsafe {
-        cuDeviceGetDefaultMemPool(&mut pool, gpu.context().cu_device()) == CUresult::CUDA_SUCCESS
+        cuDeviceGetDefaultMemPool(&mut pool, gpu.context().cu_device())
+            == CUresult::CUDA_SUCCESS
             && cuMemPoolSetAttribute(
                 pool,
                 CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -1208,8 +1243,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("multiple of 4"), "{e}");
-        let e = ring_forward_backward(a.view(), a.view(), a.view(), b.view(), Dtype::Bf16, ranks)
-            .unwrap_err();
+        let e = ring_forward_backward(
+            a.view(),
+            a.view(),
+            a.view(),
+            b.view(),
+            Dtype::Bf16,
+            ranks,
+        )
+        .unwrap_err();
         assert!(matches!(e, AttnError::ShapeMismatch { .. }), "{e}");
         // empty input needs no GPU
         let z = Array4::<f32>::zeros((1, 2, 0, 64));

@@ -1,19 +1,21 @@
-//! Two partial results of the same rows over disjoint sets of keys make the result over both.
+//! Two partial results of the same rows over disjoint sets of keys make the result over
+//! both.
 //!
 //! A row's output over a set of keys `A` is the average of their values weighted by
 //! `e^(s_j) / e^(lse_A)`, with `lse_A = ln Σ_{j∈A} e^(s_j)`. Over `A ∪ B` the weights are
-//! `e^(s_j) / e^(lse)` with `lse = ln(e^(lse_A) + e^(lse_B))`, so each partial output is scaled
-//! by its share of the whole, `e^(lse_A − lse)` and `e^(lse_B − lse)`, and the two are added:
+//! `e^(s_j) / e^(lse)` with `lse = ln(e^(lse_A) + e^(lse_B))`, so each partial output is
+//! scaled by its share of the whole, `e^(lse_A − lse)` and `e^(lse_B − lse)`, and the two
+//! are added:
 //!
 //! ```text
 //! lse = logaddexp(lse_A, lse_B)        o = e^(lse_A − lse)·o_A + e^(lse_B − lse)·o_B
 //! ```
 //!
 //! It is chapter 2's rescaling by `e^(m_old − m_new)` once more, with each partial's
-//! log-sum-exp in the place of its running maximum: the two shares add up to 1, so the outputs
-//! need no division afterwards. The merge is commutative and, up to rounding, associative, so
-//! the blocks of keys may arrive in any order: what lets the keys and values of a sequence
-//! travel round a ring of devices.
+//! log-sum-exp in the place of its running maximum: the two shares add up to 1, so the
+//! outputs need no division afterwards. The merge is commutative and, up to rounding,
+//! associative, so the blocks of keys may arrive in any order: what lets the keys and
+//! values of a sequence travel round a ring of devices.
 //!
 //! A row that has seen no key yet has the partial result `(0, −∞)` ([`no_keys`]): its share
 //! `e^(−∞)` is 0, so merging it changes nothing, and merging two of them gives it back.
@@ -22,10 +24,15 @@ use flash_core::{Attention, AttnError};
 use ndarray::{Array3, Array4, ArrayView1, ArrayViewMut1, Axis, Zip};
 
 // ANCHOR: merge
-/// Merges a row's partial result over keys `B`, `(o_b, lse_b)`, into its partial result over
-/// keys `A`, `(o_a, lse_a)`, `A` and `B` disjoint: afterwards `(o_a, lse_a)` is the row's result
-/// over `A ∪ B`.
-pub fn merge_row(mut o_a: ArrayViewMut1<f32>, lse_a: &mut f32, o_b: ArrayView1<f32>, lse_b: f32) {
+/// Merges a row's partial result over keys `B`, `(o_b, lse_b)`, into its partial result
+/// over keys `A`, `(o_a, lse_a)`, `A` and `B` disjoint: afterwards `(o_a, lse_a)` is the
+/// row's result over `A ∪ B`.
+pub fn merge_row(
+    mut o_a: ArrayViewMut1<f32>,
+    lse_a: &mut f32,
+    o_b: ArrayView1<f32>,
+    lse_b: f32,
+) {
     let lse = logaddexp(*lse_a, lse_b);
     if lse == f32::NEG_INFINITY {
         // neither saw a key: (0, −∞) stays as it is, where e^(−∞ − (−∞)) would be NaN
@@ -37,8 +44,8 @@ pub fn merge_row(mut o_a: ArrayViewMut1<f32>, lse_a: &mut f32, o_b: ArrayView1<f
     *lse_a = lse;
 }
 
-/// `ln(e^a + e^b)` without overflow: the larger of the two plus `ln(1 + e^(−|a − b|))`, which
-/// lies in `[0, ln 2]`. `−∞` when both are.
+/// `ln(e^a + e^b)` without overflow: the larger of the two plus `ln(1 + e^(−|a − b|))`,
+/// which lies in `[0, ln 2]`. `−∞` when both are.
 pub fn logaddexp(a: f32, b: f32) -> f32 {
     let max = a.max(b);
     if max == f32::NEG_INFINITY {
@@ -49,7 +56,8 @@ pub fn logaddexp(a: f32, b: f32) -> f32 {
 // ANCHOR_END: merge
 
 /// The partial result of rows that have seen no key: output 0 and log-sum-exp `−∞`, `dims`
-/// being `[batch, heads, tokens, head_dim]`. Merging anything into it gives that thing back.
+/// being `[batch, heads, tokens, head_dim]`. Merging anything into it gives that thing
+/// back.
 pub fn no_keys(dims: [usize; 4]) -> Attention {
     let [b, h, t, _] = dims;
     Attention {
@@ -59,8 +67,8 @@ pub fn no_keys(dims: [usize; 4]) -> Attention {
 }
 
 /// Merges `b` into `a`, row by row ([`merge_row`]): two partial results of the same rows,
-/// `out` `[batch, heads, tokens, head_dim]` and `lse` `[batch, heads, tokens]`, over disjoint
-/// sets of keys.
+/// `out` `[batch, heads, tokens, head_dim]` and `lse` `[batch, heads, tokens]`, over
+/// disjoint sets of keys.
 pub fn merge_into(a: &mut Attention, b: &Attention) -> Result<(), AttnError> {
     check_partial("the first partial result", a)?;
     if a.out.dim() != b.out.dim() || a.lse.dim() != b.lse.dim() {
@@ -113,8 +121,9 @@ mod tests {
     use flash_core::reference::{Reference, attention_f64, error};
     use proptest::prelude::*;
 
-    /// Causal attention in `f64` over the keys `keep` says yes to (besides the mask), as the
-    /// partial result the merge takes: output 0 and log-sum-exp −∞ for a row that sees none.
+    /// Causal attention in `f64` over the keys `keep` says yes to (besides the mask), as
+    /// the partial result the merge takes: output 0 and log-sum-exp −∞ for a row that sees
+    /// none.
     fn over_keys(
         q: &Array4<f32>,
         k: &Array4<f32>,
@@ -155,8 +164,13 @@ mod tests {
         Reference { out, lse }
     }
 
-    fn all_rows(b_n: usize, h_n: usize, t_n: usize) -> impl Iterator<Item = (usize, usize, usize)> {
-        (0..b_n).flat_map(move |b| (0..h_n).flat_map(move |h| (0..t_n).map(move |i| (b, h, i))))
+    fn all_rows(
+        b_n: usize,
+        h_n: usize,
+        t_n: usize,
+    ) -> impl Iterator<Item = (usize, usize, usize)> {
+        (0..b_n)
+            .flat_map(move |b| (0..h_n).flat_map(move |h| (0..t_n).map(move |i| (b, h, i))))
     }
 
     /// A partial result in `f64`, rounded to what a method in `f32` would hold.
@@ -186,8 +200,9 @@ mod tests {
             let [q, k, v] = random_qkv(shape, tokens as u64);
             let whole = attention_f64(q.view(), k.view(), v.view()).unwrap();
             // which keys are in A; the others are in B
-            let split =
-                |in_a: fn(usize, usize) -> bool| (0..tokens).map(|j| in_a(j, tokens)).collect();
+            let split = |in_a: fn(usize, usize) -> bool| {
+                (0..tokens).map(|j| in_a(j, tokens)).collect()
+            };
             let splits: [(&str, Vec<bool>); 3] = [
                 ("first half", split(|j, t| j < t / 2)),
                 ("even keys", split(|j, _| j % 2 == 0)),
@@ -224,7 +239,8 @@ mod tests {
         };
         let (out, lse) = errors(&left, &wide(&right));
         assert!(out <= 1e-6 && lse <= 1e-6, "out {out:e}, lse {lse:e}");
-        let (out, lse) = errors(&left, &attention_f64(q.view(), k.view(), v.view()).unwrap());
+        let (out, lse) =
+            errors(&left, &attention_f64(q.view(), k.view(), v.view()).unwrap());
         assert!(out <= MERGE_MAX_ABS && lse <= MERGE_MAX_ABS);
     }
 
@@ -265,8 +281,8 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
-        /// Any split of the keys into two sets, some rows seeing none of one of them, merges
-        /// into the result over all keys.
+        /// Any split of the keys into two sets, some rows seeing none of one of them,
+        /// merges into the result over all keys.
         #[test]
         fn any_split_of_the_keys_merges_into_the_whole(
             tokens in 1usize..40,

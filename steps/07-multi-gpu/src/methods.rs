@@ -1,7 +1,7 @@
-//! This step's method in the registry: `cuda_ring`, ring attention over GPUs. On host arrays
-//! (what the tests and `attend` call) it runs two ranks simulated on GPU 0, so that the ring's
-//! schedule, merge and transfers run wherever there is one GPU; the benchmark prepares it over
-//! `--gpus` GPUs, one rank each, with NCCL between them.
+//! This step's method in the registry: `cuda_ring`, ring attention over GPUs. On host
+//! arrays (what the tests and `attend` call) it runs two ranks simulated on GPU 0, so that
+//! the ring's schedule, merge and transfers run wherever there is one GPU; the benchmark
+//! prepares it over `--gpus` GPUs, one rank each, with NCCL between them.
 
 use std::time::Instant;
 
@@ -59,7 +59,10 @@ impl Method for CudaRing {
     fn describe_device(&self) -> Result<String, AttnError> {
         describe()
     }
-    fn prepare_forward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_forward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         prepare(spec, false)
     }
     fn has_backward(&self) -> bool {
@@ -76,7 +79,10 @@ impl Method for CudaRing {
     ) -> Result<Grads, AttnError> {
         ring_host_backward(q, k, v, fwd, dout, dtype)
     }
-    fn prepare_backward(&self, spec: &DeviceRunSpec) -> Result<Box<dyn DeviceRun>, AttnError> {
+    fn prepare_backward(
+        &self,
+        spec: &DeviceRunSpec,
+    ) -> Result<Box<dyn DeviceRun>, AttnError> {
         prepare(spec, true)
     }
     fn multi_gpu(&self) -> bool {
@@ -134,9 +140,10 @@ pub fn ring_host_forward(
     })
 }
 
-/// `cuda_ring`'s backward on host arrays, in bf16 or f16: the forward's result `fwd` scattered
-/// over the ranks as each rank's merged output and log-sum-exp, then the ring's backward.
-/// Padding rows get a zero gradient of the output, so they add nothing to any gradient.
+/// `cuda_ring`'s backward on host arrays, in bf16 or f16: the forward's result `fwd`
+/// scattered over the ranks as each rank's merged output and log-sum-exp, then the ring's
+/// backward. Padding rows get a zero gradient of the output, so they add nothing to any
+/// gradient.
 pub fn ring_host_backward(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -161,17 +168,18 @@ pub fn ring_host_backward(
     lse.slice_mut(s![.., .., ..t]).assign(&fwd.lse);
     let fwd = scatter_attention(&ring, out, &lse)?;
     let grads = ring.backward(&q, &k, &v, &fwd, &dout)?;
-    let gather = |pick: fn(&crate::gpu::ShardGrads) -> &Shard| -> Result<Array4<f32>, AttnError> {
-        let mut all = Array4::zeros(padded.dims());
-        let split = ring.split();
-        for (r, g) in grads.iter().enumerate() {
-            for (chunk, c) in pick(g).chunks.iter().zip(split.rank_chunks(r)) {
-                let x = ring.gpu(r).download(chunk)?;
-                all.slice_mut(s![.., .., split.chunk(c), ..]).assign(&x);
+    let gather =
+        |pick: fn(&crate::gpu::ShardGrads) -> &Shard| -> Result<Array4<f32>, AttnError> {
+            let mut all = Array4::zeros(padded.dims());
+            let split = ring.split();
+            for (r, g) in grads.iter().enumerate() {
+                for (chunk, c) in pick(g).chunks.iter().zip(split.rank_chunks(r)) {
+                    let x = ring.gpu(r).download(chunk)?;
+                    all.slice_mut(s![.., .., split.chunk(c), ..]).assign(&x);
+                }
             }
-        }
-        Ok(cut(all, t))
-    };
+            Ok(cut(all, t))
+        };
     Ok(Grads {
         dq: gather(|g| &g.dq)?,
         dk: gather(|g| &g.dk)?,
@@ -251,7 +259,8 @@ fn prepare(spec: &DeviceRunSpec, backward: bool) -> Result<Box<dyn DeviceRun>, A
 }
 
 impl Prepared {
-    /// One call as a user makes it: the forward, and the backward after it when prepared so.
+    /// One call as a user makes it: the forward, and the backward after it when prepared
+    /// so.
     fn call(
         &self,
     ) -> Result<(Vec<ShardAttention>, Option<Vec<crate::gpu::ShardGrads>>), AttnError> {
@@ -266,7 +275,8 @@ impl Prepared {
 
 /// Milliseconds of `f`'s work on every GPU of `ring`: on one GPU, CUDA events on its stream
 /// (step 03's [`Gpu::time_ms`]); on several, the wall clock from a point where every GPU is
-/// idle to the point where every GPU has finished (one GPU's events cannot see another's work).
+/// idle to the point where every GPU has finished (one GPU's events cannot see another's
+/// work).
 pub fn time_ring_ms<T>(
     ring: &RingAttention,
     f: impl FnOnce() -> Result<T, AttnError>,
@@ -275,8 +285,8 @@ pub fn time_ring_ms<T>(
     if gpus.len() == 1 {
         return gpus[0].time_ms(|| {
             let r = f()?;
-            // the transfer stream's last work is joined into the compute stream by forward and
-            // backward, so the end event sees it
+            // the transfer stream's last work is joined into the compute stream by forward
+            // and backward, so the end event sees it
             Ok(r)
         });
     }
@@ -304,8 +314,9 @@ pub fn peak_per_gpu<T>(
             Some((g, rest)) => {
                 let ((value, mut inner), peak) = g.peak_allocated(|| nested(rest, f))?;
                 let peak = peak.ok_or_else(|| AttnError::Device {
-                    what: "this driver has no stream-ordered memory pool to read a peak from"
-                        .into(),
+                    what:
+                        "this driver has no stream-ordered memory pool to read a peak from"
+                            .into(),
                 })?;
                 inner.insert(0, peak);
                 Ok((value, inner))

@@ -1,14 +1,14 @@
 //! Who holds which tokens, and which blocks meet at each step of the ring.
 //!
 //! The sequence is cut into `2N` chunks for `N` ranks, and rank `r` keeps chunks `r` and
-//! `2N - 1 - r` (the zig-zag split): under the causal mask an early chunk sees few keys and a
-//! late one many, so pairing the `r`-th earliest with the `r`-th latest gives every rank the
-//! same work. Each rank keeps its queries; the keys and values travel: at step `s` rank `r`
-//! holds those of rank `(r - s) mod N`, and passes them on to rank `r + 1`.
+//! `2N - 1 - r` (the zig-zag split): under the causal mask an early chunk sees few keys and
+//! a late one many, so pairing the `r`-th earliest with the `r`-th latest gives every rank
+//! the same work. Each rank keeps its queries; the keys and values travel: at step `s` rank
+//! `r` holds those of rank `(r - s) mod N`, and passes them on to rank `r + 1`.
 //!
 //! A query chunk `i` and a key chunk `j` meet in one of three ways: `j < i`, every key is
-//! before every query and the block is computed whole; `j == i`, the diagonal, with the causal
-//! mask; `j > i`, no query sees any key and the block is skipped.
+//! before every query and the block is computed whole; `j == i`, the diagonal, with the
+//! causal mask; `j > i`, no query sees any key and the block is skipped.
 
 use std::ops::Range;
 
@@ -51,7 +51,8 @@ impl ZigZag {
         2 * self.ranks
     }
 
-    /// The tokens of chunk `c`: as even as can be, the first `tokens % 2N` chunks one longer.
+    /// The tokens of chunk `c`: as even as can be, the first `tokens % 2N` chunks one
+    /// longer.
     pub fn chunk(&self, c: usize) -> Range<usize> {
         let n = self.chunks();
         let (base, extra) = (self.tokens / n, self.tokens % n);
@@ -64,7 +65,8 @@ impl ZigZag {
         [r, self.chunks() - 1 - r]
     }
 
-    /// The positions of rank `r`'s tokens in the sequence, in the order the rank stores them.
+    /// The positions of rank `r`'s tokens in the sequence, in the order the rank stores
+    /// them.
     pub fn rank_tokens(&self, r: usize) -> Vec<usize> {
         self.rank_chunks(r)
             .into_iter()
@@ -80,14 +82,14 @@ impl ZigZag {
 // ANCHOR_END: zigzag
 
 // ANCHOR: ring_step
-/// Whose keys and values rank `r` holds at step `s` of the ring: each step passes them on to
-/// the next rank, so after `s` steps rank `r` has those that started on rank `r - s`.
+/// Whose keys and values rank `r` holds at step `s` of the ring: each step passes them on
+/// to the next rank, so after `s` steps rank `r` has those that started on rank `r - s`.
 pub fn visiting(r: usize, s: usize, ranks: usize) -> usize {
     (r + ranks - s % ranks) % ranks
 }
 
-/// One block to compute: the rank's query chunk `query` (0: its earlier chunk, 1: its later)
-/// against the visiting key chunk `key` (likewise), seen as `how`.
+/// One block to compute: the rank's query chunk `query` (0: its earlier chunk, 1: its
+/// later) against the visiting key chunk `key` (likewise), seen as `how`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Pair {
     pub query: usize,
@@ -134,7 +136,8 @@ mod tests {
                     seen.iter().all(|&n| n == 1),
                     "{tokens} tokens, {ranks} ranks"
                 );
-                let lens: Vec<usize> = (0..split.chunks()).map(|c| split.chunk(c).len()).collect();
+                let lens: Vec<usize> =
+                    (0..split.chunks()).map(|c| split.chunk(c).len()).collect();
                 assert!(lens.iter().max().unwrap() - lens.iter().min().unwrap() <= 1);
             }
         }
@@ -159,10 +162,15 @@ mod tests {
             }
             for (qc, row) in done.iter().enumerate() {
                 for (kc, &n) in row.iter().enumerate() {
-                    assert_eq!(n, usize::from(kc <= qc), "query chunk {qc}, key chunk {kc}");
+                    assert_eq!(
+                        n,
+                        usize::from(kc <= qc),
+                        "query chunk {qc}, key chunk {kc}"
+                    );
                 }
             }
-            // every rank: two diagonals and 2N - 1 whole blocks, 2N of the causal square's 2N² (in whole blocks)
+            // every rank: two diagonals and 2N - 1 whole blocks, 2N of the causal square's
+            // 2N² (in whole blocks)
             assert!(work.iter().all(|&w| w == work[0]), "{work:?}");
             assert_eq!(work[0], 2.0 * ranks as f64 - 1.0 + 1.0);
         }
@@ -172,7 +180,8 @@ mod tests {
     fn the_keys_go_round_the_ring() {
         for ranks in 1..=4 {
             for r in 0..ranks {
-                let origins: Vec<usize> = (0..ranks).map(|s| visiting(r, s, ranks)).collect();
+                let origins: Vec<usize> =
+                    (0..ranks).map(|s| visiting(r, s, ranks)).collect();
                 assert_eq!(origins[0], r);
                 let mut sorted = origins.clone();
                 sorted.sort();

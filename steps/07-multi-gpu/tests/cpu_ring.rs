@@ -1,6 +1,6 @@
 //! The CPU ring against the `f64` references, forward and backward, on 1 to 4 ranks and
-//! lengths that leave uneven and empty chunks; against itself on one rank; and its errors for
-//! bad input.
+//! lengths that leave uneven and empty chunks; against itself on one rank; and its errors
+//! for bad input.
 
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::reference::{attention_f64, error};
@@ -18,8 +18,8 @@ const F32_MAX_ABS: f64 = 1e-5;
 /// (at least 1): step 04's rule (`steps/04-backward/tests/against_reference.rs`).
 const GRAD_MAX_REL: f64 = 1e-5;
 /// FlashAttention's rule on top: at most twice the error of the backward by hand in `f32`,
-/// plus this margin relative to the gradient's largest value (by hand's error is exactly 0 on
-/// one token): as `tests/backward.rs` holds every CPU backward.
+/// plus this margin relative to the gradient's largest value (by hand's error is exactly 0
+/// on one token): as `tests/backward.rs` holds every CPU backward.
 const MARGIN_REL: f64 = 1e-6;
 /// How far the ring on `N` ranks may be from the ring on one: the same products, merged in
 /// another order. Measured at most 2.4·10⁻⁶ on outputs and gradients of order 1 to 4.
@@ -66,7 +66,8 @@ fn check(shape: Shape, seed: u64, ranks_list: &[usize]) {
             out < F32_MAX_ABS && lse < F32_MAX_ABS,
             "{ranks} ranks, {shape}: out {out:e}, lse {lse:e}; allowed {F32_MAX_ABS:e}"
         );
-        let grads = ring_backward(q.view(), k.view(), v.view(), &fwd, dout.view(), ranks).unwrap();
+        let grads =
+            ring_backward(q.view(), k.view(), v.view(), &fwd, dout.view(), ranks).unwrap();
         let errs = grad_errors(&grads, &want_grads);
         for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
             let allowed = GRAD_MAX_REL * tops[i];
@@ -143,7 +144,8 @@ fn more_ranks_than_tokens_leave_ranks_idle() {
         assert!(error(&fwd.out, &want.out).max_abs < F32_MAX_ABS);
         assert!(error(&fwd.lse, &want.lse).max_abs < F32_MAX_ABS);
         let want = backward_f64(q.view(), k.view(), v.view(), dout.view()).unwrap();
-        let got = ring_backward(q.view(), k.view(), v.view(), &fwd, dout.view(), ranks).unwrap();
+        let got =
+            ring_backward(q.view(), k.view(), v.view(), &fwd, dout.view(), ranks).unwrap();
         let errs = grad_errors(&got, &want);
         assert!(
             errs.iter().all(|&e| e < 1e-5),
@@ -172,7 +174,8 @@ fn bad_input_is_an_error_that_says_what_was_wrong() {
     let short = Array4::<f32>::zeros((1, 2, 8, 8));
     let err = ring_forward(q.view(), short.view(), v.view(), 2).unwrap_err();
     assert!(err.to_string().contains("k is [1, 2, 8, 8]"), "{err}");
-    let err = ring_backward(q.view(), k.view(), v.view(), &fwd, short.view(), 2).unwrap_err();
+    let err =
+        ring_backward(q.view(), k.view(), v.view(), &fwd, short.view(), 2).unwrap_err();
     assert!(
         err.to_string()
             .contains("dout is [1, 2, 8, 8] but q, k and v are [1, 2, 9, 8]"),
@@ -180,7 +183,8 @@ fn bad_input_is_an_error_that_says_what_was_wrong() {
     );
     let mut bad_lse = fwd.clone();
     bad_lse.lse = Array3::zeros((1, 2, 8));
-    let err = ring_backward(q.view(), k.view(), v.view(), &bad_lse, dout.view(), 2).unwrap_err();
+    let err =
+        ring_backward(q.view(), k.view(), v.view(), &bad_lse, dout.view(), 2).unwrap_err();
     assert!(
         err.to_string().contains("the forward's lse is [1, 2, 8]"),
         "{err}"

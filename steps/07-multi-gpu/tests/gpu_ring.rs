@@ -1,13 +1,14 @@
 //! The ring on GPUs against the f64 reference. First the kernels without the causal mask
-//! (`CAUSAL=0`) alone, against unmasked attention in f64; then the ring's forward and backward
-//! with 1 to 4 ranks simulated on GPU 0, and with NCCL over every GPU when there are two or
-//! more, under FlashAttention's rule as steps 03 and 04 apply it: each of out, dq, dk and dv at
-//! most twice the error of attention by hand in the same precision.
+//! (`CAUSAL=0`) alone, against unmasked attention in f64; then the ring's forward and
+//! backward with 1 to 4 ranks simulated on GPU 0, and with NCCL over every GPU when there
+//! are two or more, under FlashAttention's rule as steps 03 and 04 apply it: each of out,
+//! dq, dk and dv at most twice the error of attention by hand in the same precision.
 //!
-//! Every test here is ignored by default, with what it needs as its reason: `needs a CUDA GPU`,
-//! or for the one over NCCL, whose name starts with `two_gpus`, `needs two CUDA GPUs and NCCL`.
-//! `cargo test -- --include-ignored` runs them; a test run without what it needs fails, saying
-//! what it found. On a machine with one GPU: `-- --include-ignored --skip two_gpus`.
+//! Every test here is ignored by default, with what it needs as its reason: `needs a CUDA
+//! GPU`, or for the one over NCCL, whose name starts with `two_gpus`, `needs two CUDA GPUs
+//! and NCCL`. `cargo test -- --include-ignored` runs them; a test run without what it needs
+//! fails, saying what it found. On a machine with one GPU: `-- --include-ignored --skip
+//! two_gpus`.
 
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::method::Grads;
@@ -128,7 +129,8 @@ fn unmasked_kernels_match_unmasked_attention_in_f64() {
             println!("{what}: out {out}; lse {lse}");
             assert!(out.max_abs <= 8.0 * ulp(dtype), "{what}: out {out}");
             assert!(lse.max_abs < 1e-3, "{what}: lse {lse}");
-            for ((name, got), want) in ["dq", "dk", "dv"].iter().zip(&got_grads).zip(&want) {
+            for ((name, got), want) in ["dq", "dk", "dv"].iter().zip(&got_grads).zip(&want)
+            {
                 let e = error(got, want);
                 println!("{what}: {name} {e} (size {:.2})", size(want));
                 assert!(
@@ -156,7 +158,13 @@ fn expected([q, k, v, dout]: [&Array4<f32>; 4], dtype: Dtype) -> Expected {
         out: attention_f64(qr.view(), kr.view(), vr.view()).unwrap(),
         grads: backward_f64(qr.view(), kr.view(), vr.view(), dr.view()).unwrap(),
         hand_out: by_hand_low_precision(q.view(), k.view(), v.view(), dtype),
-        hand: backward_by_hand_low_precision(q.view(), k.view(), v.view(), dout.view(), dtype),
+        hand: backward_by_hand_low_precision(
+            q.view(),
+            k.view(),
+            v.view(),
+            dout.view(),
+            dtype,
+        ),
     }
 }
 

@@ -1,9 +1,12 @@
-//! Compiles every backward kernel the library launches with NVRTC for `sm_90` and assembles it
-//! with `ptxas -v`; fails on a failed compile or any spill. Needs no GPU. The kernels of the
-//! backward by hand (`kernels/by_hand_backward.cu`) come after the FlashAttention ones. (The
+//! Compiles every backward kernel the library launches with NVRTC for `sm_90` and assembles
+//! it with `ptxas -v`; fails on a failed compile or any spill. Needs no GPU. The kernels of
+//! the backward by hand (`kernels/by_hand_backward.cu`) come after the FlashAttention ones,
+//! then chapter 4's exercise (`exercises/softmax_backward.cu`, which must compile before a
+//! reader fills it in). (The
 //! other tile shapes the lab times are compiled by its own check, `lab-kernel-check`.)
 //!
-//! `cargo run -p step04-backward --bin backward-kernel-check [-- --arch sm_90] [--ptxas PATH]`
+//! `cargo run -p step04-backward --bin backward-kernel-check [-- --arch sm_90] [--ptxas
+//! PATH]`
 
 use std::process::ExitCode;
 
@@ -11,14 +14,20 @@ use clap::Parser;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::ptxas::{self, Variant};
 use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, compile_backward};
-use step04_backward::cuda_by_hand::compile_by_hand_backward;
+use step04_backward::cuda_by_hand::{
+    compile_by_hand_backward, compile_by_hand_backward_from,
+};
+
+/// Chapter 4's exercise as it stands in the crate's folder: the template, or a reader's
+/// kernel.
+const SOFTMAX_BACKWARD_EXERCISE: &str = include_str!("../../exercises/softmax_backward.cu");
 
 /// Compiles every backward kernel the library launches (bf16 and f16, every head dim) with
 /// NVRTC and assembles it with `ptxas -v`, printing registers, shared memory and spills per
 /// kernel.
 ///
-/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so
-/// on LD_LIBRARY_PATH) and ptxas, but no GPU.
+/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC
+/// (libnvrtc.so on LD_LIBRARY_PATH) and ptxas, but no GPU.
 #[derive(Parser, Debug)]
 #[command(name = "backward-kernel-check")]
 struct Args {
@@ -42,6 +51,10 @@ fn main() -> ExitCode {
             kernels.push(Variant::used(
                 format!("by_hand_backward_{}", dtype.name()),
                 compile_by_hand_backward(dtype, arch),
+            ));
+            kernels.push(Variant::used(
+                format!("exercise_softmax_backward_{}", dtype.name()),
+                compile_by_hand_backward_from(SOFTMAX_BACKWARD_EXERCISE, dtype, arch),
             ));
         }
         kernels

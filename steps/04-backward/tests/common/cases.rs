@@ -1,11 +1,11 @@
-//! The inputs whose scores are large, shared by the CPU tests (`large_scores.rs`), the GPU tests
-//! (`gpu.rs`) and the check of the GPU tests' baseline (`low_precision.rs`).
+//! The inputs whose scores are large, shared by the CPU tests (`large_scores.rs`), the GPU
+//! tests (`gpu.rs`) and the check of the GPU tests' baseline (`low_precision.rs`).
 
 use ndarray::Array4;
 
-/// From seeded normal q, k and v: queries or keys scaled by 10, 30 and 100 (log-sum-exps up to
-/// about 400 at head dim 64), queries or keys shifted by 20, both scaled by 10, values scaled
-/// by 100. Each case with its name.
+/// From seeded normal q, k and v: queries or keys scaled by 10, 30 and 100 (log-sum-exps up
+/// to about 400 at head dim 64), queries or keys shifted by 20, both scaled by 10, values
+/// scaled by 100. Each case with its name.
 pub fn large_score_cases(
     q: &Array4<f32>,
     k: &Array4<f32>,

@@ -2,21 +2,23 @@
 //! `properties.rs`.
 //!
 //! The rule: a gradient's max-abs error against the `f64` reference is at most twice a
-//! baseline's, plus 10⁻⁶. On inputs of order 1 the baseline is the backward by hand in `f32`
-//! (`against_reference.rs`). With scores in the hundreds it is the larger of that and the
+//! baseline's, plus 10⁻⁶. On inputs of order 1 the baseline is the backward by hand in
+//! `f32` (`against_reference.rs`). With scores in the hundreds it is the larger of that and
+//! the
 //! *floor* of FlashAttention's formulas in `f32`:
 //!
-//! The blockwise backward rebuilds `P = exp(S − lse)` from `f32` scores and the forward's `f32`
-//! log-sum-exp, and takes `δ = dO·O` from the forward's `f32` output. An `f32` log-sum-exp of
-//! 300 is known to half a unit in the last place, 1.5·10⁻⁵, and so, in every probability of its
-//! row, is the `P` rebuilt from it, where the backward by hand, which normalises its own rows, is
-//! exact to a few units of 10⁻⁸ (FlashAttention keeps its log-sum-exp in `f32` as well). The
-//! floor is the error of a backward that rounds only what those formulas take in, the way the
-//! blockwise backward must: the scores (step 01's, which every forward and the backward round
-//! alike), a log-sum-exp faithful to them (either `f32` neighbour of the exact value, the worse
-//! of the two), `P` (to `f32`, through an exponential as accurate as step 02's `2^x`),
-//! `dP = dO·Vᵀ` and `δ`; everything else is exact. A backward whose scores and log-sum-exp are
-//! rounded differently from each other is far above it.
+//! The blockwise backward rebuilds `P = exp(S − lse)` from `f32` scores and the forward's
+//! `f32` log-sum-exp, and takes `δ = dO·O` from the forward's `f32` output. An `f32`
+//! log-sum-exp of 300 is known to half a unit in the last place, 1.5·10⁻⁵, and so, in every
+//! probability of its row, is the `P` rebuilt from it, where the backward by hand, which
+//! normalises its own rows, is exact to a few units of 10⁻⁸ (FlashAttention keeps its
+//! log-sum-exp in `f32` as well). The floor is the error of a backward that rounds only
+//! what those formulas take in, the way the blockwise backward must: the scores (step 01's,
+//! which every forward and the backward round alike), a log-sum-exp faithful to them
+//! (either `f32` neighbour of the exact value, the worse of the two), `P` (to `f32`,
+//! through an exponential as accurate as step 02's `2^x`), `dP = dO·Vᵀ` and `δ`; everything
+//! else is exact. A backward whose scores and log-sum-exp are rounded differently from each
+//! other is far above it.
 
 use flash_core::Shape;
 use flash_core::reference::error;
@@ -26,8 +28,8 @@ use step04_backward::blockwise::delta;
 use step04_backward::reference::{ReferenceGrads, backward_f64};
 use step04_backward::{Grads, backward_by_hand, forward};
 
-/// One input: q, k, v and dO, the `f64` reference gradients and the errors of the backward by
-/// hand, `[dq, dk, dv]`.
+/// One input: q, k, v and dO, the `f64` reference gradients and the errors of the backward
+/// by hand, `[dq, dk, dv]`.
 pub struct Check<'a> {
     q: &'a Array4<f32>,
     k: &'a Array4<f32>,
@@ -53,7 +55,8 @@ impl<'a> Check<'a> {
     ) -> Check<'a> {
         let want = backward_f64(q.view(), k.view(), v.view(), dout.view()).unwrap();
         let fwd = forward(q.view(), k.view(), v.view()).unwrap();
-        let by_hand = backward_by_hand(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
+        let by_hand =
+            backward_by_hand(q.view(), k.view(), v.view(), &fwd, dout.view()).unwrap();
         let by_hand = max_abs_errors([&by_hand.dq, &by_hand.dk, &by_hand.dv], &want);
         Check {
             q,
@@ -65,7 +68,8 @@ impl<'a> Check<'a> {
         }
     }
 
-    /// The floor's errors `[dq, dk, dv]` for a backward given the output `out` of a forward.
+    /// The floor's errors `[dq, dk, dv]` for a backward given the output `out` of a
+    /// forward.
     pub fn floor(&self, out: &Array4<f32>) -> [f64; 3] {
         let (q, k, v, dout) = (self.q, self.k, self.v, self.dout);
         let [b_n, h_n, t_n, d_n] = <[usize; 4]>::try_from(q.shape()).unwrap();
@@ -82,8 +86,8 @@ impl<'a> Check<'a> {
             };
             for (b, h) in (0..b_n).flat_map(|b| (0..h_n).map(move |h| (b, h))) {
                 let at = s![b, h, .., ..];
-                // P_ij = exp(S_ij − lse_i) rounded to f32, lse_i one f32 neighbour of the exact
-                // log-sum-exp of the f32 scores
+                // P_ij = exp(S_ij − lse_i) rounded to f32, lse_i one f32 neighbour of the
+                // exact log-sum-exp of the f32 scores
                 let mut p = Array2::<f64>::zeros((t_n, t_n));
                 for i in 0..t_n {
                     let row = scores.slice(s![b, h, i, ..=i]).mapv(f64::from);
@@ -97,7 +101,8 @@ impl<'a> Check<'a> {
                 let mut dp = Array2::<f32>::zeros((t_n, t_n));
                 general_mat_mul(1.0, &dout.slice(at), &v.slice(at).t(), 0.0, &mut dp);
                 let mut ds = dp.mapv(f64::from);
-                for (i, (mut ds, p)) in ds.rows_mut().into_iter().zip(p.rows()).enumerate() {
+                for (i, (mut ds, p)) in ds.rows_mut().into_iter().zip(p.rows()).enumerate()
+                {
                     let delta = f64::from(delta[[b, h, i]]);
                     ds.zip_mut_with(&p, |d, &p| *d = p * (*d - delta));
                 }
@@ -115,9 +120,9 @@ impl<'a> Check<'a> {
         worst
     }
 
-    /// FlashAttention's rule for `got`, a backward given a forward whose floor is `floor`: each
-    /// gradient's error at most twice the larger of by hand's and the floor's, plus 10⁻⁶. Each
-    /// gradient's error over that baseline, or a message with the three errors.
+    /// FlashAttention's rule for `got`, a backward given a forward whose floor is `floor`:
+    /// each gradient's error at most twice the larger of by hand's and the floor's, plus
+    /// 10⁻⁶. Each gradient's error over that baseline, or a message with the three errors.
     pub fn rule(&self, got: &Grads, floor: [f64; 3]) -> Result<[f64; 3], String> {
         let errs = max_abs_errors([&got.dq, &got.dk, &got.dv], &self.want);
         let mut ratios = [0.0; 3];

@@ -1,9 +1,10 @@
-//! The model's matrix products through cuBLAS: bf16 operands, f32 accumulation, and a bf16 or
-//! f32 result, in the row-major terms of the model.
+//! The model's matrix products through cuBLAS: bf16 operands, f32 accumulation, and a bf16
+//! or f32 result, in the row-major terms of the model.
 //!
-//! cuBLAS is column-major. A row-major `[r, c]` matrix is, to cuBLAS, a column-major `[c, r]`
-//! one with leading dimension `c`: its transpose. So the row-major product `out = a·b` is asked
-//! of cuBLAS as the column-major `outᵀ = bᵀ·aᵀ`, with the operands swapped and no copy.
+//! cuBLAS is column-major. A row-major `[r, c]` matrix is, to cuBLAS, a column-major `[c,
+//! r]` one with leading dimension `c`: its transpose. So the row-major product `out = a·b`
+//! is asked of cuBLAS as the column-major `outᵀ = bᵀ·aᵀ`, with the operands swapped and no
+//! copy.
 
 use std::sync::Arc;
 
@@ -32,13 +33,13 @@ fn device(what: String) -> TrainError {
 pub enum Out {
     /// Rounded to bf16: an activation that only feeds the next product or kernel.
     Bf16,
-    /// Kept in f32: a weight's gradient, or what adds into the residual stream or a LayerNorm's
-    /// backward.
+    /// Kept in f32: a weight's gradient, or what adds into the residual stream or a
+    /// LayerNorm's backward.
     F32,
 }
 
-/// One operand: a device pointer to bf16 values, row-major, and whether the product takes its
-/// transpose.
+/// One operand: a device pointer to bf16 values, row-major, and whether the product takes
+/// its transpose.
 #[derive(Clone, Copy, Debug)]
 pub struct Operand {
     pub ptr: u64,
@@ -89,7 +90,8 @@ impl Blas {
 
     // ANCHOR: matmul
     /// `out[m, n] = op(a)[m, k] · op(b)[k, n] + beta · out`, every matrix row-major: `a` is
-    /// stored `[m, k]` (or `[k, m]` when transposed), `b` `[k, n]` (or `[n, k]`), `out` `[m, n]`.
+    /// stored `[m, k]` (or `[k, m]` when transposed), `b` `[k, n]` (or `[n, k]`), `out`
+    /// `[m, n]`.
     ///
     /// # Safety
     /// Every pointer must hold the values its shape says, on this handle's stream.
@@ -109,7 +111,8 @@ impl Blas {
         let dim = |x: usize| {
             i32::try_from(x).map_err(|_| {
                 TrainError::Config(format!(
-                    "a matrix product of [{m}, {k}]·[{k}, {n}]: cuBLAS takes sizes below 2^31"
+                    "a matrix product of [{m}, {k}]·[{k}, {n}]: cuBLAS takes sizes below \
+                    2^31"
                 ))
             })
         };
@@ -130,13 +133,13 @@ impl Blas {
             Out::F32 => cudaDataType_t::CUDA_R_32F,
         };
         let alpha = 1.0f32;
-        // cuBLAS runs in the calling thread's current context: make it the GPU's (tests call
-        // from several threads)
+        // cuBLAS runs in the calling thread's current context: make it the GPU's (tests
+        // call from several threads)
         self.ctx
             .bind_to_thread()
             .map_err(|e| device(format!("binding the GPU's context: {e}")))?;
-        // SAFETY: the caller vouches for the pointers; alpha and beta are f32 on the host, as
-        // CUBLAS_COMPUTE_32F takes them
+        // SAFETY: the caller vouches for the pointers; alpha and beta are f32 on the host,
+        // as CUBLAS_COMPUTE_32F takes them
         unsafe {
             gemm_ex(
                 *self.blas.handle(),
@@ -170,8 +173,9 @@ impl Blas {
     // [step 06]
 
     /// `out[m, n] = op(a)[m, k] · op(b)[k, n] + bias[n]` in bf16, every matrix row-major as
-    /// in [`Blas::matmul`], `bias` bf16: through cuBLASLt, whose epilogue adds the bias to the
-    /// f32 sums before they are rounded and written, so no kernel passes over `out` again.
+    /// in [`Blas::matmul`], `bias` bf16: through cuBLASLt, whose epilogue adds the bias to
+    /// the f32 sums before they are rounded and written, so no kernel passes over `out`
+    /// again.
     ///
     /// # Safety
     /// Every pointer must hold the values its shape says, on this handle's stream.
@@ -222,10 +226,9 @@ impl BlasLt {
         }
         let handle = lt::result::create_handle()
             .map_err(|e| device(format!("creating a cuBLASLt handle: {e:?}")))?;
-        let workspace = gpu
-            .stream()
-            .alloc_zeros::<u8>(LT_WORKSPACE)
-            .map_err(|e| device(format!("allocating cuBLASLt's 32 MiB workspace: {e:?}")))?;
+        let workspace = gpu.stream().alloc_zeros::<u8>(LT_WORKSPACE).map_err(|e| {
+            device(format!("allocating cuBLASLt's 32 MiB workspace: {e:?}"))
+        })?;
         Ok(BlasLt {
             handle,
             workspace,
@@ -233,8 +236,8 @@ impl BlasLt {
         })
     }
 
-    /// [`Blas::matmul_bias`]: the same column-major swap as [`Blas::matmul`], the bias along
-    /// the column-major result's rows (the row-major result's columns).
+    /// [`Blas::matmul_bias`]: the same column-major swap as [`Blas::matmul`], the bias
+    /// along the column-major result's rows (the row-major result's columns).
     ///
     /// # Safety
     /// As [`Blas::matmul_bias`].
@@ -265,8 +268,9 @@ impl BlasLt {
         } else {
             (CUBLAS_OP_N, (k, m, k))
         };
-        let layout =
-            |(r, c, ld): (u64, u64, u64)| lt::result::create_matrix_layout(bf16, r, c, ld as i64);
+        let layout = |(r, c, ld): (u64, u64, u64)| {
+            lt::result::create_matrix_layout(bf16, r, c, ld as i64)
+        };
         let (la, lb, ld) = (layout(b_stored)?, layout(a_stored)?, layout((n, m, n))?);
         let desc = lt::result::create_matmul_desc(
             lt::sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
@@ -311,8 +315,15 @@ impl BlasLt {
                     (&size as *const u64).cast(),
                     8,
                 )?;
-                let heuristic =
-                    lt::result::get_matmul_algo_heuristic(self.handle, desc, la, lb, ld, ld, pref)?;
+                let heuristic = lt::result::get_matmul_algo_heuristic(
+                    self.handle,
+                    desc,
+                    la,
+                    lb,
+                    ld,
+                    ld,
+                    pref,
+                )?;
                 let (alpha, beta) = (1.0f32, 0.0f32);
                 let (w, _w) = self.workspace.device_ptr(&self.stream);
                 lt::result::matmul(

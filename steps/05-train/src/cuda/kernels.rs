@@ -1,12 +1,14 @@
-//! `kernels/train.cu`, compiled by NVRTC once per process and GPU architecture, and a launch
-//! function for each of its kernels, in the model's terms: device pointers (as `u64`s) and
-//! sizes. The pointers come from buffers the trainer allocated once for its batch shape.
+//! `kernels/train.cu`, compiled by NVRTC once per process and GPU architecture, and a
+//! launch function for each of its kernels, in the model's terms: device pointers (as
+//! `u64`s) and sizes. The pointers come from buffers the trainer allocated once for its
+//! batch shape.
 //!
 //! # Safety
 //!
-//! Every launch function is `unsafe` with one contract: each pointer it is given must hold at
-//! least the values the sizes it is given say (see `kernels/train.cu` for each argument), in
-//! device memory of the trainer's GPU, and nothing else may write them while the kernel runs.
+//! Every launch function is `unsafe` with one contract: each pointer it is given must hold
+//! at least the values the sizes it is given say (see `kernels/train.cu` for each
+//! argument), in device memory of the trainer's GPU, and nothing else may write them while
+//! the kernel runs.
 #![allow(clippy::missing_safety_doc)]
 
 use std::sync::Arc;
@@ -49,8 +51,8 @@ pub const LN_BACKWARD_WARPS: u32 = 4;
 /// that hold a row in registers (`layernorm_forward_K`, `layernorm_backward_K`); wider rows
 /// take `layernorm_forward` and `layernorm_backward`, which read a row once per pass.
 pub const LN_REGISTER_CHUNKS: [usize; 5] = [1, 2, 4, 6, 8];
-/// Rows a block of the GELU backward takes at once, one per 32 threads (given to train.cu as
-/// `GELU_LANES`).
+/// Rows a block of the GELU backward takes at once, one per 32 threads (given to train.cu
+/// as `GELU_LANES`).
 const GELU_LANES: u32 = 8;
 /// Blocks of the gradients' norm's first pass.
 pub const NORM_BLOCKS: u32 = 1024;
@@ -153,7 +155,8 @@ impl Kernels {
         let mut layernorm_backward_registers = Vec::new();
         for k in LN_REGISTER_CHUNKS {
             layernorm_forward_registers.push(f(&format!("layernorm_forward_{k}"))?);
-            layernorm_backward_registers.push(with_smem(&format!("layernorm_backward_{k}"))?);
+            layernorm_backward_registers
+                .push(with_smem(&format!("layernorm_backward_{k}"))?);
         }
         Ok(Kernels {
             stream: gpu.stream().clone(),
@@ -186,8 +189,8 @@ impl Kernels {
         (LN_BACKWARD_WARPS as usize * 3 * d_model * 4) as u32
     }
 
-    /// The position in [`LN_REGISTER_CHUNKS`] of the narrowest LayerNorm kernels that hold a
-    /// row `c` wide in registers; `None` past the widest.
+    /// The position in [`LN_REGISTER_CHUNKS`] of the narrowest LayerNorm kernels that hold
+    /// a row `c` wide in registers; `None` past the widest.
     pub fn ln_registers(c: usize) -> Option<usize> {
         LN_REGISTER_CHUNKS.iter().position(|&k| c <= 128 * k)
     }
@@ -195,7 +198,8 @@ impl Kernels {
     /// Launches `f` with `args`.
     ///
     /// # Safety
-    /// The arguments must be what the kernel takes, every pointer holding what the sizes say.
+    /// The arguments must be what the kernel takes, every pointer holding what the sizes
+    /// say.
     unsafe fn launch(
         &self,
         f: &CudaFunction,
@@ -218,8 +222,8 @@ impl Kernels {
             .map_err(|e| TrainError::Device(device_error(name)(e)))
     }
 
-    // Each function below launches the kernel of its name; see kernels/train.cu for what each
-    // argument holds, and the module's doc for the contract.
+    // Each function below launches the kernel of its name; see kernels/train.cu for what
+    // each argument holds, and the module's doc for the contract.
 
     /// `x = wte[tokens] + wpe[t]`.
     #[allow(clippy::too_many_arguments)]
@@ -346,16 +350,17 @@ impl Kernels {
     /// The blocks [`Kernels::layernorm_backward`] runs for `rows` rows: the rows of its
     /// `partial` buffer.
     pub fn ln_backward_blocks(rows: usize) -> usize {
-        // about 16 rows a warp, so that the sums each warp then hands on are few; on an H200
-        // GPT-2-small's 24,576 rows are 384 blocks, which all fit on its 132 SMs at once
+        // about 16 rows a warp, so that the sums each warp then hands on are few; on an
+        // H200 GPT-2-small's 24,576 rows are 384 blocks, which all fit on its 132 SMs at
+        // once
         rows.div_ceil(LN_BACKWARD_WARPS as usize * 16)
             .clamp(1, 1024)
     }
 
     /// LayerNorm's backward: `dres_out = dres_in + dx` (f32 and bf16); the column sums of
     /// `dw`, `db` and `dres_out` (the gradient of the bias of the product that joined the
-    /// residual stream at `x`), through `partial` (`[ln_backward_blocks(rows), 3C]`), written
-    /// to `outs` (0: not wanted).
+    /// residual stream at `x`), through `partial` (`[ln_backward_blocks(rows), 3C]`),
+    /// written to `outs` (0: not wanted).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn layernorm_backward(
         &self,
@@ -402,15 +407,16 @@ impl Kernels {
         }
     }
 
-    /// Rows of partial sums (chunks of rows) the kernels that sum gradients' columns along the
-    /// way use for `rows` rows.
+    /// Rows of partial sums (chunks of rows) the kernels that sum gradients' columns along
+    /// the way use for `rows` rows.
     pub fn colsum_parts(rows: usize) -> usize {
         rows.div_ceil(64).clamp(1, 256)
     }
 
     /// A grid of `block`-shaped blocks that each take `columns` of the `k` columns, by
-    /// [`Kernels::colsum_parts`] chunks of rows; and the chunk. Every kernel that sums columns
-    /// along the way takes its rows in these chunks, so `partial` has the same rows for all.
+    /// [`Kernels::colsum_parts`] chunks of rows; and the chunk. Every kernel that sums
+    /// columns along the way takes its rows in these chunks, so `partial` has the same rows
+    /// for all.
     fn column_grid(
         rows: usize,
         k: usize,
@@ -486,7 +492,8 @@ impl Kernels {
         rows: usize,
         k: usize,
     ) -> Result<(), TrainError> {
-        // blocks of 32 × GELU_LANES threads, 8 columns a thread: 256 columns by a chunk of rows
+        // blocks of 32 × GELU_LANES threads, 8 columns a thread: 256 columns by a chunk of
+        // rows
         let (cfg, chunk) = Self::column_grid(rows, k, 256, (32, GELU_LANES, 1));
         let args = [
             Arg::Ptr(d),
@@ -504,7 +511,8 @@ impl Kernels {
         }
     }
 
-    /// The fused projection's `[B·T, 3C]` output plus its bias to q, k, v in `[B, H, T, D]`.
+    /// The fused projection's `[B·T, 3C]` output plus its bias to q, k, v in `[B, H, T,
+    /// D]`.
     pub unsafe fn qkv_to_heads(
         &self,
         qkv: u64,
@@ -579,9 +587,9 @@ impl Kernels {
     }
 
     // [step 06]
-    /// The column sums of a bf16 `[rows, k]` matrix (`k` a multiple of 8) into `out` through
-    /// `partial` (`[colsum_parts(rows), k]`): the fused projection's bias gradient when the
-    /// attention's backward wrote `dqkv` itself.
+    /// The column sums of a bf16 `[rows, k]` matrix (`k` a multiple of 8) into `out`
+    /// through `partial` (`[colsum_parts(rows), k]`): the fused projection's bias gradient
+    /// when the attention's backward wrote `dqkv` itself.
     pub unsafe fn column_sums(
         &self,
         d: u64,
@@ -606,7 +614,8 @@ impl Kernels {
     }
     // [/step 06]
 
-    /// Per-row losses and (when `dlogits` is not 0) the logits' gradient, scaled by `scale`.
+    /// Per-row losses and (when `dlogits` is not 0) the logits' gradient, scaled by
+    /// `scale`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn cross_entropy(
         &self,

@@ -1,11 +1,11 @@
 //! Where each weight lives in the GPU's flat buffers.
 //!
-//! The GPU keeps every weight in one `f32` buffer (and its gradient, its two moments and its
-//! bf16 copy in four more of the same layout), so that one kernel can take an AdamW step of
-//! them all and one reduction can take their norm. The matrices come first, so that weight
-//! decay, which applies to them only, is one comparison of the index with [`Layout::decay_end`].
-//! Each tensor starts at a multiple of [`ALIGN`] values, so every product's operand is aligned
-//! as cuBLAS's tensor-core paths want it.
+//! The GPU keeps every weight in one `f32` buffer (and its gradient, its two moments and
+//! its bf16 copy in four more of the same layout), so that one kernel can take an AdamW
+//! step of them all and one reduction can take their norm. The matrices come first, so that
+//! weight decay, which applies to them only, is one comparison of the index with
+//! [`Layout::decay_end`]. Each tensor starts at a multiple of [`ALIGN`] values, so every
+//! product's operand is aligned as cuBLAS's tensor-core paths want it.
 
 use std::collections::HashMap;
 

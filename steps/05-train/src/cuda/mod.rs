@@ -1,20 +1,21 @@
 //! The GPU trainer: the same model as [`crate::model`], on the GPU, with step 03's forward
 //! kernel and step 04's backward kernels as its attention.
 //!
-//! Matrix products go to cuBLAS (bf16 operands, f32 accumulation, [`gemm`]); every other layer
-//! is a kernel of `kernels/train.cu` ([`kernels`]); the weights, their gradients and AdamW's
-//! moments live in flat `f32` buffers ([`layout`]). Every buffer a step needs is allocated once,
-//! for the batch's shape, when the trainer is made; a step then only launches work on one
-//! stream and reads two numbers back at its end, the loss and the gradients' norm.
+//! Matrix products go to cuBLAS (bf16 operands, f32 accumulation, [`gemm`]); every other
+//! layer is a kernel of `kernels/train.cu` ([`kernels`]); the weights, their gradients and
+//! AdamW's moments live in flat `f32` buffers ([`layout`]). Every buffer a step needs is
+//! allocated once, for the batch's shape, when the trainer is made; a step then only
+//! launches work on one stream and reads two numbers back at its end, the loss and the
+//! gradients' norm.
 //!
 //! ## Mixed precision
 //!
-//! As PyTorch's autocast to bf16 does: the master weights, their gradients, AdamW's moments,
-//! the residual stream, LayerNorm's statistics, the logits and the loss are `f32`; the products
-//! read bf16 operands (the weights' bf16 copy, which the AdamW kernel writes with each step, and
-//! bf16 activations) and accumulate in `f32`. A product writes bf16 when its result feeds only
-//! another product or the attention, `f32` when it is a weight's gradient or adds into the
-//! residual stream or a LayerNorm's backward.
+//! As PyTorch's autocast to bf16 does: the master weights, their gradients, AdamW's
+//! moments, the residual stream, LayerNorm's statistics, the logits and the loss are `f32`;
+//! the products read bf16 operands (the weights' bf16 copy, which the AdamW kernel writes
+//! with each step, and bf16 activations) and accumulate in `f32`. A product writes bf16
+//! when its result feeds only another product or the attention, `f32` when it is a weight's
+//! gradient or adds into the residual stream or a LayerNorm's backward.
 //!
 //! ## Layout
 //!
@@ -41,7 +42,9 @@ use step03_cuda_forward::cudarc::driver::sys::{
 use step03_cuda_forward::cudarc::driver::{
     CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
-use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error};
+use step03_cuda_forward::{
+    DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error,
+};
 use step04_backward::cuda::DeviceGrads;
 
 use crate::TrainError;
@@ -73,9 +76,9 @@ pub enum AttentionKind {
     /// Step 03's forward kernel, which keeps each row's log-sum-exp, and step 04's backward
     /// kernels, which rebuild the probabilities from it: no `T × T` table.
     Flash,
-    /// Step 03's attention by hand (cuBLAS and a softmax kernel, the whole table of scores in
-    /// memory) and step 04's backward by hand (the probabilities and their gradient, two whole
-    /// tables), as PyTorch's eager attention runs.
+    /// Step 03's attention by hand (cuBLAS and a softmax kernel, the whole table of scores
+    /// in memory) and step 04's backward by hand (the probabilities and their gradient, two
+    /// whole tables), as PyTorch's eager attention runs.
     ByHand,
     // [step 06]
     /// Step 06's kernels: the forward and the backward with Hopper's products (compute
@@ -114,7 +117,7 @@ fn attention_forward(
                 // [step 06]
                 // step 06's layers keep the fused projection (AttentionActs::Fused): its
                 // kernels read q, k and v there, and no layer of that kind comes here
-                AttentionKind::Hopper => unreachable!("hopper layers read the fused projection"),
+                AttentionKind::Hopper => unreachable!("read from the fused projection"),
                 // [/step 06]
             });
             Ok(())
@@ -135,7 +138,9 @@ fn attention_backward(
 ) -> Result<DeviceGrads, AttnError> {
     match kind {
         AttentionKind::Flash => step04_backward::cuda::backward(gpu, q, k, v, fwd, dout),
-        AttentionKind::ByHand => step04_backward::cuda_by_hand::backward(gpu, q, k, v, fwd, dout),
+        AttentionKind::ByHand => {
+            step04_backward::cuda_by_hand::backward(gpu, q, k, v, fwd, dout)
+        }
         AttentionKind::Hopper => unreachable!("hopper layers read the fused projection"), // [step 06]
     }
 }
@@ -195,8 +200,8 @@ struct LayerActs {
     ln2: Buf<u16>,
     ln2_mean: Buf<f32>,
     ln2_rstd: Buf<f32>,
-    /// `[rows, 4C]` bf16: the MLP's first product (its bias not added). GELU's output is not
-    /// kept: the backward computes it again from this (see [`Scratch::gelu`]).
+    /// `[rows, 4C]` bf16: the MLP's first product (its bias not added). GELU's output is
+    /// not kept: the backward computes it again from this (see [`Scratch::gelu`]).
     fc: Buf<u16>,
 }
 
@@ -205,9 +210,9 @@ struct LayerActs {
 #[allow(clippy::large_enum_variant)]
 enum AttentionActs {
     /// q, k and v, `[B, H, T, D]` bf16 each as the attention kernels take them, moved there
-    /// from the fused projection's output; the attention's output and log-sum-exp (flash), or
-    /// its output and probabilities (by hand, allocated by its forward). With q, k and v, all
-    /// the backward needs.
+    /// from the fused projection's output; the attention's output and log-sum-exp (flash),
+    /// or its output and probabilities (by hand, allocated by its forward). With q, k and
+    /// v, all the backward needs.
     Heads {
         q: DeviceTensor,
         k: DeviceTensor,
@@ -215,10 +220,10 @@ enum AttentionActs {
         att: Option<DeviceAttention>,
     },
     // [step 06]
-    /// The fused projection's output itself, `[rows, 3C]` bf16 with its bias, and each row's
-    /// log-sum-exp, `[B, H, T]` f32: step 06's kernels read q, k and v where the projection
-    /// wrote them and write the output straight into the rows the output projection reads
-    /// (`att_rows`), so nothing is moved.
+    /// The fused projection's output itself, `[rows, 3C]` bf16 with its bias, and each
+    /// row's log-sum-exp, `[B, H, T]` f32: step 06's kernels read q, k and v where the
+    /// projection wrote them and write the output straight into the rows the output
+    /// projection reads (`att_rows`), so nothing is moved.
     Fused { qkv: Buf<u16>, lse: Buf<f32> },
     // [/step 06]
 }
@@ -227,18 +232,18 @@ enum AttentionActs {
 struct Scratch {
     /// `[rows, 3C]` bf16: the fused projection's output, before the re-layout.
     qkv: Buf<u16>,
-    /// `[rows, 4C]` bf16: a layer's GELU output, the MLP's second product's input. One buffer
-    /// for every layer: the forward uses it at once, and the backward's GELU kernel, which
-    /// reads the layer's `fc` anyway for the gradient through GELU, writes it again for the
-    /// output projection's weight gradient. Keeping it per layer instead would take
+    /// `[rows, 4C]` bf16: a layer's GELU output, the MLP's second product's input. One
+    /// buffer for every layer: the forward uses it at once, and the backward's GELU kernel,
+    /// which reads the layer's `fc` anyway for the gradient through GELU, writes it again
+    /// for the output projection's weight gradient. Keeping it per layer instead would take
     /// `rows × 4C × 2` bytes a layer (151 MB at GPT-2-small's shape and 12 × 2,048 tokens,
-    /// 1.8 GB over 12 layers) to save writing it once more a layer; llm.c recomputes GELU by
-    /// default for the same reason.
+    /// 1.8 GB over 12 layers) to save writing it once more a layer; llm.c recomputes GELU
+    /// by default for the same reason.
     gelu: Buf<u16>,
     /// `[rows, C]` f32: a product that adds into the residual stream.
     y: Buf<f32>,
-    /// `[rows, C]`: the residual stream's gradient, f32 and bf16, after an MLP half and after
-    /// an attention half.
+    /// `[rows, C]`: the residual stream's gradient, f32 and bf16, after an MLP half and
+    /// after an attention half.
     dres: Buf<f32>,
     dres16: Buf<u16>,
     dmid: Buf<f32>,
@@ -354,7 +359,8 @@ pub struct GpuTrainer {
     dlogits: Buf<u16>,
     s: Scratch,
     /// `[2·rows]` u8: the batch's inputs then its targets; `[rows + V + 1]` i32: the rows
-    /// sorted by input token, then where each token's rows start (the embedding's backward).
+    /// sorted by input token, then where each token's rows start (the embedding's
+    /// backward).
     batch_u8: Buf<u8>,
     batch_i32: Buf<i32>,
     profiler: Profiler,
@@ -363,8 +369,8 @@ pub struct GpuTrainer {
 }
 // ANCHOR_END: gpu_trainer
 
-/// Bytes a trainer of `config` for `batch × seq_len` allocates: weights, gradients, moments,
-/// activations and scratch (the attention's own temporaries aside).
+/// Bytes a trainer of `config` for `batch × seq_len` allocates: weights, gradients,
+/// moments, activations and scratch (the attention's own temporaries aside).
 pub fn bytes_needed(config: &Config, batch: usize, seq_len: usize) -> u64 {
     let (c, v, h) = (
         config.d_model as u64,
@@ -428,10 +434,10 @@ fn pool_attribute(
 }
 
 impl GpuTrainer {
-    /// A trainer on GPU 0 that starts from `start` (its weights, AdamW's moments and step), for
-    /// batches of `batch × seq_len` tokens. Fails, saying what is missing, without a GPU, its
-    /// driver, NVRTC or cuBLAS; and, saying how much it needs and how much is free, when the
-    /// GPU's memory cannot hold it.
+    /// A trainer on GPU 0 that starts from `start` (its weights, AdamW's moments and step),
+    /// for batches of `batch × seq_len` tokens. Fails, saying what is missing, without a
+    /// GPU, its driver, NVRTC or cuBLAS; and, saying how much it needs and how much is
+    /// free, when the GPU's memory cannot hold it.
     pub fn new(
         start: &Trainer,
         batch: usize,
@@ -486,14 +492,18 @@ impl GpuTrainer {
                 "head dim {d} (d_model {c} / heads {h}): the GPU trainer moves heads 8 values at a time, so it takes a multiple of 8"
             )));
         }
-        if attention == AttentionKind::Flash && !step04_backward::cuda::HEAD_DIMS.contains(&d) {
+        if attention == AttentionKind::Flash
+            && !step04_backward::cuda::HEAD_DIMS.contains(&d)
+        {
             return Err(TrainError::Config(format!(
                 "head dim {d} (d_model {c} / heads {h}): step 04's backward kernels take head dims {:?}",
                 step04_backward::cuda::HEAD_DIMS
             )));
         }
         // [step 06]
-        if attention == AttentionKind::Hopper && !step06_hopper::kernel::HEAD_DIMS.contains(&d) {
+        if attention == AttentionKind::Hopper
+            && !step06_hopper::kernel::HEAD_DIMS.contains(&d)
+        {
             return Err(TrainError::Config(format!(
                 "head dim {d} (d_model {c} / heads {h}): step 06's Hopper kernels take head dims {:?}",
                 step06_hopper::kernel::HEAD_DIMS
@@ -510,11 +520,12 @@ impl GpuTrainer {
         // a replica on another GPU (GPU 0 is open already: the first replica's)
         let gpu = on.unwrap_or(gpu);
         // [/step 07]
-        // SAFETY: everything here runs on one stream, in order, so cudarc need not record an
-        // event per buffer per launch to order streams
+        // SAFETY: everything here runs on one stream, in order, so cudarc need not record
+        // an event per buffer per launch to order streams
         unsafe { gpu.context().disable_event_tracking() };
-        // memory the step's temporaries (the backward's dq, dk, dv, attention by hand's table)
-        // give back stays in the pool for the next step instead of going back to the driver
+        // memory the step's temporaries (the backward's dq, dk, dv, attention by hand's
+        // table) give back stays in the pool for the next step instead of going back to the
+        // driver
         pool_attribute(
             gpu,
             CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
@@ -537,7 +548,9 @@ impl GpuTrainer {
                 .rev()
                 .find(|&b| bytes_needed(&config, b, seq_len) <= free as u64);
             let suggestion = match fits {
-                Some(b) => format!("at most {b} sequences a step fit on this GPU at this length"),
+                Some(b) => {
+                    format!("at most {b} sequences a step fit on this GPU at this length")
+                }
                 None => "not even one sequence fits on this GPU at this length".into(),
             };
             // a run that cannot be on this GPU: said before anything is allocated
@@ -847,8 +860,8 @@ impl GpuTrainer {
                         prof.mark(gpu, "matmul: qkv")?;
                         let kernel = ForwardKernel::for_shape(t, d);
                         // (inside this unsafe block) qkv holds rows · 3C bf16 values, each
-                        // third's span (Layout::span) ends inside it; att_rows holds rows · C,
-                        // lse rows · H f32, apart from qkv and each other
+                        // third's span (Layout::span) ends inside it; att_rows holds rows ·
+                        // C, lse rows · H f32, apart from qkv and each other
                         step06_hopper::forward::forward_into(
                             gpu,
                             kernel,
@@ -876,8 +889,8 @@ impl GpuTrainer {
                             0.0,
                         )?;
                         prof.mark(gpu, "matmul: qkv")?;
-                        // q, k, v: the fused projection's three column blocks, each with its
-                        // bias
+                        // q, k, v: the fused projection's three column blocks, each with
+                        // its bias
                         let qkv = (
                             dptr(&q.data, stream),
                             dptr(&key.data, stream),
@@ -888,7 +901,12 @@ impl GpuTrainer {
                         attention_forward(gpu, *attention, q, key, v, att)?;
                         prof.mark(gpu, "attention")?;
                         let out = &att.as_ref().expect("the forward wrote it").out;
-                        k.heads_rows(dptr(&out.data, stream), la.att_rows.ptr, true, heads)?;
+                        k.heads_rows(
+                            dptr(&out.data, stream),
+                            la.att_rows.ptr,
+                            true,
+                            heads,
+                        )?;
                         prof.mark(gpu, "heads to rows")?;
                     }
                 }
@@ -977,8 +995,8 @@ impl GpuTrainer {
     // ANCHOR_END: gpu_forward
 
     // ANCHOR: gpu_backward
-    /// The backward pass: every weight's gradient into the flat gradient buffer, each layer's
-    /// backward in the reverse order of the forward.
+    /// The backward pass: every weight's gradient into the flat gradient buffer, each
+    /// layer's backward in the reverse order of the forward.
     pub fn backward(&mut self) -> Result<(), TrainError> {
         let GpuTrainer {
             gpu,
@@ -1016,8 +1034,8 @@ impl GpuTrainer {
         let last = layers.len() - 1;
         // SAFETY: as in forward
         unsafe {
-            // logits = lnf · wteᵀ: dwte = dlogitsᵀ · lnf (the embedding adds its share at the
-            // end), dlnf = dlogits · wte
+            // logits = lnf · wteᵀ: dwte = dlogitsᵀ · lnf (the embedding adds its share at
+            // the end), dlnf = dlogits · wte
             blas.matmul(
                 vocab,
                 c,
@@ -1039,8 +1057,8 @@ impl GpuTrainer {
                 0.0,
             )?;
             prof.mark(gpu, "backward: matmul logits")?;
-            // the last LayerNorm; the residual gradient it writes sums to the last block's MLP
-            // output bias's gradient
+            // the last LayerNorm; the residual gradient it writes sums to the last block's
+            // MLP output bias's gradient
             k.layernorm_backward(
                 s.dln.ptr,
                 x_final.ptr,
@@ -1058,12 +1076,13 @@ impl GpuTrainer {
                 let w = lay.blocks[l];
                 let la = &layers[l];
                 // dres: the gradient of the block's output. The MLP half: its output
-                // projection, GELU (with its input bias's gradient), its input projection, its
-                // LayerNorm (which adds the residual's share and gives dmid, the gradient of
-                // x_mid, whose column sums are the attention projection's bias gradient)
-                // the gradient of GELU's output first: the GELU backward then writes GELU's
-                // output again (not kept: see Scratch::gelu) in the pass that reads fc for
-                // the gradient through GELU, and the weight gradient reads it after that
+                // projection, GELU (with its input bias's gradient), its input projection,
+                // its LayerNorm (which adds the residual's share and gives dmid, the
+                // gradient of x_mid, whose column sums are the attention projection's bias
+                // gradient) the gradient of GELU's output first: the GELU backward then
+                // writes GELU's output again (not kept: see Scratch::gelu) in the pass that
+                // reads fc for the gradient through GELU, and the weight gradient reads it
+                // after that
                 blas.matmul(
                     rows,
                     4 * c,
@@ -1157,9 +1176,9 @@ impl GpuTrainer {
                     // [step 06]
                     AttentionActs::Fused { qkv, lse } => {
                         // step 06's kernels read q, k, v where the forward's product wrote
-                        // them, the output and its gradient in rows, and write dq, dk and dv
-                        // straight into the fused projection's gradient: nothing to move,
-                        // only the bias's column sums to take
+                        // them, the output and its gradient in rows, and write dq, dk and
+                        // dv straight into the fused projection's gradient: nothing to
+                        // move, only the bias's column sums to take
                         let [q, key, v] = fused_thirds(qkv.ptr, shape);
                         let in_rows = |ptr| Strided {
                             ptr,
@@ -1176,10 +1195,11 @@ impl GpuTrainer {
                         // two passes: a step's gradients the same bits every run, so that a
                         // run can be repeated and resumed exactly (one pass adds dQ in
                         // whatever order its blocks finish)
-                        let kernels = step06_hopper::kernel::BackwardKernels::two_passes(t, d);
+                        let kernels =
+                            step06_hopper::kernel::BackwardKernels::two_passes(t, d);
                         let grads = fused_thirds(s.dqkv.ptr, shape).map(|g| g.ptr);
-                        // (inside this unsafe block) dqkv holds rows · 3C bf16 values, apart
-                        // from every input, and each third's span ends inside it; the
+                        // (inside this unsafe block) dqkv holds rows · 3C bf16 values,
+                        // apart from every input, and each third's span ends inside it; the
                         // thirds' columns are apart
                         step06_hopper::backward::backward_into(
                             gpu,
@@ -1191,22 +1211,40 @@ impl GpuTrainer {
                             HeadLayout::fused_rows(shape),
                         )?;
                         prof.mark(gpu, "backward: attention")?;
-                        k.column_sums(s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), rows, 3 * c)?;
+                        k.column_sums(
+                            s.dqkv.ptr,
+                            s.col_partial.ptr,
+                            g32(w.attn_b),
+                            rows,
+                            3 * c,
+                        )?;
                         prof.mark(gpu, "backward: qkv bias")?;
                     }
                     // [/step 06]
                     AttentionActs::Heads { q, k: key, v, att } => {
-                        k.heads_rows(s.datt_rows.ptr, dptr(&s.dout.data, stream), false, heads)?;
+                        k.heads_rows(
+                            s.datt_rows.ptr,
+                            dptr(&s.dout.data, stream),
+                            false,
+                            heads,
+                        )?;
                         prof.mark(gpu, "backward: rows to heads")?;
                         let fwd = att.as_ref().expect("the forward ran");
-                        let g = attention_backward(gpu, *attention, q, key, v, fwd, &s.dout)?;
+                        let g =
+                            attention_backward(gpu, *attention, q, key, v, fwd, &s.dout)?;
                         prof.mark(gpu, "backward: attention")?;
                         let dqkv = (
                             dptr(&g.dq.data, stream),
                             dptr(&g.dk.data, stream),
                             dptr(&g.dv.data, stream),
                         );
-                        k.heads_to_qkv(dqkv, s.dqkv.ptr, s.col_partial.ptr, g32(w.attn_b), heads)?;
+                        k.heads_to_qkv(
+                            dqkv,
+                            s.dqkv.ptr,
+                            s.col_partial.ptr,
+                            g32(w.attn_b),
+                            heads,
+                        )?;
                         // freed in stream order, after the kernel above has read them
                         drop(g);
                         prof.mark(gpu, "backward: heads to qkv")?;
@@ -1233,8 +1271,8 @@ impl GpuTrainer {
                     0.0,
                 )?;
                 prof.mark(gpu, "backward: matmul qkv")?;
-                // the block's input is the block before's output: its residual gradient sums
-                // to that block's MLP output bias's gradient
+                // the block's input is the block before's output: its residual gradient
+                // sums to that block's MLP output bias's gradient
                 k.layernorm_backward(
                     s.dln.ptr,
                     la.x.ptr,
@@ -1261,8 +1299,8 @@ impl GpuTrainer {
 
     // ANCHOR: gpu_optimizer
     /// The gradients' global norm, then one AdamW step of every weight at rate `lr`, the
-    /// gradients clipped to norm `clip`: two reductions and one kernel, and no trip to the host
-    /// (the AdamW kernel reads the norm where the reduction left it).
+    /// gradients clipped to norm `clip`: two reductions and one kernel, and no trip to the
+    /// host (the AdamW kernel reads the norm where the reduction left it).
     pub fn optimizer_step(&mut self, lr: f32, clip: f32) -> Result<(), TrainError> {
         self.t += 1;
         let a = self.adamw;
@@ -1298,7 +1336,8 @@ impl GpuTrainer {
     }
     // ANCHOR_END: gpu_optimizer
 
-    /// The loss and the gradients' norm of the last step, copied back (this waits for the GPU).
+    /// The loss and the gradients' norm of the last step, copied back (this waits for the
+    /// GPU).
     fn read_scalars(&mut self) -> Result<[f32; 2], TrainError> {
         let mut out = [0f32; 2];
         self.gpu
@@ -1309,7 +1348,8 @@ impl GpuTrainer {
         Ok(out)
     }
 
-    /// Forward and backward on one batch, leaving the gradients on the GPU; returns the loss.
+    /// Forward and backward on one batch, leaving the gradients on the GPU; returns the
+    /// loss.
     pub fn forward_backward(
         &mut self,
         inputs: ArrayView2<u8>,

@@ -1,27 +1,29 @@
 //! Data parallelism (step 07): one replica of the GPU trainer on each of several GPUs, each
-//! taking its share of the batch, their gradients averaged by NCCL before each replica's own
-//! clipping and AdamW step.
+//! taking its share of the batch, their gradients averaged by NCCL before each replica's
+//! own clipping and AdamW step.
 //!
 //! A step on `N` GPUs is the step one GPU takes on the same batch. Rank `r` takes rows
 //! `r·B/N .. (r+1)·B/N` of the `B` sequences step 05 draws for the step, and its backward
-//! leaves the mean gradient over its rows' tokens. Every rank holds as many tokens, so the mean
-//! of the `N` ranks' means, which the all-reduce leaves on every rank, is the mean over the
-//! whole batch: one GPU's gradient, up to the order of the sums. From identical gradients, each
-//! replica computes the same norm, clips the same way and takes the same AdamW step from the
-//! same weights and moments, so the replicas stay identical without ever sending a weight.
+//! leaves the mean gradient over its rows' tokens. Every rank holds as many tokens, so the
+//! mean of the `N` ranks' means, which the all-reduce leaves on every rank, is the mean
+//! over the whole batch: one GPU's gradient, up to the order of the sums. From identical
+//! gradients, each replica computes the same norm, clips the same way and takes the same
+//! AdamW step from the same weights and moments, so the replicas stay identical without
+//! ever sending a weight.
 //!
-//! One thread drives every GPU. A step's launches are asynchronous: the thread queues rank 0's
-//! forward, then rank 1's, and so on, while the GPUs already work; the all-reduce of all ranks is
-//! one NCCL group (`ncclGroupStart` … `ncclGroupEnd`), which is how a single thread must call a
-//! collective over several GPUs (it would wait forever in rank 0's call for rank 1's otherwise).
-//! Each rank's all-reduce sits on its replica's stream, after its backward and before its
-//! optimizer step: no wait on the host between them.
+//! One thread drives every GPU. A step's launches are asynchronous: the thread queues rank
+//! 0's forward, then rank 1's, and so on, while the GPUs already work; the all-reduce of
+//! all ranks is one NCCL group (`ncclGroupStart` … `ncclGroupEnd`), which is how a single
+//! thread must call a collective over several GPUs (it would wait forever in rank 0's call
+//! for rank 1's otherwise). Each rank's all-reduce sits on its replica's stream, after its
+//! backward and before its optimizer step: no wait on the host between them.
 //!
 //! ## Layout
 //!
-//! - [`local_batch`]: the share of the batch each GPU takes, or why the batch does not split.
-//! - [`DataParallel`]: the replicas and their communicators, [`DataParallel::all_reduce`], and the
-//!   [`Learner`] the training loop drives.
+//! - [`local_batch`]: the share of the batch each GPU takes, or why the batch does not
+//!   split.
+//! - [`DataParallel`]: the replicas and their communicators, [`DataParallel::all_reduce`],
+//!   and the [`Learner`] the training loop drives.
 
 use std::time::Instant;
 
@@ -39,8 +41,8 @@ use crate::model::Config;
 use crate::train::{Hardware, Learner, PhaseRecord, Settings, StepRecord, Trainer};
 
 // ANCHOR: local_batch
-/// Sequences each of `gpus` GPUs takes of a step's `batch`: `--batch` is the global batch, so a
-/// run on two GPUs sees the batches of a run on one.
+/// Sequences each of `gpus` GPUs takes of a step's `batch`: `--batch` is the global batch,
+/// so a run on two GPUs sees the batches of a run on one.
 pub fn local_batch(batch: usize, gpus: usize) -> Result<usize, TrainError> {
     if gpus == 0 {
         return Err(TrainError::Config(
@@ -82,9 +84,10 @@ pub struct DataParallel {
 }
 
 impl DataParallel {
-    /// A replica of `start` (its weights, AdamW's moments and step) on each of `gpus`, rank `r`
-    /// on `gpus[r]`, for steps of `batch` sequences of `seq_len` tokens over all of them
-    /// ([`local_batch`] each). Only rank 0 profiles (`profile`), the all-reduce among its phases.
+    /// A replica of `start` (its weights, AdamW's moments and step) on each of `gpus`, rank
+    /// `r` on `gpus[r]`, for steps of `batch` sequences of `seq_len` tokens over all of
+    /// them ([`local_batch`] each). Only rank 0 profiles (`profile`), the all-reduce among
+    /// its phases.
     pub fn new(
         start: &Trainer,
         gpus: &[&'static Gpu],
@@ -161,9 +164,9 @@ impl DataParallel {
     // ANCHOR_END: batch_split
 
     // ANCHOR: all_reduce
-    /// Every rank's gradients become the mean of all ranks': one in-place all-reduce of the flat
-    /// `f32` gradient buffer per rank, queued on the rank's stream after its backward, all of
-    /// them in one NCCL group since one thread calls them all.
+    /// Every rank's gradients become the mean of all ranks': one in-place all-reduce of the
+    /// flat `f32` gradient buffer per rank, queued on the rank's stream after its backward,
+    /// all of them in one NCCL group since one thread calls them all.
     pub fn all_reduce(&mut self) -> Result<(), TrainError> {
         for (replica, (before, _)) in self.replicas.iter().zip(&self.marks) {
             before
@@ -213,8 +216,8 @@ impl DataParallel {
         Ok(((sum / self.replicas.len() as f64) as f32, norm))
     }
 
-    /// The loss of one batch of [`DataParallel::batch`] sequences, split over the GPUs, without
-    /// gradients.
+    /// The loss of one batch of [`DataParallel::batch`] sequences, split over the GPUs,
+    /// without gradients.
     pub fn loss(
         &mut self,
         inputs: ArrayView2<u8>,
@@ -227,8 +230,8 @@ impl DataParallel {
         Ok(self.read_scalars()?.0)
     }
 
-    /// The weights, AdamW's state and the step of rank 0 (every rank's are the same), copied
-    /// back: a CPU [`Trainer`], which saves checkpoints.
+    /// The weights, AdamW's state and the step of rank 0 (every rank's are the same),
+    /// copied back: a CPU [`Trainer`], which saves checkpoints.
     pub fn to_trainer(&self) -> Result<Trainer, TrainError> {
         self.replicas[0].to_trainer()
     }
@@ -236,10 +239,12 @@ impl DataParallel {
     /// After every GPU has finished a step: each rank's all-reduce time, rank 0's profile.
     fn finish_step(&mut self) -> Result<(), TrainError> {
         if self.seen > 0 {
-            for (total, (before, after)) in self.allreduce_total.iter_mut().zip(&self.marks) {
+            for (total, (before, after)) in self.allreduce_total.iter_mut().zip(&self.marks)
+            {
                 *total += before
                     .elapsed_ms(after)
-                    .map_err(event_error("reading an event"))? as f64;
+                    .map_err(event_error("reading an event"))?
+                    as f64;
             }
             self.timed += 1;
         }

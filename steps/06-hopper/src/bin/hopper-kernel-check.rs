@@ -1,7 +1,7 @@
-//! Compiles every kernel this step's methods launch with NVRTC for `sm_90a` and assembles it
-//! with `ptxas -v`, printing registers, shared memory and spills; exits non-zero on a failed
-//! compile or any spill. Needs no GPU: CI runs it with NVRTC and ptxas from PyPI, as step 03's
-//! `kernel-check`.
+//! Compiles every kernel this step's methods launch with NVRTC for `sm_90a` and assembles
+//! it with `ptxas -v`, printing registers, shared memory and spills; exits non-zero on a
+//! failed compile or any spill. Needs no GPU: CI runs it with NVRTC and ptxas from PyPI, as
+//! step 03's `kernel-check`.
 //!
 //! `cargo run -p step06-hopper --bin hopper-kernel-check [-- --ptxas PATH]`
 
@@ -10,15 +10,18 @@ use std::process::ExitCode;
 use clap::Parser;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::ptxas::{self, Variant};
-use step06_hopper::kernel::{BackwardKernels, BackwardRung, ForwardKernel, ForwardRung, HEAD_DIMS};
+use step06_hopper::kernel::{
+    BackwardKernels, BackwardRung, ForwardKernel, ForwardRung, HEAD_DIMS,
+};
 use step06_hopper::layout::TmaRank;
 
-/// Compiles every forward rung and backward kernel the methods launch, at both head dims, in
-/// bf16 and f16, with the tensor maps of [batch, heads, tokens, head_dim] tensors and of any
-/// strides (the trainer's), with NVRTC for `sm_90a`, and assembles each with `ptxas -v`.
+/// Compiles every forward rung and backward kernel the methods launch, at both head dims,
+/// in bf16 and f16, with the tensor maps of [batch, heads, tokens, head_dim] tensors and of
+/// any strides (the trainer's), with NVRTC for `sm_90a`, and assembles each with `ptxas
+/// -v`.
 ///
-/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC (libnvrtc.so
-/// on LD_LIBRARY_PATH) and ptxas, but no GPU.
+/// Exits non-zero on a failed compile or assembly, or on any spill. Needs NVRTC
+/// (libnvrtc.so on LD_LIBRARY_PATH) and ptxas, but no GPU.
 #[derive(Parser, Debug)]
 #[command(name = "hopper-kernel-check")]
 struct Args {
@@ -35,7 +38,8 @@ const LENGTHS: [usize; 5] = [1, 2049, 4097, 8193, 1 << 14];
 
 fn main() -> ExitCode {
     let Args { mut flags, only } = Args::parse();
-    let wanted = |name: &str| only.is_empty() || only.iter().any(|s| name.contains(s.as_str()));
+    let wanted =
+        |name: &str| only.is_empty() || only.iter().any(|s| name.contains(s.as_str()));
     // wgmma and setmaxnreg exist on sm_90a only
     if flags.arch == "sm_90" {
         flags.arch = "sm_90a".into();

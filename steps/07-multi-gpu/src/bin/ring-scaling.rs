@@ -1,12 +1,13 @@
-//! How the ring scales: the forward, and the forward and backward, at a fixed number of tokens
-//! per GPU, on one GPU (step 03's and step 04's kernels over the whole sequence, `T = N · per
-//! GPU`) and on N GPUs (the ring, one rank per GPU, NCCL). Prints TFLOP/s and the scaling
-//! efficiency `t1 / (N · tN)`, the ring's time with only its transfers and with only its blocks
-//! (the overlap: with perfect overlap the whole takes the longer of the two), and the memory
-//! per GPU; from that memory per token, the longest sequence each GPU count could take
-//! (computed, not run). Writes the numbers as JSON to `--out`.
+//! How the ring scales: the forward, and the forward and backward, at a fixed number of
+//! tokens per GPU, on one GPU (step 03's and step 04's kernels over the whole sequence, `T
+//! = N · per GPU`) and on N GPUs (the ring, one rank per GPU, NCCL). Prints TFLOP/s and the
+//! scaling efficiency `t1 / (N · tN)`, the ring's time with only its transfers and with
+//! only its blocks (the overlap: with perfect overlap the whole takes the longer of the
+//! two), and the memory per GPU; from that memory per token, the longest sequence each GPU
+//! count could take (computed, not run). Writes the numbers as JSON to `--out`.
 //!
-//! `ring-scaling [--gpus N] [--tokens-per-gpu 65536] [--batch 4] [--heads 12] [--runs 5] [--out FILE]`
+//! `ring-scaling [--gpus N] [--tokens-per-gpu 65536] [--batch 4] [--heads 12] [--runs 5]
+//! [--out FILE]`
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -95,7 +96,10 @@ struct Report {
 }
 
 /// Warm-up, then the median of `runs` timed calls.
-fn timed(runs: usize, mut f: impl FnMut() -> Result<f64, AttnError>) -> Result<f64, AttnError> {
+fn timed(
+    runs: usize,
+    mut f: impl FnMut() -> Result<f64, AttnError>,
+) -> Result<f64, AttnError> {
     let start = Instant::now();
     // at least two calls and 200 ms of warm-up (clocks up, kernels compiled, pools grown)
     let mut n = 0;
@@ -213,15 +217,18 @@ fn run(args: &Args) -> Result<Report, AttnError> {
     );
     drop((q, k, v, dout));
     for &pass in &passes {
-        let call =
-            |ring: &RingAttention, qs: &[Shard], ks: &[Shard], vs: &[Shard], ds: &[Shard]| {
-                let fwd = ring.forward(qs, ks, vs)?;
-                if pass == Pass::Forward {
-                    return Ok((fwd, None));
-                }
-                let g = ring.backward(qs, ks, vs, &fwd, ds)?;
-                Ok::<_, AttnError>((fwd, Some(g)))
-            };
+        let call = |ring: &RingAttention,
+                    qs: &[Shard],
+                    ks: &[Shard],
+                    vs: &[Shard],
+                    ds: &[Shard]| {
+            let fwd = ring.forward(qs, ks, vs)?;
+            if pass == Pass::Forward {
+                return Ok((fwd, None));
+            }
+            let g = ring.backward(qs, ks, vs, &fwd, ds)?;
+            Ok::<_, AttnError>((fwd, Some(g)))
+        };
         for (what, parts) in [
             ("ring", Parts::Both),
             ("ring, blocks only", Parts::ComputeOnly),
