@@ -29,6 +29,7 @@ Usage (optional, outside the Rust build; needs only PyTorch):
   python3 charts/peers/pytorch_peers.py --out charts/data/cpu-pytorch.json
   python3 charts/peers/pytorch_peers.py --device cuda --out charts/data/gpu-pytorch.json
   python3 charts/peers/pytorch_peers.py --device cuda --backward --out charts/data/gpu-pytorch-fwd-bwd.json
+  python3 charts/peers/pytorch_peers.py --decode --out charts/data/decode-pytorch.json  # [step 08]
 """
 import argparse
 import datetime
@@ -359,6 +360,102 @@ def commit():
         return "unknown"
 
 
+# [step 08]
+def decode_sweep(args):
+    """Decoding, as decode-bench measures ours: scaled_dot_product_attention with one query
+    row (or --q-rows) of every query head against a cache of --contexts tokens, enable_gqa
+    where the kv heads are fewer than the query heads, bf16 on the GPU; no mask (with one row,
+    the row sees the whole cache; is_causal would align the diagonal to the start). Timed
+    as measure_cuda times (CUDA events, the spin, the median of --runs) after --warmup-ms of
+    warm-up; then, after the sweep, one call of each shape under the profiler names the
+    operation and kernels that ran. Rows carry decode-bench's keys."""
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    device = describe("cuda")
+    print(f"device: {device}")
+    print(f"decoding: {args.heads} query heads, {args.q_rows} row(s) each, {args.dtype}; "
+          f"median of {args.runs} runs after {args.warmup_ms} ms of warm-up")
+    print(f"{'d':>4} {'kv':>3} {'batch':>5} {'context':>7} | {'us':>9} {'GB/s':>7}  note")
+    rows, sha = [], commit()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    what = f"torch {torch.__version__} SDPA default (no backend forced), one query row a head"
+
+    def make(batch, kv, context, d):
+        g = torch.Generator(device="cuda").manual_seed(SEED)
+        q = torch.randn(batch, args.heads, args.q_rows, d, generator=g, device="cuda", dtype=dtype)
+        k = torch.randn(batch, kv, context, d, generator=g, device="cuda", dtype=dtype)
+        v = torch.randn(batch, kv, context, d, generator=g, device="cuda", dtype=dtype)
+        return q, k, v
+
+    def call(q, k, v):
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
+
+    shapes = [(d, kv, b, t) for d in args.head_dims for kv in args.kv_heads for b in args.batches
+              for t in args.lengths]
+    for d, kv, batch, context in shapes:
+        nbytes = 2 * batch * kv * context * d * 2
+        us = error = None
+        free = torch.cuda.mem_get_info()[0]
+        if nbytes > 0.9 * free:
+            error = f"the cache needs {nbytes / 1e9:.1f} GB and the GPU has {free / 1e9:.1f} GB free"
+        else:
+            try:
+                q, k, v = make(batch, kv, context, d)
+                warm = 0.0
+                while warm < args.warmup_ms:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    call(q, k, v)
+                    end.record()
+                    torch.cuda.synchronize()
+                    warm += max(start.elapsed_time(end), 0.01)
+                times = []
+                for _ in range(args.runs):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda._sleep(1_000_000)
+                    start.record()
+                    call(q, k, v)
+                    end.record()
+                    torch.cuda.synchronize()
+                    times.append(start.elapsed_time(end))
+                us = statistics.median(times) * 1e3
+            except RuntimeError as e:  # torch.OutOfMemoryError is one
+                error = f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+            finally:
+                q = k = v = None
+                torch.cuda.empty_cache()
+        gb_s = nbytes / (us * 1e-6) / 1e9 if us else None
+        rows.append(dict(method="pytorch_sdpa", implementation=what, device=device, commit=sha,
+                         date=date, batch=batch, q_heads=args.heads, kv_heads=kv, q_rows=args.q_rows,
+                         context=context, head_dim=d, dtype=args.dtype, page_size=None, splits=None,
+                         runs=args.runs, us=us, bytes=nbytes, gb_s=gb_s, fraction_of_read=None,
+                         error=error))
+        print(f"{d:>4} {kv:>3} {batch:>5} {context:>7} | {'-' if us is None else f'{us:.1f}':>9} "
+              f"{'-' if gb_s is None else f'{gb_s:.0f}':>7}  {error or ''}", flush=True)
+        if args.out:
+            write_rows(args.out, rows)
+    print("\nwhat SDPA ran (torch.profiler, one call per shape after a warm-up):")
+    said = None
+    for row in rows:
+        if row["error"]:
+            continue
+        q, k, v = make(row["batch"], row["kv_heads"], row["context"], row["head_dim"])
+        call(q, k, v)
+        ops, kernels = what_ran(call, (q, k, v), None, True)
+        q = k = v = None
+        torch.cuda.empty_cache()
+        row["implementation"] = ran_line(row["implementation"], ops, kernels, True)
+        ran = (ops, kernels)
+        if ran != said:
+            print(f"  from d {row['head_dim']}, kv {row['kv_heads']}, batch {row['batch']}, "
+                  f"context {row['context']}: {', '.join(ops)}; kernels: {', '.join(kernels)}")
+        said = ran
+    if args.out:
+        write_rows(args.out, rows)
+        print(f"\nwrote {len(rows)} rows to {args.out}")
+# [/step 08]
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -372,6 +469,30 @@ def parse_args(argv):
     p.add_argument("--backward", action="store_true", help="time forward and backward (pass fwd+bwd)")
     p.add_argument("--out", help="write the rows as JSON (e.g. charts/data/cpu-pytorch.json)")
     p.add_argument("--peak-child", action="store_true", help=argparse.SUPPRESS)
+    # [step 08]
+    p.add_argument("--decode", action="store_true",
+                   help="decoding on the GPU, as decode-bench: one query row of --heads (default 32) "
+                        "query heads against caches of --lengths tokens (default 1k to 128k)")
+    p.add_argument("--batches", type=lambda s: [int(t) for t in s.split(",") if t], default=[1, 8, 64],
+                   help="--decode: sequences decoded together")
+    p.add_argument("--kv-heads", type=lambda s: [int(t) for t in s.split(",") if t], default=[32, 8],
+                   help="--decode: kv heads (fewer than --heads: grouped-query attention)")
+    p.add_argument("--head-dims", type=lambda s: [int(t) for t in s.split(",") if t], default=[64, 128],
+                   help="--decode: head dims")
+    p.add_argument("--q-rows", type=int, default=1, help="--decode: query rows of each head")
+    p.add_argument("--warmup-ms", type=float, default=50.0, help="--decode: milliseconds of warm-up")
+    if "--decode" in argv:
+        a = p.parse_args(argv)
+        a.device, a.dtype = "cuda", a.dtype or "bf16"
+        a.heads = a.heads if "--heads" in argv else 32
+        a.lengths = a.lengths or [1 << p for p in range(10, 18)]
+        a.runs = a.runs if "--runs" in argv else 30
+        if a.dtype not in ("bf16", "f16"):
+            p.error("--decode measures a bf16 or f16 cache")
+        if any(a.heads % kv for kv in a.kv_heads):
+            p.error(f"--kv-heads {a.kv_heads} must each divide --heads {a.heads}")
+        return a
+    # [/step 08]
     a = p.parse_args(argv)
     cuda = a.device == "cuda"
     a.lengths = a.lengths or [1 << p for p in range(10, 15 if cuda else 14)]
@@ -401,6 +522,11 @@ def main(argv):
     if args.peak_child:
         peak_child(args)
         return
+    # [step 08]
+    if args.decode:
+        decode_sweep(args)
+        return
+    # [/step 08]
     device = describe(args.device)
     cuda = args.device == "cuda"
     chosen = {n: m for n, m in methods(args.device).items() if n in args.methods}

@@ -1,21 +1,21 @@
 //! # The charts
 //!
-//! Reads the benchmark's rows (`charts/data/*.json`, written by `cargo run --release -- --out`
-//! and by `charts/peers/pytorch_peers.py`) and draws SVG charts with plotters:
+//! Reads the benchmark's rows (`charts/data/*.json`, written by `cargo run --release --
+//! --out` and by `charts/peers/pytorch_peers.py`) and draws SVG charts with plotters:
 //!
 //! - CPU: peak memory against length, and time against length, both on log scales (one pair
 //!   for each pass found, `fwd` and `fwd+bwd`);
-//! - GPU: TFLOP/s against length, and peak memory against length on a log scale, for `fwd` and
-//!   for `fwd+bwd`;
-//! - for each of those groups, the rows as Markdown tables (`cpu.md`, `gpu-fwd.md`, ...) that the
-//!   book includes, so the book's numbers are the JSON's: a row per length, a column per method,
-//!   and our best method's speed against the peers of `VERSUS`.
+//! - GPU: TFLOP/s against length, and peak memory against length on a log scale, for `fwd`
+//!   and for `fwd+bwd`;
+//! - for each of those groups, the rows as Markdown tables (`cpu.md`, `gpu-fwd.md`, ...)
+//!   that the book includes, so the book's numbers are the JSON's: a row per length, a
+//!   column per method, and our best method's speed against the peers of `VERSUS`.
 //!
-//! Every method looks the same wherever it appears: one colour, one marker and one legend in
-//! words, from `STYLES` (ours in blues and greens with filled markers and solid lines, the
-//! peers in oranges, reds and greys with hollow markers and dashed lines); a method the table
-//! does not know gets a look from its name. The SVGs carry a `viewBox` and no fixed size, so
-//! they scale to the book's column.
+//! Every method looks the same wherever it appears: one colour, one marker and one legend
+//! in words, from `STYLES` (ours in blues and greens with filled markers and solid lines,
+//! the peers in oranges, reds and greys with hollow markers and dashed lines); a method the
+//! table does not know gets a look from its name. The SVGs carry a `viewBox` and no fixed
+//! size, so they scale to the book's column.
 //!
 //! The drawing is a pure function of the rows: the same JSON gives byte-identical SVG, so
 //! regenerating the committed charts shows no diff (a test checks both).
@@ -39,10 +39,11 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 pub mod train; // [step 05]
 
 /// Measurements with charts of their own, apart from the main CPU and GPU ones: the rows of
-/// `data/NAME*.json` draw `NAME-*.md` and, as the set says, `NAME-*.svg`. A step whose method is
-/// measured in a call of its own (with the peers measured again beside it) keeps its rows here,
-/// so the charts of earlier chapters stay as those chapters measured them. A file belongs to the
-/// first set its name starts with, so a longer name comes before its prefix.
+/// `data/NAME*.json` draw `NAME-*.md` and, as the set says, `NAME-*.svg`. A step whose
+/// method is measured in a call of its own (with the peers measured again beside it) keeps
+/// its rows here, so the charts of earlier chapters stay as those chapters measured them. A
+/// file belongs to the first set its name starts with, so a longer name comes before its
+/// prefix.
 pub const SETS: &[(&str, Drawn)] = &[
     // [step 06]
     ("hopper-ladder-d128", Drawn::Tables),
@@ -52,8 +53,8 @@ pub const SETS: &[(&str, Drawn)] = &[
     // [/step 06]
 ];
 
-/// What a set draws besides the main set's charts: its tables always (time, rate, peak memory
-/// and the ratios), and the charts the book shows of it.
+/// What a set draws besides the main set's charts: its tables always (time, rate, peak
+/// memory and the ratios), and the charts the book shows of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Drawn {
     /// The tables alone.
@@ -65,12 +66,13 @@ pub enum Drawn {
 impl Drawn {
     /// Whether a set drawn so writes the file `name` (as `render_all` names it).
     fn writes(self, name: &str) -> bool {
-        !name.ends_with(".svg") || (self == Drawn::TablesAndRate && !name.contains("peak-memory"))
+        !name.ends_with(".svg")
+            || (self == Drawn::TablesAndRate && !name.contains("peak-memory"))
     }
 }
 
-/// Every chart and table of `dir/data/*.json`, as `(file name, text)`: the main set's from the
-/// files no [`SETS`] name starts, and each set's, prefixed with its name.
+/// Every chart and table of `dir/data/*.json`, as `(file name, text)`: the main set's from
+/// the files no [`SETS`] name starts, and each set's, prefixed with its name.
 pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
     let data = dir.join("data");
     let mut charts = Vec::new();
@@ -112,6 +114,18 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
     Ok(charts)
 }
 
+// [step 08]
+/// Chapter 8's measurements (`decode-bench` and the PyTorch peer's `--decode`, `generate
+/// --out`): rows with keys of their own, which the chapter's tables read, not these charts.
+fn is_inference_file(p: &Path) -> bool {
+    p.file_name().is_some_and(|f| {
+        ["decode", "generate-"]
+            .iter()
+            .any(|n| f.to_string_lossy().starts_with(n))
+    })
+}
+// [/step 08]
+
 /// Every row of every `*.json` file in `dir`, the files taken in name order.
 pub fn read_dir(dir: &Path) -> Result<Vec<Row>, String> {
     read_files(dir, |_| true)
@@ -124,6 +138,7 @@ fn read_files(dir: &Path, keep: impl Fn(&Path) -> bool) -> Result<Vec<Row>, Stri
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "json") && keep(p))
         .filter(|p| !train::is_run_file(p)) // [step 05]
+        .filter(|p| !is_inference_file(p)) // [step 08]
         .collect();
     files.sort();
     let mut rows = Vec::new();
@@ -173,8 +188,8 @@ impl Quantity {
     }
 }
 
-/// How one method looks everywhere it appears: the same colour, marker and words in every chart
-/// and every table, whatever else the data holds.
+/// How one method looks everywhere it appears: the same colour, marker and words in every
+/// chart and every table, whatever else the data holds.
 struct Style {
     /// the method's name in the JSON rows
     name: &'static str,
@@ -188,13 +203,13 @@ struct Style {
     step: Option<u8>,
     colour: RGBColor,
     marker: Marker,
-    /// the method whose peak memory this one's is, byte for byte: the memory charts and tables
-    /// leave this one out, as its line would only hide under the other's
+    /// the method whose peak memory this one's is, byte for byte: the memory charts and
+    /// tables leave this one out, as its line would only hide under the other's
     same_memory_as: Option<&'static str>,
 }
 
-/// Shapes that tell the methods apart in grey as well as in colour; ours are filled, the peers'
-/// hollow (and their lines dashed).
+/// Shapes that tell the methods apart in grey as well as in colour; ours are filled, the
+/// peers' hollow (and their lines dashed).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Marker {
     Circle,
@@ -247,8 +262,8 @@ const fn peer(
 }
 // [/step 02]
 
-/// Every method's look, ours in blues and greens, the peers in oranges, reds and greys; charts
-/// and tables list the methods in this order, ours first.
+/// Every method's look, ours in blues and greens, the peers in oranges, reds and greys;
+/// charts and tables list the methods in this order, ours first.
 #[rustfmt::skip]
 const STYLES: &[Style] = &[
     ours("naive", "attention by hand", "by hand", 1, RGBColor(0x08, 0x51, 0x9c), Marker::Circle),
@@ -268,13 +283,17 @@ const STYLES: &[Style] = &[
     },
     Style {
         same_memory_as: Some("cuda_flash"),
-        ..ours("cuda_mma_sync_loads", "ladder rung 3: tensor cores", "rung 3", 3, RGBColor(0x74, 0xc4, 0x76), Marker::TriangleDown)
+        ..ours("cuda_mma", "ladder rung 3: tensor cores, plain loads", "rung 3", 3, RGBColor(0x1c, 0x90, 0x99), Marker::Cross)
+    },
+    Style {
+        same_memory_as: Some("cuda_flash"),
+        ..ours("cuda_ldmatrix", "ladder rung 4: ldmatrix, swizzled tiles", "rung 4", 3, RGBColor(0x74, 0xc4, 0x76), Marker::TriangleDown)
     },
     ours("cuda_flash", "FlashAttention kernel", "flash", 3, RGBColor(0x00, 0x6d, 0x2c), Marker::Square),
     // [/step 03]
     // [step 06]
-    // the Hopper ladder, rung by rung (each in the same memory as the kernel that runs), then
-    // the kernel that runs
+    // the Hopper ladder, rung by rung (each in the same memory as the kernel that runs),
+    // then the kernel that runs
     Style {
         same_memory_as: Some("cuda_hopper"),
         ..ours("hopper_wgmma", "Hopper rung 1: TMA and wgmma", "wgmma", 6, RGBColor(0xa6, 0xbd, 0xdb), Marker::Triangle)
@@ -364,9 +383,9 @@ struct Look {
     same_memory_as: Option<&'static str>,
 }
 
-/// `method`'s twin in memory (its style's `same_memory_as`) where `rows` bear it out: at every
-/// length `method` was measured at, the twin took the same bytes. A method whose memory has
-/// come apart from its twin's (a pass given a buffer of its own) is
+/// `method`'s twin in memory (its style's `same_memory_as`) where `rows` bear it out: at
+/// every length `method` was measured at, the twin took the same bytes. A method whose
+/// memory has come apart from its twin's (a pass given a buffer of its own) is
 /// drawn and tabled on its own.
 fn memory_twin(method: &str, rows: &[&Row]) -> Option<&'static str> {
     let twin = look(method, rows.first()?.device_kind).same_memory_as?;
@@ -425,20 +444,23 @@ fn look(method: &str, device: Device) -> Look {
 }
 
 impl Look {
-    /// The legend's words with the step that brings the method: `(step 02)`; a pass with the
-    /// backward adds the step that brings every backward, `(steps 02 and 04)`, `(steps 03–04)`.
+    /// The legend's words with the step that brings the method: `(step 02)`; a pass with
+    /// the backward adds the step that brings every backward, `(steps 02 and 04)`, `(steps
+    /// 03–04)`.
     fn label(&self, pass: Pass) -> String {
         match self.step {
             None => self.words.clone(),
-            Some(s) if pass == Pass::Forward || s >= 4 => format!("{} (step {s:02})", self.words),
+            Some(s) if pass == Pass::Forward || s >= 4 => {
+                format!("{} (step {s:02})", self.words)
+            }
             Some(3) => format!("{} (steps 03–04)", self.words),
             Some(s) => format!("{} (steps {s:02} and 04)", self.words),
         }
     }
 }
 
-/// Every chart the rows call for, as `(file name, SVG)`, and the book's table of each group of
-/// rows, as `(file name, Markdown)`, in a fixed order.
+/// Every chart the rows call for, as `(file name, SVG)`, and the book's table of each group
+/// of rows, as `(file name, Markdown)`, in a fixed order.
 pub fn render_all(rows: &[Row]) -> Result<Vec<(String, String)>, String> {
     let mut charts = Vec::new();
     for &pass in Pass::ALL {
@@ -524,8 +546,8 @@ fn failure(error: &str) -> &'static str {
     }
 }
 
-/// Three significant digits, and all the digits of the whole part: `0.0318`, `9.18`, `68.8`,
-/// `236`, `34,940`; so the fastest methods are told apart.
+/// Three significant digits, and all the digits of the whole part: `0.0318`, `9.18`,
+/// `68.8`, `236`, `34,940`; so the fastest methods are told apart.
 fn three_digits(v: f64) -> String {
     if !v.is_finite() || v <= 0.0 {
         return "0".into();
@@ -546,9 +568,9 @@ fn three_digits(v: f64) -> String {
     format!("{v:.decimals$}")
 }
 
-/// The rows as the book's tables, first line the command that writes them: a row per length and
-/// a column per method, for time (with the rate under it) and then for peak memory, with our
-/// best method's speed against each peer of `VERSUS` found in the rows.
+/// The rows as the book's tables, first line the command that writes them: a row per length
+/// and a column per method, for time (with the rate under it) and then for peak memory,
+/// with our best method's speed against each peer of `VERSUS` found in the rows.
 fn table(rows: &[&Row]) -> String {
     let cpu = rows[0].device_kind == Device::Cpu;
     let pass = rows[0].pass;
@@ -593,7 +615,8 @@ fn table(rows: &[&Row]) -> String {
         "**Time per call**, ms, with {} under it",
         if cpu { "GFLOP/s" } else { "TFLOP/s" }
     ));
-    // the comparisons, grouped by our method: `vs FA-2`, `vs cuDNN`: the peer's time over ours
+    // the comparisons, grouped by our method: `vs FA-2`, `vs cuDNN`: the peer's time over
+    // ours
     let mut ours_seen: Vec<&str> = Vec::new();
     for (a, _) in &versus {
         if ours_seen.contains(a) {
@@ -653,8 +676,8 @@ fn table(rows: &[&Row]) -> String {
         md.push('\n');
     }
 
-    // the memory as in the memory charts: a method that allocates exactly what another does is
-    // left out, and said so
+    // the memory as in the memory charts: a method that allocates exactly what another does
+    // is left out, and said so
     let memory: Vec<usize> = (0..methods.len())
         .filter(|&i| looks[i].same_memory_as.is_none())
         .collect();
@@ -745,8 +768,9 @@ fn short_number(v: f64) -> String {
     }
 }
 
-/// One entry of a legend at `(x, y)` (the middle of its left end): a stretch of the method's
-/// line, solid for ours and dashed for a peer, with its marker on it, then the words.
+/// One entry of a legend at `(x, y)` (the middle of its left end): a stretch of the
+/// method's line, solid for ours and dashed for a peer, with its marker on it, then the
+/// words.
 pub(crate) fn draw_legend_entry(
     root: &DrawingArea<SVGBackend, Shift>,
     l: &Look,
@@ -777,8 +801,8 @@ pub(crate) fn draw_legend_entry(
     Ok(())
 }
 
-/// Draws a method's marker centred on `(x, y)` (pixels of `area`): filled for ours, hollow for
-/// the peers.
+/// Draws a method's marker centred on `(x, y)` (pixels of `area`): filled for ours, hollow
+/// for the peers.
 fn draw_marker(
     area: &DrawingArea<SVGBackend, Shift>,
     marker: Marker,
@@ -825,8 +849,8 @@ fn draw_marker(
 }
 
 /// The opacity that marks a dashed line: plotters' `DashedLineSeries` writes a polyline for
-/// every dash (hundreds for a long training curve), so a dashed line is drawn solid in a colour
-/// of this opacity ([`dashed`]) and [`scalable`] makes it one dashed polyline.
+/// every dash (hundreds for a long training curve), so a dashed line is drawn solid in a
+/// colour of this opacity ([`dashed`]) and [`scalable`] makes it one dashed polyline.
 const DASH_MARK: f64 = 0.996;
 
 /// The style of a dashed line of `colour` and `width` (see [`DASH_MARK`]).
@@ -835,8 +859,8 @@ pub(crate) fn dashed(colour: RGBColor, width: u32) -> ShapeStyle {
 }
 
 /// plotters writes a fixed size (`<svg width="900" height="560" viewBox=...`); the book's
-/// column is narrower than that, so the chart gets only its `viewBox` and the column's width.
-/// A line marked dashed ([`dashed`]) gets its dashes.
+/// column is narrower than that, so the chart gets only its `viewBox` and the column's
+/// width. A line marked dashed ([`dashed`]) gets its dashes.
 fn scalable(svg: String) -> String {
     let svg = svg.replace(
         &format!("opacity=\"{DASH_MARK}\""),
@@ -973,7 +997,8 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
         .map_err(|x| e(&x))?;
         top.draw_text(
             &subtitle,
-            &TextStyle::from(("sans-serif", 21).into_font()).color(&RGBColor(0x44, 0x44, 0x44)),
+            &TextStyle::from(("sans-serif", 21).into_font())
+                .color(&RGBColor(0x44, 0x44, 0x44)),
             (20, 38),
         )
         .map_err(|x| e(&x))?;
@@ -986,7 +1011,8 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
             }
         };
         let ticks = (x_hi.floor() - x_lo.ceil()) as usize + 1;
-        // each series' points in the root's pixels, for the markers drawn on top of the lines
+        // each series' points in the root's pixels, for the markers drawn on top of the
+        // lines
         let mut pixels: Vec<Vec<(i32, i32)>> = Vec::new();
         macro_rules! draw {
             ($chart:expr) => {{
@@ -1148,8 +1174,9 @@ mod tests {
             md.starts_with("<!-- written by `cargo run -p charts`"),
             "{md}"
         );
-        // a row per length, a column per method: naive at 4096 in the sample takes 4096² ms,
-        // at 4096³·10⁻³ GFLOP/s; a failed cell says why, and no empty note column is left
+        // a row per length, a column per method: naive at 4096 in the sample takes 4096²
+        // ms, at 4096³·10⁻³ GFLOP/s; a failed cell says why, and no empty note column is
+        // left
         assert!(md.contains("| tokens | by hand | blocked |"), "{md}");
         assert!(
             md.contains("| 4096 | 16,777,216<br>16,777,216,000 | 12,288<br>12,288,000 |"),
@@ -1272,7 +1299,8 @@ mod tests {
     // step 01 measures nothing yet: chapter 2 brings the first measurements, and this test
     #[test]
     fn committed_charts_are_regenerated_from_committed_data() {
-        // tests run in their package's folder: charts/ in this checkout, wherever it was built
+        // tests run in their package's folder: charts/ in this checkout, wherever it was
+        // built
         let dir = Path::new(".");
         for (name, svg) in render_dir(dir).unwrap() {
             let committed = fs::read_to_string(dir.join(&name)).unwrap_or_default();
@@ -1283,9 +1311,9 @@ mod tests {
         }
     }
 
-    /// Every file of `charts/data/` is laid out one row a line, whichever program wrote it (the
-    /// benchmark, the trainer, the PyTorch peers), so that a new measurement's diff is a diff of
-    /// rows.
+    /// Every file of `charts/data/` is laid out one row a line, whichever program wrote it
+    /// (the benchmark, the trainer, the PyTorch peers), so that a new measurement's diff is
+    /// a diff of rows.
     #[test]
     fn data_files_are_laid_out_one_row_a_line() {
         let mut files = 0;

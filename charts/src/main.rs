@@ -1,5 +1,5 @@
-//! `cargo run -p charts`: draws every chart in `charts/` from the rows in `charts/data/*.json`
-//! (the main set, and each of `charts::SETS` with its own charts).
+//! `cargo run -p charts`: draws every chart in `charts/` from the rows in
+//! `charts/data/*.json` (the main set, and each of `charts::SETS` with its own charts).
 
 use std::fs;
 use std::path::Path;

@@ -1,0 +1,291 @@
+//! `generate`: text from step 05's model with the key/value cache ([`generate`]), or
+//! without it (`--no-cache`: step 05's [`sample`], the whole forward again for every new
+//! byte), and the tokens a second of each; `--out` adds one row to a JSON file of
+//! `charts/data/`.
+//!
+//! ```sh
+//! cargo run --release -p step08-inference --bin generate -- \
+//!     --checkpoint gpt.safetensors --prompt "fn " --count 100
+//! cargo run --release -p step08-inference --bin generate -- --model small \
+//!     --prompt-len 32 --count 64 --runs 5 --out charts/data/generate-cpu.json
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::Parser;
+use flash_core::timing::median;
+use serde::{Deserialize, Serialize};
+use step05_train::model::{Config, Params, Preset};
+use step05_train::{Checkpoint, TrainError, sample};
+use step08_inference::generate::{generate, prefill, step};
+
+/// The seed of `--model`'s random weights: `train`'s default seed, so they are the weights
+/// `train --model ...` starts from.
+const INIT_SEED: u64 = 1337;
+
+/// Text from step 05's model, generated with a key/value cache (or without one, as step
+/// 05's `sample`), and how many tokens a second each writes.
+///
+/// With a cache the prompt is read once and each new byte costs one token's work; without,
+/// each new byte runs the whole forward over every byte before it. On the CPU, one thread
+/// pool (rayon's) for both.
+#[derive(Parser, Debug)]
+#[command(name = "generate")]
+struct Cli {
+    /// A model of this shape with random weights (those `train` starts from, seed 1337):
+    /// its text is noise, its speed is the trained model's [default: small]
+    #[arg(long, value_enum, conflicts_with = "checkpoint")]
+    model: Option<Preset>,
+    /// A checkpoint written by step 05's `train --save`
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// The text to go on from
+    #[arg(long, default_value = "\n")]
+    prompt: String,
+    /// Repeat the prompt (or cut it) to this many bytes
+    #[arg(long)]
+    prompt_len: Option<usize>,
+    /// Bytes to generate; with the cache, the prompt and these must fit in the model's
+    /// context together
+    #[arg(long, default_value_t = 64)]
+    count: usize,
+    /// Below 1 sharper, above 1 flatter; 0 always takes the likeliest byte
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f32,
+    /// The seed of the draws
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// Run step 05's `sample` instead: the whole forward again for every new byte
+    #[arg(long, conflicts_with = "compare")]
+    no_cache: bool,
+    /// Run both, with the cache and without, and print both speeds and whether they wrote
+    /// the same bytes
+    #[arg(long)]
+    compare: bool,
+    /// Timed runs of each, after an untimed one; the median is reported
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Add a row (the device, commit, date, model, prompt length, count, and tokens a
+    /// second with and without the cache) to this JSON file's list, creating it; runs both,
+    /// as --compare does
+    #[arg(long, conflicts_with = "no_cache")]
+    out: Option<PathBuf>,
+}
+
+/// One measurement as `--out` writes it: a row of `charts/data/generate-*.json`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct GenerateRow {
+    /// The CPU's name and the threads the model may use.
+    device: String,
+    /// The commit the binary was built from ([`flash_core::row::COMMIT`]).
+    commit: String,
+    date: String,
+    /// `--model`'s preset, or the checkpoint's file name.
+    model: String,
+    config: Config,
+    /// Numbers in the model.
+    params: usize,
+    prompt_len: usize,
+    count: usize,
+    temperature: f32,
+    /// Timed runs of each; the tokens a second are the median run's.
+    runs: usize,
+    /// `count` over the seconds of a whole `generate` call, the prefill included.
+    tokens_per_s_cached: f64,
+    /// `count` over the seconds of a whole `sample` call.
+    tokens_per_s_uncached: f64,
+    /// Milliseconds of the prefill alone (the median of as many runs): the part of a
+    /// `generate` call before its first decoding step.
+    prefill_ms: f64,
+    /// Bytes of keys and values in the cache after the last token.
+    cache_bytes: usize,
+    /// Whether the two wrote the same bytes.
+    same_text: bool,
+}
+
+/// The CPU model (from `/proc/cpuinfo`) and rayon's threads, as the benchmark names a CPU.
+fn cpu_description() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name") || l.starts_with("Model"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .filter(|m| !m.is_empty())
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    format!("{model} ({} threads)", rayon::current_num_threads())
+}
+
+/// Something `run` times: a whole generation, or the prefill alone.
+type Call<'a> = &'a dyn Fn() -> Result<Vec<u8>, TrainError>;
+
+/// What each of `calls` returns, and its median milliseconds over `runs` runs, after one
+/// untimed run of each. The runs take turns (one of each, then again), so that a machine
+/// that is busier for a while slows all of them alike, and their ratios hold.
+fn timed(calls: &[Call], runs: usize) -> Result<Vec<(Vec<u8>, f64)>, TrainError> {
+    let first = calls
+        .iter()
+        .map(|call| call())
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut ms = vec![Vec::with_capacity(runs); calls.len()];
+    for _ in 0..runs.max(1) {
+        for (call, ms) in calls.iter().zip(&mut ms) {
+            let start = Instant::now();
+            let result = call();
+            ms.push(start.elapsed().as_secs_f64() * 1e3);
+            result?;
+        }
+    }
+    Ok(first.into_iter().zip(ms.into_iter().map(median)).collect())
+}
+
+/// Appends `row` to the list in `path` (a new list if there is no file).
+fn add_row(path: &Path, row: &GenerateRow) -> Result<(), TrainError> {
+    let mut rows: Vec<GenerateRow> = match std::fs::read_to_string(path) {
+        Ok(text) => serde_json::from_str(&text).map_err(|e| {
+            TrainError::Config(format!(
+                "{}: not a list of generate's rows ({e}); --out adds a row to such a \
+                 list, or writes a new file",
+                path.display()
+            ))
+        })?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(e) => return Err(TrainError::io(path, e)),
+    };
+    rows.push(row.clone());
+    let json = flash_core::row::to_json_row_a_line(&rows);
+    std::fs::write(path, json).map_err(|e| TrainError::io(path, e))
+}
+
+/// The prompt and what came after it, as text (bytes that are not UTF-8 shown as �).
+fn print_text(prompt: &[u8], text: &[u8]) {
+    let (prompt, text) = (
+        String::from_utf8_lossy(prompt),
+        String::from_utf8_lossy(text),
+    );
+    println!("{prompt}{text}");
+}
+
+fn run(cli: Cli) -> Result<(), TrainError> {
+    let (params, name): (Params<f32>, String) = match &cli.checkpoint {
+        Some(path) => {
+            let ckpt = Checkpoint::load(path)?;
+            println!("model: {}, trained {} steps", path.display(), ckpt.step);
+            let file = path.file_name().unwrap_or(path.as_os_str());
+            (ckpt.params, file.to_string_lossy().into_owned())
+        }
+        None => {
+            let preset = cli.model.unwrap_or(Preset::Small);
+            let name = format!("{preset:?}").to_lowercase();
+            println!("model: {name}, random weights (seed {INIT_SEED})");
+            (Params::init(preset.config(), INIT_SEED)?, name)
+        }
+    };
+    let config = params.config;
+    println!("  {config:?}, {} parameters", params.count());
+    let prompt: Vec<u8> = match cli.prompt_len {
+        Some(0) => {
+            return Err(TrainError::Config(
+                "--prompt-len 0: the model needs at least one byte to go on from".into(),
+            ));
+        }
+        Some(_) if cli.prompt.is_empty() => {
+            return Err(TrainError::Config(
+                "--prompt-len repeats the prompt, and --prompt is empty: give --prompt at \
+                 least one byte"
+                    .into(),
+            ));
+        }
+        Some(n) => cli.prompt.bytes().cycle().take(n).collect(),
+        None => cli.prompt.clone().into_bytes(),
+    };
+    let (count, t, seed) = (cli.count, cli.temperature, cli.seed);
+    let cached = || generate(&params, &prompt, count, t, seed);
+    let uncached = || sample(&params, &prompt, count, t, seed);
+    let both = cli.compare || cli.out.is_some();
+    let speed = |what: &str, tokens_per_s: f64| {
+        println!(
+            "{what}: {count} tokens at {tokens_per_s:.0} tokens/s (median of {} runs)",
+            cli.runs.max(1)
+        );
+    };
+    let tokens_per_s = |ms: f64| count as f64 / (ms / 1e3);
+    if !both {
+        let (call, what): (Call, _) = if cli.no_cache {
+            (&uncached, "without the cache (step 05's sample)")
+        } else {
+            (&cached, "with the cache")
+        };
+        let timed = timed(&[call], cli.runs)?;
+        let (text, ms) = &timed[0];
+        print_text(&prompt, text);
+        speed(what, tokens_per_s(*ms));
+        return Ok(());
+    }
+    let prefill_only = || prefill(&params, &prompt).map(|_| Vec::new());
+    let timed = timed(&[&cached, &uncached, &prefill_only], cli.runs)?;
+    let [(text, with_ms), (other, without_ms), (_, prefill_ms)] = &timed[..] else {
+        unreachable!("three calls, three results")
+    };
+    let (with, without) = (tokens_per_s(*with_ms), tokens_per_s(*without_ms));
+    print_text(&prompt, text);
+    speed("with the cache", with);
+    speed("without (step 05's sample)", without);
+    let same = other == text;
+    println!(
+        "the cache: {:.1}× the tokens a second; {}",
+        with / without,
+        if same {
+            "the same bytes".to_string()
+        } else {
+            let at = text.iter().zip(other).take_while(|(a, b)| a == b).count();
+            format!("the texts part at byte {at} (the two round differently)")
+        }
+    );
+    println!(
+        "the prefill of {} bytes alone: {prefill_ms:.2} ms (median of {} runs)",
+        prompt.len(),
+        cli.runs.max(1)
+    );
+    if let Some(path) = &cli.out {
+        // the cache as the last token left it: the prompt and every new token but the last
+        let (mut cache, _) = prefill(&params, &prompt)?;
+        for &token in &text[..count.saturating_sub(1)] {
+            step(&params, &mut cache, token)?;
+        }
+        let row = GenerateRow {
+            device: cpu_description(),
+            commit: flash_core::row::COMMIT.into(),
+            date: flash_core::row::utc_now(),
+            model: name,
+            config,
+            params: params.count(),
+            prompt_len: prompt.len(),
+            count,
+            temperature: t,
+            runs: cli.runs.max(1),
+            tokens_per_s_cached: with,
+            tokens_per_s_uncached: without,
+            prefill_ms: *prefill_ms,
+            cache_bytes: cache.bytes(),
+            same_text: same,
+        };
+        add_row(path, &row)?;
+        println!("row added to {}", path.display());
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

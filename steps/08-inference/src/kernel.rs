@@ -1,0 +1,193 @@
+//! The decoding kernels' sources and how NVRTC compiles them: [`DecodeKernel`] alone turns
+//! a dtype, a head dim, the query rows of a kv head and a page size into the `-D` options
+//! of `kernels/decode.cu`, which holds no defaults of its own.
+
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use flash_core::AttnError;
+use step03_cuda_forward::Dtype;
+use step03_cuda_forward::kernel::{
+    HEAD_DIMS, TENSOR_CORES_CUH, compile_error, unsupported_head_dim,
+};
+
+/// The decoding kernel and its merge, with step 03's `tensor_cores.cuh` in front.
+pub const DECODE_CU: &str = include_str!("../kernels/decode.cu");
+/// The entry points of [`DECODE_CU`]: the split kernel and the merge of the splits.
+pub const DECODE: &str = "flash_decode";
+pub const DECODE_MERGE: &str = "flash_decode_merge";
+/// The kernel that only reads: the physical limit decoding is compared with.
+pub const READ_CU: &str = include_str!("../kernels/read.cu");
+pub const READ: &str = "read_bytes";
+/// The benchmark's fill of a cache on the GPU.
+pub const FILL_CU: &str = include_str!("../kernels/fill.cu");
+pub const FILL: &str = "fill_cache";
+
+/// Query rows of one kv head a block computes at most: two tiles of 16 (`g · q_rows ≤ 32`,
+/// Llama 3 70B's 8 query heads a kv head with 4 rows each, for one).
+pub const MAX_ROWS: usize = 32;
+
+// ANCHOR: decode_kernel
+/// One build of `kernels/decode.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DecodeKernel {
+    pub dtype: Dtype,
+    pub head_dim: usize,
+    /// Tiles of 16 query rows (`ROW_TILES`): 1 for up to 16 rows of a kv head, 2 for 32.
+    pub row_tiles: usize,
+    /// 0 for a contiguous cache, else tokens per page (`PAGE_SIZE`).
+    pub page_size: usize,
+}
+
+impl DecodeKernel {
+    /// Warps per block (`WARPS`): they take turns over the split's keys.
+    pub const WARPS: usize = 4;
+    /// Keys a warp computes per step (`KEYS`): one 16-row tile of k and of v.
+    pub const KEYS: usize = 16;
+
+    /// The build for `rows` query rows of a kv head (`g · q_rows`).
+    pub fn new(
+        dtype: Dtype,
+        head_dim: usize,
+        rows: usize,
+        page_size: usize,
+    ) -> Result<DecodeKernel, AttnError> {
+        if rows == 0 || rows > MAX_ROWS {
+            return Err(AttnError::Unsupported {
+                what: format!(
+                    "{rows} query rows share a kv head (query heads per kv head × q rows); \
+                     the decoding kernel computes 1 to {MAX_ROWS} of them together"
+                ),
+            });
+        }
+        let kernel = DecodeKernel {
+            dtype,
+            head_dim,
+            row_tiles: rows.div_ceil(16),
+            page_size,
+        };
+        kernel.check()?;
+        Ok(kernel)
+    }
+
+    /// Steps a warp keeps in flight (`STAGES`): enough bytes on their way to cover the
+    /// memory's latency, 3 steps ahead of 4 KB at head dim 64, 2 ahead of 8 KB at 128, and
+    /// shared memory for two blocks a multiprocessor at 128, three at 64.
+    pub fn stages(&self) -> usize {
+        if self.head_dim <= 64 { 4 } else { 3 }
+    }
+
+    /// Keys a block covers per step, all warps together: a split is a multiple of it.
+    pub fn block_keys(&self) -> usize {
+        Self::WARPS * Self::KEYS
+    }
+
+    pub fn threads(&self) -> u32 {
+        (Self::WARPS * 32) as u32
+    }
+
+    /// Shared memory: q's tile, and each warp's stages of keys and values; the merge of the
+    /// warps at the end reuses the stages.
+    pub fn smem_bytes(&self) -> u32 {
+        let rows = 16 * self.row_tiles;
+        let stages = 2 * Self::WARPS * self.stages() * Self::KEYS;
+        ((rows + stages) * self.head_dim * 2) as u32
+    }
+
+    /// Whether this build can be compiled, or what is wrong with it.
+    pub fn check(&self) -> Result<(), AttnError> {
+        if !HEAD_DIMS.contains(&self.head_dim) {
+            return Err(unsupported_head_dim(self.head_dim));
+        }
+        step03_cuda_forward::half_dtype(self.dtype)?;
+        check_page_size(self.page_size)
+    }
+
+    /// The module's name: the kernel and everything its options say.
+    pub fn name(&self) -> String {
+        let layout = match self.page_size {
+            0 => "contiguous".to_string(),
+            p => format!("paged{p}"),
+        };
+        format!(
+            "{DECODE}_{}_d{}_r{}_{layout}.cu",
+            self.dtype.name(),
+            self.head_dim,
+            16 * self.row_tiles
+        )
+    }
+
+    /// The `-D` options that specialise `kernels/decode.cu`, one for each parameter.
+    pub fn options(&self, arch: &'static str) -> CompileOptions {
+        CompileOptions {
+            arch: Some(arch),
+            options: vec![
+                format!("-DHEAD_DIM={}", self.head_dim),
+                format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
+                format!("-DROW_TILES={}", self.row_tiles),
+                format!("-DWARPS={}", Self::WARPS),
+                format!("-DKEYS={}", Self::KEYS),
+                format!("-DSTAGES={}", self.stages()),
+                format!("-DPAGE_SIZE={}", self.page_size),
+                "--std=c++17".into(),
+            ],
+            name: Some(self.name()),
+            ..Default::default()
+        }
+    }
+
+    /// Compiles the kernel and its merge for `arch` (`sm_90` on an H200).
+    pub fn compile(&self, arch: &'static str) -> Result<Ptx, AttnError> {
+        self.check()?;
+        compile_ptx_with_opts([TENSOR_CORES_CUH, DECODE_CU].concat(), self.options(arch))
+            .map_err(|e| compile_error(&self.name(), e))
+    }
+}
+// ANCHOR_END: decode_kernel
+
+/// Page sizes the paged kernel takes: 0 (contiguous), or a multiple of
+/// [`DecodeKernel::KEYS`], so that the keys a warp takes in one step lie in one page.
+pub fn check_page_size(page_size: usize) -> Result<(), AttnError> {
+    let keys = DecodeKernel::KEYS;
+    if page_size.is_multiple_of(keys) && page_size <= 1 << 20 {
+        return Ok(());
+    }
+    Err(AttnError::Unsupported {
+        what: format!(
+            "pages of {page_size} tokens: the paged kernel takes pages of a multiple of \
+             {keys} tokens up to 2^20 (16, 32, 64, ...), so that the {keys} keys a warp \
+             reads in one step lie in one page"
+        ),
+    })
+}
+
+/// Compiles `kernels/read.cu`.
+pub fn compile_read(arch: &'static str) -> Result<Ptx, AttnError> {
+    let options = CompileOptions {
+        arch: Some(arch),
+        name: Some("read.cu".into()),
+        ..Default::default()
+    };
+    compile_ptx_with_opts(READ_CU, options).map_err(|e| compile_error("read", e))
+}
+
+/// Compiles `kernels/fill.cu` for one dtype and head dim.
+pub fn compile_fill(
+    dtype: Dtype,
+    head_dim: usize,
+    arch: &'static str,
+) -> Result<Ptx, AttnError> {
+    if !HEAD_DIMS.contains(&head_dim) {
+        return Err(unsupported_head_dim(head_dim));
+    }
+    let options = CompileOptions {
+        arch: Some(arch),
+        options: vec![
+            format!("-DHEAD_DIM={head_dim}"),
+            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
+            "--std=c++17".into(),
+        ],
+        name: Some(format!("fill_{}_d{head_dim}.cu", dtype.name())),
+        ..Default::default()
+    };
+    compile_ptx_with_opts([TENSOR_CORES_CUH, FILL_CU].concat(), options)
+        .map_err(|e| compile_error("fill", e))
+}

@@ -1,0 +1,49 @@
+//! # Step 08: attention for inference
+//!
+//! Generating text runs the model once per new token. Every earlier token's keys and values
+//! are the same as they were the step before, so a cache keeps them, and each step computes
+//! one new query row (or a few) against the cache: decoding. That attention reads the whole
+//! cache once and does little arithmetic per byte, so it is bound by memory bandwidth, not
+//! by the tensor cores.
+//!
+//! ## Layout
+//!
+//! - [`decode`](mod@decode): decoding on the CPU, [`decode()`] (step 02's online softmax
+//!   for each query row against its kv head's cache, grouped-query attention, the causal
+//!   diagonal aligned to the cache's end) and [`decode_split`] (the keys cut into chunks,
+//!   each chunk's partial result merged by step 07's merge through the log-sum-exps), with
+//!   [`check_decode`]'s refusals of bad input.
+//! - [`reference`](mod@reference): the `f64` reference on the expanded heads (each kv head
+//!   repeated, the queries at the end of the sequence: step 01's causal attention), the
+//!   same row by row for long caches, and attention by hand in 16 bits for the
+//!   low-precision rule.
+//! - [`cuda`]: decoding on the GPU: [`KvCache`](cuda::KvCache), contiguous or in pages read
+//!   through a page table checked on the host ([`check_table`](cuda::check_table)), the
+//!   split of the keys over thread blocks ([`plan_splits`](cuda::plan_splits)), and the
+//!   launches ([`decode_into`](cuda::decode_into) on device tensors,
+//!   [`cuda::decode`] on host arrays, [`read_bytes`](cuda::read_bytes)).
+//! - [`kernel`]: the `.cu` sources and their NVRTC builds;
+//!   [`DecodeKernel`](kernel::DecodeKernel) alone turns a dtype, a head dim, the query
+//!   rows of a kv head and a page size into `kernels/decode.cu`'s `-D` options.
+//! - `kernels/decode.cu`: `flash_decode`, one thread block per (split, kv head, sequence),
+//!   the query rows of the heads sharing the kv head together on the tensor cores, each
+//!   warp its own `cp.async` pipeline over the keys, the warps merged in shared memory; and
+//!   `flash_decode_merge`, the splits merged through their log-sum-exps.
+//!   `kernels/read.cu`: a kernel that only reads the same bytes, the physical limit.
+//!   `kernels/fill.cu`: the benchmark's caches, filled on the GPU.
+//! - `src/bin/decode-bench.rs`: the kernels on a contiguous and a paged cache and the read
+//!   kernel, checked then timed, as JSON rows (`charts/data/decode.json`);
+//!   `src/bin/decode-kernel-check.rs`: every kernel through NVRTC and ptxas, no spills.
+//! - [`generate`](mod@generate): the KV cache in step 05's model, on the CPU:
+//!   [`KvCache`](generate::KvCache), the prefill, a decoding step with one query row
+//!   against the cache (step 02's loop), and [`generate`](generate::generate), which
+//!   returns what step 05's `sample` returns; `src/bin/generate.rs`, the text and its
+//!   tokens a second with and without the cache.
+
+pub mod cuda;
+pub mod decode;
+pub mod generate;
+pub mod kernel;
+pub mod reference;
+
+pub use decode::{DecodeShape, check_decode, decode, decode_split};

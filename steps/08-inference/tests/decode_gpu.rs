@@ -1,0 +1,264 @@
+//! The decoding kernel on a GPU, on a contiguous cache and on pages, against the `f64`
+//! reference with FlashAttention's rule: its error at most twice that of attention by hand
+//! in the same precision. Ignored where there is no GPU (`cargo test -- --include-ignored`
+//! runs them on one); the checks of the page table and the split run everywhere.
+
+use flash_core::inputs::random_normal;
+use flash_core::reference::error;
+use flash_core::{AttnError, Shape};
+use ndarray::Array4;
+use step03_cuda_forward::host::round_array;
+use step03_cuda_forward::{Dtype, Gpu};
+use step08_inference::DecodeShape;
+use step08_inference::cuda::{
+    HostLayout, KvCache, Layout, cache_value, check_table, decode, fill_cache,
+    fixed_splits, plan_splits, read_bytes, shuffled_table,
+};
+use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
+
+/// FlashAttention's rule: our max error ≤ 2 × by-hand's max error in the same precision,
+/// plus a margin for the case where both are (nearly) zero.
+const MARGIN: f64 = 1e-5;
+/// The kernel's log-sum-exp is summed in f32 from the 16-bit inputs' exact products.
+const KERNEL_LSE: f64 = 1e-3;
+
+fn inputs(shape: DecodeShape, seed: u64) -> [Array4<f32>; 3] {
+    let [b, h, n, d] = shape.q_dims();
+    let kv = Shape::new(b, shape.kv_heads, shape.context, d);
+    [
+        random_normal(Shape::new(b, h, n, d), 3 * seed),
+        random_normal(kv, 3 * seed + 1),
+        random_normal(kv, 3 * seed + 2),
+    ]
+}
+
+// ANCHOR: check_decode_gpu
+fn check(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    dtype: Dtype,
+    layout: HostLayout,
+    splits: Option<usize>,
+) {
+    let [q, k, v] = inputs(shape, shape.context as u64 + shape.q_rows as u64);
+    let name = format!("{shape} {} {layout:?} splits {splits:?}", dtype.name());
+    let got = decode(gpu, q.view(), k.view(), v.view(), dtype, layout, splits)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    // the reference sees exactly the values the GPU saw
+    let (q, k, v) = (
+        round_array(q.view(), dtype),
+        round_array(k.view(), dtype),
+        round_array(v.view(), dtype),
+    );
+    let reference = decode_f64(q.view(), k.view(), v.view()).unwrap();
+    let by_hand = by_hand_rows_low_precision(q.view(), k.view(), v.view(), dtype).unwrap();
+    let ours = error(&got.out, &reference.out);
+    let by_hand = error(&by_hand, &reference.out);
+    let lse = error(&got.lse, &reference.lse);
+    println!("{name}: ours {ours}; by hand {by_hand}; lse {lse}");
+    assert!(
+        ours.max_abs <= 2.0 * by_hand.max_abs + MARGIN,
+        "{name}: out max abs error {:.3e} > 2 × by hand's {:.3e} (+{MARGIN:e})",
+        ours.max_abs,
+        by_hand.max_abs
+    );
+    assert!(lse.max_abs < KERNEL_LSE, "{name}: lse {lse}");
+}
+// ANCHOR_END: check_decode_gpu
+
+/// (batch, q heads, kv heads, q rows, context, head dim): with and without GQA, one and
+/// four query rows, contexts that are no multiple of a split's step (64 keys) or a page,
+/// 16 and 32 query rows on one kv head, the context equal to the rows.
+const SHAPES: [(usize, usize, usize, usize, usize, usize); 9] = [
+    (1, 32, 8, 1, 1000, 128),
+    (2, 8, 8, 1, 777, 64),
+    (3, 16, 4, 4, 2049, 128),
+    (1, 8, 1, 4, 3001, 64),
+    (2, 4, 2, 1, 1, 64),
+    (1, 4, 4, 4, 4, 128),
+    (4, 32, 8, 4, 517, 64),
+    (1, 16, 2, 4, 1500, 128),
+    (2, 12, 12, 1, 300, 32),
+];
+
+// ANCHOR: gpu_tests
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decoding_matches_the_reference_within_twice_by_hand_error() {
+    let gpu = Gpu::shared().expect("a GPU");
+    println!("{}", gpu.describe());
+    for &(b, h, kv, n, t, d) in &SHAPES {
+        let shape = DecodeShape::new(b, h, kv, n, t, d);
+        // the split the plan chooses (many at batch 1), none, and an odd count
+        for splits in [None, Some(1), Some(3)] {
+            check(gpu, shape, Dtype::Bf16, HostLayout::Contiguous, splits);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn paged_decoding_matches_the_reference() {
+    let gpu = Gpu::shared().expect("a GPU");
+    for &(b, h, kv, n, t, d) in &SHAPES {
+        let shape = DecodeShape::new(b, h, kv, n, t, d);
+        for page_size in [16, 64] {
+            let layout = HostLayout::Paged { page_size };
+            check(gpu, shape, Dtype::Bf16, layout, None);
+            check(gpu, shape, Dtype::Bf16, layout, Some(2));
+        }
+    }
+}
+// ANCHOR_END: gpu_tests
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn f16_caches_decode_too() {
+    let gpu = Gpu::shared().expect("a GPU");
+    for (b, h, kv, n, t, d) in [(1, 32, 8, 1, 1000, 128), (2, 8, 2, 4, 333, 64)] {
+        let shape = DecodeShape::new(b, h, kv, n, t, d);
+        check(gpu, shape, Dtype::F16, HostLayout::Contiguous, None);
+        check(
+            gpu,
+            shape,
+            Dtype::F16,
+            HostLayout::Paged { page_size: 32 },
+            None,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn paged_and_contiguous_give_the_same_bits() {
+    // the same keys in the same order through a table: the same sums, bit for bit
+    let gpu = Gpu::shared().expect("a GPU");
+    let shape = DecodeShape::new(2, 16, 4, 2, 1234, 128);
+    let [q, k, v] = inputs(shape, 3);
+    let run = |layout| decode(gpu, q.view(), k.view(), v.view(), Dtype::Bf16, layout, None);
+    let a = run(HostLayout::Contiguous).unwrap();
+    let b = run(HostLayout::Paged { page_size: 64 }).unwrap();
+    assert_eq!(a.out, b.out);
+    assert_eq!(a.lse, b.lse);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_benchmark_fill_is_what_the_host_computes() {
+    // decode-bench checks its results against caches it makes again on the host
+    let gpu = Gpu::shared().expect("a GPU");
+    let dims = [2, 3, 100, 64];
+    let mut flat = KvCache::alloc(gpu, dims, Dtype::Bf16).unwrap();
+    fill_cache(gpu, &mut flat, 11).unwrap();
+    let table = shuffled_table(2, 2, 5);
+    let mut paged =
+        KvCache::alloc_paged(gpu, dims, Dtype::Bf16, 64, 4, table.clone()).unwrap();
+    fill_cache(gpu, &mut paged, 11).unwrap();
+    let bits = |x| gpu.stream().clone_dtoh(x).unwrap();
+    let (k, v, pk) = (bits(&flat.k), bits(&flat.v), bits(&paged.k));
+    let widen = |b: u16| half::bf16::from_bits(b).to_f32();
+    for e in 0..k.len() {
+        assert_eq!(widen(k[e]), cache_value(11, e as u64), "k[{e}]");
+        assert_eq!(widen(v[e]), cache_value(12, e as u64), "v[{e}]");
+        let (d, j, bk) = (e % 64, e / 64 % 100, e / 6400);
+        let (b, h) = (bk / 3, bk % 3);
+        let page = table[b * 2 + j / 64] as usize;
+        assert_eq!(
+            pk[((page * 3 + h) * 64 + j % 64) * 64 + d],
+            k[e],
+            "paged k[{e}]"
+        );
+    }
+    // and the read kernel reads every word of both
+    let mut sums = gpu.stream().alloc_zeros::<u32>(4096).unwrap();
+    read_bytes(gpu, &flat.k, &flat.v, &mut sums).unwrap();
+    let sums = gpu.stream().clone_dtoh(&sums).unwrap();
+    let words = |x: &[u16]| {
+        x.chunks(2)
+            .fold(0u32, |a, w| a ^ (w[0] as u32 | (w[1] as u32) << 16))
+    };
+    assert_eq!(sums.iter().fold(0, |a, s| a ^ s), words(&k) ^ words(&v));
+    assert!(matches!(flat.layout, Layout::Contiguous));
+}
+
+// ANCHOR: page_table_test
+#[test]
+fn a_page_table_that_points_past_the_pool_is_refused() {
+    // 2 sequences of 100 tokens in pages of 16: 7 pages each, 14 in the pool
+    let mut table = shuffled_table(2, 7, 1);
+    assert!(check_table(&table, 2, 7, 14, 16, 100).is_ok());
+    table[7 + 3] = 14;
+    let e = check_table(&table, 2, 7, 14, 16, 100)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("entry 3 of sequence 1 (tokens 48 to 63) is page 14")
+            && e.contains("the pool holds 14 pages"),
+        "{e}"
+    );
+    table[7 + 3] = -1;
+    assert!(check_table(&table, 2, 7, 14, 16, 100).is_err());
+    // an entry past the pages a sequence uses is never read
+    let mut padded = shuffled_table(2, 8, 1);
+    padded.iter_mut().for_each(|p| *p %= 14);
+    padded[7] = -1;
+    padded[15] = 99;
+    assert!(check_table(&padded, 2, 8, 14, 16, 100).is_ok());
+    let e = check_table(&table, 2, 6, 14, 16, 100)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("max_pages at least 7"), "{e}");
+    let e = check_table(&table, 2, 7, 14, 24, 100)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("a multiple of 16 tokens"), "{e}");
+}
+// ANCHOR_END: page_table_test
+
+// ANCHOR: split_test
+#[test]
+fn the_split_keeps_the_gpu_busy_and_no_split_is_too_short() {
+    // batch 1 with 8 kv heads on 132 multiprocessors holding 2 blocks each: 30 splits, 240
+    // blocks in 264 slots
+    let p = plan_splits(8, 131_072, 132, 2);
+    assert_eq!((p.splits, p.split_keys), (30, 4416));
+    // 64 sequences × 8 kv heads fill 97% of the slots alone: one split, no merge
+    assert_eq!(plan_splits(512, 131_072, 132, 2).splits, 1);
+    // with 3 blocks a multiprocessor, 512 blocks would be 1.3 waves: 3 splits make 3.9
+    assert_eq!(plan_splits(512, 131_072, 132, 3).splits, 3);
+    // four waves and more: one split
+    assert_eq!(plan_splits(2048, 131_072, 132, 3).splits, 1);
+    // a short cache is not cut into splits of fewer than 128 keys
+    let p = plan_splits(8, 1000, 132, 2);
+    assert_eq!(p.splits, 8, "{p:?}");
+    assert!(
+        p.split_keys >= 128 && p.splits * p.split_keys >= 1000,
+        "{p:?}"
+    );
+    // every split a multiple of a block's 64 keys, covering the cache
+    for (t, n) in [(1, 1), (77, 3), (4097, 7), (1000, 1000)] {
+        let p = fixed_splits(t, n);
+        assert!(
+            p.split_keys.is_multiple_of(64) && p.splits * p.split_keys >= t,
+            "{p:?}"
+        );
+        assert!(
+            (p.splits - 1) * p.split_keys < t,
+            "{t} {n}: {p:?} has an empty split"
+        );
+    }
+}
+// ANCHOR_END: split_test
+
+#[test]
+fn without_a_gpu_the_error_says_what_is_missing() {
+    // on a machine with a GPU this opens it; without, the error names what is missing
+    match Gpu::shared() {
+        Ok(_) => {}
+        Err(AttnError::Device { what }) => assert!(
+            what.contains("libcuda") || what.contains("NVRTC") || what.contains("GPU"),
+            "{what}"
+        ),
+        Err(e) => panic!("{e}"),
+    }
+}

@@ -1,0 +1,163 @@
+//! The cache changes how much the model computes, not what it says: `generate` returns
+//! step 05's `sample`'s bytes, and each position's logits are those of the full forward,
+//! both checked against the model in `f64`.
+
+use flash_core::inputs::SplitMix64;
+use ndarray::{Array2, ArrayView2};
+use step05_train::layers::Float;
+use step05_train::model::{Config, Params, forward};
+use step05_train::sample;
+use step08_inference::generate::{KvCache, generate, prefill, step};
+
+/// A model small enough for a test, with a context that leaves the cache's last block of
+/// keys partial (100 = 64 + 36).
+const CONFIG: Config = Config {
+    layers: 2,
+    d_model: 32,
+    heads: 4,
+    context: 100,
+    vocab: 256,
+};
+
+fn model(seed: u64) -> Params<f32> {
+    Params::init(CONFIG, seed).unwrap()
+}
+
+/// Seeded random bytes.
+fn bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut rng = SplitMix64::new(seed);
+    (0..n).map(|_| rng.next_u64() as u8).collect()
+}
+
+/// The logits at every position of `tokens` by the full forward: `ln_f(x) · wteᵀ`.
+fn full_logits<A: Float>(p: &Params<A>, tokens: &[u8]) -> Array2<A> {
+    let inputs = ArrayView2::from_shape((1, tokens.len()), tokens).unwrap();
+    let acts = forward(p, inputs).unwrap();
+    acts.ln_f.out.dot(&p.wte.t())
+}
+
+// ANCHOR: same_as_sample
+#[test]
+fn generate_returns_what_sample_returns() {
+    for (model_seed, prompt, count) in [
+        (1, &b"fn main() {"[..], 89), // to the end of the context
+        (2, &b"\n"[..], 70),          // the cache past one block of 64 keys
+        (3, &b"let x = 1;\nlet y"[..], 20),
+    ] {
+        let p = model(model_seed);
+        for temperature in [0.0, 0.8, 1.5] {
+            let seed = 7 + model_seed;
+            let uncached = sample(&p, prompt, count, temperature, seed).unwrap();
+            let cached = generate(&p, prompt, count, temperature, seed).unwrap();
+            assert_eq!(
+                cached, uncached,
+                "model {model_seed}, prompt {prompt:?}, temperature {temperature}"
+            );
+        }
+    }
+}
+// ANCHOR_END: same_as_sample
+
+// ANCHOR: same_logits
+/// Every position's logits from the cache (a prefill of `prompt` tokens, then one step a
+/// token) against the full forward's, both against the same model in `f64`. The two `f32`
+/// paths round differently: the prefill and the full forward take step 02's fast kernel
+/// (`2^x` by a polynomial, its own order of sums), a step takes the plain loop of
+/// `attend_one`, and the one-row products sum in their own order. Neither is closer to the
+/// truth, so the repository's rule for a low-precision method applies: the cache's error
+/// against `f64` at most twice the full forward's, plus 1e-6 for a forward whose error is
+/// near zero by luck.
+#[test]
+fn cached_logits_match_the_full_forward() {
+    for (model_seed, prompt) in [(1, 1), (2, 5), (3, 64), (4, 99)] {
+        let p = model(model_seed);
+        let tokens = bytes(CONFIG.context, 100 + model_seed);
+        let full = full_logits(&p, &tokens);
+        let exact = full_logits(&p.cast(f64::from), &tokens);
+        let (mut cache, first) = prefill(&p, &tokens[..prompt]).unwrap();
+        let mut cached = vec![first];
+        for &t in &tokens[prompt..] {
+            cached.push(step(&p, &mut cache, t).unwrap());
+        }
+        assert_eq!(cache.len(), CONFIG.context);
+        let (mut ours, mut by_forward, mut apart) = (0.0f64, 0.0f64, 0.0f64);
+        for (i, row) in cached.iter().enumerate() {
+            let pos = prompt - 1 + i;
+            for ((&c, &f), &e) in row.iter().zip(full.row(pos)).zip(exact.row(pos)) {
+                ours = ours.max((c as f64 - e).abs());
+                by_forward = by_forward.max((f as f64 - e).abs());
+                apart = apart.max((c - f).abs() as f64);
+            }
+        }
+        assert!(
+            ours <= 2.0 * by_forward + 1e-6,
+            "prompt {prompt}: the cache's logits are {ours:.3e} from f64, the full \
+             forward's {by_forward:.3e} (the two {apart:.3e} apart)"
+        );
+    }
+}
+// ANCHOR_END: same_logits
+
+#[test]
+fn a_text_longer_than_the_context_is_refused() {
+    let p = model(1);
+    // 60 + 41 = 101 tokens, one more than the context of 100
+    let e = generate(&p, &[b'a'; 60], 41, 0.0, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("101") && e.contains("context is 100") && e.contains("at most 100"),
+        "{e}"
+    );
+    // exactly the context is fine
+    assert_eq!(generate(&p, &[b'a'; 60], 40, 0.0, 1).unwrap().len(), 40);
+    // a prompt longer than the context
+    let e = prefill(&p, &[b'a'; 101]).unwrap_err().to_string();
+    assert!(e.contains("101") && e.contains("at most 100"), "{e}");
+    // a step into a full cache: an error, and the cache as it was
+    let (mut cache, _) = prefill(&p, &[b'a'; 100]).unwrap();
+    let before = cache.clone();
+    let e = step(&p, &mut cache, b'a').unwrap_err().to_string();
+    assert!(
+        e.contains("holds 100 tokens") && e.contains("at most 100"),
+        "{e}"
+    );
+    assert_eq!(cache, before);
+}
+
+#[test]
+fn bad_prompts_and_tokens_are_refused() {
+    let p = model(1);
+    let e = generate(&p, b"", 5, 0.0, 1).unwrap_err().to_string();
+    assert!(e.contains("empty prompt"), "{e}");
+    // a model of 200 tokens has no byte 250
+    let small = Params::init(
+        Config {
+            vocab: 200,
+            ..CONFIG
+        },
+        1,
+    )
+    .unwrap();
+    let (mut cache, _) = prefill(&small, b"ab").unwrap();
+    let e = step(&small, &mut cache, 250).unwrap_err().to_string();
+    assert!(e.contains("token 250") && e.contains("0..200"), "{e}");
+    assert_eq!(cache.len(), 2);
+    assert!(prefill(&small, &[250]).is_err());
+}
+
+#[test]
+fn the_cache_grows_a_row_a_token() {
+    let p = model(1);
+    let empty = KvCache::new(CONFIG);
+    assert!(empty.is_empty());
+    assert_eq!(empty.capacity(), 100);
+    let (mut cache, _) = prefill(&p, b"abc").unwrap();
+    assert_eq!(cache.len(), 3);
+    step(&p, &mut cache, b'd').unwrap();
+    let (heads, d) = (CONFIG.heads, CONFIG.head_dim());
+    assert_eq!(cache.keys(0).dim(), (heads, 4, d));
+    assert_eq!(cache.values(1).dim(), (heads, 4, d));
+    // 2 layers × (k and v) × 4 heads × 4 tokens × 8 dims × 4 bytes
+    assert_eq!(cache.bytes(), 2 * 2 * 4 * 4 * 8 * 4);
+}
