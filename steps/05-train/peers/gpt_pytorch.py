@@ -103,7 +103,7 @@ DEFAULTS = dict(
 )
 # GPT-2 small (Radford et al. 2019) over bytes, at llm.c's batch for one GPU
 PRESETS = {
-    "gpt2-small": dict(layers=12, d_model=768, heads=12, context=2048, batch=12),
+    "gpt2-small": dict(layers=12, d_model=768, heads=12, context=2048, batch=12, lr=6e-4),
 }
 ADAMW = dict(beta1=0.9, beta2=0.95, eps=1e-8)
 
@@ -651,6 +651,8 @@ def settings_from(args, record, init_cfg):
                     "leave out the model's flags to take the checkpoint's"
                 )
             v[k] = init_cfg[k]
+    if "lr" not in given and given.get("d_model", v["d_model"]) >= 768:
+        v["lr"] = 6e-4  # as ours (main.rs, default_lr): GPT-2 small's rate from its width on
     v.update(given)
     cfg = dict(layers=v["layers"], d_model=v["d_model"], heads=v["heads"], context=v["context"], vocab=256)
     steps = v["steps"]
@@ -939,7 +941,7 @@ def parse_args(argv):
     p.add_argument("--init", help="the initial weights: a checkpoint of our trainer (train --steps 0 --save PATH); default: our initialisation from --seed, reproduced")
     p.add_argument("--data", help="our token file (train --save-tokens PATH), or a text file split as ours splits one")
     p.add_argument("--random-data", type=int, metavar="BYTES", help="without --data: this many random bytes, to time the model")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a model and batch: gpt2-small is 12 layers, d_model 768, 12 heads, context 2048, batch 12")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a model and batch: gpt2-small is 12 layers, d_model 768, 12 heads, context 2048, batch 12, lr 6e-4")
     for name, kind, what in (
         ("layers", int, "transformer blocks"), ("d-model", int, "width of the residual stream"),
         ("heads", int, "attention heads"), ("context", int, "positions the model has"),
