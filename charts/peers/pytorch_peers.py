@@ -30,6 +30,7 @@ Usage (optional, outside the Rust build; needs only PyTorch):
   python3 charts/peers/pytorch_peers.py --device cuda --out charts/data/gpu-pytorch.json
   python3 charts/peers/pytorch_peers.py --device cuda --backward --out charts/data/gpu-pytorch-fwd-bwd.json
   python3 charts/peers/pytorch_peers.py --decode --out charts/data/decode-pytorch.json  # [step 08]
+  python3 charts/peers/pytorch_peers.py --decode --device cpu --out charts/data/decode-cpu-pytorch.json  # [step 08]
 """
 import argparse
 import datetime
@@ -362,29 +363,66 @@ def commit():
 
 # [step 08]
 def decode_sweep(args):
-    """Decoding, as decode-bench measures ours: scaled_dot_product_attention with one query
-    row (or --q-rows) of every query head against a cache of --contexts tokens, enable_gqa
-    where the kv heads are fewer than the query heads, bf16 on the GPU; no mask (with one row,
-    the row sees the whole cache; is_causal would align the diagonal to the start). Timed
-    as measure_cuda times (CUDA events, the spin, the median of --runs) after --warmup-ms of
-    warm-up; then, after the sweep, one call of each shape under the profiler names the
-    operation and kernels that ran. Rows carry decode-bench's keys."""
-    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
-    device = describe("cuda")
+    """Decoding, as decode-bench (the GPU, bf16) and decode-cpu (the CPU, f32) measure ours:
+    scaled_dot_product_attention with one query row (or --q-rows) of every query head
+    against a cache of --lengths tokens, enable_gqa where the kv heads are fewer than the
+    query heads; no mask (with one row, the row sees the whole cache; is_causal would align
+    the diagonal to the start). On the GPU timed as measure_cuda times (CUDA events, the
+    spin, the median of --runs) after --warmup-ms of warm-up; on the CPU by this process's
+    clock, the median of --runs after two untimed calls. After the sweep, one call of each
+    shape under the profiler names the operation (and the kernels) that ran. Rows carry
+    decode-bench's keys."""
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    cuda = args.device == "cuda"
+    device = describe(args.device)
     print(f"device: {device}")
+    warm = f"{args.warmup_ms} ms of warm-up" if cuda else "2 untimed calls"
     print(f"decoding: {args.heads} query heads, {args.q_rows} row(s) each, {args.dtype}; "
-          f"median of {args.runs} runs after {args.warmup_ms} ms of warm-up")
+          f"median of {args.runs} runs after {warm}")
     print(f"{'d':>4} {'kv':>3} {'batch':>5} {'context':>7} | {'us':>9} {'GB/s':>7}  note")
     rows, sha = [], commit()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     what = f"torch {torch.__version__} SDPA default (no backend forced), one query row a head"
 
     def make(batch, kv, context, d):
-        g = torch.Generator(device="cuda").manual_seed(SEED)
-        q = torch.randn(batch, args.heads, args.q_rows, d, generator=g, device="cuda", dtype=dtype)
-        k = torch.randn(batch, kv, context, d, generator=g, device="cuda", dtype=dtype)
-        v = torch.randn(batch, kv, context, d, generator=g, device="cuda", dtype=dtype)
+        g = torch.Generator(device=args.device).manual_seed(SEED)
+        q = torch.randn(batch, args.heads, args.q_rows, d, generator=g, device=args.device, dtype=dtype)
+        k = torch.randn(batch, kv, context, d, generator=g, device=args.device, dtype=dtype)
+        v = torch.randn(batch, kv, context, d, generator=g, device=args.device, dtype=dtype)
         return q, k, v
+
+    def time_cuda(q, k, v):
+        # CUDA events around the call, each behind a spin, after --warmup-ms of warm-up
+        warm = 0.0
+        while warm < args.warmup_ms:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call(q, k, v)
+            end.record()
+            torch.cuda.synchronize()
+            warm += max(start.elapsed_time(end), 0.01)
+        times = []
+        for _ in range(args.runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1_000_000)
+            start.record()
+            call(q, k, v)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times) * 1e3
+
+    def time_cpu(q, k, v):
+        # the clock of this process around the call, after two untimed calls
+        for _ in range(2):
+            call(q, k, v)
+        times = []
+        for _ in range(args.runs):
+            start = time.perf_counter()
+            result = call(q, k, v)
+            times.append((time.perf_counter() - start) * 1e6)
+            del result
+        return statistics.median(times)
 
     def call(q, k, v):
         with torch.no_grad():
@@ -393,37 +431,21 @@ def decode_sweep(args):
     shapes = [(d, kv, b, t) for d in args.head_dims for kv in args.kv_heads for b in args.batches
               for t in args.lengths]
     for d, kv, batch, context in shapes:
-        nbytes = 2 * batch * kv * context * d * 2
+        nbytes = 2 * batch * kv * context * d * dtype.itemsize
         us = error = None
-        free = torch.cuda.mem_get_info()[0]
+        free = torch.cuda.mem_get_info()[0] if cuda else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if nbytes > 0.9 * free:
             error = f"the cache needs {nbytes / 1e9:.1f} GB and the GPU has {free / 1e9:.1f} GB free"
         else:
             try:
                 q, k, v = make(batch, kv, context, d)
-                warm = 0.0
-                while warm < args.warmup_ms:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    call(q, k, v)
-                    end.record()
-                    torch.cuda.synchronize()
-                    warm += max(start.elapsed_time(end), 0.01)
-                times = []
-                for _ in range(args.runs):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda._sleep(1_000_000)
-                    start.record()
-                    call(q, k, v)
-                    end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end))
-                us = statistics.median(times) * 1e3
+                us = time_cuda(q, k, v) if cuda else time_cpu(q, k, v)
             except RuntimeError as e:  # torch.OutOfMemoryError is one
                 error = f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
             finally:
                 q = k = v = None
-                torch.cuda.empty_cache()
+                if cuda:
+                    torch.cuda.empty_cache()
         gb_s = nbytes / (us * 1e-6) / 1e9 if us else None
         rows.append(dict(method="pytorch_sdpa", implementation=what, device=device, commit=sha,
                          date=date, batch=batch, q_heads=args.heads, kv_heads=kv, q_rows=args.q_rows,
@@ -441,14 +463,16 @@ def decode_sweep(args):
             continue
         q, k, v = make(row["batch"], row["kv_heads"], row["context"], row["head_dim"])
         call(q, k, v)
-        ops, kernels = what_ran(call, (q, k, v), None, True)
+        ops, kernels = what_ran(call, (q, k, v), None, cuda)
         q = k = v = None
-        torch.cuda.empty_cache()
-        row["implementation"] = ran_line(row["implementation"], ops, kernels, True)
+        if cuda:
+            torch.cuda.empty_cache()
+        row["implementation"] = ran_line(row["implementation"], ops, kernels, cuda)
         ran = (ops, kernels)
         if ran != said:
+            ran_kernels = f"; kernels: {', '.join(kernels)}" if cuda else ""
             print(f"  from d {row['head_dim']}, kv {row['kv_heads']}, batch {row['batch']}, "
-                  f"context {row['context']}: {', '.join(ops)}; kernels: {', '.join(kernels)}")
+                  f"context {row['context']}: {', '.join(ops)}{ran_kernels}")
         said = ran
     if args.out:
         write_rows(args.out, rows)
@@ -471,8 +495,9 @@ def parse_args(argv):
     p.add_argument("--peak-child", action="store_true", help=argparse.SUPPRESS)
     # [step 08]
     p.add_argument("--decode", action="store_true",
-                   help="decoding on the GPU, as decode-bench: one query row of --heads (default 32) "
-                        "query heads against caches of --lengths tokens (default 1k to 128k)")
+                   help="decoding, as decode-bench (--device cuda, the default here: bf16, caches of 1k "
+                        "to 128k tokens) or decode-cpu (--device cpu: f32, 1k to 16k, batch 1): one query "
+                        "row of --heads (default 32) query heads against caches of --lengths tokens")
     p.add_argument("--batches", type=lambda s: [int(t) for t in s.split(",") if t], default=[1, 8, 64],
                    help="--decode: sequences decoded together")
     p.add_argument("--kv-heads", type=lambda s: [int(t) for t in s.split(",") if t], default=[32, 8],
@@ -483,12 +508,17 @@ def parse_args(argv):
     p.add_argument("--warmup-ms", type=float, default=50.0, help="--decode: milliseconds of warm-up")
     if "--decode" in argv:
         a = p.parse_args(argv)
-        a.device, a.dtype = "cuda", a.dtype or "bf16"
+        cpu = a.device == "cpu" and any(x == "--device" or x.startswith("--device=") for x in argv)
+        a.device = "cpu" if cpu else "cuda"
+        a.dtype = a.dtype or ("f32" if cpu else "bf16")
         a.heads = a.heads if "--heads" in argv else 32
-        a.lengths = a.lengths or [1 << p for p in range(10, 18)]
-        a.runs = a.runs if "--runs" in argv else 30
-        if a.dtype not in ("bf16", "f16"):
-            p.error("--decode measures a bf16 or f16 cache")
+        a.lengths = a.lengths or ([1024, 4096, 16384] if cpu else [1 << p for p in range(10, 18)])
+        a.batches = a.batches if "--batches" in argv or not cpu else [1]
+        a.runs = a.runs if "--runs" in argv else (10 if cpu else 30)
+        if cpu and a.dtype != "f32":
+            p.error("--decode --device cpu measures an f32 cache, as decode-cpu does")
+        if not cpu and a.dtype not in ("bf16", "f16"):
+            p.error("--decode on the GPU measures a bf16 or f16 cache, as decode-bench does")
         if any(a.heads % kv for kv in a.kv_heads):
             p.error(f"--kv-heads {a.kv_heads} must each divide --heads {a.heads}")
         return a

@@ -21,6 +21,7 @@ use flash_core::{Attention, AttnError, check_finite};
 use ndarray::{Array3, Array4, ArrayView1, ArrayView2, ArrayView4, Axis, s};
 use rayon::prelude::*;
 use step02_online_softmax::DEFAULT_BLOCK;
+use step02_online_softmax::kernels::{Isa, Kernels};
 use step07_multi_gpu::merge::merge_row;
 
 /// The sizes of one decoding call.
@@ -211,6 +212,16 @@ pub fn decode_row(
     scale: f32,
 ) -> Partial {
     let d_n = q.len();
+    // each key and value a slice of head_dim numbers, which the loops below go through in
+    // SIMD registers (the arrays decode passes are contiguous, and copied if not)
+    let (q, k, v) = (
+        q.as_standard_layout(),
+        k.as_standard_layout(),
+        v.as_standard_layout(),
+    );
+    let (q, k, v) = (slice(&q), slice(&k), slice(&v));
+    let at = |j: usize| j * d_n..(j + 1) * d_n; // where key j's numbers are
+    let exp = Kernels::new(Isa::detect()).expect("Isa::detect names what this CPU has");
     let mut m = f32::NEG_INFINITY; // the largest score seen so far
     let mut l = 0.0f32; // Σ e^(s_j − m) over the keys seen so far
     let mut acc = vec![0.0f32; d_n]; // Σ e^(s_j − m)·v_j, not yet divided by ℓ
@@ -218,17 +229,19 @@ pub fn decode_row(
     for k0 in keys.clone().step_by(DEFAULT_BLOCK) {
         let cols = DEFAULT_BLOCK.min(keys.end - k0);
         for (j, s) in scores[..cols].iter_mut().enumerate() {
-            *s = q.dot(&k.row(k0 + j)) * scale;
+            *s = dot(q, &k[at(k0 + j)]) * scale;
         }
         let m_new = scores[..cols].iter().fold(m, |a, &s| a.max(s));
         // what was summed so far moves to the new maximum; e^(−∞) = 0 on the first block
         let correction = (m - m_new).exp();
         l *= correction;
         acc.iter_mut().for_each(|a| *a *= correction);
-        for (j, &s) in scores[..cols].iter().enumerate() {
-            let p = (s - m_new).exp();
+        // p_j = e^(s_j − m_new) = 2^((s_j − m_new)·log2 e), the block at once, in SIMD
+        // registers: step 02's exponential
+        exp.exp2_shifted(&mut scores[..cols], m_new, std::f32::consts::LOG2_E);
+        for (j, &p) in scores[..cols].iter().enumerate() {
             l += p;
-            for (a, &vj) in acc.iter_mut().zip(v.row(k0 + j)) {
+            for (a, &vj) in acc.iter_mut().zip(&v[at(k0 + j)]) {
                 *a += p * vj;
             }
         }
@@ -248,6 +261,30 @@ pub fn decode_row(
     }
 }
 // ANCHOR_END: decode_row
+
+/// The numbers of a standard-layout array, in order.
+fn slice<'a, D: ndarray::Dimension>(x: &'a ndarray::CowArray<'_, f32, D>) -> &'a [f32] {
+    x.as_slice().expect("a standard-layout array is one slice")
+}
+
+/// `a · b` with eight running sums, one SIMD register's worth, so that the compiler need
+/// not add the products one after the other (floating-point sums are not reordered for it).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut sums = [0.0f32; 8];
+    let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = a8
+        .remainder()
+        .iter()
+        .zip(b8.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (a, b) in a8.zip(b8) {
+        for ((s, x), y) in sums.iter_mut().zip(a).zip(b) {
+            *s += x * y;
+        }
+    }
+    sums.iter().sum::<f32>() + tail
+}
 
 // ANCHOR: decode
 /// Decoding attention on the CPU: each query row of each head against the keys it may see

@@ -39,6 +39,8 @@
 //!   against the cache (step 02's loop), and [`generate`](generate::generate), which
 //!   returns what step 05's `sample` returns; `src/bin/generate.rs`, the text and its
 //!   tokens a second with and without the cache.
+//! - `src/bin/decode-cpu.rs`: [`decode()`] on the CPU against a loop that only reads the
+//!   same bytes, checked then timed, as JSON rows (`charts/data/decode-cpu.json`).
 
 pub mod cuda;
 pub mod decode;
@@ -47,3 +49,18 @@ pub mod kernel;
 pub mod reference;
 
 pub use decode::{DecodeShape, check_decode, decode, decode_split};
+
+/// The CPU model (from `/proc/cpuinfo`) and rayon's threads, as the benchmark names a CPU.
+pub fn cpu_description() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find(|l| l.starts_with("model name") || l.starts_with("Model"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .filter(|m| !m.is_empty())
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    format!("{model} ({} threads)", rayon::current_num_threads())
+}

@@ -19,6 +19,7 @@ use flash_core::timing::median;
 use serde::{Deserialize, Serialize};
 use step05_train::model::{Config, Params, Preset};
 use step05_train::{Checkpoint, TrainError, sample};
+use step08_inference::cpu_description;
 use step08_inference::generate::{generate, prefill, step};
 
 /// The seed of `--model`'s random weights: `train`'s default seed, so they are the weights
@@ -103,21 +104,6 @@ struct GenerateRow {
     cache_bytes: usize,
     /// Whether the two wrote the same bytes.
     same_text: bool,
-}
-
-/// The CPU model (from `/proc/cpuinfo`) and rayon's threads, as the benchmark names a CPU.
-fn cpu_description() -> String {
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|info| {
-            info.lines()
-                .find(|l| l.starts_with("model name") || l.starts_with("Model"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .filter(|m| !m.is_empty())
-        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    format!("{model} ({} threads)", rayon::current_num_threads())
 }
 
 /// Something `run` times: a whole generation, or the prefill alone.

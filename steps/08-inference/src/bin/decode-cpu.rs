@@ -1,0 +1,300 @@
+//! How fast decoding reads its cache on the CPU: for each shape, [`decode`] (step 02's loop,
+//! one query row of every head against its kv head's cache, rows in parallel) and a loop
+//! that only reads the same bytes, the memory's speed. The result is checked against the
+//! `f64` reference first, then timed: the median of `--runs` after a warm-up. Writes one
+//! JSON row per method and shape (`--out`, e.g. `charts/data/decode-cpu.json`, the rows of
+//! `decode-bench` with `device` a CPU) and prints a table; PyTorch's CPU attention on the
+//! same shapes is `charts/peers/pytorch_peers.py --decode --device cpu`.
+//!
+//! `cargo run --release -p step08-inference --bin decode-cpu -- --help`
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use flash_core::inputs::random_normal;
+use flash_core::reference::error;
+use flash_core::row::{COMMIT, to_json_row_a_line, utc_now};
+use flash_core::timing::{Warmup, cpu_median_ms};
+use flash_core::{AttnError, Shape};
+use rayon::prelude::*;
+use serde::Serialize;
+use step03_cuda_forward::Dtype;
+use step03_cuda_forward::tool::at_least_one;
+use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
+use step08_inference::{DecodeShape, cpu_description, decode};
+
+/// Decoding attention on the CPU against the memory's speed: one query row of every query
+/// head against a cache of keys and values in `f32`, and a loop that only reads the same
+/// bytes.
+///
+/// For every combination of the lists below it makes q, k and v (normal, seeded), checks
+/// the result against the f64 reference (FlashAttention's rule in f32: at most twice the
+/// error of attention by hand in f32), then times it (the median of --runs after --warmup
+/// calls) and reports milliseconds, the bytes of k and v, GB/s, and that speed as a
+/// fraction of the read loop's over the same bytes.
+#[derive(Parser, Debug)]
+#[command(name = "decode-cpu")]
+struct Args {
+    /// Sequences decoded together
+    #[arg(long, value_delimiter = ',', default_value = "1", value_parser = at_least_one)]
+    batch: Vec<usize>,
+    /// Tokens in each sequence's cache
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1024,4096,16384",
+        value_parser = at_least_one
+    )]
+    contexts: Vec<usize>,
+    /// Head dims
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "64,128",
+        value_parser = at_least_one
+    )]
+    head_dims: Vec<usize>,
+    /// Query heads
+    #[arg(long, default_value_t = 32, value_parser = at_least_one)]
+    q_heads: usize,
+    /// Kv heads, each dividing the query heads: as many as the query heads is plain
+    /// multi-head attention, fewer is grouped-query attention
+    #[arg(long, value_delimiter = ',', default_value = "32,8", value_parser = at_least_one)]
+    kv_heads: Vec<usize>,
+    /// Timed runs of each method after the warm-up; the median is reported
+    #[arg(long, default_value_t = 10, value_parser = at_least_one)]
+    runs: usize,
+    /// Untimed calls of each method before its timed runs
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Write the rows as JSON, one row a line (e.g. charts/data/decode-cpu.json)
+    #[arg(long, value_name = "FILE")]
+    out: Option<std::path::PathBuf>,
+}
+
+/// One measurement: a method at one shape, or why it has none (`decode-bench`'s keys).
+#[derive(Clone, Debug, Serialize)]
+struct Row {
+    /// `decode_cpu` (step 08's [`decode`]) or `read_cpu` (the read loop)
+    method: String,
+    implementation: String,
+    device: String,
+    commit: String,
+    date: String,
+    batch: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    q_rows: usize,
+    context: usize,
+    head_dim: usize,
+    dtype: String,
+    runs: usize,
+    /// Median microseconds of one call
+    us: Option<f64>,
+    /// Bytes of k and v: `2 · batch · kv_heads · context · head_dim · 4`
+    bytes: u64,
+    gb_s: Option<f64>,
+    /// GB/s as a fraction of the read loop's over the same bytes, in the same run
+    fraction_of_read: Option<f64>,
+    error: Option<String>,
+}
+
+// ANCHOR: read_loop
+/// The memory's speed on this CPU: every 4-byte word of `k` and `v` read once, folded
+/// together with XOR (so the compiler cannot drop the reads, and vectorises the loop), in
+/// chunks on every thread.
+fn read_all(k: &[f32], v: &[f32]) -> u32 {
+    let fold = |x: &[f32]| {
+        x.par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u32, |a, x| a ^ x.to_bits()))
+            .reduce(|| 0, |a, b| a ^ b)
+    };
+    fold(k) ^ fold(v)
+}
+// ANCHOR_END: read_loop
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Our decode's result against the f64 reference, by FlashAttention's rule in f32.
+fn check(
+    q: &ndarray::Array4<f32>,
+    k: &ndarray::Array4<f32>,
+    v: &ndarray::Array4<f32>,
+) -> Result<(), String> {
+    let text = |e: AttnError| e.to_string();
+    let reference = decode_f64(q.view(), k.view(), v.view()).map_err(text)?;
+    let ours = decode(q.view(), k.view(), v.view()).map_err(text)?;
+    let by_hand = by_hand_rows_low_precision(q.view(), k.view(), v.view(), Dtype::F32)
+        .map_err(text)?;
+    let (ours, by_hand) = (
+        error(&ours.out, &reference.out),
+        error(&by_hand, &reference.out),
+    );
+    if ours.max_abs > 2.0 * by_hand.max_abs + 1e-6 {
+        return Err(format!(
+            "wrong result: max abs error {:.3e} > 2 × attention by hand's {:.3e}",
+            ours.max_abs, by_hand.max_abs
+        ));
+    }
+    Ok(())
+}
+
+fn run(args: &Args) -> Result<(), AttnError> {
+    if let Some(kv) = args
+        .kv_heads
+        .iter()
+        .find(|&&kv| !args.q_heads.is_multiple_of(kv))
+    {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "--kv-heads {kv} does not divide --q-heads {}: each kv head serves \
+                 q_heads / kv_heads query heads",
+                args.q_heads
+            ),
+        });
+    }
+    let device = cpu_description();
+    println!("device: {device}");
+    println!(
+        "{} query heads, one row each, f32; median of {} runs after {} untimed",
+        args.q_heads, args.runs, args.warmup
+    );
+    println!(
+        "\n{:>4} {:>3} {:>5} {:>7} | {:>10} {:>7} {:>5} | {:>10} {:>7}",
+        "d", "kv", "batch", "context", "decode ms", "GB/s", "%read", "read ms", "GB/s"
+    );
+    let date = utc_now();
+    let mut rows: Vec<Row> = Vec::new();
+    for &head_dim in &args.head_dims {
+        for &kv_heads in &args.kv_heads {
+            for &batch in &args.batch {
+                for &context in &args.contexts {
+                    let shape = DecodeShape::new(
+                        batch,
+                        args.q_heads,
+                        kv_heads,
+                        1,
+                        context,
+                        head_dim,
+                    );
+                    let row = |method: &str, what: &str| Row {
+                        method: method.into(),
+                        implementation: what.into(),
+                        device: device.clone(),
+                        commit: COMMIT.into(),
+                        date: date.clone(),
+                        batch,
+                        q_heads: args.q_heads,
+                        kv_heads,
+                        q_rows: 1,
+                        context,
+                        head_dim,
+                        dtype: "f32".into(),
+                        runs: args.runs,
+                        us: None,
+                        bytes: shape.cache_bytes(4),
+                        gb_s: None,
+                        fraction_of_read: None,
+                        error: None,
+                    };
+                    let mut ours = row(
+                        "decode_cpu",
+                        "step08 decode: step 02's online softmax, one query row against its \
+                         kv head's cache, rows in parallel (rayon)",
+                    );
+                    let mut read = row(
+                        "read_cpu",
+                        "every 4-byte word of k and v read once and folded by XOR, in \
+                         chunks on every thread (rayon)",
+                    );
+                    let q = random_normal(Shape::new(batch, args.q_heads, 1, head_dim), 1);
+                    let kv_shape = Shape::new(batch, kv_heads, context, head_dim);
+                    let (k, v) = (random_normal(kv_shape, 2), random_normal(kv_shape, 3));
+                    let warmup = Warmup::Calls(args.warmup);
+                    match check(&q, &k, &v) {
+                        Err(e) => ours.error = Some(e),
+                        Ok(()) => {
+                            let ms = cpu_median_ms(warmup, args.runs, || {
+                                decode(q.view(), k.view(), v.view())
+                            })?;
+                            ours.us = Some(ms * 1e3);
+                        }
+                    }
+                    let (ks, vs) = (
+                        k.as_slice().expect("standard"),
+                        v.as_slice().expect("standard"),
+                    );
+                    let ms = cpu_median_ms(warmup, args.runs, || {
+                        Ok::<_, AttnError>(std::hint::black_box(read_all(ks, vs)))
+                    })?;
+                    read.us = Some(ms * 1e3);
+                    for r in [&mut ours, &mut read] {
+                        r.gb_s = r.us.map(|us| r.bytes as f64 / (us * 1e-6) / 1e9);
+                    }
+                    let read_gb_s = read.gb_s;
+                    for r in [&mut ours, &mut read] {
+                        r.fraction_of_read = r.gb_s.zip(read_gb_s).map(|(a, b)| a / b);
+                    }
+                    print_line(shape, &ours, &read);
+                    rows.extend([ours, read]);
+                    if let Some(path) = &args.out {
+                        write_rows(path, &rows)?;
+                    }
+                }
+            }
+        }
+    }
+    if let Some(path) = &args.out {
+        println!("\nwrote {} rows to {}", rows.len(), path.display());
+    }
+    if let Some(bad) = rows.iter().find_map(|r| r.error.as_ref()) {
+        return Err(AttnError::Unsupported {
+            what: format!("a result failed its check ({bad}); its rows have no time"),
+        });
+    }
+    Ok(())
+}
+
+fn print_line(shape: DecodeShape, ours: &Row, read: &Row) {
+    let ms = |r: &Row| r.us.map_or("-".into(), |x| format!("{:.3}", x / 1e3));
+    let gb = |r: &Row| r.gb_s.map_or("-".into(), |x| format!("{x:.1}"));
+    let pct = |r: &Row| {
+        r.fraction_of_read
+            .map_or("-".into(), |x| format!("{:.0}%", 100.0 * x))
+    };
+    println!(
+        "{:>4} {:>3} {:>5} {:>7} | {:>10} {:>7} {:>5} | {:>10} {:>7}{}",
+        shape.head_dim,
+        shape.kv_heads,
+        shape.batch,
+        shape.context,
+        ms(ours),
+        gb(ours),
+        pct(ours),
+        ms(read),
+        gb(read),
+        ours.error
+            .as_ref()
+            .map_or(String::new(), |e| format!("  {e}"))
+    );
+}
+
+fn write_rows(path: &std::path::Path, rows: &[Row]) -> Result<(), AttnError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| AttnError::Unsupported {
+            what: format!("cannot create {}: {e}", dir.display()),
+        })?;
+    }
+    std::fs::write(path, to_json_row_a_line(rows)).map_err(|e| AttnError::Unsupported {
+        what: format!("cannot write {}: {e}", path.display()),
+    })
+}
