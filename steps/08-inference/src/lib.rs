@@ -40,13 +40,15 @@
 //!   returns what step 05's `sample` returns; `src/bin/generate.rs`, the text and its
 //!   tokens a second with and without the cache.
 //! - `src/bin/decode-cpu.rs`: [`decode()`] on the CPU against a loop that only reads the
-//!   same bytes, checked then timed, as JSON rows (`charts/data/decode-cpu.json`).
+//!   same bytes, checked then timed, as JSON rows (`charts/data/decode-cpu.json`); both
+//!   benchmarks write [`rows::DecodeRow`]s.
 
 pub mod cuda;
 pub mod decode;
 pub mod generate;
 pub mod kernel;
 pub mod reference;
+pub mod rows;
 
 pub use decode::{DecodeShape, check_decode, decode, decode_split};
 

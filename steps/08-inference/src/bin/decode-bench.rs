@@ -13,11 +13,10 @@ use clap::Parser;
 use cudarc::driver::CudaSlice;
 use flash_core::inputs::random_normal;
 use flash_core::reference::error;
-use flash_core::row::{COMMIT, to_json_row_a_line, utc_now};
+use flash_core::row::{COMMIT, utc_now};
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
 use ndarray::{Array4, s};
-use serde::Serialize;
 use step03_cuda_forward::host::round_array;
 use step03_cuda_forward::tool::at_least_one;
 use step03_cuda_forward::{Dtype, Gpu, device_error};
@@ -28,6 +27,7 @@ use step08_inference::cuda::{
 };
 use step08_inference::kernel::DecodeKernel;
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
+use step08_inference::rows::{DecodeRow, write_rows};
 
 /// Decoding attention on the GPU against the memory's speed: one query row (or a few) of
 /// every query head against a cache of keys and values, contiguous and in pages, and a
@@ -100,39 +100,6 @@ fn parse_dtype(s: &str) -> Result<Dtype, String> {
         _ => Err(format!("{s:?}: the decoding kernel takes bf16 or f16")),
     }
 }
-
-// ANCHOR: row
-/// One measurement: a kernel at one shape, or why it has none.
-#[derive(Clone, Debug, Serialize)]
-struct DecodeRow {
-    /// `decode` (contiguous cache), `decode_paged`, `read` (the read kernel)
-    method: String,
-    implementation: String,
-    device: String,
-    commit: String,
-    date: String,
-    batch: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    q_rows: usize,
-    context: usize,
-    head_dim: usize,
-    dtype: String,
-    /// Tokens per page of a paged cache
-    page_size: Option<usize>,
-    /// Thread blocks the keys of each (sequence, kv head) were split over
-    splits: Option<usize>,
-    runs: usize,
-    /// Median microseconds of one call
-    us: Option<f64>,
-    /// Bytes of k and v read: `2 · batch · kv_heads · context · head_dim · 2`
-    bytes: u64,
-    gb_s: Option<f64>,
-    /// GB/s as a fraction of the read kernel's over the same bytes, in the same run
-    fraction_of_read: Option<f64>,
-    error: Option<String>,
-}
-// ANCHOR_END: row
 
 /// The kv heads whose results are checked: the first of the first sequence and the last
 /// of the last.
@@ -549,15 +516,4 @@ fn print_line(shape: DecodeShape, decode: &DecodeRow, paged: &DecodeRow, read: &
         }
     }
     std::io::stdout().flush().ok();
-}
-
-fn write_rows(path: &std::path::Path, rows: &[DecodeRow]) -> Result<(), AttnError> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| AttnError::Unsupported {
-            what: format!("cannot create {}: {e}", dir.display()),
-        })?;
-    }
-    std::fs::write(path, to_json_row_a_line(rows)).map_err(|e| AttnError::Unsupported {
-        what: format!("cannot write {}: {e}", path.display()),
-    })
 }

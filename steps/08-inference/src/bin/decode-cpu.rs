@@ -13,14 +13,14 @@ use std::process::ExitCode;
 use clap::Parser;
 use flash_core::inputs::random_normal;
 use flash_core::reference::error;
-use flash_core::row::{COMMIT, to_json_row_a_line, utc_now};
+use flash_core::row::{COMMIT, utc_now};
 use flash_core::timing::{Warmup, cpu_median_ms};
 use flash_core::{AttnError, Shape};
 use rayon::prelude::*;
-use serde::Serialize;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::tool::at_least_one;
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
+use step08_inference::rows::{DecodeRow as Row, write_rows};
 use step08_inference::{DecodeShape, cpu_description, decode};
 
 /// Decoding attention on the CPU against the memory's speed: one query row of every query
@@ -70,33 +70,6 @@ struct Args {
     /// Write the rows as JSON, one row a line (e.g. charts/data/decode-cpu.json)
     #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
-}
-
-/// One measurement: a method at one shape, or why it has none (`decode-bench`'s keys).
-#[derive(Clone, Debug, Serialize)]
-struct Row {
-    /// `decode_cpu` (step 08's [`decode`]) or `read_cpu` (the read loop)
-    method: String,
-    implementation: String,
-    device: String,
-    commit: String,
-    date: String,
-    batch: usize,
-    q_heads: usize,
-    kv_heads: usize,
-    q_rows: usize,
-    context: usize,
-    head_dim: usize,
-    dtype: String,
-    runs: usize,
-    /// Median microseconds of one call
-    us: Option<f64>,
-    /// Bytes of k and v: `2 · batch · kv_heads · context · head_dim · 4`
-    bytes: u64,
-    gb_s: Option<f64>,
-    /// GB/s as a fraction of the read loop's over the same bytes, in the same run
-    fraction_of_read: Option<f64>,
-    error: Option<String>,
 }
 
 // ANCHOR: read_loop
@@ -199,6 +172,8 @@ fn run(args: &Args) -> Result<(), AttnError> {
                         context,
                         head_dim,
                         dtype: "f32".into(),
+                        page_size: None,
+                        splits: None,
                         runs: args.runs,
                         us: None,
                         bytes: shape.cache_bytes(4),
@@ -286,15 +261,4 @@ fn print_line(shape: DecodeShape, ours: &Row, read: &Row) {
             .as_ref()
             .map_or(String::new(), |e| format!("  {e}"))
     );
-}
-
-fn write_rows(path: &std::path::Path, rows: &[Row]) -> Result<(), AttnError> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| AttnError::Unsupported {
-            what: format!("cannot create {}: {e}", dir.display()),
-        })?;
-    }
-    std::fs::write(path, to_json_row_a_line(rows)).map_err(|e| AttnError::Unsupported {
-        what: format!("cannot write {}: {e}", path.display()),
-    })
 }

@@ -1,0 +1,53 @@
+//! The rows `decode-bench` (the GPU) and `decode-cpu` (the CPU) write: one measurement of
+//! one method at one shape, in one schema, so that the charts and the peers read both.
+
+use std::path::Path;
+
+use flash_core::AttnError;
+use flash_core::row::to_json_row_a_line;
+use serde::Serialize;
+
+/// One measurement: a method at one shape, or why it has none.
+#[derive(Clone, Debug, Serialize)]
+pub struct DecodeRow {
+    /// On the GPU `decode` (contiguous cache), `decode_paged`, `read` (the read kernel); on
+    /// the CPU `decode_cpu`, `read_cpu` (the read loop)
+    pub method: String,
+    pub implementation: String,
+    pub device: String,
+    pub commit: String,
+    pub date: String,
+    pub batch: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub q_rows: usize,
+    pub context: usize,
+    pub head_dim: usize,
+    pub dtype: String,
+    /// Tokens per page of a paged cache
+    pub page_size: Option<usize>,
+    /// Thread blocks the keys of each (sequence, kv head) were split over
+    pub splits: Option<usize>,
+    pub runs: usize,
+    /// Median microseconds of one call
+    pub us: Option<f64>,
+    /// Bytes of k and v read: `2 · batch · kv_heads · context · head_dim` values
+    pub bytes: u64,
+    pub gb_s: Option<f64>,
+    /// GB/s as a fraction of the read kernel's (or loop's) over the same bytes, in the
+    /// same run
+    pub fraction_of_read: Option<f64>,
+    pub error: Option<String>,
+}
+
+/// Writes `rows` to `path` as JSON, one row a line, creating its folder.
+pub fn write_rows(path: &Path, rows: &[DecodeRow]) -> Result<(), AttnError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| AttnError::Unsupported {
+            what: format!("cannot create {}: {e}", dir.display()),
+        })?;
+    }
+    std::fs::write(path, to_json_row_a_line(rows)).map_err(|e| AttnError::Unsupported {
+        what: format!("cannot write {}: {e}", path.display()),
+    })
+}
