@@ -513,7 +513,8 @@ def parse_args(argv):
         a.dtype = a.dtype or ("f32" if cpu else "bf16")
         a.heads = a.heads if "--heads" in argv else 32
         a.lengths = a.lengths or ([1024, 4096, 16384] if cpu else [1 << p for p in range(10, 18)])
-        a.batches = a.batches if "--batches" in argv or not cpu else [1]
+        if cpu and "--batches" not in argv:
+            a.batches = [1]  # decode-cpu's default
         a.runs = a.runs if "--runs" in argv else (10 if cpu else 30)
         if cpu and a.dtype != "f32":
             p.error("--decode --device cpu measures an f32 cache, as decode-cpu does")
