@@ -9,7 +9,8 @@
 // warps take turns over the split's keys, KEYS at a time each, every warp with its own
 // STAGES-deep cp.async pipeline in shared memory (no barrier between warps in the loop);
 // at the end the warps' partial results merge in shared memory, and the block writes the
-// output itself (one split) or its split's partial result in f32 for flash_decode_merge.
+// output itself (one split) or its split's partial result in f32; the last block of a
+// (sequence, kv head) to finish then merges the splits' results.
 //
 // Compile-time parameters, every one given to NVRTC as a -D option by src/kernel.rs's
 // DecodeKernel (a missing one is a compile error; the file holds no defaults):
@@ -50,16 +51,98 @@ __device__ __forceinline__ void load_keys(u16* tile, const u16* src, int valid, 
 }
 // ANCHOR_END: load_keys
 
+// ANCHOR: decode_merge
+// The splits' partial results of one row merged by one warp: the same algebra as step 07's
+// ring_merge, over all the splits at once,
+//   lse = M + log Σ_s e^(lse_s - M)   (M the largest lse_s)
+//   out = Σ_s e^(lse_s - lse)·out_s
+// A split whose keys the row does not see has lse_s = -inf and weighs 0. The other blocks
+// wrote the partial results: they are read through L2 (__ldcg), where their writes landed,
+// never through this multiprocessor's L1.
+#define MERGE_COLS (HEAD_DIM / 32)  // neighbouring columns a lane merges
+#define MERGE_CHUNK 8               // splits whose loads are in flight together
+
+// a lane's MERGE_COLS columns of one split's row: one 16-byte load at head dim 128
+__device__ __forceinline__ void load_cols(const float* x, float (&y)[MERGE_COLS]) {
+    if constexpr (MERGE_COLS == 4) {
+        const float4 t = __ldcg((const float4*)x);
+        y[0] = t.x, y[1] = t.y, y[2] = t.z, y[3] = t.w;
+    } else if constexpr (MERGE_COLS == 2) {
+        const float2 t = __ldcg((const float2*)x);
+        y[0] = t.x, y[1] = t.y;
+    } else {
+        y[0] = __ldcg(x);
+    }
+}
+
+__device__ __forceinline__ void merge_splits(
+    const float* __restrict__ part_out,  // [B·KVH, splits, R, HEAD_DIM]
+    const float* __restrict__ part_lse,  // [B·KVH, splits, R]
+    u16* __restrict__ out,               // [B·KVH, R, HEAD_DIM]
+    float* __restrict__ lse,             // [B·KVH, R]
+    long long bk,                        // the (sequence, kv head) the row belongs to
+    int r,                               // the row among its R
+    int R,                               // query rows of each kv head
+    int splits,                          // partial results of each row
+    int lane                             // this thread's lane in the warp
+) {
+    const long long row = bk * R + r;
+    const float* pl = part_lse + bk * splits * R + r;  // split s at pl[s·R]
+    float mx = NEG_INF;
+    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, __ldcg(pl + (long long)s * R));
+#pragma unroll
+    for (int x = 16; x > 0; x /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, x));
+    float sum = 0.f;
+    if (mx != NEG_INF)
+        for (int s = lane; s < splits; s += 32)
+            sum += __expf(__ldcg(pl + (long long)s * R) - mx);
+#pragma unroll
+    for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffff, sum, x);
+    const float row_lse = mx == NEG_INF ? NEG_INF : mx + __logf(sum);
+    float acc[MERGE_COLS] = {};
+    const float* po = part_out + (bk * splits * R + r) * HEAD_DIM + lane * MERGE_COLS;
+    // MERGE_CHUNK splits at a time, every load issued before the first is used: a loop
+    // that used each split's load at once would wait for the memory once per split
+    for (int s0 = 0; mx != NEG_INF && s0 < splits; s0 += MERGE_CHUNK) {
+        float w[MERGE_CHUNK], y[MERGE_CHUNK][MERGE_COLS];
+#pragma unroll
+        for (int c = 0; c < MERGE_CHUNK; ++c) {
+            const long long s = s0 + c;
+            w[c] = s < splits ? __ldcg(pl + s * R) : NEG_INF;
+#pragma unroll
+            for (int i = 0; i < MERGE_COLS; ++i) y[c][i] = 0.f;
+            if (s < splits) load_cols(po + s * R * HEAD_DIM, y[c]);
+        }
+#pragma unroll
+        for (int c = 0; c < MERGE_CHUNK; ++c) {
+            const float share = __expf(w[c] - row_lse);  // e^-inf = 0
+#pragma unroll
+            for (int i = 0; i < MERGE_COLS; ++i) acc[i] += share * y[c][i];
+        }
+    }
+    u16* dst = out + row * HEAD_DIM + lane * MERGE_COLS;
+    if constexpr (MERGE_COLS == 1) {
+        dst[0] = from_f32(acc[0]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < MERGE_COLS; i += 2)
+            *(u32*)(dst + i) = pack2(acc[i], acc[i + 1]);
+    }
+    if (lane == 0) lse[row] = row_lse;
+}
+// ANCHOR_END: decode_merge
+
 // ANCHOR: decode_signature
 extern "C" __global__ void __launch_bounds__(THREADS) flash_decode(
     const u16* __restrict__ q,         // [B, KVH, R, HEAD_DIM]: each kv head's R query rows
     const u16* __restrict__ k,         // the keys: [B, KVH, T, HEAD_DIM], or a pool
     const u16* __restrict__ v,         // the values, laid out as k
     const int* __restrict__ table,     // PAGE_SIZE > 0: [B, max_pages], each page's place
-    u16* __restrict__ out,             // one split: [B, KVH, R, HEAD_DIM], the output
-    float* __restrict__ lse,           // one split: [B, KVH, R], natural log-sum-exp
+    u16* __restrict__ out,             // [B, KVH, R, HEAD_DIM], the output
+    float* __restrict__ lse,           // [B, KVH, R], each row's natural log-sum-exp
     float* __restrict__ part_out,      // splits: [B, KVH, splits, R, HEAD_DIM], f32
     float* __restrict__ part_lse,      // splits: [B, KVH, splits, R]
+    unsigned* __restrict__ done,       // splits: [B, KVH] blocks finished, 0 at launch
     int T,                             // tokens in the cache, the query rows' own included
     int n,                             // query rows a head: row i sees keys ≤ T - n + i
     int R,                             // query rows of each kv head, g·n ≤ ROWS
@@ -326,84 +409,24 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode(
         }
     }
     // ANCHOR_END: warps_merge
-}
 
-// ANCHOR: decode_merge
-// The splits' partial results of one row merged, one warp a row: the same algebra as step
-// 07's ring_merge, over all the splits at once,
-//   lse = M + log Σ_s e^(lse_s - M)   (M the largest lse_s)
-//   out = Σ_s e^(lse_s - lse)·out_s
-// A split whose keys the row does not see has lse_s = -inf and weighs 0.
-#define MERGE_COLS (HEAD_DIM / 32)  // neighbouring columns a lane merges
-#define MERGE_CHUNK 8               // splits whose loads are in flight together
-
-// a lane's MERGE_COLS columns of one split's row: one 16-byte load at head dim 128
-__device__ __forceinline__ void load_cols(const float* x, float (&y)[MERGE_COLS]) {
-    if constexpr (MERGE_COLS == 4) {
-        const float4 t = *(const float4*)x;
-        y[0] = t.x, y[1] = t.y, y[2] = t.z, y[3] = t.w;
-    } else if constexpr (MERGE_COLS == 2) {
-        const float2 t = *(const float2*)x;
-        y[0] = t.x, y[1] = t.y;
-    } else {
-        y[0] = x[0];
-    }
-}
-
-extern "C" __global__ void flash_decode_merge(
-    const float* __restrict__ part_out,  // [B·KVH, splits, R, HEAD_DIM]
-    const float* __restrict__ part_lse,  // [B·KVH, splits, R]
-    u16* __restrict__ out,               // [B·KVH, R, HEAD_DIM]
-    float* __restrict__ lse,             // [B·KVH, R]
-    long long rows,                      // B·KVH·R
-    int R,                               // query rows of each kv head
-    int splits                           // partial results of each row
-) {
-    const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const long long bk = row / R;
-    const int r = row % R;
-    const float* pl = part_lse + bk * splits * R + r;  // split s at pl[s·R]
-    float mx = NEG_INF;
-    for (int s = lane; s < splits; s += 32) mx = fmaxf(mx, pl[(long long)s * R]);
-#pragma unroll
-    for (int x = 16; x > 0; x /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, x));
-    float sum = 0.f;
-    if (mx != NEG_INF)
-        for (int s = lane; s < splits; s += 32) sum += __expf(pl[(long long)s * R] - mx);
-#pragma unroll
-    for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffff, sum, x);
-    const float row_lse = mx == NEG_INF ? NEG_INF : mx + __logf(sum);
-    float acc[MERGE_COLS] = {};
-    const float* po = part_out + (bk * splits * R + r) * HEAD_DIM + lane * MERGE_COLS;
-    // MERGE_CHUNK splits at a time, every load issued before the first is used: a loop
-    // that used each split's load at once would wait for the memory once per split
-    for (int s0 = 0; mx != NEG_INF && s0 < splits; s0 += MERGE_CHUNK) {
-        float w[MERGE_CHUNK], y[MERGE_CHUNK][MERGE_COLS];
-#pragma unroll
-        for (int c = 0; c < MERGE_CHUNK; ++c) {
-            const long long s = s0 + c;
-            w[c] = s < splits ? pl[s * R] : NEG_INF;
-#pragma unroll
-            for (int i = 0; i < MERGE_COLS; ++i) y[c][i] = 0.f;
-            if (s < splits) load_cols(po + s * R * HEAD_DIM, y[c]);
-        }
-#pragma unroll
-        for (int c = 0; c < MERGE_CHUNK; ++c) {
-            const float share = __expf(w[c] - row_lse);  // e^-inf = 0
-#pragma unroll
-            for (int i = 0; i < MERGE_COLS; ++i) acc[i] += share * y[c][i];
+    // ANCHOR: last_block
+    // The last block of a (sequence, kv head) to finish merges its splits. Each thread's
+    // writes are made visible to the whole GPU (__threadfence) before thread 0 counts the
+    // block done; the block that counts splits - 1 sees every other block's writes, merges,
+    // and leaves the counter at zero for the next launch.
+    if (splits > 1) {
+        __shared__ bool is_last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) is_last = atomicAdd(done + bk, 1u) == (unsigned)splits - 1;
+        __syncthreads();
+        if (is_last) {
+            for (int row = warp; row < R; row += WARPS)
+                merge_splits(part_out, part_lse, out, lse, bk, row, R, splits, lane);
+            if (threadIdx.x == 0) done[bk] = 0;
         }
     }
-    u16* dst = out + row * HEAD_DIM + lane * MERGE_COLS;
-    if constexpr (MERGE_COLS == 1) {
-        dst[0] = from_f32(acc[0]);
-    } else {
-#pragma unroll
-        for (int i = 0; i < MERGE_COLS; i += 2)
-            *(u32*)(dst + i) = pack2(acc[i], acc[i + 1]);
-    }
-    if (lane == 0) lse[row] = row_lse;
+    // ANCHOR_END: last_block
 }
-// ANCHOR_END: decode_merge
+

@@ -11,7 +11,7 @@
 //!   is launched.
 //! - [`SplitPlan`]: how many splits of how many keys, [`plan_splits`] choosing them from
 //!   the GPU's multiprocessors.
-//! - [`decode_into`]: the kernel (and, over several splits, the merge) on device tensors;
+//! - [`decode_into`]: the kernel, its splits merged by their last block, on device tensors;
 //!   [`decode`] on host arrays.
 //! - [`read_bytes`], [`fill_cache`]: the read kernel, and the benchmark's fill of a cache
 //!   whose values [`cache_value`] makes again on the host.
@@ -27,8 +27,7 @@ use step03_cuda_forward::{
 
 use crate::decode::{DecodeShape, check_decode, check_sizes};
 use crate::kernel::{
-    DECODE, DECODE_MERGE, DecodeKernel, FILL, READ, check_page_size, compile_fill,
-    compile_read,
+    DECODE, DecodeKernel, FILL, READ, check_page_size, compile_fill, compile_read,
 };
 
 /// How a cache's tokens lie in memory.
@@ -304,37 +303,18 @@ pub const MIN_SPLIT_KEYS: usize = 2 * DecodeKernel::WARPS * DecodeKernel::KEYS;
 /// Splits of one (kv head, sequence) at most.
 pub const MAX_SPLITS: usize = 256;
 
-/// Chooses the split. Without one, a block per (kv head, sequence) would leave most of the
+/// Chooses the split. Without one, a block per (sequence, kv head) would leave most of the
 /// GPU idle at batch 1 (8 kv heads on 132 multiprocessors), each block reading a long cache
-/// alone. The GPU holds `sms · blocks_per_sm` blocks at once, the *slots*; more blocks run
-/// in waves, and a last wave of a few blocks leaves the others' slots idle while it reads.
-/// So the keys are cut into the fewest splits that keep the slots at least 90% busy over
-/// the waves (`blocks / (waves · slots) ≥ 0.9`; from four waves on the last one's tail is
-/// short, and counts as full), no split shorter than [`MIN_SPLIT_KEYS`]; where no count
-/// reaches 90% (a short cache at batch 1), the busiest. With enough sequences and heads
-/// that is one split, and no merge.
-pub fn plan_splits(
-    batch_kv_heads: usize,
-    context: usize,
-    sms: usize,
-    blocks_per_sm: usize,
-) -> SplitPlan {
-    let slots = sms.max(1) * blocks_per_sm.max(1);
+/// alone. Decoding is bound by the memory, and a multiprocessor streams one block's keys
+/// about as fast as two blocks': what counts is that every multiprocessor streams, not that
+/// every slot for a block is taken. Each split also costs a start (q's rows, the pipeline's
+/// first steps) and a share of the merge. So, while the (sequence, kv head) pairs are fewer
+/// than the multiprocessors, as many splits as give each multiprocessor one block (8 pairs
+/// on 132: 16 splits, 128 blocks), none shorter than [`MIN_SPLIT_KEYS`]; with as many
+/// pairs as multiprocessors, one split and no merge.
+pub fn plan_splits(batch_kv_heads: usize, context: usize, sms: usize) -> SplitPlan {
     let most = context.div_ceil(MIN_SPLIT_KEYS).clamp(1, MAX_SPLITS);
-    let busy = |splits: usize| {
-        let blocks = batch_kv_heads.max(1) * splits;
-        let waves = blocks.div_ceil(slots);
-        if waves >= 4 {
-            1.0
-        } else {
-            blocks as f64 / (waves * slots) as f64
-        }
-    };
-    let splits = (1..=most).find(|&s| busy(s) >= 0.9).unwrap_or_else(|| {
-        (1..=most)
-            .max_by(|&a, &b| busy(a).total_cmp(&busy(b)).then(b.cmp(&a)))
-            .unwrap_or(1)
-    });
+    let splits = (sms / batch_kv_heads.max(1)).clamp(1, most);
     fixed_splits(context, splits)
 }
 // ANCHOR_END: plan_splits
@@ -357,6 +337,8 @@ pub struct DecodeOutput {
     pub lse: CudaSlice<f32>,
     part_out: CudaSlice<f32>,
     part_lse: CudaSlice<f32>,
+    /// Per (sequence, kv head), the blocks that have finished; zero between launches.
+    done: CudaSlice<u32>,
     splits: usize,
 }
 
@@ -387,21 +369,11 @@ pub fn plan(
     dtype: Dtype,
     page_size: usize,
 ) -> Result<SplitPlan, AttnError> {
-    let kernel =
-        DecodeKernel::new(dtype, shape.head_dim, shape.rows_per_kv_head(), page_size)?;
-    let f = decode_kernel(gpu, kernel, DECODE)?;
-    let per_sm = f
-        .occupancy_max_active_blocks_per_multiprocessor(
-            kernel.threads(),
-            kernel.smem_bytes() as usize,
-            None,
-        )
-        .map_err(device_error("reading the kernel's occupancy"))?;
+    DecodeKernel::new(dtype, shape.head_dim, shape.rows_per_kv_head(), page_size)?;
     Ok(plan_splits(
         shape.batch * shape.kv_heads,
         shape.context,
         sm_count(gpu)?,
-        per_sm as usize,
     ))
 }
 
@@ -438,14 +410,21 @@ pub fn alloc_output(
             "allocating the splits' outputs",
         )?,
         part_lse: f32s(parts * rows, "allocating the splits' log-sum-exps")?,
+        done: stream
+            .alloc_zeros::<u32>((shape.batch * shape.kv_heads).max(1))
+            .map_err(alloc_error(
+                "allocating the splits' counters",
+                (shape.batch * shape.kv_heads) as u128 * 4,
+            ))?,
         splits,
     })
 }
 
 // ANCHOR: decode_into
 /// Decoding attention on the GPU: `q` `[batch, q_heads, q_rows, head_dim]` against `cache`,
-/// the keys cut as `plan` says. With one split the kernel writes the output itself; with
-/// more, each split's partial result in f32, then `flash_decode_merge` combines them.
+/// the keys cut as `plan` says. With one split each block writes its rows' output; with
+/// more, each block its split's partial result in f32, and the last block of a (sequence,
+/// kv head) to finish merges them: one launch either way.
 pub fn decode_into(
     gpu: &Gpu,
     q: &DeviceTensor,
@@ -491,6 +470,7 @@ pub fn decode_into(
         .arg(&mut result.lse)
         .arg(&mut result.part_out)
         .arg(&mut result.part_lse)
+        .arg(&mut result.done)
         .arg(&t)
         .arg(&n)
         .arg(&r)
@@ -500,34 +480,11 @@ pub fn decode_into(
     // SAFETY: check_device proved q holds batch·q_heads·q_rows·head_dim values, the cache
     // batch·kv_heads·context·head_dim (or its pool pages·kv_heads·page_size·head_dim,
     // with a table checked on the host to name only pages of the pool), the output buffers
-    // the shape's rows, and room for plan.splits partial results when there are several; the
-    // grid covers the splits, kv heads and sequences, and the kernel reads keys below
-    // context only.
+    // the shape's rows, and room for plan.splits partial results when there are several
+    // with a counter for each (sequence, kv head), zeroed at allocation and left at zero by
+    // each launch's last block; the grid covers the splits, kv heads and sequences, and the
+    // kernel reads keys below context only.
     unsafe { launch.launch(config) }.map_err(device_error("launching flash_decode"))?;
-    if plan.splits > 1 {
-        let merge = decode_kernel(gpu, kernel, DECODE_MERGE)?;
-        let all_rows = (shape.batch * shape.q_heads * shape.q_rows) as i64;
-        let splits = plan.splits as i32;
-        // 8 warps a block, one row a warp
-        let config = LaunchConfig {
-            grid_dim: ((all_rows as u64).div_ceil(8) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = stream.launch_builder(&merge);
-        launch
-            .arg(&result.part_out)
-            .arg(&result.part_lse)
-            .arg(&mut result.out.data)
-            .arg(&mut result.lse)
-            .arg(&all_rows)
-            .arg(&r)
-            .arg(&splits);
-        // SAFETY: the partial results hold plan.splits splits of every row (written by
-        // the launch before on this stream), the output every row
-        unsafe { launch.launch(config) }
-            .map_err(device_error("launching flash_decode_merge"))?;
-    }
     Ok(())
 }
 // ANCHOR_END: decode_into
@@ -594,6 +551,16 @@ fn check_device(
                 result.out.shape,
                 result.out.dtype.name(),
                 q.dtype.name()
+            ),
+        });
+    }
+    if result.done.len() < shape.batch * shape.kv_heads {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "the output buffers count the splits of {} (sequence, kv head) pairs; the \
+                 cache has {}",
+                result.done.len(),
+                shape.batch * shape.kv_heads
             ),
         });
     }

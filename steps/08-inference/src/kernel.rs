@@ -9,17 +9,19 @@ use step03_cuda_forward::kernel::{
     HEAD_DIMS, TENSOR_CORES_CUH, compile_error, unsupported_head_dim,
 };
 
-/// The decoding kernel and its merge, with step 03's `tensor_cores.cuh` in front.
+/// The decoding kernel, with step 03's `tensor_cores.cuh` in front.
 pub const DECODE_CU: &str = include_str!("../kernels/decode.cu");
-/// The entry points of [`DECODE_CU`]: the split kernel and the merge of the splits.
+/// The entry point of [`DECODE_CU`]: each block one split, the last one merging them.
 pub const DECODE: &str = "flash_decode";
-pub const DECODE_MERGE: &str = "flash_decode_merge";
 /// The kernel that only reads: the physical limit decoding is compared with.
 pub const READ_CU: &str = include_str!("../kernels/read.cu");
 pub const READ: &str = "read_bytes";
 /// The benchmark's fill of a cache on the GPU.
 pub const FILL_CU: &str = include_str!("../kernels/fill.cu");
 pub const FILL: &str = "fill_cache";
+/// A new token's keys and values into a paged cache, as the model generates.
+pub const APPEND_CU: &str = include_str!("../kernels/append.cu");
+pub const APPEND: &str = "append_kv";
 
 /// Query rows of one kv head a block computes at most: two tiles of 16 (`g · q_rows ≤ 32`,
 /// Llama 3 70B's 8 query heads a kv head with 4 rows each, for one).
@@ -175,6 +177,26 @@ pub fn compile_fill(
     head_dim: usize,
     arch: &'static str,
 ) -> Result<Ptx, AttnError> {
+    compile_small("fill", FILL_CU, dtype, head_dim, arch)
+}
+
+/// Compiles `kernels/append.cu` for one dtype and head dim.
+pub fn compile_append(
+    dtype: Dtype,
+    head_dim: usize,
+    arch: &'static str,
+) -> Result<Ptx, AttnError> {
+    compile_small("append", APPEND_CU, dtype, head_dim, arch)
+}
+
+/// A kernel file after `tensor_cores.cuh`, for one dtype and head dim.
+fn compile_small(
+    stem: &str,
+    source: &str,
+    dtype: Dtype,
+    head_dim: usize,
+    arch: &'static str,
+) -> Result<Ptx, AttnError> {
     if !HEAD_DIMS.contains(&head_dim) {
         return Err(unsupported_head_dim(head_dim));
     }
@@ -185,9 +207,9 @@ pub fn compile_fill(
             format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
             "--std=c++17".into(),
         ],
-        name: Some(format!("fill_{}_d{head_dim}.cu", dtype.name())),
+        name: Some(format!("{stem}_{}_d{head_dim}.cu", dtype.name())),
         ..Default::default()
     };
-    compile_ptx_with_opts([TENSOR_CORES_CUH, FILL_CU].concat(), options)
-        .map_err(|e| compile_error("fill", e))
+    compile_ptx_with_opts([TENSOR_CORES_CUH, source].concat(), options)
+        .map_err(|e| compile_error(stem, e))
 }

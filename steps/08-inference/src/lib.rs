@@ -27,8 +27,8 @@
 //!   rows of a kv head and a page size into `kernels/decode.cu`'s `-D` options.
 //! - `kernels/decode.cu`: `flash_decode`, one thread block per (split, kv head, sequence),
 //!   the query rows of the heads sharing the kv head together on the tensor cores, each
-//!   warp its own `cp.async` pipeline over the keys, the warps merged in shared memory; and
-//!   `flash_decode_merge`, the splits merged through their log-sum-exps.
+//!   warp its own `cp.async` pipeline over the keys, the warps merged in shared memory, and
+//!   the splits merged through their log-sum-exps by the last block of each kv head.
 //!   `kernels/read.cu`: a kernel that only reads the same bytes, the physical limit.
 //!   `kernels/fill.cu`: the benchmark's caches, filled on the GPU.
 //! - `src/bin/decode-bench.rs`: the kernels on a contiguous and a paged cache and the read
@@ -39,6 +39,12 @@
 //!   against the cache (step 02's loop), and [`generate`](generate::generate), which
 //!   returns what step 05's `sample` returns; `src/bin/generate.rs`, the text and its
 //!   tokens a second with and without the cache.
+//! - [`gpu_generate`]: the same on the GPU: [`GpuModel`](gpu_generate::GpuModel), step
+//!   05's model with a paged cache per layer, a token's step its products and kernels with
+//!   the decoding kernel as its attention (`kernels/append.cu` adds the token's keys and
+//!   values to the cache); [`generate_gpu`](gpu_generate::generate_gpu), and
+//!   [`sample_gpu`](gpu_generate::sample_gpu), the GPU forward over the whole window a
+//!   token.
 //! - `src/bin/decode-cpu.rs`: [`decode()`] on the CPU against a loop that only reads the
 //!   same bytes, checked then timed, as JSON rows (`charts/data/decode-cpu.json`); both
 //!   benchmarks write [`rows::DecodeRow`]s.
@@ -46,6 +52,7 @@
 pub mod cuda;
 pub mod decode;
 pub mod generate;
+pub mod gpu_generate;
 pub mod kernel;
 pub mod reference;
 pub mod rows;

@@ -217,19 +217,18 @@ fn a_page_table_that_points_past_the_pool_is_refused() {
 
 // ANCHOR: split_test
 #[test]
-fn the_split_keeps_the_gpu_busy_and_no_split_is_too_short() {
-    // batch 1 with 8 kv heads on 132 multiprocessors holding 2 blocks each: 30 splits, 240
-    // blocks in 264 slots
-    let p = plan_splits(8, 131_072, 132, 2);
-    assert_eq!((p.splits, p.split_keys), (30, 4416));
-    // 64 sequences × 8 kv heads fill 97% of the slots alone: one split, no merge
-    assert_eq!(plan_splits(512, 131_072, 132, 2).splits, 1);
-    // with 3 blocks a multiprocessor, 512 blocks would be 1.3 waves: 3 splits make 3.9
-    assert_eq!(plan_splits(512, 131_072, 132, 3).splits, 3);
-    // four waves and more: one split
-    assert_eq!(plan_splits(2048, 131_072, 132, 3).splits, 1);
+fn the_split_gives_each_multiprocessor_a_block_and_no_split_is_too_short() {
+    // batch 1 with 8 kv heads on 132 multiprocessors: 16 splits, 128 blocks
+    let p = plan_splits(8, 131_072, 132);
+    assert_eq!((p.splits, p.split_keys), (16, 8192));
+    // 32 kv heads: 4 splits; 8 sequences × 8 kv heads: 2
+    assert_eq!(plan_splits(32, 131_072, 132).splits, 4);
+    assert_eq!(plan_splits(64, 131_072, 132).splits, 2);
+    // as many (sequence, kv head) pairs as multiprocessors or more: one split, no merge
+    assert_eq!(plan_splits(132, 131_072, 132).splits, 1);
+    assert_eq!(plan_splits(512, 131_072, 132).splits, 1);
     // a short cache is not cut into splits of fewer than 128 keys
-    let p = plan_splits(8, 1000, 132, 2);
+    let p = plan_splits(8, 1000, 132);
     assert_eq!(p.splits, 8, "{p:?}");
     assert!(
         p.split_keys >= 128 && p.splits * p.split_keys >= 1000,

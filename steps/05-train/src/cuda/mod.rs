@@ -1372,6 +1372,32 @@ impl GpuTrainer {
         Ok(self.read_scalars()?[0])
     }
 
+    // [step 08]
+    /// Row `row` of the last forward's logits, `[vocab]`, copied back: the distribution of
+    /// the token after the first `row + 1` tokens of the batch's first sequence (step 08
+    /// generates without a cache from it).
+    pub fn logits_row(&self, row: usize) -> Result<Vec<f32>, TrainError> {
+        let (rows, vocab) = (self.batch * self.seq_len, self.config.vocab);
+        if row >= rows {
+            return Err(TrainError::Config(format!(
+                "logits row {row}: the batch has rows 0..{rows}"
+            )));
+        }
+        let mut out = vec![0f32; vocab];
+        let stream = self.gpu.stream();
+        stream
+            .memcpy_dtoh(
+                &self.logits._slice.slice(row * vocab..(row + 1) * vocab),
+                &mut out,
+            )
+            .map_err(|e| TrainError::Device(device_error("reading the logits")(e)))?;
+        stream
+            .synchronize()
+            .map_err(|e| TrainError::Device(device_error("waiting for the GPU")(e)))?;
+        Ok(out)
+    }
+    // [/step 08]
+
     /// The gradients of the last backward, copied back.
     pub fn grads(&self) -> Result<Params<f32>, TrainError> {
         self.download(&self.grads)

@@ -387,7 +387,7 @@ fn implementation(args: &Args, shape: DecodeShape, page_size: usize) -> String {
     match kernel {
         Ok(k) => format!(
             "kernels/decode.cu, {layout}: {} query rows a kv head in {} tile(s) of 16, {} \
-             warps × {} keys a step, {} stages; splits merged by flash_decode_merge",
+             warps × {} keys a step, {} stages; splits merged by the last block",
             shape.rows_per_kv_head(),
             k.row_tiles,
             DecodeKernel::WARPS,

@@ -1,9 +1,9 @@
 //! Compiles what decoding launches with NVRTC for `sm_90` and assembles it with `ptxas -v`,
-//! printing registers, shared memory and spills: `kernels/decode.cu` (the split kernel and
-//! its merge) in bf16 and f16 at every head dim, for one and two tiles of query rows, on a
-//! contiguous cache and on pages of 16 and 64 tokens, then `kernels/read.cu` and
-//! `kernels/fill.cu`. Exits non-zero on a failed compile or any spill. Needs no GPU: CI
-//! runs it with NVRTC and ptxas from PyPI, as step 03's `kernel-check`.
+//! printing registers, shared memory and spills: `kernels/decode.cu` in bf16 and f16 at
+//! every head dim, for one and two tiles of query rows, on a contiguous cache and on pages
+//! of 16 and 64 tokens, then `kernels/read.cu`, `kernels/fill.cu` and `kernels/append.cu`.
+//! Exits non-zero on a failed compile or any spill. Needs no GPU: CI runs it with NVRTC
+//! and ptxas from PyPI, as step 03's `kernel-check`.
 //!
 //! `cargo run -p step08-inference --bin decode-kernel-check [-- --ptxas PATH]`
 
@@ -13,9 +13,9 @@ use clap::Parser;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::kernel::HEAD_DIMS;
 use step03_cuda_forward::ptxas::{self, Variant};
-use step08_inference::kernel::{DecodeKernel, compile_fill, compile_read};
+use step08_inference::kernel::{DecodeKernel, compile_append, compile_fill, compile_read};
 
-/// Compiles the decoding kernels (decode.cu's split kernel and merge, read.cu, fill.cu) for
+/// Compiles the decoding kernels (decode.cu, read.cu, fill.cu, append.cu) for
 /// every dtype, head dim, tile of query rows and page size the library launches, and
 /// assembles each with `ptxas -v`.
 ///
@@ -45,6 +45,10 @@ fn main() -> ExitCode {
                 kernels.push(Variant::used(
                     format!("fill_{tag}"),
                     compile_fill(dtype, head_dim, arch),
+                ));
+                kernels.push(Variant::used(
+                    format!("append_{tag}"),
+                    compile_append(dtype, head_dim, arch),
                 ));
             }
         }

@@ -1,6 +1,7 @@
 //! `generate`: text from step 05's model with the key/value cache ([`generate`]), or
 //! without it (`--no-cache`: step 05's [`sample`], the whole forward again for every new
-//! byte), and the tokens a second of each; `--out` adds one row to a JSON file of
+//! byte), and the tokens a second of each, on the CPU or (`--device cuda`) on the GPU
+//! ([`generate_gpu`], [`sample_gpu`]); `--out` adds one row to a JSON file of
 //! `charts/data/`.
 //!
 //! ```sh
@@ -14,13 +15,18 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use clap::Parser;
+use std::cell::RefCell;
+
+use clap::{Parser, ValueEnum};
 use flash_core::timing::median;
 use serde::{Deserialize, Serialize};
+use step05_train::cuda::{AttentionKind, GpuTrainer};
 use step05_train::model::{Config, Params, Preset};
+use step05_train::train::Trainer;
 use step05_train::{Checkpoint, TrainError, sample};
 use step08_inference::cpu_description;
 use step08_inference::generate::{generate, prefill, step};
+use step08_inference::gpu_generate::{GpuModel, generate_gpu, sample_gpu};
 
 /// The seed of `--model`'s random weights: `train`'s default seed, so they are the weights
 /// `train --model ...` starts from.
@@ -31,10 +37,15 @@ const INIT_SEED: u64 = 1337;
 ///
 /// With a cache the prompt is read once and each new byte costs one token's work; without,
 /// each new byte runs the whole forward over every byte before it. On the CPU, one thread
-/// pool (rayon's) for both.
+/// pool (rayon's) for both; on the GPU, the model in bf16 as step 05's GPU trainer runs
+/// it, with a paged cache and the decoding kernel (or, without the cache, the trainer's
+/// forward over the whole window for every new byte).
 #[derive(Parser, Debug)]
 #[command(name = "generate")]
 struct Cli {
+    /// Where the model runs
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    device: Device,
     /// A model of this shape with random weights (those `train` starts from, seed 1337):
     /// its text is noise, its speed is the trained model's [default: small]
     #[arg(long, value_enum, conflicts_with = "checkpoint")]
@@ -75,10 +86,19 @@ struct Cli {
     out: Option<PathBuf>,
 }
 
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Device {
+    /// f32, step 02's loop against the cache
+    Cpu,
+    /// GPU 0, bf16, this step's decoding kernel against a paged cache
+    Cuda,
+}
+
 /// One measurement as `--out` writes it: a row of `charts/data/generate-*.json`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 struct GenerateRow {
-    /// The CPU's name and the threads the model may use.
+    /// The CPU's name and the threads the model may use, or the GPU's name.
     device: String,
     /// The commit the binary was built from ([`flash_core::row::COMMIT`]).
     commit: String,
@@ -104,6 +124,9 @@ struct GenerateRow {
     cache_bytes: usize,
     /// Whether the two wrote the same bytes.
     same_text: bool,
+    /// What it wrote with the cache (bytes that are not UTF-8 shown as �).
+    #[serde(default)]
+    text: String,
 }
 
 /// Something `run` times: a whole generation, or the prefill alone.
@@ -190,9 +213,128 @@ fn run(cli: Cli) -> Result<(), TrainError> {
         None => cli.prompt.clone().into_bytes(),
     };
     let (count, t, seed) = (cli.count, cli.temperature, cli.seed);
-    let cached = || generate(&params, &prompt, count, t, seed);
-    let uncached = || sample(&params, &prompt, count, t, seed);
     let both = cli.compare || cli.out.is_some();
+    match cli.device {
+        Device::Cpu => {
+            let cached = || generate(&params, &prompt, count, t, seed);
+            let uncached = || sample(&params, &prompt, count, t, seed);
+            let prefill_only = || prefill(&params, &prompt).map(|_| Vec::new());
+            let cache_bytes = |text: &[u8]| -> Result<usize, TrainError> {
+                // the cache as the last token left it: the prompt and every new token but
+                // the last
+                let (mut cache, _) = prefill(&params, &prompt)?;
+                for &token in &text[..count.saturating_sub(1)] {
+                    step(&params, &mut cache, token)?;
+                }
+                Ok(cache.bytes())
+            };
+            let calls = Calls {
+                cached: &cached,
+                uncached: &uncached,
+                prefill: &prefill_only,
+                uncached_is: "step 05's sample",
+            };
+            report(
+                &cli,
+                &params,
+                name,
+                &prompt,
+                cpu_description(),
+                calls,
+                both,
+                &cache_bytes,
+            )
+        }
+        Device::Cuda => {
+            let model = RefCell::new(GpuModel::new(&params)?);
+            let start = Trainer {
+                params: params.clone(),
+                opt: step05_train::AdamW::new(config, Default::default()),
+                step: 0,
+            };
+            // the fastest attention step 05's trainer has on this GPU: step 06's on Hopper
+            let attention = match model.borrow().arch() {
+                "sm_90" | "sm_90a" => AttentionKind::Hopper,
+                _ => AttentionKind::Flash,
+            };
+            let trainer = if cli.no_cache || both {
+                Some(RefCell::new(GpuTrainer::new(
+                    &start,
+                    1,
+                    config.context,
+                    attention,
+                    false,
+                )?))
+            } else {
+                None
+            };
+            let device = model.borrow().device_name();
+            let cached = || generate_gpu(&mut model.borrow_mut(), &prompt, count, t, seed);
+            let uncached = || match &trainer {
+                Some(trainer) => {
+                    sample_gpu(&mut trainer.borrow_mut(), &prompt, count, t, seed)
+                }
+                None => unreachable!("made for --no-cache and for both"),
+            };
+            let prefill_only = || {
+                let mut model = model.borrow_mut();
+                model.reset();
+                for &token in &prompt {
+                    model.step(token)?;
+                }
+                Ok(Vec::new())
+            };
+            let cache_bytes = |text: &[u8]| -> Result<usize, TrainError> {
+                let mut model = model.borrow_mut();
+                generate_gpu(&mut model, &prompt, text.len(), t, seed)?;
+                Ok(model.cache_bytes())
+            };
+            let calls = Calls {
+                cached: &cached,
+                uncached: &uncached,
+                prefill: &prefill_only,
+                uncached_is: "step 05's GPU forward over the window",
+            };
+            let device = format!(
+                "{device} ({} attention without the cache)",
+                attention.name()
+            );
+            report(
+                &cli,
+                &params,
+                name,
+                &prompt,
+                device,
+                calls,
+                both,
+                &cache_bytes,
+            )
+        }
+    }
+}
+
+/// What `report` times: generation with and without the cache, and the prefill alone.
+struct Calls<'a> {
+    cached: Call<'a>,
+    uncached: Call<'a>,
+    prefill: Call<'a>,
+    /// What runs without the cache, as the report names it.
+    uncached_is: &'a str,
+}
+
+/// Times what `cli` asks for, prints the text and the speeds, and adds `--out`'s row.
+#[allow(clippy::too_many_arguments)]
+fn report(
+    cli: &Cli,
+    params: &Params<f32>,
+    name: String,
+    prompt: &[u8],
+    device: String,
+    calls: Calls,
+    both: bool,
+    cache_bytes: &dyn Fn(&[u8]) -> Result<usize, TrainError>,
+) -> Result<(), TrainError> {
+    let count = cli.count;
     let speed = |what: &str, tokens_per_s: f64| {
         println!(
             "{what}: {count} tokens at {tokens_per_s:.0} tokens/s (median of {} runs)",
@@ -200,31 +342,31 @@ fn run(cli: Cli) -> Result<(), TrainError> {
         );
     };
     let tokens_per_s = |ms: f64| count as f64 / (ms / 1e3);
+    let without = format!("without the cache ({})", calls.uncached_is);
     if !both {
         let (call, what): (Call, _) = if cli.no_cache {
-            (&uncached, "without the cache (step 05's sample)")
+            (calls.uncached, without.as_str())
         } else {
-            (&cached, "with the cache")
+            (calls.cached, "with the cache")
         };
         let timed = timed(&[call], cli.runs)?;
         let (text, ms) = &timed[0];
-        print_text(&prompt, text);
+        print_text(prompt, text);
         speed(what, tokens_per_s(*ms));
         return Ok(());
     }
-    let prefill_only = || prefill(&params, &prompt).map(|_| Vec::new());
-    let timed = timed(&[&cached, &uncached, &prefill_only], cli.runs)?;
+    let timed = timed(&[calls.cached, calls.uncached, calls.prefill], cli.runs)?;
     let [(text, with_ms), (other, without_ms), (_, prefill_ms)] = &timed[..] else {
         unreachable!("three calls, three results")
     };
-    let (with, without) = (tokens_per_s(*with_ms), tokens_per_s(*without_ms));
-    print_text(&prompt, text);
+    let (with, without_tps) = (tokens_per_s(*with_ms), tokens_per_s(*without_ms));
+    print_text(prompt, text);
     speed("with the cache", with);
-    speed("without (step 05's sample)", without);
+    speed(&without, without_tps);
     let same = other == text;
     println!(
         "the cache: {:.1}× the tokens a second; {}",
-        with / without,
+        with / without_tps,
         if same {
             "the same bytes".to_string()
         } else {
@@ -238,27 +380,23 @@ fn run(cli: Cli) -> Result<(), TrainError> {
         cli.runs.max(1)
     );
     if let Some(path) = &cli.out {
-        // the cache as the last token left it: the prompt and every new token but the last
-        let (mut cache, _) = prefill(&params, &prompt)?;
-        for &token in &text[..count.saturating_sub(1)] {
-            step(&params, &mut cache, token)?;
-        }
         let row = GenerateRow {
-            device: cpu_description(),
+            device,
             commit: flash_core::row::COMMIT.into(),
             date: flash_core::row::utc_now(),
             model: name,
-            config,
+            config: params.config,
             params: params.count(),
             prompt_len: prompt.len(),
             count,
-            temperature: t,
+            temperature: cli.temperature,
             runs: cli.runs.max(1),
             tokens_per_s_cached: with,
-            tokens_per_s_uncached: without,
+            tokens_per_s_uncached: without_tps,
             prefill_ms: *prefill_ms,
-            cache_bytes: cache.bytes(),
+            cache_bytes: cache_bytes(text)?,
             same_text: same,
+            text: String::from_utf8_lossy(text).into_owned(),
         };
         add_row(path, &row)?;
         println!("row added to {}", path.display());

@@ -1,0 +1,446 @@
+//! Generating with the key/value cache on the GPU: step 05's model as its GPU trainer runs
+//! it (the weights' bf16 copy in cuBLAS's products, the LayerNorm, GELU and embedding
+//! kernels of step 05's `kernels/train.cu`), one token a step. Each layer appends the new
+//! token's keys and values to its paged cache (`kernels/append.cu`), and this step's
+//! decoding kernel reads the whole cache with the token's one query row per head.
+//!
+//! The cache is a pool of pages with a page table, as [`KvCache::alloc_paged`] makes it:
+//! the decoding kernel reads a cache of `T` tokens, and a contiguous cache of `T` tokens is
+//! `T` rows a head, so a cache that grows by a token a step would move every head's rows
+//! at each step; pages of 64 tokens take a new token where the last page has room.
+//!
+//! [`sample_gpu`] is the same model without the cache: step 05's GPU forward over the whole
+//! window for every new token.
+
+use flash_core::inputs::SplitMix64;
+use ndarray::{Array1, ArrayView2, Axis};
+use step03_cuda_forward::cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
+};
+use step03_cuda_forward::{DeviceTensor, Dtype, Gpu, alloc_error, device_error};
+use step05_train::TrainError;
+use step05_train::cuda::GpuTrainer;
+use step05_train::cuda::gemm::{Blas, Out, plain, transposed};
+use step05_train::cuda::kernels::Kernels;
+use step05_train::cuda::layout::Layout;
+use step05_train::layers::softmax_rows;
+use step05_train::model::{Config, Params};
+use step05_train::train::pick;
+
+use crate::cuda::{
+    DecodeOutput, KvCache, alloc_output, decode_into, plan_splits, sm_count,
+};
+use crate::decode::DecodeShape;
+use crate::kernel::{APPEND, compile_append};
+
+/// Tokens per page of the cache.
+pub const PAGE_SIZE: usize = 64;
+
+fn device(e: flash_core::AttnError) -> TrainError {
+    TrainError::Device(e)
+}
+
+fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+    gpu: &Gpu,
+    len: usize,
+    what: &str,
+) -> Result<CudaSlice<T>, TrainError> {
+    let bytes = (len.max(1) * std::mem::size_of::<T>()) as u128;
+    gpu.stream()
+        .alloc_zeros::<T>(len.max(1))
+        .map_err(|e| device(alloc_error(what, bytes)(e)))
+}
+
+// ANCHOR: gpu_model
+/// Step 05's model on the GPU for generating: its weights, one paged cache of keys and
+/// values per layer, and one token's activations.
+pub struct GpuModel {
+    gpu: &'static Gpu,
+    kernels: Kernels,
+    blas: Blas,
+    append: CudaFunction,
+    pub config: Config,
+    layout: Layout,
+    /// The weights in step 05's flat layout, `f32` and the products' bf16 copy.
+    weights: CudaSlice<f32>,
+    weights16: CudaSlice<u16>,
+    /// Per layer, `[1, heads, context, head_dim]` in pages of [`PAGE_SIZE`] tokens.
+    caches: Vec<KvCache>,
+    /// Tokens in the caches: the next token's position.
+    len: usize,
+    sms: usize,
+    /// One token's activations: the residual stream before and after the attention (`f32`),
+    /// a product's `f32` output, a LayerNorm's bf16 output and its statistics, the fused
+    /// projection `[3, heads, head_dim]` (q read from it in place), the attention's output,
+    /// the MLP's two bf16 rows, the logits.
+    token: CudaSlice<u8>,
+    x: CudaSlice<f32>,
+    x_mid: CudaSlice<f32>,
+    y: CudaSlice<f32>,
+    ln: CudaSlice<u16>,
+    stats: CudaSlice<f32>,
+    qkv: DeviceTensor,
+    att: DecodeOutput,
+    fc: CudaSlice<u16>,
+    gelu: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+}
+// ANCHOR_END: gpu_model
+
+impl GpuModel {
+    /// The model of `params` on GPU 0, with empty caches as long as its context. Fails,
+    /// saying what is missing, without a GPU, NVRTC or cuBLAS, and for a head dim the
+    /// decoding kernel does not take.
+    pub fn new(params: &Params<f32>) -> Result<GpuModel, TrainError> {
+        let gpu = Gpu::shared().map_err(device)?;
+        let config = params.config;
+        config.check()?;
+        let (c, heads, d) = (config.d_model, config.heads, config.head_dim());
+        let kernels = Kernels::load(gpu, c)?;
+        let blas = Blas::new(gpu)?;
+        let arch = gpu.arch();
+        let append = gpu
+            .kernel(format!("append bf16 {d}"), APPEND, 0, || {
+                compile_append(Dtype::Bf16, d, arch)
+            })
+            .map_err(device)?;
+        let layout = Layout::new(config);
+        let stream = gpu.stream();
+        let weights = stream.clone_htod(&layout.pack(params)).map_err(|e| {
+            device(alloc_error("copying the weights", layout.len as u128 * 4)(
+                e,
+            ))
+        })?;
+        let weights16 = alloc::<u16>(gpu, layout.len, "the weights' bf16 copy")?;
+        // SAFETY: both buffers hold layout.len values
+        unsafe {
+            kernels.to_bf16(ptr(gpu, &weights), ptr(gpu, &weights16), layout.len)?;
+        }
+        let pages = config.context.div_ceil(PAGE_SIZE);
+        let caches = (0..config.layers)
+            .map(|_| {
+                KvCache::alloc_paged(
+                    gpu,
+                    [1, heads, config.context, d],
+                    Dtype::Bf16,
+                    PAGE_SIZE,
+                    pages,
+                    (0..pages as i32).collect(),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(device)?;
+        let sms = sm_count(gpu).map_err(device)?;
+        // the output has room for the most splits: those of a full cache
+        let full = DecodeShape::new(1, heads, heads, 1, config.context, d);
+        let most = plan_splits(heads, config.context, sms).splits;
+        let att = alloc_output(gpu, full, Dtype::Bf16, most).map_err(device)?;
+        let qkv = DeviceTensor {
+            data: alloc(gpu, 3 * c, "the fused projection")?,
+            shape: flash_core::Shape::new(1, heads, 1, d),
+            dtype: Dtype::Bf16,
+        };
+        Ok(GpuModel {
+            gpu,
+            kernels,
+            blas,
+            append,
+            config,
+            layout,
+            weights,
+            weights16,
+            caches,
+            len: 0,
+            sms,
+            token: alloc(gpu, 1, "the token")?,
+            x: alloc(gpu, c, "the residual stream")?,
+            x_mid: alloc(gpu, c, "the residual stream")?,
+            y: alloc(gpu, c, "a product's output")?,
+            ln: alloc(gpu, c, "a LayerNorm's output")?,
+            stats: alloc(gpu, 2, "a LayerNorm's statistics")?,
+            qkv,
+            att,
+            fc: alloc(gpu, 4 * c, "the MLP's first product")?,
+            gelu: alloc(gpu, 4 * c, "the MLP's GELU")?,
+            logits: alloc(gpu, config.vocab, "the logits")?,
+        })
+    }
+
+    /// Tokens in the cache.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The GPU's name (`NVIDIA H200`).
+    pub fn device_name(&self) -> String {
+        self.gpu
+            .context()
+            .name()
+            .unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    /// The GPU's architecture as NVRTC names it (`sm_90`).
+    pub fn arch(&self) -> &'static str {
+        self.gpu.arch()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Empties the caches (their pages are overwritten as new tokens come).
+    pub fn reset(&mut self) {
+        self.len = 0;
+    }
+
+    /// Bytes of keys and values in the caches now: what each decoding step reads.
+    pub fn cache_bytes(&self) -> usize {
+        let c = self.config;
+        2 * c.layers * c.d_model * self.len * 2
+    }
+
+    // ANCHOR: gpu_step
+    /// Reads one more token at the cache's next position and returns the logits of the
+    /// token after it: step 05's GPU forward for one row, with the attention a decoding
+    /// step against the cache.
+    pub fn step(&mut self, token: u8) -> Result<Array1<f32>, TrainError> {
+        let cfg = self.config;
+        if self.len >= cfg.context {
+            return Err(TrainError::Config(format!(
+                "the cache holds {} tokens, the model's context: it has position embeddings \
+                 for positions 0..{} only, so no more tokens fit",
+                self.len, cfg.context
+            )));
+        }
+        if token as usize >= cfg.vocab {
+            return Err(TrainError::Config(format!(
+                "token {token} is outside the model's vocabulary of {}: tokens 0..{} are \
+                 accepted",
+                cfg.vocab, cfg.vocab
+            )));
+        }
+        let (c, heads, pos) = (cfg.d_model, cfg.heads, self.len);
+        let GpuModel {
+            gpu,
+            kernels: k,
+            blas,
+            append,
+            layout: lay,
+            weights,
+            weights16,
+            caches,
+            sms,
+            token: token_buf,
+            qkv: q,
+            att,
+            logits: logits_buf,
+            ..
+        } = self;
+        let stream = gpu.stream();
+        stream
+            .memcpy_htod(&[token], token_buf)
+            .map_err(|e| device(device_error("copying the token")(e)))?;
+        let (w32, w16) = (ptr(gpu, weights), ptr(gpu, weights16));
+        let w32 = |off: usize| w32 + 4 * off as u64;
+        let w16 = |off: usize| w16 + 2 * off as u64;
+        let (x, x_mid, y) = (ptr(gpu, &self.x), ptr(gpu, &self.x_mid), ptr(gpu, &self.y));
+        let (ln, qkv) = (ptr(gpu, &self.ln), ptr(gpu, &q.data));
+        let (fc, gelu) = (ptr(gpu, &self.fc), ptr(gpu, &self.gelu));
+        let (mean, rstd) = (ptr(gpu, &self.stats), ptr(gpu, &self.stats) + 4);
+        let logits = ptr(gpu, logits_buf);
+        // SAFETY (every launch and product below): each pointer is a buffer allocated in
+        // GpuModel::new for one token of this model (x, x_mid and y C values, ln C, qkv 3C,
+        // fc and gelu 4C, logits V), or an offset into the flat weights that the layout
+        // gives for a tensor of the size used; the position embedding's row pos exists
+        // (pos < context)
+        unsafe {
+            k.embed_forward(
+                ptr(gpu, token_buf),
+                w32(lay.wte),
+                w32(lay.wpe) + 4 * (pos * c) as u64,
+                x,
+                1,
+                1,
+                c,
+            )?;
+            for (l, w) in lay.blocks.iter().enumerate() {
+                // the block before's residual connection closes in this LayerNorm
+                let (res, add, add_bias) = match l {
+                    0 => (x, 0, 0),
+                    _ => (x_mid, y, w32(lay.blocks[l - 1].fc_proj_b)),
+                };
+                let ln_1 = (w32(w.ln_1_w), w32(w.ln_1_b));
+                k.layernorm_forward(res, add, add_bias, x, ln_1, ln, (mean, rstd), 1, c)?;
+                let attn_w = plain(w16(w.attn_w));
+                blas.matmul_bias(1, 3 * c, c, plain(ln), attn_w, w16(w.attn_b), qkv)?;
+                // this token's keys and values join the cache; its q stays in qkv
+                let cache = &mut caches[l];
+                append_kv(gpu, append, &q.data, cache, pos)?;
+                cache.context = pos + 1;
+                let plan = plan_splits(heads, pos + 1, *sms);
+                decode_into(gpu, q, cache, plan, att).map_err(device)?;
+                let out = ptr(gpu, &att.out.data);
+                blas.matmul(1, c, c, plain(out), plain(w16(w.proj_w)), y, Out::F32, 0.0)?;
+                let ln_2 = (w32(w.ln_2_w), w32(w.ln_2_b));
+                let proj_b = w32(w.proj_b);
+                k.layernorm_forward(x, y, proj_b, x_mid, ln_2, ln, (mean, rstd), 1, c)?;
+                blas.matmul(
+                    1,
+                    4 * c,
+                    c,
+                    plain(ln),
+                    plain(w16(w.fc_w)),
+                    fc,
+                    Out::Bf16,
+                    0.0,
+                )?;
+                k.bias_gelu(fc, w32(w.fc_b), gelu, 1, 4 * c)?;
+                let fc_proj = plain(w16(w.fc_proj_w));
+                blas.matmul(1, c, 4 * c, plain(gelu), fc_proj, y, Out::F32, 0.0)?;
+            }
+            let last = w32(lay.blocks[cfg.layers - 1].fc_proj_b);
+            let ln_f = (w32(lay.ln_f_w), w32(lay.ln_f_b));
+            k.layernorm_forward(x_mid, y, last, x, ln_f, ln, (mean, rstd), 1, c)?;
+            // the output layer is the token embedding, transposed
+            let wte = transposed(w16(lay.wte));
+            blas.matmul(1, cfg.vocab, c, plain(ln), wte, logits, Out::F32, 0.0)?;
+        }
+        self.len += 1;
+        let logits = stream
+            .clone_dtoh(&self.logits)
+            .map_err(|e| device(device_error("reading the logits")(e)))?;
+        stream
+            .synchronize()
+            .map_err(|e| device(device_error("waiting for the step")(e)))?;
+        Ok(Array1::from(logits))
+    }
+    // ANCHOR_END: gpu_step
+}
+
+/// One token's key and value rows, from the fused projection `qkv` into `cache` at
+/// position `pos`.
+fn append_kv(
+    gpu: &Gpu,
+    append: &CudaFunction,
+    qkv: &CudaSlice<u16>,
+    cache: &mut KvCache,
+    pos: usize,
+) -> Result<(), TrainError> {
+    let crate::cuda::Layout::Paged {
+        table, page_size, ..
+    } = &cache.layout
+    else {
+        unreachable!("GpuModel::new makes paged caches")
+    };
+    let (heads, page_size, pos_i) = (cache.kv_heads as i32, *page_size as i32, pos as i32);
+    let values = (cache.kv_heads * cache.head_dim) as u32;
+    let config = LaunchConfig {
+        grid_dim: (values.div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream().launch_builder(append);
+    launch
+        .arg(qkv)
+        .arg(&mut cache.k)
+        .arg(&mut cache.v)
+        .arg(table)
+        .arg(&heads)
+        .arg(&page_size)
+        .arg(&pos_i);
+    // SAFETY: qkv holds 3·heads·head_dim values; the table has a page for every position
+    // below the context (the identity over the pool, made in GpuModel::new), pos is below
+    // it, and the pool holds those pages
+    unsafe { launch.launch(config) }
+        .map(|_| ())
+        .map_err(|e| device(device_error("launching append_kv")(e)))
+}
+
+/// A buffer's device address.
+fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
+    s.device_ptr(gpu.stream()).0
+}
+
+// ANCHOR: generate_gpu
+/// `count` tokens after `prompt` from the model on the GPU with the cache: the prompt read
+/// a token at a time, then one [`GpuModel::step`] a token, each drawn as step 05's `sample`
+/// draws it (its probabilities, its rule, the same stream of `seed`).
+pub fn generate_gpu(
+    model: &mut GpuModel,
+    prompt: &[u8],
+    count: usize,
+    temperature: f32,
+    seed: u64,
+) -> Result<Vec<u8>, TrainError> {
+    let context = model.config.context;
+    if prompt.is_empty() || prompt.len() + count > context {
+        return Err(TrainError::Config(format!(
+            "a prompt of {} tokens and {count} new ones: with a cache, the prompt must hold \
+             at least one token, and the prompt and the new tokens together must fit in the \
+             model's context (at most {context})",
+            prompt.len()
+        )));
+    }
+    model.reset();
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    let mut logits = Array1::zeros(model.config.vocab);
+    for &token in prompt {
+        logits = model.step(token)?;
+    }
+    let mut rng = SplitMix64::new(seed);
+    let mut out = Vec::with_capacity(count);
+    loop {
+        let next = draw(logits, temperature, &mut rng);
+        out.push(next);
+        if out.len() == count {
+            return Ok(out);
+        }
+        logits = model.step(next)?;
+    }
+}
+// ANCHOR_END: generate_gpu
+
+/// The next token from logits: their softmax as step 05's forward makes it, then its rule.
+fn draw(logits: Array1<f32>, temperature: f32, rng: &mut SplitMix64) -> u8 {
+    let mut probs = logits.insert_axis(Axis(0));
+    softmax_rows(&mut probs);
+    pick(probs.as_slice().expect("one row"), temperature, rng)
+}
+
+/// The same tokens without a cache: for every new token, step 05's GPU forward over the
+/// window of the last `trainer.seq_len` tokens (padded with zeros past the text, which the
+/// causal mask hides from the row read), and that row's logits.
+pub fn sample_gpu(
+    trainer: &mut GpuTrainer,
+    prompt: &[u8],
+    count: usize,
+    temperature: f32,
+    seed: u64,
+) -> Result<Vec<u8>, TrainError> {
+    if prompt.is_empty() {
+        return Err(TrainError::Config(
+            "an empty prompt: the model needs at least one token to predict the next"
+                .into(),
+        ));
+    }
+    let t = trainer.seq_len;
+    let mut rng = SplitMix64::new(seed);
+    let mut tokens = prompt.to_vec();
+    let mut inputs = vec![0u8; t];
+    let targets = vec![0u8; t];
+    for _ in 0..count {
+        let window = &tokens[tokens.len().saturating_sub(t)..];
+        inputs[..window.len()].copy_from_slice(window);
+        inputs[window.len()..].fill(0);
+        let inputs_2d = ArrayView2::from_shape((1, t), &inputs[..]).expect("one row of t");
+        let targets_2d =
+            ArrayView2::from_shape((1, t), &targets[..]).expect("one row of t");
+        trainer.loss(inputs_2d, targets_2d)?;
+        let logits = trainer.logits_row(window.len() - 1)?;
+        tokens.push(draw(Array1::from(logits), temperature, &mut rng));
+    }
+    Ok(tokens[prompt.len()..].to_vec())
+}

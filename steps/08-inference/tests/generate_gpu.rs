@@ -1,0 +1,129 @@
+//! The cache on the GPU: each position's logits from [`GpuModel`]'s steps (the decoding
+//! kernel against a paged cache) against the same model in `f64`, with step 05's GPU
+//! forward over the whole text as the measure of what bf16 costs. Ignored where there is
+//! no GPU (`cargo test -- --include-ignored` runs them on one).
+
+use flash_core::inputs::SplitMix64;
+use ndarray::{Array2, ArrayView2};
+use step03_cuda_forward::Gpu;
+use step05_train::cuda::{AttentionKind, GpuTrainer};
+use step05_train::model::{Config, Params, forward};
+use step05_train::optim::AdamW;
+use step05_train::train::Trainer;
+use step08_inference::gpu_generate::{GpuModel, generate_gpu, sample_gpu};
+
+/// Head dim 64 (256 / 4), a context that leaves a last page partial (300 = 4·64 + 44) and
+/// that the decoding kernel cuts into 3 splits at its end, merged by the last block.
+const CONFIG: Config = Config {
+    layers: 2,
+    d_model: 256,
+    heads: 4,
+    context: 300,
+    vocab: 256,
+};
+
+fn bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut rng = SplitMix64::new(seed);
+    (0..n).map(|_| rng.next_u64() as u8).collect()
+}
+
+/// The f64 logits at every position of `tokens`.
+fn exact_logits(p: &Params<f32>, tokens: &[u8]) -> Array2<f64> {
+    let p = p.cast(f64::from);
+    let inputs = ArrayView2::from_shape((1, tokens.len()), tokens).unwrap();
+    let acts = forward(&p, inputs).unwrap();
+    acts.ln_f.out.dot(&p.wte.t())
+}
+
+fn trainer(p: &Params<f32>) -> GpuTrainer {
+    let start = Trainer {
+        params: p.clone(),
+        opt: AdamW::new(p.config, Default::default()),
+        step: 0,
+    };
+    let attention = match Gpu::shared().unwrap().arch() {
+        "sm_90" | "sm_90a" => AttentionKind::Hopper,
+        _ => AttentionKind::Flash,
+    };
+    GpuTrainer::new(&start, 1, p.config.context, attention, false).unwrap()
+}
+
+// ANCHOR: gpu_logits_test
+/// Both GPU paths compute in bf16 (the same products, the same kernels but the attention);
+/// the cache's error against `f64` is at most twice that of step 05's GPU forward over the
+/// whole text, plus 1e-4 for a forward whose error is near zero by luck.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
+    for (model_seed, prompt) in [(1, 1), (2, 70)] {
+        let p = Params::init(CONFIG, model_seed).unwrap();
+        let tokens = bytes(CONFIG.context, 100 + model_seed);
+        let exact = exact_logits(&p, &tokens);
+        let mut model = GpuModel::new(&p).unwrap();
+        let mut gpu = trainer(&p);
+        gpu.loss(
+            ArrayView2::from_shape((1, tokens.len()), &tokens[..]).unwrap(),
+            ArrayView2::from_shape((1, tokens.len()), &tokens[..]).unwrap(),
+        )
+        .unwrap();
+        let (mut ours, mut by_forward) = (0.0f64, 0.0f64);
+        for (pos, &token) in tokens.iter().enumerate() {
+            let cached = model.step(token).unwrap();
+            if pos + 1 < prompt {
+                continue; // the prompt's logits before its last token are not used
+            }
+            let full = gpu.logits_row(pos).unwrap();
+            for ((&c, &f), &e) in cached.iter().zip(&full).zip(exact.row(pos)) {
+                ours = ours.max((c as f64 - e).abs());
+                by_forward = by_forward.max((f as f64 - e).abs());
+            }
+        }
+        assert_eq!(model.len(), CONFIG.context);
+        assert!(
+            ours <= 2.0 * by_forward + 1e-4,
+            "model {model_seed}: the cache's logits are {ours:.3e} from f64, the GPU \
+             forward's {by_forward:.3e}"
+        );
+        // one more token has no position embedding: refused, nothing changed
+        let e = model.step(0).unwrap_err().to_string();
+        assert!(e.contains("no more tokens fit"), "{e}");
+        assert_eq!(model.len(), CONFIG.context);
+    }
+}
+// ANCHOR_END: gpu_logits_test
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_generation_refuses_what_does_not_fit_and_draws_as_sample_draws() {
+    let p = Params::init(CONFIG, 5).unwrap();
+    let mut model = GpuModel::new(&p).unwrap();
+    let e = generate_gpu(&mut model, &[b'a'; 200], 101, 0.8, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at most 300"), "{e}");
+    let e = generate_gpu(&mut model, &[], 1, 0.8, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("at least one token"), "{e}");
+    assert!(
+        generate_gpu(&mut model, b"fn", 0, 0.8, 1)
+            .unwrap()
+            .is_empty()
+    );
+    // the same seed draws the same bytes, run after run (the cache emptied between)
+    let first = generate_gpu(&mut model, b"fn main", 40, 0.8, 9).unwrap();
+    let again = generate_gpu(&mut model, b"fn main", 40, 0.8, 9).unwrap();
+    assert_eq!(first, again);
+    // with and without the cache, the same draws from the same stream: the two bf16
+    // paths' probabilities differ by rounding only, which moves a draw only when it lands
+    // within that rounding of a boundary between two bytes
+    let mut gpu = trainer(&p);
+    let uncached = sample_gpu(&mut gpu, b"fn main", 40, 0.8, 9).unwrap();
+    let same = first
+        .iter()
+        .zip(&uncached)
+        .take_while(|(a, b)| a == b)
+        .count();
+    println!("with and without the cache: the first {same} of 40 bytes agree");
+    assert!(same >= 10, "{first:?} against {uncached:?}");
+}
