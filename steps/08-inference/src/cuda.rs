@@ -303,18 +303,60 @@ pub const MIN_SPLIT_KEYS: usize = 2 * DecodeKernel::WARPS * DecodeKernel::KEYS;
 /// Splits of one (kv head, sequence) at most.
 pub const MAX_SPLITS: usize = 256;
 
+/// What the split's choice knows of the GPU and the kernel's build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Occupancy {
+    /// The GPU's multiprocessors.
+    pub sms: usize,
+    /// Blocks of the build a multiprocessor holds at once (its registers and shared
+    /// memory): the GPU's *slots* are `sms · blocks_per_sm`.
+    pub blocks_per_sm: usize,
+    /// Blocks a multiprocessor needs to stream keys at the memory's speed
+    /// ([`DecodeKernel::streaming_blocks`]).
+    pub streaming: usize,
+}
+
 /// Chooses the split. Without one, a block per (sequence, kv head) would leave most of the
 /// GPU idle at batch 1 (8 kv heads on 132 multiprocessors), each block reading a long cache
-/// alone. Decoding is bound by the memory, and a multiprocessor streams one block's keys
-/// about as fast as two blocks': what counts is that every multiprocessor streams, not that
-/// every slot for a block is taken. Each split also costs a start (q's rows, the pipeline's
-/// first steps) and a share of the merge. So, while the (sequence, kv head) pairs are fewer
-/// than the multiprocessors, as many splits as give each multiprocessor one block (8 pairs
-/// on 132: 16 splits, 128 blocks), none shorter than [`MIN_SPLIT_KEYS`]; with as many
-/// pairs as multiprocessors, one split and no merge.
-pub fn plan_splits(batch_kv_heads: usize, context: usize, sms: usize) -> SplitPlan {
+/// alone. Decoding is bound by the memory, so what counts is that every multiprocessor
+/// streams, each as long as the others:
+///
+/// - With few (sequence, kv head) pairs, the keys are cut so that every multiprocessor
+///   gets the same whole number of blocks, as many as keep its memory streaming (one block
+///   at head dim 128, two at 64): 8 pairs on 132 multiprocessors at head dim 128 take 16
+///   splits, 128 blocks. More blocks would each cost a start (q's rows, the pipeline's first
+///   steps) and a share of the merge, for nothing; an uneven count leaves some
+///   multiprocessors reading after the others are done.
+/// - With more pairs than that, the blocks come in waves over the slots, and a last wave of
+///   a few blocks leaves the others' slots idle while it reads: the fewest splits that keep
+///   the slots at least 90% busy over the waves (`blocks / (waves · slots) ≥ 0.9`; from
+///   four waves on the last one's tail is short, and counts as full), one split when that
+///   is enough, and no merge.
+///
+/// No split is shorter than [`MIN_SPLIT_KEYS`].
+pub fn plan_splits(batch_kv_heads: usize, context: usize, gpu: Occupancy) -> SplitPlan {
     let most = context.div_ceil(MIN_SPLIT_KEYS).clamp(1, MAX_SPLITS);
-    let splits = (sms / batch_kv_heads.max(1)).clamp(1, most);
+    let pairs = batch_kv_heads.max(1);
+    let per_sm = gpu.blocks_per_sm.max(1);
+    let streaming = gpu.sms.max(1) * gpu.streaming.clamp(1, per_sm);
+    if pairs <= streaming {
+        return fixed_splits(context, (streaming / pairs).clamp(1, most));
+    }
+    let slots = gpu.sms.max(1) * per_sm;
+    let busy = |splits: usize| {
+        let blocks = pairs * splits;
+        let waves = blocks.div_ceil(slots);
+        if waves >= 4 {
+            1.0
+        } else {
+            blocks as f64 / (waves * slots) as f64
+        }
+    };
+    let splits = (1..=most).find(|&s| busy(s) >= 0.9).unwrap_or_else(|| {
+        (1..=most)
+            .max_by(|&a, &b| busy(a).total_cmp(&busy(b)).then(b.cmp(&a)))
+            .unwrap_or(1)
+    });
     fixed_splits(context, splits)
 }
 // ANCHOR_END: plan_splits
@@ -362,6 +404,31 @@ fn decode_kernel(
     })
 }
 
+/// What [`plan_splits`] needs to know for `shape` and a cache of `page_size` on this GPU:
+/// its multiprocessors, and how many blocks of the kernel's build each holds.
+pub fn occupancy(
+    gpu: &Gpu,
+    shape: DecodeShape,
+    dtype: Dtype,
+    page_size: usize,
+) -> Result<Occupancy, AttnError> {
+    let kernel =
+        DecodeKernel::new(dtype, shape.head_dim, shape.rows_per_kv_head(), page_size)?;
+    let f = decode_kernel(gpu, kernel, DECODE)?;
+    let per_sm = f
+        .occupancy_max_active_blocks_per_multiprocessor(
+            kernel.threads(),
+            kernel.smem_bytes() as usize,
+            None,
+        )
+        .map_err(device_error("reading the kernel's occupancy"))?;
+    Ok(Occupancy {
+        sms: sm_count(gpu)?,
+        blocks_per_sm: per_sm as usize,
+        streaming: kernel.streaming_blocks(),
+    })
+}
+
 /// The split [`plan_splits`] chooses on this GPU for `shape` and a cache of `page_size`.
 pub fn plan(
     gpu: &Gpu,
@@ -369,11 +436,11 @@ pub fn plan(
     dtype: Dtype,
     page_size: usize,
 ) -> Result<SplitPlan, AttnError> {
-    DecodeKernel::new(dtype, shape.head_dim, shape.rows_per_kv_head(), page_size)?;
+    let gpu_now = occupancy(gpu, shape, dtype, page_size)?;
     Ok(plan_splits(
         shape.batch * shape.kv_heads,
         shape.context,
-        sm_count(gpu)?,
+        gpu_now,
     ))
 }
 

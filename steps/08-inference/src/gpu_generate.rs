@@ -29,7 +29,7 @@ use step05_train::model::{Config, Params};
 use step05_train::train::pick;
 
 use crate::cuda::{
-    DecodeOutput, KvCache, alloc_output, decode_into, plan_splits, sm_count,
+    DecodeOutput, KvCache, Occupancy, alloc_output, decode_into, occupancy, plan_splits,
 };
 use crate::decode::DecodeShape;
 use crate::kernel::{APPEND, compile_append};
@@ -69,7 +69,8 @@ pub struct GpuModel {
     caches: Vec<KvCache>,
     /// Tokens in the caches: the next token's position.
     len: usize,
-    sms: usize,
+    /// What the split of the keys is chosen from, for this model's decoding kernel.
+    occupancy: Occupancy,
     /// One token's activations: the residual stream before and after the attention (`f32`),
     /// a product's `f32` output, a LayerNorm's bf16 output and its statistics, the fused
     /// projection `[3, heads, head_dim]` (q read from it in place), the attention's output,
@@ -131,10 +132,10 @@ impl GpuModel {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(device)?;
-        let sms = sm_count(gpu).map_err(device)?;
         // the output has room for the most splits: those of a full cache
         let full = DecodeShape::new(1, heads, heads, 1, config.context, d);
-        let most = plan_splits(heads, config.context, sms).splits;
+        let occupancy = occupancy(gpu, full, Dtype::Bf16, PAGE_SIZE).map_err(device)?;
+        let most = plan_splits(heads, config.context, occupancy).splits;
         let att = alloc_output(gpu, full, Dtype::Bf16, most).map_err(device)?;
         let qkv = DeviceTensor {
             data: alloc(gpu, 3 * c, "the fused projection")?,
@@ -152,7 +153,7 @@ impl GpuModel {
             weights16,
             caches,
             len: 0,
-            sms,
+            occupancy,
             token: alloc(gpu, 1, "the token")?,
             x: alloc(gpu, c, "the residual stream")?,
             x_mid: alloc(gpu, c, "the residual stream")?,
@@ -230,7 +231,7 @@ impl GpuModel {
             weights,
             weights16,
             caches,
-            sms,
+            occupancy,
             token: token_buf,
             qkv: q,
             att,
@@ -278,7 +279,7 @@ impl GpuModel {
                 let cache = &mut caches[l];
                 append_kv(gpu, append, &q.data, cache, pos)?;
                 cache.context = pos + 1;
-                let plan = plan_splits(heads, pos + 1, *sms);
+                let plan = plan_splits(heads, pos + 1, *occupancy);
                 decode_into(gpu, q, cache, plan, att).map_err(device)?;
                 let out = ptr(gpu, &att.out.data);
                 blas.matmul(1, c, c, plain(out), plain(w16(w.proj_w)), y, Out::F32, 0.0)?;

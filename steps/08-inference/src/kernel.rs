@@ -23,6 +23,10 @@ pub const FILL: &str = "fill_cache";
 pub const APPEND_CU: &str = include_str!("../kernels/append.cu");
 pub const APPEND: &str = "append_kv";
 
+/// Bytes of keys and values a multiprocessor's warps take per step to stream at the
+/// memory's speed ([`DecodeKernel::streaming_blocks`]).
+pub const STREAM_BYTES: usize = 32 << 10;
+
 /// Query rows of one kv head a block computes at most: two tiles of 16 (`g · q_rows ≤ 32`,
 /// Llama 3 70B's 8 query heads a kv head with 4 rows each, for one).
 pub const MAX_ROWS: usize = 32;
@@ -75,6 +79,16 @@ impl DecodeKernel {
     /// shared memory for two blocks a multiprocessor at 128, three at 64.
     pub fn stages(&self) -> usize {
         if self.head_dim <= 64 { 4 } else { 3 }
+    }
+
+    /// Blocks a multiprocessor needs to keep the memory streaming: measured on the H200
+    /// (chapter 8's sweep of split counts), a multiprocessor reads at the memory's speed
+    /// once its warps have [`STREAM_BYTES`] of keys and values in flight per step: one
+    /// block at head dim 128 in 16 bits (4 warps × 16 keys × 128 × 2 bytes, for k and for
+    /// v), two at 64, four at 32.
+    pub fn streaming_blocks(&self) -> usize {
+        let step_bytes = Self::WARPS * Self::KEYS * self.head_dim * self.dtype.size() * 2;
+        STREAM_BYTES.div_ceil(step_bytes)
     }
 
     /// Keys a block covers per step, all warps together: a split is a multiple of it.

@@ -11,7 +11,7 @@ use step03_cuda_forward::host::round_array;
 use step03_cuda_forward::{Dtype, Gpu};
 use step08_inference::DecodeShape;
 use step08_inference::cuda::{
-    HostLayout, KvCache, Layout, cache_value, check_table, decode, fill_cache,
+    HostLayout, KvCache, Layout, Occupancy, cache_value, check_table, decode, fill_cache,
     fixed_splits, plan_splits, read_bytes, shuffled_table,
 };
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
@@ -217,18 +217,39 @@ fn a_page_table_that_points_past_the_pool_is_refused() {
 
 // ANCHOR: split_test
 #[test]
-fn the_split_gives_each_multiprocessor_a_block_and_no_split_is_too_short() {
-    // batch 1 with 8 kv heads on 132 multiprocessors: 16 splits, 128 blocks
-    let p = plan_splits(8, 131_072, 132);
+fn the_split_gives_each_multiprocessor_its_blocks_and_no_split_is_too_short() {
+    // the H200's 132 multiprocessors, at head dim 128 (2 blocks each, 1 streams) and at
+    // head dim 64 (3 blocks each, 2 stream)
+    let d128 = Occupancy {
+        sms: 132,
+        blocks_per_sm: 2,
+        streaming: 1,
+    };
+    let d64 = Occupancy {
+        blocks_per_sm: 3,
+        streaming: 2,
+        ..d128
+    };
+    // batch 1 with 8 kv heads: 16 splits, 128 blocks, one a multiprocessor; at head dim 64,
+    // 33 splits, two a multiprocessor
+    let p = plan_splits(8, 131_072, d128);
     assert_eq!((p.splits, p.split_keys), (16, 8192));
-    // 32 kv heads: 4 splits; 8 sequences × 8 kv heads: 2
-    assert_eq!(plan_splits(32, 131_072, 132).splits, 4);
-    assert_eq!(plan_splits(64, 131_072, 132).splits, 2);
-    // as many (sequence, kv head) pairs as multiprocessors or more: one split, no merge
-    assert_eq!(plan_splits(132, 131_072, 132).splits, 1);
-    assert_eq!(plan_splits(512, 131_072, 132).splits, 1);
+    assert_eq!(plan_splits(8, 131_072, d64).splits, 33);
+    // 32 kv heads: 4 splits (8 at head dim 64); 8 sequences × 8 kv heads: 2 (4)
+    assert_eq!(plan_splits(32, 131_072, d128).splits, 4);
+    assert_eq!(plan_splits(32, 131_072, d64).splits, 8);
+    assert_eq!(plan_splits(64, 131_072, d128).splits, 2);
+    assert_eq!(plan_splits(64, 131_072, d64).splits, 4);
+    // more pairs than that: waves over the slots. 32 sequences × 8 kv heads fill 97% of the
+    // 264 slots at head dim 128 alone, one split; at head dim 64, 64 sequences' 512 blocks in
+    // 396 slots would be 1.3 waves, so 3 splits make 3.9
+    assert_eq!(plan_splits(256, 131_072, d128).splits, 1);
+    assert_eq!(plan_splits(512, 131_072, d128).splits, 1);
+    assert_eq!(plan_splits(512, 131_072, d64).splits, 3);
+    // four waves and more: one split
+    assert_eq!(plan_splits(2048, 131_072, d64).splits, 1);
     // a short cache is not cut into splits of fewer than 128 keys
-    let p = plan_splits(8, 1000, 132);
+    let p = plan_splits(8, 1000, d128);
     assert_eq!(p.splits, 8, "{p:?}");
     assert!(
         p.split_keys >= 128 && p.splits * p.split_keys >= 1000,

@@ -22,8 +22,8 @@ use step03_cuda_forward::tool::at_least_one;
 use step03_cuda_forward::{Dtype, Gpu, device_error};
 use step08_inference::DecodeShape;
 use step08_inference::cuda::{
-    DecodeOutput, KvCache, alloc_output, cache_value, decode_into, fill_cache, plan,
-    read_bytes, shuffled_table,
+    DecodeOutput, KvCache, alloc_output, cache_value, decode_into, fill_cache,
+    fixed_splits, plan, read_bytes, shuffled_table,
 };
 use step08_inference::kernel::DecodeKernel;
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
@@ -88,6 +88,10 @@ struct Args {
     /// Milliseconds of the kernel's own time to warm up each kernel for (3 to 200 calls)
     #[arg(long, default_value_t = 50.0)]
     warmup_ms: f64,
+    /// Cut the keys into this many splits rather than as plan_splits chooses (as near as
+    /// a multiple of a block's keys allows): to measure the choice
+    #[arg(long, value_parser = at_least_one)]
+    splits: Option<usize>,
     /// Write the rows as JSON, one row a line (e.g. charts/data/decode.json)
     #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
@@ -209,7 +213,10 @@ fn measure_decode(
     want: &[Expected],
 ) -> Result<Measured, String> {
     let text = |e: AttnError| e.to_string();
-    let plan = plan(gpu, shape, args.dtype, cache.page_size()).map_err(text)?;
+    let plan = match args.splits {
+        Some(n) => fixed_splits(shape.context, n),
+        None => plan(gpu, shape, args.dtype, cache.page_size()).map_err(text)?,
+    };
     let mut result = alloc_output(gpu, shape, args.dtype, plan.splits).map_err(text)?;
     decode_into(gpu, q, cache, plan, &mut result).map_err(text)?;
     check(gpu, shape, &result, want)?;
