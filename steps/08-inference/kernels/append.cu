@@ -1,27 +1,40 @@
-// A new token's keys and values into a paged cache: the model's fused projection of one
-// token, [q's heads | k's heads | v's heads] in 16 bits with its bias added, gives each
-// head's key and value row at position `pos`, in the page the table names. q stays where
-// the projection wrote it: the decoding kernel reads it there.
+// Tokens' keys and values into a paged cache: `rows` tokens from position `pos` on, each
+// head's key and value row written in the page the table names. Where they come from is
+// a layout: a head's row of token j starts at k_src + j·row_stride + h·head_stride (and
+// likewise in v_src). A decoding step writes one token from the model's fused projection
+// [q's heads | k's heads | v's heads] (row_stride 3·KVH·HEAD_DIM, head_stride HEAD_DIM),
+// where q stays for the decoding kernel to read; a prefill writes the prompt's keys and
+// values from the attention's [KVH, rows, HEAD_DIM] tensors (row_stride HEAD_DIM,
+// head_stride rows·HEAD_DIM).
 //
 // Compile-time parameters (src/kernel.rs): HEAD_DIM and IS_BF16, for tensor_cores.cuh,
 // which src/kernel.rs prepends (u16).
 
 // ANCHOR: append_kv
 extern "C" __global__ void append_kv(
-    const u16* __restrict__ qkv,    // [3, KVH, HEAD_DIM]: one token's q, k and v
+    const u16* __restrict__ k_src,  // the new tokens' keys, laid out as above
+    const u16* __restrict__ v_src,  // their values, laid out as the keys
+    long long row_stride,           // values from one token's row to the next's
+    long long head_stride,          // values from one head's row to the next head's
     u16* __restrict__ k,            // the pool of keys, [pages, KVH, page_size, HEAD_DIM]
     u16* __restrict__ v,            // the pool of values, laid out as k
     const int* __restrict__ table,  // [max_pages] the sequence's pages
     int KVH,                        // heads
     int page_size,                  // tokens per page
-    int pos                         // the token's position: its row in the cache
+    int pos,                        // the first token's position: its row in the cache
+    int rows                        // tokens
 ) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;  // one value of one head's row
-    if (i >= KVH * HEAD_DIM) return;
-    const int h = i / HEAD_DIM, c = i % HEAD_DIM;
-    const long long page = table[pos / page_size];
-    const long long at = ((page * KVH + h) * page_size + pos % page_size) * HEAD_DIM + c;
-    k[at] = qkv[KVH * HEAD_DIM + i];
-    v[at] = qkv[2 * KVH * HEAD_DIM + i];
+    // one value of one head's row of one token
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * KVH * HEAD_DIM) return;
+    const int c = i % HEAD_DIM;
+    const int h = (i / HEAD_DIM) % KVH;
+    const int j = i / ((long long)KVH * HEAD_DIM);
+    const int p = pos + j;
+    const long long page = table[p / page_size];
+    const long long at = ((page * KVH + h) * page_size + p % page_size) * HEAD_DIM + c;
+    const long long from = j * row_stride + h * head_stride + c;
+    k[at] = k_src[from];
+    v[at] = v_src[from];
 }
 // ANCHOR_END: append_kv

@@ -1,7 +1,8 @@
 //! Generating with the key/value cache on the GPU: step 05's model as its GPU trainer runs
 //! it (the weights' bf16 copy in cuBLAS's products, the LayerNorm, GELU and embedding
-//! kernels of step 05's `kernels/train.cu`), one token a step. Each layer appends the new
-//! token's keys and values to its paged cache (`kernels/append.cu`), and this step's
+//! kernels of step 05's `kernels/train.cu`): the prompt in one pass (a prefill, with step
+//! 03's causal kernel over its rows), then one token a step. Each layer appends the new
+//! tokens' keys and values to its paged cache (`kernels/append.cu`), and this step's
 //! decoding kernel reads the whole cache with the token's one query row per head.
 //!
 //! The cache is a pool of pages with a page table, as [`KvCache::alloc_paged`] makes it:
@@ -221,7 +222,7 @@ impl GpuModel {
                 cfg.vocab, cfg.vocab
             )));
         }
-        let (c, heads, pos) = (cfg.d_model, cfg.heads, self.len);
+        let (c, heads, d, pos) = (cfg.d_model, cfg.heads, cfg.head_dim(), self.len);
         let GpuModel {
             gpu,
             kernels: k,
@@ -277,7 +278,13 @@ impl GpuModel {
                 blas.matmul_bias(1, 3 * c, c, plain(ln), attn_w, w16(w.attn_b), qkv)?;
                 // this token's keys and values join the cache; its q stays in qkv
                 let cache = &mut caches[l];
-                append_kv(gpu, append, &q.data, cache, pos)?;
+                let new = NewRows {
+                    k: qkv + 2 * c as u64,
+                    v: qkv + 4 * c as u64,
+                    row_stride: 3 * c,
+                    head_stride: d,
+                };
+                append_kv(gpu, append, new, cache, pos, 1)?;
                 cache.context = pos + 1;
                 let plan = plan_splits(heads, pos + 1, *occupancy);
                 decode_into(gpu, q, cache, plan, att).map_err(device)?;
@@ -317,16 +324,163 @@ impl GpuModel {
         Ok(Array1::from(logits))
     }
     // ANCHOR_END: gpu_step
+
+    // ANCHOR: gpu_prefill
+    /// Reads a whole prompt into the empty caches at once and returns the logits of the
+    /// token after it: step 05's GPU forward over the prompt's rows (the attention is step
+    /// 03's causal kernel over the prompt), each layer's keys and values written to its
+    /// cache as they are made. The same as a [`GpuModel::step`] a token, in one pass over
+    /// the weights instead of one a token.
+    pub fn prefill(&mut self, prompt: &[u8]) -> Result<Array1<f32>, TrainError> {
+        let cfg = self.config;
+        let n = prompt.len();
+        if self.len > 0 || n == 0 || n > cfg.context {
+            return Err(TrainError::Config(format!(
+                "a prefill of {n} tokens into a cache of {}: a prefill reads 1 to {} tokens \
+                 (the model's context) into an empty cache; tokens after those go in with \
+                 step",
+                self.len, cfg.context
+            )));
+        }
+        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= cfg.vocab) {
+            return Err(TrainError::Config(format!(
+                "token {t} is outside the model's vocabulary of {}: tokens 0..{} are \
+                 accepted",
+                cfg.vocab, cfg.vocab
+            )));
+        }
+        let (c, heads, d) = (cfg.d_model, cfg.heads, cfg.head_dim());
+        let gpu = self.gpu;
+        let stream = gpu.stream();
+        // the prompt's activations, n rows of each buffer of GpuModel::step
+        let tokens = stream
+            .clone_htod(prompt)
+            .map_err(|e| device(device_error("copying the prompt")(e)))?;
+        let (x, x_mid, y) = (
+            alloc::<f32>(gpu, n * c, "the prompt's residual stream")?,
+            alloc::<f32>(gpu, n * c, "the prompt's residual stream")?,
+            alloc::<f32>(gpu, n * c, "the prompt's products")?,
+        );
+        let ln = alloc::<u16>(gpu, n * c, "the prompt's LayerNorm output")?;
+        let stats = alloc::<f32>(gpu, 2 * n, "the prompt's LayerNorm statistics")?;
+        let qkv = alloc::<u16>(gpu, 3 * n * c, "the prompt's fused projection")?;
+        let shape = flash_core::Shape::new(1, heads, n, d);
+        let head_tensor = |what| -> Result<DeviceTensor, TrainError> {
+            Ok(DeviceTensor {
+                data: alloc(gpu, n * c, what)?,
+                shape,
+                dtype: Dtype::Bf16,
+            })
+        };
+        let (q, key, v) = (
+            head_tensor("the prompt's queries")?,
+            head_tensor("the prompt's keys")?,
+            head_tensor("the prompt's values")?,
+        );
+        let mut att = gpu.alloc_output(shape, Dtype::Bf16).map_err(device)?;
+        let att_rows = alloc::<u16>(gpu, n * c, "the prompt's attention rows")?;
+        let fc = alloc::<u16>(gpu, 4 * n * c, "the prompt's MLP")?;
+        let gelu = alloc::<u16>(gpu, 4 * n * c, "the prompt's MLP")?;
+        let (k, blas, lay) = (&self.kernels, &self.blas, &self.layout);
+        let (w32, w16) = (ptr(gpu, &self.weights), ptr(gpu, &self.weights16));
+        let w32 = |off: usize| w32 + 4 * off as u64;
+        let w16 = |off: usize| w16 + 2 * off as u64;
+        let (xp, x_midp, yp) = (ptr(gpu, &x), ptr(gpu, &x_mid), ptr(gpu, &y));
+        let (lnp, qkvp, rowsp) = (ptr(gpu, &ln), ptr(gpu, &qkv), ptr(gpu, &att_rows));
+        let (fcp, gelup) = (ptr(gpu, &fc), ptr(gpu, &gelu));
+        let (mean, rstd) = (ptr(gpu, &stats), ptr(gpu, &stats) + 4 * n as u64);
+        let heads_of = |t: &DeviceTensor| ptr(gpu, &t.data);
+        let dims = (1, heads, n, d);
+        // SAFETY (every launch and product below): each pointer is a buffer allocated above
+        // for n rows of this model (x, x_mid, y, ln and att_rows n·C values, qkv 3n·C, q,
+        // key, v and att's output [1, H, n, D], fc and gelu 4n·C, stats 2n), or an offset
+        // into the flat weights that the layout gives for a tensor of the size used; the
+        // position embeddings' rows 0..n exist (n ≤ context)
+        unsafe {
+            k.embed_forward(ptr(gpu, &tokens), w32(lay.wte), w32(lay.wpe), xp, n, n, c)?;
+            for (l, w) in lay.blocks.iter().enumerate() {
+                let (res, add, add_bias) = match l {
+                    0 => (xp, 0, 0),
+                    _ => (x_midp, yp, w32(lay.blocks[l - 1].fc_proj_b)),
+                };
+                let ln_1 = (w32(w.ln_1_w), w32(w.ln_1_b));
+                k.layernorm_forward(res, add, add_bias, xp, ln_1, lnp, (mean, rstd), n, c)?;
+                let attn_w = plain(w16(w.attn_w));
+                blas.matmul(n, 3 * c, c, plain(lnp), attn_w, qkvp, Out::Bf16, 0.0)?;
+                let qkv_heads = (heads_of(&q), heads_of(&key), heads_of(&v));
+                k.qkv_to_heads(qkvp, w32(w.attn_b), qkv_heads, dims)?;
+                // the prompt's keys and values join the cache from its [H, n, D] tensors
+                let new = NewRows {
+                    k: heads_of(&key),
+                    v: heads_of(&v),
+                    row_stride: d,
+                    head_stride: n * d,
+                };
+                append_kv(gpu, &self.append, new, &mut self.caches[l], 0, n)?;
+                gpu.forward_into(&q, &key, &v, &mut att).map_err(device)?;
+                k.heads_rows(ptr(gpu, &att.out.data), rowsp, true, dims)?;
+                blas.matmul(
+                    n,
+                    c,
+                    c,
+                    plain(rowsp),
+                    plain(w16(w.proj_w)),
+                    yp,
+                    Out::F32,
+                    0.0,
+                )?;
+                let ln_2 = (w32(w.ln_2_w), w32(w.ln_2_b));
+                let proj_b = w32(w.proj_b);
+                k.layernorm_forward(xp, yp, proj_b, x_midp, ln_2, lnp, (mean, rstd), n, c)?;
+                let fc_w = plain(w16(w.fc_w));
+                blas.matmul(n, 4 * c, c, plain(lnp), fc_w, fcp, Out::Bf16, 0.0)?;
+                k.bias_gelu(fcp, w32(w.fc_b), gelup, n, 4 * c)?;
+                let fc_proj = plain(w16(w.fc_proj_w));
+                blas.matmul(n, c, 4 * c, plain(gelup), fc_proj, yp, Out::F32, 0.0)?;
+            }
+            // the last row alone goes on to the logits
+            let last = |p: u64, size: usize| p + (size * (n - 1) * c) as u64;
+            let fc_proj_b = w32(lay.blocks[cfg.layers - 1].fc_proj_b);
+            let ln_f = (w32(lay.ln_f_w), w32(lay.ln_f_b));
+            let (res, add) = (last(x_midp, 4), last(yp, 4));
+            k.layernorm_forward(res, add, fc_proj_b, xp, ln_f, lnp, (mean, rstd), 1, c)?;
+            let wte = transposed(w16(lay.wte));
+            let logits = ptr(gpu, &self.logits);
+            blas.matmul(1, cfg.vocab, c, plain(lnp), wte, logits, Out::F32, 0.0)?;
+        }
+        for cache in &mut self.caches {
+            cache.context = n;
+        }
+        self.len = n;
+        let logits = stream
+            .clone_dtoh(&self.logits)
+            .map_err(|e| device(device_error("reading the logits")(e)))?;
+        stream
+            .synchronize()
+            .map_err(|e| device(device_error("waiting for the prefill")(e)))?;
+        Ok(Array1::from(logits))
+    }
+    // ANCHOR_END: gpu_prefill
 }
 
-/// One token's key and value rows, from the fused projection `qkv` into `cache` at
-/// position `pos`.
+/// Where [`append_kv`] reads the new tokens' keys and values: the first key and value, and
+/// how far apart (in values) one token's row is from the next's and one head's from the
+/// next head's.
+struct NewRows {
+    k: u64,
+    v: u64,
+    row_stride: usize,
+    head_stride: usize,
+}
+
+/// `rows` tokens' keys and values into `cache` from position `pos` on.
 fn append_kv(
     gpu: &Gpu,
     append: &CudaFunction,
-    qkv: &CudaSlice<u16>,
+    from: NewRows,
     cache: &mut KvCache,
     pos: usize,
+    rows: usize,
 ) -> Result<(), TrainError> {
     let crate::cuda::Layout::Paged {
         table, page_size, ..
@@ -334,25 +488,32 @@ fn append_kv(
     else {
         unreachable!("GpuModel::new makes paged caches")
     };
-    let (heads, page_size, pos_i) = (cache.kv_heads as i32, *page_size as i32, pos as i32);
-    let values = (cache.kv_heads * cache.head_dim) as u32;
+    let values = (rows * cache.kv_heads * cache.head_dim) as u32;
     let config = LaunchConfig {
         grid_dim: (values.div_ceil(256), 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
+    let (row_stride, head_stride) = (from.row_stride as i64, from.head_stride as i64);
+    let (heads, page_size) = (cache.kv_heads as i32, *page_size as i32);
+    let (pos_i, rows_i) = (pos as i32, rows as i32);
     let mut launch = gpu.stream().launch_builder(append);
     launch
-        .arg(qkv)
+        .arg(&from.k)
+        .arg(&from.v)
+        .arg(&row_stride)
+        .arg(&head_stride)
         .arg(&mut cache.k)
         .arg(&mut cache.v)
         .arg(table)
         .arg(&heads)
         .arg(&page_size)
-        .arg(&pos_i);
-    // SAFETY: qkv holds 3·heads·head_dim values; the table has a page for every position
-    // below the context (the identity over the pool, made in GpuModel::new), pos is below
-    // it, and the pool holds those pages
+        .arg(&pos_i)
+        .arg(&rows_i);
+    // SAFETY: the callers' rows, heads and strides stay inside the buffers k and v point
+    // into; the table has a page for every position below the context (the identity over
+    // the pool, made in GpuModel::new), pos + rows does not pass it, and the pool holds
+    // those pages
     unsafe { launch.launch(config) }
         .map(|_| ())
         .map_err(|e| device(device_error("launching append_kv")(e)))
@@ -365,7 +526,7 @@ fn ptr<T>(gpu: &Gpu, s: &CudaSlice<T>) -> u64 {
 
 // ANCHOR: generate_gpu
 /// `count` tokens after `prompt` from the model on the GPU with the cache: the prompt read
-/// a token at a time, then one [`GpuModel::step`] a token, each drawn as step 05's `sample`
+/// in one [`GpuModel::prefill`], then one [`GpuModel::step`] a token, each drawn as step 05's `sample`
 /// draws it (its probabilities, its rule, the same stream of `seed`).
 pub fn generate_gpu(
     model: &mut GpuModel,
@@ -387,10 +548,7 @@ pub fn generate_gpu(
     if count == 0 {
         return Ok(Vec::new());
     }
-    let mut logits = Array1::zeros(model.config.vocab);
-    for &token in prompt {
-        logits = model.step(token)?;
-    }
+    let mut logits = model.prefill(prompt)?;
     let mut rng = SplitMix64::new(seed);
     let mut out = Vec::with_capacity(count);
     loop {

@@ -51,11 +51,12 @@ fn trainer(p: &Params<f32>) -> GpuTrainer {
 // ANCHOR: gpu_logits_test
 /// Both GPU paths compute in bf16 (the same products, the same kernels but the attention);
 /// the cache's error against `f64` is at most twice that of step 05's GPU forward over the
-/// whole text, plus 1e-4 for a forward whose error is near zero by luck.
+/// whole text, plus 1e-4 for a forward whose error is near zero by luck. The prompt goes
+/// in by a prefill (its last row's logits checked), every later token by a step.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
-    for (model_seed, prompt) in [(1, 1), (2, 70)] {
+    for (model_seed, prompt) in [(1, 1), (2, 70), (3, CONFIG.context)] {
         let p = Params::init(CONFIG, model_seed).unwrap();
         let tokens = bytes(CONFIG.context, 100 + model_seed);
         let exact = exact_logits(&p, &tokens);
@@ -66,14 +67,14 @@ fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
             ArrayView2::from_shape((1, tokens.len()), &tokens[..]).unwrap(),
         )
         .unwrap();
+        let mut cached = vec![(prompt - 1, model.prefill(&tokens[..prompt]).unwrap())];
+        for (pos, &token) in tokens.iter().enumerate().skip(prompt) {
+            cached.push((pos, model.step(token).unwrap()));
+        }
         let (mut ours, mut by_forward) = (0.0f64, 0.0f64);
-        for (pos, &token) in tokens.iter().enumerate() {
-            let cached = model.step(token).unwrap();
-            if pos + 1 < prompt {
-                continue; // the prompt's logits before its last token are not used
-            }
+        for (pos, row) in cached {
             let full = gpu.logits_row(pos).unwrap();
-            for ((&c, &f), &e) in cached.iter().zip(&full).zip(exact.row(pos)) {
+            for ((&c, &f), &e) in row.iter().zip(&full).zip(exact.row(pos)) {
                 ours = ours.max((c as f64 - e).abs());
                 by_forward = by_forward.max((f as f64 - e).abs());
             }
@@ -81,12 +82,15 @@ fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
         assert_eq!(model.len(), CONFIG.context);
         assert!(
             ours <= 2.0 * by_forward + 1e-4,
-            "model {model_seed}: the cache's logits are {ours:.3e} from f64, the GPU \
-             forward's {by_forward:.3e}"
+            "model {model_seed}, a prompt of {prompt}: the cache's logits are {ours:.3e} \
+             from f64, the GPU forward's {by_forward:.3e}"
         );
-        // one more token has no position embedding: refused, nothing changed
+        // one more token has no position embedding, and a prefill needs an empty cache:
+        // refused, nothing changed
         let e = model.step(0).unwrap_err().to_string();
         assert!(e.contains("no more tokens fit"), "{e}");
+        let e = model.prefill(b"fn").unwrap_err().to_string();
+        assert!(e.contains("into an empty cache"), "{e}");
         assert_eq!(model.len(), CONFIG.context);
     }
 }
