@@ -279,9 +279,7 @@ fn run(cli: Cli) -> Result<(), TrainError> {
             let prefill_only = || {
                 let mut model = model.borrow_mut();
                 model.reset();
-                for &token in &prompt {
-                    model.step(token)?;
-                }
+                model.prefill(&prompt)?;
                 Ok(Vec::new())
             };
             let cache_bytes = |text: &[u8]| -> Result<usize, TrainError> {
