@@ -321,17 +321,17 @@ pub struct Occupancy {
 /// alone. Decoding is bound by the memory, so what counts is that every multiprocessor
 /// streams, each as long as the others:
 ///
-/// - With few (sequence, kv head) pairs, the keys are cut so that every multiprocessor
-///   gets the same whole number of blocks, as many as keep its memory streaming (one block
-///   at head dim 128, two at 64): 8 pairs on 132 multiprocessors at head dim 128 take 16
-///   splits, 128 blocks. More blocks would each cost a start (q's rows, the pipeline's first
-///   steps) and a share of the merge, for nothing; an uneven count leaves some
-///   multiprocessors reading after the others are done.
-/// - With more pairs than that, the blocks come in waves over the slots, and a last wave of
-///   a few blocks leaves the others' slots idle while it reads: the fewest splits that keep
-///   the slots at least 90% busy over the waves (`blocks / (waves · slots) ≥ 0.9`; from
-///   four waves on the last one's tail is short, and counts as full), one split when that
-///   is enough, and no merge.
+/// - With few (sequence, kv head) pairs, the keys are cut so that every
+///   multiprocessor gets the same whole number of blocks, as many as keep its memory
+///   streaming (one block at head dim 128, two at 64): 8 pairs on 132 multiprocessors
+///   at head dim 128 take 16 splits, 128 blocks. More blocks would each cost a start
+///   (q's rows, the pipeline's first steps) and a share of the merge, for nothing; an
+///   uneven count leaves some multiprocessors reading after the others are done.
+/// - With more pairs than that, the blocks come in waves over the slots, and a last
+///   wave of a few blocks leaves the others' slots idle while it reads: the fewest
+///   splits that keep the slots at least 90% busy over the waves (`blocks / (waves ·
+///   slots) ≥ 0.9`; from four waves on the last one's tail is short, and counts as
+///   full), one split when that is enough, and no merge.
 ///
 /// No split is shorter than [`MIN_SPLIT_KEYS`].
 pub fn plan_splits(batch_kv_heads: usize, context: usize, gpu: Occupancy) -> SplitPlan {

@@ -210,8 +210,8 @@ impl GpuModel {
         let cfg = self.config;
         if self.len >= cfg.context {
             return Err(TrainError::Config(format!(
-                "the cache holds {} tokens, the model's context: it has position embeddings \
-                 for positions 0..{} only, so no more tokens fit",
+                "the cache holds {} tokens, the model's context: it has position \
+                 embeddings for positions 0..{} only, so no more tokens fit",
                 self.len, cfg.context
             )));
         }
@@ -336,9 +336,9 @@ impl GpuModel {
         let n = prompt.len();
         if self.len > 0 || n == 0 || n > cfg.context {
             return Err(TrainError::Config(format!(
-                "a prefill of {n} tokens into a cache of {}: a prefill reads 1 to {} tokens \
-                 (the model's context) into an empty cache; tokens after those go in with \
-                 step",
+                "a prefill of {n} tokens into a cache of {}: a prefill reads 1 to {} \
+                 tokens (the model's context) into an empty cache; tokens after those go \
+                 in with step",
                 self.len, cfg.context
             )));
         }

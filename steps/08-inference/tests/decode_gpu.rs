@@ -240,9 +240,9 @@ fn the_split_gives_each_multiprocessor_its_blocks_and_no_split_is_too_short() {
     assert_eq!(plan_splits(32, 131_072, d64).splits, 8);
     assert_eq!(plan_splits(64, 131_072, d128).splits, 2);
     assert_eq!(plan_splits(64, 131_072, d64).splits, 4);
-    // more pairs than that: waves over the slots. 32 sequences × 8 kv heads fill 97% of the
-    // 264 slots at head dim 128 alone, one split; at head dim 64, 64 sequences' 512 blocks in
-    // 396 slots would be 1.3 waves, so 3 splits make 3.9
+    // more pairs than that: waves over the slots. 32 sequences × 8 kv heads fill 97%
+    // of the 264 slots at head dim 128 alone, one split; at head dim 64, 64 sequences'
+    // 512 blocks in 396 slots would be 1.3 waves, so 3 splits make 3.9
     assert_eq!(plan_splits(256, 131_072, d128).splits, 1);
     assert_eq!(plan_splits(512, 131_072, d128).splits, 1);
     assert_eq!(plan_splits(512, 131_072, d64).splits, 3);
