@@ -49,6 +49,11 @@ pub struct AttendArgs {
 
 /// Runs the method and writes its results; returns the paths written.
 pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
+    // [step 08]
+    if let Some(decoder) = methods::decoder_by_name(&args.method) {
+        return decode(decoder, args);
+    }
+    // [/step 08]
     let method = methods::by_name(&args.method)?;
     // the element type to compute in: the method's default unless --dtype asks for another
     let dtype = method.dtypes()[0];
@@ -136,6 +141,78 @@ pub fn check_dtype(method: &dyn Method, dtype: Dtype) -> Result<(), String> {
     ))
 }
 // [/step 03]
+
+// [step 08]
+/// A decoder's run: q `[batch, q_heads, q_rows, head_dim]` against the cache, k and v
+/// `[batch, kv_heads, context, head_dim]`; writes `out.npy` (q's shape) and `lse.npy`
+/// (`[batch, q_heads, q_rows]`). The decoder itself refuses shapes that do not fit
+/// together, naming the value and what is accepted.
+fn decode(
+    decoder: &dyn methods::Decoder,
+    args: &AttendArgs,
+) -> Result<Vec<PathBuf>, String> {
+    let dtype = match args.dtype {
+        Some(dtype) => {
+            check_decoder_dtype(decoder, dtype)?;
+            dtype
+        }
+        None => decoder.dtypes()[0],
+    };
+    if args.dout.is_some() {
+        return Err(format!(
+            "--dout asks for the backward pass, and {:?} is a decoder, for inference: it has \
+             none",
+            decoder.name()
+        ));
+    }
+    let q = npy::read_f32_4d(&args.q).map_err(|e| e.to_string())?;
+    let k = npy::read_f32_4d(&args.k).map_err(|e| e.to_string())?;
+    let v = npy::read_f32_4d(&args.v).map_err(|e| e.to_string())?;
+    if k.shape() != v.shape() {
+        return Err(format!(
+            "{}: shape {:?} differs from {}'s {:?}; the cache's k and v share one shape \
+             [batch, kv_heads, context, head_dim]",
+            args.v.display(),
+            v.shape(),
+            args.k.display(),
+            k.shape()
+        ));
+    }
+    let result = decoder
+        .decode(q.view(), k.view(), v.view(), dtype)
+        .map_err(|e| format!("{} failed: {e}", decoder.name()))?;
+    fs::create_dir_all(&args.out_dir)
+        .map_err(|e| format!("{}: cannot create it: {e}", args.out_dir.display()))?;
+    let mut written = Vec::new();
+    for (name, a) in [
+        ("out.npy", result.out.view().into_dyn()),
+        ("lse.npy", result.lse.view().into_dyn()),
+    ] {
+        let path = args.out_dir.join(name);
+        npy::write_f32(&path, a).map_err(|e| e.to_string())?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+/// That the decoder computes in `dtype`: an error saying which it takes if not.
+pub fn check_decoder_dtype(
+    decoder: &dyn methods::Decoder,
+    dtype: Dtype,
+) -> Result<(), String> {
+    let takes = decoder.dtypes();
+    if takes.contains(&dtype) {
+        return Ok(());
+    }
+    let names: Vec<&str> = takes.iter().map(|d| d.name()).collect();
+    Err(format!(
+        "--dtype {dtype}: decoder {:?} runs on {} and computes in {}",
+        decoder.name(),
+        decoder.device(),
+        names.join(" or ")
+    ))
+}
+// [/step 08]
 
 fn same_shape(
     path: &Path,
@@ -226,6 +303,70 @@ mod tests {
         fs::remove_dir_all(dir).unwrap();
     }
     // [/step 04]
+
+    // [step 08]
+    /// A decoder takes q's rows against a longer cache with fewer kv heads, and writes
+    /// what step 08's function returns, bit for bit.
+    #[test]
+    fn a_decoder_runs_query_rows_against_a_cache() {
+        let (dir, mut args, _) = setup("decoder", Shape::new(1, 2, 8, 4));
+        let q = random_qkv(Shape::new(2, 4, 3, 8), 3)[0].clone();
+        let [k, v, _] = random_qkv(Shape::new(2, 2, 37, 8), 4);
+        for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+            npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
+        }
+        (args.q, args.k, args.v) =
+            (dir.join("dq.npy"), dir.join("dk.npy"), dir.join("dv.npy"));
+        for name in ["decode", "decode_split"] {
+            args.method = name.into();
+            let written = attend(&args).unwrap();
+            assert_eq!(written.len(), 2);
+            let expected = step08_inference::decode(q.view(), k.view(), v.view()).unwrap();
+            let out = npy::read_f32_4d(&args.out_dir.join("out.npy")).unwrap();
+            let lse = npy::read_f32(&args.out_dir.join("lse.npy")).unwrap();
+            assert_eq!(out.shape(), &[2, 4, 3, 8]);
+            assert_eq!(lse.shape(), &[2, 4, 3]);
+            if name == "decode" {
+                assert_eq!(out, expected.out);
+            } else {
+                // one chunk of 8,192 keys holds the whole cache: the same loop, one merge
+                let diff = (&out - &expected.out)
+                    .mapv(f32::abs)
+                    .fold(0.0f32, |a, &b| a.max(b));
+                assert!(diff < 1e-6, "{name}: {diff}");
+            }
+        }
+        // what does not fit together is refused, naming the file or the value
+        let mut bad = args.clone();
+        bad.v = dir.join("q.npy");
+        let err = attend(&bad).unwrap_err();
+        assert!(
+            err.contains("q.npy") && err.contains("k and v share one shape"),
+            "{err}"
+        );
+        let mut bad = args.clone();
+        bad.dout = Some(dir.join("dq.npy"));
+        let err = attend(&bad).unwrap_err();
+        assert!(err.contains("decoder") && err.contains("backward"), "{err}");
+        // 3 query heads on 2 kv heads: the decoder names the counts that divide
+        let q3 = random_qkv(Shape::new(2, 3, 3, 8), 5)[0].clone();
+        npy::write_f32(&dir.join("q3.npy"), q3.view()).unwrap();
+        let mut bad = args.clone();
+        bad.q = dir.join("q3.npy");
+        let err = attend(&bad).unwrap_err();
+        assert!(
+            err.starts_with("decode_split failed")
+                && err.contains("q has 3 heads and the cache 2 kv heads")
+                && err.contains("accepted for 3 query heads: 1, 3"),
+            "{err}"
+        );
+        let mut bad = args.clone();
+        bad.dtype = Some(Dtype::Bf16);
+        let err = attend(&bad).unwrap_err();
+        assert!(err.contains("bf16") && err.contains("f32"), "{err}");
+        fs::remove_dir_all(dir).unwrap();
+    }
+    // [/step 08]
 
     #[test]
     fn bad_inputs_are_refused_with_the_file_and_what_was_expected() {

@@ -226,6 +226,19 @@ fn method_list() -> String {
             m.about()
         );
     }
+    // [step 08]
+    text += "\nDECODERS (attend only: q [batch, q_heads, q_rows, head_dim] against k and v\n\
+             [batch, kv_heads, context, head_dim], q_rows <= context, q_heads a multiple of\n\
+             kv_heads, the causal diagonal at the cache's end)\n";
+    for d in methods::decoders() {
+        text += &format!(
+            "    {:<18} {:<5} step 08-inference: {}\n",
+            d.name(),
+            d.device().name(),
+            d.about()
+        );
+    }
+    // [/step 08]
     text
 }
 
@@ -248,6 +261,15 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
         |cmd: &mut clap::Command, why: String| cmd.error(ErrorKind::ValueValidation, why);
     match cli.command {
         Some(Sub::Attend(a)) => {
+            // [step 08]
+            if let Some(decoder) = methods::decoder_by_name(&a.method) {
+                if let Some(dtype) = a.dtype {
+                    crate::attend::check_decoder_dtype(decoder, dtype)
+                        .map_err(|e| invalid(&mut cmd, e))?;
+                }
+                return Ok(Command::Attend(attend_args(a)));
+            }
+            // [/step 08]
             let method = methods::by_name(&a.method)
                 .map_err(|e| invalid(&mut cmd, format!("--method: {e}")))?;
             // [step 03]
@@ -257,19 +279,7 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
             }
             // [/step 03]
             let _ = method;
-            Ok(Command::Attend(AttendArgs {
-                method: a.method,
-                q: a.q,
-                k: a.k,
-                v: a.v,
-                // [step 03]
-                dtype: a.dtype,
-                // [/step 03]
-                // [step 04]
-                dout: a.dout,
-                // [/step 04]
-                out_dir: a.out_dir,
-            }))
+            Ok(Command::Attend(attend_args(a)))
         }
         Some(Sub::PeakChild(b)) => Ok(Command::PeakChild(bench_args(b))),
         None => {
@@ -304,6 +314,14 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
     } else {
         let mut chosen = Vec::new();
         for name in &args.methods {
+            // [step 08]
+            if methods::decoder_by_name(name).is_some() {
+                return Err(format!(
+                    "{name:?} is a decoder, query rows against a cache: `attend --method \
+                     {name}` runs it, and step 08's decode-cpu and decode-bench measure it"
+                ));
+            }
+            // [/step 08]
             let m = methods::by_name(name)?;
             if m.device() != args.device {
                 return Err(format!(
@@ -382,6 +400,22 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
     }
     // [/step 07]
     Ok(chosen)
+}
+
+fn attend_args(a: AttendFlags) -> AttendArgs {
+    AttendArgs {
+        method: a.method,
+        q: a.q,
+        k: a.k,
+        v: a.v,
+        // [step 03]
+        dtype: a.dtype,
+        // [/step 03]
+        // [step 04]
+        dout: a.dout,
+        // [/step 04]
+        out_dir: a.out_dir,
+    }
 }
 
 fn bench_args(b: BenchFlags) -> BenchArgs {
@@ -583,4 +617,30 @@ mod tests {
         }
         assert!(help.contains("EXIT STATUS"), "{help}");
     }
+
+    // [step 08]
+    #[test]
+    fn decoders_are_for_attend_and_the_help_says_so() {
+        let help = command().render_long_help().to_string();
+        assert!(help.contains("DECODERS (attend only"), "{help}");
+        for d in methods::decoders() {
+            assert!(help.contains(d.name()), "{help}");
+        }
+        let e = parse_line("--methods decode").unwrap_err().to_string();
+        assert!(
+            e.contains("is a decoder") && e.contains("attend --method"),
+            "{e}"
+        );
+        let line = "attend --method flash_decode --q q.npy --k k.npy --v v.npy --out-dir o";
+        assert!(matches!(parse_line(line).unwrap(), Command::Attend(_)));
+        let e = parse_line(&format!("{line} --dtype f32"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("computes in bf16 or f16"), "{e}");
+        let e = parse_line("attend --method nope --q q --k k --v v --out-dir o")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("attend also takes the decoders: decode"), "{e}");
+    }
+    // [/step 08]
 }

@@ -40,15 +40,41 @@ fn give_backward<M: Backward>(
 }
 // [/step 04]
 
+// [step 08]
+pub use step08_inference::methods::Decoder;
+
+/// Every decoder: query rows against a cache of keys and values (step 08). They take inputs
+/// of their own, so `attend` runs them and the benchmark does not (step 08's `decode-cpu`
+/// and `decode-bench` measure them).
+pub fn decoders() -> Vec<&'static dyn Decoder> {
+    step08_inference::methods::decoders()
+}
+
+/// The decoder with this name, if there is one.
+pub fn decoder_by_name(name: &str) -> Option<&'static dyn Decoder> {
+    decoders().into_iter().find(|d| d.name() == name)
+}
+// [/step 08]
+
 /// The method with this name, or an error listing the names there are.
 pub fn by_name(name: &str) -> Result<&'static dyn Method, String> {
     let all = all();
     match all.iter().find(|m| m.name() == name) {
         Some(&m) => Ok(m),
-        None => Err(format!(
-            "no method named {name:?}; the methods are: {}",
-            all.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ")
-        )),
+        None => {
+            let why = format!(
+                "no method named {name:?}; the methods are: {}",
+                all.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ")
+            );
+            // [step 08]
+            let decoders: Vec<_> = decoders().iter().map(|d| d.name()).collect();
+            let why = format!(
+                "{why}; attend also takes the decoders: {}",
+                decoders.join(", ")
+            );
+            // [/step 08]
+            Err(why)
+        }
     }
 }
 
@@ -65,5 +91,13 @@ mod tests {
             let same: Vec<_> = all.iter().filter(|o| o.name() == m.name()).collect();
             assert_eq!(same.len(), 1, "{} is listed {} times", m.name(), same.len());
         }
+        // [step 08]
+        // nor a decoder of a method's name, or of another decoder's
+        for d in decoders() {
+            assert!(all.iter().all(|m| m.name() != d.name()), "{}", d.name());
+            let same = decoders().iter().filter(|o| o.name() == d.name()).count();
+            assert_eq!(same, 1, "{} is listed {same} times", d.name());
+        }
+        // [/step 08]
     }
 }

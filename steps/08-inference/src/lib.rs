@@ -45,6 +45,8 @@
 //!   values to the cache); [`generate_gpu`](gpu_generate::generate_gpu), and
 //!   [`sample_gpu`](gpu_generate::sample_gpu), the GPU forward over the whole window a
 //!   token.
+//! - [`methods`]: the decoders as the repository's registry lists them (`attend --method
+//!   decode`, `decode_split`, `flash_decode`, `flash_decode_paged`).
 //! - `src/bin/decode-cpu.rs`: [`decode()`] on the CPU against a loop that only reads the
 //!   same bytes, checked then timed, as JSON rows (`charts/data/decode-cpu.json`); both
 //!   benchmarks write [`rows::DecodeRow`]s.
@@ -54,6 +56,7 @@ pub mod decode;
 pub mod generate;
 pub mod gpu_generate;
 pub mod kernel;
+pub mod methods;
 pub mod reference;
 pub mod rows;
 
