@@ -25,6 +25,7 @@
 //! - [`read_dir`]: the rows of every JSON file, as the shared core's [`Row`].
 //! - [`render_all`]: every chart and table the rows call for, as `(file name, text)`.
 //! - [`train`]: the training runs' charts, from `charts/data/train-*.json`. // [step 05]
+//! - [`decode`]: decoding's tables and chart, from `charts/data/decode*.json`. // [step 08]
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -36,6 +37,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
+pub mod decode; // [step 08]
 pub mod train; // [step 05]
 
 /// Measurements with charts of their own, apart from the main CPU and GPU ones: the rows of
@@ -111,12 +113,18 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
         &data,
     )?)?);
     // [/step 07]
+    // [step 08]
+    // decoding against the read kernel, ours and PyTorch's
+    if let Some(decoding) = decode::read(&data)? {
+        charts.extend(decode::render_all(&decoding)?);
+    }
+    // [/step 08]
     Ok(charts)
 }
 
 // [step 08]
 /// Chapter 8's measurements (`decode-bench` and the PyTorch peer's `--decode`, `generate
-/// --out`): rows with keys of their own, which the chapter's tables read, not these charts.
+/// --out`): rows with keys of their own, which [`decode`] reads, not the main set's charts.
 fn is_inference_file(p: &Path) -> bool {
     p.file_name().is_some_and(|f| {
         ["decode", "generate-"]

@@ -1,0 +1,304 @@
+//! Step 08's tables and chart: decoding measured, from `charts/data/decode.json` (step 08's
+//! `decode-bench --out`: the decoding kernel on a contiguous and on a paged cache, and the
+//! read kernel over the same bytes) and `charts/data/decode-pytorch.json` (the PyTorch
+//! peer's `--decode`: `scaled_dot_product_attention` with one query row a head).
+//!
+//! - `decode-d128.md`, `decode-d64.md`: at each head dim, a row per kv heads, batch and
+//!   context of [`CONTEXTS`]: our time, GB/s, its share of the read kernel's speed, the
+//!   paged cache's share, the read kernel's GB/s, PyTorch's time and its time over ours;
+//! - `decode-bandwidth.svg`: at head dim 128 with 8 kv heads, the share of the read
+//!   kernel's speed against the context, ours and PyTorch's, at each batch.
+
+use std::fs;
+use std::path::Path;
+
+use plotters::prelude::*;
+use serde::Deserialize;
+
+use crate::{
+    LEGEND_ROW, Look, Marker, PLOT_HEIGHT, WIDTH, dashed, draw_legend_entry, draw_marker,
+    scalable,
+};
+
+/// The contexts the tables show (the files hold every power of two from 1k to 128k).
+pub const CONTEXTS: [usize; 4] = [1024, 8192, 32768, 131072];
+
+/// One row of `decode.json` or `decode-pytorch.json`: the fields the tables read.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct DecodeRow {
+    /// `decode`, `decode_paged`, `read`; PyTorch's rows name their own
+    pub method: String,
+    pub batch: usize,
+    pub kv_heads: usize,
+    pub context: usize,
+    pub head_dim: usize,
+    pub splits: Option<usize>,
+    pub us: Option<f64>,
+    pub gb_s: Option<f64>,
+    pub fraction_of_read: Option<f64>,
+    pub error: Option<String>,
+}
+
+/// Our rows and PyTorch's.
+pub struct Decoding {
+    pub ours: Vec<DecodeRow>,
+    pub pytorch: Vec<DecodeRow>,
+}
+
+/// The rows of `dir/decode.json` and `dir/decode-pytorch.json`, or `None` where there are
+/// none (a stage before step 08).
+pub fn read(dir: &Path) -> Result<Option<Decoding>, String> {
+    let rows = |name: &str| -> Result<Vec<DecodeRow>, String> {
+        let path = dir.join(name);
+        if !path.exists() {
+            return Ok(Vec::new());
+        }
+        let text =
+            fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    };
+    let (ours, pytorch) = (rows("decode.json")?, rows("decode-pytorch.json")?);
+    Ok((!ours.is_empty()).then_some(Decoding { ours, pytorch }))
+}
+
+impl Decoding {
+    fn ours(&self, method: &str, key: (usize, usize, usize, usize)) -> Option<&DecodeRow> {
+        let (batch, kv_heads, context, head_dim) = key;
+        self.ours.iter().find(|r| {
+            r.method == method
+                && (r.batch, r.kv_heads, r.context, r.head_dim)
+                    == (batch, kv_heads, context, head_dim)
+        })
+    }
+
+    fn pytorch(&self, key: (usize, usize, usize, usize)) -> Option<&DecodeRow> {
+        let (batch, kv_heads, context, head_dim) = key;
+        self.pytorch.iter().find(|r| {
+            (r.batch, r.kv_heads, r.context, r.head_dim)
+                == (batch, kv_heads, context, head_dim)
+        })
+    }
+
+    /// Sorted distinct values of a field of our rows.
+    fn values(&self, f: impl Fn(&DecodeRow) -> usize) -> Vec<usize> {
+        let mut v: Vec<usize> = self.ours.iter().map(f).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+fn number(v: f64, decimals: usize) -> String {
+    let s = format!("{v:.decimals$}");
+    let (int, frac) = s.split_once('.').map_or((s.as_str(), ""), |(a, b)| (a, b));
+    let mut grouped = String::new();
+    for (i, c) in int.chars().enumerate() {
+        if i > 0 && (int.len() - i) % 3 == 0 {
+            grouped.push(',');
+        }
+        grouped.push(c);
+    }
+    if frac.is_empty() {
+        grouped
+    } else {
+        format!("{grouped}.{frac}")
+    }
+}
+
+fn percent(f: Option<f64>) -> String {
+    f.map_or(String::new(), |f| format!("{:.0}%", f * 100.0))
+}
+
+/// The table of one head dim.
+fn table(d: &Decoding, head_dim: usize) -> String {
+    let mut t = String::from(
+        "| kv heads | batch | context | splits | ours, µs | GB/s | of the read kernel | paged, \
+         of the read kernel | read kernel, GB/s | PyTorch SDPA, µs | its time ÷ ours |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    // grouped heads (fewer kv heads) first, as the chapter reads them
+    for kv in d.values(|r| r.kv_heads) {
+        for batch in d.values(|r| r.batch) {
+            for context in CONTEXTS {
+                let key = (batch, kv, context, head_dim);
+                let Some(ours) = d.ours("decode", key) else {
+                    continue;
+                };
+                let pt = d.pytorch(key).and_then(|r| r.us);
+                let head = format!("| {kv} | {batch} | {} |", number(context as f64, 0));
+                let Some(us) = ours.us else {
+                    let why = ours.error.as_deref().unwrap_or("no time");
+                    let pt = pt.map_or("does not fit".into(), |p| number(p, 1));
+                    t += &format!("{head} | {why} | | | | | {pt} | |\n");
+                    continue;
+                };
+                let paged = d.ours("decode_paged", key).and_then(|r| r.fraction_of_read);
+                let read = d.ours("read", key).and_then(|r| r.gb_s);
+                t += &format!(
+                    "{head} {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    ours.splits.map_or(String::new(), |s| s.to_string()),
+                    number(us, 1),
+                    ours.gb_s.map_or(String::new(), |g| number(g, 0)),
+                    percent(ours.fraction_of_read),
+                    percent(paged),
+                    read.map_or(String::new(), |g| number(g, 0)),
+                    pt.map_or(String::new(), |p| number(p, 1)),
+                    pt.map_or(String::new(), |p| format!("{:.2}×", p / us)),
+                );
+            }
+        }
+    }
+    t
+}
+
+/// The chart's series: ours (solid, filled) and PyTorch's (dashed, hollow) at each batch.
+fn looks(batch: usize, ours: bool) -> Look {
+    let (colour, marker) = match (ours, batch) {
+        (true, 1) => (RGBColor(0x08, 0x51, 0x9c), Marker::Circle),
+        (true, 8) => (RGBColor(0x31, 0x82, 0xbd), Marker::Square),
+        (true, _) => (RGBColor(0x31, 0xa3, 0x54), Marker::Triangle),
+        (false, 1) => (RGBColor(0xd9, 0x48, 0x01), Marker::Circle),
+        (false, 8) => (RGBColor(0xfd, 0x8d, 0x3c), Marker::Square),
+        (false, _) => (RGBColor(0x99, 0x99, 0x99), Marker::Triangle),
+    };
+    let who = if ours {
+        "flash_decode (step 08)"
+    } else {
+        "PyTorch SDPA (cuDNN)"
+    };
+    let words = format!("{who}, batch {batch}");
+    Look {
+        rank: 0,
+        ours,
+        colour,
+        marker,
+        short: words.clone(),
+        words,
+        step: ours.then_some(8),
+        same_memory_as: None,
+    }
+}
+
+/// The share of the read kernel's speed against the context at head dim 128, 8 kv heads.
+fn chart(d: &Decoding) -> Result<String, String> {
+    let (head_dim, kv) = (128, 8);
+    let contexts = d.values(|r| r.context);
+    let mut series: Vec<(Look, Vec<(f64, f64)>)> = Vec::new();
+    for ours in [true, false] {
+        for batch in d.values(|r| r.batch) {
+            let points: Vec<(f64, f64)> = contexts
+                .iter()
+                .filter_map(|&t| {
+                    let key = (batch, kv, t, head_dim);
+                    let read = d.ours("read", key)?.us?;
+                    let us = if ours {
+                        d.ours("decode", key)?.us?
+                    } else {
+                        d.pytorch(key)?.us?
+                    };
+                    Some(((t as f64).log2(), 100.0 * read / us))
+                })
+                .collect();
+            if !points.is_empty() {
+                series.push((looks(batch, ours), points));
+            }
+        }
+    }
+    let (x_lo, x_hi) = contexts.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &t| {
+        let x = (t as f64).log2();
+        (lo.min(x), hi.max(x))
+    });
+    let columns = 2u32;
+    let rows = (series.len() as u32).div_ceil(columns);
+    let height = 62 + PLOT_HEIGHT + 10 + rows * LEGEND_ROW + 10;
+    let mut svg = String::new();
+    {
+        let e = |e: &dyn std::fmt::Display| e.to_string();
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(|x| e(&x))?;
+        let (top, rest) = root.split_vertically(62);
+        let (body, legend) = rest.split_vertically(PLOT_HEIGHT);
+        top.draw_text(
+            "Decoding against the memory's speed (H200, bf16)",
+            &TextStyle::from(("sans-serif", 28).into_font()).color(&BLACK),
+            (20, 8),
+        )
+        .map_err(|x| e(&x))?;
+        top.draw_text(
+            "32 query heads on 8 kv heads, head dim 128, one query row a head",
+            &TextStyle::from(("sans-serif", 21).into_font())
+                .color(&RGBColor(0x44, 0x44, 0x44)),
+            (20, 38),
+        )
+        .map_err(|x| e(&x))?;
+        let x_label = |x: &f64| {
+            if (x - x.round()).abs() < 1e-9 {
+                format!("{}k", (2f64.powf(x.round()) as u64) / 1024)
+            } else {
+                String::new()
+            }
+        };
+        let mut chart = ChartBuilder::on(&body)
+            .margin_left(10)
+            .margin_right(30)
+            .margin_bottom(10)
+            .x_label_area_size(55)
+            .y_label_area_size(85)
+            .build_cartesian_2d(x_lo - 0.2..x_hi + 0.2, 0.0..110.0)
+            .map_err(|x| e(&x))?;
+        chart
+            .configure_mesh()
+            .x_desc("tokens in the cache (log scale)")
+            .y_desc("% of the read kernel's speed over the same bytes")
+            .x_labels((x_hi - x_lo) as usize + 1)
+            .x_label_formatter(&x_label)
+            .y_label_formatter(&|y: &f64| format!("{y:.0}"))
+            .light_line_style(RGBColor(0xee, 0xee, 0xee))
+            .label_style(("sans-serif", 20))
+            .axis_desc_style(("sans-serif", 20))
+            .draw()
+            .map_err(|x| e(&x))?;
+        let mut pixels = Vec::new();
+        for (l, points) in &series {
+            let style = if l.ours {
+                l.colour.stroke_width(2)
+            } else {
+                dashed(l.colour, 2)
+            };
+            chart
+                .draw_series(LineSeries::new(points.iter().copied(), style))
+                .map_err(|x| e(&x))?;
+            pixels.push(
+                points
+                    .iter()
+                    .map(|p| chart.backend_coord(p))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        for ((l, _), points) in series.iter().zip(&pixels) {
+            for &p in points {
+                draw_marker(&root, l.marker, p, l.colour, l.ours)?;
+            }
+        }
+        let (legend_x, legend_y) = legend.get_base_pixel();
+        let column_width = WIDTH as i32 / columns as i32;
+        for (i, (l, _)) in series.iter().enumerate() {
+            let (row, column) = (i as u32 % rows, i as u32 / rows);
+            let x = legend_x + 30 + column as i32 * column_width;
+            let y = legend_y + 10 + (row * LEGEND_ROW + LEGEND_ROW / 2) as i32;
+            draw_legend_entry(&root, l, &l.words, (x, y))?;
+        }
+        root.present().map_err(|x| e(&x))?;
+    }
+    Ok(scalable(svg))
+}
+
+/// The tables and the chart, as `(file name, text)`.
+pub fn render_all(d: &Decoding) -> Result<Vec<(String, String)>, String> {
+    let mut out = Vec::new();
+    for head_dim in d.values(|r| r.head_dim).into_iter().rev() {
+        out.push((format!("decode-d{head_dim}.md"), table(d, head_dim)));
+    }
+    out.push(("decode-bandwidth.svg".into(), chart(d)?));
+    Ok(out)
+}
