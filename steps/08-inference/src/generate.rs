@@ -214,6 +214,73 @@ fn linear_row(x: ArrayView1<f32>, w: ArrayView2<f32>, b: ArrayView1<f32>) -> Arr
 }
 // ANCHOR_END: decode_step
 
+// ANCHOR: extend
+/// Reads `tokens` into a cache that may already hold some, in one pass, and returns the
+/// logits of the token after the last: a conversation's next message read against the
+/// turns before it. Each layer computes the new tokens' rows together (their products as
+/// matrices), appends their keys and values, and attends with their queries to the whole
+/// cache, the causal diagonal at its end: new row `i` of `n` sees positions `0..=len + i`.
+/// That attention is [`decode`](crate::decode()), `n` query rows a head against the cache.
+pub fn extend(
+    params: &Params<f32>,
+    cache: &mut KvCache,
+    tokens: &[u8],
+) -> Result<Array1<f32>, TrainError> {
+    let cfg = params.config;
+    let (heads, d, c) = (cfg.heads, cfg.head_dim(), cfg.d_model);
+    if tokens.is_empty() {
+        return Err(TrainError::Config(
+            "no tokens to read: extend takes at least one".into(),
+        ));
+    }
+    cache.check_room(tokens.len())?;
+    for &t in tokens {
+        check_token(&cfg, t)?;
+    }
+    let (start, n) = (cache.len, tokens.len());
+    // x = wte[token] + wpe[position], a row a new token
+    let mut x = Array2::from_shape_fn((n, c), |(i, j)| {
+        params.wte[[tokens[i] as usize, j]] + params.wpe[[start + i, j]]
+    });
+    for (layer, w) in params.blocks.iter().enumerate() {
+        let ln_1 = layernorm(x.view(), w.ln_1_w.view(), w.ln_1_b.view()).out;
+        let qkv = ln_1.dot(&w.attn_w) + &w.attn_b;
+        // each row [q's heads | k's heads | v's heads], as [n, 3, heads, head_dim]
+        let qkv = qkv
+            .into_shape_with_order((n, 3, heads, d))
+            .expect("3·C values a row");
+        let part = |i: usize| qkv.index_axis(Axis(1), i).permuted_axes([1, 0, 2]);
+        let (keys, values) = (&mut cache.keys[layer], &mut cache.values[layer]);
+        keys.slice_mut(s![.., start..start + n, ..])
+            .assign(&part(1));
+        values
+            .slice_mut(s![.., start..start + n, ..])
+            .assign(&part(2));
+        // q [1, heads, n, head_dim] against the cache [1, heads, start + n, head_dim]
+        let seen = s![.., ..start + n, ..];
+        let att = crate::decode(
+            part(0).insert_axis(Axis(0)),
+            keys.slice(seen).insert_axis(Axis(0)),
+            values.slice(seen).insert_axis(Axis(0)),
+        )?;
+        // [1, heads, n, head_dim] back to rows, the heads side by side
+        let att = att.out.index_axis_move(Axis(0), 0);
+        let att = att
+            .permuted_axes([1, 0, 2])
+            .as_standard_layout()
+            .into_owned();
+        let att = att.into_shape_with_order((n, c)).expect("heads·head_dim");
+        let x_mid = &x + &(att.dot(&w.proj_w) + &w.proj_b);
+        let ln_2 = layernorm(x_mid.view(), w.ln_2_w.view(), w.ln_2_b.view()).out;
+        let fc = (ln_2.dot(&w.fc_w) + &w.fc_b).mapv(gelu);
+        x = &x_mid + &(fc.dot(&w.fc_proj_w) + &w.fc_proj_b);
+    }
+    cache.len += n;
+    let ln_f = norm(x.row(n - 1), params.ln_f_w.view(), params.ln_f_b.view());
+    Ok(params.wte.dot(&ln_f))
+}
+// ANCHOR_END: extend
+
 // ANCHOR: attend_one
 /// One query row `q` (`[head_dim]`) against `keys` and `values` (`[tokens, head_dim]`),
 /// written to `out`: step 02's online softmax (`attention_blocked`) with a single row. The

@@ -7,7 +7,7 @@ use ndarray::{Array2, ArrayView2};
 use step05_train::layers::Float;
 use step05_train::model::{Config, Params, forward};
 use step05_train::sample;
-use step08_inference::generate::{KvCache, generate, prefill, step};
+use step08_inference::generate::{KvCache, extend, generate, prefill, step};
 
 /// A model small enough for a test, with a context that leaves the cache's last block of
 /// keys partial (100 = 64 + 36).
@@ -97,6 +97,62 @@ fn cached_logits_match_the_full_forward() {
     }
 }
 // ANCHOR_END: same_logits
+
+// ANCHOR: extend_test
+/// A text read in turns, each turn by `extend` against the cache the turns before left
+/// (the last turn's rows see every earlier position), gives at each turn's end the logits
+/// of the full forward over the whole text so far, by the same rule as above, and leaves
+/// the keys and values a prefill of the whole text leaves; a turn that would pass the
+/// context and an empty one are refused and change nothing.
+#[test]
+fn a_text_read_in_turns_matches_the_full_forward() {
+    for (model_seed, turns) in [(5, &[1, 30, 1, 68][..]), (6, &[64, 36]), (7, &[100])] {
+        let p = model(model_seed);
+        let tokens = bytes(CONFIG.context, 200 + model_seed);
+        let full = full_logits(&p, &tokens);
+        let exact = full_logits(&p.cast(f64::from), &tokens);
+        let mut cache = KvCache::new(CONFIG);
+        let (mut ours, mut by_forward) = (0.0f64, 0.0f64);
+        let mut end = 0;
+        for &n in turns {
+            let row = extend(&p, &mut cache, &tokens[end..end + n]).unwrap();
+            end += n;
+            assert_eq!(cache.len(), end);
+            for ((&c, &f), &e) in row.iter().zip(full.row(end - 1)).zip(exact.row(end - 1))
+            {
+                ours = ours.max((c as f64 - e).abs());
+                by_forward = by_forward.max((f as f64 - e).abs());
+            }
+        }
+        assert!(
+            ours <= 2.0 * by_forward + 1e-6,
+            "turns {turns:?}: {ours:.3e} from f64, the full forward {by_forward:.3e}"
+        );
+        // the same keys and values as a prefill of the whole text
+        let (whole, _) = prefill(&p, &tokens).unwrap();
+        for layer in 0..CONFIG.layers {
+            let apart = (&cache.keys(layer) - &whole.keys(layer))
+                .mapv(f32::abs)
+                .fold(0.0f32, |a, &b| a.max(b));
+            assert!(
+                apart < 1e-4,
+                "turns {turns:?}, layer {layer}: keys {apart:.3e} apart"
+            );
+        }
+    }
+    let p = model(5);
+    let mut cache = KvCache::new(CONFIG);
+    extend(&p, &mut cache, &[b'a'; 90]).unwrap();
+    let e = extend(&p, &mut cache, &[b'a'; 11]).unwrap_err().to_string();
+    assert!(
+        e.contains("90 tokens and 11 more") && e.contains("context is 100"),
+        "{e}"
+    );
+    let e = extend(&p, &mut cache, &[]).unwrap_err().to_string();
+    assert!(e.contains("at least one"), "{e}");
+    assert_eq!(cache.len(), 90);
+}
+// ANCHOR_END: extend_test
 
 #[test]
 fn a_text_longer_than_the_context_is_refused() {
