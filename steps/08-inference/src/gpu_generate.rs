@@ -251,6 +251,7 @@ impl GpuModel {
         let (fc, gelu) = (ptr(gpu, &self.fc), ptr(gpu, &self.gelu));
         let (mean, rstd) = (ptr(gpu, &self.stats), ptr(gpu, &self.stats) + 4);
         let logits = ptr(gpu, logits_buf);
+        // ANCHOR: gpu_step_layers
         // SAFETY (every launch and product below): each pointer is a buffer allocated in
         // GpuModel::new for one token of this model (x, x_mid and y C values, ln C, qkv 3C,
         // fc and gelu 4C, logits V), or an offset into the flat weights that the layout
@@ -314,6 +315,7 @@ impl GpuModel {
             let wte = transposed(w16(lay.wte));
             blas.matmul(1, cfg.vocab, c, plain(ln), wte, logits, Out::F32, 0.0)?;
         }
+        // ANCHOR_END: gpu_step_layers
         self.len += 1;
         let logits = stream
             .clone_dtoh(&self.logits)
@@ -391,6 +393,7 @@ impl GpuModel {
         let (mean, rstd) = (ptr(gpu, &stats), ptr(gpu, &stats) + 4 * n as u64);
         let heads_of = |t: &DeviceTensor| ptr(gpu, &t.data);
         let dims = (1, heads, n, d);
+        // ANCHOR: gpu_prefill_layers
         // SAFETY (every launch and product below): each pointer is a buffer allocated above
         // for n rows of this model (x, x_mid, y, ln and att_rows n·C values, qkv 3n·C, q,
         // key, v and att's output [1, H, n, D], fc and gelu 4n·C, stats 2n), or an offset
@@ -448,6 +451,7 @@ impl GpuModel {
             let logits = ptr(gpu, &self.logits);
             blas.matmul(1, cfg.vocab, c, plain(lnp), wte, logits, Out::F32, 0.0)?;
         }
+        // ANCHOR_END: gpu_prefill_layers
         for cache in &mut self.caches {
             cache.context = n;
         }
