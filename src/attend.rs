@@ -20,6 +20,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use flash_core::Attention;
 use ndarray::Array4;
 
 use crate::methods;
@@ -101,42 +102,62 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     let result = method
         .forward(q.view(), k.view(), v.view(), dtype)
         .map_err(|e| format!("{} failed: {e}", method.name()))?;
-    fs::create_dir_all(&args.out_dir)
-        .map_err(|e| format!("{}: cannot create it: {e}", args.out_dir.display()))?;
-    let mut written = Vec::new();
-    let mut write = |name: &str, a: ndarray::ArrayViewD<f32>| -> Result<(), String> {
-        let path = args.out_dir.join(name);
-        npy::write_f32(&path, a).map_err(|e| e.to_string())?;
-        written.push(path);
-        Ok(())
-    };
-    write("out.npy", result.out.view().into_dyn())?;
-    write("lse.npy", result.lse.view().into_dyn())?;
+    #[allow(unused_mut)] // the backward's files join them from step 04 on
+    let mut written = write_result(&args.out_dir, &result)?;
     // [step 04]
     if let Some(dout) = dout {
         let grads = method
             .backward(q.view(), k.view(), v.view(), &result, dout.view(), dtype)
             .map_err(|e| format!("{} backward failed: {e}", method.name()))?;
-        write("dq.npy", grads.dq.view().into_dyn())?;
-        write("dk.npy", grads.dk.view().into_dyn())?;
-        write("dv.npy", grads.dv.view().into_dyn())?;
+        for (name, g) in [
+            ("dq.npy", &grads.dq),
+            ("dk.npy", &grads.dk),
+            ("dv.npy", &grads.dv),
+        ] {
+            written.push(write_npy(&args.out_dir, name, g.view().into_dyn())?);
+        }
     }
     // [/step 04]
     Ok(written)
 }
 
+/// `out.npy` and `lse.npy` of `result` in `dir`, made if need be; their paths.
+fn write_result(dir: &Path, result: &Attention) -> Result<Vec<PathBuf>, String> {
+    fs::create_dir_all(dir)
+        .map_err(|e| format!("{}: cannot create it: {e}", dir.display()))?;
+    Ok(vec![
+        write_npy(dir, "out.npy", result.out.view().into_dyn())?,
+        write_npy(dir, "lse.npy", result.lse.view().into_dyn())?,
+    ])
+}
+
+/// `a` as `dir/name`; its path.
+fn write_npy(
+    dir: &Path,
+    name: &str,
+    a: ndarray::ArrayViewD<f32>,
+) -> Result<PathBuf, String> {
+    let path = dir.join(name);
+    npy::write_f32(&path, a).map_err(|e| e.to_string())?;
+    Ok(path)
+}
+
 // [step 03]
 /// That the method computes in `dtype`: an error saying which it takes if not.
 pub fn check_dtype(method: &dyn Method, dtype: Dtype) -> Result<(), String> {
-    let takes = method.dtypes();
+    let what = format!("method {:?} runs on {}", method.name(), method.device());
+    computes_in(&what, method.dtypes(), dtype)
+}
+
+/// `Ok` if `dtype` is among `takes`; else an error: `--dtype`, then `what` (the method and
+/// its device), and the dtypes it takes.
+fn computes_in(what: &str, takes: &[Dtype], dtype: Dtype) -> Result<(), String> {
     if takes.contains(&dtype) {
         return Ok(());
     }
     let names: Vec<&str> = takes.iter().map(|d| d.name()).collect();
     Err(format!(
-        "--dtype {dtype}: method {:?} runs on {} and computes in {}",
-        method.name(),
-        method.device(),
+        "--dtype {dtype}: {what} and computes in {}",
         names.join(" or ")
     ))
 }
@@ -181,18 +202,7 @@ fn decode(
     let result = decoder
         .decode(q.view(), k.view(), v.view(), dtype)
         .map_err(|e| format!("{} failed: {e}", decoder.name()))?;
-    fs::create_dir_all(&args.out_dir)
-        .map_err(|e| format!("{}: cannot create it: {e}", args.out_dir.display()))?;
-    let mut written = Vec::new();
-    for (name, a) in [
-        ("out.npy", result.out.view().into_dyn()),
-        ("lse.npy", result.lse.view().into_dyn()),
-    ] {
-        let path = args.out_dir.join(name);
-        npy::write_f32(&path, a).map_err(|e| e.to_string())?;
-        written.push(path);
-    }
-    Ok(written)
+    write_result(&args.out_dir, &result)
 }
 
 /// That the decoder computes in `dtype`: an error saying which it takes if not.
@@ -200,17 +210,8 @@ pub fn check_decoder_dtype(
     decoder: &dyn methods::Decoder,
     dtype: Dtype,
 ) -> Result<(), String> {
-    let takes = decoder.dtypes();
-    if takes.contains(&dtype) {
-        return Ok(());
-    }
-    let names: Vec<&str> = takes.iter().map(|d| d.name()).collect();
-    Err(format!(
-        "--dtype {dtype}: decoder {:?} runs on {} and computes in {}",
-        decoder.name(),
-        decoder.device(),
-        names.join(" or ")
-    ))
+    let what = format!("decoder {:?} runs on {}", decoder.name(), decoder.device());
+    computes_in(&what, decoder.dtypes(), dtype)
 }
 // [/step 08]
 

@@ -15,10 +15,8 @@ use std::path::Path;
 use plotters::prelude::*;
 use serde::Deserialize;
 
-use crate::{
-    LEGEND_ROW, Look, Marker, PLOT_HEIGHT, WIDTH, dashed, draw_legend_entry, draw_marker,
-    scalable,
-};
+use crate::train::chart;
+use crate::{Look, Marker, PLOT_HEIGHT, dashed, draw_marker, thousands};
 
 /// The contexts the tables show (the files hold every power of two from 1k to 128k).
 pub const CONTEXTS: [usize; 4] = [1024, 8192, 32768, 131072];
@@ -88,20 +86,12 @@ impl Decoding {
     }
 }
 
+/// `v` with `decimals` decimals and its thousands separated by commas.
 fn number(v: f64, decimals: usize) -> String {
     let s = format!("{v:.decimals$}");
-    let (int, frac) = s.split_once('.').map_or((s.as_str(), ""), |(a, b)| (a, b));
-    let mut grouped = String::new();
-    for (i, c) in int.chars().enumerate() {
-        if i > 0 && (int.len() - i) % 3 == 0 {
-            grouped.push(',');
-        }
-        grouped.push(c);
-    }
-    if frac.is_empty() {
-        grouped
-    } else {
-        format!("{grouped}.{frac}")
+    match s.split_once('.') {
+        Some((whole, frac)) => format!("{}.{frac}", thousands(whole)),
+        None => thousands(&s),
     }
 }
 
@@ -180,7 +170,7 @@ fn looks(batch: usize, ours: bool) -> Look {
 }
 
 /// The share of the read kernel's speed against the context at head dim 128, 8 kv heads.
-fn chart(d: &Decoding) -> Result<String, String> {
+fn bandwidth_chart(d: &Decoding) -> Result<String, String> {
     let (head_dim, kv) = (128, 8);
     let contexts = d.values(|r| r.context);
     let mut series: Vec<(Look, Vec<(f64, f64)>)> = Vec::new();
@@ -208,89 +198,58 @@ fn chart(d: &Decoding) -> Result<String, String> {
         let x = (t as f64).log2();
         (lo.min(x), hi.max(x))
     });
-    let columns = 2u32;
-    let rows = (series.len() as u32).div_ceil(columns);
-    let height = 62 + PLOT_HEIGHT + 10 + rows * LEGEND_ROW + 10;
-    let mut svg = String::new();
-    {
-        let e = |e: &dyn std::fmt::Display| e.to_string();
-        let root = SVGBackend::with_string(&mut svg, (WIDTH, height)).into_drawing_area();
-        root.fill(&WHITE).map_err(|x| e(&x))?;
-        let (top, rest) = root.split_vertically(62);
-        let (body, legend) = rest.split_vertically(PLOT_HEIGHT);
-        top.draw_text(
-            "Decoding against the memory's speed (H200, bf16)",
-            &TextStyle::from(("sans-serif", 28).into_font()).color(&BLACK),
-            (20, 8),
-        )
-        .map_err(|x| e(&x))?;
-        top.draw_text(
-            "32 query heads on 8 kv heads, head dim 128, one query row a head",
-            &TextStyle::from(("sans-serif", 21).into_font())
-                .color(&RGBColor(0x44, 0x44, 0x44)),
-            (20, 38),
-        )
-        .map_err(|x| e(&x))?;
-        let x_label = |x: &f64| {
-            if (x - x.round()).abs() < 1e-9 {
-                format!("{}k", (2f64.powf(x.round()) as u64) / 1024)
-            } else {
-                String::new()
-            }
-        };
-        let mut chart = ChartBuilder::on(&body)
-            .margin_left(10)
-            .margin_right(30)
-            .margin_bottom(10)
-            .x_label_area_size(55)
-            .y_label_area_size(85)
-            .build_cartesian_2d(x_lo - 0.2..x_hi + 0.2, 0.0..110.0)
-            .map_err(|x| e(&x))?;
-        chart
-            .configure_mesh()
-            .x_desc("tokens in the cache (log scale)")
-            .y_desc("% of the read kernel's speed over the same bytes")
-            .x_labels((x_hi - x_lo) as usize + 1)
-            .x_label_formatter(&x_label)
-            .y_label_formatter(&|y: &f64| format!("{y:.0}"))
-            .light_line_style(RGBColor(0xee, 0xee, 0xee))
-            .label_style(("sans-serif", 20))
-            .axis_desc_style(("sans-serif", 20))
-            .draw()
-            .map_err(|x| e(&x))?;
-        let mut pixels = Vec::new();
-        for (l, points) in &series {
-            let style = if l.ours {
-                l.colour.stroke_width(2)
-            } else {
-                dashed(l.colour, 2)
+    let entries: Vec<(Look, String)> = series
+        .iter()
+        .map(|(l, _)| (l.clone(), l.words.clone()))
+        .collect();
+    chart(
+        "Decoding against the memory's speed (H200, bf16)",
+        "32 query heads on 8 kv heads, head dim 128, one query row a head",
+        PLOT_HEIGHT,
+        &entries,
+        |root, body| {
+            let e = |e: &dyn std::fmt::Display| e.to_string();
+            let x_label = |x: &f64| {
+                if (x - x.round()).abs() < 1e-9 {
+                    format!("{}k", (2f64.powf(x.round()) as u64) / 1024)
+                } else {
+                    String::new()
+                }
             };
-            chart
-                .draw_series(LineSeries::new(points.iter().copied(), style))
+            let mut plot = ChartBuilder::on(body)
+                .margin_left(10)
+                .margin_right(30)
+                .margin_bottom(10)
+                .x_label_area_size(55)
+                .y_label_area_size(85)
+                .build_cartesian_2d(x_lo - 0.2..x_hi + 0.2, 0.0..110.0)
                 .map_err(|x| e(&x))?;
-            pixels.push(
-                points
-                    .iter()
-                    .map(|p| chart.backend_coord(p))
-                    .collect::<Vec<_>>(),
-            );
-        }
-        for ((l, _), points) in series.iter().zip(&pixels) {
-            for &p in points {
-                draw_marker(&root, l.marker, p, l.colour, l.ours)?;
+            plot.configure_mesh()
+                .x_desc("tokens in the cache (log scale)")
+                .y_desc("% of the read kernel's speed over the same bytes")
+                .x_labels((x_hi - x_lo) as usize + 1)
+                .x_label_formatter(&x_label)
+                .y_label_formatter(&|y: &f64| format!("{y:.0}"))
+                .light_line_style(RGBColor(0xee, 0xee, 0xee))
+                .label_style(("sans-serif", 20))
+                .axis_desc_style(("sans-serif", 20))
+                .draw()
+                .map_err(|x| e(&x))?;
+            for (l, points) in &series {
+                let style = if l.ours {
+                    l.colour.stroke_width(2)
+                } else {
+                    dashed(l.colour, 2)
+                };
+                plot.draw_series(LineSeries::new(points.iter().copied(), style))
+                    .map_err(|x| e(&x))?;
+                for p in points {
+                    draw_marker(root, l.marker, plot.backend_coord(p), l.colour, l.ours)?;
+                }
             }
-        }
-        let (legend_x, legend_y) = legend.get_base_pixel();
-        let column_width = WIDTH as i32 / columns as i32;
-        for (i, (l, _)) in series.iter().enumerate() {
-            let (row, column) = (i as u32 % rows, i as u32 / rows);
-            let x = legend_x + 30 + column as i32 * column_width;
-            let y = legend_y + 10 + (row * LEGEND_ROW + LEGEND_ROW / 2) as i32;
-            draw_legend_entry(&root, l, &l.words, (x, y))?;
-        }
-        root.present().map_err(|x| e(&x))?;
-    }
-    Ok(scalable(svg))
+            Ok(())
+        },
+    )
 }
 
 /// The tables and the chart, as `(file name, text)`.
@@ -299,6 +258,6 @@ pub fn render_all(d: &Decoding) -> Result<Vec<(String, String)>, String> {
     for head_dim in d.values(|r| r.head_dim).into_iter().rev() {
         out.push((format!("decode-d{head_dim}.md"), table(d, head_dim)));
     }
-    out.push(("decode-bandwidth.svg".into(), chart(d)?));
+    out.push(("decode-bandwidth.svg".into(), bandwidth_chart(d)?));
     Ok(out)
 }

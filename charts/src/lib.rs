@@ -554,6 +554,19 @@ fn failure(error: &str) -> &'static str {
     }
 }
 
+/// A whole number's digits with its thousands separated by commas, as in the book's text:
+/// `34940` as `34,940`.
+fn thousands(whole: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in whole.chars().enumerate() {
+        if i > 0 && (whole.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// Three significant digits, and all the digits of the whole part: `0.0318`, `9.18`,
 /// `68.8`, `236`, `34,940`; so the fastest methods are told apart.
 fn three_digits(v: f64) -> String {
@@ -561,16 +574,7 @@ fn three_digits(v: f64) -> String {
         return "0".into();
     }
     if v >= 99.95 {
-        let whole = format!("{v:.0}");
-        // thousands separated by commas, as in the book's text
-        let mut out = String::new();
-        for (i, c) in whole.chars().enumerate() {
-            if i > 0 && (whole.len() - i) % 3 == 0 {
-                out.push(',');
-            }
-            out.push(c);
-        }
-        return out;
+        return thousands(&format!("{v:.0}"));
     }
     let decimals = (2 - v.log10().floor() as i32).max(0) as usize;
     format!("{v:.decimals$}")

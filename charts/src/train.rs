@@ -419,7 +419,7 @@ fn subtitle(runs: &[Run]) -> String {
 /// The title, the subtitle and a legend of `entries` (look, words: a stretch of line with
 /// the marker on it) under a plot: the drawing areas of the whole chart and of the plot,
 /// through `draw`.
-fn chart(
+pub(crate) fn chart(
     title: &str,
     subtitle: &str,
     plot_height: u32,

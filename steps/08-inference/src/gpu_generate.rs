@@ -252,6 +252,8 @@ impl GpuModel {
         let (mean, rstd) = (ptr(gpu, &self.stats), ptr(gpu, &self.stats) + 4);
         let logits = ptr(gpu, logits_buf);
         // ANCHOR: gpu_step_layers
+        // every layer's cache will hold pos + 1 tokens: one plan serves them all
+        let plan = plan_splits(heads, pos + 1, *occupancy);
         // SAFETY (every launch and product below): each pointer is a buffer allocated in
         // GpuModel::new for one token of this model (x, x_mid and y C values, ln C, qkv 3C,
         // fc and gelu 4C, logits V), or an offset into the flat weights that the layout
@@ -287,7 +289,6 @@ impl GpuModel {
                 };
                 append_kv(gpu, append, new, cache, pos, 1)?;
                 cache.context = pos + 1;
-                let plan = plan_splits(heads, pos + 1, *occupancy);
                 decode_into(gpu, q, cache, plan, att).map_err(device)?;
                 let out = ptr(gpu, &att.out.data);
                 blas.matmul(1, c, c, plain(out), plain(w16(w.proj_w)), y, Out::F32, 0.0)?;

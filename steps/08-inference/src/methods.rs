@@ -15,7 +15,7 @@ use crate::cuda::HostLayout;
 /// tokens (16 splits of 8,192).
 pub const SPLIT_CHUNK: usize = 8192;
 
-/// The page size of [`FlashDecodePaged`]'s cache: 64 tokens, as
+/// The page size of [`FLASH_DECODE_PAGED`]'s cache: 64 tokens, as
 /// [`GpuModel`](crate::gpu_generate::GpuModel)'s.
 pub const PAGE_SIZE: usize = 64;
 
@@ -48,11 +48,29 @@ pub struct Decode;
 /// [`crate::decode_split`]: the keys in chunks of [`SPLIT_CHUNK`], merged through their
 /// log-sum-exps.
 pub struct DecodeSplit;
-/// [`crate::cuda::decode`] on a contiguous cache, the split
+/// [`crate::cuda::decode`] on a cache laid out as `layout`, the split
 /// [`plan_splits`](crate::cuda::plan_splits) chooses.
-pub struct FlashDecode;
-/// [`crate::cuda::decode`] on a cache in pages of [`PAGE_SIZE`] tokens.
-pub struct FlashDecodePaged;
+pub struct FlashDecode {
+    name: &'static str,
+    about: &'static str,
+    pub layout: HostLayout,
+}
+
+/// The decoding kernel on a contiguous cache.
+pub static FLASH_DECODE: FlashDecode = FlashDecode {
+    name: "flash_decode",
+    about: "flash-decoding: the keys split over thread blocks, merged by the last to finish",
+    layout: HostLayout::Contiguous,
+};
+
+/// The decoding kernel on a cache in pages of [`PAGE_SIZE`] tokens.
+pub static FLASH_DECODE_PAGED: FlashDecode = FlashDecode {
+    name: "flash_decode_paged",
+    about: "flash_decode on a cache in pages of 64 tokens, read through a page table",
+    layout: HostLayout::Paged {
+        page_size: PAGE_SIZE,
+    },
+};
 
 impl Decoder for Decode {
     fn name(&self) -> &'static str {
@@ -100,13 +118,13 @@ impl Decoder for DecodeSplit {
 
 impl Decoder for FlashDecode {
     fn name(&self) -> &'static str {
-        "flash_decode"
+        self.name
     }
     fn device(&self) -> Device {
         Device::Cuda
     }
     fn about(&self) -> &'static str {
-        "flash-decoding: the keys split over thread blocks, merged by the last to finish"
+        self.about
     }
     fn dtypes(&self) -> &'static [Dtype] {
         &[Dtype::Bf16, Dtype::F16]
@@ -119,39 +137,11 @@ impl Decoder for FlashDecode {
         dtype: Dtype,
     ) -> Result<Attention, AttnError> {
         let gpu = Gpu::shared()?;
-        crate::cuda::decode(gpu, q, k, v, dtype, HostLayout::Contiguous, None)
-    }
-}
-
-impl Decoder for FlashDecodePaged {
-    fn name(&self) -> &'static str {
-        "flash_decode_paged"
-    }
-    fn device(&self) -> Device {
-        Device::Cuda
-    }
-    fn about(&self) -> &'static str {
-        "flash_decode on a cache in pages of 64 tokens, read through a page table"
-    }
-    fn dtypes(&self) -> &'static [Dtype] {
-        &[Dtype::Bf16, Dtype::F16]
-    }
-    fn decode(
-        &self,
-        q: ArrayView4<f32>,
-        k: ArrayView4<f32>,
-        v: ArrayView4<f32>,
-        dtype: Dtype,
-    ) -> Result<Attention, AttnError> {
-        let gpu = Gpu::shared()?;
-        let layout = HostLayout::Paged {
-            page_size: PAGE_SIZE,
-        };
-        crate::cuda::decode(gpu, q, k, v, dtype, layout, None)
+        crate::cuda::decode(gpu, q, k, v, dtype, self.layout, None)
     }
 }
 
 /// Step 08's decoders, CPU first.
 pub fn decoders() -> Vec<&'static dyn Decoder> {
-    vec![&Decode, &DecodeSplit, &FlashDecode, &FlashDecodePaged]
+    vec![&Decode, &DecodeSplit, &FLASH_DECODE, &FLASH_DECODE_PAGED]
 }

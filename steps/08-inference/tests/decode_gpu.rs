@@ -288,18 +288,15 @@ fn without_a_gpu_the_error_says_what_is_missing() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_registrys_gpu_decoders_are_the_host_calls() {
-    use step08_inference::methods::Decoder;
-    use step08_inference::methods::{FlashDecode, FlashDecodePaged, PAGE_SIZE};
+    use step08_inference::methods::{Decoder, FLASH_DECODE, FLASH_DECODE_PAGED};
     let gpu = Gpu::shared().expect("a GPU");
     let shape = DecodeShape::new(2, 8, 2, 1, 777, 64);
     let [q, k, v] = inputs(shape, 11);
     let (q, k, v) = (q.view(), k.view(), v.view());
-    let paged = HostLayout::Paged {
-        page_size: PAGE_SIZE,
-    };
+    let paged = HostLayout::Paged { page_size: 64 };
     for (decoder, layout) in [
-        (&FlashDecode as &dyn Decoder, HostLayout::Contiguous),
-        (&FlashDecodePaged, paged),
+        (&FLASH_DECODE, HostLayout::Contiguous),
+        (&FLASH_DECODE_PAGED, paged),
     ] {
         let got = decoder.decode(q, k, v, Dtype::Bf16).unwrap();
         let host = decode(gpu, q, k, v, Dtype::Bf16, layout, None).unwrap();
