@@ -31,6 +31,7 @@ Usage (optional, outside the Rust build; needs only PyTorch):
   python3 charts/peers/pytorch_peers.py --device cuda --backward --out charts/data/gpu-pytorch-fwd-bwd.json
   python3 charts/peers/pytorch_peers.py --decode --out charts/data/decode-pytorch.json  # [step 08]
   python3 charts/peers/pytorch_peers.py --decode --device cpu --out charts/data/decode-cpu-pytorch.json  # [step 08]
+  python3 charts/peers/pytorch_peers.py --grouped --out charts/data/grouped-pytorch.json  # [step 08]
 """
 import argparse
 import datetime
@@ -70,14 +71,14 @@ def by_hand(q, k, v):
     return torch.softmax(s, dim=-1) @ v
 
 
-def sdpa(backend=None):
+def sdpa(backend=None, **options):
     def call(q, k, v):
         if backend is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **options)
         from torch.nn.attention import sdpa_kernel
 
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **options)
 
     return call
 
@@ -237,8 +238,8 @@ def measure_cpu(args, name, fn, tokens):
     return statistics.median(times), peak
 
 
-def measure_cuda(args, name, fn, tokens):
-    qkv, dout = inputs(args, tokens, "cuda")
+def measure_cuda(args, name, fn, tokens, make=inputs):
+    qkv, dout = make(args, tokens, "cuda")
     try:
         # warm up for at least 200 ms of device time, as the Rust benchmark does, so the clocks
         # have left their idle state
@@ -477,6 +478,68 @@ def decode_sweep(args):
     if args.out:
         write_rows(args.out, rows)
         print(f"\nwrote {len(rows)} rows to {args.out}")
+
+
+def grouped_sweep(args):
+    """Grouped-query attention, as grouped-bench measures ours: causal SDPA with k and v of
+    --kv-heads heads (enable_gqa where they are fewer than --heads), FlashAttention-2, cuDNN
+    and PyTorch's default, forward and forward+backward, at --lengths tokens with the batch
+    --total-tokens over the length; timed and profiled as the main sweep's GPU rows. Rows
+    carry grouped-bench's keys."""
+    from torch.nn.attention import SDPBackend
+
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16}[args.dtype]
+    device = describe("cuda")
+    print(f"device: {device}")
+    print(f"{args.heads} query heads, {args.total_tokens} tokens in all, {args.dtype}; median of {args.runs} runs")
+    print(f"{'d':>4} {'kv':>3} {'tokens':>6} {'batch':>5} {'method':<20} {'pass':<8} | {'ms':>9} {'TFLOP/s':>8}  note")
+    backends = {"pytorch_sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                "pytorch_sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "pytorch_sdpa": None}
+    rows, sha = [], commit()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for d in args.head_dims:
+        for kv in args.kv_heads:
+            for tokens in args.lengths:
+                batch = max(args.total_tokens // tokens, 1)
+                for backward in (False, True):
+                    def make(a, t, dev):
+                        g = torch.Generator(device=dev).manual_seed(SEED)
+                        q = torch.randn(batch, args.heads, t, d, generator=g, device=dev, dtype=dtype)
+                        k, v = (torch.randn(batch, kv, t, d, generator=g, device=dev, dtype=dtype) for _ in range(2))
+                        if not backward:
+                            return (q, k, v), None
+                        dout = torch.randn(q.shape, generator=g, device=dev, dtype=dtype)
+                        return tuple(x.requires_grad_() for x in (q, k, v)), dout
+
+                    pass_name = "fwd+bwd" if backward else "fwd"
+                    for name, backend in backends.items():
+                        fn = sdpa(backend, enable_gqa=kv != args.heads)
+                        what = (f"torch {torch.__version__} SDPA"
+                                + (f", {backend.name} backend" if backend is not None else " default (no backend forced)")
+                                + (", enable_gqa" if kv != args.heads else ""))
+                        ms = error = None
+                        try:
+                            ms, _ = measure_cuda(args, name, fn, tokens, make)
+                            if backend is None:
+                                qkv, dout = make(args, tokens, "cuda")
+                                ops, kernels = what_ran(fn, qkv, dout, True)
+                                what = ran_line(what, ops, kernels, True)
+                                del qkv, dout
+                        except (MemoryError, RuntimeError) as e:
+                            error = f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                        flops = 4 * batch * args.heads * tokens ** 2 * d / 2 * (3.5 if backward else 1.0)
+                        tflops = flops / (ms * 1e-3) / 1e12 if ms else None
+                        rows.append(dict(method=name, implementation=what, device=device, commit=sha, date=date,
+                                         batch=batch, heads=args.heads, kv_heads=kv, tokens=tokens, head_dim=d,
+                                         dtype=args.dtype, runs=args.runs, ms=ms, tflops=tflops, error=error,
+                                         **{"pass": pass_name}))
+                        print(f"{d:>4} {kv:>3} {tokens:>6} {batch:>5} {name:<20} {pass_name:<8} | "
+                              f"{'-' if ms is None else f'{ms:.3f}':>9} {'-' if tflops is None else f'{tflops:.1f}':>8}  "
+                              f"{error or ''}", flush=True)
+                        if args.out:
+                            write_rows(args.out, rows)
+    if args.out:
+        print(f"\nwrote {len(rows)} rows to {args.out}")
 # [/step 08]
 
 
@@ -506,6 +569,23 @@ def parse_args(argv):
                    help="--decode: head dims")
     p.add_argument("--q-rows", type=int, default=1, help="--decode: query rows of each head")
     p.add_argument("--warmup-ms", type=float, default=50.0, help="--decode: milliseconds of warm-up")
+    p.add_argument("--grouped", action="store_true",
+                   help="grouped-query attention, as grouped-bench: causal SDPA with --kv-heads heads of k and v "
+                        "(default 32,8) for --heads (default 32) query heads, head dims 64 and 128, bf16, "
+                        "forward and forward+backward, at 1k to 16k tokens")
+    p.add_argument("--total-tokens", type=int, default=16384,
+                   help="--grouped: tokens of all the sequences together (the batch is this over the length)")
+    if "--grouped" in argv:
+        a = p.parse_args(argv)
+        a.device, a.dtype = "cuda", a.dtype or "bf16"
+        a.heads = a.heads if "--heads" in argv else 32
+        a.lengths = a.lengths or [1024, 2048, 4096, 8192, 16384]
+        a.runs = a.runs if "--runs" in argv else 10
+        if a.dtype not in ("bf16", "f16"):
+            p.error("--grouped measures bf16 or f16, as grouped-bench does")
+        if any(a.heads % kv for kv in a.kv_heads):
+            p.error(f"--kv-heads {a.kv_heads} must each divide --heads {a.heads}")
+        return a
     if "--decode" in argv:
         a = p.parse_args(argv)
         cpu = a.device == "cpu" and any(x == "--device" or x.startswith("--device=") for x in argv)
@@ -556,6 +636,9 @@ def main(argv):
     # [step 08]
     if args.decode:
         decode_sweep(args)
+        return
+    if args.grouped:
+        grouped_sweep(args)
         return
     # [/step 08]
     device = describe(args.device)

@@ -222,6 +222,38 @@ impl fmt::Display for AttnError {
 
 impl std::error::Error for AttnError {}
 
+// [step 08]
+/// The shape k and v have in grouped-query attention: q's, with `kv_heads` heads, each
+/// shared by `q_heads / kv_heads` query heads. `kv_heads` must divide `q_heads` (1 is
+/// multi-query attention, `q_heads` plain multi-head attention); an error names the heads
+/// and the counts accepted.
+pub fn grouped_kv(q: Shape, kv_heads: usize) -> Result<Shape, AttnError> {
+    if q.heads == 0 && kv_heads == 0 {
+        return Ok(q);
+    }
+    if kv_heads == 0 || !q.heads.is_multiple_of(kv_heads) {
+        let divisors: Vec<String> = (1..=q.heads)
+            .filter(|d| q.heads.is_multiple_of(*d))
+            .map(|d| d.to_string())
+            .collect();
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "q has {} heads and k and v {kv_heads}: grouped-query attention shares each \
+                 kv head among g query heads, so the kv heads must divide the query heads; \
+                 accepted for {} query heads: {}",
+                q.heads,
+                q.heads,
+                divisors.join(", ")
+            ),
+        });
+    }
+    Ok(Shape {
+        heads: kv_heads,
+        ..q
+    })
+}
+// [/step 08]
+
 // ANCHOR: check_qkv
 /// Checks q, k and v before any work and returns their common shape.
 ///

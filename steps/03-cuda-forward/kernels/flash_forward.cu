@@ -90,6 +90,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     int T,                       // tokens per sequence
     int heads,                   // B*H
     int head_group,              // heads scheduled together, 1..heads (see block_order)
+    int q_per_kv,                // query heads per head of k, v (B*H/q_per_kv) // [step 08]
     float scale_log2             // log2(e)/sqrt(HEAD_DIM): scores in base-2 units
 ) {
     // ANCHOR_END: kernel_signature
@@ -113,6 +114,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     // ANCHOR_END: block_order
     const int q0 = q_block * BLOCK_M;
     const long long head = (long long)bh * T * HEAD_DIM;
+    // [step 08]
+    // ANCHOR: grouped_heads
+    // grouped-query attention: k and v hold one head for every q_per_kv query heads, and
+    // query head bh reads head bh / q_per_kv of them; k and v are moved back by the heads
+    // between the two, so that `head` lands on it
+    k -= (long long)(bh - bh / q_per_kv) * T * HEAD_DIM;
+    v -= (long long)(bh - bh / q_per_kv) * T * HEAD_DIM;
+    // ANCHOR_END: grouped_heads
+    // [/step 08]
     // (q, k, v, out and lse are moved on to this head where they are used: one 64-bit
     // offset held through the loop rather than a pointer for each; with a pointer each,
     // head dim 64's tile spills 8 bytes)

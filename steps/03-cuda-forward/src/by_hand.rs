@@ -34,6 +34,7 @@ impl Gpu {
         v: &DeviceTensor,
     ) -> Result<DeviceAttention, AttnError> {
         let shape = check_device(q, k, v)?;
+        crate::same_heads(q, k, "attention by hand")?; // [step 08]
         let mut result = self.alloc_output(shape, q.dtype)?;
         if shape.is_empty() {
             return Ok(result);

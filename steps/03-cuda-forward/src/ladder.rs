@@ -348,6 +348,7 @@ impl Gpu {
             }
             e => e,
         })?;
+        crate::same_heads(q, k, "the ladder's kernels")?; // [step 08]
         rung.check_head_dim(shape.head_dim)?;
         check_output(shape, q.dtype, result)?;
         if shape.is_empty() {

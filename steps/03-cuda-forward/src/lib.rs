@@ -641,6 +641,10 @@ impl Gpu {
         let (tokens, heads_arg) = (shape.tokens as i32, heads as i32);
         let head_group = config.head_group(heads) as i32;
         let scale_log2 = shape.scale_log2();
+        // [step 08]
+        // query heads a head of k and v serves (1 unless they are grouped)
+        let q_per_kv = (shape.heads / k.shape.heads) as i32;
+        // [/step 08]
         let mut launch = self.stream.launch_builder(f);
         launch
             .arg(&q.data)
@@ -651,12 +655,17 @@ impl Gpu {
             .arg(&tokens)
             .arg(&heads_arg)
             .arg(&head_group)
+            .arg(&q_per_kv) // [step 08]
             .arg(&scale_log2);
         // SAFETY: check_device proved q, k, v hold batch·heads·tokens·head_dim values of
         // one dtype, the output was checked to match, lse holds batch·heads·tokens; the
         // grid covers tokens in blocks of BLOCK_M and batch·heads heads, and the kernel
         // writes only rows below `tokens`; the dynamic shared memory is what the kernel's
         // tiles take.
+        // [step 08]
+        // With grouped heads, k and v hold batch·(heads / q_per_kv)·tokens·head_dim values
+        // and query head bh reads their head bh / q_per_kv.
+        // [/step 08]
         unsafe { launch.launch(launch_config) }
             .map_err(device_error("launching flash_forward"))?;
         Ok(())
@@ -766,7 +775,13 @@ pub fn check_device(
     k: &DeviceTensor,
     v: &DeviceTensor,
 ) -> Result<Shape, AttnError> {
-    if q.shape != k.shape || q.shape != v.shape {
+    // the shape k and v must have: q's
+    let kv = q.shape;
+    // [step 08]
+    // or q's with fewer heads, each shared by a group of q's (grouped-query attention)
+    let kv = flash_core::check::grouped_kv(kv, k.shape.heads)?;
+    // [/step 08]
+    if k.shape != kv || v.shape != kv {
         return Err(AttnError::ShapeMismatch {
             what: format!("q is {}, k is {}, v is {}", q.shape, k.shape, v.shape),
         });
@@ -787,13 +802,13 @@ pub fn check_device(
     }
     check_head_dim(shape.head_dim)?;
     for (name, x) in [("q", q), ("k", k), ("v", v)] {
-        if x.data.len() != shape.len() {
+        if x.data.len() != x.shape.len() {
             return Err(AttnError::ShapeMismatch {
                 what: format!(
                     "{name}'s buffer holds {} values but its shape {} needs {}",
                     x.data.len(),
-                    shape,
-                    shape.len()
+                    x.shape,
+                    x.shape.len()
                 ),
             });
         }
@@ -801,6 +816,28 @@ pub fn check_device(
     grid_blocks(shape, ForwardConfig::for_head_dim(shape.head_dim).block_m())?;
     Ok(shape)
 }
+
+// [step 08]
+/// `Ok` when k has as many heads as q; otherwise an error saying that `method` takes one
+/// head of k and v for each head of q, not grouped-query attention's fewer.
+pub fn same_heads(
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    method: &str,
+) -> Result<(), AttnError> {
+    if q.shape.heads == k.shape.heads {
+        return Ok(());
+    }
+    Err(AttnError::Unsupported {
+        what: format!(
+            "q has {} heads and k and v {}: {method} takes one head of k and v for each \
+             head of q (grouped heads are for flash_forward, step 04's backward and step \
+             06's kernels)",
+            q.shape.heads, k.shape.heads
+        ),
+    })
+}
+// [/step 08]
 
 /// The thread blocks of a forward grid, one per `block_m` queries of each head, if the grid
 /// can take them: at most 2^31 − 1 blocks (a grid's x dimension), and at most 2^30 tokens

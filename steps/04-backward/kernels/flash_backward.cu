@@ -368,7 +368,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, DKDV_MIN_BLOCKS)
     backward_dkdv(const u16* __restrict__ q, const u16* __restrict__ k,
                   const u16* __restrict__ v, const u16* __restrict__ dout,
                   const float* __restrict__ lse, const float* __restrict__ delta,
-                  u16* __restrict__ dk, u16* __restrict__ dv, int T, float scale) {
+                  u16* __restrict__ dk, u16* __restrict__ dv,
+                  int q_per_kv,  // query heads per head of k and v // [step 08]
+                  int T, float scale) {
+    // [step 08]
+    // ANCHOR: grouped_dkdv
+    // grouped-query attention: query head bh reads head bh / q_per_kv of k and v; its dK
+    // and dV are written at bh, one per query head, and backward_group_sum adds each
+    // group's
+    const long long back = (long long)(blockIdx.x - blockIdx.x / q_per_kv) * T * HEAD_DIM;
+    k -= back;
+    v -= back;
+    // ANCHOR_END: grouped_dkdv
+    // [/step 08]
     dkdv_block(blockIdx.x, blockIdx.y, q, k, v, dout, lse, delta, dk, dv, T, scale);
 }
 
@@ -504,7 +516,43 @@ extern "C" __global__ void __launch_bounds__(THREADS, DQ_MIN_BLOCKS)
     backward_dq(const u16* __restrict__ q, const u16* __restrict__ k,
                 const u16* __restrict__ v, const u16* __restrict__ dout,
                 const float* __restrict__ lse, const float* __restrict__ delta,
-                u16* __restrict__ dq, int T, float scale) {
+                u16* __restrict__ dq,
+                int q_per_kv,  // query heads per head of k and v // [step 08]
+                int T, float scale) {
+    // [step 08]
+    // query head bh reads head bh / q_per_kv of k and v
+    const long long back = (long long)(blockIdx.x - blockIdx.x / q_per_kv) * T * HEAD_DIM;
+    k -= back;
+    v -= back;
+    // [/step 08]
     dq_block(blockIdx.x, gridDim.y - 1 - blockIdx.y, q, k, v, dout, lse, delta, dq, T,
              scale);
 }
+
+// [step 08]
+// ANCHOR: group_sum
+// Grouped-query attention's dK and dV: backward_dkdv writes one for each query head; the
+// q_per_kv heads of a group add up into their shared head, in f32, rounded once
+// (FlashAttention-2 does the same: flash_api.cpp's dk_expanded, summed by at::sum_out).
+extern "C" __global__ void backward_group_sum(
+    const u16* __restrict__ per_q,  // [B*H, T, HEAD_DIM] a gradient for each query head
+    u16* __restrict__ sum,          // [B*H / q_per_kv, T, HEAD_DIM] each group's sum
+    long long head_pairs,           // T * HEAD_DIM / 2: pairs of values in a head
+    long long pairs,                // B*H / q_per_kv * head_pairs
+    int q_per_kv                    // query heads in a group
+) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < pairs;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long kv = i / head_pairs;
+        const u32* src = (const u32*)per_q + (kv * (q_per_kv - 1)) * head_pairs + i;
+        float lo = 0.f, hi = 0.f;
+        for (int j = 0; j < q_per_kv; ++j) {
+            const u32 x = src[j * head_pairs];
+            lo += lo16(x);
+            hi += hi16(x);
+        }
+        ((u32*)sum)[i] = pack2(lo, hi);
+    }
+}
+// ANCHOR_END: group_sum
+// [/step 08]

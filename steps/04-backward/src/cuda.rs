@@ -584,6 +584,11 @@ fn launch_backward(
     let (t, scale) = (shape.tokens as i32, 1.0 / (shape.head_dim as f32).sqrt());
     let heads = (shape.batch * shape.heads) as u32;
     let blocks = shape.tokens.div_ceil(block) as u32;
+    // [step 08]
+    // query heads a head of k and v serves (1 unless they are grouped); dk and dv are
+    // computed for each query head, then each group's summed
+    let q_per_kv = (shape.heads / k.shape.heads) as i32;
+    // [/step 08]
     // SAFETY (every launch): check_device and the checks above proved every buffer holds
     // what the shape says; each kernel reads rows below T and writes only its own rows of
     // delta, dk/dv or dq, and together they write all of them; each gets the dynamic shared
@@ -614,11 +619,18 @@ fn launch_backward(
         launch
             .arg(&mut grads.dk.data)
             .arg(&mut grads.dv.data)
+            .arg(&q_per_kv) // [step 08]
             .arg(&t)
             .arg(&scale);
         unsafe { launch.launch(cfg(blocks, dkdv_smem)) }
             .map_err(device_error("launching backward_dkdv"))?;
     }
+    // [step 08]
+    if q_per_kv > 1 {
+        grads.dk = group_sum(gpu, &kernels("backward_group_sum", 0)?, &grads.dk, k.shape)?;
+        grads.dv = group_sum(gpu, &kernels("backward_group_sum", 0)?, &grads.dv, k.shape)?;
+    }
+    // [/step 08]
     mark()?;
     {
         let f = kernels("backward_dq", dq_smem)?;
@@ -630,7 +642,11 @@ fn launch_backward(
             .arg(&dout.data)
             .arg(&fwd.lse)
             .arg(&delta);
-        launch.arg(&mut grads.dq.data).arg(&t).arg(&scale);
+        launch
+            .arg(&mut grads.dq.data)
+            .arg(&q_per_kv) // [step 08]
+            .arg(&t)
+            .arg(&scale);
         unsafe { launch.launch(cfg(blocks, dq_smem)) }
             .map_err(device_error("launching backward_dq"))?;
     }
@@ -638,6 +654,47 @@ fn launch_backward(
     Ok(grads)
 }
 // ANCHOR_END: launch_backward
+
+// [step 08]
+/// Grouped-query attention's dk or dv: the gradient of each query head (`per_q`, q's
+/// shape) summed over the query heads of each group, into a tensor of k's shape.
+fn group_sum(
+    gpu: &Gpu,
+    f: &cudarc::driver::CudaFunction,
+    per_q: &DeviceTensor,
+    kv: Shape,
+) -> Result<DeviceTensor, AttnError> {
+    let q_per_kv = (per_q.shape.heads / kv.heads) as i32;
+    let head_pairs = (kv.tokens * kv.head_dim / 2) as i64;
+    let pairs = (kv.batch * kv.heads) as i64 * head_pairs;
+    // SAFETY: the kernel writes every value (pairs · 2 of them) before anything reads it
+    let mut sum = unsafe { gpu.stream().alloc::<u16>(kv.len()) }.map_err(alloc_error(
+        "allocating a group's sum",
+        kv.len() as u128 * 2,
+    ))?;
+    let cfg = LaunchConfig {
+        grid_dim: ((pairs as u64).div_ceil(256).min(65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.stream().launch_builder(f);
+    launch
+        .arg(&per_q.data)
+        .arg(&mut sum)
+        .arg(&head_pairs)
+        .arg(&pairs)
+        .arg(&q_per_kv);
+    // SAFETY: per_q holds batch·heads·tokens·head_dim values (q's shape), sum kv's: the
+    // kernel reads the q_per_kv heads of each group of per_q and writes sum's pairs, a
+    // grid-stride loop over them (head dims are even)
+    unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_group_sum"))?;
+    Ok(DeviceTensor {
+        data: sum,
+        shape: kv,
+        dtype: per_q.dtype,
+    })
+}
+// [/step 08]
 
 /// A forward on device tensors: [`Gpu::forward`] or [`Gpu::by_hand`].
 pub type DeviceForwardFn = fn(

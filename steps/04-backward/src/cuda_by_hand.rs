@@ -100,6 +100,7 @@ pub fn backward_from(
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
     let shape = check_backward_device(q, k, v, fwd, dout)?;
+    step03_cuda_forward::same_heads(q, k, "the backward by hand")?; // [step 08]
     let inputs = Inputs {
         source,
         shape,

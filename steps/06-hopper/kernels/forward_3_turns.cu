@@ -22,6 +22,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) hopper_forward
     const Layout out_layout,                  // the output's strides (q's heads)
     float* __restrict__ lse,                  // [batch · heads, tokens] log-sum-exps
     int tokens,                               // the sequence's length
+    int q_per_kv,                             // query heads per head of k, v // [step 08]
     float scale_log2) {                       // 1/√d · log2(e): scores to base 2
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = (unsigned char*)(((u64)smem_raw + 1023) & ~1023ull);
@@ -34,6 +35,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) hopper_forward
 
   const BlockPlace place = block_place(tokens);
   const int mb = place.mb, head = place.head;
+  // the head of k and v this block reads, and their heads per sequence: q's
+  int kv_head = head, kv_heads = out_layout.heads;
+  // [step 08]
+  // grouped-query attention: each head of k and v serves q_per_kv query heads
+  kv_head /= q_per_kv;
+  kv_heads /= q_per_kv;
+  // [/step 08]
   const int n_blocks =
       min((tokens + BLOCK_N - 1) / BLOCK_N, ((mb + 1) * BLOCK_M + BLOCK_N - 1) / BLOCK_N);
   const int tid = threadIdx.x;
@@ -64,9 +72,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) hopper_forward
         if (n >= STAGES) mbar_wait(smem_u32(&empty[s]), ((n / STAGES) - 1) & 1);
         mbar_expect_tx(smem_u32(&full[s]), 2 * BLOCK_N * ROW_BYTES);
         tma_load(smem_u32(sk + s * BLOCK_N * ROW_BYTES), &map_k, smem_u32(&full[s]),
-                 BLOCK_N, n * BLOCK_N, head, out_layout.heads);
+                 BLOCK_N, n * BLOCK_N, kv_head, kv_heads);
         tma_load(smem_u32(sv + s * BLOCK_N * ROW_BYTES), &map_v, smem_u32(&full[s]),
-                 BLOCK_N, n * BLOCK_N, head, out_layout.heads);
+                 BLOCK_N, n * BLOCK_N, kv_head, kv_heads);
       }
     }
     return;

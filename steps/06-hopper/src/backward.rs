@@ -42,6 +42,7 @@ fn check_inputs(
 ) -> Result<Shape, AttnError> {
     check_hopper(gpu)?;
     let shape = check_backward_device(q, k, v, fwd, dout)?;
+    step03_cuda_forward::same_heads(q, k, "the Hopper backward")?; // [step 08]
     forward::check_shape(shape)?;
     Ok(shape)
 }

@@ -213,7 +213,7 @@ pub fn forward_with(
     }
     let tensor = |x: &DeviceTensor| Strided {
         ptr: x.data.device_ptr(gpu.stream()).0,
-        layout: Layout::heads(shape),
+        layout: Layout::heads(x.shape),
     };
     let (out, _out) = result.out.data.device_ptr_mut(gpu.stream());
     let (lse, _lse) = result.lse.device_ptr_mut(gpu.stream());
@@ -310,12 +310,22 @@ unsafe fn launch(
     )?;
     kernel.check_registers(&f)?;
     let block_m = kernel.block_m();
+    // k's and v's shape: q's
+    let kv = shape;
+    // [step 08]
+    // or q's with fewer heads, as their layouts say: each serves q_per_kv query heads
+    let kv = Shape {
+        heads: k.layout.heads as usize,
+        ..kv
+    };
+    let q_per_kv = (shape.heads / kv.heads) as i32;
+    // [/step 08]
     // SAFETY: the caller's promise
     let maps = unsafe {
         [
             tensor_map(q, dtype, shape, block_m, rank)?,
-            tensor_map(k, dtype, shape, BLOCK_N, rank)?,
-            tensor_map(v, dtype, shape, BLOCK_N, rank)?,
+            tensor_map(k, dtype, kv, BLOCK_N, rank)?,
+            tensor_map(v, dtype, kv, BLOCK_N, rank)?,
         ]
     };
     let launch_config = LaunchConfig {
@@ -334,6 +344,7 @@ unsafe fn launch(
         .arg(&out.layout)
         .arg(&lse)
         .arg(&tokens)
+        .arg(&q_per_kv) // [step 08]
         .arg(&scale_log2);
     // SAFETY: the maps read within q, k and v (rows past a head's end read as zeros); the
     // kernel writes the output where its layout says and lse, for rows below `tokens` only,

@@ -766,6 +766,7 @@ impl RingAttention {
             shared_mem_bytes: 0,
         };
         let stream = self.gpus[r].stream();
+        let one = 1i32; // k and v are not grouped (step 08) // [step 08]
         // SAFETY (both launches): every buffer holds one chunk ([B, H, c, D], or [B, H, c]
         // for lse and delta), as check_shards and check_attention proved and the sums were
         // allocated; each thread block adds to its own rows of the sums only, and launches
@@ -780,7 +781,13 @@ impl RingAttention {
                 .arg(&k.data)
                 .arg(&v.data)
                 .arg(&dout.data);
-            launch.arg(&fwd.lse).arg(delta).arg(dq).arg(&t).arg(&scale);
+            launch
+                .arg(&fwd.lse)
+                .arg(delta)
+                .arg(dq)
+                .arg(&one) // [step 08]
+                .arg(&t)
+                .arg(&scale);
             let cfg = LaunchConfig {
                 shared_mem_bytes: smem,
                 ..grid
@@ -801,6 +808,7 @@ impl RingAttention {
                 .arg(delta)
                 .arg(dk)
                 .arg(dv)
+                .arg(&one) // [step 08]
                 .arg(&t)
                 .arg(&scale);
             let cfg = LaunchConfig {

@@ -55,6 +55,7 @@ pub mod cuda;
 pub mod decode;
 pub mod generate;
 pub mod gpu_generate;
+pub mod grouped;
 pub mod kernel;
 pub mod methods;
 pub mod reference;

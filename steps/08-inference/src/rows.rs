@@ -40,8 +40,37 @@ pub struct DecodeRow {
     pub error: Option<String>,
 }
 
+/// One measurement of `grouped-bench`: a pass of the training kernels with grouped-query
+/// attention at one shape, or why it has none.
+#[derive(Clone, Debug, Serialize)]
+pub struct GroupedRow {
+    /// `cuda_flash` (step 03's forward), `cuda_hopper` (step 06's), `cuda_backward`
+    /// (step 03's forward and step 04's backward); the peers' `pytorch_sdpa*`
+    pub method: String,
+    pub implementation: String,
+    pub device: String,
+    pub commit: String,
+    pub date: String,
+    pub batch: usize,
+    /// Query heads
+    pub heads: usize,
+    /// Heads of k and v, each serving `heads / kv_heads` query heads
+    pub kv_heads: usize,
+    pub tokens: usize,
+    pub head_dim: usize,
+    pub dtype: String,
+    /// `fwd` or `fwd+bwd`
+    pub pass: String,
+    pub runs: usize,
+    /// Median milliseconds of one pass
+    pub ms: Option<f64>,
+    /// The FLOPs of plain attention with `heads` heads over `ms`
+    pub tflops: Option<f64>,
+    pub error: Option<String>,
+}
+
 /// Writes `rows` to `path` as JSON, one row a line, creating its folder.
-pub fn write_rows(path: &Path, rows: &[DecodeRow]) -> Result<(), AttnError> {
+pub fn write_rows<R: Serialize>(path: &Path, rows: &[R]) -> Result<(), AttnError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(|e| AttnError::Unsupported {
             what: format!("cannot create {}: {e}", dir.display()),

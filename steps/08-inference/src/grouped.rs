@@ -1,0 +1,239 @@
+//! Grouped-query attention in the training kernels: step 03's forward, step 06's Hopper
+//! forward and step 04's backward, with k and v of `kv_heads` heads, each read by the
+//! `g = heads / kv_heads` query heads of its group.
+//!
+//! The kernels change by a pointer (or, for TMA, a coordinate): query head `bh` reads
+//! head `bh / g` of k and v. The backward writes dK and dV for each query head, as if k
+//! and v had been repeated, and `backward_group_sum` adds each group's into its shared
+//! head (FlashAttention-2's way: `dk_expanded`, summed). Here: the calls on host arrays
+//! that the tests and the benchmark use, and the reference they are checked against, the
+//! shared `f64` attention on k and v with each head repeated `g` times.
+
+use flash_core::check::grouped_kv;
+use flash_core::reference::{Reference, attention_f64};
+use flash_core::{Attention, AttnError, Shape, check_finite};
+use ndarray::{Array4, ArrayView4, Axis, s};
+use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, device_error};
+use step04_backward::Grads;
+use step04_backward::cuda::DeviceGrads;
+use step04_backward::reference::{ReferenceGrads, backward_f64};
+
+/// Which forward kernel runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Forward {
+    /// Step 03's `flash_forward` (mma.sync, any GPU of compute capability 8.0 or later)
+    Step03,
+    /// Step 06's Hopper forward (wgmma and TMA, an H100 or H200)
+    Hopper,
+}
+
+impl Forward {
+    pub const ALL: [Forward; 2] = [Forward::Step03, Forward::Hopper];
+
+    /// The name the benchmark's rows carry (the registry's name of the kernel's method).
+    pub fn name(self) -> &'static str {
+        match self {
+            Forward::Step03 => "cuda_flash",
+            Forward::Hopper => "cuda_hopper",
+        }
+    }
+
+    /// Runs the forward on device tensors (k and v with any number of heads that divides
+    /// q's).
+    pub fn run(
+        self,
+        gpu: &Gpu,
+        q: &DeviceTensor,
+        k: &DeviceTensor,
+        v: &DeviceTensor,
+    ) -> Result<DeviceAttention, AttnError> {
+        match self {
+            Forward::Step03 => gpu.forward(q, k, v),
+            Forward::Hopper => step06_hopper::forward::forward(gpu, q, k, v),
+        }
+    }
+}
+
+/// The checks on host arrays: q `[batch, heads, tokens, head_dim]`, k and v `[batch,
+/// kv_heads, tokens, head_dim]` with `kv_heads` dividing `heads`, finite values. Returns
+/// q's shape and k's.
+pub fn check_grouped(
+    q: &ArrayView4<f32>,
+    k: &ArrayView4<f32>,
+    v: &ArrayView4<f32>,
+) -> Result<(Shape, Shape), AttnError> {
+    let (b, h, t, d) = q.dim();
+    let shape = Shape::new(b, h, t, d);
+    if d == 0 {
+        return Err(AttnError::ZeroHeadDim);
+    }
+    let kv = grouped_kv(shape, k.dim().1)?;
+    let dims = |x: &ArrayView4<f32>| {
+        let (b, h, t, d) = x.dim();
+        Shape::new(b, h, t, d)
+    };
+    if dims(k) != kv || dims(v) != kv {
+        return Err(AttnError::ShapeMismatch {
+            what: format!("q is {shape}, k is {}, v is {}", dims(k), dims(v)),
+        });
+    }
+    check_finite("q", q)?;
+    check_finite("k", k)?;
+    check_finite("v", v)?;
+    Ok((shape, kv))
+}
+
+/// Grouped-query attention on the GPU from host arrays: the inputs rounded to `dtype`, the
+/// forward `kernel`, the output widened back to `f32`.
+pub fn attention(
+    gpu: &Gpu,
+    kernel: Forward,
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<Attention, AttnError> {
+    let (shape, _) = check_grouped(&q, &k, &v)?;
+    if shape.is_empty() {
+        return Ok(Attention::empty(shape));
+    }
+    let (q, k, v) = (
+        gpu.upload(q, dtype)?,
+        gpu.upload(k, dtype)?,
+        gpu.upload(v, dtype)?,
+    );
+    let result = kernel.run(gpu, &q, &k, &v)?;
+    gpu.download_attention(&result)
+}
+
+/// Forward and backward on the GPU from host arrays: step 03's forward, step 04's backward;
+/// dk and dv have k's heads.
+pub fn forward_backward(
+    gpu: &Gpu,
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dout: ArrayView4<f32>,
+    dtype: Dtype,
+) -> Result<(Attention, Grads), AttnError> {
+    let (shape, kv) = check_grouped(&q, &k, &v)?;
+    flash_core::check_same("dout", &dout, shape)?;
+    if shape.is_empty() {
+        let grads = Grads {
+            dq: Array4::zeros(shape.dims()),
+            dk: Array4::zeros(kv.dims()),
+            dv: Array4::zeros(kv.dims()),
+        };
+        return Ok((Attention::empty(shape), grads));
+    }
+    let up = |x: ArrayView4<f32>| gpu.upload(x, dtype);
+    let (q, k, v, dout) = (up(q)?, up(k)?, up(v)?, up(dout)?);
+    let fwd = gpu.forward(&q, &k, &v)?;
+    let DeviceGrads { dq, dk, dv } =
+        step04_backward::cuda::backward(gpu, &q, &k, &v, &fwd, &dout)?;
+    let grads = Grads {
+        dq: gpu.download(&dq)?,
+        dk: gpu.download(&dk)?,
+        dv: gpu.download(&dv)?,
+    };
+    gpu.stream()
+        .synchronize()
+        .map_err(device_error("synchronising"))?;
+    Ok((gpu.download_attention(&fwd)?, grads))
+}
+
+// ANCHOR: repeat_heads
+/// k or v with each head repeated `g` times: head `h` of the result is head `h / g` of
+/// `x`. Grouped-query attention is plain attention on these.
+pub fn repeat_heads<A: Copy>(x: ArrayView4<A>, g: usize) -> Array4<A> {
+    let (b, h, t, d) = x.dim();
+    Array4::from_shape_fn((b, h * g, t, d), |(b, h, t, d)| x[[b, h / g, t, d]])
+}
+
+/// The gradient of [`repeat_heads`]'s input: the `g` heads of each group summed.
+pub fn sum_groups(x: ArrayView4<f64>, g: usize) -> Array4<f64> {
+    let (b, h, t, d) = x.dim();
+    let mut out = Array4::zeros((b, h / g, t, d));
+    for (i, head) in x.axis_iter(Axis(1)).enumerate() {
+        let mut sum = out.slice_mut(s![.., i / g, .., ..]);
+        sum += &head;
+    }
+    out
+}
+// ANCHOR_END: repeat_heads
+
+/// The `f64` reference of grouped-query attention: the shared causal attention on k and v
+/// with their heads repeated.
+pub fn reference(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+) -> Result<Reference, AttnError> {
+    let (shape, kv) = check_grouped(&q, &k, &v)?;
+    let g = shape.heads / kv.heads.max(1);
+    attention_f64(q, repeat_heads(k, g).view(), repeat_heads(v, g).view())
+}
+
+/// The `f64` gradients of grouped-query attention: step 04's reference on the repeated
+/// heads, dk and dv summed over each group.
+pub fn reference_grads(
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dout: ArrayView4<f32>,
+) -> Result<ReferenceGrads, AttnError> {
+    let (shape, kv) = check_grouped(&q, &k, &v)?;
+    let g = shape.heads / kv.heads.max(1);
+    let (kx, vx) = (repeat_heads(k, g), repeat_heads(v, g));
+    let grads = backward_f64(q, kx.view(), vx.view(), dout)?;
+    Ok(ReferenceGrads {
+        dk: sum_groups(grads.dk.view(), g),
+        dv: sum_groups(grads.dv.view(), g),
+        dq: grads.dq,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flash_core::inputs::random_normal;
+
+    #[test]
+    fn one_kv_head_a_query_head_is_plain_attention() {
+        let shape = Shape::new(1, 4, 9, 8);
+        let [q, k, v] = flash_core::inputs::random_qkv(shape, 5);
+        let grouped = reference(q.view(), k.view(), v.view()).unwrap();
+        let plain = attention_f64(q.view(), k.view(), v.view()).unwrap();
+        assert_eq!(grouped.out, plain.out);
+    }
+
+    #[test]
+    fn summed_groups_are_the_gradient_of_repeated_heads() {
+        // d/dk of Σ w ∘ repeat(k) is the sum of w over each group
+        let w = random_normal(Shape::new(2, 6, 3, 4), 1).mapv(f64::from);
+        let sums = sum_groups(w.view(), 3);
+        assert_eq!(sums.dim(), (2, 2, 3, 4));
+        let expect = w.slice(s![.., 3, .., ..]).to_owned()
+            + w.slice(s![.., 4, .., ..])
+            + w.slice(s![.., 5, .., ..]);
+        assert_eq!(sums.slice(s![.., 1, .., ..]), expect);
+        let k = random_normal(Shape::new(1, 2, 3, 4), 2);
+        let r = repeat_heads(k.view(), 3);
+        assert_eq!(r.slice(s![0, 5, .., ..]), k.slice(s![0, 1, .., ..]));
+    }
+
+    #[test]
+    fn kv_heads_that_do_not_divide_the_query_heads_are_refused() {
+        let q = Array4::<f32>::zeros((1, 6, 4, 8));
+        let k = Array4::<f32>::zeros((1, 4, 4, 8));
+        let e = check_grouped(&q.view(), &k.view(), &k.view()).unwrap_err();
+        let said = e.to_string();
+        assert!(
+            said.contains("q has 6 heads and k and v 4") && said.contains("1, 2, 3, 6"),
+            "{said}"
+        );
+        let short = Array4::<f32>::zeros((1, 2, 3, 8));
+        let e = check_grouped(&q.view(), &short.view(), &short.view()).unwrap_err();
+        assert!(matches!(e, AttnError::ShapeMismatch { .. }), "{e}");
+    }
+}
