@@ -657,7 +657,21 @@ fn launch_backward(
 
 // [step 08]
 /// Grouped-query attention's dk or dv: the gradient of each query head (`per_q`, q's
-/// shape) summed over the query heads of each group, into a tensor of k's shape.
+/// shape) summed over the query heads of each group, into a tensor of `kv`'s shape, with
+/// `backward_group_sum` from the module of the default tile shape (step 06's backward
+/// sums its groups so).
+pub fn sum_groups(
+    gpu: &Gpu,
+    per_q: &DeviceTensor,
+    kv: Shape,
+) -> Result<DeviceTensor, AttnError> {
+    let (dtype, head_dim) = (per_q.dtype, per_q.shape.head_dim);
+    let config = BackwardConfig::for_head_dim(head_dim);
+    let f = kernel(gpu, dtype, head_dim, config, "backward_group_sum", 0)?;
+    group_sum(gpu, &f, per_q, kv)
+}
+
+/// [`sum_groups`] with the kernel given.
 fn group_sum(
     gpu: &Gpu,
     f: &cudarc::driver::CudaFunction,

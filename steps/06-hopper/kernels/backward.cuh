@@ -45,11 +45,22 @@ produce(const TensorMap* map_a0, const TensorMap* map_a1, const TensorMap* map_b
         const TensorMap* map_b1, unsigned char* sa0, unsigned char* sa1, unsigned char* sb0,
         unsigned char* sb1, float (*slse)[STREAM], float (*sdelta)[STREAM], u64* own_bar,
         u64* full, u64* empty, const float* lse, const float* delta, int own_row,
-        int stream_row0, int n_blocks, int head, int heads, int tokens, int lane) {
+        int stream_row0, int n_blocks, int head, int heads,
+        int a_group, int b_group,  // query heads per head of a's, b's tensors // [step 08]
+        int tokens, int lane) {
+  // the head of a's and of b's tensors this block reads, and their heads per sequence
+  int a_head = head, a_heads = heads, b_head = head, b_heads = heads;
+  // [step 08]
+  // grouped-query attention: k and v have a head for every q_per_kv query heads
+  a_head /= a_group;
+  a_heads /= a_group;
+  b_head /= b_group;
+  b_heads /= b_group;
+  // [/step 08]
   if (lane == 0) {
     mbar_expect_tx(smem_u32(own_bar), 2 * BLOCK_ROWS * ROW_BYTES);
-    tma_load(smem_u32(sa0), map_a0, smem_u32(own_bar), BLOCK_ROWS, own_row, head, heads);
-    tma_load(smem_u32(sa1), map_a1, smem_u32(own_bar), BLOCK_ROWS, own_row, head, heads);
+    tma_load(smem_u32(sa0), map_a0, smem_u32(own_bar), BLOCK_ROWS, own_row, a_head, a_heads);
+    tma_load(smem_u32(sa1), map_a1, smem_u32(own_bar), BLOCK_ROWS, own_row, a_head, a_heads);
   }
   for (int n = 0; n < n_blocks; ++n) {
     const int s = n % STAGES, row0 = stream_row0 + n * STREAM;
@@ -66,9 +77,9 @@ produce(const TensorMap* map_a0, const TensorMap* map_a1, const TensorMap* map_b
     if (lane == 0) {
       mbar_expect_tx(smem_u32(&full[s]), 2 * STREAM * ROW_BYTES);
       tma_load(smem_u32(sb0 + s * STREAM * ROW_BYTES), map_b0, smem_u32(&full[s]), STREAM,
-               row0, head, heads);
+               row0, b_head, b_heads);
       tma_load(smem_u32(sb1 + s * STREAM * ROW_BYTES), map_b1, smem_u32(&full[s]), STREAM,
-               row0, head, heads);
+               row0, b_head, b_heads);
     } else {
       // the arrival releases this lane's writes of lse and δ to the consumers
       mbar_arrive(smem_u32(&full[s]));

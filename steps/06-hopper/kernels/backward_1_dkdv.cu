@@ -24,6 +24,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 u16* __restrict__ dk_out,         // dK, where `layout` says
                 u16* __restrict__ dv_out,         // dV, where `layout` says
                 const Layout layout,              // the gradients' strides
+                int q_per_kv,  // query heads per head of k and v // [step 08]
                 int tokens,                       // the sequence's length
                 float scale_log2,                 // 1/√d · log2(e)
                 float scale) {                    // 1/√d, dK's factor
@@ -49,7 +50,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (tid < 128 * WGS + 32) {
       produce<true>(&map_k, &map_v, &map_q, &map_do, sk, sv, sq, sdo, slse, sdelta, &kvbar,
                     full, empty, lse, delta, k0, first * STREAM, n_blocks, head,
-                    layout.heads, tokens, tid % 32);
+                    layout.heads,
+                    q_per_kv, 1,  // k, v grouped; q, dO not // [step 08]
+                    tokens, tid % 32);
     }
     return;
   }

@@ -15,6 +15,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) hopper_dq(
     const float* __restrict__ delta,           // δ, [batch · heads, tokens]
     u16* __restrict__ dq_out,                  // dQ, where `layout` says
     const Layout layout,                       // the gradients' strides
+    int q_per_kv,  // query heads per head of k and v // [step 08]
     int tokens,                                // the sequence's length
     float scale_log2,                          // 1/√d · log2(e)
     float scale) {                             // 1/√d, dQ's factor
@@ -40,6 +41,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) hopper_dq(
     if (tid < 128 * WGS + 32) {
       produce<false>(&map_q, &map_do, &map_k, &map_v, sq, sdo, sk, sv, nullptr, nullptr,
                      &qbar, full, empty, lse, delta, q0, 0, n_blocks, head, layout.heads,
+                     1, q_per_kv,  // q, dO not grouped; k, v grouped // [step 08]
                      tokens, tid % 32);
     }
     return;

@@ -42,7 +42,6 @@ fn check_inputs(
 ) -> Result<Shape, AttnError> {
     check_hopper(gpu)?;
     let shape = check_backward_device(q, k, v, fwd, dout)?;
-    step03_cuda_forward::same_heads(q, k, "the Hopper backward")?; // [step 08]
     forward::check_shape(shape)?;
     Ok(shape)
 }
@@ -68,7 +67,7 @@ pub fn backward_with(
     let layout = Layout::heads(shape);
     let tensor = |x: &DeviceTensor| Strided {
         ptr: x.data.device_ptr(stream).0,
-        layout,
+        layout: Layout::heads(x.shape),
     };
     let inputs = BackwardInputs {
         q: tensor(q),
@@ -89,6 +88,14 @@ pub fn backward_with(
         launch_passes(gpu, kernels, shape, q.dtype, inputs, [dq, dk, dv], layout)?;
     }
     drop((_dq, _dk, _dv));
+    // [step 08]
+    // grouped-query attention: dk and dv were written for each query head; each group's
+    // are summed into its head of k and v
+    if k.shape.heads != shape.heads {
+        grads.dk = step04_backward::cuda::sum_groups(gpu, &grads.dk, k.shape)?;
+        grads.dv = step04_backward::cuda::sum_groups(gpu, &grads.dv, k.shape)?;
+    }
+    // [/step 08]
     Ok(grads)
 }
 
@@ -183,6 +190,16 @@ unsafe fn launch_passes(
     let stream = gpu.stream();
     let rows = shape.batch * shape.heads * shape.tokens;
     let tokens = shape.tokens as i32;
+    // k's and v's shape: q's
+    let kv = shape;
+    // [step 08]
+    // or q's with fewer heads, as their layouts say: each serves q_per_kv query heads
+    let kv = Shape {
+        heads: i.k.layout.heads as usize,
+        ..kv
+    };
+    let q_per_kv = (shape.heads / kv.heads) as i32;
+    // [/step 08]
 
     // δ, a warp a row, eight rows of one head a block
     let delta = {
@@ -232,8 +249,8 @@ unsafe fn launch_passes(
         let maps = unsafe {
             [
                 tensor_map(i.q, dtype, shape, qdo_rows, rank)?,
-                tensor_map(i.k, dtype, shape, kv_rows, rank)?,
-                tensor_map(i.v, dtype, shape, kv_rows, rank)?,
+                tensor_map(i.k, dtype, kv, kv_rows, rank)?,
+                tensor_map(i.v, dtype, kv, kv_rows, rank)?,
                 tensor_map(i.dout, dtype, shape, qdo_rows, rank)?,
             ]
         };
@@ -265,7 +282,11 @@ unsafe fn launch_passes(
     if let Some(acc) = &dq_accum {
         launch.arg(acc);
     }
-    launch.arg(&tokens).arg(&scale_log2).arg(&scale);
+    launch
+        .arg(&q_per_kv) // [step 08]
+        .arg(&tokens)
+        .arg(&scale_log2)
+        .arg(&scale);
     // SAFETY: the maps read within q, k, v and dO (rows past a head's end read as zeros),
     // lse and δ hold a value a row; each block writes dk and dv for its own keys below
     // `tokens` only, where layout puts them (within its span: the caller's promise), and
@@ -307,7 +328,11 @@ unsafe fn launch_passes(
         }
         launch.arg(&inputs.lse).arg(&delta);
         launch.arg(&dq).arg(&layout);
-        launch.arg(&tokens).arg(&scale_log2).arg(&scale);
+        launch
+            .arg(&q_per_kv) // [step 08]
+            .arg(&tokens)
+            .arg(&scale_log2)
+            .arg(&scale);
         // SAFETY: as for dkdv; each block writes dq for its own queries below `tokens` only
         unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dq"))?;
     }

@@ -1,5 +1,5 @@
 //! Grouped-query attention in the training kernels: step 03's forward, step 06's Hopper
-//! forward and step 04's backward, with k and v of `kv_heads` heads, each read by the
+//! forward and step 04's and step 06's backwards, with k and v of `kv_heads` heads, each read by the
 //! `g = heads / kv_heads` query heads of its group.
 //!
 //! The kernels change by a pointer (or, for TMA, a coordinate): query head `bh` reads
@@ -35,6 +35,21 @@ impl Forward {
         match self {
             Forward::Step03 => "cuda_flash",
             Forward::Hopper => "cuda_hopper",
+        }
+    }
+
+    /// The backward of the same method: step 04's kernels after step 03's forward, step
+    /// 06's after step 06's. dk and dv have k's heads.
+    pub fn backward(
+        self,
+        gpu: &Gpu,
+        [q, k, v]: [&DeviceTensor; 3],
+        fwd: &DeviceAttention,
+        dout: &DeviceTensor,
+    ) -> Result<DeviceGrads, AttnError> {
+        match self {
+            Forward::Step03 => step04_backward::cuda::backward(gpu, q, k, v, fwd, dout),
+            Forward::Hopper => step06_hopper::backward::backward(gpu, q, k, v, fwd, dout),
         }
     }
 
@@ -106,10 +121,11 @@ pub fn attention(
     gpu.download_attention(&result)
 }
 
-/// Forward and backward on the GPU from host arrays: step 03's forward, step 04's backward;
-/// dk and dv have k's heads.
+/// Forward and backward on the GPU from host arrays, by `kernel`'s method ([`Forward::run`],
+/// [`Forward::backward`]); dk and dv have k's heads.
 pub fn forward_backward(
     gpu: &Gpu,
+    kernel: Forward,
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
@@ -128,9 +144,8 @@ pub fn forward_backward(
     }
     let up = |x: ArrayView4<f32>| gpu.upload(x, dtype);
     let (q, k, v, dout) = (up(q)?, up(k)?, up(v)?, up(dout)?);
-    let fwd = gpu.forward(&q, &k, &v)?;
-    let DeviceGrads { dq, dk, dv } =
-        step04_backward::cuda::backward(gpu, &q, &k, &v, &fwd, &dout)?;
+    let fwd = kernel.run(gpu, &q, &k, &v)?;
+    let DeviceGrads { dq, dk, dv } = kernel.backward(gpu, [&q, &k, &v], &fwd, &dout)?;
     let grads = Grads {
         dq: gpu.download(&dq)?,
         dk: gpu.download(&dk)?,

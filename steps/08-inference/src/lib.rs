@@ -45,6 +45,11 @@
 //!   values to the cache); [`generate_gpu`](gpu_generate::generate_gpu), and
 //!   [`sample_gpu`](gpu_generate::sample_gpu), the GPU forward over the whole window a
 //!   token.
+//! - [`grouped`]: grouped-query attention in the training kernels, step 03's and step 06's
+//!   forwards and step 04's backward (each query head reads kv head `h / g`; dK and dV are
+//!   summed over each group by `backward_group_sum`): the calls on host arrays, the `f64`
+//!   reference on repeated heads; `src/bin/grouped-bench.rs` checks then times them
+//!   (`charts/data/grouped.json`).
 //! - [`methods`]: the decoders as the repository's registry lists them (`attend --method
 //!   decode`, `decode_split`, `flash_decode`, `flash_decode_paged`).
 //! - `src/bin/decode-cpu.rs`: [`decode()`] on the CPU against a loop that only reads the

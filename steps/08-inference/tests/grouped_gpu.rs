@@ -1,6 +1,6 @@
-//! Grouped-query attention in the training kernels (step 03's forward, step 06's Hopper
-//! forward, step 04's backward) against the `f64` reference on repeated heads, with
-//! FlashAttention's rule: the error of each of out, dq, dk and dv at most twice that of
+//! Grouped-query attention in the training kernels (step 03's forward and step 04's
+//! backward, step 06's Hopper forward and backward) against the `f64` reference on
+//! repeated heads, with FlashAttention's rule: the error of each of out, dq, dk and dv at most twice that of
 //! attention by hand in the same precision (on the repeated heads, dk and dv summed over
 //! each group as autograd sums a repeat's gradient). Ignored where there is no GPU; the
 //! refusals of bad input on the host run everywhere.
@@ -125,11 +125,6 @@ fn the_grouped_backward_matches_the_reference_within_twice_by_hand_error() {
         for dtype in [Dtype::Bf16, Dtype::F16] {
             let shape = Shape::new(b, h, t, d);
             let [q, k, v, dout] = inputs(shape, kv, 50 + i as u64);
-            let what = format!("backward {shape} kv heads {kv} {}", dtype.name());
-            let (_, got) =
-                forward_backward(&gpu, q.view(), k.view(), v.view(), dout.view(), dtype)
-                    .unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert_eq!(got.dk.dim(), (b, kv, t, d), "{what}: dk has k's heads");
             let rounded = [&q, &k, &v, &dout].map(|x| round_array(x.view(), dtype));
             let exact = reference_grads(
                 rounded[0].view(),
@@ -140,16 +135,34 @@ fn the_grouped_backward_matches_the_reference_within_twice_by_hand_error() {
             .unwrap();
             let hand =
                 by_hand_grads([q.view(), k.view(), v.view(), dout.view()], h / kv, dtype);
-            for (name, ours, by_hand, exact) in [
-                ("dq", &got.dq, &hand[0], &exact.dq),
-                ("dk", &got.dk, &hand[1], &exact.dk),
-                ("dv", &got.dv, &hand[2], &exact.dv),
-            ] {
-                rule(
-                    &format!("{what} {name}"),
-                    error(ours, exact),
-                    error(by_hand, exact),
+            for kernel in Forward::ALL {
+                let what = format!(
+                    "{} backward {shape} kv heads {kv} {}",
+                    kernel.name(),
+                    dtype.name()
                 );
+                let (_, got) = forward_backward(
+                    &gpu,
+                    kernel,
+                    q.view(),
+                    k.view(),
+                    v.view(),
+                    dout.view(),
+                    dtype,
+                )
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(got.dk.dim(), (b, kv, t, d), "{what}: dk has k's heads");
+                for (name, ours, by_hand, exact) in [
+                    ("dq", &got.dq, &hand[0], &exact.dq),
+                    ("dk", &got.dk, &hand[1], &exact.dk),
+                    ("dv", &got.dv, &hand[2], &exact.dv),
+                ] {
+                    rule(
+                        &format!("{what} {name}"),
+                        error(ours, exact),
+                        error(by_hand, exact),
+                    );
+                }
             }
         }
     }
@@ -167,9 +180,9 @@ fn kernels_without_grouped_heads_refuse_them() {
     let e = said(gpu.by_hand(&q, &k, &v).err().expect("refused"));
     assert!(e.contains("q has 4 heads and k and v 2"), "{e}");
     let fwd = gpu.forward(&q, &k, &v).unwrap();
-    let e = step06_hopper::backward::backward(&gpu, &q, &k, &v, &fwd, &dout);
-    let e = e.err().expect("refused");
-    assert!(said(e).contains("the Hopper backward takes one head"));
+    let e = step04_backward::cuda_by_hand::backward(&gpu, &q, &k, &v, &fwd, &dout);
+    let e = said(e.err().expect("refused"));
+    assert!(e.contains("the backward by hand takes one head"), "{e}");
     let three = gpu
         .upload(Array4::<f32>::zeros((1, 3, 64, 64)).view(), Dtype::Bf16)
         .unwrap();

@@ -18,7 +18,7 @@ use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
 use step08_inference::rows::{GroupedRow, write_rows};
 
 /// Causal attention with grouped-query attention on the GPU: step 03's forward and step
-/// 06's Hopper forward (pass fwd), and step 03's forward with step 04's backward (pass
+/// 06's Hopper forward (pass fwd), each with its backward (step 04's, step 06's: pass
 /// fwd+bwd), at kv heads as many as the query heads (plain attention) and fewer.
 ///
 /// For every combination of the lists below it makes the inputs (a fixed function of each
@@ -168,9 +168,7 @@ fn measure(
         gpu.time_ms(|| {
             forward_into(gpu, kernel, x, &mut result)?;
             if pass == Pass::ForwardBackward {
-                let grads = step04_backward::cuda::backward(
-                    gpu, &x.q, &x.k, &x.v, &result, &x.dout,
-                )?;
+                let grads = kernel.backward(gpu, [&x.q, &x.k, &x.v], &result, &x.dout)?;
                 return Ok(Some(grads));
             }
             Ok(None)
@@ -206,6 +204,7 @@ fn run(args: &Args) -> Result<Vec<GroupedRow>, AttnError> {
                     (Forward::Step03, Pass::Forward),
                     (Forward::Hopper, Pass::Forward),
                     (Forward::Step03, Pass::ForwardBackward),
+                    (Forward::Hopper, Pass::ForwardBackward),
                 ];
                 for (kernel, pass) in runs {
                     let measured = measure(&gpu, &x, kernel, pass, args);
@@ -214,10 +213,7 @@ fn run(args: &Args) -> Result<Vec<GroupedRow>, AttnError> {
                         Err(e) => (None, Some(e)),
                     };
                     let tflops = ms.map(|ms| shape.flops(pass) / (ms * 1e-3) / 1e12);
-                    let method = match pass {
-                        Pass::Forward => kernel.name().to_string(),
-                        Pass::ForwardBackward => "cuda_backward".to_string(),
-                    };
+                    let method = kernel.name().to_string();
                     println!(
                         "{d:>4} {kv_heads:>3} {tokens:>6} {batch:>5} {method:<12} {:<8} | {:>9} {:>8}  {}",
                         pass.name(),
@@ -254,12 +250,17 @@ fn run(args: &Args) -> Result<Vec<GroupedRow>, AttnError> {
 }
 
 fn implementation(kernel: Forward, pass: Pass) -> String {
-    match (kernel, pass) {
-        (Forward::Step03, Pass::Forward) => "step 03's flash_forward (mma.sync)".into(),
-        (Forward::Hopper, _) => "step 06's Hopper forward (wgmma, TMA)".into(),
-        (Forward::Step03, _) => {
-            "step 03's flash_forward, step 04's backward (dK, dV for each query head, each group summed)".into()
+    let what = match (kernel, pass) {
+        (Forward::Step03, Pass::Forward) => "step 03's flash_forward (mma.sync)",
+        (Forward::Hopper, Pass::Forward) => "step 06's Hopper forward (wgmma, TMA)",
+        (Forward::Step03, _) => "step 03's flash_forward, step 04's backward (mma.sync)",
+        (Forward::Hopper, _) => {
+            "step 06's Hopper forward and one-pass backward (wgmma, TMA)"
         }
+    };
+    match pass {
+        Pass::Forward => what.to_string(),
+        _ => format!("{what}; dK and dV for each query head, each group's summed"),
     }
 }
 
