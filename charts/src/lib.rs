@@ -26,6 +26,7 @@
 //! - [`render_all`]: every chart and table the rows call for, as `(file name, text)`.
 //! - [`train`]: the training runs' charts, from `charts/data/train-*.json`. // [step 05]
 //! - [`decode`]: decoding's tables and chart, from `charts/data/decode*.json`. // [step 08]
+//! - [`grouped`]: grouped-query attention's tables, from `charts/data/grouped*.json`. // [step 08]
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -38,6 +39,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 pub mod decode; // [step 08]
+pub mod grouped; // [step 08]
 pub mod train; // [step 05]
 
 /// Measurements with charts of their own, apart from the main CPU and GPU ones: the rows of
@@ -118,16 +120,20 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
     if let Some(decoding) = decode::read(&data)? {
         charts.extend(decode::render_all(&decoding)?);
     }
+    // grouped-query attention in the training kernels, ours and PyTorch's
+    if let Some(rows) = grouped::read(&data)? {
+        charts.extend(grouped::render_all(&rows));
+    }
     // [/step 08]
     Ok(charts)
 }
 
 // [step 08]
-/// Chapter 8's measurements (`decode-bench` and the PyTorch peer's `--decode`, `generate
-/// --out`): rows with keys of their own, which [`decode`] reads, not the main set's charts.
+/// Chapter 8's measurements (`decode-bench`, `grouped-bench` and the PyTorch peer's
+/// `--decode` and `--grouped`, `generate --out`): rows with keys of their own, which [`decode`] reads, not the main set's charts.
 fn is_inference_file(p: &Path) -> bool {
     p.file_name().is_some_and(|f| {
-        ["decode", "generate-"]
+        ["decode", "generate-", "grouped"]
             .iter()
             .any(|n| f.to_string_lossy().starts_with(n))
     })
