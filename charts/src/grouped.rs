@@ -67,11 +67,10 @@ fn sorted(rows: &[GroupedRow], f: impl Fn(&GroupedRow) -> usize) -> Vec<usize> {
 /// The table of one pass.
 fn table(rows: &[GroupedRow], pass: &str) -> String {
     let mut t = String::from(
-        "| head dim | kv heads | tokens × batch | step 03, ms | step 06, ms | \
+        "| head dim | kv heads | batch × tokens | step 03, ms | step 06, ms | \
          FlashAttention-2, ms | cuDNN, ms | FlashAttention-2 ÷ step 06 | cuDNN ÷ step 06 |\n\
          | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
-    let heads = sorted(rows, |r| r.heads);
     for d in sorted(rows, |r| r.head_dim) {
         // grouped heads (fewer kv heads) first, as the chapter reads them
         for kv in sorted(rows, |r| r.kv_heads) {
@@ -92,13 +91,13 @@ fn table(rows: &[GroupedRow], pass: &str) -> String {
                     ms(rows, "pytorch_sdpa_flash", key),
                     ms(rows, "pytorch_sdpa_cudnn", key),
                 );
-                let kv_cell = if heads.contains(&kv) {
-                    format!("{kv} (plain)")
-                } else {
-                    kv.to_string()
-                };
+                // no-break spaces: the cell stays on one line
+                let size = format!(
+                    "{batch}\u{a0}×\u{a0}{}",
+                    crate::thousands(&tokens.to_string())
+                );
                 t += &format!(
-                    "| {d} | {kv_cell} | {tokens} × {batch} | {} | {hopper:.3} | {} | {} | {} | {} |\n",
+                    "| {d} | {kv} | {size} | {} | {hopper:.3} | {} | {} | {} | {} |\n",
                     cell(ms(rows, "cuda_flash", key)),
                     cell(fa2),
                     cell(cudnn),

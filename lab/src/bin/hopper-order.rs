@@ -46,17 +46,18 @@ fn run(args: &Args) -> Result<(), AttnError> {
     for d in [64, 128] {
         for (batch, heads, kv) in [(16, 32, 32), (16, 32, 8), (4, 12, 12)] {
             for tokens in [1024, 2048, 4096] {
-                let batch = if heads == 32 { batch * 1024 / tokens } else { batch };
+                let batch = if heads == 32 {
+                    batch * 1024 / tokens
+                } else {
+                    batch
+                };
                 shapes.push((d, batch, heads, kv, tokens));
             }
         }
     }
     for (d, batch, heads, kv, tokens) in shapes {
         let shape = Shape::new(batch, heads, tokens, d);
-        let kvs = Shape {
-            heads: kv,
-            ..shape
-        };
+        let kvs = Shape { heads: kv, ..shape };
         let up = |s: Shape, seed| gpu.upload(random_normal(s, seed).view(), Dtype::Bf16);
         let (q, k, v, dout) = (up(shape, 1)?, up(kvs, 2)?, up(kvs, 3)?, up(shape, 4)?);
         let rule = ForwardKernel::for_shape(tokens, d);

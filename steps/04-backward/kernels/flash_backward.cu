@@ -373,9 +373,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, DKDV_MIN_BLOCKS)
                   int T, float scale) {
     // [step 08]
     // ANCHOR: grouped_dkdv
-    // grouped-query attention: query head bh reads head bh / q_per_kv of k and v; its dK
-    // and dV are written at bh, one per query head, and backward_group_sum adds each
-    // group's
+    // grouped-query attention: query head bh reads head bh / q_per_kv of k and v; dK and
+    // dV are written at bh, one for each query head, and backward_group_sum adds up the
+    // q_per_kv of each group
     const long long back = (long long)(blockIdx.x - blockIdx.x / q_per_kv) * T * HEAD_DIM;
     k -= back;
     v -= back;
