@@ -3,6 +3,7 @@
 //! that fit. The step's `kernel` module picks one per length; these are what the picks were
 //! made among.
 
+use flash_core::Shape;
 use step06_hopper::kernel::{
     BackwardKernel, BackwardKernels, BackwardPass, BackwardRung, ForwardKernel, ForwardRung,
 };
@@ -23,9 +24,14 @@ fn push_new<T: PartialEq>(all: &mut Vec<T>, x: T) {
 pub fn forward(d: usize) -> Vec<ForwardKernel> {
     let mut all = Vec::new();
     for t in LENGTHS {
-        push_new(&mut all, ForwardKernel::for_shape(t, d));
+        // in both block orders: which one runs depends on the batch and heads as well
+        let s = Shape::new(1, 1, t, d);
+        let launched = ForwardKernel::for_shape(s, 1);
+        push_new(&mut all, launched);
+        push_new(&mut all, launched.other_order());
         for rung in ForwardRung::ALL {
-            push_new(&mut all, rung.shape(t, d));
+            push_new(&mut all, rung.shape(s, 1));
+            push_new(&mut all, rung.shape(s, 1).other_order());
         }
     }
     for rung in ForwardRung::ALL {
@@ -70,11 +76,18 @@ pub fn backward(d: usize) -> Vec<BackwardKernels> {
     let mut all = Vec::new();
     for t in LENGTHS {
         for rung in [BackwardRung::TwoPasses, BackwardRung::OnePass] {
-            push_new(&mut all, BackwardKernels::rung(rung, t, d));
+            let launched = BackwardKernels::rung(rung, Shape::new(1, 1, t, d));
+            push_new(&mut all, launched);
+            push_new(&mut all, launched.other_order());
         }
     }
     for longest_first in [true, false] {
-        let two = BackwardKernels::two_passes(if longest_first { 1 } else { 1 << 14 }, d);
+        let two = BackwardKernels::two_passes(Shape::new(1, 1, 1, d));
+        let two = if two.dkdv.longest_first == longest_first {
+            two
+        } else {
+            two.other_order()
+        };
         let kernel = |pass, warpgroups, stages, stream| BackwardKernel {
             pass,
             warpgroups,
@@ -125,15 +138,17 @@ mod tests {
             let f = forward(d);
             let b = backward(d);
             for t in [1, 2048, 2049, 4096, 4097, 8192, 8193, 1 << 14, 1 << 20] {
-                assert!(f.contains(&ForwardKernel::for_shape(t, d)), "{t} d{d}");
-                for rung in ForwardRung::ALL {
-                    assert!(f.contains(&rung.shape(t, d)), "{t} d{d} {rung:?}");
-                }
-                for rung in [BackwardRung::TwoPasses, BackwardRung::OnePass] {
-                    assert!(
-                        b.contains(&BackwardKernels::rung(rung, t, d)),
-                        "{t} d{d} {rung:?}"
-                    );
+                for s in [Shape::new(1, 1, t, d), Shape::new(16, 32, t, d)] {
+                    assert!(f.contains(&ForwardKernel::for_shape(s, 8)), "{s}");
+                    for rung in ForwardRung::ALL {
+                        assert!(f.contains(&rung.shape(s, 8)), "{s} {rung:?}");
+                    }
+                    for rung in [BackwardRung::TwoPasses, BackwardRung::OnePass] {
+                        assert!(
+                            b.contains(&BackwardKernels::rung(rung, s)),
+                            "{s} {rung:?}"
+                        );
+                    }
                 }
             }
             assert!(f.iter().all(|k| k.check(d).is_ok()));

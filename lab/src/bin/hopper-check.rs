@@ -78,7 +78,9 @@ impl Args {
 
     /// The forward kernels at head dim `d` to check and time.
     fn forward_kernels(&self, d: usize) -> Vec<ForwardKernel> {
-        let launched = [1, 1 << 14].map(|t| ForwardKernel::for_shape(t, d));
+        // at chapter 6's 4 × 12 heads
+        let launched =
+            [1, 1 << 14].map(|t| ForwardKernel::for_shape(Shape::new(4, 12, t, d), 12));
         hopper_shapes::forward(d)
             .into_iter()
             .filter(|k| launched.contains(k) || self.takes(&k.name()))
@@ -87,8 +89,8 @@ impl Args {
 
     /// The backward's kernels at head dim `d` to check and time.
     fn backward_kernels(&self, d: usize) -> Vec<BackwardKernels> {
-        let launched =
-            [1, 1 << 14].map(|t| BackwardKernels::rung(BackwardRung::OnePass, t, d));
+        let launched = [1, 1 << 14]
+            .map(|t| BackwardKernels::rung(BackwardRung::OnePass, Shape::new(4, 12, t, d)));
         hopper_shapes::backward(d)
             .into_iter()
             .filter(|k| launched.contains(k) || self.takes(&k.name()))

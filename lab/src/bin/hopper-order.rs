@@ -1,4 +1,5 @@
-//! Times step 06's forward and backward with each block order (`LONGEST_FIRST` on and off)
+//! Times step 06's forward and backward in the order their rule picks and in the other
+//! (`LONGEST_FIRST` on and off, `kernel::longest_first`)
 //! at shapes of many heads (32 query heads, 16,384 tokens in all), plain and grouped, and at
 //! chapter 6's 4 × 12 heads: whether the order that spreads a head's blocks over the whole
 //! grid still pays when its keys and values no longer fit in L2. Both orders must give the
@@ -60,14 +61,10 @@ fn run(args: &Args) -> Result<(), AttnError> {
         let kvs = Shape { heads: kv, ..shape };
         let up = |s: Shape, seed| gpu.upload(random_normal(s, seed).view(), Dtype::Bf16);
         let (q, k, v, dout) = (up(shape, 1)?, up(kvs, 2)?, up(kvs, 3)?, up(shape, 4)?);
-        let rule = ForwardKernel::for_shape(tokens, d);
-        let flip = ForwardKernel {
-            longest_first: !rule.longest_first,
-            ..rule
-        };
-        let brule = BackwardKernels::for_shape(tokens, d);
-        let mut bflip = brule;
-        bflip.dkdv.longest_first = !brule.dkdv.longest_first;
+        let rule = ForwardKernel::for_shape(shape, kv);
+        let flip = rule.other_order();
+        let brule = BackwardKernels::for_shape(shape);
+        let bflip = brule.other_order();
         let mut outs = Vec::new();
         let mut times = Vec::new();
         for (f, b) in [(rule, brule), (flip, bflip)] {
@@ -92,14 +89,15 @@ fn run(args: &Args) -> Result<(), AttnError> {
         }
         let mb = (2 * batch * kv * tokens * d * 2) as f64 / 1e6;
         println!(
-            "{d:>4} {batch:>5} {heads:>3} {kv:>3} {tokens:>6} {mb:>8.1} | {:>9.3} {:>9.3} {:>5.2}x | {:>9.3} {:>9.3} {:>5.2}x   (rule: longest first {})",
+            "{d:>4} {batch:>5} {heads:>3} {kv:>3} {tokens:>6} {mb:>8.1} | {:>9.3} {:>9.3} {:>5.2}x | {:>9.3} {:>9.3} {:>5.2}x   (rule: longest first {} / {})",
             times[0].0,
             times[1].0,
             times[0].0 / times[1].0,
             times[0].1,
             times[1].1,
             times[0].1 / times[1].1,
-            rule.longest_first
+            rule.longest_first,
+            brule.dkdv.longest_first
         );
     }
     Ok(())

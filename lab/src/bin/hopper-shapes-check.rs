@@ -9,6 +9,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use flash_core::Shape;
 use flash_lab::hopper_shapes;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::ptxas::{self, Variant};
@@ -35,16 +36,19 @@ fn main() -> ExitCode {
         let mut kernels = Vec::new();
         for d in HEAD_DIMS {
             let lengths = [1, 4097, 8193, 1 << 14];
+            // in both block orders: which one runs depends on the batch and heads as well
             let launched_f: Vec<ForwardKernel> = lengths
                 .iter()
-                .flat_map(|&t| ForwardRung::ALL.map(|r| r.shape(t, d)))
+                .flat_map(|&t| ForwardRung::ALL.map(|r| r.shape(Shape::new(1, 1, t, d), 1)))
+                .flat_map(|k| [k, k.other_order()])
                 .collect();
             let launched_b: Vec<BackwardKernels> = lengths
                 .iter()
                 .flat_map(|&t| {
                     [BackwardRung::TwoPasses, BackwardRung::OnePass]
-                        .map(|r| BackwardKernels::rung(r, t, d))
+                        .map(|r| BackwardKernels::rung(r, Shape::new(1, 1, t, d)))
                 })
+                .flat_map(|k| [k, k.other_order()])
                 .collect();
             for k in hopper_shapes::forward(d) {
                 let name = format!("forward_d{d}_{}", k.name().replace(' ', "_"));

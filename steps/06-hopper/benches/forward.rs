@@ -28,7 +28,7 @@ fn hopper(c: &mut Criterion) {
             let up = |x: &ndarray::Array4<f32>| gpu.upload(x.view(), Dtype::Bf16).unwrap();
             let (q, k, v) = (up(&q), up(&k), up(&v));
             let mut out = gpu.alloc_output(shape, Dtype::Bf16).unwrap();
-            let kernel = ForwardKernel::for_shape(tokens, d);
+            let kernel = ForwardKernel::for_shape(shape, shape.heads);
             fwd_group.throughput(Throughput::Elements(shape.forward_flops() as u64));
             fwd_group.bench_with_input(
                 BenchmarkId::from_parameter(tokens),

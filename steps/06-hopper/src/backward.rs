@@ -25,7 +25,7 @@ pub fn backward(
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
-    let kernels = BackwardKernels::for_shape(q.shape.tokens, q.shape.head_dim);
+    let kernels = BackwardKernels::for_shape(q.shape);
     backward_with(gpu, kernels, q, k, v, fwd, dout)
 }
 

@@ -176,7 +176,7 @@ pub fn forward(
     let mut result = gpu.alloc_output(q.shape, q.dtype)?;
     forward_with(
         gpu,
-        ForwardKernel::for_shape(q.shape.tokens, q.shape.head_dim),
+        ForwardKernel::for_shape(q.shape, k.shape.heads),
         q,
         k,
         v,

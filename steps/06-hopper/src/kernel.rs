@@ -118,20 +118,21 @@ impl ForwardRung {
         self != ForwardRung::Wgmma
     }
 
-    /// This rung's block shape for a length and head dim: with a producer warp, one
-    /// warpgroup of 64 rows and three blocks to a multiprocessor taking turns at its tensor
-    /// cores at head dim 64, two warpgroups at 128; with a producer warpgroup, three
-    /// warpgroups sharing each block of keys and values among 192 rows at head dim 64, two
-    /// at 128. Every head's longest blocks first where a launch is a few waves: up to 4,096
-    /// tokens at head dim 64, 2,048 at 128 (the lab's notes have the shapes measured).
-    pub fn shape(self, tokens: usize, head_dim: usize) -> ForwardKernel {
-        let (warpgroups, min_blocks) = match (self, head_dim) {
+    /// This rung's block shape for queries of shape `q` and `kv_heads` heads of k and v:
+    /// with a producer warp, one warpgroup of 64 rows and three blocks to a multiprocessor
+    /// taking turns at its tensor cores at head dim 64, two warpgroups at 128; with a
+    /// producer warpgroup, three warpgroups sharing each block of keys and values among 192
+    /// rows at head dim 64, two at 128. Every head's longest blocks first while the keys and
+    /// values of the whole call fit in L2 ([`longest_first`]).
+    pub fn shape(self, q: Shape, kv_heads: usize) -> ForwardKernel {
+        let (warpgroups, min_blocks) = match (self, q.head_dim) {
             (ForwardRung::Wgmma, 64) => (1, 3),
             (ForwardRung::Wgmma, _) => (2, 1),
             (_, 64) => (3, 1),
             (_, _) => (2, 1),
         };
-        let longest_first = tokens <= if head_dim == 64 { 4096 } else { 2048 };
+        // k and v, 16 bits a value
+        let longest_first = longest_first(4 * q.batch * kv_heads * q.tokens * q.head_dim);
         ForwardKernel {
             rung: self,
             warpgroups,
@@ -141,6 +142,22 @@ impl ForwardRung {
         }
     }
 }
+
+// ANCHOR: longest_first
+/// The H200's L2 cache: 50 MiB.
+pub const L2_BYTES: usize = 50 << 20;
+
+/// Whether a launch runs every head's longest blocks first, given the bytes of the operand
+/// its blocks stream (k and v in the forward; q and dO in the backward), over the whole call.
+/// Longest first spreads a head's blocks over the whole run, and they share what they stream
+/// only through the L2 cache: the order pays while all of it fits there (one head after
+/// another otherwise keeps a few heads' worth in flight). At 4 × 12 heads that is up to
+/// 4,096 tokens at head dim 64 and 2,048 at 128; at 32 heads of 1,024 tokens, 16 sequences,
+/// never. The lab's notes have both orders measured.
+pub fn longest_first(streamed_bytes: usize) -> bool {
+    streamed_bytes <= L2_BYTES
+}
+// ANCHOR_END: longest_first
 
 /// One forward kernel: a rung in one block shape.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -159,15 +176,25 @@ pub struct ForwardKernel {
 }
 
 impl ForwardKernel {
-    /// What `cuda_hopper` runs: rung 1 at head dim 64 up to 4,096 tokens, where a launch is
-    /// a few waves and small blocks fill them; rung 4 beyond, and at head dim 128.
-    pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
-        let rung = if head_dim == 64 && tokens <= 4096 {
+    /// What `cuda_hopper` runs for queries of shape `q` and `kv_heads` heads of k and v:
+    /// rung 1 at head dim 64 up to 4,096 tokens, where a launch is a few waves and small
+    /// blocks fill them; rung 4 beyond, and at head dim 128.
+    pub fn for_shape(q: Shape, kv_heads: usize) -> Self {
+        let rung = if q.head_dim == 64 && q.tokens <= 4096 {
             ForwardRung::Wgmma
         } else {
             ForwardRung::Overlap
         };
-        rung.shape(tokens, head_dim)
+        rung.shape(q, kv_heads)
+    }
+
+    /// The same kernel with the other block order: the lab's comparisons and the checks
+    /// that every kernel the methods may launch compiles.
+    pub fn other_order(self) -> Self {
+        ForwardKernel {
+            longest_first: !self.longest_first,
+            ..self
+        }
     }
 
     /// Queries per thread block (`BLOCK_M`).
@@ -570,21 +597,33 @@ pub struct BackwardKernels {
 }
 
 impl BackwardKernels {
-    /// What `cuda_hopper` runs: one pass at every length, two warpgroups and three stages;
-    /// every head's longest blocks first up to 4,096 tokens. dQ's last bits then depend on
-    /// the order blocks finish in, and it takes an f32 buffer as large as two dQs;
+    /// What `cuda_hopper` runs for queries of shape `q`: one pass at every length, two
+    /// warpgroups and three stages; every head's longest blocks first while the queries
+    /// and dO the blocks stream fit in L2 ([`longest_first`]). dQ's last bits then depend
+    /// on the order blocks finish in, and it takes an f32 buffer as large as two dQs;
     /// [`BackwardKernels::two_passes`] takes neither.
-    pub fn for_shape(tokens: usize, head_dim: usize) -> Self {
-        let _ = head_dim;
+    pub fn for_shape(q: Shape) -> Self {
         BackwardKernels {
             dkdv: BackwardKernel {
                 pass: BackwardPass::OnePass,
                 warpgroups: 2,
                 stages: 3,
                 stream: 64,
-                longest_first: tokens <= 4096,
+                longest_first: longest_first(4 * q.len()),
             },
             dq: None,
+        }
+    }
+
+    /// The same kernels with the other block order (as [`ForwardKernel::other_order`]).
+    pub fn other_order(self) -> Self {
+        let flip = |k: BackwardKernel| BackwardKernel {
+            longest_first: !k.longest_first,
+            ..k
+        };
+        BackwardKernels {
+            dkdv: flip(self.dkdv),
+            dq: self.dq.map(flip),
         }
     }
 
@@ -592,11 +631,11 @@ impl BackwardKernels {
     /// and δ. dK and dV with three warpgroups (192 keys a block) at head dim 64, three
     /// stages up to 8,192 tokens and two beyond, or two warpgroups and three stages at 128;
     /// dQ with two warpgroups streaming 128 keys a step; every head's longest blocks first
-    /// up to 4,096 tokens.
-    pub fn two_passes(tokens: usize, head_dim: usize) -> Self {
-        let longest_first = tokens <= 4096;
-        let (warpgroups, stages) = match head_dim {
-            64 => (3, if tokens <= 8192 { 3 } else { 2 }),
+    /// while q and dO fit in L2 ([`longest_first`]).
+    pub fn two_passes(q: Shape) -> Self {
+        let longest_first = longest_first(4 * q.len());
+        let (warpgroups, stages) = match q.head_dim {
+            64 => (3, if q.tokens <= 8192 { 3 } else { 2 }),
             _ => (2, 3),
         };
         BackwardKernels {
@@ -617,11 +656,11 @@ impl BackwardKernels {
         }
     }
 
-    /// The rung's kernels for a length and head dim.
-    pub fn rung(rung: BackwardRung, tokens: usize, head_dim: usize) -> Self {
+    /// The rung's kernels for queries of shape `q`.
+    pub fn rung(rung: BackwardRung, q: Shape) -> Self {
         match rung {
-            BackwardRung::TwoPasses => BackwardKernels::two_passes(tokens, head_dim),
-            BackwardRung::OnePass => BackwardKernels::for_shape(tokens, head_dim),
+            BackwardRung::TwoPasses => BackwardKernels::two_passes(q),
+            BackwardRung::OnePass => BackwardKernels::for_shape(q),
         }
     }
 
@@ -763,11 +802,9 @@ mod tests {
     /// only where every length they cover fits.
     #[test]
     fn longest_first_swaps_the_grid_and_names_its_limit() {
-        let one = ForwardKernel::for_shape(1 << 14, 64);
-        let lf = ForwardKernel {
-            longest_first: true,
-            ..one
-        };
+        let one = ForwardKernel::for_shape(Shape::new(4, 12, 1 << 14, 64), 12);
+        assert!(!one.longest_first);
+        let lf = one.other_order();
         let s = Shape::new(4, 12, 1000, 64);
         assert_eq!(one.grid(s).unwrap(), (6, 48, 1));
         assert_eq!(lf.grid(s).unwrap(), (48, 6, 1));
@@ -780,13 +817,14 @@ mod tests {
         );
         for d in HEAD_DIMS {
             for t in [1, 4096, 4097, 8192, 8193, 1 << 16, 1 << 24] {
-                let f = ForwardKernel::for_shape(t, d);
-                assert!(f.grid(Shape::new(1, 1, t, d)).is_ok(), "{t} d{d}: {f:?}");
-                for k in BackwardKernels::for_shape(t, d)
+                let s = Shape::new(1, 1, t, d);
+                let f = ForwardKernel::for_shape(s, 1);
+                assert!(f.grid(s).is_ok(), "{t} d{d}: {f:?}");
+                for k in BackwardKernels::for_shape(s)
                     .kernels()
-                    .chain(BackwardKernels::two_passes(t, d).kernels())
+                    .chain(BackwardKernels::two_passes(s).kernels())
                 {
-                    assert!(k.grid(Shape::new(1, 1, t, d)).is_ok(), "{t} d{d}: {k:?}");
+                    assert!(k.grid(s).is_ok(), "{t} d{d}: {k:?}");
                 }
             }
         }
@@ -799,8 +837,9 @@ mod tests {
     fn every_kernel_the_methods_launch_fits_its_limits_and_the_register_file() {
         for d in HEAD_DIMS {
             for t in [1, 2048, 2049, 4096, 4097, 8192, 8193, 1 << 14, 1 << 20] {
-                let forwards = ForwardRung::ALL.map(|r| r.shape(t, d));
-                for f in forwards.iter().chain([&ForwardKernel::for_shape(t, d)]) {
+                let s = Shape::new(4, 12, t, d);
+                let forwards = ForwardRung::ALL.map(|r| r.shape(s, 12));
+                for f in forwards.iter().chain([&ForwardKernel::for_shape(s, 12)]) {
                     f.check(d).unwrap_or_else(|e| panic!("{t} d{d}: {e}"));
                     if let Some((producer, consumer)) = f.registers() {
                         let needed = 128 * producer + 128 * f.warpgroups as u32 * consumer;
@@ -813,7 +852,7 @@ mod tests {
                     }
                 }
                 for b in [BackwardRung::TwoPasses, BackwardRung::OnePass] {
-                    for k in BackwardKernels::rung(b, t, d).kernels() {
+                    for k in BackwardKernels::rung(b, s).kernels() {
                         k.check(d).unwrap_or_else(|e| panic!("{t} d{d}: {e}"));
                         let (producer, consumer) = k.registers();
                         let needed = 128 * producer + 128 * k.warpgroups as u32 * consumer;
@@ -834,25 +873,25 @@ mod tests {
     fn a_kernel_the_gpu_cannot_run_is_an_error_naming_the_limit() {
         let turns_alone = ForwardKernel {
             warpgroups: 1,
-            ..ForwardRung::Turns.shape(8192, 64)
+            ..ForwardRung::Turns.shape(Shape::new(4, 12, 8192, 64), 12)
         };
         let e = turns_alone.check(64).unwrap_err().to_string();
         assert!(e.contains("two or more warpgroups"), "{e}");
         let big = ForwardKernel {
             stages: 8,
-            ..ForwardRung::Overlap.shape(8192, 128)
+            ..ForwardRung::Overlap.shape(Shape::new(4, 12, 8192, 128), 12)
         };
         let e = big.check(128).unwrap_err().to_string();
         assert!(e.contains("shared memory"), "{e}");
         let shared = ForwardKernel {
             min_blocks: 2,
-            ..ForwardRung::ProducerWarpgroup.shape(8192, 64)
+            ..ForwardRung::ProducerWarpgroup.shape(Shape::new(4, 12, 8192, 64), 12)
         };
         let e = shared.check(64).unwrap_err().to_string();
         assert!(e.contains("one block a multiprocessor"), "{e}");
         let one_pass = BackwardKernel {
             warpgroups: 3,
-            ..BackwardKernels::for_shape(8192, 64).dkdv
+            ..BackwardKernels::for_shape(Shape::new(4, 12, 8192, 64)).dkdv
         };
         let e = one_pass.check(64).unwrap_err().to_string();
         assert!(e.contains("two warpgroups"), "{e}");

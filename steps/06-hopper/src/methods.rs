@@ -4,7 +4,7 @@
 //! and prepared on the device for the benchmark, as step 03's `cuda_flash` is.
 
 use flash_core::method::{DeviceRun, DeviceRunSpec, Grads};
-use flash_core::{Attention, AttnError, Device, Dtype, Method, check_qkv};
+use flash_core::{Attention, AttnError, Device, Dtype, Method, Shape, check_qkv};
 use ndarray::ArrayView4;
 use step03_cuda_forward::methods::{describe, prepare_inputs};
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Gpu, half_dtype};
@@ -38,10 +38,10 @@ pub enum Forward {
 }
 
 impl Forward {
-    pub fn kernel(self, tokens: usize, head_dim: usize) -> ForwardKernel {
+    pub fn kernel(self, q: Shape, kv_heads: usize) -> ForwardKernel {
         match self {
-            Forward::Library => ForwardKernel::for_shape(tokens, head_dim),
-            Forward::Rung(rung) => rung.shape(tokens, head_dim),
+            Forward::Library => ForwardKernel::for_shape(q, kv_heads),
+            Forward::Rung(rung) => rung.shape(q, kv_heads),
         }
     }
 
@@ -60,7 +60,7 @@ impl Forward {
         let up = |x: ArrayView4<f32>| gpu.upload(x, dtype);
         let (q, k, v) = (up(q)?, up(k)?, up(v)?);
         let mut result = gpu.alloc_output(q.shape, dtype)?;
-        let kernel = self.kernel(q.shape.tokens, q.shape.head_dim);
+        let kernel = self.kernel(q.shape, k.shape.heads);
         forward::forward_with(gpu, kernel, &q, &k, &v, &mut result)?;
         gpu.download_attention(&result)
     }
@@ -72,7 +72,7 @@ impl Forward {
         let [q, k, v] = prepare_inputs(spec)?;
         forward::check(&q, &k, &v)?;
         let out = gpu.alloc_output(spec.shape, q.dtype)?;
-        let kernel = self.kernel(spec.shape.tokens, spec.shape.head_dim);
+        let kernel = self.kernel(spec.shape, spec.shape.heads);
         Ok(Box::new(Prepared {
             gpu,
             kernel,
@@ -202,13 +202,14 @@ impl Method for CudaHopper {
         "FlashAttention with Hopper's instructions (TMA, wgmma, warp specialisation), no T×T table: rung 1 or 4 of the forward by the shape, the backward in one pass (compute capability 9.0, head dims 64 and 128)"
     }
     fn implementation(&self) -> String {
-        let f = |t, d| ForwardKernel::for_shape(t, d).name();
+        // at 4 × 12 heads
+        let f = |t, d| ForwardKernel::for_shape(Shape::new(4, 12, t, d), 12).name();
         format!(
             "forward rung 1 (kernels/forward_1_wgmma.cu) at head dim 64 up to 4k tokens ({}), rung 4 (forward_4_overlap.cu) beyond ({}) and at 128 ({}); backward in one pass (backward_2_one_pass.cu: {}); warpgroups x stages x blocks a multiprocessor; NVRTC sm_90a",
             f(4096, 64),
             f(8192, 64),
             f(8192, 128),
-            BackwardKernels::for_shape(8192, 64).name(),
+            BackwardKernels::for_shape(Shape::new(4, 12, 8192, 64)).name(),
         )
     }
     fn dtypes(&self) -> &'static [Dtype] {
@@ -263,7 +264,7 @@ fn two_passes(
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
-    let kernels = BackwardKernels::two_passes(q.shape.tokens, q.shape.head_dim);
+    let kernels = BackwardKernels::two_passes(q.shape);
     backward::backward_with(gpu, kernels, q, k, v, fwd, dout)
 }
 
@@ -272,7 +273,7 @@ fn pair(backward: DeviceBackwardFn) -> Pair {
     Pair {
         forward: forward::forward,
         forward_into: Some(|gpu, q, k, v, out| {
-            let kernel = ForwardKernel::for_shape(q.shape.tokens, q.shape.head_dim);
+            let kernel = ForwardKernel::for_shape(q.shape, k.shape.heads);
             forward::forward_with(gpu, kernel, q, k, v, out)
         }),
         backward,

@@ -29,14 +29,16 @@ const SHAPES: [(usize, usize, usize); 6] = [
     (1, 1, 4097),
 ];
 
-/// Every kernel a method launches at head dim `d`, whatever the length: each rung in its
-/// shapes on both sides of the lengths where a shape changes.
+/// Every kernel a method launches at head dim `d`, whatever the shape: each rung in its
+/// shapes on both sides of the lengths where a shape changes, in both block orders.
 fn every_kernel(d: usize) -> Vec<ForwardKernel> {
     let mut all = Vec::new();
     for t in [1, 1 << 14] {
-        for k in ForwardRung::ALL.map(|r| r.shape(t, d)) {
-            if !all.contains(&k) {
-                all.push(k);
+        for k in ForwardRung::ALL.map(|r| r.shape(Shape::new(1, 1, t, d), 1)) {
+            for k in [k, k.other_order()] {
+                if !all.contains(&k) {
+                    all.push(k);
+                }
             }
         }
     }
@@ -178,8 +180,14 @@ fn without_nvrtc_compiling_is_an_error_not_a_panic() {
         missing.contains("NVRTC") && missing.contains("LD_LIBRARY_PATH"),
         "{missing}"
     );
-    let forward = ForwardKernel::for_shape(1, 64).compile(Dtype::Bf16, 64, TmaRank::Three);
-    let kernel = step06_hopper::kernel::BackwardKernels::for_shape(1 << 14, 64).dkdv;
+    let forward = ForwardKernel::for_shape(Shape::new(1, 1, 1, 64), 1).compile(
+        Dtype::Bf16,
+        64,
+        TmaRank::Three,
+    );
+    let kernel =
+        step06_hopper::kernel::BackwardKernels::for_shape(Shape::new(1, 1, 1 << 14, 64))
+            .dkdv;
     let backward = kernel.compile(Dtype::Bf16, 64, TmaRank::Four);
     for (what, compiled) in [("forward", forward), ("backward", backward)] {
         match compiled {

@@ -34,15 +34,18 @@ fn hopper_backward(
     step04_backward::methods::on_host(backward::backward, q, k, v, fwd, dout, dtype)
 }
 
-/// Every set of kernels a method launches at head dim `d`, whatever the length: both rungs
-/// in their shapes on both sides of the lengths where a shape changes.
+/// Every set of kernels a method launches at head dim `d`, whatever the shape: both rungs
+/// in their shapes on both sides of the lengths where a shape changes, in both block
+/// orders.
 fn every_rung(d: usize) -> Vec<BackwardKernels> {
     let mut all = Vec::new();
     for t in [1, 8193, 1 << 14] {
         for rung in [BackwardRung::TwoPasses, BackwardRung::OnePass] {
-            let k = BackwardKernels::rung(rung, t, d);
-            if !all.contains(&k) {
-                all.push(k);
+            let k = BackwardKernels::rung(rung, Shape::new(1, 1, t, d));
+            for k in [k, k.other_order()] {
+                if !all.contains(&k) {
+                    all.push(k);
+                }
             }
         }
     }
@@ -163,7 +166,7 @@ fn hopper_backward_in_two_passes_is_deterministic() {
         let dout = random_normal(shape, 4);
         let [q, k, v, dout] = [&q, &k, &v, &dout].map(|x| up(gpu, x, Dtype::Bf16));
         let fwd = forward::forward(gpu, &q, &k, &v).unwrap();
-        let configs = BackwardKernels::two_passes(shape.tokens, d);
+        let configs = BackwardKernels::two_passes(shape);
         let run = || {
             download(
                 gpu,
@@ -340,7 +343,7 @@ fn strided_inputs_and_outputs_give_the_same_bits() {
         unsafe {
             forward::forward_into(
                 gpu,
-                ForwardKernel::for_shape(t, d),
+                ForwardKernel::for_shape(shape, shape.heads),
                 shape,
                 Dtype::Bf16,
                 [sq, sk, sv],
@@ -442,7 +445,7 @@ fn strided_entry_points_refuse_what_the_kernels_cannot_take() {
         dout: at(&dout, heads),
         lse: fwd.lse.device_ptr(gpu.stream()).0,
     };
-    let configs = BackwardKernels::for_shape(64, 64);
+    let configs = BackwardKernels::for_shape(Shape::new(1, 3, 64, 64));
     // SAFETY: each call is refused before any launch, so nothing is read or written
     unsafe {
         let wrong_heads = Layout::heads(Shape::new(1, 3, 64, 64));
@@ -465,7 +468,7 @@ fn strided_entry_points_refuse_what_the_kernels_cannot_take() {
         assert!(e.to_string().contains("multiples of 16"), "{e}");
         let e = forward::forward_into(
             gpu,
-            ForwardKernel::for_shape(64, 64),
+            ForwardKernel::for_shape(Shape::new(1, 3, 64, 64), 3),
             shape,
             Dtype::Bf16,
             [off.q, off.k, off.v],

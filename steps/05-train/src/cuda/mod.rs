@@ -858,7 +858,7 @@ impl GpuTrainer {
                             qkv.ptr,
                         )?;
                         prof.mark(gpu, "matmul: qkv")?;
-                        let kernel = ForwardKernel::for_shape(t, d);
+                        let kernel = ForwardKernel::for_shape(shape, h);
                         // (inside this unsafe block) qkv holds rows · 3C bf16 values, each
                         // third's span (Layout::span) ends inside it; att_rows holds rows ·
                         // C, lse rows · H f32, apart from qkv and each other
@@ -1196,7 +1196,7 @@ impl GpuTrainer {
                         // run can be repeated and resumed exactly (one pass adds dQ in
                         // whatever order its blocks finish)
                         let kernels =
-                            step06_hopper::kernel::BackwardKernels::two_passes(t, d);
+                            step06_hopper::kernel::BackwardKernels::two_passes(shape);
                         let grads = fused_thirds(s.dqkv.ptr, shape).map(|g| g.ptr);
                         // (inside this unsafe block) dqkv holds rows · 3C bf16 values,
                         // apart from every input, and each third's span ends inside it; the

@@ -8,6 +8,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use flash_core::Shape;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::ptxas::{self, Variant};
 use step06_hopper::kernel::{
@@ -50,14 +51,20 @@ fn main() -> ExitCode {
             for d in HEAD_DIMS {
                 let mut forwards: Vec<ForwardKernel> = Vec::new();
                 let mut backwards = Vec::new();
+                // each kernel in both block orders: which one runs depends on the batch and
+                // heads as well (kernel::longest_first)
                 for t in LENGTHS {
-                    for f in ForwardRung::ALL.map(|r| r.shape(t, d)) {
-                        if !forwards.contains(&f) {
-                            forwards.push(f);
+                    let s = Shape::new(1, 1, t, d);
+                    for f in ForwardRung::ALL.map(|r| r.shape(s, 1)) {
+                        for f in [f, f.other_order()] {
+                            if !forwards.contains(&f) {
+                                forwards.push(f);
+                            }
                         }
                     }
                     for rung in [BackwardRung::TwoPasses, BackwardRung::OnePass] {
-                        for k in BackwardKernels::rung(rung, t, d).kernels() {
+                        let ks = BackwardKernels::rung(rung, s);
+                        for k in ks.kernels().chain(ks.other_order().kernels()) {
                             if !backwards.contains(&k) {
                                 backwards.push(k);
                             }

@@ -133,7 +133,7 @@ fn forward_into(
         Forward::Step03 => gpu.forward_into(&x.q, &x.k, &x.v, result),
         Forward::Hopper => step06_hopper::forward::forward_with(
             gpu,
-            ForwardKernel::for_shape(x.q.shape.tokens, x.q.shape.head_dim),
+            ForwardKernel::for_shape(x.q.shape, x.k.shape.heads),
             &x.q,
             &x.k,
             &x.v,
