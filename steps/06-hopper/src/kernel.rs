@@ -148,12 +148,12 @@ impl ForwardRung {
 pub const L2_BYTES: usize = 50 << 20;
 
 /// Whether a launch runs every head's longest blocks first, given the bytes of the operand
-/// its blocks stream (k and v in the forward; q and dO in the backward), over the whole call.
-/// Longest first spreads a head's blocks over the whole run, and they share what they stream
-/// only through the L2 cache: the order pays while all of it fits there (one head after
-/// another otherwise keeps a few heads' worth in flight). At 4 × 12 heads that is up to
-/// 4,096 tokens at head dim 64 and 2,048 at 128; at 32 heads of 1,024 tokens, 16 sequences,
-/// never. The lab's notes have both orders measured.
+/// its blocks stream (k and v in the forward; q and dO in the backward), over the whole
+/// call. Longest first spreads a head's blocks over the whole run, and they share what they
+/// stream only through the L2 cache: the order pays while all of it fits there (one head
+/// after another otherwise keeps a few heads' worth in flight). At 4 × 12 heads that is up
+/// to 4,096 tokens at head dim 64 and 2,048 at 128; at 32 heads of 1,024 tokens, 16
+/// sequences, never. The lab's notes have both orders measured.
 pub fn longest_first(streamed_bytes: usize) -> bool {
     streamed_bytes <= L2_BYTES
 }
