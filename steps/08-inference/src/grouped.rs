@@ -13,7 +13,7 @@ use flash_core::check::grouped_kv;
 use flash_core::reference::{Reference, attention_f64};
 use flash_core::{Attention, AttnError, Shape, check_finite};
 use ndarray::{Array4, ArrayView4, Axis, s};
-use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu, device_error};
+use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu};
 use step04_backward::Grads;
 use step04_backward::cuda::DeviceGrads;
 use step04_backward::reference::{ReferenceGrads, backward_f64};
@@ -151,9 +151,6 @@ pub fn forward_backward(
         dk: gpu.download(&dk)?,
         dv: gpu.download(&dv)?,
     };
-    gpu.stream()
-        .synchronize()
-        .map_err(device_error("synchronising"))?;
     Ok((gpu.download_attention(&fwd)?, grads))
 }
 
