@@ -184,12 +184,14 @@ def our_init(cfg, seed):
 def tensor_shapes(cfg):
     """Every weight's name and shape, in the order of Params::tensors (model.rs)."""
     c, v, t = cfg["d_model"], cfg["vocab"], cfg["context"]
+    qkv = 3 * c
+    qkv = c + 2 * cfg["kv_heads"] * (c // cfg["heads"])  # k and v: kv_heads heads each  # [step 08]
     yield "wte.weight", (v, c)
     yield "wpe.weight", (t, c)
     for i in range(cfg["layers"]):
         for what, shape in (
             ("ln_1.weight", (c,)), ("ln_1.bias", (c,)),
-            ("attn.c_attn.weight", (c, 3 * c)), ("attn.c_attn.bias", (3 * c,)),
+            ("attn.c_attn.weight", (c, qkv)), ("attn.c_attn.bias", (qkv,)),
             ("attn.c_proj.weight", (c, c)), ("attn.c_proj.bias", (c,)),
             ("ln_2.weight", (c,)), ("ln_2.bias", (c,)),
             ("mlp.c_fc.weight", (c, 4 * c)), ("mlp.c_fc.bias", (4 * c,)),
@@ -225,6 +227,7 @@ def read_checkpoint(path):
     if meta.get("format") != "step05-train" or "config" not in meta:
         raise bad("no step05-train configuration in its metadata")
     cfg = json.loads(meta["config"])
+    cfg.setdefault("kv_heads", cfg["heads"])  # a checkpoint from before grouped heads  # [step 08]
     tensors = {}
     for name, info in header.items():
         if name.startswith("adamw."):
@@ -360,14 +363,16 @@ class Attention(nn.Module):
         super().__init__()
         c = cfg["d_model"]
         self.heads = cfg["heads"]
+        self.kv_heads = self.heads
+        self.kv_heads = cfg["kv_heads"]  # [step 08]
         self.attention = attention
         self.ours = precision == "ours"
-        self.c_attn = Conv1D(c, 3 * c)
+        self.c_attn = Conv1D(c, c + 2 * self.kv_heads * (c // self.heads))
         self.c_proj = Conv1D(c, c)
 
     def forward(self, x):
         b, t, c = x.shape
-        h = self.heads
+        h, kv, d = self.heads, self.kv_heads, c // self.heads
         if self.ours:
             # bf16 q, k, v, the bias (in bf16) added before the rounding, as cuBLASLt's
             # epilogue
@@ -376,16 +381,24 @@ class Attention(nn.Module):
         else:
             qkv = self.c_attn(x)
         # the columns: q's heads side by side, then k's, then v's (layers.rs split_qkv)
-        q, k, v = qkv.split(c, dim=2)
-        q, k, v = (y.view(b, t, h, c // h).transpose(1, 2) for y in (q, k, v))
+        q, k, v = qkv.split([h * d, kv * d, kv * d], dim=2)
+        q = q.view(b, t, h, d).transpose(1, 2)
+        k, v = (y.view(b, t, kv, d).transpose(1, 2) for y in (k, v))
         if self.attention == "by-hand":
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // h))
+            # [step 08]
+            # each key and value head repeated for its group of query heads (repeat_kv)
+            k, v = (y.repeat_interleave(h // kv, dim=1) for y in (k, v))
+            # [/step 08]
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             scores = scores.masked_fill(~mask, float("-inf"))
             out = torch.softmax(scores, dim=-1) @ v
         else:
             # the backend, if one is forced, is chosen around the whole step (sdpa_context)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True,
+                enable_gqa=kv != h,  # [step 08]
+            )
         out = out.transpose(1, 2).reshape(b, t, c)
         if self.ours:
             # an f32 result into the residual stream; its input gradient in bf16, for the
@@ -622,6 +635,7 @@ def settings_from(args, record, init_cfg):
     given = {k: getattr(args, k) for k in DEFAULTS if getattr(args, k) is not None}
     if record is not None:
         cfg = dict(record["config"])
+        cfg.setdefault("kv_heads", cfg["heads"])  # a run from before grouped heads  # [step 08]
         s = record["settings"]
         from_record = dict(
             layers=cfg["layers"], d_model=cfg["d_model"], heads=cfg["heads"],
@@ -635,6 +649,13 @@ def settings_from(args, record, init_cfg):
                     f"--{k.replace('_', '-')} {v}, but the run to check against has {from_record[k]}: "
                     "--like and --check-against take every setting from the run (fewer --steps may be given)"
                 )
+        # [step 08]
+        if args.kv_heads is not None and args.kv_heads != cfg["kv_heads"]:
+            raise Failure(
+                f"--kv-heads {args.kv_heads}, but the run to check against has {cfg['kv_heads']}: "
+                "--like and --check-against take the model from the run"
+            )
+        # [/step 08]
         settings = dict(s)
         settings["train_steps"] = given.get("steps", s["steps"])
         if record.get("started_at_step", 0) != 0:
@@ -655,6 +676,17 @@ def settings_from(args, record, init_cfg):
         v["lr"] = 6e-4  # as ours (main.rs, default_lr): GPT-2 small's rate from its width on
     v.update(given)
     cfg = dict(layers=v["layers"], d_model=v["d_model"], heads=v["heads"], context=v["context"], vocab=256)
+    # [step 08]
+    # one key and value head per query head, unless --kv-heads or the checkpoint says otherwise
+    kv_from = init_cfg["kv_heads"] if init_cfg is not None and "heads" not in given else cfg["heads"]
+    cfg["kv_heads"] = args.kv_heads if args.kv_heads is not None else kv_from
+    if cfg["kv_heads"] < 1 or cfg["heads"] % cfg["kv_heads"]:
+        raise Failure(
+            f"--kv-heads {cfg['kv_heads']} does not divide --heads {cfg['heads']}: each key and value head "
+            f"is shared by heads / kv_heads query heads; accepted: "
+            + ", ".join(str(n) for n in range(1, cfg["heads"] + 1) if cfg["heads"] % n == 0)
+        )
+    # [/step 08]
     steps = v["steps"]
     settings = dict(
         batch=v["batch"],
@@ -954,6 +986,7 @@ def parse_args(argv):
         default = DEFAULTS[name.replace("-", "_")]
         p.add_argument(f"--{name}", type=kind, default=None, help=f"{what} [default: {default}, as ours]")
     p.add_argument("--seq-len", type=int, help="tokens per sequence [default: the context]")
+    p.add_argument("--kv-heads", type=int, help="heads of keys and values, each shared by heads / kv-heads query heads (grouped-query attention, SDPA's enable_gqa) [default: --heads, as ours]")  # [step 08]
     p.add_argument("--max-seconds", type=float, help="stop after the first step that ends past this many seconds of training (held-out losses not counted); the schedule still runs over --steps")
     p.add_argument("--no-eval", action="store_true", help="no held-out losses (a timing run)")
     p.add_argument("--print-every", type=int, default=1)

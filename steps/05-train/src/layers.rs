@@ -295,19 +295,23 @@ pub fn from_heads<A: Float>(x: ArrayView4<A>) -> Array2<A> {
         .expect("a standard-layout array")
 }
 
-/// q, k and v from the fused projection's output `[batch·tokens, 3·d_model]`: its columns
-/// are q's heads, then k's, then v's (GPT-2's `c_attn`).
+/// q, k and v from the fused projection's output, a row per token: its columns are q's
+/// heads, then k's, then v's (GPT-2's `c_attn`), all of one head dim.
 pub fn split_qkv<A: Float>(
     qkv: ArrayView2<A>,
     batch: usize,
     heads: usize,
+    kv_heads: usize, // [step 08]
 ) -> [Array4<A>; 3] {
-    let d = qkv.ncols() / 3;
-    let part = |i: usize| {
-        let cols = qkv.slice(s![.., i * d..(i + 1) * d]);
-        to_heads(cols.as_standard_layout().view(), batch, heads)
-    };
-    [part(0), part(1), part(2)]
+    let heads_of = [heads; 3];
+    let heads_of = [heads_of[0], kv_heads, kv_heads]; // [step 08]
+    let head_dim = qkv.ncols() / heads_of.iter().sum::<usize>();
+    let mut start = 0;
+    heads_of.map(|h| {
+        let cols = qkv.slice(s![.., start..start + h * head_dim]);
+        start += h * head_dim;
+        to_heads(cols.as_standard_layout().view(), batch, h)
+    })
 }
 
 /// The adjoint of [`split_qkv`]: dq, dk and dv back to the fused projection's columns.
@@ -317,11 +321,40 @@ pub fn join_qkv<A: Float>(
     dv: ArrayView4<A>,
 ) -> Array2<A> {
     let parts = [from_heads(dq), from_heads(dk), from_heads(dv)];
-    let d = parts[0].ncols();
-    let mut out = Array2::zeros((parts[0].nrows(), 3 * d));
-    for (i, p) in parts.iter().enumerate() {
-        out.slice_mut(s![.., i * d..(i + 1) * d]).assign(p);
+    ndarray::concatenate(
+        Axis(1),
+        &[parts[0].view(), parts[1].view(), parts[2].view()],
+    )
+    .expect("one row per token in each")
+}
+// [step 08]
+
+/// Grouped-query attention on the CPU, as most models implement it: each of k's and v's
+/// heads repeated `groups` times, `[B, H/g, T, D]` to `[B, H, T, D]`, so that query head `h`
+/// meets key head `h / groups`; then plain attention.
+pub fn repeat_kv<A: Float>(x: Array4<A>, groups: usize) -> Array4<A> {
+    if groups == 1 {
+        return x;
+    }
+    let (batch, kv_heads, tokens, head_dim) = x.dim();
+    Array4::from_shape_fn(
+        (batch, kv_heads * groups, tokens, head_dim),
+        |(b, h, t, d)| x[[b, h / groups, t, d]],
+    )
+}
+
+/// The adjoint of [`repeat_kv`]: a kv head's gradient is the sum of its `groups` copies'.
+pub fn sum_groups<A: Float>(dx: Array4<A>, groups: usize) -> Array4<A> {
+    if groups == 1 {
+        return dx;
+    }
+    let (batch, heads, tokens, head_dim) = dx.dim();
+    let mut out = Array4::zeros((batch, heads / groups, tokens, head_dim));
+    for (h, head) in dx.axis_iter(Axis(1)).enumerate() {
+        let mut sum = out.index_axis_mut(Axis(1), h / groups);
+        sum += &head;
     }
     out
 }
+// [/step 08]
 // ANCHOR_END: heads

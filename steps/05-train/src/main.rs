@@ -78,6 +78,12 @@ struct ModelArgs {
     /// Attention heads (d_model / heads dimensions each) [default: 4]
     #[arg(long)]
     heads: Option<usize>,
+    // [step 08]
+    /// Heads of keys and values, each shared by heads / kv-heads query heads
+    /// (grouped-query attention; 1 is multi-query); a divisor of --heads [default: --heads]
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    // [/step 08]
     /// Positions the model has [default: 128]
     #[arg(long)]
     context: Option<usize>,
@@ -90,6 +96,13 @@ impl ModelArgs {
             layers: self.layers.unwrap_or(base.layers),
             d_model: self.d_model.unwrap_or(base.d_model),
             heads: self.heads.unwrap_or(base.heads),
+            // [step 08]
+            // one key and value head per query head unless --kv-heads says otherwise
+            kv_heads: self.kv_heads.unwrap_or(match self.heads {
+                Some(heads) if heads != base.heads => heads,
+                _ => base.kv_heads,
+            }),
+            // [/step 08]
             context: self.context.unwrap_or(base.context),
             vocab: base.vocab,
         }

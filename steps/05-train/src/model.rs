@@ -24,9 +24,11 @@ use crate::layers::{
     join_qkv, layernorm, layernorm_backward, linear, linear_backward, softmax_rows,
     split_qkv, to_heads,
 };
+use crate::layers::{repeat_kv, sum_groups}; // [step 08]
 
 /// The shape of a model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "ConfigFields")] // [step 08]
 pub struct Config {
     /// Transformer blocks.
     pub layers: usize,
@@ -34,11 +36,43 @@ pub struct Config {
     pub d_model: usize,
     /// Attention heads; each has `d_model / heads` dimensions.
     pub heads: usize,
+    // [step 08]
+    /// Heads of keys and values, each shared by `heads / kv_heads` query heads
+    /// (grouped-query attention): `heads` is plain multi-head attention, 1 multi-query.
+    pub kv_heads: usize,
+    // [/step 08]
     /// The most tokens the model sees at once: the rows of its position embedding.
     pub context: usize,
     /// Distinct tokens: 256 for bytes.
     pub vocab: usize,
 }
+
+// [step 08]
+/// A [`Config`] as checkpoints and run records hold it; one written before grouped heads
+/// has no `kv_heads`, and had as many as `heads`.
+#[derive(Deserialize)]
+struct ConfigFields {
+    layers: usize,
+    d_model: usize,
+    heads: usize,
+    kv_heads: Option<usize>,
+    context: usize,
+    vocab: usize,
+}
+
+impl From<ConfigFields> for Config {
+    fn from(c: ConfigFields) -> Config {
+        Config {
+            layers: c.layers,
+            d_model: c.d_model,
+            heads: c.heads,
+            kv_heads: c.kv_heads.unwrap_or(c.heads),
+            context: c.context,
+            vocab: c.vocab,
+        }
+    }
+}
+// [/step 08]
 
 impl Config {
     /// Checks that the numbers make a model: every one at least 1, `d_model` a multiple of
@@ -48,6 +82,7 @@ impl Config {
             layers,
             d_model,
             heads,
+            kv_heads, // [step 08]
             context,
             vocab,
         } = *self;
@@ -66,11 +101,34 @@ impl Config {
                 "vocab {vocab}: the tokens are bytes, so at most 256"
             )));
         }
+        // [step 08]
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            let divisors: Vec<String> = (1..=heads)
+                .filter(|d| heads.is_multiple_of(*d))
+                .map(|d| d.to_string())
+                .collect();
+            return Err(TrainError::Config(format!(
+                "kv_heads {kv_heads} does not divide heads {heads}: each key and value head \
+                 is shared by heads / kv_heads query heads; accepted for {heads} heads: {}",
+                divisors.join(", ")
+            )));
+        }
+        // [/step 08]
         Ok(())
     }
 
     pub fn head_dim(&self) -> usize {
         self.d_model / self.heads
+    }
+
+    /// Columns of the fused q, k and v projection: q's heads, then k's, then v's.
+    pub fn qkv_width(&self) -> usize {
+        let kv_width = self.d_model;
+        // [step 08]
+        // k and v have kv_heads heads each, as wide as q's
+        let kv_width = kv_width / self.heads * self.kv_heads;
+        // [/step 08]
+        self.d_model + 2 * kv_width
     }
 }
 
@@ -91,6 +149,7 @@ impl Preset {
                 layers: 4,
                 d_model: 128,
                 heads: 4,
+                kv_heads: 4, // [step 08]
                 context: 128,
                 vocab: 256,
             },
@@ -98,6 +157,7 @@ impl Preset {
                 layers: 12,
                 d_model: 768,
                 heads: 12,
+                kv_heads: 12, // [step 08]
                 context: 2048,
                 vocab: 256,
             },
@@ -111,7 +171,8 @@ impl Preset {
 pub struct Block<A> {
     pub ln_1_w: Array1<A>,
     pub ln_1_b: Array1<A>,
-    /// `[C, 3C]`: q, k and v in one product, their columns in that order.
+    /// `[C, 3C]`: q, k and v in one product, their columns in that order
+    /// ([`Config::qkv_width`] columns).
     pub attn_w: Array2<A>,
     pub attn_b: Array1<A>,
     /// `[C, C]`: the attention's output projection, into the residual stream.
@@ -174,11 +235,12 @@ impl<A: Float> Params<A> {
     /// All zeros: the start of a gradient or of a moment of the optimizer.
     pub fn zeros(config: Config) -> Self {
         let (c, v, t) = (config.d_model, config.vocab, config.context);
+        let qkv = config.qkv_width();
         let block = || Block {
             ln_1_w: Array1::zeros(c),
             ln_1_b: Array1::zeros(c),
-            attn_w: Array2::zeros((c, 3 * c)),
-            attn_b: Array1::zeros(3 * c),
+            attn_w: Array2::zeros((c, qkv)),
+            attn_b: Array1::zeros(qkv),
             proj_w: Array2::zeros((c, c)),
             proj_b: Array1::zeros(c),
             ln_2_w: Array1::zeros(c),
@@ -255,6 +317,9 @@ pub struct BlockActs<A: Float> {
     pub x: Array2<A>,
     pub ln_1: Norm<A>,
     /// `[B, H, T, D]` each, as the attention kernels take them.
+    // [step 08]
+    /// With grouped heads, k and v have each kv head repeated for its group.
+    // [/step 08]
     pub q: Array4<A>,
     pub k: Array4<A>,
     pub v: Array4<A>,
@@ -317,7 +382,17 @@ pub fn forward<A: Float>(
     for w in &p.blocks {
         let ln_1 = layernorm(x.view(), w.ln_1_w.view(), w.ln_1_b.view());
         let qkv = linear(ln_1.out.view(), w.attn_w.view(), w.attn_b.view());
-        let [q, k, v] = split_qkv(qkv.view(), batch, cfg.heads);
+        let [q, k, v] = split_qkv(
+            qkv.view(),
+            batch,
+            cfg.heads,
+            cfg.kv_heads, // [step 08]
+        );
+        // [step 08]
+        // each key and value head serves `groups` query heads
+        let groups = cfg.heads / cfg.kv_heads;
+        let (k, v) = (repeat_kv(k, groups), repeat_kv(v, groups));
+        // [/step 08]
         let att = A::attention(q.view(), k.view(), v.view())?;
         let att_rows = from_heads(A::attention_out(&att));
         let x_mid = &x + &linear(att_rows.view(), w.proj_w.view(), w.proj_b.view());
@@ -435,6 +510,10 @@ pub fn backward<A: Float>(
         let dout = to_heads(datt_rows.view(), batch, cfg.heads);
         let [dq, dk, dv] =
             A::attention_backward(a.q.view(), a.k.view(), a.v.view(), &a.att, dout.view())?;
+        // [step 08]
+        let groups = cfg.heads / cfg.kv_heads;
+        let (dk, dv) = (sum_groups(dk, groups), sum_groups(dv, groups));
+        // [/step 08]
         let dqkv = join_qkv(dq.view(), dk.view(), dv.view());
         let mut dln_1 = Array2::zeros(a.ln_1.out.dim());
         linear_backward(
@@ -494,6 +573,7 @@ mod tests {
             layers: 2,
             d_model: 16,
             heads: 2,
+            kv_heads: 2, // [step 08]
             context: 8,
             vocab: 256,
         };
@@ -520,4 +600,33 @@ mod tests {
             }
         }
     }
+
+    // [step 08]
+    #[test]
+    fn kv_heads_divide_the_heads_and_old_configs_have_one_per_head() {
+        let small = Preset::Small.config();
+        let old = r#"{"layers":4,"d_model":128,"heads":4,"context":128,"vocab":256}"#;
+        assert_eq!(serde_json::from_str::<Config>(old).unwrap(), small);
+        let grouped = Config {
+            kv_heads: 2,
+            ..small
+        };
+        grouped.check().unwrap();
+        let json = serde_json::to_string(&grouped).unwrap();
+        assert_eq!(serde_json::from_str::<Config>(&json).unwrap(), grouped);
+        // k and v take 2 heads of 32 columns each: 128 + 2·64
+        assert_eq!(grouped.qkv_width(), 256);
+        assert_eq!(small.qkv_width(), 3 * 128);
+        for kv_heads in [0, 3, 8] {
+            let e = Config { kv_heads, ..small }
+                .check()
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("kv_heads {kv_heads}")) && e.contains("1, 2, 4"),
+                "{e}"
+            );
+        }
+    }
+    // [/step 08]
 }

@@ -112,6 +112,7 @@ const SMALL: Config = Config {
     layers: 2,
     d_model: 64,
     heads: 2,
+    kv_heads: 2, // [step 08]
     context: 64,
     vocab: 256,
 };

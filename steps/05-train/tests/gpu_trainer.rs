@@ -85,6 +85,7 @@ fn gradients_match(attention: AttentionKind, shapes: &[(usize, usize)]) {
             layers: 2,
             d_model,
             heads,
+            kv_heads: heads, // [step 08]
             context: 96,
             vocab: 256,
         };
@@ -187,6 +188,7 @@ fn adamw_on_the_gpu_matches_the_cpu_optimizer() {
         layers: 2,
         d_model: 64,
         heads: 2,
+        kv_heads: 2, // [step 08]
         context: 32,
         vocab: 256,
     };
@@ -236,6 +238,7 @@ fn a_short_gpu_run_learns_as_the_cpu_run_does() {
         layers: 2,
         d_model: 64,
         heads: 2,
+        kv_heads: 2, // [step 08]
         context: 64,
         vocab: 256,
     };
@@ -320,6 +323,7 @@ fn without_a_gpu_the_error_says_what_is_missing() {
         layers: 1,
         d_model: 64,
         heads: 2,
+        kv_heads: 2, // [step 08]
         context: 16,
         vocab: 256,
     };
@@ -349,6 +353,7 @@ fn shapes_the_kernels_cannot_take_are_refused_before_any_gpu_is_touched() {
         layers: 1,
         d_model: 64,
         heads: 2,
+        kv_heads: 2, // [step 08]
         context: 16,
         vocab: 256,
     };
@@ -365,6 +370,7 @@ fn shapes_the_kernels_cannot_take_are_refused_before_any_gpu_is_touched() {
     let wide = Config {
         d_model: 256,
         heads: 1,
+        kv_heads: 1, // [step 08]
         ..config
     };
     let e = GpuTrainer::new(&trainer(wide, 1), 1, 16, AttentionKind::Flash, false)
@@ -372,6 +378,20 @@ fn shapes_the_kernels_cannot_take_are_refused_before_any_gpu_is_touched() {
         .expect("head dim 256 refused")
         .to_string();
     assert!(e.contains("head dim 256"), "{e}");
+    // [step 08]
+    let grouped = Config {
+        kv_heads: 1,
+        ..config
+    };
+    let e = GpuTrainer::new(&trainer(grouped, 1), 1, 16, AttentionKind::Flash, false)
+        .err()
+        .expect("grouped heads refused")
+        .to_string();
+    assert!(
+        e.contains("kv_heads 1 of heads 2") && e.contains("--device cpu"),
+        "{e}"
+    );
+    // [/step 08]
 }
 
 #[test]
@@ -382,6 +402,7 @@ fn a_batch_that_does_not_fit_is_refused_before_anything_is_allocated() {
         layers: 12,
         d_model: 768,
         heads: 12,
+        kv_heads: 12, // [step 08]
         context: 2048,
         vocab: 256,
     };

@@ -13,6 +13,7 @@ const TINY: Config = Config {
     layers: 2,
     d_model: 16,
     heads: 2,
+    kv_heads: 2, // [step 08]
     context: 8,
     vocab: 256,
 };
@@ -45,8 +46,26 @@ fn picks(len: usize, grad: &[f64]) -> Vec<usize> {
 
 #[test]
 fn every_tensor_matches_central_differences() {
+    matches_central_differences(TINY);
+}
+
+// [step 08]
+#[test]
+fn grouped_heads_match_central_differences() {
+    // 4 query heads sharing 2 key and value heads, then 1 (multi-query attention)
+    for kv_heads in [2, 1] {
+        matches_central_differences(Config {
+            heads: 4,
+            kv_heads,
+            ..TINY
+        });
+    }
+}
+// [/step 08]
+
+fn matches_central_differences(config: Config) {
     let (inputs, targets) = batch();
-    let p32 = Params::<f32>::init(TINY, 7).unwrap();
+    let p32 = Params::<f32>::init(config, 7).unwrap();
     // the weights the f32 model has, widened exactly
     let p64 = p32.cast(|x| x as f64);
     let g64 = backward(
@@ -98,7 +117,7 @@ fn every_tensor_matches_central_differences() {
         }
     }
     eprintln!(
-        "{} tensors: worst f64 error {worst64:.1e} of the difference, worst f32 error {worst32:.1e} of the tensor's largest gradient",
+        "{config:?}: {} tensors: worst f64 error {worst64:.1e} of the difference, worst f32 error {worst32:.1e} of the tensor's largest gradient",
         names.len()
     );
 }

@@ -3,12 +3,14 @@
 //! arrays our kernels take.
 
 use flash_core::inputs::SplitMix64;
+use ndarray::Axis; // [step 08]
 use ndarray::{Array1, Array2, Array4};
 use step05_train::layers::{
     cross_entropy, cross_entropy_backward, from_heads, gelu, gelu_grad, join_qkv,
     layernorm, layernorm_backward, linear, linear_backward, softmax_rows, split_qkv,
     to_heads,
 };
+use step05_train::layers::{repeat_kv, sum_groups}; // [step 08]
 
 const H: f64 = 1e-6;
 
@@ -160,7 +162,12 @@ fn heads_relayout_is_the_layout_our_kernels_take() {
     let c = heads * head_dim;
     let qkv =
         Array2::from_shape_fn((batch * tokens, 3 * c), |(r, col)| (r * 1000 + col) as f64);
-    let [q, k, v] = split_qkv(qkv.view(), batch, heads);
+    let [q, k, v] = split_qkv(
+        qkv.view(),
+        batch,
+        heads,
+        heads, // [step 08]
+    );
     assert_eq!(q.dim(), (batch, heads, tokens, head_dim));
     for ((b, h, t, d), &x) in q.indexed_iter() {
         let row = b * tokens + t;
@@ -179,8 +186,53 @@ fn heads_relayout_is_the_layout_our_kernels_take() {
         })
         .collect();
     let x = normal2(batch * tokens, 3 * c, 30);
-    let [a, b, d] = split_qkv(x.view(), batch, heads);
+    let [a, b, d] = split_qkv(
+        x.view(),
+        batch,
+        heads,
+        heads, // [step 08]
+    );
     let lhs = (&a * &ys[0]).sum() + (&b * &ys[1]).sum() + (&d * &ys[2]).sum();
     let rhs = (&x * &join_qkv(ys[0].view(), ys[1].view(), ys[2].view())).sum();
     assert!((lhs - rhs).abs() < 1e-9 * lhs.abs().max(1.0));
 }
+// [step 08]
+
+#[test]
+fn grouped_heads_split_narrower_k_and_v_and_repeat_them_for_their_group() {
+    // 6 query heads of 4 dimensions, 2 key and value heads: each serves a group of 3
+    let (batch, tokens, heads, kv_heads, head_dim) = (2, 5, 6, 2, 4);
+    let (c, kv) = (heads * head_dim, kv_heads * head_dim);
+    let qkv = Array2::from_shape_fn((batch * tokens, c + 2 * kv), |(r, col)| {
+        (r * 1000 + col) as f64
+    });
+    let [q, k, v] = split_qkv(qkv.view(), batch, heads, kv_heads);
+    assert_eq!(q.dim(), (batch, heads, tokens, head_dim));
+    assert_eq!(k.dim(), (batch, kv_heads, tokens, head_dim));
+    for ((b, h, t, d), &x) in k.indexed_iter() {
+        let row = b * tokens + t;
+        assert_eq!(x, qkv[[row, c + h * head_dim + d]]);
+        assert_eq!(v[[b, h, t, d]], qkv[[row, c + kv + h * head_dim + d]]);
+    }
+    assert_eq!(join_qkv(q.view(), k.view(), v.view()), qkv);
+    // query head h meets key head h / 3
+    let groups = heads / kv_heads;
+    let repeated = repeat_kv(k.clone(), groups);
+    for h in 0..heads {
+        assert_eq!(
+            repeated.index_axis(Axis(1), h),
+            k.index_axis(Axis(1), h / groups)
+        );
+    }
+    // sum_groups is repeat_kv's adjoint, so the backward may use it
+    let y = normal2(batch * heads * tokens, head_dim, 40)
+        .into_shape_with_order((batch, heads, tokens, head_dim))
+        .unwrap();
+    let x = normal2(batch * kv_heads * tokens, head_dim, 41)
+        .into_shape_with_order((batch, kv_heads, tokens, head_dim))
+        .unwrap();
+    let lhs = (&repeat_kv(x.clone(), groups) * &y).sum();
+    let rhs = (&x * &sum_groups(y, groups)).sum();
+    assert!((lhs - rhs).abs() < 1e-9 * lhs.abs().max(1.0));
+}
+// [/step 08]

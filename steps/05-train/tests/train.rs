@@ -38,6 +38,7 @@ const SMALL: Config = Config {
     layers: 2,
     d_model: 64,
     heads: 4,
+    kv_heads: 4, // [step 08]
     context: 64,
     vocab: 256,
 };
@@ -166,6 +167,7 @@ fn resuming_from_a_checkpoint_gives_the_losses_of_a_run_that_never_stopped() {
         layers: 1,
         d_model: 32,
         heads: 2,
+        kv_heads: 2, // [step 08]
         context: 32,
         vocab: 256,
     };

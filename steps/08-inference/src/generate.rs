@@ -18,15 +18,16 @@ use step05_train::model::{Config, Params, forward};
 use step05_train::train::pick;
 
 // ANCHOR: kv_cache
-/// Each layer's keys and values of every token the model has read, `[heads, positions,
-/// head_dim]` per layer as the attention reads them.
+/// Each layer's keys and values of every token the model has read, `[kv_heads, positions,
+/// head_dim]` per layer as the attention reads them: with grouped heads, one head for each
+/// group of query heads, so the cache is `heads / kv_heads` times smaller.
 ///
 /// The buffers are the model's context long from the start: a token appends a row to each
 /// (position [`KvCache::len`]), and nothing already there moves. The context is also the
 /// cap: the model has a position embedding for `context` positions only.
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvCache {
-    /// Per layer, `[heads, context, head_dim]`; positions `0..len` are filled.
+    /// Per layer, `[kv_heads, context, head_dim]`; positions `0..len` are filled.
     keys: Vec<Array3<f32>>,
     values: Vec<Array3<f32>>,
     /// Tokens read so far: the next token's position.
@@ -37,7 +38,7 @@ pub struct KvCache {
 impl KvCache {
     /// An empty cache for a model of this shape.
     pub fn new(config: Config) -> KvCache {
-        let shape = (config.heads, config.context, config.head_dim());
+        let shape = (config.kv_heads, config.context, config.head_dim());
         let layer = || Array3::zeros(shape);
         KvCache {
             keys: (0..config.layers).map(|_| layer()).collect(),
@@ -60,12 +61,12 @@ impl KvCache {
         self.keys.first().map_or(0, |k| k.dim().1)
     }
 
-    /// Layer `layer`'s keys so far, `[heads, len, head_dim]`.
+    /// Layer `layer`'s keys so far, `[kv_heads, len, head_dim]`.
     pub fn keys(&self, layer: usize) -> ArrayView3<'_, f32> {
         self.keys[layer].slice(s![.., ..self.len, ..])
     }
 
-    /// Layer `layer`'s values so far, `[heads, len, head_dim]`.
+    /// Layer `layer`'s values so far, `[kv_heads, len, head_dim]`.
     pub fn values(&self, layer: usize) -> ArrayView3<'_, f32> {
         self.values[layer].slice(s![.., ..self.len, ..])
     }
@@ -123,10 +124,12 @@ pub fn prefill(
     let n = prompt.len();
     let inputs = ArrayView2::from_shape((1, n), prompt).expect("one row");
     // the forward keeps each block's k and v, [1, heads, n, head_dim]: the cache's rows
+    // (with grouped heads each kv head is there once for each query head of its group)
     let acts = forward(params, inputs)?;
+    let groups = cfg.heads / cfg.kv_heads;
     for (layer, a) in acts.blocks.iter().enumerate() {
-        let keys = a.k.index_axis(Axis(0), 0);
-        let values = a.v.index_axis(Axis(0), 0);
+        let keys = a.k.slice(s![0, ..;groups, .., ..]);
+        let values = a.v.slice(s![0, ..;groups, .., ..]);
         cache.keys[layer].slice_mut(s![.., ..n, ..]).assign(&keys);
         cache.values[layer]
             .slice_mut(s![.., ..n, ..])
@@ -150,7 +153,7 @@ pub fn step(
     token: u8,
 ) -> Result<Array1<f32>, TrainError> {
     let cfg = params.config;
-    let (heads, d) = (cfg.heads, cfg.head_dim());
+    let (heads, kv_heads, d) = (cfg.heads, cfg.kv_heads, cfg.head_dim());
     cache.check_room(1)?;
     check_token(&cfg, token)?;
     let pos = cache.len;
@@ -159,23 +162,25 @@ pub fn step(
     for (layer, w) in params.blocks.iter().enumerate() {
         let ln_1 = norm(x.view(), w.ln_1_w.view(), w.ln_1_b.view());
         let qkv = linear_row(ln_1.view(), w.attn_w.view(), w.attn_b.view());
-        // one row of [q's heads | k's heads | v's heads], as [3, heads, head_dim]
+        // one row of [q's heads | k's heads | v's heads], each head d values
         let qkv = qkv
-            .into_shape_with_order((3, heads, d))
-            .expect("3·C values");
+            .into_shape_with_order((heads + 2 * kv_heads, d))
+            .expect("(heads + 2·kv_heads)·head_dim values");
         let (keys, values) = (&mut cache.keys[layer], &mut cache.values[layer]);
         keys.slice_mut(s![.., pos, ..])
-            .assign(&qkv.index_axis(Axis(0), 1));
+            .assign(&qkv.slice(s![heads..heads + kv_heads, ..]));
         values
             .slice_mut(s![.., pos, ..])
-            .assign(&qkv.index_axis(Axis(0), 2));
-        // the new token sees every position up to its own, itself included: no mask
+            .assign(&qkv.slice(s![heads + kv_heads.., ..]));
+        // the new token sees every position up to its own, itself included: no mask;
+        // query head h reads kv head h / (heads / kv_heads)
         let mut att = Array2::zeros((heads, d));
         for h in 0..heads {
+            let kv = h / (heads / kv_heads);
             attend_one(
-                qkv.slice(s![0, h, ..]),
-                keys.slice(s![h, ..=pos, ..]),
-                values.slice(s![h, ..=pos, ..]),
+                qkv.row(h),
+                keys.slice(s![kv, ..=pos, ..]),
+                values.slice(s![kv, ..=pos, ..]),
                 att.row_mut(h).as_slice_mut().expect("a contiguous row"),
             );
         }
@@ -227,7 +232,7 @@ pub fn extend(
     tokens: &[u8],
 ) -> Result<Array1<f32>, TrainError> {
     let cfg = params.config;
-    let (heads, d, c) = (cfg.heads, cfg.head_dim(), cfg.d_model);
+    let (heads, kv_heads, d, c) = (cfg.heads, cfg.kv_heads, cfg.head_dim(), cfg.d_model);
     if tokens.is_empty() {
         return Err(TrainError::Config(
             "no tokens to read: extend takes at least one".into(),
@@ -245,21 +250,25 @@ pub fn extend(
     for (layer, w) in params.blocks.iter().enumerate() {
         let ln_1 = layernorm(x.view(), w.ln_1_w.view(), w.ln_1_b.view()).out;
         let qkv = ln_1.dot(&w.attn_w) + &w.attn_b;
-        // each row [q's heads | k's heads | v's heads], as [n, 3, heads, head_dim]
+        // each row [q's heads | k's heads | v's heads], as [n, heads + 2·kv_heads, head_dim]
         let qkv = qkv
-            .into_shape_with_order((n, 3, heads, d))
-            .expect("3·C values a row");
-        let part = |i: usize| qkv.index_axis(Axis(1), i).permuted_axes([1, 0, 2]);
+            .into_shape_with_order((n, heads + 2 * kv_heads, d))
+            .expect("(heads + 2·kv_heads)·head_dim values a row");
+        // the heads from `from` on, `count` of them, as [count, n, head_dim]
+        let part = |from: usize, count: usize| {
+            qkv.slice(s![.., from..from + count, ..])
+                .permuted_axes([1, 0, 2])
+        };
         let (keys, values) = (&mut cache.keys[layer], &mut cache.values[layer]);
         keys.slice_mut(s![.., start..start + n, ..])
-            .assign(&part(1));
+            .assign(&part(heads, kv_heads));
         values
             .slice_mut(s![.., start..start + n, ..])
-            .assign(&part(2));
-        // q [1, heads, n, head_dim] against the cache [1, heads, start + n, head_dim]
+            .assign(&part(heads + kv_heads, kv_heads));
+        // q [1, heads, n, head_dim] against the cache [1, kv_heads, start + n, head_dim]
         let seen = s![.., ..start + n, ..];
         let att = crate::decode(
-            part(0).insert_axis(Axis(0)),
+            part(0, heads).insert_axis(Axis(0)),
             keys.slice(seen).insert_axis(Axis(0)),
             values.slice(seen).insert_axis(Axis(0)),
         )?;

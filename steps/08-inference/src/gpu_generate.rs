@@ -98,6 +98,14 @@ impl GpuModel {
         let gpu = Gpu::shared().map_err(device)?;
         let config = params.config;
         config.check()?;
+        if config.kv_heads != config.heads {
+            return Err(TrainError::Config(format!(
+                "kv_heads {} of heads {}: generation on the GPU takes a model with one key \
+                 and value head per query head; a model with grouped heads generates on the \
+                 CPU (--device cpu)",
+                config.kv_heads, config.heads
+            )));
+        }
         let (c, heads, d) = (config.d_model, config.heads, config.head_dim());
         let kernels = Kernels::load(gpu, c)?;
         let blas = Blas::new(gpu)?;

@@ -15,9 +15,23 @@ const CONFIG: Config = Config {
     layers: 2,
     d_model: 32,
     heads: 4,
+    kv_heads: 4,
     context: 100,
     vocab: 256,
 };
+
+/// The same model with grouped heads: 4 query heads sharing 2 key and value heads, and
+/// sharing 1 (multi-query attention).
+const GROUPED: [Config; 2] = [
+    Config {
+        kv_heads: 2,
+        ..CONFIG
+    },
+    Config {
+        kv_heads: 1,
+        ..CONFIG
+    },
+];
 
 fn model(seed: u64) -> Params<f32> {
     Params::init(CONFIG, seed).unwrap()
@@ -39,19 +53,22 @@ fn full_logits<A: Float>(p: &Params<A>, tokens: &[u8]) -> Array2<A> {
 // ANCHOR: same_as_sample
 #[test]
 fn generate_returns_what_sample_returns() {
-    for (model_seed, prompt, count) in [
-        (1, &b"fn main() {"[..], 89), // to the end of the context
-        (2, &b"\n"[..], 70),          // the cache past one block of 64 keys
-        (3, &b"let x = 1;\nlet y"[..], 20),
+    for (config, model_seed, prompt, count) in [
+        (CONFIG, 1, &b"fn main() {"[..], 89), // to the end of the context
+        (CONFIG, 2, &b"\n"[..], 70),          // the cache past one block of 64 keys
+        (CONFIG, 3, &b"let x = 1;\nlet y"[..], 20),
+        (GROUPED[0], 4, &b"fn main() {"[..], 89),
+        (GROUPED[1], 5, &b"\n"[..], 70),
     ] {
-        let p = model(model_seed);
+        let p = Params::init(config, model_seed).unwrap();
         for temperature in [0.0, 0.8, 1.5] {
             let seed = 7 + model_seed;
             let uncached = sample(&p, prompt, count, temperature, seed).unwrap();
             let cached = generate(&p, prompt, count, temperature, seed).unwrap();
             assert_eq!(
                 cached, uncached,
-                "model {model_seed}, prompt {prompt:?}, temperature {temperature}"
+                "{config:?}, model {model_seed}, prompt {prompt:?}, temperature \
+                 {temperature}"
             );
         }
     }
@@ -69,8 +86,13 @@ fn generate_returns_what_sample_returns() {
 /// near zero by luck.
 #[test]
 fn cached_logits_match_the_full_forward() {
-    for (model_seed, prompt) in [(1, 1), (2, 5), (3, 64), (4, 99)] {
-        let p = model(model_seed);
+    let configs = [CONFIG, CONFIG, CONFIG, CONFIG, GROUPED[0], GROUPED[1]];
+    for (config, (model_seed, prompt)) in
+        configs
+            .into_iter()
+            .zip([(1, 1), (2, 5), (3, 64), (4, 99), (5, 64), (6, 5)])
+    {
+        let p = Params::init(config, model_seed).unwrap();
         let tokens = bytes(CONFIG.context, 100 + model_seed);
         let full = full_logits(&p, &tokens);
         let exact = full_logits(&p.cast(f64::from), &tokens);
@@ -91,8 +113,8 @@ fn cached_logits_match_the_full_forward() {
         }
         assert!(
             ours <= 2.0 * by_forward + 1e-6,
-            "prompt {prompt}: the cache's logits are {ours:.3e} from f64, the full \
-             forward's {by_forward:.3e} (the two {apart:.3e} apart)"
+            "{config:?}, prompt {prompt}: the cache's logits are {ours:.3e} from f64, the \
+             full forward's {by_forward:.3e} (the two {apart:.3e} apart)"
         );
     }
 }
@@ -106,12 +128,18 @@ fn cached_logits_match_the_full_forward() {
 /// context and an empty one are refused and change nothing.
 #[test]
 fn a_text_read_in_turns_matches_the_full_forward() {
-    for (model_seed, turns) in [(5, &[1, 30, 1, 68][..]), (6, &[64, 36]), (7, &[100])] {
-        let p = model(model_seed);
+    for (config, model_seed, turns) in [
+        (CONFIG, 5, &[1, 30, 1, 68][..]),
+        (CONFIG, 6, &[64, 36]),
+        (CONFIG, 7, &[100]),
+        (GROUPED[0], 8, &[1, 30, 1, 68]),
+        (GROUPED[1], 9, &[64, 36]),
+    ] {
+        let p = Params::init(config, model_seed).unwrap();
         let tokens = bytes(CONFIG.context, 200 + model_seed);
         let full = full_logits(&p, &tokens);
         let exact = full_logits(&p.cast(f64::from), &tokens);
-        let mut cache = KvCache::new(CONFIG);
+        let mut cache = KvCache::new(config);
         let (mut ours, mut by_forward) = (0.0f64, 0.0f64);
         let mut end = 0;
         for &n in turns {
@@ -126,7 +154,8 @@ fn a_text_read_in_turns_matches_the_full_forward() {
         }
         assert!(
             ours <= 2.0 * by_forward + 1e-6,
-            "turns {turns:?}: {ours:.3e} from f64, the full forward {by_forward:.3e}"
+            "{config:?}, turns {turns:?}: {ours:.3e} from f64, the full forward \
+             {by_forward:.3e}"
         );
         // the same keys and values as a prefill of the whole text
         let (whole, _) = prefill(&p, &tokens).unwrap();
@@ -216,4 +245,10 @@ fn the_cache_grows_a_row_a_token() {
     assert_eq!(cache.values(1).dim(), (heads, 4, d));
     // 2 layers × (k and v) × 4 heads × 4 tokens × 8 dims × 4 bytes
     assert_eq!(cache.bytes(), 2 * 2 * 4 * 4 * 8 * 4);
+    // with a key and value head for each pair of query heads, half of that
+    let grouped = Params::init(GROUPED[0], 1).unwrap();
+    let (mut cache, _) = prefill(&grouped, b"abc").unwrap();
+    step(&grouped, &mut cache, b'd').unwrap();
+    assert_eq!(cache.keys(0).dim(), (2, 4, d));
+    assert_eq!(cache.bytes(), 2 * 2 * 2 * 4 * 8 * 4);
 }

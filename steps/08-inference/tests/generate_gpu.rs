@@ -18,6 +18,7 @@ const CONFIG: Config = Config {
     layers: 2,
     d_model: 256,
     heads: 4,
+    kv_heads: 4,
     context: 300,
     vocab: 256,
 };

@@ -169,6 +169,7 @@ mod tests {
             layers: 2,
             d_model: 24,
             heads: 2,
+            kv_heads: 2, // [step 08]
             context: 10,
             vocab: 256,
         };

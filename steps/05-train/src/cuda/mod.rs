@@ -510,6 +510,16 @@ impl GpuTrainer {
             )));
         }
         // [/step 06]
+        // [step 08]
+        if config.kv_heads != h {
+            return Err(TrainError::Config(format!(
+                "kv_heads {} of heads {h}: the GPU trainer takes one key and value head per \
+                 query head (kv_heads = heads); a model with grouped heads trains on the CPU \
+                 (--device cpu)",
+                config.kv_heads
+            )));
+        }
+        // [/step 08]
         if Kernels::ln_backward_smem(c) > 200 * 1024 {
             return Err(TrainError::Config(format!(
                 "d_model {c}: the LayerNorm backward's shared memory takes d_model up to 6400"

@@ -50,6 +50,11 @@ struct Cli {
     /// its text is noise, its speed is the trained model's [default: small]
     #[arg(long, value_enum, conflicts_with = "checkpoint")]
     model: Option<Preset>,
+    /// With --model: heads of keys and values, each shared by a group of query heads
+    /// (grouped-query attention), a divisor of the model's heads [default: the model's
+    /// heads]
+    #[arg(long, conflicts_with = "checkpoint")]
+    kv_heads: Option<usize>,
     /// A checkpoint written by step 05's `train --save`
     #[arg(long)]
     checkpoint: Option<PathBuf>,
@@ -189,9 +194,14 @@ fn run(cli: Cli) -> Result<(), TrainError> {
         }
         None => {
             let preset = cli.model.unwrap_or(Preset::Small);
-            let name = format!("{preset:?}").to_lowercase();
+            let mut config = preset.config();
+            let mut name = format!("{preset:?}").to_lowercase();
+            if let Some(kv_heads) = cli.kv_heads {
+                config.kv_heads = kv_heads;
+                name = format!("{name}-kv{kv_heads}");
+            }
             println!("model: {name}, random weights (seed {INIT_SEED})");
-            (Params::init(preset.config(), INIT_SEED)?, name)
+            (Params::init(config, INIT_SEED)?, name)
         }
     };
     let config = params.config;
