@@ -329,6 +329,7 @@ pub fn join_qkv<A: Float>(
 }
 // [step 08]
 
+// ANCHOR: repeat_kv
 /// Grouped-query attention on the CPU, as most models implement it: each of k's and v's
 /// heads repeated `groups` times, `[B, H/g, T, D]` to `[B, H, T, D]`, so that query head `h`
 /// meets key head `h / groups`; then plain attention.
@@ -356,5 +357,6 @@ pub fn sum_groups<A: Float>(dx: Array4<A>, groups: usize) -> Array4<A> {
     }
     out
 }
+// ANCHOR_END: repeat_kv
 // [/step 08]
 // ANCHOR_END: heads

@@ -50,6 +50,7 @@ fn every_tensor_matches_central_differences() {
 }
 
 // [step 08]
+// ANCHOR: grouped_gradients
 #[test]
 fn grouped_heads_match_central_differences() {
     // 4 query heads sharing 2 key and value heads, then 1 (multi-query attention)
@@ -61,6 +62,7 @@ fn grouped_heads_match_central_differences() {
         });
     }
 }
+// ANCHOR_END: grouped_gradients
 // [/step 08]
 
 fn matches_central_differences(config: Config) {

@@ -12,11 +12,12 @@
 use flash_core::check::grouped_kv;
 use flash_core::reference::{Reference, attention_f64};
 use flash_core::{Attention, AttnError, Shape, check_finite};
-use ndarray::{Array4, ArrayView4, Axis, s};
+use ndarray::{Array4, ArrayView4};
 use step03_cuda_forward::{DeviceAttention, DeviceTensor, Dtype, Gpu};
 use step04_backward::Grads;
 use step04_backward::cuda::DeviceGrads;
 use step04_backward::reference::{ReferenceGrads, backward_f64};
+use step05_train::layers::{repeat_kv, sum_groups};
 
 /// Which forward kernel runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -154,26 +155,6 @@ pub fn forward_backward(
     Ok((gpu.download_attention(&fwd)?, grads))
 }
 
-// ANCHOR: repeat_heads
-/// k or v with each head repeated `g` times: head `h` of the result is head `h / g` of
-/// `x`. Grouped-query attention is plain attention on these.
-pub fn repeat_heads<A: Copy>(x: ArrayView4<A>, g: usize) -> Array4<A> {
-    let (b, h, t, d) = x.dim();
-    Array4::from_shape_fn((b, h * g, t, d), |(b, h, t, d)| x[[b, h / g, t, d]])
-}
-
-/// The gradient of [`repeat_heads`]'s input: the `g` heads of each group summed.
-pub fn sum_groups(x: ArrayView4<f64>, g: usize) -> Array4<f64> {
-    let (b, h, t, d) = x.dim();
-    let mut out = Array4::zeros((b, h / g, t, d));
-    for (i, head) in x.axis_iter(Axis(1)).enumerate() {
-        let mut sum = out.slice_mut(s![.., i / g, .., ..]);
-        sum += &head;
-    }
-    out
-}
-// ANCHOR_END: repeat_heads
-
 /// The `f64` reference of grouped-query attention: the shared causal attention on k and v
 /// with their heads repeated.
 pub fn reference(
@@ -183,7 +164,8 @@ pub fn reference(
 ) -> Result<Reference, AttnError> {
     let (shape, kv) = check_grouped(&q, &k, &v)?;
     let g = shape.heads / kv.heads.max(1);
-    attention_f64(q, repeat_heads(k, g).view(), repeat_heads(v, g).view())
+    let (k, v) = (repeat_kv(k.to_owned(), g), repeat_kv(v.to_owned(), g));
+    attention_f64(q, k.view(), v.view())
 }
 
 /// The `f64` gradients of grouped-query attention: step 04's reference on the repeated
@@ -196,11 +178,11 @@ pub fn reference_grads(
 ) -> Result<ReferenceGrads, AttnError> {
     let (shape, kv) = check_grouped(&q, &k, &v)?;
     let g = shape.heads / kv.heads.max(1);
-    let (kx, vx) = (repeat_heads(k, g), repeat_heads(v, g));
+    let (kx, vx) = (repeat_kv(k.to_owned(), g), repeat_kv(v.to_owned(), g));
     let grads = backward_f64(q, kx.view(), vx.view(), dout)?;
     Ok(ReferenceGrads {
-        dk: sum_groups(grads.dk.view(), g),
-        dv: sum_groups(grads.dv.view(), g),
+        dk: sum_groups(grads.dk, g),
+        dv: sum_groups(grads.dv, g),
         dq: grads.dq,
     })
 }
@@ -208,7 +190,6 @@ pub fn reference_grads(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flash_core::inputs::random_normal;
 
     #[test]
     fn one_kv_head_a_query_head_is_plain_attention() {
@@ -217,21 +198,6 @@ mod tests {
         let grouped = reference(q.view(), k.view(), v.view()).unwrap();
         let plain = attention_f64(q.view(), k.view(), v.view()).unwrap();
         assert_eq!(grouped.out, plain.out);
-    }
-
-    #[test]
-    fn summed_groups_are_the_gradient_of_repeated_heads() {
-        // d/dk of Σ w ∘ repeat(k) is the sum of w over each group
-        let w = random_normal(Shape::new(2, 6, 3, 4), 1).mapv(f64::from);
-        let sums = sum_groups(w.view(), 3);
-        assert_eq!(sums.dim(), (2, 2, 3, 4));
-        let expect = w.slice(s![.., 3, .., ..]).to_owned()
-            + w.slice(s![.., 4, .., ..])
-            + w.slice(s![.., 5, .., ..]);
-        assert_eq!(sums.slice(s![.., 1, .., ..]), expect);
-        let k = random_normal(Shape::new(1, 2, 3, 4), 2);
-        let r = repeat_heads(k.view(), 3);
-        assert_eq!(r.slice(s![0, 5, .., ..]), k.slice(s![0, 1, .., ..]));
     }
 
     #[test]

@@ -12,9 +12,9 @@ use ndarray::{Array4, ArrayView4};
 use step03_cuda_forward::host::{by_hand_low_precision, round, round_array};
 use step03_cuda_forward::{Dtype, Gpu};
 use step04_backward::cuda::backward_by_hand_low_precision;
+use step05_train::layers::{repeat_kv, sum_groups};
 use step08_inference::grouped::{
     Forward, attention, check_grouped, forward_backward, reference, reference_grads,
-    repeat_heads, sum_groups,
 };
 
 /// Added to twice by hand's error, for the case where both are (nearly) zero.
@@ -74,8 +74,8 @@ fn grouped_forwards_match_the_reference_within_twice_by_hand_error() {
             let g = h / kv;
             let by_hand = by_hand_low_precision(
                 q.view(),
-                repeat_heads(k.view(), g).view(),
-                repeat_heads(v.view(), g).view(),
+                repeat_kv(k.clone(), g).view(),
+                repeat_kv(v.clone(), g).view(),
                 dtype,
             );
             let by_hand = error(&by_hand, &exact.out);
@@ -102,13 +102,13 @@ fn by_hand_grads(
 ) -> [Array4<f64>; 3] {
     let grads = backward_by_hand_low_precision(
         q,
-        repeat_heads(k, g).view(),
-        repeat_heads(v, g).view(),
+        repeat_kv(k.to_owned(), g).view(),
+        repeat_kv(v.to_owned(), g).view(),
         dout,
         dtype,
     );
     let summed = |x: &Array4<f32>| {
-        sum_groups(x.mapv(f64::from).view(), g).mapv(|s| round(s as f32, dtype) as f64)
+        sum_groups(x.mapv(f64::from), g).mapv(|s| round(s as f32, dtype) as f64)
     };
     [
         grads.dq.mapv(f64::from),
