@@ -331,8 +331,8 @@ pub fn join_qkv<A: Float>(
 
 // ANCHOR: repeat_kv
 /// Grouped-query attention on the CPU, as most models implement it: each of k's and v's
-/// heads repeated `groups` times, `[B, H/g, T, D]` to `[B, H, T, D]`, so that query head `h`
-/// meets key head `h / groups`; then plain attention.
+/// heads repeated `groups` times, `[B, H/g, T, D]` to `[B, H, T, D]`, so that query head
+/// `h` meets key head `h / groups`; then plain attention.
 pub fn repeat_kv<A: Float>(x: Array4<A>, groups: usize) -> Array4<A> {
     if groups == 1 {
         return x;

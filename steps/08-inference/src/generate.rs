@@ -250,7 +250,7 @@ pub fn extend(
     for (layer, w) in params.blocks.iter().enumerate() {
         let ln_1 = layernorm(x.view(), w.ln_1_w.view(), w.ln_1_b.view()).out;
         let qkv = ln_1.dot(&w.attn_w) + &w.attn_b;
-        // each row [q's heads | k's heads | v's heads], as [n, heads + 2·kv_heads, head_dim]
+        // each row [q's heads | k's heads | v's heads]: [n, heads + 2·kv_heads, head_dim]
         let qkv = qkv
             .into_shape_with_order((n, heads + 2 * kv_heads, d))
             .expect("(heads + 2·kv_heads)·head_dim values a row");

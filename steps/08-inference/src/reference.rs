@@ -9,6 +9,7 @@ use ndarray::{Array3, Array4, ArrayView4, s};
 use rayon::prelude::*;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::host::round;
+use step05_train::layers::repeat_kv;
 
 use crate::decode::{DecodeShape, check_decode};
 
@@ -27,15 +28,8 @@ pub fn expand_heads(
     let dims = [shape.batch, shape.q_heads, t, shape.head_dim];
     let mut qx = Array4::zeros(dims);
     qx.slice_mut(s![.., .., t - n.., ..]).assign(&q);
-    let repeat = |x: ArrayView4<f32>| {
-        let mut out = Array4::zeros(dims);
-        for h in 0..shape.q_heads {
-            out.slice_mut(s![.., h, .., ..])
-                .assign(&x.slice(s![.., h / g, .., ..]));
-        }
-        out
-    };
-    Ok([qx, repeat(k), repeat(v)])
+    // step 05's repeat_kv: query head h meets kv head h / g
+    Ok([qx, repeat_kv(k.to_owned(), g), repeat_kv(v.to_owned(), g)])
 }
 
 /// The `f64` reference of a decoding call: the shared causal attention in `f64` on the
