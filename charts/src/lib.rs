@@ -124,6 +124,10 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
     if let Some(rows) = grouped::read(&data)? {
         charts.extend(grouped::render_all(&rows));
     }
+    // the model trained with grouped heads
+    charts.extend(train::kv_heads::render_all(&train::kv_heads::read_runs(
+        &data,
+    )?)?);
     // [/step 08]
     Ok(charts)
 }

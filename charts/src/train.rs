@@ -23,6 +23,7 @@
 //! - [`precision`]: our GPU run beside PyTorch's rounded three ways
 //!   (`train-precision-*.json`).
 //! - [`parallel`]: step 07's, of the runs on one GPU and on several (`train-dp-*.json`). // [step 07]
+//! - [`kv_heads`]: step 08's, of the model with grouped heads (`train-kv-heads-*.json`). // [step 08]
 
 use std::fs;
 use std::path::Path;
@@ -39,6 +40,7 @@ use super::{
     scalable,
 };
 
+pub mod kv_heads; // [step 08]
 pub mod parallel; // [step 07]
 pub mod precision;
 
@@ -48,6 +50,11 @@ pub struct Config {
     pub layers: usize,
     pub d_model: usize,
     pub heads: usize,
+    // [step 08]
+    /// Heads of keys and values; absent from a record from before grouped heads.
+    #[serde(default)]
+    pub kv_heads: Option<usize>,
+    // [/step 08]
     pub context: usize,
 }
 
@@ -153,6 +160,7 @@ pub fn read_runs(dir: &Path) -> Result<Vec<Run>, String> {
     read_records(dir, |p| {
         let theirs = precision::is_precision_file(p);
         let theirs = theirs || parallel::is_dp_file(p); // [step 07]
+        let theirs = theirs || kv_heads::is_kv_file(p); // [step 08]
         is_run_file(p) && !theirs
     })
 }
@@ -489,20 +497,45 @@ fn draw_loss_axes<DB: DrawingBackend>(
 /// The loss against the step: each run's training loss at every step as a line (ours solid,
 /// PyTorch's dashed), its held-out losses as markers on top.
 fn render_loss(runs: &[&Run], subtitle: &str) -> Result<String, String> {
-    let entries: Vec<(Look, String)> = runs.iter().map(|r| (r.look(), r.label())).collect();
-    let x_hi = runs
+    let lines: Vec<Line> = runs
         .iter()
-        .flat_map(|r| r.steps.iter().map(|s| s.step))
+        .map(|&run| Line {
+            run,
+            look: run.look(),
+            label: run.label(),
+        })
+        .collect();
+    render_loss_lines(
+        "Loss against step, same weights and batches",
+        subtitle,
+        &lines,
+    )
+}
+
+/// Each line's training loss at every step and its held-out losses (markers).
+pub(crate) fn render_loss_lines(
+    title: &str,
+    subtitle: &str,
+    lines: &[Line],
+) -> Result<String, String> {
+    let entries: Vec<(Look, String)> = lines
+        .iter()
+        .map(|l| (l.look.clone(), l.label.clone()))
+        .collect();
+    let x_hi = lines
+        .iter()
+        .flat_map(|l| l.run.steps.iter().map(|s| s.step))
         .max()
         .unwrap_or(1)
         .max(1) as f64;
-    let losses: Vec<f64> = runs
+    let losses: Vec<f64> = lines
         .iter()
-        .flat_map(|r| {
-            r.steps
+        .flat_map(|l| {
+            l.run
+                .steps
                 .iter()
                 .map(|s| s.loss)
-                .chain(r.evals.iter().map(|e| e.loss))
+                .chain(l.run.evals.iter().map(|e| e.loss))
         })
         .filter(|v| v.is_finite())
         .collect();
@@ -514,43 +547,41 @@ fn render_loss(runs: &[&Run], subtitle: &str) -> Result<String, String> {
         let pad = (y_hi - y_lo).max(0.1) * 0.05;
         ((y_lo - pad).max(0.0), y_hi + pad)
     };
-    chart(
-        "Loss against step, same weights and batches",
-        subtitle,
-        PLOT_HEIGHT,
-        &entries,
-        |root, body| {
-            let e = |e: &dyn std::fmt::Display| e.to_string();
-            let mut chart = ChartBuilder::on(body)
-                .margin_left(10)
-                .margin_right(30)
-                .margin_bottom(10)
-                .x_label_area_size(55)
-                .y_label_area_size(85)
-                .build_cartesian_2d(0.0..x_hi, y_lo..y_hi)
-                .map_err(|x| e(&x))?;
-            draw_loss_axes(&mut chart)?;
-            let mut markers: Vec<(Look, Vec<(i32, i32)>)> = Vec::new();
-            for r in runs {
-                let l = r.look();
-                let points: Vec<(f64, f64)> =
-                    r.steps.iter().map(|s| (s.step as f64, s.loss)).collect();
-                draw_line(&mut chart, points, &l)?;
-                let evals = r
-                    .evals
-                    .iter()
-                    .map(|ev| chart.backend_coord(&(ev.step as f64, ev.loss)))
-                    .collect();
-                markers.push((l, evals));
+    chart(title, subtitle, PLOT_HEIGHT, &entries, |root, body| {
+        let e = |e: &dyn std::fmt::Display| e.to_string();
+        let mut chart = ChartBuilder::on(body)
+            .margin_left(10)
+            .margin_right(30)
+            .margin_bottom(10)
+            .x_label_area_size(55)
+            .y_label_area_size(85)
+            .build_cartesian_2d(0.0..x_hi, y_lo..y_hi)
+            .map_err(|x| e(&x))?;
+        draw_loss_axes(&mut chart)?;
+        let mut markers: Vec<(&Look, Vec<(i32, i32)>)> = Vec::new();
+        for line in lines {
+            let points: Vec<(f64, f64)> = line
+                .run
+                .steps
+                .iter()
+                .map(|s| (s.step as f64, s.loss))
+                .collect();
+            draw_line(&mut chart, points, &line.look)?;
+            let evals = line
+                .run
+                .evals
+                .iter()
+                .map(|ev| chart.backend_coord(&(ev.step as f64, ev.loss)))
+                .collect();
+            markers.push((&line.look, evals));
+        }
+        for (l, points) in &markers {
+            for &p in points {
+                draw_marker(root, l.marker, p, l.colour, l.ours)?;
             }
-            for (l, points) in &markers {
-                for &p in points {
-                    draw_marker(root, l.marker, p, l.colour, l.ours)?;
-                }
-            }
-            Ok(())
-        },
-    )
+        }
+        Ok(())
+    })
 }
 
 /// A run as a loss chart draws it: its look and its legend's words.

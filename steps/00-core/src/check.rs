@@ -232,10 +232,6 @@ pub fn grouped_kv(q: Shape, kv_heads: usize) -> Result<Shape, AttnError> {
         return Ok(q);
     }
     if kv_heads == 0 || !q.heads.is_multiple_of(kv_heads) {
-        let divisors: Vec<String> = (1..=q.heads)
-            .filter(|d| q.heads.is_multiple_of(*d))
-            .map(|d| d.to_string())
-            .collect();
         return Err(AttnError::Unsupported {
             what: format!(
                 "q has {} heads and k and v {kv_heads}: grouped-query attention shares each \
@@ -243,7 +239,7 @@ pub fn grouped_kv(q: Shape, kv_heads: usize) -> Result<Shape, AttnError> {
                  accepted for {} query heads: {}",
                 q.heads,
                 q.heads,
-                divisors.join(", ")
+                divisors(q.heads)
             ),
         });
     }
@@ -251,6 +247,16 @@ pub fn grouped_kv(q: Shape, kv_heads: usize) -> Result<Shape, AttnError> {
         heads: kv_heads,
         ..q
     })
+}
+
+/// The divisors of `n`, in order, as a list in words: the kv head counts `n` query heads
+/// accept.
+pub fn divisors(n: usize) -> String {
+    let all: Vec<String> = (1..=n)
+        .filter(|d| n.is_multiple_of(*d))
+        .map(|d| d.to_string())
+        .collect();
+    all.join(", ")
 }
 // [/step 08]
 

@@ -678,8 +678,14 @@ def settings_from(args, record, init_cfg):
     cfg = dict(layers=v["layers"], d_model=v["d_model"], heads=v["heads"], context=v["context"], vocab=256)
     # [step 08]
     # one key and value head per query head, unless --kv-heads or the checkpoint says otherwise
-    kv_from = init_cfg["kv_heads"] if init_cfg is not None and "heads" not in given else cfg["heads"]
-    cfg["kv_heads"] = args.kv_heads if args.kv_heads is not None else kv_from
+    cfg["kv_heads"] = init_cfg["kv_heads"] if init_cfg is not None else cfg["heads"]
+    if args.kv_heads is not None:
+        if init_cfg is not None and args.kv_heads != init_cfg["kv_heads"]:
+            raise Failure(
+                f"--kv-heads {args.kv_heads}, but --init {args.init} is a model of {init_cfg}; "
+                "leave out the model's flags to take the checkpoint's"
+            )
+        cfg["kv_heads"] = args.kv_heads
     if cfg["kv_heads"] < 1 or cfg["heads"] % cfg["kv_heads"]:
         raise Failure(
             f"--kv-heads {cfg['kv_heads']} does not divide --heads {cfg['heads']}: each key and value head "

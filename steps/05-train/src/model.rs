@@ -13,6 +13,12 @@
 //!
 //! after token and position embeddings, and followed by a final LayerNorm and the output
 //! layer, whose weights are the token embedding's (tied, as in GPT-2).
+// [step 08]
+//!
+//! With grouped heads (`kv_heads` < `H`), k and v have `kv_heads` heads each: the fused
+//! product is `[B·T, C + 2·kv_heads·D]`, and each kv head is repeated for its group of
+//! `H / kv_heads` query heads before attention.
+// [/step 08]
 
 use flash_core::inputs::SplitMix64;
 use ndarray::{Array1, Array2, Array4, ArrayView2, ArrayViewD, ArrayViewMutD, Axis};
@@ -77,6 +83,9 @@ impl From<ConfigFields> for Config {
 impl Config {
     /// Checks that the numbers make a model: every one at least 1, `d_model` a multiple of
     /// `heads`, and a vocabulary of bytes (at most 256).
+    // [step 08]
+    /// And `kv_heads` a divisor of `heads`.
+    // [/step 08]
     pub fn check(&self) -> Result<(), TrainError> {
         let Config {
             layers,
@@ -103,14 +112,10 @@ impl Config {
         }
         // [step 08]
         if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            let divisors: Vec<String> = (1..=heads)
-                .filter(|d| heads.is_multiple_of(*d))
-                .map(|d| d.to_string())
-                .collect();
             return Err(TrainError::Config(format!(
                 "kv_heads {kv_heads} does not divide heads {heads}: each key and value head \
                  is shared by heads / kv_heads query heads; accepted for {heads} heads: {}",
-                divisors.join(", ")
+                flash_core::check::divisors(heads)
             )));
         }
         // [/step 08]
@@ -171,8 +176,8 @@ impl Preset {
 pub struct Block<A> {
     pub ln_1_w: Array1<A>,
     pub ln_1_b: Array1<A>,
-    /// `[C, 3C]`: q, k and v in one product, their columns in that order
-    /// ([`Config::qkv_width`] columns).
+    /// `[C, qkv_width]`: q, k and v in one product, their columns in that order
+    /// ([`Config::qkv_width`]).
     pub attn_w: Array2<A>,
     pub attn_b: Array1<A>,
     /// `[C, C]`: the attention's output projection, into the residual stream.

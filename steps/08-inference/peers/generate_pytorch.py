@@ -154,6 +154,11 @@ def main(argv):
         return 2
     try:
         cfg, tensors, trained = g.read_checkpoint(args.checkpoint)
+        if cfg["kv_heads"] != cfg["heads"]:
+            raise g.Failure(
+                f"--checkpoint {args.checkpoint}: kv_heads {cfg['kv_heads']} of heads {cfg['heads']}; "
+                "this peer generates with a model of one key and value head per query head, as our GPU generation does"
+            )
         prompt = list(args.prompt.encode())
         if args.prompt_len is not None:
             if args.prompt_len < 1 or not prompt:

@@ -165,16 +165,12 @@ pub fn check_sizes(
         return Err(AttnError::ZeroHeadDim);
     }
     if kv_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
-        let divisors: Vec<String> = (1..=q_heads)
-            .filter(|d| q_heads.is_multiple_of(*d))
-            .map(|d| d.to_string())
-            .collect();
         return Err(AttnError::Unsupported {
             what: format!(
                 "q has {q_heads} heads and the cache {kv_heads} kv heads: grouped-query \
                  attention shares each kv head among g query heads, so the kv heads must \
                  divide the query heads; accepted for {q_heads} query heads: {}",
-                divisors.join(", ")
+                flash_core::check::divisors(q_heads)
             ),
         });
     }

@@ -50,9 +50,9 @@ struct Cli {
     /// its text is noise, its speed is the trained model's [default: small]
     #[arg(long, value_enum, conflicts_with = "checkpoint")]
     model: Option<Preset>,
-    /// With --model: heads of keys and values, each shared by a group of query heads
-    /// (grouped-query attention), a divisor of the model's heads [default: the model's
-    /// heads]
+    /// For --model's random weights: heads of keys and values, each shared by a group of
+    /// query heads (grouped-query attention), a divisor of the model's heads [default: the
+    /// model's heads]
     #[arg(long, conflicts_with = "checkpoint")]
     kv_heads: Option<usize>,
     /// A checkpoint written by step 05's `train --save`
