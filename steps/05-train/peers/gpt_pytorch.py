@@ -736,6 +736,14 @@ def run(args):
         )
     if args.attention == "cudnn" and not cuda:
         raise Failure("--attention cudnn runs on the GPU only: use --device cuda, or sdpa/flash/math/by-hand")
+    # [step 08]
+    if args.attention == "efficient" and cfg["kv_heads"] != cfg["heads"]:
+        raise Failure(
+            f"--attention efficient with kv_heads {cfg['kv_heads']} of heads {cfg['heads']}: PyTorch's "
+            "memory-efficient backend takes as many key and value heads as query heads; use sdpa, flash, "
+            "cudnn, math or by-hand"
+        )
+    # [/step 08]
     torch.manual_seed(0)  # nothing here is random but what our streams give; dropout is absent
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
