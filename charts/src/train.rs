@@ -497,45 +497,20 @@ fn draw_loss_axes<DB: DrawingBackend>(
 /// The loss against the step: each run's training loss at every step as a line (ours solid,
 /// PyTorch's dashed), its held-out losses as markers on top.
 fn render_loss(runs: &[&Run], subtitle: &str) -> Result<String, String> {
-    let lines: Vec<Line> = runs
+    let entries: Vec<(Look, String)> = runs.iter().map(|r| (r.look(), r.label())).collect();
+    let x_hi = runs
         .iter()
-        .map(|&run| Line {
-            run,
-            look: run.look(),
-            label: run.label(),
-        })
-        .collect();
-    render_loss_lines(
-        "Loss against step, same weights and batches",
-        subtitle,
-        &lines,
-    )
-}
-
-/// Each line's training loss at every step and its held-out losses (markers).
-pub(crate) fn render_loss_lines(
-    title: &str,
-    subtitle: &str,
-    lines: &[Line],
-) -> Result<String, String> {
-    let entries: Vec<(Look, String)> = lines
-        .iter()
-        .map(|l| (l.look.clone(), l.label.clone()))
-        .collect();
-    let x_hi = lines
-        .iter()
-        .flat_map(|l| l.run.steps.iter().map(|s| s.step))
+        .flat_map(|r| r.steps.iter().map(|s| s.step))
         .max()
         .unwrap_or(1)
         .max(1) as f64;
-    let losses: Vec<f64> = lines
+    let losses: Vec<f64> = runs
         .iter()
-        .flat_map(|l| {
-            l.run
-                .steps
+        .flat_map(|r| {
+            r.steps
                 .iter()
                 .map(|s| s.loss)
-                .chain(l.run.evals.iter().map(|e| e.loss))
+                .chain(r.evals.iter().map(|e| e.loss))
         })
         .filter(|v| v.is_finite())
         .collect();
@@ -547,41 +522,43 @@ pub(crate) fn render_loss_lines(
         let pad = (y_hi - y_lo).max(0.1) * 0.05;
         ((y_lo - pad).max(0.0), y_hi + pad)
     };
-    chart(title, subtitle, PLOT_HEIGHT, &entries, |root, body| {
-        let e = |e: &dyn std::fmt::Display| e.to_string();
-        let mut chart = ChartBuilder::on(body)
-            .margin_left(10)
-            .margin_right(30)
-            .margin_bottom(10)
-            .x_label_area_size(55)
-            .y_label_area_size(85)
-            .build_cartesian_2d(0.0..x_hi, y_lo..y_hi)
-            .map_err(|x| e(&x))?;
-        draw_loss_axes(&mut chart)?;
-        let mut markers: Vec<(&Look, Vec<(i32, i32)>)> = Vec::new();
-        for line in lines {
-            let points: Vec<(f64, f64)> = line
-                .run
-                .steps
-                .iter()
-                .map(|s| (s.step as f64, s.loss))
-                .collect();
-            draw_line(&mut chart, points, &line.look)?;
-            let evals = line
-                .run
-                .evals
-                .iter()
-                .map(|ev| chart.backend_coord(&(ev.step as f64, ev.loss)))
-                .collect();
-            markers.push((&line.look, evals));
-        }
-        for (l, points) in &markers {
-            for &p in points {
-                draw_marker(root, l.marker, p, l.colour, l.ours)?;
+    chart(
+        "Loss against step, same weights and batches",
+        subtitle,
+        PLOT_HEIGHT,
+        &entries,
+        |root, body| {
+            let e = |e: &dyn std::fmt::Display| e.to_string();
+            let mut chart = ChartBuilder::on(body)
+                .margin_left(10)
+                .margin_right(30)
+                .margin_bottom(10)
+                .x_label_area_size(55)
+                .y_label_area_size(85)
+                .build_cartesian_2d(0.0..x_hi, y_lo..y_hi)
+                .map_err(|x| e(&x))?;
+            draw_loss_axes(&mut chart)?;
+            let mut markers: Vec<(Look, Vec<(i32, i32)>)> = Vec::new();
+            for r in runs {
+                let l = r.look();
+                let points: Vec<(f64, f64)> =
+                    r.steps.iter().map(|s| (s.step as f64, s.loss)).collect();
+                draw_line(&mut chart, points, &l)?;
+                let evals = r
+                    .evals
+                    .iter()
+                    .map(|ev| chart.backend_coord(&(ev.step as f64, ev.loss)))
+                    .collect();
+                markers.push((l, evals));
             }
-        }
-        Ok(())
-    })
+            for (l, points) in &markers {
+                for &p in points {
+                    draw_marker(root, l.marker, p, l.colour, l.ours)?;
+                }
+            }
+            Ok(())
+        },
+    )
 }
 
 /// A run as a loss chart draws it: its look and its legend's words.

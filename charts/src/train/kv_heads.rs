@@ -2,7 +2,8 @@
 //! (written by `step05-train train --kv-heads N --out`): the same model, batches and rates
 //! with 4 key and value heads for its 4 query heads, with 2 and with 1.
 //!
-//! - `train-kv-heads-loss.svg`: the held-out loss against the step, a line a run;
+//! - `train-kv-heads-loss.svg`: the loss against the step, a line a run, and below it each
+//!   grouped run's relative difference from the run with a kv head per query head;
 //! - `train-kv-heads.md`: a row per run: kv heads, the query heads that share each, the
 //!   model's weights, its key/value cache a token, the last held-out loss and how far it is
 //!   from the run with a kv head per query head.
@@ -15,7 +16,7 @@ use flash_core::Device;
 use plotters::prelude::*;
 use serde::Deserialize;
 
-use super::{Eval, Line, Run, Step, render_loss_lines};
+use super::{Eval, Line, Run, render_loss_and_difference};
 use crate::{Look, Marker, look, three_digits};
 
 /// A run of `train-kv-heads-*.json`: step 05's record, and what step 08 adds to it.
@@ -52,7 +53,7 @@ fn kv_look(kv_heads: usize, heads: usize) -> Look {
     let (colour, marker) = match heads / kv_heads.max(1) {
         1 => return base,
         2 => (RGBColor(0x1d, 0x91, 0xc0), Marker::Diamond),
-        _ => (RGBColor(0x31, 0xa3, 0x54), Marker::Triangle),
+        _ => (RGBColor(0x08, 0x30, 0x6b), Marker::Triangle),
     };
     Look {
         colour,
@@ -94,37 +95,31 @@ pub fn render_all(runs: &[(KvRun, usize)]) -> Result<Vec<(String, String)>, Stri
         runs[0].0.run.settings.batch,
         runs[0].0.run.settings.seq_len
     );
-    // the held-out losses as the line: the training loss of three so alike runs is one
-    // band of noise
-    let heldout: Vec<Run> = runs
+    let lines: Vec<Line> = runs
         .iter()
-        .map(|(r, _)| Run {
-            steps: r
-                .run
-                .evals
-                .iter()
-                .map(|e| Step {
-                    step: e.step,
-                    loss: e.loss,
-                    ms: 0.0,
-                })
-                .collect(),
-            ..r.run.clone()
+        .map(|(r, kv)| Line {
+            run: &r.run,
+            look: kv_look(*kv, r.run.config.heads),
+            label: label(*kv, r.run.config.heads),
         })
         .collect();
-    let lines: Vec<Line> = heldout
-        .iter()
-        .zip(&runs)
-        .map(|(run, (_, kv))| Line {
-            run,
-            look: kv_look(*kv, run.config.heads),
-            label: label(*kv, run.config.heads),
+    // every run against the one with a kv head per query head, where there is one
+    let plain = runs.iter().position(|(r, kv)| *kv == r.run.config.heads);
+    let pairs: Vec<(usize, usize)> = plain
+        .map(|p| {
+            (0..runs.len())
+                .filter(|&i| i != p)
+                .map(|i| (p, i))
+                .collect()
         })
-        .collect();
-    let chart = render_loss_lines(
-        "Held-out loss against step, grouped heads",
+        .unwrap_or_default();
+    let chart = render_loss_and_difference(
+        "Loss with grouped heads, same batches",
         &subtitle,
         &lines,
+        &pairs,
+        "vs a kv head a query head, %",
+        1.0,
     )?;
     Ok(vec![
         ("train-kv-heads-loss.svg".into(), chart),
@@ -162,7 +157,7 @@ fn table(runs: &[(KvRun, usize)], subtitle: &str) -> String {
             heads / kv.max(&1),
             three_digits(r.params as f64),
             three_digits(cache_bytes(&r.run, *kv) as f64),
-            end.map_or(0, |e| e.step),
+            end.map_or_else(|| "–".into(), |e| three_digits(e.step as f64)),
             end.map_or_else(|| "–".into(), |e| format!("{:.4}", e.loss)),
         ));
     }
