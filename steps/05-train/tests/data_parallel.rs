@@ -14,9 +14,7 @@
 //! machine with one GPU, run the others with `-- --include-ignored --skip two_gpus`.
 
 mod common;
-use common::corpus;
-use std::path::PathBuf;
-use std::process::{Command, Output};
+use common::{corpus, refused};
 
 use step05_train::cuda::parallel::{DataParallel, local_batch};
 use step05_train::cuda::{AttentionKind, GpuTrainer};
@@ -33,49 +31,6 @@ const LOSS_TOL: f64 = 2e-3;
 /// The gradients' norm likewise (a norm is more sensitive than the loss to the rounding of
 /// the gradients' small components; measured: 1.7e-4 at most).
 const NORM_TOL: f64 = 5e-2;
-
-/// The trainer's binary as cargo built it, or beside this test binary on the GPU machine
-/// (`.gpu/bin/` next to `.gpu/tests/`).
-fn binary() -> PathBuf {
-    let built = PathBuf::from(env!("CARGO_BIN_EXE_step05-train"));
-    if built.exists() {
-        return built;
-    }
-    std::env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.join("bin/step05-train")))
-        .filter(|p| p.exists())
-        .unwrap_or(built)
-}
-
-fn run(args: &[&str]) -> Output {
-    Command::new(binary())
-        .args(args)
-        .output()
-        .expect("the trainer's binary runs")
-}
-
-/// Runs `train` with `args`, which must fail with a message containing each of `want`.
-fn refused(args: &[&str], want: &[&str]) {
-    let mut all = vec!["train"];
-    all.extend_from_slice(args);
-    let o = run(&all);
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-    );
-    assert!(!o.status.success(), "{args:?} ran: {out}");
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    assert!(err.starts_with("error: "), "{args:?}: {err}");
-    for w in want {
-        assert!(err.contains(w), "{args:?}: {err:?} lacks {w:?}");
-    }
-    // refused before the corpus loads
-    assert!(
-        !out.contains("corpus:"),
-        "{args:?} loaded the corpus first: {out}"
-    );
-}
 
 // ANCHOR: refused
 #[test]

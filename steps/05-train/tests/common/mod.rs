@@ -1,5 +1,16 @@
-//! What the GPU tests share.
+//! What the tests share: text to train on.
+// [step 07]
+//! And the trainer's binary, run with arguments it must refuse.
+// [/step 07]
 
+// [step 07]
+// a test file takes what it needs of these
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+// [/step 07]
 use step05_train::Corpus;
 
 /// Text to draw batches from: this crate's own sources, embedded so the test binary carries
@@ -25,3 +36,48 @@ pub fn corpus() -> Corpus {
         heldout_files: 2,
     }
 }
+// [step 07]
+
+/// The trainer's binary as cargo built it, or beside this test binary on the GPU machine
+/// (`.gpu/bin/` next to `.gpu/tests/`).
+pub fn binary() -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_step05-train"));
+    if built.exists() {
+        return built;
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("bin/step05-train")))
+        .filter(|p| p.exists())
+        .unwrap_or(built)
+}
+
+pub fn run(args: &[&str]) -> Output {
+    Command::new(binary())
+        .args(args)
+        .output()
+        .expect("the trainer's binary runs")
+}
+
+/// Runs `train` with `args`, which must fail with a message containing each of `want`,
+/// before the corpus loads.
+pub fn refused(args: &[&str], want: &[&str]) {
+    let mut all = vec!["train"];
+    all.extend_from_slice(args);
+    let o = run(&all);
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(!o.status.success(), "{args:?} ran: {out}");
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    assert!(err.starts_with("error: "), "{args:?}: {err}");
+    for w in want {
+        assert!(err.contains(w), "{args:?}: {err:?} lacks {w:?}");
+    }
+    assert!(
+        !out.contains("corpus:"),
+        "{args:?} loaded the corpus first: {out}"
+    );
+}
+// [/step 07]
