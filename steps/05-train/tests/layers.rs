@@ -231,8 +231,14 @@ fn grouped_heads_split_narrower_k_and_v_and_repeat_them_for_their_group() {
     let x = normal2(batch * kv_heads * tokens, head_dim, 41)
         .into_shape_with_order((batch, kv_heads, tokens, head_dim))
         .unwrap();
+    let sums = sum_groups(y.clone(), groups);
+    assert_eq!(sums.dim(), (batch, kv_heads, tokens, head_dim));
+    // kv head 1's gradient is the sum of query heads 3, 4 and 5's
+    let expect =
+        &y.index_axis(Axis(1), 3) + &y.index_axis(Axis(1), 4) + y.index_axis(Axis(1), 5);
+    assert_eq!(sums.index_axis(Axis(1), 1), expect);
     let lhs = (&repeat_kv(x.clone(), groups) * &y).sum();
-    let rhs = (&x * &sum_groups(y, groups)).sum();
+    let rhs = (&x * &sums).sum();
     assert!((lhs - rhs).abs() < 1e-9 * lhs.abs().max(1.0));
 }
 // [/step 08]
