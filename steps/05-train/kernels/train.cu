@@ -591,25 +591,33 @@ extern "C" __global__ void gelu_backward(
 
 // ANCHOR: heads
 // The fused projection's output, one row per token: q's heads side by side, then k's, then
-// v's, [B·T, 3C]. Our attention kernels take each of q, k and v as [B, H, T, D]:
-// q[b, h, t, d] = qkv[b·T + t, h·D + d] + bias[h·D + d], k from columns C.., v from 2C...
-// A block per token; a thread moves 8 values (16 bytes) at a time, so a head's row of 64 is
-// 8 threads' reads of one 128-byte run and their writes of another.
+// v's, [B·T, W]: q's C = H·D columns, then k's KC and v's KC (W = C + 2·KC; KC = C, unless k
+// and v have fewer heads than q). Our attention kernels take each of q, k and v as
+// [B, heads, T, D]: q[b, h, t, d] = qkv[b·T + t, h·D + d] + bias[h·D + d], k from column C
+// on, v from C + KC on. A block per token; a thread moves 8 values (16 bytes) at a time, so
+// a head's row of 64 is 8 threads' reads of one 128-byte run and their writes of another.
 extern "C" __global__ void qkv_to_heads(
-    const u16* __restrict__ qkv,     // [B·T, 3C]
-    const float* __restrict__ bias,  // [3C]
-    u16* __restrict__ q, u16* __restrict__ k, u16* __restrict__ v,  // [B, H, T, D] each
-    int T, int H, int D              // D a multiple of 8
+    const u16* __restrict__ qkv,     // [B·T, W]
+    const float* __restrict__ bias,  // [W]
+    u16* __restrict__ q,             // [B, H, T, D]
+    u16* __restrict__ k,             // [B, KV, T, D], KV = KC / D
+    u16* __restrict__ v,             // [B, KV, T, D]
+    int T, int H, int D, int W       // D a multiple of 8
 ) {
-    const int C = H * D, row = blockIdx.x, b = row / T, t = row % T;
-    const uint4* src = reinterpret_cast<const uint4*>(qkv + (long long)row * 3 * C);
-    for (int j = threadIdx.x; j < 3 * C / 8; j += blockDim.x) {
-        const int col = 8 * j, part = col / C, c = col % C, h = c / D, d = c % D;
+    const int C = H * D, KC = (W - C) / 2, KV = KC / D;
+    const int row = blockIdx.x, b = row / T, t = row % T;
+    const uint4* src = reinterpret_cast<const uint4*>(qkv + (long long)row * W);
+    for (int j = threadIdx.x; j < W / 8; j += blockDim.x) {
+        const int col = 8 * j;
+        // which of q, k and v the column is of, that tensor's heads, the column in its row
+        const int part = col < C ? 0 : col < C + KC ? 1 : 2;
+        const int heads = part == 0 ? H : KV, c = part == 0 ? col : (col - C) % KC;
+        const int h = c / D, d = c % D;
         float f[8];
         unpack8(src[j], f);
         for (int e = 0; e < 8; ++e) f[e] += bias[col + e];
         u16* out = part == 0 ? q : part == 1 ? k : v;
-        *reinterpret_cast<uint4*>(out + (((long long)b * H + h) * T + t) * D + d) =
+        *reinterpret_cast<uint4*>(out + (((long long)b * heads + h) * T + t) * D + d) =
             pack8(f);
     }
 }
@@ -636,31 +644,35 @@ extern "C" __global__ void heads_rows(
 }
 
 // The inverse of qkv_to_heads for the gradients: dq, dk, dv back to the fused projection's
-// columns, [B·T, 3C], and the column sums of the result (the bias's gradient) per chunk of
+// columns, [B·T, W], and the column sums of the result (the bias's gradient) per chunk of
 // rows. Block (x, y): 128 threads, each a pair of columns, over rows y·chunk ..
 // (y+1)·chunk.
 extern "C" __global__ void heads_to_qkv(
-    const u16* __restrict__ dq, const u16* __restrict__ dk, const u16* __restrict__ dv,
-    u16* __restrict__ dqkv,          // [B·T, 3C]
-    float* __restrict__ partial,     // [gridDim.y, 3C]
-    int T, int H, int D, int rows, int chunk
+    const u16* __restrict__ dq,      // [B, H, T, D]
+    const u16* __restrict__ dk,      // [B, KV, T, D], KV = (W − H·D) / 2D
+    const u16* __restrict__ dv,      // [B, KV, T, D]
+    u16* __restrict__ dqkv,          // [B·T, W]
+    float* __restrict__ partial,     // [gridDim.y, W]
+    int T, int H, int D, int W, int rows, int chunk
 ) {
-    const int C = H * D;
-    const int p = blockIdx.x * blockDim.x + threadIdx.x;  // column pair of the 3C
-    if (2 * p >= 3 * C) return;
-    const int col = 2 * p, part = col / C, c = col % C, h = c / D, d = c % D;
+    const int C = H * D, KC = (W - C) / 2, KV = KC / D;
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;  // column pair of the W
+    if (2 * p >= W) return;
+    const int col = 2 * p, part = col < C ? 0 : col < C + KC ? 1 : 2;
+    const int heads = part == 0 ? H : KV, c = part == 0 ? col : (col - C) % KC;
+    const int h = c / D, d = c % D;
     const u16* src = part == 0 ? dq : part == 1 ? dk : dv;
     const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
     float s0 = 0.f, s1 = 0.f;
     for (int r = r0; r < r1; ++r) {
         long long b = r / T, t = r % T;
-        u32 x = *reinterpret_cast<const u32*>(src + ((b * H + h) * T + t) * D + d);
+        u32 x = *reinterpret_cast<const u32*>(src + ((b * heads + h) * T + t) * D + d);
         s0 += bf((u16)(x & 0xffff));
         s1 += bf((u16)(x >> 16));
-        *reinterpret_cast<u32*>(dqkv + (long long)r * 3 * C + col) = x;
+        *reinterpret_cast<u32*>(dqkv + (long long)r * W + col) = x;
     }
-    partial[(long long)blockIdx.y * 3 * C + col] = s0;
-    partial[(long long)blockIdx.y * 3 * C + col + 1] = s1;
+    partial[(long long)blockIdx.y * W + col] = s0;
+    partial[(long long)blockIdx.y * W + col + 1] = s1;
 }
 // ANCHOR_END: heads
 
@@ -687,6 +699,38 @@ extern "C" __global__ void column_sums(
     for (int e = 0; e < 8; ++e) partial[(long long)blockIdx.y * K + 8 * p + e] = s[e];
 }
 // [/step 06]
+
+// [step 08]
+// Grouped heads through step 06's kernels, which write dk and dv for every query head, as
+// if k and v had been repeated: from that gradient, [B·T, 3C] (q's, k's and v's H heads
+// each), to the fused projection's, [B·T, C + 2·KV·D], q's columns as they are and each kv
+// head's dk and dv the sum over the G = H / KV query heads of its group (query head h
+// reads kv head h / G). A block per token; a thread 8 columns of the output at a time.
+extern "C" __global__ void sum_kv_groups(
+    const u16* __restrict__ full,    // [B·T, 3C]
+    u16* __restrict__ dqkv,          // [B·T, C + 2·KV·D]
+    int H, int KV, int D             // D a multiple of 8
+) {
+    const int C = H * D, KC = KV * D, W = C + 2 * KC, G = H / KV, row = blockIdx.x;
+    const uint4* src = reinterpret_cast<const uint4*>(full + (long long)row * 3 * C);
+    uint4* dst = reinterpret_cast<uint4*>(dqkv + (long long)row * W);
+    for (int j = threadIdx.x; j < W / 8; j += blockDim.x) {
+        const int col = 8 * j;
+        if (col < C) {
+            dst[j] = src[j];
+            continue;
+        }
+        const int part = col < C + KC ? 1 : 2, c = (col - C) % KC, kh = c / D, d = c % D;
+        float sum[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int g = 0; g < G; ++g) {
+            float f[8];
+            unpack8(src[(part * C + (kh * G + g) * D + d) / 8], f);
+            for (int e = 0; e < 8; ++e) sum[e] += f[e];
+        }
+        dst[j] = pack8(sum);
+    }
+}
+// [/step 08]
 
 // ANCHOR: cross_entropy
 // Softmax and cross-entropy of each row of logits together, one warp per row (V ≤ 256

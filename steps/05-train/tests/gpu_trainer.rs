@@ -79,7 +79,6 @@ fn compare(what: &str, gpu: &Params<f32>, cpu: &Params<f32>) -> (f64, String) {
 const HEAD_DIMS_32_64: [(usize, usize); 2] = [(64, 2), (128, 2)];
 
 fn gradients_match(attention: AttentionKind, shapes: &[(usize, usize)]) {
-    // 77 tokens leave partial blocks of 32, 64 and 128
     for &(d_model, heads) in shapes {
         let config = Config {
             layers: 2,
@@ -89,54 +88,59 @@ fn gradients_match(attention: AttentionKind, shapes: &[(usize, usize)]) {
             context: 96,
             vocab: 256,
         };
-        let (b, t) = (3, 77);
-        let start = trainer(config, 7);
-        let (inputs, targets) = batch(b, t, 0);
-        let acts = forward(&start.params, inputs.view()).unwrap();
-        let cpu_loss = loss(&acts, targets.view());
-        let cpu_grads =
-            backward(&start.params, &acts, inputs.view(), targets.view()).unwrap();
+        gradients_match_for(attention, config);
+    }
+}
 
-        let mut gpu = GpuTrainer::new(&start, b, t, attention, false).unwrap();
-        let gpu_loss = gpu.forward_backward(inputs.view(), targets.view()).unwrap();
-        let gpu_grads = gpu.grads().unwrap();
-        let loss_err = ((gpu_loss - cpu_loss) / cpu_loss).abs() as f64;
-        eprintln!(
-            "{} attention, d_model {d_model}, {heads} heads, {b} × {t} tokens: loss GPU \
-            {gpu_loss:.6}, CPU {cpu_loss:.6}, relative error {loss_err:.2e}",
-            attention.name()
-        );
-        let (worst, name) = compare("gradients", &gpu_grads, &cpu_grads);
-        eprintln!("  largest: {name} {worst:.2e}");
+/// One model's loss and gradients, GPU against CPU, and the GPU's the same bits twice.
+fn gradients_match_for(attention: AttentionKind, config: Config) {
+    let Config { d_model, heads, .. } = config;
+    // 77 tokens leave partial blocks of 32, 64 and 128
+    let (b, t) = (3, 77);
+    let start = trainer(config, 7);
+    let (inputs, targets) = batch(b, t, 0);
+    let acts = forward(&start.params, inputs.view()).unwrap();
+    let cpu_loss = loss(&acts, targets.view());
+    let cpu_grads = backward(&start.params, &acts, inputs.view(), targets.view()).unwrap();
 
-        // the same batch again: the same bits (no atomics, no races), and the loss alone
-        // (the held-out pass) the same as with the gradients
-        let again = gpu.forward_backward(inputs.view(), targets.view()).unwrap();
-        assert_eq!(again.to_bits(), gpu_loss.to_bits(), "a second run's loss");
-        let again_grads = gpu.grads().unwrap();
-        for ((name, a), (_, g)) in
-            again_grads.tensors().into_iter().zip(gpu_grads.tensors())
-        {
-            assert!(
-                a.iter()
-                    .zip(g.iter())
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{name}: a second run's gradient differs"
-            );
-        }
-        let alone = gpu.loss(inputs.view(), targets.view()).unwrap();
-        assert_eq!(
-            alone.to_bits(),
-            gpu_loss.to_bits(),
-            "the loss without gradients"
-        );
+    let mut gpu = GpuTrainer::new(&start, b, t, attention, false).unwrap();
+    let gpu_loss = gpu.forward_backward(inputs.view(), targets.view()).unwrap();
+    let gpu_grads = gpu.grads().unwrap();
+    let loss_err = ((gpu_loss - cpu_loss) / cpu_loss).abs() as f64;
+    eprintln!(
+        "{} attention, d_model {d_model}, {heads} heads, {b} × {t} tokens: loss GPU \
+        {gpu_loss:.6}, CPU {cpu_loss:.6}, relative error {loss_err:.2e}",
+        attention.name()
+    );
+    eprintln!("  kv heads {}", config.kv_heads); // [step 08]
+    let (worst, name) = compare("gradients", &gpu_grads, &cpu_grads);
+    eprintln!("  largest: {name} {worst:.2e}");
 
-        assert!(loss_err < LOSS_TOL, "loss: relative error {loss_err:.2e}");
+    // the same batch again: the same bits (no atomics, no races), and the loss alone
+    // (the held-out pass) the same as with the gradients
+    let again = gpu.forward_backward(inputs.view(), targets.view()).unwrap();
+    assert_eq!(again.to_bits(), gpu_loss.to_bits(), "a second run's loss");
+    let again_grads = gpu.grads().unwrap();
+    for ((name, a), (_, g)) in again_grads.tensors().into_iter().zip(gpu_grads.tensors()) {
         assert!(
-            worst < GRAD_TOL,
-            "{name}: relative L2 error {worst:.2e} (tolerance {GRAD_TOL:.0e})"
+            a.iter()
+                .zip(g.iter())
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{name}: a second run's gradient differs"
         );
     }
+    let alone = gpu.loss(inputs.view(), targets.view()).unwrap();
+    assert_eq!(
+        alone.to_bits(),
+        gpu_loss.to_bits(),
+        "the loss without gradients"
+    );
+
+    assert!(loss_err < LOSS_TOL, "loss: relative error {loss_err:.2e}");
+    assert!(
+        worst < GRAD_TOL,
+        "{name}: relative L2 error {worst:.2e} (tolerance {GRAD_TOL:.0e})"
+    );
 }
 // ANCHOR_END: gpu_against_cpu
 
@@ -180,6 +184,41 @@ fn hopper_gradients_match_the_cpu_model() {
     gradients_match(AttentionKind::Hopper, &[(128, 2), (256, 2)]);
 }
 // [/step 06]
+
+// [step 08]
+/// 4 query heads on 2 and on 1 kv head (multi-query), head dim 64: the GPU trainer's
+/// narrower projection and its re-layout kernels, with grouped attention's kernels.
+fn grouped_gradients_match(attention: AttentionKind, d_model: usize) {
+    for kv_heads in [2, 1] {
+        let config = Config {
+            layers: 2,
+            d_model,
+            heads: 4,
+            kv_heads,
+            context: 96,
+            vocab: 256,
+        };
+        gradients_match_for(attention, config);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_flash_gradients_match_the_cpu_model() {
+    grouped_gradients_match(AttentionKind::Flash, 256);
+}
+
+// [step 06]
+/// Step 06's kernels read q, k and v from the narrower projection in place and write dk
+/// and dv for every query head, which `sum_kv_groups` adds up; head dims 64 and 128.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_hopper_gradients_match_the_cpu_model() {
+    grouped_gradients_match(AttentionKind::Hopper, 256);
+    grouped_gradients_match(AttentionKind::Hopper, 512);
+}
+// [/step 06]
+// [/step 08]
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -383,12 +422,12 @@ fn shapes_the_kernels_cannot_take_are_refused_before_any_gpu_is_touched() {
         kv_heads: 1,
         ..config
     };
-    let e = GpuTrainer::new(&trainer(grouped, 1), 1, 16, AttentionKind::Flash, false)
+    let e = GpuTrainer::new(&trainer(grouped, 1), 1, 16, AttentionKind::ByHand, false)
         .err()
-        .expect("grouped heads refused")
+        .expect("grouped heads refused by attention by hand")
         .to_string();
     assert!(
-        e.contains("kv_heads 1 of heads 2") && e.contains("--device cpu"),
+        e.contains("kv_heads 1 of heads 2") && e.contains("--attention flash or hopper"),
         "{e}"
     );
     // [/step 08]

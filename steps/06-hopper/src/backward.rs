@@ -137,9 +137,17 @@ pub unsafe fn backward_into(
     check_hopper(gpu)?;
     forward::check_shape(shape)?;
     let i = inputs;
-    for (x, name) in [(i.q, "q"), (i.k, "k"), (i.v, "v"), (i.dout, "dout")] {
-        x.layout.check(shape, x.ptr, 16, name)?;
+    // k's and v's shape: q's
+    let kv = shape;
+    // [step 08]
+    // or q's with fewer heads, as their layouts say, each shared by a group of q's heads
+    // (dk and dv are written for every query head, as `layout` says)
+    let kv = flash_core::check::grouped_kv(kv, i.k.layout.heads.max(0) as usize)?;
+    // [/step 08]
+    for (x, s, name) in [(i.q, shape, "q"), (i.k, kv, "k"), (i.v, kv, "v")] {
+        x.layout.check(s, x.ptr, 16, name)?;
     }
+    i.dout.layout.check(shape, i.dout.ptr, 16, "dout")?;
     i.out
         .layout
         .check(shape, i.out.ptr, 4, "the forward's output")?;

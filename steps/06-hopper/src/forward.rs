@@ -261,8 +261,14 @@ pub unsafe fn forward_into(
 ) -> Result<(), AttnError> {
     check_hopper(gpu)?;
     check_shape(shape)?;
-    for (x, name) in [(q, "q"), (k, "k"), (v, "v")] {
-        x.layout.check(shape, x.ptr, 16, name)?;
+    // k's and v's shape: q's
+    let kv = shape;
+    // [step 08]
+    // or q's with fewer heads, as their layouts say, each shared by a group of q's heads
+    let kv = flash_core::check::grouped_kv(kv, k.layout.heads.max(0) as usize)?;
+    // [/step 08]
+    for (x, s, name) in [(q, shape, "q"), (k, kv, "k"), (v, kv, "v")] {
+        x.layout.check(s, x.ptr, 16, name)?;
     }
     out.layout.check(shape, out.ptr, 4, "the output")?;
     check_lse(lse)?;

@@ -68,6 +68,17 @@ impl Layout {
     }
     // ANCHOR_END: fused_rows
 
+    // [step 08]
+    /// [`Layout::fused_rows`] when k and v have `kv_heads` heads each (grouped-query
+    /// attention): rows of `(heads + 2 · kv_heads) · head_dim` values, of which this layout
+    /// reads `of` heads (q's `s.heads`, or k's or v's `kv_heads`).
+    pub fn fused_grouped(s: Shape, kv_heads: usize, of: usize) -> Self {
+        let row = ((s.heads + 2 * kv_heads) * s.head_dim) as i64;
+        let tensor = Shape::new(s.batch, of, s.tokens, s.head_dim);
+        Layout::new(tensor, s.tokens as i64 * row, s.head_dim as i64, row)
+    }
+    // [/step 08]
+
     /// The values a tensor spans from its first: the last one's offset, plus one.
     pub fn span(&self, s: Shape) -> usize {
         if s.is_empty() {
@@ -187,4 +198,20 @@ mod tests {
             .to_string();
         assert!(e.contains("3 heads"), "{e}");
     }
+
+    // [step 08]
+    #[test]
+    fn grouped_rows_are_the_fused_rows_without_the_shared_heads() {
+        let s = Shape::new(2, 4, 300, 64);
+        // one kv head per query head: the fused rows
+        assert_eq!(Layout::fused_grouped(s, 4, 4), Layout::fused_rows(s));
+        // 4 query heads on 1 kv head: rows of 6 heads; k's layout has one head
+        let k = Layout::fused_grouped(s, 1, 1);
+        assert_eq!((k.token, k.head, k.heads), (6 * 64, 64, 1));
+        assert_eq!(k.batch, 300 * 6 * 64);
+        let kv = Shape::new(2, 1, 300, 64);
+        assert!(k.check(kv, 4096, 16, "k").is_ok());
+        assert!(k.check(s, 4096, 16, "k").is_err());
+    }
+    // [/step 08]
 }

@@ -3,8 +3,8 @@
 same weights from our checkpoint) generating greedily with a static key/value cache, timed as
 our `generate --device cuda` is, and its bytes held against ours.
 
-The cache is each layer's keys and values, [1, heads, context, head_dim] in bf16, allocated
-once. The prompt is read in one causal forward that fills the cache's first rows; then each
+The cache is each layer's keys and values, [1, kv_heads, context, head_dim] in bf16, allocated
+once (with grouped heads, each kv head serves heads / kv_heads query heads: SDPA's enable_gqa). The prompt is read in one causal forward that fills the cache's first rows; then each
 new token is one forward of one row: its q, k and v, its k and v written at its position, and
 scaled_dot_product_attention of its q against the cache. Two ways, as people run it:
 
@@ -46,10 +46,10 @@ torch, F = g.torch, g.F
 
 
 class StaticCache:
-    """Each layer's keys and values, [layers, 1, heads, context, head_dim], allocated once."""
+    """Each layer's keys and values, [layers, 1, kv_heads, context, head_dim], allocated once."""
 
     def __init__(self, cfg, device):
-        shape = (cfg["layers"], 1, cfg["heads"], cfg["context"], cfg["d_model"] // cfg["heads"])
+        shape = (cfg["layers"], 1, cfg["kv_heads"], cfg["context"], cfg["d_model"] // cfg["heads"])
         self.k = torch.zeros(shape, dtype=torch.bfloat16, device=device)
         self.v = torch.zeros(shape, dtype=torch.bfloat16, device=device)
 
@@ -59,17 +59,31 @@ def split_heads(x, heads):
     return x.view(b, n, heads, c // heads).transpose(1, 2)
 
 
+def qkv_heads(blk, cfg, x):
+    """q [1, heads, n, d], k and v [1, kv_heads, n, d] from the fused projection of `x`."""
+    h, kv = cfg["heads"], cfg["kv_heads"]
+    c = cfg["d_model"]
+    kc = c // h * kv
+    q, k, v = blk.attn.c_attn(blk.ln_1(x)).split([c, kc, kc], dim=2)
+    return split_heads(q, h), split_heads(k, kv), split_heads(v, kv)
+
+
+def attend(cfg, q, k, v, **kw):
+    """SDPA, each kv head read by its group of query heads where the model shares them."""
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=cfg["kv_heads"] != cfg["heads"], **kw)
+
+
 @torch.no_grad()
 def prefill(model, cfg, cache, tokens):
     """The prompt `tokens` [1, n] in one causal forward; its keys and values fill the cache's
     rows 0..n. Returns the next byte's logits."""
-    n, c, h = tokens.shape[1], cfg["d_model"], cfg["heads"]
+    n, c = tokens.shape[1], cfg["d_model"]
     x = model.wte(tokens) + model.wpe(torch.arange(n, device=tokens.device))
     for l, blk in enumerate(model.h):
-        q, k, v = (split_heads(y, h) for y in blk.attn.c_attn(blk.ln_1(x)).split(c, dim=2))
+        q, k, v = qkv_heads(blk, cfg, x)
         cache.k[l, :, :, :n] = k
         cache.v[l, :, :, :n] = v
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = attend(cfg, q, k, v, is_causal=True)
         x = x + blk.attn.c_proj(out.transpose(1, 2).reshape(1, n, c))
         x = x + blk.mlp(blk.ln_2(x))
     return F.linear(model.ln_f(x[:, -1]), model.wte.weight)
@@ -79,13 +93,13 @@ def prefill(model, cfg, cache, tokens):
 def step_sliced(model, cfg, cache, token, pos):
     """One token [1, 1] at position `pos` (an int): attention against the cache's rows
     0..pos, itself included."""
-    c, h = cfg["d_model"], cfg["heads"]
+    c = cfg["d_model"]
     x = model.wte(token) + model.wpe.weight[pos]
     for l, blk in enumerate(model.h):
-        q, k, v = (split_heads(y, h) for y in blk.attn.c_attn(blk.ln_1(x)).split(c, dim=2))
+        q, k, v = qkv_heads(blk, cfg, x)
         cache.k[l, :, :, pos] = k[:, :, 0]
         cache.v[l, :, :, pos] = v[:, :, 0]
-        out = F.scaled_dot_product_attention(q, cache.k[l, :, :, : pos + 1], cache.v[l, :, :, : pos + 1])
+        out = attend(cfg, q, cache.k[l, :, :, : pos + 1], cache.v[l, :, :, : pos + 1])
         x = x + blk.attn.c_proj(out.transpose(1, 2).reshape(1, 1, c))
         x = x + blk.mlp(blk.ln_2(x))
     return F.linear(model.ln_f(x[:, -1]), model.wte.weight)
@@ -94,7 +108,7 @@ def step_sliced(model, cfg, cache, token, pos):
 def step_masked(model, cfg, cache):
     """The same step with the same shapes at every position (`pos` a tensor [1]): the whole
     cache read, the positions after `pos` masked off."""
-    c, h, t = cfg["d_model"], cfg["heads"], cfg["context"]
+    c, t = cfg["d_model"], cfg["context"]
     positions = torch.arange(t, device=cache.k.device)
 
     @torch.no_grad()
@@ -102,10 +116,10 @@ def step_masked(model, cfg, cache):
         x = model.wte(token) + model.wpe(pos)[None]
         mask = (positions <= pos)[None, None, None, :]
         for l, blk in enumerate(model.h):
-            q, k, v = (split_heads(y, h) for y in blk.attn.c_attn(blk.ln_1(x)).split(c, dim=2))
+            q, k, v = qkv_heads(blk, cfg, x)
             cache.k[l].index_copy_(2, pos, k)
             cache.v[l].index_copy_(2, pos, v)
-            out = F.scaled_dot_product_attention(q, cache.k[l], cache.v[l], attn_mask=mask)
+            out = attend(cfg, q, cache.k[l], cache.v[l], attn_mask=mask)
             x = x + blk.attn.c_proj(out.transpose(1, 2).reshape(1, 1, c))
             x = x + blk.mlp(blk.ln_2(x))
         return F.linear(model.ln_f(x[:, -1]), model.wte.weight)
@@ -154,11 +168,6 @@ def main(argv):
         return 2
     try:
         cfg, tensors, trained = g.read_checkpoint(args.checkpoint)
-        if cfg["kv_heads"] != cfg["heads"]:
-            raise g.Failure(
-                f"--checkpoint {args.checkpoint}: kv_heads {cfg['kv_heads']} of heads {cfg['heads']}; "
-                "this peer generates with a model of one key and value head per query head, as our GPU generation does"
-            )
         prompt = list(args.prompt.encode())
         if args.prompt_len is not None:
             if args.prompt_len < 1 or not prompt:

@@ -66,7 +66,7 @@ pub struct GpuModel {
     /// The weights in step 05's flat layout, `f32` and the products' bf16 copy.
     weights: CudaSlice<f32>,
     weights16: CudaSlice<u16>,
-    /// Per layer, `[1, heads, context, head_dim]` in pages of [`PAGE_SIZE`] tokens.
+    /// Per layer, `[1, kv_heads, context, head_dim]` in pages of [`PAGE_SIZE`] tokens.
     caches: Vec<KvCache>,
     /// Tokens in the caches: the next token's position.
     len: usize,
@@ -74,7 +74,7 @@ pub struct GpuModel {
     occupancy: Occupancy,
     /// One token's activations: the residual stream before and after the attention (`f32`),
     /// a product's `f32` output, a LayerNorm's bf16 output and its statistics, the fused
-    /// projection `[3, heads, head_dim]` (q read from it in place), the attention's output,
+    /// projection (q's heads, then k's and v's; q read from it in place), the attention's output,
     /// the MLP's two bf16 rows, the logits.
     token: CudaSlice<u8>,
     x: CudaSlice<f32>,
@@ -98,15 +98,8 @@ impl GpuModel {
         let gpu = Gpu::shared().map_err(device)?;
         let config = params.config;
         config.check()?;
-        if config.kv_heads != config.heads {
-            return Err(TrainError::Config(format!(
-                "kv_heads {} of heads {}: generation on the GPU takes a model with one key \
-                 and value head per query head; a model with grouped heads generates on the \
-                 CPU (--device cpu)",
-                config.kv_heads, config.heads
-            )));
-        }
         let (c, heads, d) = (config.d_model, config.heads, config.head_dim());
+        let kv_heads = config.kv_heads;
         let kernels = Kernels::load(gpu, c)?;
         let blas = Blas::new(gpu)?;
         let arch = gpu.arch();
@@ -132,7 +125,7 @@ impl GpuModel {
             .map(|_| {
                 KvCache::alloc_paged(
                     gpu,
-                    [1, heads, config.context, d],
+                    [1, kv_heads, config.context, d],
                     Dtype::Bf16,
                     PAGE_SIZE,
                     pages,
@@ -142,12 +135,12 @@ impl GpuModel {
             .collect::<Result<Vec<_>, _>>()
             .map_err(device)?;
         // the output has room for the most splits: those of a full cache
-        let full = DecodeShape::new(1, heads, heads, 1, config.context, d);
+        let full = DecodeShape::new(1, heads, kv_heads, 1, config.context, d);
         let occupancy = occupancy(gpu, full, Dtype::Bf16, PAGE_SIZE).map_err(device)?;
-        let most = plan_splits(heads, config.context, occupancy).splits;
+        let most = plan_splits(kv_heads, config.context, occupancy).splits;
         let att = alloc_output(gpu, full, Dtype::Bf16, most).map_err(device)?;
         let qkv = DeviceTensor {
-            data: alloc(gpu, 3 * c, "the fused projection")?,
+            data: alloc(gpu, config.qkv_width(), "the fused projection")?,
             shape: flash_core::Shape::new(1, heads, 1, d),
             dtype: Dtype::Bf16,
         };
@@ -207,7 +200,7 @@ impl GpuModel {
     /// Bytes of keys and values in the caches now: what each decoding step reads.
     pub fn cache_bytes(&self) -> usize {
         let c = self.config;
-        2 * c.layers * c.d_model * self.len * 2
+        2 * c.layers * c.kv_heads * c.head_dim() * self.len * 2
     }
 
     // ANCHOR: gpu_step
@@ -230,7 +223,8 @@ impl GpuModel {
                 cfg.vocab, cfg.vocab
             )));
         }
-        let (c, heads, d, pos) = (cfg.d_model, cfg.heads, cfg.head_dim(), self.len);
+        let (c, d, pos) = (cfg.d_model, cfg.head_dim(), self.len);
+        let (width, kv_heads) = (cfg.qkv_width(), cfg.kv_heads);
         let GpuModel {
             gpu,
             kernels: k,
@@ -261,9 +255,9 @@ impl GpuModel {
         let logits = ptr(gpu, logits_buf);
         // ANCHOR: gpu_step_layers
         // every layer's cache will hold pos + 1 tokens: one plan serves them all
-        let plan = plan_splits(heads, pos + 1, *occupancy);
+        let plan = plan_splits(kv_heads, pos + 1, *occupancy);
         // SAFETY (every launch and product below): each pointer is a buffer allocated in
-        // GpuModel::new for one token of this model (x, x_mid and y C values, ln C, qkv 3C,
+        // GpuModel::new for one token of this model (x, x_mid and y C values, ln C, qkv width,
         // fc and gelu 4C, logits V), or an offset into the flat weights that the layout
         // gives for a tensor of the size used; the position embedding's row pos exists
         // (pos < context)
@@ -286,13 +280,13 @@ impl GpuModel {
                 let ln_1 = (w32(w.ln_1_w), w32(w.ln_1_b));
                 k.layernorm_forward(res, add, add_bias, x, ln_1, ln, (mean, rstd), 1, c)?;
                 let attn_w = plain(w16(w.attn_w));
-                blas.matmul_bias(1, 3 * c, c, plain(ln), attn_w, w16(w.attn_b), qkv)?;
+                blas.matmul_bias(1, width, c, plain(ln), attn_w, w16(w.attn_b), qkv)?;
                 // this token's keys and values join the cache; its q stays in qkv
                 let cache = &mut caches[l];
                 let new = NewRows {
                     k: qkv + 2 * c as u64,
-                    v: qkv + 4 * c as u64,
-                    row_stride: 3 * c,
+                    v: qkv + 2 * (c + kv_heads * d) as u64,
+                    row_stride: width,
                     head_stride: d,
                 };
                 append_kv(gpu, append, new, cache, pos, 1)?;
@@ -361,6 +355,7 @@ impl GpuModel {
             )));
         }
         let (c, heads, d) = (cfg.d_model, cfg.heads, cfg.head_dim());
+        let (width, kv_heads) = (cfg.qkv_width(), cfg.kv_heads);
         let gpu = self.gpu;
         let stream = gpu.stream();
         // the prompt's activations, n rows of each buffer of GpuModel::step
@@ -374,19 +369,21 @@ impl GpuModel {
         );
         let ln = alloc::<u16>(gpu, n * c, "the prompt's LayerNorm output")?;
         let stats = alloc::<f32>(gpu, 2 * n, "the prompt's LayerNorm statistics")?;
-        let qkv = alloc::<u16>(gpu, 3 * n * c, "the prompt's fused projection")?;
+        let qkv = alloc::<u16>(gpu, n * width, "the prompt's fused projection")?;
         let shape = flash_core::Shape::new(1, heads, n, d);
-        let head_tensor = |what| -> Result<DeviceTensor, TrainError> {
-            Ok(DeviceTensor {
-                data: alloc(gpu, n * c, what)?,
-                shape,
-                dtype: Dtype::Bf16,
-            })
-        };
+        let kv_shape = flash_core::Shape::new(1, kv_heads, n, d);
+        let head_tensor =
+            |shape: flash_core::Shape, what| -> Result<DeviceTensor, TrainError> {
+                Ok(DeviceTensor {
+                    data: alloc(gpu, shape.len(), what)?,
+                    shape,
+                    dtype: Dtype::Bf16,
+                })
+            };
         let (q, key, v) = (
-            head_tensor("the prompt's queries")?,
-            head_tensor("the prompt's keys")?,
-            head_tensor("the prompt's values")?,
+            head_tensor(shape, "the prompt's queries")?,
+            head_tensor(kv_shape, "the prompt's keys")?,
+            head_tensor(kv_shape, "the prompt's values")?,
         );
         let mut att = gpu.alloc_output(shape, Dtype::Bf16).map_err(device)?;
         let att_rows = alloc::<u16>(gpu, n * c, "the prompt's attention rows")?;
@@ -404,8 +401,9 @@ impl GpuModel {
         let dims = (1, heads, n, d);
         // ANCHOR: gpu_prefill_layers
         // SAFETY (every launch and product below): each pointer is a buffer allocated above
-        // for n rows of this model (x, x_mid, y, ln and att_rows n·C values, qkv 3n·C, q,
-        // key, v and att's output [1, H, n, D], fc and gelu 4n·C, stats 2n), or an offset
+        // for n rows of this model (x, x_mid, y, ln and att_rows n·C values, qkv n·width, q
+        // and att's output [1, H, n, D], key and v [1, kv_heads, n, D], fc and gelu 4n·C,
+        // stats 2n), or an offset
         // into the flat weights that the layout gives for a tensor of the size used; the
         // position embeddings' rows 0..n exist (n ≤ context)
         unsafe {
@@ -418,10 +416,11 @@ impl GpuModel {
                 let ln_1 = (w32(w.ln_1_w), w32(w.ln_1_b));
                 k.layernorm_forward(res, add, add_bias, xp, ln_1, lnp, (mean, rstd), n, c)?;
                 let attn_w = plain(w16(w.attn_w));
-                blas.matmul(n, 3 * c, c, plain(lnp), attn_w, qkvp, Out::Bf16, 0.0)?;
+                blas.matmul(n, width, c, plain(lnp), attn_w, qkvp, Out::Bf16, 0.0)?;
                 let qkv_heads = (heads_of(&q), heads_of(&key), heads_of(&v));
-                k.qkv_to_heads(qkvp, w32(w.attn_b), qkv_heads, dims)?;
-                // the prompt's keys and values join the cache from its [H, n, D] tensors
+                k.qkv_to_heads(qkvp, w32(w.attn_b), qkv_heads, dims, width)?;
+                // the prompt's keys and values join the cache from its [kv_heads, n, D]
+                // tensors
                 let new = NewRows {
                     k: heads_of(&key),
                     v: heads_of(&v),

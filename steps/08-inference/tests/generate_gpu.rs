@@ -23,6 +23,19 @@ const CONFIG: Config = Config {
     vocab: 256,
 };
 
+/// The same model with 2 kv heads, and with 1 (multi-query attention): the cache holds
+/// `kv_heads` heads a layer, and each decoding step reads a head for its group of queries.
+const GROUPED: [Config; 2] = [
+    Config {
+        kv_heads: 2,
+        ..CONFIG
+    },
+    Config {
+        kv_heads: 1,
+        ..CONFIG
+    },
+];
+
 fn bytes(n: usize, seed: u64) -> Vec<u8> {
     let mut rng = SplitMix64::new(seed);
     (0..n).map(|_| rng.next_u64() as u8).collect()
@@ -53,12 +66,20 @@ fn trainer(p: &Params<f32>) -> GpuTrainer {
 /// Both GPU paths compute in bf16 (the same products, the same kernels but the attention);
 /// the cache's error against `f64` is at most twice that of step 05's GPU forward over the
 /// whole text, plus 1e-4 for a forward whose error is near zero by luck. The prompt goes
-/// in by a prefill (its last row's logits checked), every later token by a step.
+/// in by a prefill (its last row's logits checked), every later token by a step. With
+/// one kv head per query head, and grouped.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
-    for (model_seed, prompt) in [(1, 1), (2, 70), (3, CONFIG.context)] {
-        let p = Params::init(CONFIG, model_seed).unwrap();
+    for (config, model_seed, prompt) in [
+        (CONFIG, 1, 1),
+        (CONFIG, 2, 70),
+        (CONFIG, 3, CONFIG.context),
+        (GROUPED[0], 4, 70),
+        (GROUPED[1], 5, 1),
+        (GROUPED[1], 6, CONFIG.context),
+    ] {
+        let p = Params::init(config, model_seed).unwrap();
         let tokens = bytes(CONFIG.context, 100 + model_seed);
         let exact = exact_logits(&p, &tokens);
         let mut model = GpuModel::new(&p).unwrap();
@@ -81,10 +102,19 @@ fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
             }
         }
         assert_eq!(model.len(), CONFIG.context);
+        assert_eq!(
+            model.cache_bytes(),
+            2 * 2 * config.kv_heads * 64 * CONFIG.context * 2
+        );
+        println!(
+            "{} kv heads, model {model_seed}, a prompt of {prompt}: the cache's logits \
+             {ours:.3e} from f64, the GPU forward's {by_forward:.3e}",
+            config.kv_heads
+        );
         assert!(
             ours <= 2.0 * by_forward + 1e-4,
-            "model {model_seed}, a prompt of {prompt}: the cache's logits are {ours:.3e} \
-             from f64, the GPU forward's {by_forward:.3e}"
+            "{config:?}, model {model_seed}, a prompt of {prompt}: the cache's logits are \
+             {ours:.3e} from f64, the GPU forward's {by_forward:.3e}"
         );
         // one more token has no position embedding, and a prefill needs an empty cache:
         // refused, nothing changed
@@ -101,7 +131,19 @@ fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_generation_refuses_what_does_not_fit_and_draws_as_sample_draws() {
     let p = Params::init(CONFIG, 5).unwrap();
-    let mut model = GpuModel::new(&p).unwrap();
+    draws_as_sample_draws(&p);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_gpu_generation_draws_as_sample_draws() {
+    for (i, config) in GROUPED.into_iter().enumerate() {
+        draws_as_sample_draws(&Params::init(config, 7 + i as u64).unwrap());
+    }
+}
+
+fn draws_as_sample_draws(p: &Params<f32>) {
+    let mut model = GpuModel::new(p).unwrap();
     let e = generate_gpu(&mut model, &[b'a'; 200], 101, 0.8, 1)
         .unwrap_err()
         .to_string();
@@ -122,7 +164,7 @@ fn gpu_generation_refuses_what_does_not_fit_and_draws_as_sample_draws() {
     // with and without the cache, the same draws from the same stream: the two bf16
     // paths' probabilities differ by rounding only, which moves a draw only when it lands
     // within that rounding of a boundary between two bytes
-    let mut gpu = trainer(&p);
+    let mut gpu = trainer(p);
     let uncached = sample_gpu(&mut gpu, b"fn main", 40, 0.8, 9).unwrap();
     let same = first
         .iter()

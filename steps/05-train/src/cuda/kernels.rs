@@ -85,7 +85,8 @@ pub struct Kernels {
     qkv_to_heads: CudaFunction,
     heads_rows: CudaFunction,
     heads_to_qkv: CudaFunction,
-    column_sums: CudaFunction, // [step 06]
+    column_sums: CudaFunction,   // [step 06]
+    sum_kv_groups: CudaFunction, // [step 08]
     cross_entropy: CudaFunction,
     sum_scaled: CudaFunction,
     sumsq_partial: CudaFunction,
@@ -173,7 +174,8 @@ impl Kernels {
             qkv_to_heads: f("qkv_to_heads")?,
             heads_rows: f("heads_rows")?,
             heads_to_qkv: f("heads_to_qkv")?,
-            column_sums: f("column_sums")?, // [step 06]
+            column_sums: f("column_sums")?,     // [step 06]
+            sum_kv_groups: f("sum_kv_groups")?, // [step 08]
             cross_entropy: f("cross_entropy")?,
             sum_scaled: f("sum_scaled")?,
             sumsq_partial: f("sumsq_partial")?,
@@ -511,14 +513,17 @@ impl Kernels {
         }
     }
 
-    /// The fused projection's `[B·T, 3C]` output plus its bias to q, k, v in `[B, H, T,
-    /// D]`.
+    /// The fused projection's `[B·T, width]` output plus its bias to q in `[B, H, T, D]`
+    /// and k and v in `[B, kv, T, D]`: q's `C = H·D` columns, then k's and v's `(width −
+    /// C) / 2` each (`kv` heads, as [`Config::qkv_width`](crate::model::Config::qkv_width)
+    /// gives the width).
     pub unsafe fn qkv_to_heads(
         &self,
         qkv: u64,
         bias: u64,
         (q, k, v): (u64, u64, u64),
         (b, h, t, d): (usize, usize, usize, usize),
+        width: usize,
     ) -> Result<(), TrainError> {
         let args = [
             Arg::Ptr(qkv),
@@ -529,8 +534,9 @@ impl Kernels {
             Arg::I32(t as i32),
             Arg::I32(h as i32),
             Arg::I32(d as i32),
+            Arg::I32(width as i32),
         ];
-        let cfg = per_row(b * t, 3 * h * d / 8)?;
+        let cfg = per_row(b * t, width / 8)?;
         unsafe { self.launch(&self.qkv_to_heads, "qkv_to_heads", cfg, &args) }
     }
 
@@ -554,8 +560,9 @@ impl Kernels {
         unsafe { self.launch(&self.heads_rows, "heads_rows", cfg, &args) }
     }
 
-    /// dq, dk, dv (`[B, H, T, D]`) to the fused projection's `[B·T, 3C]` gradient, and its
-    /// column sums into `bias_grad` through `partial` (`[colsum_parts(rows), 3C]`).
+    /// dq (`[B, H, T, D]`), dk and dv (k's and v's heads) to the fused projection's `[B·T,
+    /// width]` gradient, and its column sums into `bias_grad` through `partial`
+    /// (`[colsum_parts(rows), width]`).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn heads_to_qkv(
         &self,
@@ -564,10 +571,11 @@ impl Kernels {
         partial: u64,
         bias_grad: u64,
         (b, h, t, d): (usize, usize, usize, usize),
+        width: usize,
     ) -> Result<(), TrainError> {
-        let (rows, k) = (b * t, 3 * h * d);
+        let rows = b * t;
         // 128 threads a block, a pair of columns each
-        let (cfg, chunk) = Self::column_grid(rows, k, 256, (128, 1, 1));
+        let (cfg, chunk) = Self::column_grid(rows, width, 256, (128, 1, 1));
         let args = [
             Arg::Ptr(dq),
             Arg::Ptr(dk),
@@ -577,12 +585,14 @@ impl Kernels {
             Arg::I32(t as i32),
             Arg::I32(h as i32),
             Arg::I32(d as i32),
+            Arg::I32(width as i32),
             Arg::I32(rows as i32),
             Arg::I32(chunk as i32),
         ];
         unsafe {
             self.launch(&self.heads_to_qkv, "heads_to_qkv", cfg, &args)?;
-            self.reduce_partials(partial, Self::colsum_parts(rows), k, k, [bias_grad, 0, 0])
+            let parts = Self::colsum_parts(rows);
+            self.reduce_partials(partial, parts, width, width, [bias_grad, 0, 0])
         }
     }
 
@@ -613,6 +623,29 @@ impl Kernels {
         }
     }
     // [/step 06]
+
+    // [step 08]
+    /// From step 06's backward's `[B·T, 3C]` gradient (dk and dv for every query head) to
+    /// the fused projection's `[B·T, C + 2·kv·D]`, each group's dk and dv summed into its
+    /// kv head.
+    pub unsafe fn sum_kv_groups(
+        &self,
+        full: u64,
+        dqkv: u64,
+        rows: usize,
+        (h, kv, d): (usize, usize, usize),
+    ) -> Result<(), TrainError> {
+        let args = [
+            Arg::Ptr(full),
+            Arg::Ptr(dqkv),
+            Arg::I32(h as i32),
+            Arg::I32(kv as i32),
+            Arg::I32(d as i32),
+        ];
+        let cfg = per_row(rows, (h + 2 * kv) * d / 8)?;
+        unsafe { self.launch(&self.sum_kv_groups, "sum_kv_groups", cfg, &args) }
+    }
+    // [/step 08]
 
     /// Per-row losses and (when `dlogits` is not 0) the logits' gradient, scaled by
     /// `scale`.

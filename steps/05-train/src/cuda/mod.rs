@@ -69,6 +69,21 @@ fn fused_thirds(ptr: u64, shape: Shape) -> [Strided; 3] {
     })
 }
 // [/step 06]
+// [step 08]
+
+/// [`fused_thirds`] when k and v have `kv_heads` heads each (grouped-query attention): q's
+/// `C` columns, then k's and v's `kv_heads · head_dim` each, in rows of
+/// [`Config::qkv_width`] columns.
+fn fused_grouped(ptr: u64, shape: Shape, kv_heads: usize) -> [Strided; 3] {
+    let d = shape.head_dim;
+    let (c, kc) = (shape.heads * d, kv_heads * d);
+    let at = |col: usize, heads: usize| Strided {
+        ptr: ptr + 2 * col as u64,
+        layout: HeadLayout::fused_grouped(shape, kv_heads, heads),
+    };
+    [at(0, shape.heads), at(c, kv_heads), at(c + kc, kv_heads)]
+}
+// [/step 08]
 
 /// Which attention the model runs on the GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -220,7 +235,7 @@ enum AttentionActs {
         att: Option<DeviceAttention>,
     },
     // [step 06]
-    /// The fused projection's output itself, `[rows, 3C]` bf16 with its bias, and each
+    /// The fused projection's output itself, `[rows, qkv_width]` bf16 with its bias, and each
     /// row's log-sum-exp, `[B, H, T]` f32: step 06's kernels read q, k and v where the
     /// projection wrote them and write the output straight into the rows the output
     /// projection reads (`att_rows`), so nothing is moved.
@@ -230,7 +245,7 @@ enum AttentionActs {
 
 /// Buffers used within a step and reused by every layer.
 struct Scratch {
-    /// `[rows, 3C]` bf16: the fused projection's output, before the re-layout.
+    /// `[rows, qkv_width]` bf16: the fused projection's output, before the re-layout.
     qkv: Buf<u16>,
     /// `[rows, 4C]` bf16: a layer's GELU output, the MLP's second product's input. One
     /// buffer for every layer: the forward uses it at once, and the backward's GELU kernel,
@@ -255,8 +270,14 @@ struct Scratch {
     /// `[rows, C]` bf16: the attention output's gradient in rows, then in heads.
     datt_rows: Buf<u16>,
     dout: DeviceTensor,
-    /// `[rows, 3C]` bf16: dq, dk, dv back in the fused projection's columns.
+    /// `[rows, qkv_width]` bf16: dq, dk, dv back in the fused projection's columns.
     dqkv: Buf<u16>,
+    // [step 08]
+    /// `[rows, 3C]` bf16 with grouped heads and step 06's kernels (else empty): dq, and dk
+    /// and dv for every query head, as those kernels write them, before each group's are
+    /// summed into `dqkv`.
+    dqkv_heads: Buf<u16>,
+    // [/step 08]
     /// Partial sums of LayerNorm and bias gradients.
     ln_partial: Buf<f32>,
     col_partial: Buf<f32>,
@@ -378,6 +399,7 @@ pub fn bytes_needed(config: &Config, batch: usize, seq_len: usize) -> u64 {
         config.heads as u64,
     );
     let rows = (batch * seq_len) as u64;
+    let width = config.qkv_width() as u64;
     let params = Layout::new(*config).len as u64 * (4 * 4 + 2);
     let per_layer = rows * c * (4 * 2 + 2 * 3 + 2 * 4)
         + rows * 4 * c * 2
@@ -386,7 +408,7 @@ pub fn bytes_needed(config: &Config, batch: usize, seq_len: usize) -> u64 {
     let last = rows * c * (4 + 2) + rows * 8 + rows * v * (4 + 2) + rows * 4;
     let ln_parts = Kernels::ln_backward_blocks(rows as usize) as u64;
     let col_parts = Kernels::colsum_parts(rows as usize) as u64;
-    let scratch = rows * 3 * c * 2 * 2
+    let scratch = rows * width * 2 * 2
         + rows * c * (4 + 4 + 2 + 4 + 2 + 4 + 2 + 2)
         + rows * 4 * c * 2 * 2
         + ln_parts * 3 * c * 4
@@ -394,6 +416,13 @@ pub fn bytes_needed(config: &Config, batch: usize, seq_len: usize) -> u64 {
         + NORM_BLOCKS as u64 * 8
         + rows * 2
         + (rows + v + 1) * 4;
+    // [step 08]
+    // grouped heads: step 06's dk and dv for every query head before their groups' sums
+    let scratch = match config.kv_heads == config.heads {
+        true => scratch,
+        false => scratch + rows * 3 * c * 2,
+    };
+    // [/step 08]
     params + config.layers as u64 * per_layer + last + scratch
 }
 
@@ -511,11 +540,11 @@ impl GpuTrainer {
         }
         // [/step 06]
         // [step 08]
-        if config.kv_heads != h {
+        if config.kv_heads != h && attention == AttentionKind::ByHand {
             return Err(TrainError::Config(format!(
-                "kv_heads {} of heads {h}: the GPU trainer takes one key and value head per \
-                 query head (kv_heads = heads); a model with grouped heads trains on the CPU \
-                 (--device cpu)",
+                "kv_heads {} of heads {h}: attention by hand on the GPU takes one key and \
+                 value head per query head; a model with grouped heads trains with \
+                 --attention flash or hopper",
                 config.kv_heads
             )));
         }
@@ -579,7 +608,17 @@ impl GpuTrainer {
         let layout = Layout::new(config);
         let n = layout.len;
         let rows = batch * seq_len;
+        let width = config.qkv_width();
         let shape = Shape::new(batch, h, seq_len, d);
+        // k's and v's shape: q's
+        let kv_shape = shape;
+        // [step 08]
+        // or q's with fewer heads, each shared by a group of q's (grouped-query attention)
+        let kv_shape = Shape {
+            heads: config.kv_heads,
+            ..kv_shape
+        };
+        // [/step 08]
         let stream = gpu.stream();
         let upload = |x: &[f32], what: &str| -> Result<Buf<f32>, TrainError> {
             let b = alloc::<f32>(gpu, n, what)?;
@@ -609,14 +648,14 @@ impl GpuTrainer {
                 attn: match attention {
                     // [step 06]
                     AttentionKind::Hopper => AttentionActs::Fused {
-                        qkv: b16(rows * 3 * c, "q, k and v")?,
+                        qkv: b16(rows * width, "q, k and v")?,
                         lse: f(rows * h, "attention log-sum-exps")?,
                     },
                     // [/step 06]
                     AttentionKind::Flash | AttentionKind::ByHand => AttentionActs::Heads {
                         q: tensor(gpu, shape, &what("q"))?,
-                        k: tensor(gpu, shape, &what("k"))?,
-                        v: tensor(gpu, shape, &what("v"))?,
+                        k: tensor(gpu, kv_shape, &what("k"))?,
+                        v: tensor(gpu, kv_shape, &what("v"))?,
                         att: match attention {
                             AttentionKind::Flash => Some(
                                 gpu.alloc_output(shape, Dtype::Bf16)
@@ -639,7 +678,7 @@ impl GpuTrainer {
             .collect::<Result<Vec<_>, _>>()?;
         let v_len = config.vocab;
         let s = Scratch {
-            qkv: alloc(gpu, rows * 3 * c, "the fused projection's output")?,
+            qkv: alloc(gpu, rows * width, "the fused projection's output")?,
             gelu: alloc(gpu, rows * 4 * c, "the GELU output")?,
             y: alloc(gpu, rows * c, "a product's output")?,
             dres: alloc(gpu, rows * c, "the residual stream's gradient")?,
@@ -650,7 +689,17 @@ impl GpuTrainer {
             dbig: alloc(gpu, rows * 4 * c, "the MLP's gradient")?,
             datt_rows: alloc(gpu, rows * c, "the attention output's gradient")?,
             dout: tensor(gpu, shape, "the attention output's gradient")?,
-            dqkv: alloc(gpu, rows * 3 * c, "the fused projection's gradient")?,
+            dqkv: alloc(gpu, rows * width, "the fused projection's gradient")?,
+            // [step 08]
+            dqkv_heads: alloc(
+                gpu,
+                match attention == AttentionKind::Hopper && config.kv_heads != h {
+                    true => rows * 3 * c,
+                    false => 0,
+                },
+                "the attention's gradients for every query head",
+            )?,
+            // [/step 08]
             ln_partial: alloc(
                 gpu,
                 Kernels::ln_backward_blocks(rows) * 3 * c,
@@ -810,6 +859,7 @@ impl GpuTrainer {
         let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
         let (rows, d, vocab) = (b * t, c / h, config.vocab);
         let heads = (b, h, t, d);
+        let width = config.qkv_width();
         let shape = Shape::new(b, h, t, d); // [step 06]
         let w32 = |off: usize| params.ptr + 4 * off as u64;
         let w16 = |off: usize| params16.ptr + 2 * off as u64;
@@ -860,7 +910,7 @@ impl GpuTrainer {
                         // the bias added as cuBLASLt writes the product
                         blas.matmul_bias(
                             rows,
-                            3 * c,
+                            width,
                             c,
                             plain(la.ln1.ptr),
                             plain(w16(w.attn_w)),
@@ -869,7 +919,19 @@ impl GpuTrainer {
                         )?;
                         prof.mark(gpu, "matmul: qkv")?;
                         let kernel = ForwardKernel::for_shape(shape, h);
-                        // (inside this unsafe block) qkv holds rows · 3C bf16 values, each
+                        let thirds = fused_thirds(qkv.ptr, shape);
+                        // [step 08]
+                        // grouped heads: k's and v's columns are fewer
+                        let kv = config.kv_heads;
+                        let (kernel, thirds) = match kv == h {
+                            true => (kernel, thirds),
+                            false => (
+                                ForwardKernel::for_shape(shape, kv),
+                                fused_grouped(qkv.ptr, shape, kv),
+                            ),
+                        };
+                        // [/step 08]
+                        // (inside this unsafe block) qkv holds rows · width bf16 values, each
                         // third's span (Layout::span) ends inside it; att_rows holds rows ·
                         // C, lse rows · H f32, apart from qkv and each other
                         step06_hopper::forward::forward_into(
@@ -877,7 +939,7 @@ impl GpuTrainer {
                             kernel,
                             shape,
                             Dtype::Bf16,
-                            fused_thirds(qkv.ptr, shape),
+                            thirds,
                             Strided {
                                 ptr: la.att_rows.ptr,
                                 layout: HeadLayout::rows(shape),
@@ -890,7 +952,7 @@ impl GpuTrainer {
                     AttentionActs::Heads { q, k: key, v, att } => {
                         blas.matmul(
                             rows,
-                            3 * c,
+                            width,
                             c,
                             plain(la.ln1.ptr),
                             plain(w16(w.attn_w)),
@@ -906,7 +968,7 @@ impl GpuTrainer {
                             dptr(&key.data, stream),
                             dptr(&v.data, stream),
                         );
-                        k.qkv_to_heads(s.qkv.ptr, w32(w.attn_b), qkv, heads)?;
+                        k.qkv_to_heads(s.qkv.ptr, w32(w.attn_b), qkv, heads, width)?;
                         prof.mark(gpu, "qkv to heads")?;
                         attention_forward(gpu, *attention, q, key, v, att)?;
                         prof.mark(gpu, "attention")?;
@@ -1034,6 +1096,7 @@ impl GpuTrainer {
         let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
         let (rows, d, vocab) = (b * t, c / h, config.vocab);
         let heads = (b, h, t, d);
+        let width = config.qkv_width();
         let shape = Shape::new(b, h, t, d); // [step 06]
         let w32 = |off: usize| params.ptr + 4 * off as u64;
         let w16 = |off: usize| params16.ptr + 2 * off as u64;
@@ -1190,6 +1253,14 @@ impl GpuTrainer {
                         // dv straight into the fused projection's gradient: nothing to
                         // move, only the bias's column sums to take
                         let [q, key, v] = fused_thirds(qkv.ptr, shape);
+                        // [step 08]
+                        // grouped heads: k's and v's columns are fewer
+                        let grouped = config.kv_heads != h;
+                        let [q, key, v] = match grouped {
+                            false => [q, key, v],
+                            true => fused_grouped(qkv.ptr, shape, config.kv_heads),
+                        };
+                        // [/step 08]
                         let in_rows = |ptr| Strided {
                             ptr,
                             layout: HeadLayout::rows(shape),
@@ -1207,8 +1278,15 @@ impl GpuTrainer {
                         // whatever order its blocks finish)
                         let kernels =
                             step06_hopper::kernel::BackwardKernels::two_passes(shape);
-                        let grads = fused_thirds(s.dqkv.ptr, shape).map(|g| g.ptr);
-                        // (inside this unsafe block) dqkv holds rows · 3C bf16 values,
+                        let grads_at = s.dqkv.ptr;
+                        // [step 08]
+                        // and the kernels write dk and dv for every query head, as if k and
+                        // v had been repeated, in rows of 3C; each group's sum goes to dqkv
+                        // after
+                        let grads_at = if grouped { s.dqkv_heads.ptr } else { grads_at };
+                        // [/step 08]
+                        let grads = fused_thirds(grads_at, shape).map(|g| g.ptr);
+                        // (inside this unsafe block) grads_at holds rows · 3C bf16 values,
                         // apart from every input, and each third's span ends inside it; the
                         // thirds' columns are apart
                         step06_hopper::backward::backward_into(
@@ -1221,12 +1299,19 @@ impl GpuTrainer {
                             HeadLayout::fused_rows(shape),
                         )?;
                         prof.mark(gpu, "backward: attention")?;
+                        // [step 08]
+                        if grouped {
+                            let heads = (h, config.kv_heads, d);
+                            k.sum_kv_groups(s.dqkv_heads.ptr, s.dqkv.ptr, rows, heads)?;
+                            prof.mark(gpu, "backward: sum kv groups")?;
+                        }
+                        // [/step 08]
                         k.column_sums(
                             s.dqkv.ptr,
                             s.col_partial.ptr,
                             g32(w.attn_b),
                             rows,
-                            3 * c,
+                            width,
                         )?;
                         prof.mark(gpu, "backward: qkv bias")?;
                     }
@@ -1254,6 +1339,7 @@ impl GpuTrainer {
                             s.col_partial.ptr,
                             g32(w.attn_b),
                             heads,
+                            width,
                         )?;
                         // freed in stream order, after the kernel above has read them
                         drop(g);
@@ -1262,7 +1348,7 @@ impl GpuTrainer {
                 }
                 blas.matmul(
                     c,
-                    3 * c,
+                    width,
                     rows,
                     transposed(la.ln1.ptr),
                     plain(s.dqkv.ptr),
@@ -1273,7 +1359,7 @@ impl GpuTrainer {
                 blas.matmul(
                     rows,
                     c,
-                    3 * c,
+                    width,
                     plain(s.dqkv.ptr),
                     transposed(w16(w.attn_w)),
                     s.dln.ptr,
