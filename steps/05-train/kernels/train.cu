@@ -701,6 +701,7 @@ extern "C" __global__ void column_sums(
 // [/step 06]
 
 // [step 08]
+// ANCHOR: sum_kv_groups
 // Grouped heads through step 06's kernels, which write dk and dv for every query head, as
 // if k and v had been repeated: from that gradient, [B·T, 3C] (q's, k's and v's H heads
 // each), to the fused projection's, [B·T, C + 2·KV·D], q's columns as they are and each kv
@@ -730,6 +731,7 @@ extern "C" __global__ void sum_kv_groups(
         dst[j] = pack8(sum);
     }
 }
+// ANCHOR_END: sum_kv_groups
 // [/step 08]
 
 // ANCHOR: cross_entropy
