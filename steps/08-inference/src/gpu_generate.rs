@@ -74,8 +74,8 @@ pub struct GpuModel {
     occupancy: Occupancy,
     /// One token's activations: the residual stream before and after the attention (`f32`),
     /// a product's `f32` output, a LayerNorm's bf16 output and its statistics, the fused
-    /// projection (q's heads, then k's and v's; q read from it in place), the attention's output,
-    /// the MLP's two bf16 rows, the logits.
+    /// projection (q's heads, then k's and v's; q read from it in place), the attention's
+    /// output, the MLP's two bf16 rows, the logits.
     token: CudaSlice<u8>,
     x: CudaSlice<f32>,
     x_mid: CudaSlice<f32>,
@@ -257,8 +257,8 @@ impl GpuModel {
         // every layer's cache will hold pos + 1 tokens: one plan serves them all
         let plan = plan_splits(kv_heads, pos + 1, *occupancy);
         // SAFETY (every launch and product below): each pointer is a buffer allocated in
-        // GpuModel::new for one token of this model (x, x_mid and y C values, ln C, qkv width,
-        // fc and gelu 4C, logits V), or an offset into the flat weights that the layout
+        // GpuModel::new for one token of this model (x, x_mid and y C values, ln C, qkv
+        // qkv_width, fc and gelu 4C, logits V), or an offset into the flat weights that the layout
         // gives for a tensor of the size used; the position embedding's row pos exists
         // (pos < context)
         unsafe {

@@ -235,8 +235,8 @@ enum AttentionActs {
         att: Option<DeviceAttention>,
     },
     // [step 06]
-    /// The fused projection's output itself, `[rows, qkv_width]` bf16 with its bias, and each
-    /// row's log-sum-exp, `[B, H, T]` f32: step 06's kernels read q, k and v where the
+    /// The fused projection's output itself, `[rows, qkv_width]` bf16 with its bias, and
+    /// each row's log-sum-exp, `[B, H, T]` f32: step 06's kernels read q, k and v where the
     /// projection wrote them and write the output straight into the rows the output
     /// projection reads (`att_rows`), so nothing is moved.
     Fused { qkv: Buf<u16>, lse: Buf<f32> },
@@ -931,9 +931,9 @@ impl GpuTrainer {
                             ),
                         };
                         // [/step 08]
-                        // (inside this unsafe block) qkv holds rows · width bf16 values, each
-                        // third's span (Layout::span) ends inside it; att_rows holds rows ·
-                        // C, lse rows · H f32, apart from qkv and each other
+                        // (inside this unsafe block) qkv holds rows · width bf16 values,
+                        // each third's span (Layout::span) ends inside it; att_rows holds
+                        // rows · C, lse rows · H f32, apart from qkv and each other
                         step06_hopper::forward::forward_into(
                             gpu,
                             kernel,
