@@ -594,8 +594,9 @@ extern "C" __global__ void gelu_backward(
 // v's, [B·T, W]: q's C = H·D columns, then k's KC and v's KC (W = C + 2·KC; KC = C,
 // unless k and v have fewer heads than q). Our attention kernels take each of q, k and v
 // as [B, heads, T, D]: q[b, h, t, d] = qkv[b·T + t, h·D + d] + bias[h·D + d], k from
-// column C on, v from C + KC on. A block per token; a thread moves 8 values (16 bytes) at a time, so
-// a head's row of 64 is 8 threads' reads of one 128-byte run and their writes of another.
+// column C on, v from C + KC on. A block per token; a thread moves 8 values (16 bytes) at
+// a time, so a head's row of 64 is 8 threads' reads of one 128-byte run and their writes
+// of another.
 extern "C" __global__ void qkv_to_heads(
     const u16* __restrict__ qkv,     // [B·T, W]
     const float* __restrict__ bias,  // [W]

@@ -258,9 +258,9 @@ impl GpuModel {
         let plan = plan_splits(kv_heads, pos + 1, *occupancy);
         // SAFETY (every launch and product below): each pointer is a buffer allocated in
         // GpuModel::new for one token of this model (x, x_mid and y C values, ln C, qkv
-        // qkv_width, fc and gelu 4C, logits V), or an offset into the flat weights that the layout
-        // gives for a tensor of the size used; the position embedding's row pos exists
-        // (pos < context)
+        // qkv_width, fc and gelu 4C, logits V), or an offset into the flat weights that the
+        // layout gives for a tensor of the size used; the position embedding's row pos
+        // exists (pos < context)
         unsafe {
             k.embed_forward(
                 ptr(gpu, token_buf),
