@@ -244,6 +244,12 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
         None => args.model.config(DEFAULT_MODEL),
     };
     config.check()?;
+    // [step 08]
+    // heads the GPU's attention cannot take: said before the corpus loads
+    if args.device == DeviceArg::Cuda && args.attention == AttentionArg::ByHand {
+        step05_train::cuda::check_heads(&config, AttentionKind::ByHand)?;
+    }
+    // [/step 08]
     let lr = args.lr.unwrap_or_else(|| default_lr(&config));
     let settings = Settings {
         batch: args.batch,

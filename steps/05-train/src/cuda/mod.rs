@@ -390,6 +390,22 @@ pub struct GpuTrainer {
 }
 // ANCHOR_END: gpu_trainer
 
+// [step 08]
+/// That `attention` takes `config`'s heads: attention by hand on the GPU takes one key and
+/// value head per query head, the other kernels grouped heads too.
+pub fn check_heads(config: &Config, attention: AttentionKind) -> Result<(), TrainError> {
+    if config.kv_heads != config.heads && attention == AttentionKind::ByHand {
+        return Err(TrainError::Config(format!(
+            "kv_heads {} of heads {}: attention by hand on the GPU takes one key and value \
+             head per query head; a model with grouped heads trains with --attention flash \
+             or hopper",
+            config.kv_heads, config.heads
+        )));
+    }
+    Ok(())
+}
+// [/step 08]
+
 /// Bytes a trainer of `config` for `batch × seq_len` allocates: weights, gradients,
 /// moments, activations and scratch (the attention's own temporaries aside).
 pub fn bytes_needed(config: &Config, batch: usize, seq_len: usize) -> u64 {
@@ -539,16 +555,7 @@ impl GpuTrainer {
             )));
         }
         // [/step 06]
-        // [step 08]
-        if config.kv_heads != h && attention == AttentionKind::ByHand {
-            return Err(TrainError::Config(format!(
-                "kv_heads {} of heads {h}: attention by hand on the GPU takes one key and \
-                 value head per query head; a model with grouped heads trains with \
-                 --attention flash or hopper",
-                config.kv_heads
-            )));
-        }
-        // [/step 08]
+        check_heads(&config, attention)?; // [step 08]
         if Kernels::ln_backward_smem(c) > 200 * 1024 {
             return Err(TrainError::Config(format!(
                 "d_model {c}: the LayerNorm backward's shared memory takes d_model up to 6400"
