@@ -143,8 +143,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode(
     float* __restrict__ part_out,      // splits: [B, KVH, splits, R, HEAD_DIM], f32
     float* __restrict__ part_lse,      // splits: [B, KVH, splits, R]
     unsigned* __restrict__ done,       // splits: [B, KVH] blocks finished, 0 at launch
-    int T,                             // tokens in the cache, the query rows' own included
-    int n,                             // query rows a head: row i sees keys ≤ T - n + i
+    const int* __restrict__ lens,      // [B] tokens in each sequence's cache now, the query
+                                       // rows' own included (read as at most T)
+    int T,                             // tokens a sequence's cache has room for: the
+                                       // contiguous cache's rows, the page table's reach
+    int n,                             // query rows a head: row i sees keys ≤ len - n + i
     int R,                             // query rows of each kv head, g·n ≤ ROWS
     int max_pages,                     // PAGE_SIZE > 0: the page table's row length
     int split_keys,                    // keys of each split, a multiple of WARPS·KEYS
@@ -162,10 +165,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode(
     u16* sk = sq + ROWS * HEAD_DIM + warp * (2 * STAGES * KEYS * HEAD_DIM);
     u16* sv = sk + STAGES * KEYS * HEAD_DIM;         // this warp's [STAGES][KEYS][HEAD_DIM]
 
-    // the block's keys s0 .. s1 - 1; at its step j warp w takes the KEYS keys from
-    // s0 + (j·WARPS + w)·KEYS
-    const int s0 = split * split_keys, s1 = min(s0 + split_keys, T);
+    // ANCHOR: seq_len
+    // Each sequence's length is read from memory: the sequences of a batch may end at
+    // different tokens. The block's keys are s0 .. s1 - 1 (none when the split starts
+    // past the sequence's end); at its step j warp w takes the KEYS keys from
+    // s0 + (j·WARPS + w)·KEYS.
+    const int len = min(lens[b], T);
+    const int s0 = split * split_keys, s1 = min(s0 + split_keys, len);
     const int steps = (s1 - s0 + WARPS * KEYS - 1) / (WARPS * KEYS);
+    // ANCHOR_END: seq_len
 
     // ANCHOR: key_rows
     // Where a warp's KEYS keys from key `kv` start in memory: one row after another in a
@@ -211,14 +219,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode(
         q_at[kk] = smem_addr(sq + swizzled(lane & 15, 2 * kk + (lane >> 4)));
 
     // the causal diagonal, aligned to the cache's end: a thread's rows mt·16 + g + 8h see
-    // keys up to last[mt][h] = T - n + (row mod n)
+    // keys up to last[mt][h] = len - n + (row mod n)
     int last[ROW_TILES][2];
 #pragma unroll
     for (int mt = 0; mt < ROW_TILES; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) last[mt][h] = T - n + (mt * 16 + g + 8 * h) % n;
+        for (int h = 0; h < 2; ++h) last[mt][h] = len - n + (mt * 16 + g + 8 * h) % n;
     // keys from here on are masked for some row: past the split, or after a row's last key
-    const int mask_from = min(s1, T - n + 1);
+    const int mask_from = min(s1, len - n + 1);
 
     // the online softmax's running state, as in step 03's kernel: m the largest raw score,
     // l this thread's part of the sum of e^(s - m), o the unnormalised output

@@ -50,9 +50,17 @@ pub enum Layout {
 pub struct KvCache {
     pub k: CudaSlice<u16>,
     pub v: CudaSlice<u16>,
+    /// `[batch]` tokens in each sequence's cache now, on the device, where the decoding
+    /// kernel reads them: `context` when made, [`KvCache::set_lens`] to change.
+    pub lens: CudaSlice<i32>,
     pub batch: usize,
     pub kv_heads: usize,
+    /// Tokens a sequence's cache has room for.
     pub context: usize,
+    /// The most tokens any sequence holds now, as the host knows it (`lens` at most this):
+    /// the keys a split must cover. `context` when made; [`KvCache::set_lens`] sets the
+    /// longest length.
+    pub keys: usize,
     pub head_dim: usize,
     pub dtype: Dtype,
     pub layout: Layout,
@@ -136,6 +144,8 @@ impl KvCache {
         Ok(KvCache {
             k,
             v,
+            lens: full_lens(gpu, batch, context)?,
+            keys: context,
             batch,
             kv_heads,
             context,
@@ -166,6 +176,8 @@ impl KvCache {
         Ok(KvCache {
             k,
             v,
+            lens: full_lens(gpu, batch, context)?,
+            keys: context,
             batch,
             kv_heads,
             context,
@@ -201,6 +213,8 @@ impl KvCache {
         Ok(KvCache {
             k: copy(k)?,
             v: copy(v)?,
+            lens: full_lens(gpu, batch, context)?,
+            keys: context,
             batch,
             kv_heads,
             context,
@@ -252,6 +266,8 @@ impl KvCache {
         Ok(KvCache {
             k: k_pool,
             v: v_pool,
+            lens: full_lens(gpu, batch, context)?,
+            keys: context,
             batch,
             kv_heads,
             context,
@@ -266,6 +282,28 @@ impl KvCache {
             },
         })
     }
+
+    /// Each sequence's length, one a sequence, at most the cache's `context`: a batch of
+    /// sequences of different lengths, each query row's diagonal aligned to its own
+    /// sequence's end. Nothing is written when a length is refused.
+    pub fn set_lens(&mut self, gpu: &Gpu, lens: &[usize]) -> Result<(), AttnError> {
+        if lens.len() != self.batch || lens.iter().any(|&n| n > self.context) {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "lengths {lens:?} for a cache of {} sequences of at most {} tokens: one \
+                     length a sequence, each 0 to {}",
+                    self.batch, self.context, self.context
+                ),
+            });
+        }
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        let lens: Vec<i32> = lens.iter().map(|&n| n as i32).collect();
+        gpu.stream()
+            .memcpy_htod(&lens, &mut self.lens)
+            .map_err(device_error("copying the cache's lengths"))?;
+        self.keys = longest;
+        Ok(())
+    }
 }
 
 /// A page table for `batch` sequences of `max_pages` pages, the `batch · max_pages` pages
@@ -277,6 +315,16 @@ pub fn shuffled_table(batch: usize, max_pages: usize, seed: u64) -> Vec<i32> {
         table.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
     }
     table
+}
+
+/// Every sequence's length at `context`, on the device.
+fn full_lens(gpu: &Gpu, batch: usize, context: usize) -> Result<CudaSlice<i32>, AttnError> {
+    let len = i32::try_from(context).map_err(|_| AttnError::Unsupported {
+        what: format!("a cache of {context} tokens: the kernel takes at most 2^31 - 1"),
+    })?;
+    gpu.stream()
+        .clone_htod(&vec![len; batch.max(1)])
+        .map_err(device_error("copying the cache's lengths"))
 }
 
 fn checked_len(dims: &[usize; 4]) -> Result<usize, AttnError> {
@@ -538,6 +586,7 @@ pub fn decode_into(
         .arg(&mut result.part_out)
         .arg(&mut result.part_lse)
         .arg(&mut result.done)
+        .arg(&cache.lens)
         .arg(&t)
         .arg(&n)
         .arg(&r)
@@ -549,8 +598,8 @@ pub fn decode_into(
     // with a table checked on the host to name only pages of the pool), the output buffers
     // the shape's rows, and room for plan.splits partial results when there are several
     // with a counter for each (sequence, kv head), zeroed at allocation and left at zero by
-    // each launch's last block; the grid covers the splits, kv heads and sequences, and the
-    // kernel reads keys below context only.
+    // each launch's last block; lens holds batch lengths; the grid covers the splits, kv
+    // heads and sequences, and the kernel reads keys below min(lens[b], context) only.
     unsafe { launch.launch(config) }.map_err(device_error("launching flash_decode"))?;
     Ok(())
 }
@@ -621,6 +670,16 @@ fn check_device(
             ),
         });
     }
+    if cache.lens.len() < shape.batch {
+        return Err(AttnError::ShapeMismatch {
+            what: format!(
+                "the cache's lengths hold {} values, one for each of its {} sequences is \
+                 needed",
+                cache.lens.len(),
+                shape.batch
+            ),
+        });
+    }
     if result.done.len() < shape.batch * shape.kv_heads {
         return Err(AttnError::ShapeMismatch {
             what: format!(
@@ -634,14 +693,14 @@ fn check_device(
     let fits = plan
         .split_keys
         .is_multiple_of(DecodeKernel::WARPS * DecodeKernel::KEYS)
-        && plan.splits * plan.split_keys >= shape.context
+        && plan.splits * plan.split_keys >= cache.keys.min(shape.context)
         && (plan.splits == 1 || plan.splits <= result.splits);
     if !fits {
         return Err(AttnError::Unsupported {
             what: format!(
                 "{plan:?} does not cover {} keys in splits of a multiple of {} keys, or \
                  the output has room for {} splits only",
-                shape.context,
+                cache.keys.min(shape.context),
                 DecodeKernel::WARPS * DecodeKernel::KEYS,
                 result.splits
             ),

@@ -111,6 +111,87 @@ fn paged_decoding_matches_the_reference() {
 }
 // ANCHOR_END: gpu_tests
 
+// ANCHOR: lens_test
+/// Sequences of one batch at lengths of their own (`KvCache::set_lens`, read by the kernel
+/// from memory): each sequence's rows against the reference over its own tokens only, the
+/// diagonal at its own end, contiguous and paged, the plan's split and three.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sequences_of_different_lengths_each_decode_to_their_own_end() {
+    use ndarray::s;
+    use step08_inference::cuda::{alloc_output, decode_into, plan};
+    let gpu = Gpu::shared().expect("a GPU");
+    let shape = DecodeShape::new(3, 8, 2, 2, 700, 64);
+    let lens = [700, 333, 2];
+    let [q, k, v] = inputs(shape, 5);
+    let (q, k, v) = (
+        round_array(q.view(), Dtype::Bf16),
+        round_array(k.view(), Dtype::Bf16),
+        round_array(v.view(), Dtype::Bf16),
+    );
+    for layout in [HostLayout::Contiguous, HostLayout::Paged { page_size: 64 }] {
+        let mut cache = match layout {
+            HostLayout::Contiguous => KvCache::upload(gpu, k.view(), v.view(), Dtype::Bf16),
+            HostLayout::Paged { page_size } => {
+                KvCache::upload_paged(gpu, k.view(), v.view(), Dtype::Bf16, page_size, 3)
+            }
+        }
+        .unwrap();
+        cache.set_lens(gpu, &lens).unwrap();
+        let page_size = cache.page_size();
+        for split in [
+            plan(gpu, shape, Dtype::Bf16, page_size).unwrap(),
+            fixed_splits(700, 3),
+        ] {
+            let q_dev = gpu.upload(q.view(), Dtype::Bf16).unwrap();
+            let mut result = alloc_output(gpu, shape, Dtype::Bf16, split.splits).unwrap();
+            decode_into(gpu, &q_dev, &cache, split, &mut result).unwrap();
+            let out = gpu.download(&result.out).unwrap();
+            let lse = gpu.stream().clone_dtoh(&result.lse).unwrap();
+            for (b, &n) in lens.iter().enumerate() {
+                let (qb, kb, vb) = (
+                    q.slice(s![b..b + 1, .., .., ..]),
+                    k.slice(s![b..b + 1, .., ..n, ..]),
+                    v.slice(s![b..b + 1, .., ..n, ..]),
+                );
+                let reference = decode_f64(qb, kb, vb).unwrap();
+                let by_hand = by_hand_rows_low_precision(qb, kb, vb, Dtype::Bf16).unwrap();
+                let got = out.slice(s![b..b + 1, .., .., ..]).to_owned();
+                let ours = error(&got, &reference.out).max_abs;
+                let by_hand = error(&by_hand, &reference.out).max_abs;
+                let rows = 8 * 2;
+                let lse_b = &lse[b * rows..(b + 1) * rows];
+                let lse_error = lse_b
+                    .iter()
+                    .zip(reference.lse.iter())
+                    .map(|(&a, &e)| (a as f64 - e).abs())
+                    .fold(0.0, f64::max);
+                println!(
+                    "{layout:?} {split:?}, sequence {b} of {n} tokens: ours {ours:.3e}"
+                );
+                assert!(
+                    ours <= 2.0 * by_hand + MARGIN && lse_error < KERNEL_LSE,
+                    "{layout:?} {split:?}, sequence {b} of {n} tokens: {ours:.3e} against \
+                     by hand's {by_hand:.3e}, lse {lse_error:.3e}"
+                );
+            }
+        }
+    }
+}
+// ANCHOR_END: lens_test
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn lengths_past_the_cache_are_refused() {
+    let gpu = Gpu::shared().expect("a GPU");
+    let mut cache = KvCache::alloc(gpu, [2, 1, 100, 64], Dtype::Bf16).unwrap();
+    let e = cache.set_lens(gpu, &[100, 101]).unwrap_err().to_string();
+    assert!(e.contains("each 0 to 100"), "{e}");
+    let e = cache.set_lens(gpu, &[5]).unwrap_err().to_string();
+    assert!(e.contains("one length a sequence"), "{e}");
+    cache.set_lens(gpu, &[100, 0]).unwrap();
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn f16_caches_decode_too() {
