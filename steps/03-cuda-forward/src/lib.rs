@@ -196,6 +196,23 @@ impl Gpu {
     }
     // [/step 07]
 
+    // [step 08]
+    /// Opens GPU `ordinal` with a stream of its own rather than the default stream, which
+    /// a CUDA graph cannot be captured from (step 08 replays a generation step as one
+    /// graph). Everything on it runs on that one stream, in order.
+    pub fn with_own_stream(ordinal: usize) -> Result<Gpu, AttnError> {
+        let mut gpu = Gpu::open(ordinal)?;
+        // SAFETY: one stream, in order: cudarc need not order streams with events (and an
+        // event recorded outside a capture may not be waited on inside it)
+        unsafe { gpu.ctx.disable_event_tracking() };
+        gpu.stream = gpu
+            .ctx
+            .new_stream()
+            .map_err(device_error("creating a stream"))?;
+        Ok(gpu)
+    }
+    // [/step 08]
+
     fn open(ordinal: usize) -> Result<Gpu, AttnError> {
         // SAFETY: only tries to open the shared library
         if !unsafe { cudarc::driver::sys::is_culib_present() } {

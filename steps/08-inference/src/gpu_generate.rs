@@ -15,8 +15,11 @@
 
 use flash_core::inputs::SplitMix64;
 use ndarray::{Array1, ArrayView2, Axis};
+use step03_cuda_forward::cudarc::driver::sys::{
+    CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
 use step03_cuda_forward::cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaGraph, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
 use step03_cuda_forward::{DeviceTensor, Dtype, Gpu, alloc_error, device_error};
@@ -30,10 +33,11 @@ use step05_train::model::{Config, Params};
 use step05_train::train::pick;
 
 use crate::cuda::{
-    DecodeOutput, KvCache, Occupancy, alloc_output, decode_into, occupancy, plan_splits,
+    DecodeOutput, KvCache, Occupancy, SplitPlan, alloc_output, decode_into, occupancy,
+    plan_splits,
 };
 use crate::decode::DecodeShape;
-use crate::kernel::{APPEND, compile_append};
+use crate::kernel::{APPEND, EMBED, compile_append};
 
 /// Tokens per page of the cache.
 pub const PAGE_SIZE: usize = 64;
@@ -57,10 +61,12 @@ fn alloc<T: DeviceRepr + ValidAsZeroBits>(
 /// Step 05's model on the GPU for generating: its weights, one paged cache of keys and
 /// values per layer, and one token's activations.
 pub struct GpuModel {
-    gpu: &'static Gpu,
+    /// GPU 0 on a stream of this model's own, which a graph can be captured from.
+    gpu: Gpu,
     kernels: Kernels,
     blas: Blas,
     append: CudaFunction,
+    embed: CudaFunction,
     pub config: Config,
     layout: Layout,
     /// The weights in step 05's flat layout, `f32` and the products' bf16 copy.
@@ -70,13 +76,22 @@ pub struct GpuModel {
     caches: Vec<KvCache>,
     /// Tokens in the caches: the next token's position.
     len: usize,
+    /// What a step reads from memory rather than from its launches' arguments: the
+    /// caches' length with the step's token, and the token.
+    at: CudaSlice<i32>,
     /// What the split of the keys is chosen from, for this model's decoding kernel.
     occupancy: Occupancy,
+    /// The split of a full cache: a graph's, whatever the cache's length.
+    full: SplitPlan,
+    /// Whether a step replays one CUDA graph (from the second step on) or launches its
+    /// kernels one by one.
+    pub graphs: bool,
+    /// The step as a graph, captured once.
+    graph: Option<CudaGraph>,
     /// One token's activations: the residual stream before and after the attention (`f32`),
     /// a product's `f32` output, a LayerNorm's bf16 output and its statistics, the fused
     /// projection (q's heads, then k's and v's; q read from it in place), the attention's
     /// output, the MLP's two bf16 rows, the logits.
-    token: CudaSlice<u8>,
     x: CudaSlice<f32>,
     x_mid: CudaSlice<f32>,
     y: CudaSlice<f32>,
@@ -95,16 +110,21 @@ impl GpuModel {
     /// saying what is missing, without a GPU, NVRTC or cuBLAS, and for a head dim the
     /// decoding kernel does not take.
     pub fn new(params: &Params<f32>) -> Result<GpuModel, TrainError> {
-        let gpu = Gpu::shared().map_err(device)?;
+        let gpu = Gpu::with_own_stream(0).map_err(device)?;
         let config = params.config;
         config.check()?;
         let (c, heads, d) = (config.d_model, config.heads, config.head_dim());
         let kv_heads = config.kv_heads;
-        let kernels = Kernels::load(gpu, c)?;
-        let blas = Blas::new(gpu)?;
+        let kernels = Kernels::load(&gpu, c)?;
+        let blas = Blas::new(&gpu)?;
         let arch = gpu.arch();
         let append = gpu
             .kernel(format!("append bf16 {d}"), APPEND, 0, || {
+                compile_append(Dtype::Bf16, d, arch)
+            })
+            .map_err(device)?;
+        let embed = gpu
+            .kernel(format!("append bf16 {d}"), EMBED, 0, || {
                 compile_append(Dtype::Bf16, d, arch)
             })
             .map_err(device)?;
@@ -115,16 +135,16 @@ impl GpuModel {
                 e,
             ))
         })?;
-        let weights16 = alloc::<u16>(gpu, layout.len, "the weights' bf16 copy")?;
+        let weights16 = alloc::<u16>(&gpu, layout.len, "the weights' bf16 copy")?;
         // SAFETY: both buffers hold layout.len values
         unsafe {
-            kernels.to_bf16(ptr(gpu, &weights), ptr(gpu, &weights16), layout.len)?;
+            kernels.to_bf16(ptr(&gpu, &weights), ptr(&gpu, &weights16), layout.len)?;
         }
         let pages = config.context.div_ceil(PAGE_SIZE);
         let caches = (0..config.layers)
             .map(|_| {
                 KvCache::alloc_paged(
-                    gpu,
+                    &gpu,
                     [1, kv_heads, config.context, d],
                     Dtype::Bf16,
                     PAGE_SIZE,
@@ -135,38 +155,44 @@ impl GpuModel {
             .collect::<Result<Vec<_>, _>>()
             .map_err(device)?;
         // the output has room for the most splits: those of a full cache
-        let full = DecodeShape::new(1, heads, kv_heads, 1, config.context, d);
-        let occupancy = occupancy(gpu, full, Dtype::Bf16, PAGE_SIZE).map_err(device)?;
-        let most = plan_splits(kv_heads, config.context, occupancy).splits;
-        let att = alloc_output(gpu, full, Dtype::Bf16, most).map_err(device)?;
+        let full_shape = DecodeShape::new(1, heads, kv_heads, 1, config.context, d);
+        let occupancy =
+            occupancy(&gpu, full_shape, Dtype::Bf16, PAGE_SIZE).map_err(device)?;
+        let full = plan_splits(kv_heads, config.context, occupancy);
+        let att =
+            alloc_output(&gpu, full_shape, Dtype::Bf16, full.splits).map_err(device)?;
         let qkv = DeviceTensor {
-            data: alloc(gpu, config.qkv_width(), "the fused projection")?,
+            data: alloc(&gpu, config.qkv_width(), "the fused projection")?,
             shape: flash_core::Shape::new(1, heads, 1, d),
             dtype: Dtype::Bf16,
         };
         Ok(GpuModel {
-            gpu,
             kernels,
             blas,
             append,
+            embed,
             config,
             layout,
             weights,
             weights16,
             caches,
             len: 0,
+            at: alloc(&gpu, 2, "the step's position and token")?,
             occupancy,
-            token: alloc(gpu, 1, "the token")?,
-            x: alloc(gpu, c, "the residual stream")?,
-            x_mid: alloc(gpu, c, "the residual stream")?,
-            y: alloc(gpu, c, "a product's output")?,
-            ln: alloc(gpu, c, "a LayerNorm's output")?,
-            stats: alloc(gpu, 2, "a LayerNorm's statistics")?,
+            full,
+            graphs: true,
+            graph: None,
+            x: alloc(&gpu, c, "the residual stream")?,
+            x_mid: alloc(&gpu, c, "the residual stream")?,
+            y: alloc(&gpu, c, "a product's output")?,
+            ln: alloc(&gpu, c, "a LayerNorm's output")?,
+            stats: alloc(&gpu, 2, "a LayerNorm's statistics")?,
             qkv,
             att,
-            fc: alloc(gpu, 4 * c, "the MLP's first product")?,
-            gelu: alloc(gpu, 4 * c, "the MLP's GELU")?,
-            logits: alloc(gpu, config.vocab, "the logits")?,
+            fc: alloc(&gpu, 4 * c, "the MLP's first product")?,
+            gelu: alloc(&gpu, 4 * c, "the MLP's GELU")?,
+            logits: alloc(&gpu, config.vocab, "the logits")?,
+            gpu,
         })
     }
 
@@ -206,14 +232,16 @@ impl GpuModel {
     // ANCHOR: gpu_step
     /// Reads one more token at the cache's next position and returns the logits of the
     /// token after it: step 05's GPU forward for one row, with the attention a decoding
-    /// step against the cache.
+    /// step against the cache. With [`GpuModel::graphs`] on, the first step launches its
+    /// kernels and captures them as a graph; every later step replays it.
     pub fn step(&mut self, token: u8) -> Result<Array1<f32>, TrainError> {
         let cfg = self.config;
-        if self.len >= cfg.context {
+        let pos = self.len;
+        if pos >= cfg.context {
             return Err(TrainError::Config(format!(
-                "the cache holds {} tokens, the model's context: it has position \
+                "the cache holds {pos} tokens, the model's context: it has position \
                  embeddings for positions 0..{} only, so no more tokens fit",
-                self.len, cfg.context
+                cfg.context
             )));
         }
         if token as usize >= cfg.vocab {
@@ -223,28 +251,88 @@ impl GpuModel {
                 cfg.vocab, cfg.vocab
             )));
         }
-        let (c, d, pos) = (cfg.d_model, cfg.head_dim(), self.len);
+        let stream = self.gpu.stream().clone();
+        // what changes from step to step goes to memory, where the kernels read it
+        stream
+            .memcpy_htod(&[pos as i32 + 1, token as i32], &mut self.at)
+            .map_err(|e| device(device_error("copying the token")(e)))?;
+        // the keys a split must cover: this step's (a graph's full split covers them all)
+        for cache in &mut self.caches {
+            cache.keys = pos + 1;
+        }
+        if !self.graphs {
+            // the fewest splits for the keys there are now
+            let plan = plan_splits(cfg.kv_heads, pos + 1, self.occupancy);
+            self.launch_step(plan)?;
+        } else if let Some(graph) = &self.graph {
+            graph
+                .launch()
+                .map_err(|e| device(device_error("launching the step's graph")(e)))?;
+        } else {
+            // once by launches (which loads every kernel), then captured for the next
+            self.launch_step(self.full)?;
+            self.graph = Some(self.capture()?);
+        }
+        self.len += 1;
+        let logits = stream
+            .clone_dtoh(&self.logits)
+            .map_err(|e| device(device_error("reading the logits")(e)))?;
+        stream
+            .synchronize()
+            .map_err(|e| device(device_error("waiting for the step")(e)))?;
+        Ok(Array1::from(logits))
+    }
+    // ANCHOR_END: gpu_step
+
+    // ANCHOR: capture
+    /// The step's launches recorded as one CUDA graph, not run: each kernel and product
+    /// with the arguments it had, which a replay gives again. Every one of them is the
+    /// same at every position: the position and the token are read from `at`, the
+    /// caches' lengths from the caches, and the split is a full cache's.
+    fn capture(&mut self) -> Result<CudaGraph, TrainError> {
+        let stream = self.gpu.stream().clone();
+        let fail = |what| move |e| device(device_error(what)(e));
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(fail("starting the step's capture"))?;
+        let launched = self.launch_step(self.full);
+        // the capture ends whatever happened in it
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        launched?;
+        graph
+            .map_err(fail("capturing the step as a graph"))?
+            .ok_or_else(|| {
+                device(flash_core::AttnError::Device {
+                    what: "capturing the step as a graph: the capture recorded nothing"
+                        .into(),
+                })
+            })
+    }
+    // ANCHOR_END: capture
+
+    /// The kernels and products of one step, queued on the model's stream: the token in
+    /// `at` at the position there, the attention's keys cut as `plan` says.
+    fn launch_step(&mut self, plan: SplitPlan) -> Result<(), TrainError> {
+        let cfg = self.config;
+        let (c, d) = (cfg.d_model, cfg.head_dim());
         let (width, kv_heads) = (cfg.qkv_width(), cfg.kv_heads);
         let GpuModel {
             gpu,
             kernels: k,
             blas,
             append,
+            embed,
             layout: lay,
             weights,
             weights16,
             caches,
-            occupancy,
-            token: token_buf,
+            at,
             qkv: q,
             att,
             logits: logits_buf,
             ..
         } = self;
-        let stream = gpu.stream();
-        stream
-            .memcpy_htod(&[token], token_buf)
-            .map_err(|e| device(device_error("copying the token")(e)))?;
+        let gpu: &Gpu = gpu;
         let (w32, w16) = (ptr(gpu, weights), ptr(gpu, weights16));
         let w32 = |off: usize| w32 + 4 * off as u64;
         let w16 = |off: usize| w16 + 2 * off as u64;
@@ -254,23 +342,13 @@ impl GpuModel {
         let (mean, rstd) = (ptr(gpu, &self.stats), ptr(gpu, &self.stats) + 4);
         let logits = ptr(gpu, logits_buf);
         // ANCHOR: gpu_step_layers
-        // every layer's cache will hold pos + 1 tokens: one plan serves them all
-        let plan = plan_splits(kv_heads, pos + 1, *occupancy);
+        embed_token(gpu, embed, at, w32(lay.wte), w32(lay.wpe), x, c)?;
         // SAFETY (every launch and product below): each pointer is a buffer allocated in
         // GpuModel::new for one token of this model (x, x_mid and y C values, ln C, qkv
         // qkv_width, fc and gelu 4C, logits V), or an offset into the flat weights that the
-        // layout gives for a tensor of the size used; the position embedding's row pos
-        // exists (pos < context)
+        // layout gives for a tensor of the size used; `at` holds a position below the
+        // context (step checks it before writing it)
         unsafe {
-            k.embed_forward(
-                ptr(gpu, token_buf),
-                w32(lay.wte),
-                w32(lay.wpe) + 4 * (pos * c) as u64,
-                x,
-                1,
-                1,
-                c,
-            )?;
             for (l, w) in lay.blocks.iter().enumerate() {
                 // the block before's residual connection closes in this LayerNorm
                 let (res, add, add_bias) = match l {
@@ -289,8 +367,7 @@ impl GpuModel {
                     row_stride: width,
                     head_stride: d,
                 };
-                append_kv(gpu, append, new, cache, pos, 1)?;
-                cache.context = pos + 1;
+                append_kv(gpu, append, new, cache, at, 1)?;
                 decode_into(gpu, q, cache, plan, att).map_err(device)?;
                 let out = ptr(gpu, &att.out.data);
                 blas.matmul(1, c, c, plain(out), plain(w16(w.proj_w)), y, Out::F32, 0.0)?;
@@ -319,16 +396,8 @@ impl GpuModel {
             blas.matmul(1, cfg.vocab, c, plain(ln), wte, logits, Out::F32, 0.0)?;
         }
         // ANCHOR_END: gpu_step_layers
-        self.len += 1;
-        let logits = stream
-            .clone_dtoh(&self.logits)
-            .map_err(|e| device(device_error("reading the logits")(e)))?;
-        stream
-            .synchronize()
-            .map_err(|e| device(device_error("waiting for the step")(e)))?;
-        Ok(Array1::from(logits))
+        Ok(())
     }
-    // ANCHOR_END: gpu_step
 
     // ANCHOR: gpu_prefill
     /// Reads a whole prompt into the empty caches at once and returns the logits of the
@@ -356,12 +425,16 @@ impl GpuModel {
         }
         let (c, heads, d) = (cfg.d_model, cfg.heads, cfg.head_dim());
         let (width, kv_heads) = (cfg.qkv_width(), cfg.kv_heads);
-        let gpu = self.gpu;
+        let gpu = &self.gpu;
         let stream = gpu.stream();
         // the prompt's activations, n rows of each buffer of GpuModel::step
         let tokens = stream
             .clone_htod(prompt)
             .map_err(|e| device(device_error("copying the prompt")(e)))?;
+        // the caches will hold n tokens (append_kv reads it; no token of `at` is read)
+        stream
+            .memcpy_htod(&[n as i32, 0], &mut self.at)
+            .map_err(|e| device(device_error("copying the prompt's length")(e)))?;
         let (x, x_mid, y) = (
             alloc::<f32>(gpu, n * c, "the prompt's residual stream")?,
             alloc::<f32>(gpu, n * c, "the prompt's residual stream")?,
@@ -427,7 +500,7 @@ impl GpuModel {
                     row_stride: d,
                     head_stride: n * d,
                 };
-                append_kv(gpu, &self.append, new, &mut self.caches[l], 0, n)?;
+                append_kv(gpu, &self.append, new, &mut self.caches[l], &self.at, n)?;
                 gpu.forward_into(&q, &key, &v, &mut att).map_err(device)?;
                 k.heads_rows(ptr(gpu, &att.out.data), rowsp, true, dims)?;
                 blas.matmul(
@@ -460,9 +533,6 @@ impl GpuModel {
             blas.matmul(1, cfg.vocab, c, plain(lnp), wte, logits, Out::F32, 0.0)?;
         }
         // ANCHOR_END: gpu_prefill_layers
-        for cache in &mut self.caches {
-            cache.context = n;
-        }
         self.len = n;
         let logits = stream
             .clone_dtoh(&self.logits)
@@ -485,13 +555,14 @@ struct NewRows {
     head_stride: usize,
 }
 
-/// `rows` tokens' keys and values into `cache` from position `pos` on.
+/// `rows` tokens' keys and values into `cache`, as its last tokens once `len[0]` are in
+/// it; the cache's length becomes `len[0]`.
 fn append_kv(
     gpu: &Gpu,
     append: &CudaFunction,
     from: NewRows,
     cache: &mut KvCache,
-    pos: usize,
+    len: &CudaSlice<i32>,
     rows: usize,
 ) -> Result<(), TrainError> {
     let crate::cuda::Layout::Paged {
@@ -508,7 +579,7 @@ fn append_kv(
     };
     let (row_stride, head_stride) = (from.row_stride as i64, from.head_stride as i64);
     let (heads, page_size) = (cache.kv_heads as i32, *page_size as i32);
-    let (pos_i, rows_i) = (pos as i32, rows as i32);
+    let rows_i = rows as i32;
     let mut launch = gpu.stream().launch_builder(append);
     launch
         .arg(&from.k)
@@ -520,15 +591,42 @@ fn append_kv(
         .arg(table)
         .arg(&heads)
         .arg(&page_size)
-        .arg(&pos_i)
+        .arg(len)
+        .arg(&mut cache.lens)
         .arg(&rows_i);
     // SAFETY: the callers' rows, heads and strides stay inside the buffers k and v point
     // into; the table has a page for every position below the context (the identity over
-    // the pool, made in GpuModel::new), pos + rows does not pass it, and the pool holds
-    // those pages
+    // the pool, made in GpuModel::new), len[0] (written by step or prefill) is at least
+    // rows and at most the context, and the pool holds those pages
     unsafe { launch.launch(config) }
         .map(|_| ())
         .map_err(|e| device(device_error("launching append_kv")(e)))
+}
+
+/// The embedding of the token in `at` at the position there into `x`.
+fn embed_token(
+    gpu: &Gpu,
+    embed: &CudaFunction,
+    at: &CudaSlice<i32>,
+    wte: u64,
+    wpe: u64,
+    x: u64,
+    c: usize,
+) -> Result<(), TrainError> {
+    let config = LaunchConfig {
+        grid_dim: ((c as u32).div_ceil(256), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let c_i = c as i32;
+    let mut launch = gpu.stream().launch_builder(embed);
+    launch.arg(at).arg(&wte).arg(&wpe).arg(&x).arg(&c_i);
+    // SAFETY: wte, wpe and x are the model's token and position embeddings and a buffer of
+    // C values; at holds a token below the vocabulary and a length from 1 to the context
+    // (step checks both before writing them)
+    unsafe { launch.launch(config) }
+        .map(|_| ())
+        .map_err(|e| device(device_error("launching embed_token")(e)))
 }
 
 /// A buffer's device address.

@@ -19,9 +19,11 @@ pub const READ: &str = "read_bytes";
 /// The benchmark's fill of a cache on the GPU.
 pub const FILL_CU: &str = include_str!("../kernels/fill.cu");
 pub const FILL: &str = "fill_cache";
-/// A new token's keys and values into a paged cache, as the model generates.
+/// A new token's keys and values into a paged cache, as the model generates, and a step's
+/// embedding of its token.
 pub const APPEND_CU: &str = include_str!("../kernels/append.cu");
 pub const APPEND: &str = "append_kv";
+pub const EMBED: &str = "embed_token";
 
 /// Bytes of keys and values a multiprocessor's warps take per step to stream at the
 /// memory's speed ([`DecodeKernel::streaming_blocks`]).

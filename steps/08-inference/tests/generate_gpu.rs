@@ -66,8 +66,9 @@ fn trainer(p: &Params<f32>) -> GpuTrainer {
 /// Both GPU paths compute in bf16 (the same products, the same kernels but the attention);
 /// the cache's error against `f64` is at most twice that of step 05's GPU forward over the
 /// whole text, plus 1e-4 for a forward whose error is near zero by luck. The prompt goes
-/// in by a prefill (its last row's logits checked), every later token by a step. With
-/// one kv head per query head, and grouped.
+/// in by a prefill (its last row's logits checked), every later token by a step: each
+/// step's kernels launched one by one, and replayed as one graph. With one kv head per
+/// query head, and grouped.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
@@ -79,10 +80,19 @@ fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
         (GROUPED[1], 5, 1),
         (GROUPED[1], 6, CONFIG.context),
     ] {
+        for graphs in [false, true] {
+            cached_logits(config, model_seed, prompt, graphs);
+        }
+    }
+}
+
+fn cached_logits(config: Config, model_seed: u64, prompt: usize, graphs: bool) {
+    {
         let p = Params::init(config, model_seed).unwrap();
         let tokens = bytes(CONFIG.context, 100 + model_seed);
         let exact = exact_logits(&p, &tokens);
         let mut model = GpuModel::new(&p).unwrap();
+        model.graphs = graphs;
         let mut gpu = trainer(&p);
         gpu.loss(
             ArrayView2::from_shape((1, tokens.len()), &tokens[..]).unwrap(),
@@ -106,15 +116,16 @@ fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
             model.cache_bytes(),
             2 * 2 * config.kv_heads * 64 * CONFIG.context * 2
         );
+        let how = if graphs { "graphs" } else { "launches" };
         println!(
-            "{} kv heads, model {model_seed}, a prompt of {prompt}: the cache's logits \
-             {ours:.3e} from f64, the GPU forward's {by_forward:.3e}",
+            "{} kv heads, model {model_seed}, a prompt of {prompt}, {how}: the cache's \
+             logits {ours:.3e} from f64, the GPU forward's {by_forward:.3e}",
             config.kv_heads
         );
         assert!(
             ours <= 2.0 * by_forward + 1e-4,
-            "{config:?}, model {model_seed}, a prompt of {prompt}: the cache's logits are \
-             {ours:.3e} from f64, the GPU forward's {by_forward:.3e}"
+            "{config:?}, model {model_seed}, a prompt of {prompt}, {how}: the cache's \
+             logits are {ours:.3e} from f64, the GPU forward's {by_forward:.3e}"
         );
         // one more token has no position embedding, and a prefill needs an empty cache:
         // refused, nothing changed

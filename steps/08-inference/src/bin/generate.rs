@@ -78,9 +78,13 @@ struct Cli {
     #[arg(long, conflicts_with = "compare")]
     no_cache: bool,
     /// Run both, with the cache and without, and print both speeds and whether they wrote
-    /// the same bytes
+    /// the same bytes (on the GPU, with the cache both as graphs and by launches)
     #[arg(long)]
     compare: bool,
+    /// On the GPU: launch each step's kernels one by one instead of replaying the step as
+    /// one CUDA graph
+    #[arg(long)]
+    no_graph: bool,
     /// Timed runs of each, after an untimed one; the median is reported
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -118,8 +122,15 @@ struct GenerateRow {
     temperature: f32,
     /// Timed runs of each; the tokens a second are the median run's.
     runs: usize,
-    /// `count` over the seconds of a whole `generate` call, the prefill included.
+    /// `count` over the seconds of a whole `generate` call, the prefill included; on the
+    /// GPU, each step's kernels launched one by one.
     tokens_per_s_cached: f64,
+    /// On the GPU, the same with each step replayed as one CUDA graph.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tokens_per_s_graph: Option<f64>,
+    /// Whether the graphs wrote the bytes the launches did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    same_text_graph: Option<bool>,
     /// `count` over the seconds of a whole `sample` call.
     tokens_per_s_uncached: f64,
     /// Milliseconds of the prefill alone (the median of as many runs): the part of a
@@ -240,6 +251,7 @@ fn run(cli: Cli) -> Result<(), TrainError> {
             };
             let calls = Calls {
                 cached: &cached,
+                graph: None,
                 uncached: &uncached,
                 prefill: &prefill_only,
                 uncached_is: "step 05's sample",
@@ -257,6 +269,7 @@ fn run(cli: Cli) -> Result<(), TrainError> {
         }
         Device::Cuda => {
             let model = RefCell::new(GpuModel::new(&params)?);
+            model.borrow_mut().graphs = !cli.no_graph;
             let start = Trainer {
                 params: params.clone(),
                 opt: step05_train::AdamW::new(config, Default::default()),
@@ -279,7 +292,14 @@ fn run(cli: Cli) -> Result<(), TrainError> {
                 None
             };
             let device = model.borrow().device_name();
-            let cached = || generate_gpu(&mut model.borrow_mut(), &prompt, count, t, seed);
+            // with the cache, each step's kernels launched one by one or as one graph
+            let with_graphs = |graphs: bool| {
+                let mut model = model.borrow_mut();
+                model.graphs = graphs;
+                generate_gpu(&mut model, &prompt, count, t, seed)
+            };
+            let cached = || with_graphs(!cli.no_graph && !both);
+            let graphs = || with_graphs(true);
             let uncached = || match &trainer {
                 Some(trainer) => {
                     sample_gpu(&mut trainer.borrow_mut(), &prompt, count, t, seed)
@@ -299,6 +319,7 @@ fn run(cli: Cli) -> Result<(), TrainError> {
             };
             let calls = Calls {
                 cached: &cached,
+                graph: Some(&graphs),
                 uncached: &uncached,
                 prefill: &prefill_only,
                 uncached_is: "step 05's GPU forward over the window",
@@ -323,7 +344,10 @@ fn run(cli: Cli) -> Result<(), TrainError> {
 
 /// What `report` times: generation with and without the cache, and the prefill alone.
 struct Calls<'a> {
+    /// With the cache (on the GPU, by launches when both are timed).
     cached: Call<'a>,
+    /// On the GPU, with the cache and the step as a graph.
+    graph: Option<Call<'a>>,
     uncached: Call<'a>,
     prefill: Call<'a>,
     /// What runs without the cache, as the report names it.
@@ -363,13 +387,37 @@ fn report(
         speed(what, tokens_per_s(*ms));
         return Ok(());
     }
-    let timed = timed(&[calls.cached, calls.uncached, calls.prefill], cli.runs)?;
-    let [(text, with_ms), (other, without_ms), (_, prefill_ms)] = &timed[..] else {
-        unreachable!("three calls, three results")
+    let mut timed_calls = vec![calls.cached, calls.uncached, calls.prefill];
+    timed_calls.extend(calls.graph);
+    let timed = timed(&timed_calls, cli.runs)?;
+    let [(text, with_ms), (other, without_ms), (_, prefill_ms)] = &timed[..3] else {
+        unreachable!("three calls at least, as many results")
     };
     let (with, without_tps) = (tokens_per_s(*with_ms), tokens_per_s(*without_ms));
+    // on the GPU, the graphs' speed and whether they wrote the launches' bytes
+    let graph = timed
+        .get(3)
+        .map(|(graph_text, ms)| (tokens_per_s(*ms), graph_text == text));
     print_text(prompt, text);
-    speed("with the cache", with);
+    match graph {
+        Some((graph_tps, same)) => {
+            speed("with the cache, each step one graph", graph_tps);
+            speed(
+                "with the cache, each step's kernels launched one by one",
+                with,
+            );
+            println!(
+                "the graph: {:.2}× the tokens a second; {}",
+                graph_tps / with,
+                if same {
+                    "the same bytes"
+                } else {
+                    "different bytes"
+                }
+            );
+        }
+        None => speed("with the cache", with),
+    }
     speed(&without, without_tps);
     let same = other == text;
     println!(
@@ -400,6 +448,8 @@ fn report(
             temperature: cli.temperature,
             runs: cli.runs.max(1),
             tokens_per_s_cached: with,
+            tokens_per_s_graph: graph.map(|(tps, _)| tps),
+            same_text_graph: graph.map(|(_, same)| same),
             tokens_per_s_uncached: without_tps,
             prefill_ms: *prefill_ms,
             cache_bytes: cache_bytes(text)?,
