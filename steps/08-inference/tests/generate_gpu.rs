@@ -87,54 +87,52 @@ fn gpu_cached_logits_are_as_close_to_f64_as_the_gpu_forward() {
 }
 
 fn cached_logits(config: Config, model_seed: u64, prompt: usize, graphs: bool) {
-    {
-        let p = Params::init(config, model_seed).unwrap();
-        let tokens = bytes(CONFIG.context, 100 + model_seed);
-        let exact = exact_logits(&p, &tokens);
-        let mut model = GpuModel::new(&p).unwrap();
-        model.graphs = graphs;
-        let mut gpu = trainer(&p);
-        gpu.loss(
-            ArrayView2::from_shape((1, tokens.len()), &tokens[..]).unwrap(),
-            ArrayView2::from_shape((1, tokens.len()), &tokens[..]).unwrap(),
-        )
-        .unwrap();
-        let mut cached = vec![(prompt - 1, model.prefill(&tokens[..prompt]).unwrap())];
-        for (pos, &token) in tokens.iter().enumerate().skip(prompt) {
-            cached.push((pos, model.step(token).unwrap()));
-        }
-        let (mut ours, mut by_forward) = (0.0f64, 0.0f64);
-        for (pos, row) in cached {
-            let full = gpu.logits_row(pos).unwrap();
-            for ((&c, &f), &e) in row.iter().zip(&full).zip(exact.row(pos)) {
-                ours = ours.max((c as f64 - e).abs());
-                by_forward = by_forward.max((f as f64 - e).abs());
-            }
-        }
-        assert_eq!(model.len(), CONFIG.context);
-        assert_eq!(
-            model.cache_bytes(),
-            2 * 2 * config.kv_heads * 64 * CONFIG.context * 2
-        );
-        let how = if graphs { "graphs" } else { "launches" };
-        println!(
-            "{} kv heads, model {model_seed}, a prompt of {prompt}, {how}: the cache's \
-             logits {ours:.3e} from f64, the GPU forward's {by_forward:.3e}",
-            config.kv_heads
-        );
-        assert!(
-            ours <= 2.0 * by_forward + 1e-4,
-            "{config:?}, model {model_seed}, a prompt of {prompt}, {how}: the cache's \
-             logits are {ours:.3e} from f64, the GPU forward's {by_forward:.3e}"
-        );
-        // one more token has no position embedding, and a prefill needs an empty cache:
-        // refused, nothing changed
-        let e = model.step(0).unwrap_err().to_string();
-        assert!(e.contains("no more tokens fit"), "{e}");
-        let e = model.prefill(b"fn").unwrap_err().to_string();
-        assert!(e.contains("into an empty cache"), "{e}");
-        assert_eq!(model.len(), CONFIG.context);
+    let p = Params::init(config, model_seed).unwrap();
+    let tokens = bytes(CONFIG.context, 100 + model_seed);
+    let exact = exact_logits(&p, &tokens);
+    let mut model = GpuModel::new(&p).unwrap();
+    model.graphs = graphs;
+    let mut gpu = trainer(&p);
+    gpu.loss(
+        ArrayView2::from_shape((1, tokens.len()), &tokens[..]).unwrap(),
+        ArrayView2::from_shape((1, tokens.len()), &tokens[..]).unwrap(),
+    )
+    .unwrap();
+    let mut cached = vec![(prompt - 1, model.prefill(&tokens[..prompt]).unwrap())];
+    for (pos, &token) in tokens.iter().enumerate().skip(prompt) {
+        cached.push((pos, model.step(token).unwrap()));
     }
+    let (mut ours, mut by_forward) = (0.0f64, 0.0f64);
+    for (pos, row) in cached {
+        let full = gpu.logits_row(pos).unwrap();
+        for ((&c, &f), &e) in row.iter().zip(&full).zip(exact.row(pos)) {
+            ours = ours.max((c as f64 - e).abs());
+            by_forward = by_forward.max((f as f64 - e).abs());
+        }
+    }
+    assert_eq!(model.len(), CONFIG.context);
+    assert_eq!(
+        model.cache_bytes(),
+        2 * 2 * config.kv_heads * 64 * CONFIG.context * 2
+    );
+    let how = if graphs { "graphs" } else { "launches" };
+    println!(
+        "{} kv heads, model {model_seed}, a prompt of {prompt}, {how}: the cache's \
+         logits {ours:.3e} from f64, the GPU forward's {by_forward:.3e}",
+        config.kv_heads
+    );
+    assert!(
+        ours <= 2.0 * by_forward + 1e-4,
+        "{config:?}, model {model_seed}, a prompt of {prompt}, {how}: the cache's \
+         logits are {ours:.3e} from f64, the GPU forward's {by_forward:.3e}"
+    );
+    // one more token has no position embedding, and a prefill needs an empty cache:
+    // refused, nothing changed
+    let e = model.step(0).unwrap_err().to_string();
+    assert!(e.contains("no more tokens fit"), "{e}");
+    let e = model.prefill(b"fn").unwrap_err().to_string();
+    assert!(e.contains("into an empty cache"), "{e}");
+    assert_eq!(model.len(), CONFIG.context);
 }
 // ANCHOR_END: gpu_logits_test
 

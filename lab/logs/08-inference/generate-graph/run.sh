@@ -17,7 +17,7 @@ run_test() { # name, then what goes before the binary (a sanitizer), then after 
 el unpack
 tar -xJf $C/gpu.tar.xz; xz -dc $C/corpus.tokens.xz > /tmp/corpus.tokens
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-for t in decode_gpu generate_gpu; do el "$t"; TT=120 run_test $t "" ""; echo "$t rc=$?"; done
+for t in decode_gpu generate_gpu grouped_gpu; do el "$t"; TT=120 run_test $t "" ""; echo "$t rc=$?"; done
 el init
 $X/bin/step05-train train --device cuda --model gpt2 --steps 0 --eval-batches 1 --data /tmp/corpus.tokens \
   --save-init /tmp/gpt2.safetensors 2>&1 | tail -n 4; echo "init rc=$?"
