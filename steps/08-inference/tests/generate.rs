@@ -252,3 +252,35 @@ fn the_cache_grows_a_row_a_token() {
     assert_eq!(cache.keys(0).dim(), (2, 4, d));
     assert_eq!(cache.bytes(), 2 * 2 * 2 * 4 * 8 * 4);
 }
+
+/// The `generate` binary cargo built (or, for a test binary copied to another machine with
+/// the binaries, `../bin/generate` beside it).
+fn generate_bin() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_generate"));
+    if built.exists() {
+        return built;
+    }
+    std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.join("bin/generate")))
+        .filter(|p| p.exists())
+        .unwrap_or(built)
+}
+
+#[test]
+fn no_graph_on_the_cpu_is_refused_with_what_to_do() {
+    let run = std::process::Command::new(generate_bin())
+        .args(["--no-graph", "--count", "5"])
+        .output()
+        .expect("generate runs");
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "{err}");
+    assert!(
+        err.contains("--no-graph") && err.contains("--device cuda"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+        "{err}"
+    );
+}

@@ -196,6 +196,14 @@ fn print_text(prompt: &[u8], text: &[u8]) {
 }
 
 fn run(cli: Cli) -> Result<(), TrainError> {
+    if cli.no_graph && matches!(cli.device, Device::Cpu) {
+        return Err(TrainError::Config(
+            "--no-graph chooses how a GPU step runs (its kernels launched one by one rather \
+             than replayed as one CUDA graph); the CPU runs no graphs: add --device cuda, or \
+             leave --no-graph out"
+                .into(),
+        ));
+    }
     let (params, name): (Params<f32>, String) = match &cli.checkpoint {
         Some(path) => {
             let ckpt = Checkpoint::load(path)?;
