@@ -200,10 +200,16 @@ impl Gpu {
     /// Opens GPU `ordinal` with a stream of its own rather than the default stream, which
     /// a CUDA graph cannot be captured from (step 08 replays a generation step as one
     /// graph). Everything on it runs on that one stream, in order.
-    pub fn with_own_stream(ordinal: usize) -> Result<Gpu, AttnError> {
+    ///
+    /// # Safety
+    ///
+    /// cudarc's event tracking is off for this `Gpu`'s context (an event recorded outside
+    /// a capture may not be waited on inside it), so nothing orders its buffers' uses on
+    /// different streams: every buffer made through this `Gpu` must be used on its one
+    /// stream only, [`Gpu::stream`].
+    pub unsafe fn with_own_stream(ordinal: usize) -> Result<Gpu, AttnError> {
         let mut gpu = Gpu::open(ordinal)?;
-        // SAFETY: one stream, in order: cudarc need not order streams with events (and an
-        // event recorded outside a capture may not be waited on inside it)
+        // SAFETY: the caller keeps every buffer of this context on the one stream below
         unsafe { gpu.ctx.disable_event_tracking() };
         gpu.stream = gpu
             .ctx

@@ -409,6 +409,16 @@ pub fn plan_splits(batch_kv_heads: usize, context: usize, gpu: Occupancy) -> Spl
 }
 // ANCHOR_END: plan_splits
 
+/// The most splits [`plan_splits`] gives a cache of any length up to `context`: the room a
+/// [`DecodeOutput`] needs to decode such a cache at every length. A shorter cache can take
+/// more splits than a full one (each of fewer keys), so a full cache's count is not it.
+pub fn most_splits(batch_kv_heads: usize, context: usize, gpu: Occupancy) -> usize {
+    (1..=context.max(1))
+        .map(|keys| plan_splits(batch_kv_heads, keys, gpu).splits)
+        .max()
+        .unwrap_or(1)
+}
+
 /// `splits` splits of the keys, or as near as a multiple of a block's step allows: each
 /// split a multiple of [`DecodeKernel::block_keys`] keys.
 pub fn fixed_splits(context: usize, splits: usize) -> SplitPlan {

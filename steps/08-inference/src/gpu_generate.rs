@@ -33,8 +33,8 @@ use step05_train::model::{Config, Params};
 use step05_train::train::pick;
 
 use crate::cuda::{
-    DecodeOutput, KvCache, Occupancy, SplitPlan, alloc_output, decode_into, occupancy,
-    plan_splits,
+    DecodeOutput, KvCache, Occupancy, SplitPlan, alloc_output, decode_into, most_splits,
+    occupancy, plan_splits,
 };
 use crate::decode::DecodeShape;
 use crate::kernel::{APPEND, EMBED, compile_append};
@@ -110,7 +110,8 @@ impl GpuModel {
     /// saying what is missing, without a GPU, NVRTC or cuBLAS, and for a head dim the
     /// decoding kernel does not take.
     pub fn new(params: &Params<f32>) -> Result<GpuModel, TrainError> {
-        let gpu = Gpu::with_own_stream(0).map_err(device)?;
+        // SAFETY: every buffer of the model is made, used and freed on this Gpu's stream
+        let gpu = unsafe { Gpu::with_own_stream(0) }.map_err(device)?;
         let config = params.config;
         config.check()?;
         let (c, heads, d) = (config.d_model, config.heads, config.head_dim());
@@ -154,13 +155,14 @@ impl GpuModel {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(device)?;
-        // the output has room for the most splits: those of a full cache
+        // the output has room for the most splits a plan gives at any length, a graph's
+        // (a full cache's) among them
         let full_shape = DecodeShape::new(1, heads, kv_heads, 1, config.context, d);
         let occupancy =
             occupancy(&gpu, full_shape, Dtype::Bf16, PAGE_SIZE).map_err(device)?;
         let full = plan_splits(kv_heads, config.context, occupancy);
-        let att =
-            alloc_output(&gpu, full_shape, Dtype::Bf16, full.splits).map_err(device)?;
+        let most = most_splits(kv_heads, config.context, occupancy);
+        let att = alloc_output(&gpu, full_shape, Dtype::Bf16, most).map_err(device)?;
         let qkv = DeviceTensor {
             data: alloc(&gpu, config.qkv_width(), "the fused projection")?,
             shape: flash_core::Shape::new(1, heads, 1, d),
@@ -300,7 +302,10 @@ impl GpuModel {
         let graph = stream.end_capture(CUgraphInstantiate_flags(0));
         launched?;
         graph
-            .map_err(fail("capturing the step as a graph"))?
+            .map_err(fail(
+                "capturing the step as a graph (`graphs` off, `generate --no-graph`, runs \
+                 the step by launches instead)",
+            ))?
             .ok_or_else(|| {
                 device(flash_core::AttnError::Device {
                     what: "capturing the step as a graph: the capture recorded nothing"

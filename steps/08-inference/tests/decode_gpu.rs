@@ -12,7 +12,7 @@ use step03_cuda_forward::{Dtype, Gpu};
 use step08_inference::DecodeShape;
 use step08_inference::cuda::{
     HostLayout, KvCache, Layout, Occupancy, cache_value, check_table, decode, fill_cache,
-    fixed_splits, plan_splits, read_bytes, shuffled_table,
+    fixed_splits, most_splits, plan_splits, read_bytes, shuffled_table,
 };
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
 
@@ -354,6 +354,30 @@ fn the_split_gives_each_multiprocessor_its_blocks_and_no_split_is_too_short() {
     }
 }
 // ANCHOR_END: split_test
+
+#[test]
+fn a_shorter_cache_can_take_more_splits_than_a_full_one() {
+    let d128 = Occupancy {
+        sms: 132,
+        blocks_per_sm: 2,
+        streaming: 1,
+    };
+    // 24 kv heads: 5 splits would give each multiprocessor one block; a full cache of
+    // 1,024 keys takes them in 4 splits of 256, while 600 keys take 5 of 128
+    assert_eq!(plan_splits(24, 1024, d128).splits, 4);
+    assert_eq!(plan_splits(24, 600, d128).splits, 5);
+    assert_eq!(most_splits(24, 1024, d128), 5);
+    // the most is never below a full cache's count, nor below any length's
+    for (pairs, context) in [(12, 2048), (8, 4096), (24, 1024), (512, 1000), (1, 100)] {
+        let most = most_splits(pairs, context, d128);
+        for keys in 1..=context {
+            assert!(
+                plan_splits(pairs, keys, d128).splits <= most,
+                "{pairs} {keys}"
+            );
+        }
+    }
+}
 
 #[test]
 fn without_a_gpu_the_error_says_what_is_missing() {

@@ -25,7 +25,7 @@ colors = {"emb": "#e6e6e6", "ln": "#e6e6e6", "qkv": "#dbe8f6", "kv": "#fde2c4", 
           "proj": "#dbe8f6", "fc": "#dbe8f6", "gelu": "#e6e6e6", "out": "#dbe8f6"}
 
 # panel 1: launches
-text(20, 86, "Kernel by kernel: each launch's arguments given by the CPU, the position and the split among them", 14, bold=True)
+text(20, 86, "Kernel by kernel: the CPU queues every launch, the split chosen for the cache's length", 14, bold=True)
 text(20, 122, "CPU", 13, bold=True); text(20, 137, "launches", 11, fill="#555")
 text(20, 182, "GPU", 13, bold=True); text(20, 197, "runs", 11, fill="#555")
 lw, kw, gap = 13.0, 9.0, 3.0   # launch box, kernel box

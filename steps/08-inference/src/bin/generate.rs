@@ -327,7 +327,7 @@ fn run(cli: Cli) -> Result<(), TrainError> {
             };
             let calls = Calls {
                 cached: &cached,
-                graph: Some(&graphs),
+                graph: if cli.no_graph { None } else { Some(&graphs) },
                 uncached: &uncached,
                 prefill: &prefill_only,
                 uncached_is: "step 05's GPU forward over the window",
