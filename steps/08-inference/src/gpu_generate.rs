@@ -276,15 +276,21 @@ impl GpuModel {
             self.graph = Some(self.capture()?);
         }
         self.len += 1;
+        self.read_logits("the step")
+    }
+    // ANCHOR_END: gpu_step
+
+    /// The logits of the last token in, once the work queued before them (`what`) is done.
+    fn read_logits(&self, what: &str) -> Result<Array1<f32>, TrainError> {
+        let stream = self.gpu.stream();
         let logits = stream
             .clone_dtoh(&self.logits)
             .map_err(|e| device(device_error("reading the logits")(e)))?;
         stream
             .synchronize()
-            .map_err(|e| device(device_error("waiting for the step")(e)))?;
+            .map_err(|e| device(device_error(&format!("waiting for {what}"))(e)))?;
         Ok(Array1::from(logits))
     }
-    // ANCHOR_END: gpu_step
 
     // ANCHOR: capture
     /// The step's launches recorded as one CUDA graph, not run: each kernel and product
@@ -539,13 +545,7 @@ impl GpuModel {
         }
         // ANCHOR_END: gpu_prefill_layers
         self.len = n;
-        let logits = stream
-            .clone_dtoh(&self.logits)
-            .map_err(|e| device(device_error("reading the logits")(e)))?;
-        stream
-            .synchronize()
-            .map_err(|e| device(device_error("waiting for the prefill")(e)))?;
-        Ok(Array1::from(logits))
+        self.read_logits("the prefill")
     }
     // ANCHOR_END: gpu_prefill
 }

@@ -1,21 +1,12 @@
 //! `decode-cpu`, the CPU's decoding benchmark, run as a reader runs it: its rows, and its
 //! refusal of kv heads that do not divide the query heads.
 
-use std::path::PathBuf;
 use std::process::Command;
 
-/// The binary cargo built; a test binary copied to another machine with the binaries
-/// (`.gpu/tests/` beside `.gpu/bin/`) finds it there.
-fn binary() -> PathBuf {
-    let built = PathBuf::from(env!("CARGO_BIN_EXE_decode-cpu"));
-    if built.exists() {
-        return built;
-    }
-    std::env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.join("bin/decode-cpu")))
-        .filter(|p| p.exists())
-        .unwrap_or(built)
+mod common;
+
+fn binary() -> std::path::PathBuf {
+    common::binary(env!("CARGO_BIN_EXE_decode-cpu"), "decode-cpu")
 }
 
 fn decode_cpu(args: &[&str]) -> std::process::Output {

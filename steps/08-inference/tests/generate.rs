@@ -9,6 +9,8 @@ use step05_train::model::{Config, Params, forward};
 use step05_train::sample;
 use step08_inference::generate::{KvCache, extend, generate, prefill, step};
 
+mod common;
+
 /// A model small enough for a test, with a context that leaves the cache's last block of
 /// keys partial (100 = 64 + 36).
 const CONFIG: Config = Config {
@@ -253,23 +255,10 @@ fn the_cache_grows_a_row_a_token() {
     assert_eq!(cache.bytes(), 2 * 2 * 2 * 4 * 8 * 4);
 }
 
-/// The `generate` binary cargo built (or, for a test binary copied to another machine with
-/// the binaries, `../bin/generate` beside it).
-fn generate_bin() -> std::path::PathBuf {
-    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_generate"));
-    if built.exists() {
-        return built;
-    }
-    std::env::current_exe()
-        .ok()
-        .and_then(|exe| Some(exe.parent()?.parent()?.join("bin/generate")))
-        .filter(|p| p.exists())
-        .unwrap_or(built)
-}
-
 #[test]
 fn no_graph_on_the_cpu_is_refused_with_what_to_do() {
-    let run = std::process::Command::new(generate_bin())
+    let generate = common::binary(env!("CARGO_BIN_EXE_generate"), "generate");
+    let run = std::process::Command::new(generate)
         .args(["--no-graph", "--count", "5"])
         .output()
         .expect("generate runs");

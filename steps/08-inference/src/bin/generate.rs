@@ -277,7 +277,6 @@ fn run(cli: Cli) -> Result<(), TrainError> {
         }
         Device::Cuda => {
             let model = RefCell::new(GpuModel::new(&params)?);
-            model.borrow_mut().graphs = !cli.no_graph;
             let start = Trainer {
                 params: params.clone(),
                 opt: step05_train::AdamW::new(config, Default::default()),
