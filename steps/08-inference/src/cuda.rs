@@ -346,8 +346,6 @@ pub struct SplitPlan {
     pub split_keys: usize,
 }
 
-/// Keys a split holds at least: two steps of every warp.
-pub const MIN_SPLIT_KEYS: usize = 2 * DecodeKernel::WARPS * DecodeKernel::KEYS;
 /// Splits of one (kv head, sequence) at most.
 pub const MAX_SPLITS: usize = 256;
 
@@ -362,6 +360,9 @@ pub struct Occupancy {
     /// Blocks a multiprocessor needs to stream keys at the memory's speed
     /// ([`DecodeKernel::streaming_blocks`]).
     pub streaming: usize,
+    /// Keys a block takes per step, all its warps together ([`DecodeKernel::block_keys`]):
+    /// a split is a multiple of them, and at least two steps long.
+    pub block_keys: usize,
 }
 
 /// Chooses the split. Without one, a block per (sequence, kv head) would leave most of the
@@ -381,14 +382,15 @@ pub struct Occupancy {
 ///   slots) ≥ 0.9`; from four waves on the last one's tail is short, and counts as
 ///   full), one split when that is enough, and no merge.
 ///
-/// No split is shorter than [`MIN_SPLIT_KEYS`].
+/// No split is shorter than two steps of the block (`2 · block_keys`).
 pub fn plan_splits(batch_kv_heads: usize, context: usize, gpu: Occupancy) -> SplitPlan {
-    let most = context.div_ceil(MIN_SPLIT_KEYS).clamp(1, MAX_SPLITS);
+    let step = gpu.block_keys.max(1);
+    let most = context.div_ceil(2 * step).clamp(1, MAX_SPLITS);
     let pairs = batch_kv_heads.max(1);
     let per_sm = gpu.blocks_per_sm.max(1);
     let streaming = gpu.sms.max(1) * gpu.streaming.clamp(1, per_sm);
     if pairs <= streaming {
-        return fixed_splits(context, (streaming / pairs).clamp(1, most));
+        return fixed_splits(context, (streaming / pairs).clamp(1, most), step);
     }
     let slots = gpu.sms.max(1) * per_sm;
     let busy = |splits: usize| {
@@ -405,7 +407,7 @@ pub fn plan_splits(batch_kv_heads: usize, context: usize, gpu: Occupancy) -> Spl
             .max_by(|&a, &b| busy(a).total_cmp(&busy(b)).then(b.cmp(&a)))
             .unwrap_or(1)
     });
-    fixed_splits(context, splits)
+    fixed_splits(context, splits, step)
 }
 // ANCHOR_END: plan_splits
 
@@ -420,9 +422,9 @@ pub fn most_splits(batch_kv_heads: usize, context: usize, gpu: Occupancy) -> usi
 }
 
 /// `splits` splits of the keys, or as near as a multiple of a block's step allows: each
-/// split a multiple of [`DecodeKernel::block_keys`] keys.
-pub fn fixed_splits(context: usize, splits: usize) -> SplitPlan {
-    let step = DecodeKernel::WARPS * DecodeKernel::KEYS;
+/// split a multiple of `step` keys ([`DecodeKernel::block_keys`]).
+pub fn fixed_splits(context: usize, splits: usize, step: usize) -> SplitPlan {
+    let step = step.max(1);
     let split_keys = context.div_ceil(splits.max(1)).div_ceil(step).max(1) * step;
     SplitPlan {
         splits: context.div_ceil(split_keys).max(1),
@@ -484,6 +486,7 @@ pub fn occupancy(
         sms: sm_count(gpu)?,
         blocks_per_sm: per_sm as usize,
         streaming: kernel.streaming_blocks(),
+        block_keys: kernel.block_keys(),
     })
 }
 
@@ -700,9 +703,13 @@ fn check_device(
             ),
         });
     }
-    let fits = plan
-        .split_keys
-        .is_multiple_of(DecodeKernel::WARPS * DecodeKernel::KEYS)
+    let kernel = DecodeKernel::new(
+        cache.dtype,
+        shape.head_dim,
+        shape.rows_per_kv_head().max(1),
+        cache.page_size(),
+    )?;
+    let fits = plan.split_keys.is_multiple_of(kernel.block_keys())
         && plan.splits * plan.split_keys >= cache.keys.min(shape.context)
         && (plan.splits == 1 || plan.splits <= result.splits);
     if !fits {
@@ -711,7 +718,7 @@ fn check_device(
                 "{plan:?} does not cover {} keys in splits of a multiple of {} keys, or \
                  the output has room for {} splits only",
                 cache.keys.min(shape.context),
-                DecodeKernel::WARPS * DecodeKernel::KEYS,
+                kernel.block_keys(),
                 result.splits
             ),
         });
@@ -756,7 +763,7 @@ pub fn decode(
         HostLayout::Contiguous => 0,
         HostLayout::Paged { page_size } => page_size,
     };
-    DecodeKernel::new(
+    let kernel = DecodeKernel::new(
         dtype,
         shape.head_dim,
         shape.rows_per_kv_head().max(1),
@@ -775,7 +782,7 @@ pub fn decode(
         }
     };
     let plan = match splits {
-        Some(n) => fixed_splits(shape.context, n),
+        Some(n) => fixed_splits(shape.context, n, kernel.block_keys()),
         None => plan(gpu, shape, dtype, page_size)?,
     };
     let q = gpu.upload(q, dtype)?;

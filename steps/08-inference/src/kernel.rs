@@ -25,9 +25,17 @@ pub const APPEND_CU: &str = include_str!("../kernels/append.cu");
 pub const APPEND: &str = "append_kv";
 pub const EMBED: &str = "embed_token";
 
+/// Bytes of keys a warp copies per step, and as many of values: 16 keys at head dim 128, 32
+/// at 64, 64 at 32 ([`DecodeKernel::keys`]).
+pub const STEP_BYTES: usize = 4 << 10;
+
 /// Bytes of keys and values a multiprocessor's warps take per step to stream at the
 /// memory's speed ([`DecodeKernel::streaming_blocks`]).
 pub const STREAM_BYTES: usize = 32 << 10;
+
+/// Keys that lie one after another in memory, whatever the layout: a page of a paged cache
+/// holds whole groups of them, so a warp looks a page up once per group.
+pub const KEY_GROUP: usize = 16;
 
 /// Query rows of one kv head a block computes at most: two tiles of 16 (`g · q_rows ≤ 32`,
 /// Llama 3 70B's 8 query heads a kv head with 4 rows each, for one).
@@ -48,8 +56,6 @@ pub struct DecodeKernel {
 impl DecodeKernel {
     /// Warps per block (`WARPS`): they take turns over the split's keys.
     pub const WARPS: usize = 4;
-    /// Keys a warp computes per step (`KEYS`): one 16-row tile of k and of v.
-    pub const KEYS: usize = 16;
 
     /// The build for `rows` query rows of a kv head (`g · q_rows`).
     pub fn new(
@@ -76,26 +82,31 @@ impl DecodeKernel {
         Ok(kernel)
     }
 
-    /// Steps a warp keeps in flight (`STAGES`): enough bytes on their way to cover the
-    /// memory's latency, 3 steps ahead of 4 KB at head dim 64, 2 ahead of 8 KB at 128, and
-    /// shared memory for two blocks a multiprocessor at 128, three at 64.
+    /// Keys a warp computes per step (`KEYS`): [`STEP_BYTES`] of keys, so that every head
+    /// dim moves the same bytes a step (a multiple of 16 keys, the `m16n8k16` product's).
+    pub fn keys(&self) -> usize {
+        STEP_BYTES / (self.head_dim * self.dtype.size())
+    }
+
+    /// Steps a warp keeps in flight (`STAGES`): its copies run two steps (8 KB of keys
+    /// and 8 KB of values) ahead of its products, and the block's shared memory, 96 KB of
+    /// stages, leaves room for two blocks a multiprocessor.
     pub fn stages(&self) -> usize {
-        if self.head_dim <= 64 { 4 } else { 3 }
+        3
     }
 
     /// Blocks a multiprocessor needs to keep the memory streaming: measured on the H200
     /// (chapter 8's sweep of split counts), a multiprocessor reads at the memory's speed
     /// once its warps have [`STREAM_BYTES`] of keys and values in flight per step: one
-    /// block at head dim 128 in 16 bits (4 warps × 16 keys × 128 × 2 bytes, for k and for
-    /// v), two at 64, four at 32.
+    /// block (4 warps × 4 KB, for k and for v) at every head dim.
     pub fn streaming_blocks(&self) -> usize {
-        let step_bytes = Self::WARPS * Self::KEYS * self.head_dim * self.dtype.size() * 2;
+        let step_bytes = Self::WARPS * STEP_BYTES * 2;
         STREAM_BYTES.div_ceil(step_bytes)
     }
 
     /// Keys a block covers per step, all warps together: a split is a multiple of it.
     pub fn block_keys(&self) -> usize {
-        Self::WARPS * Self::KEYS
+        Self::WARPS * self.keys()
     }
 
     pub fn threads(&self) -> u32 {
@@ -106,7 +117,7 @@ impl DecodeKernel {
     /// warps at the end reuses the stages.
     pub fn smem_bytes(&self) -> u32 {
         let rows = 16 * self.row_tiles;
-        let stages = 2 * Self::WARPS * self.stages() * Self::KEYS;
+        let stages = 2 * Self::WARPS * self.stages() * self.keys();
         ((rows + stages) * self.head_dim * 2) as u32
     }
 
@@ -142,7 +153,7 @@ impl DecodeKernel {
                 format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
                 format!("-DROW_TILES={}", self.row_tiles),
                 format!("-DWARPS={}", Self::WARPS),
-                format!("-DKEYS={}", Self::KEYS),
+                format!("-DKEYS={}", self.keys()),
                 format!("-DSTAGES={}", self.stages()),
                 format!("-DPAGE_SIZE={}", self.page_size),
                 "--std=c++17".into(),
@@ -161,18 +172,17 @@ impl DecodeKernel {
 }
 // ANCHOR_END: decode_kernel
 
-/// Page sizes the paged kernel takes: 0 (contiguous), or a multiple of
-/// [`DecodeKernel::KEYS`], so that the keys a warp takes in one step lie in one page.
+/// Page sizes the paged kernel takes: 0 (contiguous), or a multiple of [`KEY_GROUP`], so
+/// that each group of 16 keys a warp copies lies in one page.
 pub fn check_page_size(page_size: usize) -> Result<(), AttnError> {
-    let keys = DecodeKernel::KEYS;
-    if page_size.is_multiple_of(keys) && page_size <= 1 << 20 {
+    if page_size.is_multiple_of(KEY_GROUP) && page_size <= 1 << 20 {
         return Ok(());
     }
     Err(AttnError::Unsupported {
         what: format!(
             "pages of {page_size} tokens: the paged kernel takes pages of a multiple of \
-             {keys} tokens up to 2^20 (16, 32, 64, ...), so that the {keys} keys a warp \
-             reads in one step lie in one page"
+             {KEY_GROUP} tokens up to 2^20 (16, 32, 64, ...), so that each group of \
+             {KEY_GROUP} keys a warp copies lies in one page"
         ),
     })
 }

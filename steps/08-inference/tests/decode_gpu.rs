@@ -153,7 +153,7 @@ fn sequences_of_different_lengths_each_decode_to_their_own_end() {
         let page_size = cache.page_size();
         for split in [
             plan(gpu, shape, Dtype::Bf16, page_size).unwrap(),
-            fixed_splits(700, 3),
+            fixed_splits(700, 3, 128),
         ] {
             let q_dev = gpu.upload(q.view(), Dtype::Bf16).unwrap();
             let mut result = alloc_output(gpu, shape, Dtype::Bf16, split.splits).unwrap();
@@ -303,54 +303,57 @@ fn a_page_table_that_points_past_the_pool_is_refused() {
 // ANCHOR: split_test
 #[test]
 fn the_split_gives_each_multiprocessor_its_blocks_and_no_split_is_too_short() {
-    // the H200's 132 multiprocessors, at head dim 128 (2 blocks each, 1 streams) and at
-    // head dim 64 (3 blocks each, 2 stream)
+    // the H200's 132 multiprocessors: two blocks each, one streams; a block's step is 64
+    // keys at head dim 128 and 128 keys at head dim 64 (4 warps × 4 KB of keys)
     let d128 = Occupancy {
         sms: 132,
         blocks_per_sm: 2,
         streaming: 1,
+        block_keys: 64,
     };
     let d64 = Occupancy {
-        blocks_per_sm: 3,
-        streaming: 2,
+        block_keys: 128,
         ..d128
     };
-    // batch 1 with 8 kv heads: 16 splits, 128 blocks, one a multiprocessor; at head dim 64,
-    // 33 splits, two a multiprocessor
+    // batch 1 with 8 kv heads: 16 splits, 128 blocks, one a multiprocessor
     let p = plan_splits(8, 131_072, d128);
     assert_eq!((p.splits, p.split_keys), (16, 8192));
-    assert_eq!(plan_splits(8, 131_072, d64).splits, 33);
-    // 32 kv heads: 4 splits (8 at head dim 64); 8 sequences × 8 kv heads: 2 (4)
+    assert_eq!(plan_splits(8, 131_072, d64), p);
+    // 32 kv heads: 4 splits; 8 sequences × 8 kv heads: 2
     assert_eq!(plan_splits(32, 131_072, d128).splits, 4);
-    assert_eq!(plan_splits(32, 131_072, d64).splits, 8);
     assert_eq!(plan_splits(64, 131_072, d128).splits, 2);
-    assert_eq!(plan_splits(64, 131_072, d64).splits, 4);
-    // more pairs than that: waves over the slots. 32 sequences × 8 kv heads fill 97%
-    // of the 264 slots at head dim 128 alone, one split; at head dim 64, 64 sequences'
-    // 512 blocks in 396 slots would be 1.3 waves, so 3 splits make 3.9
+    // more pairs than that: waves over the slots. 32 sequences × 8 kv heads fill 97% of
+    // the 264 slots, one split; 64 sequences' 512 blocks fill 97% of two waves, one split
     assert_eq!(plan_splits(256, 131_072, d128).splits, 1);
-    assert_eq!(plan_splits(512, 131_072, d128).splits, 1);
-    assert_eq!(plan_splits(512, 131_072, d64).splits, 3);
+    assert_eq!(plan_splits(512, 131_072, d64).splits, 1);
+    // 160 pairs would leave 39% of the slots idle in one wave of 264 with one split; two
+    // splits fill 61% of two waves, three 91% of two: three
+    assert_eq!(plan_splits(160, 131_072, d128).splits, 3);
     // four waves and more: one split
     assert_eq!(plan_splits(2048, 131_072, d64).splits, 1);
-    // a short cache is not cut into splits of fewer than 128 keys
+    // a short cache is not cut into splits of fewer than two steps: 128 keys at head
+    // dim 128, 256 at 64
     let p = plan_splits(8, 1000, d128);
     assert_eq!(p.splits, 8, "{p:?}");
     assert!(
         p.split_keys >= 128 && p.splits * p.split_keys >= 1000,
         "{p:?}"
     );
-    // every split a multiple of a block's 64 keys, covering the cache
-    for (t, n) in [(1, 1), (77, 3), (4097, 7), (1000, 1000)] {
-        let p = fixed_splits(t, n);
-        assert!(
-            p.split_keys.is_multiple_of(64) && p.splits * p.split_keys >= t,
-            "{p:?}"
-        );
-        assert!(
-            (p.splits - 1) * p.split_keys < t,
-            "{t} {n}: {p:?} has an empty split"
-        );
+    let p = plan_splits(8, 1000, d64);
+    assert_eq!((p.splits, p.split_keys), (4, 256));
+    // every split a multiple of a block's step, covering the cache
+    for step in [64, 128] {
+        for (t, n) in [(1, 1), (77, 3), (4097, 7), (1000, 1000)] {
+            let p = fixed_splits(t, n, step);
+            assert!(
+                p.split_keys.is_multiple_of(step) && p.splits * p.split_keys >= t,
+                "{p:?}"
+            );
+            assert!(
+                (p.splits - 1) * p.split_keys < t,
+                "{t} {n}: {p:?} has an empty split"
+            );
+        }
     }
 }
 // ANCHOR_END: split_test
@@ -361,6 +364,7 @@ fn a_shorter_cache_can_take_more_splits_than_a_full_one() {
         sms: 132,
         blocks_per_sm: 2,
         streaming: 1,
+        block_keys: 64,
     };
     // 24 kv heads: 5 splits would give each multiprocessor one block; a full cache of
     // 1,024 keys takes them in 4 splits of 256, while 600 keys take 5 of 128

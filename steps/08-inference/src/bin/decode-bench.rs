@@ -214,7 +214,16 @@ fn measure_decode(
 ) -> Result<Measured, String> {
     let text = |e: AttnError| e.to_string();
     let plan = match args.splits {
-        Some(n) => fixed_splits(shape.context, n),
+        Some(n) => {
+            let kernel = DecodeKernel::new(
+                args.dtype,
+                shape.head_dim,
+                shape.rows_per_kv_head(),
+                cache.page_size(),
+            )
+            .map_err(text)?;
+            fixed_splits(shape.context, n, kernel.block_keys())
+        }
         None => plan(gpu, shape, args.dtype, cache.page_size()).map_err(text)?,
     };
     let mut result = alloc_output(gpu, shape, args.dtype, plan.splits).map_err(text)?;
@@ -398,7 +407,7 @@ fn implementation(args: &Args, shape: DecodeShape, page_size: usize) -> String {
             shape.rows_per_kv_head(),
             k.row_tiles,
             DecodeKernel::WARPS,
-            DecodeKernel::KEYS,
+            k.keys(),
             k.stages()
         ),
         Err(e) => e.to_string(),
