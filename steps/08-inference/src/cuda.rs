@@ -372,8 +372,8 @@ pub struct Occupancy {
 ///
 /// - With few (sequence, kv head) pairs, the keys are cut so that every
 ///   multiprocessor gets the same whole number of blocks, as many as keep its memory
-///   streaming (one block at head dim 128, two at 64): 8 pairs on 132 multiprocessors
-///   at head dim 128 take 16 splits, 128 blocks. More blocks would each cost a start
+///   streaming (one block, [`DecodeKernel::streaming_blocks`]): 8 pairs on 132
+///   multiprocessors take 16 splits, 128 blocks. More blocks would each cost a start
 ///   (q's rows, the pipeline's first steps) and a share of the merge, for nothing; an
 ///   uneven count leaves some multiprocessors reading after the others are done.
 /// - With more pairs than that, the blocks come in waves over the slots, and a last
