@@ -45,13 +45,17 @@ static_assert(16 % PASS_ROWS == 0, "a pass of rows lies in one group of 16");
 template <typename Group>
 __device__ __forceinline__ void load_keys(u16* tile, Group group, int valid, int lane) {
     const int chunk = lane % CHUNKS, r0 = lane / CHUNKS;
-    const u16* first = group(0);  // the warp copies at least one row
+    // each group's first row, asked for once; a group wholly past `valid` is not asked
+    // for (a page table has no entry there) and copies nothing
+    const u16* rows[KEYS / 16];
+#pragma unroll
+    for (int u = 0; u < KEYS / 16; ++u) rows[u] = u == 0 || 16 * u < valid ? group(u) : rows[0];
 #pragma unroll
     for (int i = 0; i < KEYS / PASS_ROWS; ++i) {
         const int r = r0 + i * PASS_ROWS;  // in group u = i·PASS_ROWS / 16 (r0 < PASS_ROWS)
         const int u = i * PASS_ROWS / 16;
         const bool ok = r < valid;
-        const u16* from = ok ? group(u) + (r - 16 * u) * HEAD_DIM + chunk * 8 : first;
+        const u16* from = ok ? rows[u] + (r - 16 * u) * HEAD_DIM + chunk * 8 : rows[0];
         cp_async_16(smem_addr(tile + swizzled(r, chunk)), from, ok);
     }
 }
