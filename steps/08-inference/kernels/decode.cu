@@ -49,7 +49,8 @@ __device__ __forceinline__ void load_keys(u16* tile, Group group, int valid, int
     // for (a page table has no entry there) and copies nothing
     const u16* rows[KEYS / 16];
 #pragma unroll
-    for (int u = 0; u < KEYS / 16; ++u) rows[u] = u == 0 || 16 * u < valid ? group(u) : rows[0];
+    for (int u = 0; u < KEYS / 16; ++u)
+        rows[u] = u == 0 || 16 * u < valid ? group(u) : rows[0];
 #pragma unroll
     for (int i = 0; i < KEYS / PASS_ROWS; ++i) {
         const int r = r0 + i * PASS_ROWS;  // in group u = i·PASS_ROWS / 16 (r0 < PASS_ROWS)
