@@ -35,6 +35,9 @@ pub struct DecodeRow {
     pub gb_s: Option<f64>,
     pub fraction_of_read: Option<f64>,
     pub error: Option<String>,
+    /// The GPU and its software, as the benchmark wrote them ("NVIDIA H200 (sm_90, ...)")
+    #[serde(default)]
+    pub device: Option<String>,
 }
 
 /// Our rows and PyTorch's.
@@ -60,6 +63,18 @@ pub fn read(dir: &Path) -> Result<Option<Decoding>, String> {
 }
 
 impl Decoding {
+    /// The GPU our rows ran on, as its name's first word after "NVIDIA" ("H200"), or "GPU"
+    /// where the rows do not say.
+    pub fn gpu(&self) -> String {
+        self.ours
+            .iter()
+            .find_map(|r| r.device.as_deref())
+            .and_then(|d| d.trim_start_matches("NVIDIA ").split([' ', '(']).next())
+            .filter(|name| !name.is_empty())
+            .unwrap_or("GPU")
+            .to_string()
+    }
+
     fn ours(&self, method: &str, key: (usize, usize, usize, usize)) -> Option<&DecodeRow> {
         let (batch, kv_heads, context, head_dim) = key;
         self.ours.iter().find(|r| {
@@ -203,7 +218,7 @@ fn bandwidth_chart(d: &Decoding) -> Result<String, String> {
         .map(|(l, _)| (l.clone(), l.words.clone()))
         .collect();
     chart(
-        "Decoding against the memory's speed (H200, bf16)",
+        &format!("Decoding against the memory's speed ({}, bf16)", d.gpu()),
         "32 query heads on 8 kv heads, head dim 128, one query row a head",
         PLOT_HEIGHT,
         &entries,
@@ -260,4 +275,42 @@ pub fn render_all(d: &Decoding) -> Result<Vec<(String, String)>, String> {
     }
     out.push(("decode-bandwidth.svg".into(), bandwidth_chart(d)?));
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(device: Option<&str>) -> DecodeRow {
+        DecodeRow {
+            method: "decode".into(),
+            batch: 1,
+            kv_heads: 8,
+            context: 1024,
+            head_dim: 128,
+            splits: Some(8),
+            us: Some(8.4),
+            gb_s: Some(500.0),
+            fraction_of_read: Some(0.55),
+            error: None,
+            device: device.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn the_chart_names_the_gpu_the_rows_ran_on() {
+        let on = |device| Decoding {
+            ours: vec![row(None), row(device)],
+            pytorch: Vec::new(),
+        };
+        assert_eq!(
+            on(Some("NVIDIA H200 (sm_90, 132 SMs, CUDA driver 13.0)")).gpu(),
+            "H200"
+        );
+        assert_eq!(
+            on(Some("NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)")).gpu(),
+            "H100"
+        );
+        assert_eq!(on(None).gpu(), "GPU");
+    }
 }

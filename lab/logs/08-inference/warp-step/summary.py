@@ -39,3 +39,13 @@ for d in (128, 64):
 rs = sorted((pt[key(r)] / r["us"], key(r)) for r in dec if key(r) in pt)
 print("lowest:", [(round(a, 2), k) for a, k in rs[:8]])
 print("cuDNN over read, batch 1, 8 kv:", " ".join(f"d{d} {t//1024}k {by[('read', d, 1, 8, t)]['us'] / pt[(d, 1, 8, t)]:.2f}" for d in (128, 64) for t in (8192, 131072) if (d, 1, 8, t) in pt and ('read', d, 1, 8, t) in by))
+big_read = max((r for r in rows if r["method"] == "read" and r["bytes"] > 100e6), key=lambda r: r["gb_s"])
+print(f"read kernel's best past the L2 (> 100 MB): {big_read['gb_s']:.0f} at {key(big_read)}")
+def ratio_range(sel):
+    xs = [pt[key(r)] / r["us"] for r in dec if key(r) in pt and sel(r)]
+    return f"{min(xs):.2f}-{max(xs):.2f}" if xs else "-"
+print("cuDNN/ours from batch 8 and 8k:", ratio_range(lambda r: r["batch"] >= 8 and r["context"] >= 8192))
+print("cuDNN/ours batch 1 d128:", ratio_range(lambda r: r["batch"] == 1 and r["head_dim"] == 128))
+print("cuDNN/ours batch 1 d64:", ratio_range(lambda r: r["batch"] == 1 and r["head_dim"] == 64))
+print("cuDNN/ours everywhere:", ratio_range(lambda r: True))
+print("fraction of read, d128, batch 1, >= 32k:", frac(lambda r: r["batch"] == 1 and r["head_dim"] == 128 and r["context"] >= 32768))
