@@ -95,10 +95,11 @@ impl DecodeKernel {
         3
     }
 
-    /// Blocks a multiprocessor needs to keep the memory streaming: measured on the H200
-    /// (chapter 8's sweep of split counts), a multiprocessor reads at the memory's speed
-    /// once its warps have [`STREAM_BYTES`] of keys and values in flight per step: one
-    /// block (4 warps × 4 KB, for k and for v) at every head dim.
+    /// Blocks a multiprocessor needs to keep the memory streaming: a multiprocessor reads
+    /// at the memory's speed once its warps take [`STREAM_BYTES`] of keys and values a
+    /// step (chapter 8's sweep of split counts on the H200, at head dim 128; the sweep of
+    /// the build on an H100 at head dim 64): one block (4 warps × 4 KB, for k and for v)
+    /// at every head dim.
     pub fn streaming_blocks(&self) -> usize {
         let step_bytes = Self::WARPS * STEP_BYTES * 2;
         STREAM_BYTES.div_ceil(step_bytes)

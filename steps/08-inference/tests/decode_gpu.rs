@@ -79,7 +79,7 @@ fn assert_rule(
 // ANCHOR_END: check_decode_gpu
 
 /// (batch, q heads, kv heads, q rows, context, head dim): with and without GQA, one and
-/// four query rows, contexts that are no multiple of a split's step (64 keys) or a page,
+/// four query rows, contexts that are no multiple of a block's step (64 to 256 keys) or a page,
 /// 16 and 32 query rows on one kv head, the context equal to the rows.
 const SHAPES: [(usize, usize, usize, usize, usize, usize); 9] = [
     (1, 32, 8, 1, 1000, 128),

@@ -13,7 +13,7 @@ use step05_train::train::Trainer;
 use step08_inference::gpu_generate::{GpuModel, generate_gpu, sample_gpu};
 
 /// Head dim 64 (256 / 4), a context that leaves a last page partial (300 = 4·64 + 44) and
-/// that the decoding kernel cuts into 3 splits at its end, merged by the last block.
+/// that the decoding kernel cuts into 2 splits at its end, merged by the last block.
 const CONFIG: Config = Config {
     layers: 2,
     d_model: 256,
