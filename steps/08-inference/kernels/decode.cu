@@ -21,42 +21,47 @@
 //   KEYS        keys a warp computes per step, a multiple of 16 (4 KB of keys: 32 at
 //               head dim 64)
 //   STAGES      steps a warp has in flight (its copies run STAGES - 1 steps ahead)
+//   KEY_GROUP   keys that lie one after another in memory in any layout (16): a warp
+//               asks for each group's address once
 //   PAGE_SIZE   0: a contiguous cache [B, KVH, T, HEAD_DIM]; else tokens per page of a
-//               paged cache, the pool [pages, KVH, PAGE_SIZE, HEAD_DIM], a multiple of 16
+//               paged cache, the pool [pages, KVH, PAGE_SIZE, HEAD_DIM], a multiple of
+//               KEY_GROUP
 //
 // src/kernel.rs prepends step 03's tensor_cores.cuh (u16, the swizzle, cp.async, ldmatrix,
 // mma_16816, pack2, fast_exp2, NEG_INF).
 
 static_assert(ROW_TILES == 1 || ROW_TILES == 2, "ROW_TILES: 1 or 2 tiles of 16 rows");
 static_assert(KEYS % 16 == 0 && STAGES >= 2 && WARPS >= 1, "KEYS, STAGES, WARPS");
-static_assert(PAGE_SIZE % 16 == 0, "PAGE_SIZE: 0 or a multiple of 16");
+static_assert(KEYS % KEY_GROUP == 0 && PAGE_SIZE % KEY_GROUP == 0,
+              "KEYS, PAGE_SIZE: multiples of KEY_GROUP");
 #define THREADS (WARPS * 32)
 #define ROWS (ROW_TILES * 16)
 // rows of a warp's tile one pass of cp.async covers: 32 lanes, CHUNKS 16-byte chunks a row
 #define PASS_ROWS (32 / CHUNKS)
-static_assert(16 % PASS_ROWS == 0, "a pass of rows lies in one group of 16");
+static_assert(KEY_GROUP % PASS_ROWS == 0, "a pass of rows lies in one group");
 
 // ANCHOR: load_keys
 // A warp copies `valid` rows (at most KEYS) of keys or values into its swizzled tile of
-// KEYS rows; the rows past `valid` become zeros. The rows come in groups of 16, each group
-// 16 consecutive rows of HEAD_DIM values in memory, group u from `group(u)` on (in a
-// paged cache a page holds whole groups). Consecutive lanes copy consecutive 16-byte
+// KEYS rows; the rows past `valid` become zeros. The rows come in groups of KEY_GROUP,
+// consecutive rows of HEAD_DIM values in memory, group u from `group(u)` on (in a paged
+// cache a page holds whole groups). Consecutive lanes copy consecutive 16-byte
 // chunks: each instruction of the warp reads 512 contiguous bytes.
 template <typename Group>
 __device__ __forceinline__ void load_keys(u16* tile, Group group, int valid, int lane) {
     const int chunk = lane % CHUNKS, r0 = lane / CHUNKS;
     // each group's first row, asked for once; a group wholly past `valid` is not asked
     // for (a page table has no entry there) and copies nothing
-    const u16* rows[KEYS / 16];
+    const u16* rows[KEYS / KEY_GROUP];
 #pragma unroll
-    for (int u = 0; u < KEYS / 16; ++u)
-        rows[u] = u == 0 || 16 * u < valid ? group(u) : rows[0];
+    for (int u = 0; u < KEYS / KEY_GROUP; ++u)
+        rows[u] = u == 0 || KEY_GROUP * u < valid ? group(u) : rows[0];
 #pragma unroll
     for (int i = 0; i < KEYS / PASS_ROWS; ++i) {
-        const int r = r0 + i * PASS_ROWS;  // in group u = i·PASS_ROWS / 16 (r0 < PASS_ROWS)
-        const int u = i * PASS_ROWS / 16;
+        const int r = r0 + i * PASS_ROWS;
+        const int u = i * PASS_ROWS / KEY_GROUP;  // r's group, since r0 < PASS_ROWS
         const bool ok = r < valid;
-        const u16* from = ok ? rows[u] + (r - 16 * u) * HEAD_DIM + chunk * 8 : rows[0];
+        const u16* from =
+            ok ? rows[u] + (r - KEY_GROUP * u) * HEAD_DIM + chunk * 8 : rows[0];
         cp_async_16(smem_addr(tile + swizzled(r, chunk)), from, ok);
     }
 }
@@ -187,9 +192,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode(
     // ANCHOR_END: seq_len
 
     // ANCHOR: key_rows
-    // Where the 16 keys from key `kv` start in memory: one row after another in a
-    // contiguous cache, and in a paged cache in the page the table names (16 divides
-    // PAGE_SIZE and kv is a multiple of 16, so they lie in one page).
+    // Where the KEY_GROUP keys from key `kv` start in memory: one row after another in a
+    // contiguous cache, and in a paged cache in the page the table names (KEY_GROUP
+    // divides PAGE_SIZE and kv is a multiple of it, so they lie in one page).
     auto key_rows = [&](const u16* base, int kv) -> const u16* {
 #if PAGE_SIZE
         const long long page = table[(long long)b * max_pages + kv / PAGE_SIZE];
@@ -203,9 +208,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) flash_decode(
         if (kv >= s1) return;  // past the split: this warp has no keys at step j
         const int stage = j % STAGES, valid = min(KEYS, s1 - kv);
         load_keys(sk + stage * KEYS * HEAD_DIM,
-                  [&](int u) { return key_rows(k, kv + 16 * u); }, valid, lane);
+                  [&](int u) { return key_rows(k, kv + KEY_GROUP * u); }, valid, lane);
         load_keys(sv + stage * KEYS * HEAD_DIM,
-                  [&](int u) { return key_rows(v, kv + 16 * u); }, valid, lane);
+                  [&](int u) { return key_rows(v, kv + KEY_GROUP * u); }, valid, lane);
     };
     // ANCHOR_END: key_rows
 

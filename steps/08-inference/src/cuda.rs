@@ -560,12 +560,10 @@ pub fn decode_into(
     plan: SplitPlan,
     result: &mut DecodeOutput,
 ) -> Result<(), AttnError> {
-    let shape = check_device(q, cache, plan, result)?;
+    let (shape, kernel) = check_device(q, cache, plan, result)?;
     if shape.is_empty() {
         return Ok(());
     }
-    let rows = shape.rows_per_kv_head();
-    let kernel = DecodeKernel::new(cache.dtype, shape.head_dim, rows, cache.page_size())?;
     let f = decode_kernel(gpu, kernel, DECODE)?;
     let (table, max_pages) = match &cache.layout {
         Layout::Contiguous => (None, 0),
@@ -582,6 +580,7 @@ pub fn decode_into(
         block_dim: (kernel.threads(), 1, 1),
         shared_mem_bytes: kernel.smem_bytes(),
     };
+    let rows = shape.rows_per_kv_head();
     let (t, n, r) = (shape.context as i32, shape.q_rows as i32, rows as i32);
     let split_keys = plan.split_keys as i32;
     let scale_log2 = (std::f64::consts::LOG2_E * shape.scale()) as f32;
@@ -618,13 +617,14 @@ pub fn decode_into(
 }
 // ANCHOR_END: decode_into
 
-/// The checks [`decode_into`] makes before a launch.
+/// The checks [`decode_into`] makes before a launch; the shape, and the kernel's build
+/// for it.
 fn check_device(
     q: &DeviceTensor,
     cache: &KvCache,
     plan: SplitPlan,
     result: &DecodeOutput,
-) -> Result<DecodeShape, AttnError> {
+) -> Result<(DecodeShape, DecodeKernel), AttnError> {
     let qs = q.shape;
     let shape = check_sizes(qs.dims(), cache.dims(), cache.dims())?;
     if q.dtype != cache.dtype {
@@ -735,7 +735,7 @@ fn check_device(
             ),
         });
     }
-    Ok(shape)
+    Ok((shape, kernel))
 }
 
 /// Where a host call's cache goes: contiguous, or in pages of `page_size` tokens.

@@ -156,6 +156,7 @@ impl DecodeKernel {
                 format!("-DWARPS={}", Self::WARPS),
                 format!("-DKEYS={}", self.keys()),
                 format!("-DSTAGES={}", self.stages()),
+                format!("-DKEY_GROUP={KEY_GROUP}"),
                 format!("-DPAGE_SIZE={}", self.page_size),
                 "--std=c++17".into(),
             ],
