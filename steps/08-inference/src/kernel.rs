@@ -183,8 +183,10 @@ pub fn check_page_size(page_size: usize) -> Result<(), AttnError> {
     Err(AttnError::Unsupported {
         what: format!(
             "pages of {page_size} tokens: the paged kernel takes pages of a multiple of \
-             {KEY_GROUP} tokens up to 2^20 (16, 32, 64, ...), so that each group of \
-             {KEY_GROUP} keys a warp copies lies in one page"
+             {KEY_GROUP} tokens up to 2^20 ({KEY_GROUP}, {}, {}, ...), so that each group of \
+             {KEY_GROUP} keys a warp copies lies in one page",
+            2 * KEY_GROUP,
+            4 * KEY_GROUP
         ),
     })
 }

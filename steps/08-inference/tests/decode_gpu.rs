@@ -14,6 +14,7 @@ use step08_inference::cuda::{
     HostLayout, KvCache, Layout, Occupancy, cache_value, check_table, decode, fill_cache,
     fixed_splits, most_splits, plan_splits, read_bytes, shuffled_table,
 };
+use step08_inference::kernel::KEY_GROUP;
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
 
 /// FlashAttention's rule: our max error ≤ 2 × by-hand's max error in the same precision,
@@ -293,10 +294,14 @@ fn a_page_table_that_points_past_the_pool_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("max_pages at least 7"), "{e}");
-    let e = check_table(&table, 2, 7, 14, 24, 100)
+    // pages of 24 tokens: half a group of keys too many
+    let e = check_table(&table, 2, 7, 14, KEY_GROUP * 3 / 2, 100)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("a multiple of 16 tokens"), "{e}");
+    assert!(
+        e.contains(&format!("a multiple of {KEY_GROUP} tokens")),
+        "{e}"
+    );
 }
 // ANCHOR_END: page_table_test
 

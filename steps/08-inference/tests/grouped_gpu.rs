@@ -22,8 +22,8 @@ const MARGIN: f64 = 1e-5;
 /// The kernels' log-sum-exp is summed in f32 from the 16-bit inputs' exact products.
 const KERNEL_LSE: f64 = 1e-3;
 
-/// (batch, query heads, kv heads, tokens, head dim): groups of 4, 8 (multi-query) and 1
-/// (plain), odd heads, partial blocks, one token.
+/// (batch, query heads, kv heads, tokens, head dim): groups of 1 (plain), 2, 3, 4 and 8
+/// (one kv head: multi-query), odd heads, partial blocks, one token.
 const SHAPES: [(usize, usize, usize, usize, usize); 6] = [
     (2, 8, 2, 300, 64),
     (1, 8, 1, 77, 128),

@@ -25,7 +25,7 @@ use step08_inference::cuda::{
     DecodeOutput, KvCache, alloc_output, cache_value, decode_into, fill_cache,
     fixed_splits, plan, read_bytes, shuffled_table,
 };
-use step08_inference::kernel::DecodeKernel;
+use step08_inference::kernel::{DecodeKernel, KEY_GROUP};
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
 use step08_inference::rows::{DecodeRow, write_rows};
 
@@ -76,8 +76,12 @@ struct Args {
     /// Query rows of each head (1: one new token)
     #[arg(long, default_value_t = 1, value_parser = at_least_one)]
     q_rows: usize,
-    /// Tokens per page of the paged cache (a multiple of 16)
-    #[arg(long, default_value_t = 64, value_parser = at_least_one)]
+    #[arg(
+        long,
+        default_value_t = 64,
+        value_parser = at_least_one,
+        help = format!("Tokens per page of the paged cache (a multiple of {KEY_GROUP})")
+    )]
     page_size: usize,
     /// The cache's dtype: bf16 or f16
     #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
