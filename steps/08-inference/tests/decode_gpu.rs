@@ -80,8 +80,8 @@ fn assert_rule(
 // ANCHOR_END: check_decode_gpu
 
 /// (batch, q heads, kv heads, q rows, context, head dim): with and without GQA, one and
-/// four query rows, contexts that are no multiple of a block's step (64 to 256 keys) or a page,
-/// 16 and 32 query rows on one kv head, the context equal to the rows.
+/// four query rows, contexts that are no multiple of a block's step (64 to 256 keys) or a
+/// page, 16 and 32 query rows on one kv head, the context equal to the rows.
 const SHAPES: [(usize, usize, usize, usize, usize, usize); 9] = [
     (1, 32, 8, 1, 1000, 128),
     (2, 8, 8, 1, 777, 64),
@@ -294,7 +294,7 @@ fn a_page_table_that_points_past_the_pool_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("max_pages at least 7"), "{e}");
-    // pages of 24 tokens: half a group of keys too many
+    // pages of a group and a half (24 tokens): a group of keys would span two pages
     let e = check_table(&table, 2, 7, 14, KEY_GROUP * 3 / 2, 100)
         .unwrap_err()
         .to_string();

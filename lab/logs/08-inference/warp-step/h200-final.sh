@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The final decoding build on an H200 in one call: step 08's GPU tests, memcheck over the
 # paged and lengths tests, racecheck over the lengths test, the whole decode-bench
-# (charts/data/decode.json) and PyTorch's decoding (decode-pytorch.json); then every packed
-# test binary of the workspace with the seconds left (ALL=0 leaves them out). `.gpu-exp/gpu.tar.xz`
-# is the whole of `.gpu/` as `../shared/gpu/pack` left it.
+# (charts/data/decode.json) and PyTorch's decoding (decode-pytorch.json). The rest of the
+# workspace's tests are ../whole-suite/run.sh. `.gpu-exp/gpu.tar.xz` is the whole of `.gpu/`
+# as `../shared/gpu/pack` left it.
 set -o pipefail
 R=$(pwd); X=$R/.gpu; C=$R/.gpu-exp
 export BENCH_COMMIT=${BENCH_COMMIT:?the commit the packed binaries were built from}
@@ -28,14 +28,6 @@ el decode-bench
 timeout 200 $X/bin/decode-bench --out $OUT/decode.json 2>&1 | tail -n 90; echo "bench rc=$?"
 el pytorch
 timeout 150 python3 charts/peers/pytorch_peers.py --decode --out $OUT/decode-pytorch.json 2>&1 | tail -n 6; echo "pytorch rc=$?"
-[ "${ALL:-1}" = 1 ] && el run-tests
-# every other test binary, each from its package folder, with what is left of the call
-while IFS=$'\t' read -r name pkg; do
-  case $name in decode_gpu-*|generate_gpu-*|grouped_gpu-*) continue ;; esac
-  [ "$(left)" -gt 5 ] || { echo "== $pkg :: $name: not run, no time left"; continue; }
-  echo "== $pkg :: $name"
-  (cd "$R/$pkg" && timeout $(left) "$X/tests/$name" --include-ignored 2>&1 | grep -E "^test result|FAILED|panicked|failures:" | head -n 20); echo "rc=$?"
-done < <([ "${ALL:-1}" = 1 ] && cat $X/tests/INDEX)
 el done
 } > $OUT/run.log 2>&1
 cut -c1-200 $OUT/run.log | tail -n 160
