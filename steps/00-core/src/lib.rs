@@ -9,6 +9,8 @@
 //! ## Layout
 //!
 //! - [`check`]: [`Shape`], [`AttnError`], [`check_qkv`] and [`try_zeros`].
+//! - [`files`]: files a user makes, written whole or not at all ([`files::write_atomic`]),
+//!   and output paths checked before the work ([`files::check_output`]).
 //! - [`Attention`]: what every forward method returns, the output and each row's
 //!   log-sum-exp.
 //! - [`inputs`]: seeded normal inputs, the same on every machine.
@@ -20,6 +22,7 @@
 //! - [`row`]: [`Row`], one measurement as `charts/data/*.json` holds it.
 
 pub mod check;
+pub mod files;
 pub mod inputs;
 pub mod method;
 pub mod reference;
