@@ -61,7 +61,7 @@ fn median_ms(runs: usize, f: &dyn Fn()) -> (f64, f64) {
     (ms, cores)
 }
 
-fn row(name: &str, tokens: usize, runs: usize, forward: &Forward) {
+fn row(name: &str, tokens: usize, runs: usize, forward: &Forward, peak: f64) {
     let shape = Shape::new(1, 12, tokens, 64);
     let [q, k, v] = random_qkv(shape, 0);
     if tokens <= 1024 {
@@ -74,7 +74,8 @@ fn row(name: &str, tokens: usize, runs: usize, forward: &Forward) {
         forward(q.view(), k.view(), v.view()).unwrap();
     });
     let gflops = shape.forward_flops() / (ms * 1e-3) / 1e9;
-    println!("| {name} | {tokens} | {ms:.1} | {gflops:.1} | {cores:.2} |");
+    let share = 100.0 * gflops / peak;
+    println!("| {name} | {tokens} | {ms:.1} | {gflops:.1} | {share:.0}% | {cores:.2} |");
 }
 
 fn with(cfg: Config) -> Box<Forward> {
@@ -211,11 +212,16 @@ fn main() {
         _ => None,
     };
     let lengths = [1024, 2048, 4096, 8192];
+    let isa = Isa::detect();
+    let peak = step02_online_softmax::peak::f32_peak_gflops(isa).expect("the detected ISA");
     println!(
-        "1 × 12 heads × T × 64, f32, causal; {} threads; median ms",
+        "1 × 12 heads × T × 64, f32, causal; {} threads; median ms; this machine's f32 peak, \
+         measured with {isa:?} multiply-add chains on every thread: {peak:.0} GFLOP/s",
         rayon::current_num_threads()
     );
-    println!("| method | T | ms | GFLOP/s | cores used |\n| --- | --- | --- | --- | --- |");
+    println!(
+        "| method | T | ms | GFLOP/s | of peak | cores used |\n| --- | --- | --- | --- | --- | --- |"
+    );
     if let Some(t) = only {
         let shape = Shape::new(1, 12, t, 64);
         let [q, k, v] = random_qkv(shape, 0);
@@ -223,16 +229,17 @@ fn main() {
             attention(q.view(), k.view(), v.view()).unwrap();
         });
         let gflops = shape.forward_flops() / (ms * 1e-3) / 1e9;
-        println!("| online | {t} | {ms:.1} | {gflops:.1} | {cores:.2} |");
+        let share = 100.0 * gflops / peak;
+        println!("| online | {t} | {ms:.1} | {gflops:.1} | {share:.0}% | {cores:.2} |");
         return;
     }
     if !variants {
         for t in lengths {
-            row("online", t, if t >= 8192 { 5 } else { 9 }, &attention);
+            row("online", t, if t >= 8192 { 5 } else { 9 }, &attention, peak);
         }
         if !quick {
             for t in [1024, 2048] {
-                row("online_loop", t, 3, &attention_loop);
+                row("online_loop", t, 3, &attention_loop, peak);
             }
         }
         return;
@@ -277,8 +284,8 @@ fn main() {
     }
     for t in [1024, 4096] {
         for (name, cfg) in &cases {
-            row(name, t, 7, &*with(*cfg));
+            row(name, t, 7, &*with(*cfg), peak);
         }
-        row("ndarray gemm blocks", t, 5, &ndarray_blocks);
+        row("ndarray gemm blocks", t, 5, &ndarray_blocks, peak);
     }
 }

@@ -34,6 +34,11 @@ use flash_core::AttnError;
 /// Floats in one AVX-512 register: a query block is a multiple of it, and so is `dp`.
 pub const LANES: usize = 16;
 
+/// Independent accumulators of the peak measurement: more than a core's fused multiply-add
+/// units × their latency (2 × 4 on the AMD and Intel cores of the last years), so the chains
+/// never wait on each other.
+pub const PEAK_CHAINS: usize = 12;
+
 /// Which instructions the micro-kernels use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
@@ -119,6 +124,29 @@ impl Kernels {
 
     pub fn isa(self) -> Isa {
         self.isa
+    }
+
+    /// Runs `iters` rounds of [`PEAK_CHAINS`] independent vector fused multiply-adds, the
+    /// most one core can issue, and returns the floating-point operations done (a
+    /// multiply-add is two) with a value that depends on every one of them, so none is
+    /// optimised away. [`crate::peak`] times it on every core.
+    pub fn fma_chains(self, iters: usize) -> (f64, f32) {
+        let lanes = match self.isa {
+            Isa::Scalar => 1,
+            Isa::Avx2 => 8,
+            Isa::Avx512 => LANES,
+        };
+        let sum = match self.isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a `Kernels` of this ISA exists only where the CPU has it
+            Isa::Avx512 => unsafe { avx512::fma_chains(iters) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above
+            Isa::Avx2 => unsafe { avx2::fma_chains(iters) },
+            _ => scalar::fma_chains(iters),
+        };
+        let flops = 2.0 * (lanes * PEAK_CHAINS) as f64 * iters as f64;
+        (flops, sum)
     }
 
     // ANCHOR: scores_dispatch
@@ -266,8 +294,24 @@ const EXP2_MIN: f32 = -127.0;
 
 /// The portable path: always correct, and the reference the SIMD paths are tested against.
 mod scalar {
-    use super::Dims;
+    use super::{Dims, PEAK_CHAINS};
     use std::f32::consts::LOG2_E;
+
+    /// The peak loop one float at a time (the compiler may vectorise it; it is only the
+    /// fallback's number).
+    pub fn fma_chains(iters: usize) -> f32 {
+        let mut acc = [0.0f32; PEAK_CHAINS];
+        let (a, b) = (
+            std::hint::black_box(0.999_999f32),
+            std::hint::black_box(1e-7f32),
+        );
+        for _ in 0..iters {
+            for x in &mut acc {
+                *x = x.mul_add(a, b);
+            }
+        }
+        acc.iter().sum()
+    }
 
     /// `x = 2^((x − shift)·scale)`, one value at a time with the standard library's `exp2`.
     pub fn exp2_shifted(x: &mut [f32], shift: f32, scale: f32) {
@@ -356,8 +400,24 @@ mod scalar {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Dims, EXP2_MIN, EXP2_POLY, LANES, scalar};
+    use super::{Dims, EXP2_MIN, EXP2_POLY, LANES, PEAK_CHAINS, scalar};
     use std::arch::x86_64::*;
+
+    /// SAFETY (caller): the CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn fma_chains(iters: usize) -> f32 {
+        let (a, b) = (
+            _mm512_set1_ps(std::hint::black_box(0.999_999)),
+            _mm512_set1_ps(std::hint::black_box(1e-7)),
+        );
+        let mut acc = [_mm512_setzero_ps(); PEAK_CHAINS];
+        for _ in 0..iters {
+            for x in &mut acc {
+                *x = _mm512_fmadd_ps(*x, a, b);
+            }
+        }
+        acc.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
+    }
 
     /// Keys per scores tile, queries per output tile.
     const R: usize = 8;
@@ -633,8 +693,31 @@ mod avx512 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{Dims, EXP2_MIN, EXP2_POLY, scalar};
+    use super::{Dims, EXP2_MIN, EXP2_POLY, PEAK_CHAINS, scalar};
     use std::arch::x86_64::*;
+
+    /// SAFETY (caller): the CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn fma_chains(iters: usize) -> f32 {
+        let (a, b) = (
+            _mm256_set1_ps(std::hint::black_box(0.999_999)),
+            _mm256_set1_ps(std::hint::black_box(1e-7)),
+        );
+        let mut acc = [_mm256_setzero_ps(); PEAK_CHAINS];
+        for _ in 0..iters {
+            for x in &mut acc {
+                *x = _mm256_fmadd_ps(*x, a, b);
+            }
+        }
+        let mut lanes = [0.0f32; 8];
+        let mut sum = 0.0;
+        for x in acc {
+            // SAFETY: `lanes` holds the register's 8 floats
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), x) };
+            sum += lanes.iter().sum::<f32>();
+        }
+        sum
+    }
 
     /// Floats in one AVX2 register.
     const W: usize = 8;

@@ -48,7 +48,8 @@
 //! - [`fast`]: the fast version's driver ([`attention`], [`attention_with`], [`Config`]):
 //!   packs one head's keys and values, then runs the query blocks in parallel.
 //! - [`kernels`]: the micro-kernels in three instruction sets ([`Isa`]), the `2^x`
-//!   polynomial, and all of the crate's `unsafe`.
+//!   polynomial, the peak's multiply-add chains, and all of the crate's `unsafe`.
+//! - [`peak`]: the machine's f32 peak, measured, that the GFLOP/s are a fraction of.
 //! - [`OnlineLoop`], [`Online`]: the two as the benchmark's registry lists them
 //!   ([`methods`]).
 //! - `examples/online-speed.rs`: milliseconds and GFLOP/s at 1k–8k tokens, and the
@@ -57,6 +58,7 @@
 pub mod blocked;
 pub mod fast;
 pub mod kernels;
+pub mod peak;
 
 pub use blocked::{DEFAULT_BLOCK, attention_blocked, attention_loop};
 pub use fast::{Config, attention, attention_with};
