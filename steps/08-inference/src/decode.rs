@@ -265,7 +265,7 @@ fn slice<'a, D: ndarray::Dimension>(x: &'a ndarray::CowArray<'_, f32, D>) -> &'a
 
 /// `a · b` with eight running sums, one SIMD register's worth, so that the compiler need
 /// not add the products one after the other (floating-point sums are not reordered for it).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut sums = [0.0f32; 8];
     let (a8, b8) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = a8

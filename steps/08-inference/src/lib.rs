@@ -58,6 +58,8 @@
 
 pub mod cuda;
 pub mod decode;
+pub mod decode_grouped;
+pub mod decode_kernels;
 pub mod generate;
 pub mod gpu_generate;
 pub mod grouped;
@@ -67,6 +69,7 @@ pub mod reference;
 pub mod rows;
 
 pub use decode::{DecodeShape, check_decode, decode, decode_split};
+pub use decode_grouped::{decode_grouped, decode_simd, decode_threads};
 
 /// The CPU model (from `/proc/cpuinfo`) and rayon's threads, as the benchmark names a CPU.
 pub fn cpu_description() -> String {

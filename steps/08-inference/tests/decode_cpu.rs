@@ -1,17 +1,43 @@
-//! Decoding on the CPU against the `f64` reference on the expanded heads, for every split
-//! of the keys, and its refusals of bad input.
+//! Decoding on the CPU against the `f64` reference on the expanded heads: every rung, every
+//! instruction set this CPU has, every split of the keys; and their refusals of bad input.
 
 use flash_core::inputs::random_normal;
-use flash_core::reference::error;
+use flash_core::reference::{Reference, error};
 use flash_core::{Attention, AttnError, Shape};
-use ndarray::{Array4, s};
+use ndarray::{Array4, ArrayView4, s};
 use proptest::prelude::*;
+use step02_online_softmax::kernels::Isa;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
+use step08_inference::decode_grouped::{
+    BLOCK_KEYS, MIN_CHUNK, decode_grouped_with, plan_chunk,
+};
 use step08_inference::reference::{
     by_expanded_heads, by_hand_rows_low_precision, decode_f64, expand_heads,
 };
-use step08_inference::{DecodeShape, decode, decode_split};
+use step08_inference::{
+    DecodeShape, decode, decode_grouped, decode_simd, decode_split, decode_threads,
+};
+
+type Decoder =
+    fn(ArrayView4<f32>, ArrayView4<f32>, ArrayView4<f32>) -> Result<Attention, AttnError>;
+
+/// The rungs of CPU decoding, as `decode-cpu --methods` names them.
+const RUNGS: [(&str, Decoder); 4] = [
+    ("decode", decode),
+    ("decode_grouped", decode_grouped),
+    ("decode_simd", decode_simd),
+    ("decode_threads", decode_threads),
+];
+
+/// The instruction sets of the grouped rungs' kernels that this CPU has: plain Rust always,
+/// so that the portable path is tested on every machine, and each SIMD one it can run.
+fn isas() -> Vec<Isa> {
+    [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|isa| isa.is_available())
+        .collect()
+}
 
 /// q, k and v of a decoding call, normal values from one seed.
 fn inputs(shape: DecodeShape, seed: u64) -> [Array4<f32>; 3] {
@@ -27,15 +53,7 @@ fn inputs(shape: DecodeShape, seed: u64) -> [Array4<f32>; 3] {
 /// f32 sums over at most a few hundred keys, against `f64`.
 const F32_MAX_ABS: f64 = 2e-5;
 
-fn assert_close(
-    name: &str,
-    shape: DecodeShape,
-    got: &Attention,
-    q: &Array4<f32>,
-    k: &Array4<f32>,
-    v: &Array4<f32>,
-) {
-    let want = by_expanded_heads(q.view(), k.view(), v.view()).unwrap();
+fn assert_close(name: &str, shape: DecodeShape, got: &Attention, want: &Reference) {
     let (out, lse) = (error(&got.out, &want.out), error(&got.lse, &want.lse));
     assert!(
         out.max_abs <= F32_MAX_ABS && lse.max_abs <= F32_MAX_ABS,
@@ -44,8 +62,10 @@ fn assert_close(
 }
 
 /// (batch, q heads, kv heads, q rows, context, head dim): plain heads, grouped, one kv
-/// head, a cache no longer than the rows, lengths that leave partial blocks of 64 keys.
-const SHAPES: [(usize, usize, usize, usize, usize, usize); 7] = [
+/// head, a cache no longer than the rows, lengths that leave partial blocks of 64 keys,
+/// head dims that leave a partial SIMD register (20 and 36: 4 lanes past the last whole
+/// one of 8 or 16).
+const SHAPES: [(usize, usize, usize, usize, usize, usize); 9] = [
     (1, 1, 1, 1, 1, 8),
     (2, 4, 4, 1, 77, 16),
     (2, 4, 2, 1, 77, 16),
@@ -53,6 +73,8 @@ const SHAPES: [(usize, usize, usize, usize, usize, usize); 7] = [
     (2, 6, 3, 3, 129, 32),
     (1, 8, 1, 2, 200, 16),
     (1, 4, 1, 4, 4, 8),
+    (1, 8, 2, 1, 300, 36),
+    (2, 4, 1, 2, 77, 20),
 ];
 
 // ANCHOR: cpu_test
@@ -61,15 +83,126 @@ fn decoding_matches_the_reference_on_the_expanded_heads() {
     for (seed, &(b, h, kv, n, t, d)) in SHAPES.iter().enumerate() {
         let shape = DecodeShape::new(b, h, kv, n, t, d);
         let [q, k, v] = inputs(shape, seed as u64);
-        let got = decode(q.view(), k.view(), v.view()).unwrap();
-        assert_close("decode", shape, &got, &q, &k, &v);
+        let want = by_expanded_heads(q.view(), k.view(), v.view()).unwrap();
+        for (name, rung) in RUNGS {
+            let got = rung(q.view(), k.view(), v.view()).unwrap();
+            assert_close(name, shape, &got, &want);
+        }
         for chunk in [1, 16, 64, 100, t, t + 7] {
             let got = decode_split(q.view(), k.view(), v.view(), chunk).unwrap();
-            assert_close(&format!("decode_split({chunk})"), shape, &got, &q, &k, &v);
+            assert_close(&format!("decode_split({chunk})"), shape, &got, &want);
         }
     }
 }
 // ANCHOR_END: cpu_test
+
+// ANCHOR: isa_test
+#[test]
+fn every_instruction_set_and_split_of_the_grouped_rungs_matches_the_reference() {
+    let isas = isas();
+    eprintln!("instruction sets tested on this CPU: {isas:?}");
+    for (seed, &(b, h, kv, n, t, d)) in SHAPES.iter().enumerate() {
+        let shape = DecodeShape::new(b, h, kv, n, t, d);
+        let [q, k, v] = inputs(shape, seed as u64);
+        // the row-by-row reference, held to the expanded one by the test below
+        let want = decode_f64(q.view(), k.view(), v.view()).unwrap();
+        for &isa in &isas {
+            for chunk in [None, Some(1), Some(16), Some(64), Some(100), Some(t + 7)] {
+                let got =
+                    decode_grouped_with(q.view(), k.view(), v.view(), isa, chunk).unwrap();
+                let name = format!("decode_grouped_with({isa:?}, {chunk:?})");
+                assert_close(&name, shape, &got, &want);
+            }
+        }
+    }
+}
+// ANCHOR_END: isa_test
+
+#[test]
+fn the_simd_kernels_give_the_plain_rust_answer() {
+    // the same sums in another order: equal up to a few units in the last place
+    let shape = DecodeShape::new(1, 8, 2, 3, 1000, 72);
+    let [q, k, v] = inputs(shape, 11);
+    let plain =
+        decode_grouped_with(q.view(), k.view(), v.view(), Isa::Scalar, None).unwrap();
+    for isa in isas() {
+        let got = decode_grouped_with(q.view(), k.view(), v.view(), isa, None).unwrap();
+        let wide = |x: &Attention| (x.out.mapv(f64::from), x.lse.mapv(f64::from));
+        let ((got_out, got_lse), (want_out, want_lse)) = (wide(&got), wide(&plain));
+        let (out, lse) = (error(&got_out, &want_out), error(&got_lse, &want_lse));
+        assert!(
+            out.max_abs <= 1e-6 && lse.max_abs <= 1e-6,
+            "{isa:?}: out {out}, lse {lse}"
+        );
+    }
+}
+
+// ANCHOR: plan_test
+#[test]
+fn the_split_is_made_only_when_the_pairs_are_too_few_for_the_threads() {
+    let shape =
+        |batch, kv_heads, context| DecodeShape::new(batch, 32, kv_heads, 1, context, 64);
+    // 8 pairs keep 2 threads busy, or 4: the whole cache, one task a pair
+    assert_eq!(plan_chunk(shape(1, 8, 16384), 2), 16384);
+    assert_eq!(plan_chunk(shape(1, 8, 16384), 4), 16384);
+    // 1 pair on 2 threads: 4 chunks of 4096 keys; 2 pairs on 16 threads: 16 of 1024
+    assert_eq!(plan_chunk(shape(1, 1, 16384), 2), 4096);
+    assert_eq!(plan_chunk(shape(2, 1, 16384), 16), 1024);
+    // whole blocks, and never fewer than MIN_CHUNK keys
+    assert_eq!(plan_chunk(shape(1, 1, 1000), 2), MIN_CHUNK);
+    assert_eq!(plan_chunk(shape(1, 2, 10_000), 2) % BLOCK_KEYS, 0);
+    assert_eq!(plan_chunk(shape(1, 1, 1), 2), MIN_CHUNK);
+}
+// ANCHOR_END: plan_test
+
+#[test]
+fn the_grouped_rungs_refuse_what_decode_refuses_with_the_same_words() {
+    // the cache's finiteness is checked in the pass that reads it: a value that is not
+    // finite in the first block, in the last partial one, in k or in v, in the second kv
+    // head, is still named by its place
+    let shape = DecodeShape::new(1, 4, 2, 2, 150, 20);
+    let [q, k, v] = inputs(shape, 5);
+    let mut cases = Vec::new();
+    for (at, x) in [
+        ([0, 1, 0, 3], f32::NAN),
+        ([0, 0, 149, 19], f32::INFINITY),
+        ([0, 1, 130, 0], f32::NEG_INFINITY),
+    ] {
+        let mut bad = k.clone();
+        bad[at] = x;
+        cases.push((q.clone(), bad.clone(), v.clone()));
+        cases.push((q.clone(), k.clone(), bad));
+    }
+    let mut bad_q = q.clone();
+    bad_q[[0, 3, 1, 7]] = f32::NAN;
+    cases.push((bad_q, k.clone(), v.clone()));
+    cases.push((
+        q.clone(),
+        k.slice(s![.., .., ..1, ..]).to_owned(),
+        v.clone(),
+    ));
+    cases.push((Array4::zeros((1, 3, 1, 20)), k.clone(), v.clone()));
+    for (q, k, v) in &cases {
+        let want = err_of(decode(q.view(), k.view(), v.view()));
+        for (name, rung) in RUNGS {
+            assert_eq!(err_of(rung(q.view(), k.view(), v.view())), want, "{name}");
+        }
+        for isa in isas() {
+            for chunk in [None, Some(64)] {
+                let got = decode_grouped_with(q.view(), k.view(), v.view(), isa, chunk);
+                assert_eq!(err_of(got), want, "{isa:?} {chunk:?}");
+            }
+        }
+    }
+    let e = err_of(decode_grouped_with(
+        q.view(),
+        k.view(),
+        v.view(),
+        Isa::Scalar,
+        Some(0),
+    ));
+    assert!(e.contains("a chunk of 0 keys"), "{e}");
+}
 
 #[test]
 fn the_row_by_row_reference_is_the_expanded_one() {
@@ -203,6 +336,7 @@ proptest! {
         extra in 0usize..150,
         head_dim in 1usize..20,
         chunk in 1usize..200,
+        isa in 0usize..3,
         seed in any::<u64>(),
     ) {
         let context = q_rows + extra;
@@ -211,8 +345,11 @@ proptest! {
         let [q, k, v] = inputs(shape, seed % 1000);
         let whole = decode(q.view(), k.view(), v.view()).unwrap();
         let split = decode_split(q.view(), k.view(), v.view(), chunk).unwrap();
+        let isas = isas();
+        let isa = isas[isa % isas.len()];
+        let grouped = decode_grouped_with(q.view(), k.view(), v.view(), isa, Some(chunk)).unwrap();
         let want = by_expanded_heads(q.view(), k.view(), v.view()).unwrap();
-        for (name, got) in [("decode", &whole), ("split", &split)] {
+        for (name, got) in [("decode", &whole), ("split", &split), ("grouped", &grouped)] {
             let (out, lse) = (error(&got.out, &want.out), error(&got.lse, &want.lse));
             prop_assert!(
                 out.max_abs <= F32_MAX_ABS && lse.max_abs <= F32_MAX_ABS,

@@ -1,0 +1,652 @@
+//! The micro-kernels of the grouped rungs of CPU decoding ([`decode_grouped`],
+//! [`decode_simd`], [`decode_threads`]): one block of keys against the `R` query rows that
+//! share a kv head, in three instruction sets (AVX-512F, AVX2 with FMA, and plain Rust),
+//! chosen at run time as step 02's [`Isa`] chooses them.
+//!
+//! The SIMD lanes run along the *head dim*: a key, a value, a query row and an output row
+//! are each `d` contiguous numbers, loaded `LANES` at a time (the last, partial load
+//! masked), so no copy or transpose of the cache is needed. With one or a few rows per kv
+//! head there are too few rows to fill the lanes, so the lanes cannot run along the rows as
+//! step 02's prefill kernels do.
+//!
+//! - `q`: `R × d`, the rows of the kv head's query heads (head after head, each head's
+//!   `n` rows in order: as q stores them);
+//! - `k`, `v`: `keys × d`, one block of the cache as it lies in memory;
+//! - `s`: `R × bc`, row `r`'s scores of the block at `s[r·bc ..]`, then its probabilities;
+//! - `o`: `R × d`, the running (unnormalised) outputs.
+//!
+//! Each kernel also reports whether every value it read from the cache was finite, the
+//! check folded into the pass that reads the cache (a second pass over a cache that does
+//! not fit in the caches costs as much as the attention). A value is finite when its
+//! exponent bits are not all ones, so the kernels keep the largest exponent field seen, an
+//! integer AND and MAX per register, off the path of the sums.
+//!
+//! All `unsafe` of the crate's CPU decoding is in this module: calling a
+//! `#[target_feature]` function, sound only after the CPU was seen to have the feature
+//! ([`DecodeKernels::new`] checks once, and a value stands for it), and raw-pointer loads
+//! and stores, whose bounds each safe entry point asserts before the first one.
+//!
+//! [`decode_grouped`]: crate::decode_grouped::decode_grouped
+//! [`decode_simd`]: crate::decode_grouped::decode_simd
+//! [`decode_threads`]: crate::decode_grouped::decode_threads
+
+// The register tiles index their arrays by register on purpose: the loops mirror the row's
+// registers and unroll completely, each element in its own register.
+#![allow(clippy::needless_range_loop)]
+
+use flash_core::AttnError;
+use step02_online_softmax::kernels::{Isa, Kernels};
+
+/// The sizes of one block: rows, keys in the block, the stride of a row of `s`, head dim.
+#[derive(Clone, Copy, Debug)]
+pub struct Tile {
+    /// Query rows sharing the kv head, `g · n`.
+    pub rows: usize,
+    /// Keys in this block (the last block of a range may have fewer than `bc`).
+    pub keys: usize,
+    /// Room for keys in a row of `s`.
+    pub bc: usize,
+    /// The head dim.
+    pub d: usize,
+}
+
+/// The exponent field of an `f32`: all ones for ±∞ and NaN alone.
+const EXPONENT: u32 = 0x7f80_0000;
+
+/// The kernels of one instruction set, known to be available: holding one is the proof the
+/// `unsafe` calls below rely on.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeKernels {
+    isa: Isa,
+}
+
+impl DecodeKernels {
+    /// The kernels of `isa`, or an error naming what this CPU has when it lacks `isa`.
+    pub fn new(isa: Isa) -> Result<DecodeKernels, AttnError> {
+        Kernels::new(isa).map(|k| DecodeKernels { isa: k.isa() })
+    }
+
+    pub fn isa(self) -> Isa {
+        self.isa
+    }
+
+    /// Step 02's kernels of the same instruction set, for the block's exponentials.
+    pub fn exp(self) -> Kernels {
+        Kernels::new(self.isa).expect("a DecodeKernels proves its instruction set")
+    }
+
+    // ANCHOR: block_scores
+    /// `s[r·bc + j] = (q_r · k_j)·scale` for every row `r` and key `j < t.keys`: each key
+    /// loaded from memory once and multiplied by all `R` rows while it is in the L1 cache,
+    /// the small matrix product `Q Kᵀ` of the block. True when every value of the block's
+    /// keys is finite.
+    pub fn scores(self, q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> bool {
+        assert!(
+            t.keys <= t.bc
+                && q.len() >= t.rows * t.d
+                && k.len() >= t.keys * t.d
+                && s.len() >= t.rows * t.bc,
+            "{t:?}: keys ≤ bc, q R·d, k keys·d and s R·bc long"
+        );
+        let seen = match self.isa {
+            // SAFETY: `self` exists only if the CPU has AVX-512F (`DecodeKernels::new`);
+            // the asserts above bound every pointer (rows < R, keys < t.keys, dims < d).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512::scores(q, k, s, t, scale) },
+            // SAFETY: as above, for AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { avx2::scores(q, k, s, t, scale) },
+            _ => scalar::scores(q, k, s, t, scale),
+        };
+        seen != EXPONENT
+    }
+    // ANCHOR_END: block_scores
+
+    // ANCHOR: block_values
+    /// `o_r += Σ_j p[r·bc + j]·v_j` for every row `r`, keys `j < t.keys`: each value loaded
+    /// from memory once and added into all `R` running outputs. True when every value of the
+    /// block's values is finite.
+    pub fn values(self, p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> bool {
+        assert!(
+            t.keys <= t.bc
+                && p.len() >= t.rows * t.bc
+                && v.len() >= t.keys * t.d
+                && o.len() >= t.rows * t.d,
+            "{t:?}: keys ≤ bc, p R·bc, v keys·d and o R·d long"
+        );
+        let seen = match self.isa {
+            // SAFETY: `self` proves AVX-512F; the asserts above bound every pointer (rows
+            // < R, keys < t.keys, dims < d).
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512::values(p, v, o, t) },
+            // SAFETY: as above, for AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { avx2::values(p, v, o, t) },
+            _ => scalar::values(p, v, o, t),
+        };
+        seen != EXPONENT
+    }
+    // ANCHOR_END: block_values
+}
+
+/// The portable path, plain Rust: correct on every CPU, the reference the SIMD paths are
+/// tested against. The compiler vectorises its loops for the target's baseline (SSE2 on
+/// x86-64, NEON on aarch64, where NEON is always there).
+mod scalar {
+    use super::{EXPONENT, Tile};
+
+    /// The largest exponent field of `x`: `EXPONENT` when a value is not finite.
+    fn exponents(x: &[f32]) -> u32 {
+        x.iter().fold(0, |m, x| m.max(x.to_bits() & EXPONENT))
+    }
+
+    pub fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> u32 {
+        let mut seen = 0;
+        for (j, k_j) in k.chunks_exact(t.d).take(t.keys).enumerate() {
+            seen = seen.max(exponents(k_j));
+            for (r, q_r) in q.chunks_exact(t.d).take(t.rows).enumerate() {
+                s[r * t.bc + j] = crate::decode::dot(q_r, k_j) * scale;
+            }
+        }
+        seen
+    }
+
+    pub fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> u32 {
+        let mut seen = 0;
+        for (j, v_j) in v.chunks_exact(t.d).take(t.keys).enumerate() {
+            seen = seen.max(exponents(v_j));
+            for (r, o_r) in o.chunks_exact_mut(t.d).take(t.rows).enumerate() {
+                let p_rj = p[r * t.bc + j];
+                for (o, &x) in o_r.iter_mut().zip(v_j) {
+                    *o += p_rj * x;
+                }
+            }
+        }
+        seen
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{EXPONENT, Tile};
+    use std::arch::x86_64::*;
+
+    const LANES: usize = 16;
+
+    /// The lanes of the last, partial register of a row of `d`.
+    #[target_feature(enable = "avx512f")]
+    fn tail_mask(d: usize) -> __mmask16 {
+        ((1u32 << (d % LANES)) - 1) as __mmask16
+    }
+
+    /// SAFETY (caller): the CPU has AVX-512F; `x..x + d` is readable.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exponents(x: *const f32, d: usize, seen: __m512i) -> __m512i {
+        let e = _mm512_set1_epi32(EXPONENT as i32);
+        let mut seen = seen;
+        let mut c = 0;
+        while c + LANES <= d {
+            // SAFETY: c + 16 ≤ d
+            let x = unsafe { _mm512_loadu_ps(x.add(c)) };
+            seen = _mm512_max_epi32(seen, _mm512_and_si512(_mm512_castps_si512(x), e));
+            c += LANES;
+        }
+        if c < d {
+            // SAFETY: the masked lanes are not read
+            let x = unsafe { _mm512_maskz_loadu_ps(tail_mask(d), x.add(c)) };
+            seen = _mm512_max_epi32(seen, _mm512_and_si512(_mm512_castps_si512(x), e));
+        }
+        seen
+    }
+
+    /// A head dim of at most `W` registers: a query row, or an output row, held in
+    /// registers while the block's keys go by.
+    macro_rules! by_width {
+        ($f:ident, $d:expr, $($arg:expr),*) => {
+            match $d.div_ceil(LANES) {
+                1 => $f::<1>($($arg),*),
+                2 => $f::<2>($($arg),*),
+                3 => $f::<3>($($arg),*),
+                4 => $f::<4>($($arg),*),
+                5 => $f::<5>($($arg),*),
+                6 => $f::<6>($($arg),*),
+                7 => $f::<7>($($arg),*),
+                _ => $f::<8>($($arg),*),
+            }
+        };
+    }
+
+    /// The largest exponent field in `x`, a whole block of keys or values at once.
+    #[target_feature(enable = "avx512f")]
+    fn block_exponents(x: &[f32]) -> u32 {
+        // SAFETY: exponents reads x.len() values from x's start
+        let seen = unsafe { exponents(x.as_ptr(), x.len(), _mm512_setzero_si512()) };
+        _mm512_reduce_max_epi32(seen) as u32
+    }
+
+    /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> u32 {
+        if t.d > 8 * LANES {
+            // SAFETY: the caller's conditions
+            return unsafe { scores_any(q, k, s, t, scale) };
+        }
+        let seen = block_exponents(&k[..t.keys * t.d]);
+        // SAFETY: the caller's conditions, and d ≤ W · 16 for the W chosen
+        unsafe { by_width!(scores_rows, t.d, q, k, s, t, scale) };
+        seen
+    }
+
+    /// The sums of four registers, one a lane: `[Σ a[0], Σ a[1], Σ a[2], Σ a[3]]`, halving
+    /// all four at once (256 bits, then 128, then 64 and 32) instead of each on its own.
+    #[target_feature(enable = "avx512f")]
+    fn sum4(a: [__m512; 4]) -> __m128 {
+        // lanes of 128 bits: [a0 a0 a1 a1] and [a2 a2 a3 a3], each half summed
+        let x01 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a[0], a[1]),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a[0], a[1]),
+        );
+        let x23 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a[2], a[3]),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a[2], a[3]),
+        );
+        // [a0 a1 a2 a3], four partial sums each
+        let y = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(x01, x23),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(x01, x23),
+        );
+        // within each lane of 128 bits: element 0 the lane's sum
+        let y = _mm512_add_ps(y, _mm512_permute_ps::<0b01_00_11_10>(y));
+        let y = _mm512_add_ps(y, _mm512_permute_ps::<0b10_11_00_01>(y));
+        let first = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+        _mm512_castps512_ps128(_mm512_permutexvar_ps(first, y))
+    }
+
+    /// Row after row, the row's `W` registers loaded once and multiplied by the block's
+    /// keys four at a time (four independent sums, and one halving for the four).
+    ///
+    /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold;
+    /// `d ≤ 16 · W`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scores_rows<const W: usize>(
+        q: &[f32],
+        k: &[f32],
+        s: &mut [f32],
+        t: Tile,
+        scale: f32,
+    ) {
+        let d = t.d;
+        // lanes of register c inside the row: all of them but in the last, partial one
+        let mask = |c: usize| {
+            if c + 1 < W || d.is_multiple_of(LANES) {
+                0xffff
+            } else {
+                tail_mask(d)
+            }
+        };
+        let scale4 = _mm_set1_ps(scale);
+        for r in 0..t.rows {
+            let mut q_r = [_mm512_setzero_ps(); W];
+            for (c, x) in q_r.iter_mut().enumerate() {
+                // SAFETY: row r < R; the masked lanes, past d, are not read
+                *x = unsafe {
+                    _mm512_maskz_loadu_ps(mask(c), q.as_ptr().add(r * d + c * LANES))
+                };
+            }
+            let dot = |j: usize| {
+                let mut a = _mm512_setzero_ps();
+                for (c, &q) in q_r.iter().enumerate() {
+                    // SAFETY: key j < t.keys; the masked lanes, past d, are not read
+                    let x = unsafe {
+                        _mm512_maskz_loadu_ps(mask(c), k.as_ptr().add(j * d + c * LANES))
+                    };
+                    a = _mm512_fmadd_ps(q, x, a);
+                }
+                a
+            };
+            let s_r = &mut s[r * t.bc..r * t.bc + t.keys];
+            let mut quads = s_r.chunks_exact_mut(4);
+            let mut j = 0;
+            for out in &mut quads {
+                let sums =
+                    _mm_mul_ps(sum4([dot(j), dot(j + 1), dot(j + 2), dot(j + 3)]), scale4);
+                // SAFETY: out holds 4 values
+                unsafe { _mm_storeu_ps(out.as_mut_ptr(), sums) };
+                j += 4;
+            }
+            for out in quads.into_remainder() {
+                *out = _mm512_reduce_add_ps(dot(j)) * scale;
+                j += 1;
+            }
+        }
+    }
+
+    /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> u32 {
+        if t.d > 8 * LANES {
+            // SAFETY: the caller's conditions
+            return unsafe { values_any(p, v, o, t) };
+        }
+        let seen = block_exponents(&v[..t.keys * t.d]);
+        // SAFETY: the caller's conditions, and d ≤ W · 16 for the W chosen
+        unsafe { by_width!(values_rows, t.d, p, v, o, t) };
+        seen
+    }
+
+    /// Row after row, the row's output in `2 · W` registers (two sums, even and odd keys,
+    /// so that consecutive multiply-adds do not wait for each other) while the block's
+    /// values go by; stored once at the end.
+    ///
+    /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold; `d ≤
+    /// 16 · W`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn values_rows<const W: usize>(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
+        let d = t.d;
+        let mask = |c: usize| {
+            if c + 1 < W || d.is_multiple_of(LANES) {
+                0xffff
+            } else {
+                tail_mask(d)
+            }
+        };
+        let load = |x: *const f32, c: usize| {
+            // SAFETY: the caller passes a row of d values; the masked lanes are not read
+            unsafe { _mm512_maskz_loadu_ps(mask(c), x.add(c * LANES)) }
+        };
+        for r in 0..t.rows {
+            // SAFETY: row r < R, o holds R · d values
+            let o_r = unsafe { o.as_mut_ptr().add(r * d) };
+            let mut even = [_mm512_setzero_ps(); W];
+            let mut odd = [_mm512_setzero_ps(); W];
+            for (c, x) in even.iter_mut().enumerate() {
+                *x = load(o_r, c);
+            }
+            let p_r = &p[r * t.bc..r * t.bc + t.keys];
+            let mut pairs = p_r.chunks_exact(2);
+            let mut j = 0;
+            for pair in &mut pairs {
+                let (p0, p1) = (_mm512_set1_ps(pair[0]), _mm512_set1_ps(pair[1]));
+                // SAFETY: keys j, j + 1 < t.keys
+                let (v0, v1) =
+                    unsafe { (v.as_ptr().add(j * d), v.as_ptr().add((j + 1) * d)) };
+                for c in 0..W {
+                    even[c] = _mm512_fmadd_ps(p0, load(v0, c), even[c]);
+                    odd[c] = _mm512_fmadd_ps(p1, load(v1, c), odd[c]);
+                }
+                j += 2;
+            }
+            if let [p_j] = pairs.remainder() {
+                let p0 = _mm512_set1_ps(*p_j);
+                // SAFETY: key j < t.keys
+                let v0 = unsafe { v.as_ptr().add(j * d) };
+                for c in 0..W {
+                    even[c] = _mm512_fmadd_ps(p0, load(v0, c), even[c]);
+                }
+            }
+            for c in 0..W {
+                // SAFETY: the masked lanes, past d, are not written
+                unsafe {
+                    _mm512_mask_storeu_ps(
+                        o_r.add(c * LANES),
+                        mask(c),
+                        _mm512_add_ps(even[c], odd[c]),
+                    )
+                };
+            }
+        }
+    }
+
+    /// Any head dim: the key's registers loaded again for each row.
+    ///
+    /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scores_any(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> u32 {
+        let d = t.d;
+        let (full, mask) = (d / LANES * LANES, tail_mask(d));
+        let mut seen = _mm512_setzero_si512();
+        for j in 0..t.keys {
+            // SAFETY: key j < t.keys, k holds t.keys · d values
+            let k_j = unsafe { k.as_ptr().add(j * d) };
+            seen = unsafe { exponents(k_j, d, seen) };
+            for r in 0..t.rows {
+                let q_r = unsafe { q.as_ptr().add(r * d) };
+                // two sums, so that consecutive multiply-adds do not wait for each other
+                let (mut a, mut b) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+                let mut c = 0;
+                while c + 2 * LANES <= full {
+                    // SAFETY: c + 32 ≤ d, in q_r and k_j
+                    unsafe {
+                        a = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(q_r.add(c)),
+                            _mm512_loadu_ps(k_j.add(c)),
+                            a,
+                        );
+                        b = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(q_r.add(c + LANES)),
+                            _mm512_loadu_ps(k_j.add(c + LANES)),
+                            b,
+                        );
+                    }
+                    c += 2 * LANES;
+                }
+                if c < full {
+                    // SAFETY: c + 16 ≤ d
+                    unsafe {
+                        a = _mm512_fmadd_ps(
+                            _mm512_loadu_ps(q_r.add(c)),
+                            _mm512_loadu_ps(k_j.add(c)),
+                            a,
+                        );
+                    }
+                }
+                if full < d {
+                    // SAFETY: the masked lanes, past d, are not read
+                    unsafe {
+                        b = _mm512_fmadd_ps(
+                            _mm512_maskz_loadu_ps(mask, q_r.add(full)),
+                            _mm512_maskz_loadu_ps(mask, k_j.add(full)),
+                            b,
+                        );
+                    }
+                }
+                s[r * t.bc + j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
+            }
+        }
+        _mm512_reduce_max_epi32(seen) as u32
+    }
+
+    /// Any head dim: the outputs loaded and stored for each key.
+    ///
+    /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn values_any(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> u32 {
+        let d = t.d;
+        let (full, mask) = (d / LANES * LANES, tail_mask(d));
+        let mut seen = _mm512_setzero_si512();
+        for j in 0..t.keys {
+            // SAFETY: value j < t.keys, v holds t.keys · d values
+            let v_j = unsafe { v.as_ptr().add(j * d) };
+            seen = unsafe { exponents(v_j, d, seen) };
+            for r in 0..t.rows {
+                let p_rj = _mm512_set1_ps(p[r * t.bc + j]);
+                // SAFETY: row r < R, o holds R · d values
+                let o_r = unsafe { o.as_mut_ptr().add(r * d) };
+                let mut c = 0;
+                while c < full {
+                    // SAFETY: c + 16 ≤ d, in o_r and v_j
+                    unsafe {
+                        let x = _mm512_fmadd_ps(
+                            p_rj,
+                            _mm512_loadu_ps(v_j.add(c)),
+                            _mm512_loadu_ps(o_r.add(c)),
+                        );
+                        _mm512_storeu_ps(o_r.add(c), x);
+                    }
+                    c += LANES;
+                }
+                if full < d {
+                    // SAFETY: the masked lanes, past d, are neither read nor written
+                    unsafe {
+                        let x = _mm512_fmadd_ps(
+                            p_rj,
+                            _mm512_maskz_loadu_ps(mask, v_j.add(full)),
+                            _mm512_maskz_loadu_ps(mask, o_r.add(full)),
+                        );
+                        _mm512_mask_storeu_ps(o_r.add(full), mask, x);
+                    }
+                }
+            }
+        }
+        _mm512_reduce_max_epi32(seen) as u32
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{EXPONENT, Tile};
+    use std::arch::x86_64::*;
+
+    const LANES: usize = 8;
+
+    /// The lanes of the last, partial register of a row of `d`: all bits set in the lanes
+    /// to load, as `maskload` reads them.
+    #[target_feature(enable = "avx2")]
+    fn tail_mask(d: usize) -> __m256i {
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_cmpgt_epi32(_mm256_set1_epi32((d % LANES) as i32), lane)
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn sum(x: __m256) -> f32 {
+        let x = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+        let x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+        _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn max(x: __m256i) -> u32 {
+        let x = _mm_max_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256::<1>(x));
+        let x = _mm_max_epi32(x, _mm_shuffle_epi32::<0b01_00_11_10>(x));
+        _mm_cvtsi128_si32(_mm_max_epi32(x, _mm_shuffle_epi32::<0b10_11_00_01>(x))) as u32
+    }
+
+    /// SAFETY (caller): the CPU has AVX2; `x..x + d` is readable.
+    #[target_feature(enable = "avx2")]
+    unsafe fn exponents(x: *const f32, d: usize, seen: __m256i) -> __m256i {
+        let e = _mm256_set1_epi32(EXPONENT as i32);
+        let mut seen = seen;
+        let mut c = 0;
+        while c + LANES <= d {
+            // SAFETY: c + 8 ≤ d
+            let x = unsafe { _mm256_loadu_ps(x.add(c)) };
+            seen = _mm256_max_epi32(seen, _mm256_and_si256(_mm256_castps_si256(x), e));
+            c += LANES;
+        }
+        if c < d {
+            // SAFETY: the masked lanes are not read
+            let x = unsafe { _mm256_maskload_ps(x.add(c), tail_mask(d)) };
+            seen = _mm256_max_epi32(seen, _mm256_and_si256(_mm256_castps_si256(x), e));
+        }
+        seen
+    }
+
+    /// SAFETY (caller): the CPU has AVX2 and FMA; `DecodeKernels::scores`' asserts hold.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> u32 {
+        let d = t.d;
+        let (full, mask) = (d / LANES * LANES, tail_mask(d));
+        let mut seen = _mm256_setzero_si256();
+        for j in 0..t.keys {
+            // SAFETY: key j < t.keys, k holds t.keys · d values
+            let k_j = unsafe { k.as_ptr().add(j * d) };
+            seen = unsafe { exponents(k_j, d, seen) };
+            for r in 0..t.rows {
+                let q_r = unsafe { q.as_ptr().add(r * d) };
+                let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut c = 0;
+                while c + 2 * LANES <= full {
+                    // SAFETY: c + 16 ≤ d, in q_r and k_j
+                    unsafe {
+                        a = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(q_r.add(c)),
+                            _mm256_loadu_ps(k_j.add(c)),
+                            a,
+                        );
+                        b = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(q_r.add(c + LANES)),
+                            _mm256_loadu_ps(k_j.add(c + LANES)),
+                            b,
+                        );
+                    }
+                    c += 2 * LANES;
+                }
+                if c < full {
+                    // SAFETY: c + 8 ≤ d
+                    unsafe {
+                        a = _mm256_fmadd_ps(
+                            _mm256_loadu_ps(q_r.add(c)),
+                            _mm256_loadu_ps(k_j.add(c)),
+                            a,
+                        );
+                    }
+                }
+                if full < d {
+                    // SAFETY: the masked lanes, past d, are not read
+                    unsafe {
+                        b = _mm256_fmadd_ps(
+                            _mm256_maskload_ps(q_r.add(full), mask),
+                            _mm256_maskload_ps(k_j.add(full), mask),
+                            b,
+                        );
+                    }
+                }
+                s[r * t.bc + j] = sum(_mm256_add_ps(a, b)) * scale;
+            }
+        }
+        max(seen)
+    }
+
+    /// SAFETY (caller): the CPU has AVX2 and FMA; `DecodeKernels::values`' asserts hold.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> u32 {
+        let d = t.d;
+        let (full, mask) = (d / LANES * LANES, tail_mask(d));
+        let mut seen = _mm256_setzero_si256();
+        for j in 0..t.keys {
+            // SAFETY: value j < t.keys, v holds t.keys · d values
+            let v_j = unsafe { v.as_ptr().add(j * d) };
+            seen = unsafe { exponents(v_j, d, seen) };
+            for r in 0..t.rows {
+                let p_rj = _mm256_set1_ps(p[r * t.bc + j]);
+                // SAFETY: row r < R, o holds R · d values
+                let o_r = unsafe { o.as_mut_ptr().add(r * d) };
+                let mut c = 0;
+                while c < full {
+                    // SAFETY: c + 8 ≤ d, in o_r and v_j
+                    unsafe {
+                        let x = _mm256_fmadd_ps(
+                            p_rj,
+                            _mm256_loadu_ps(v_j.add(c)),
+                            _mm256_loadu_ps(o_r.add(c)),
+                        );
+                        _mm256_storeu_ps(o_r.add(c), x);
+                    }
+                    c += LANES;
+                }
+                if full < d {
+                    // SAFETY: the masked lanes, past d, are neither read nor written
+                    unsafe {
+                        let x = _mm256_fmadd_ps(
+                            p_rj,
+                            _mm256_maskload_ps(v_j.add(full), mask),
+                            _mm256_maskload_ps(o_r.add(full), mask),
+                        );
+                        _mm256_maskstore_ps(o_r.add(full), mask, x);
+                    }
+                }
+            }
+        }
+        max(seen)
+    }
+}
