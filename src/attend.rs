@@ -15,13 +15,15 @@
 //!
 //! - [`AttendArgs`]: what the command line gives.
 //! - [`attend`]: checks everything it can before any work (the method, its backward, the
-//!   files and their shapes), then runs the method and writes the files.
+//!   files and their shapes, the output folder), then runs the method and writes the
+//!   files, all of them or none ([`files::Staged`]): a run that fails half-way leaves the
+//!   previous run's results as they were, never some of them replaced.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use flash_core::Attention;
-use ndarray::Array4;
+use flash_core::files;
+use ndarray::{Array4, ArrayViewD};
 
 use crate::methods;
 // [step 03]
@@ -50,6 +52,7 @@ pub struct AttendArgs {
 
 /// Runs the method and writes its results; returns the paths written.
 pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
+    files::check_output_dir("--out-dir", &args.out_dir).map_err(|e| e.to_string())?;
     // [step 08]
     if let Some(decoder) = methods::decoder_by_name(&args.method) {
         return decode(decoder, args);
@@ -99,47 +102,58 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     };
     // [/step 04]
 
+    // everything is computed before anything is written: a backward that refuses its dout
+    // leaves no out.npy of this run beside the gradients of the last one
     let result = method
         .forward(q.view(), k.view(), v.view(), dtype)
         .map_err(|e| format!("{} failed: {e}", method.name()))?;
-    #[allow(unused_mut)] // the backward's files join them from step 04 on
-    let mut written = write_result(&args.out_dir, &result)?;
     // [step 04]
-    if let Some(dout) = dout {
-        let grads = method
-            .backward(q.view(), k.view(), v.view(), &result, dout.view(), dtype)
-            .map_err(|e| format!("{} backward failed: {e}", method.name()))?;
-        for (name, g) in [
-            ("dq.npy", &grads.dq),
-            ("dk.npy", &grads.dk),
-            ("dv.npy", &grads.dv),
-        ] {
-            written.push(write_npy(&args.out_dir, name, g.view().into_dyn())?);
-        }
+    let grads = match &dout {
+        Some(dout) => Some(
+            method
+                .backward(q.view(), k.view(), v.view(), &result, dout.view(), dtype)
+                .map_err(|e| format!("{} backward failed: {e}", method.name()))?,
+        ),
+        None => None,
+    };
+    // [/step 04]
+    #[allow(unused_mut)] // the backward's files join them from step 04 on
+    let mut outputs = vec![
+        ("out.npy", result.out.view().into_dyn()),
+        ("lse.npy", result.lse.view().into_dyn()),
+    ];
+    // [step 04]
+    if let Some(g) = &grads {
+        outputs.extend([
+            ("dq.npy", g.dq.view().into_dyn()),
+            ("dk.npy", g.dk.view().into_dyn()),
+            ("dv.npy", g.dv.view().into_dyn()),
+        ]);
     }
     // [/step 04]
-    Ok(written)
+    write_all(&args.out_dir, outputs)
 }
 
-/// `out.npy` and `lse.npy` of `result` in `dir`, made if need be; their paths.
-fn write_result(dir: &Path, result: &Attention) -> Result<Vec<PathBuf>, String> {
-    fs::create_dir_all(dir)
-        .map_err(|e| format!("{}: cannot create it: {e}", dir.display()))?;
-    Ok(vec![
-        write_npy(dir, "out.npy", result.out.view().into_dyn())?,
-        write_npy(dir, "lse.npy", result.lse.view().into_dyn())?,
-    ])
-}
-
-/// `a` as `dir/name`; its path.
-fn write_npy(
+/// Each array as `dir/name`, the folder made if need be, all of them or none; their paths.
+fn write_all(
     dir: &Path,
-    name: &str,
-    a: ndarray::ArrayViewD<f32>,
-) -> Result<PathBuf, String> {
-    let path = dir.join(name);
-    npy::write_f32(&path, a).map_err(|e| e.to_string())?;
-    Ok(path)
+    outputs: Vec<(&str, ArrayViewD<f32>)>,
+) -> Result<Vec<PathBuf>, String> {
+    fs::create_dir_all(dir)
+        .map_err(|e| format!("--out-dir {}: cannot create it: {e}", dir.display()))?;
+    let mut staged = files::Staged::new();
+    let mut written = Vec::new();
+    for (name, a) in outputs {
+        let path = dir.join(name);
+        staged
+            .add(&path, |w| npy::write_f32_to(w, a))
+            .map_err(|e| format!("{e}; no file of this run was written"))?;
+        written.push(path);
+    }
+    staged
+        .commit()
+        .map_err(|e| format!("{e}: it and the outputs after it are the last run's"))?;
+    Ok(written)
 }
 
 // [step 03]
@@ -202,7 +216,13 @@ fn decode(
     let result = decoder
         .decode(q.view(), k.view(), v.view(), dtype)
         .map_err(|e| format!("{} failed: {e}", decoder.name()))?;
-    write_result(&args.out_dir, &result)
+    write_all(
+        &args.out_dir,
+        vec![
+            ("out.npy", result.out.view().into_dyn()),
+            ("lse.npy", result.lse.view().into_dyn()),
+        ],
+    )
 }
 
 /// That the decoder computes in `dtype`: an error saying which it takes if not.

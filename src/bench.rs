@@ -14,6 +14,11 @@
 //! die (the OOM killer's SIGKILL, or the allocator's abort) and reported as "out of
 //! memory", and the benchmark itself never tries that call.
 //!
+//! The rows go to `--out` once, whole, at the sweep's end ([`RowsFile`]); along the way
+//! they are kept in `FILE.partial.json` after every row. Ctrl-C stops the sweep after the
+//! row in progress (a row it broke is not kept) and leaves `--out` as it was, the rows so
+//! far in that file; a second Ctrl-C stops at once.
+//!
 //! ## Layout
 //!
 //! - [`run`]: the sweep; prints the device, the methods, then one table line per row.
@@ -26,8 +31,8 @@
 use std::collections::HashMap;
 use std::fs;
 use std::io::Write;
-use std::path::Path;
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
@@ -35,7 +40,7 @@ use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::{AttnError, Shape, memory_and_swap};
 use ndarray::Array4;
 
-use flash_core::row::{self, Row};
+use flash_core::row::{self, Row, RowsFile};
 use flash_core::timing::median_ms; // [step 03]
 use flash_core::timing::{Warmup, cpu_median_ms};
 use flash_core::{Attention, Dtype, Pass, reference};
@@ -57,11 +62,51 @@ const GPU_WARMUP_MS: f64 = 200.0;
 /// Exit code of a child whose method returned `AttnError::OutOfMemory`.
 const EXIT_OOM: i32 = 3;
 
-/// The whole sweep: prints the device, the methods and a table, returns the rows, and
-/// writes them to `--out` after every row (so a long sweep that is stopped keeps what it
-/// measured).
-pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
+/// Exit status of a sweep stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
+pub const EXIT_STOPPED: u8 = 130;
+
+/// What a sweep measured, and whether Ctrl-C stopped it before its end.
+#[derive(Clone, Debug)]
+pub struct Sweep {
+    pub rows: Vec<Row>,
+    pub stopped: bool,
+}
+
+/// Set by the first Ctrl-C (or SIGTERM): the sweep stops after the row in progress.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+/// Installs the Ctrl-C handler, once per process: the first press asks the sweep to stop
+/// after the row in progress; the second stops at once (the rows so far are whole on disk:
+/// each save is a rename).
+fn stop_on_ctrl_c() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let handler = ctrlc::set_handler(|| {
+            if STOP.swap(true, Ordering::SeqCst) {
+                std::process::exit(i32::from(EXIT_STOPPED));
+            }
+            eprintln!(
+                "\nCtrl-C: stopping after the row in progress; press it again to stop at once"
+            );
+        });
+        if let Err(e) = handler {
+            eprintln!("Ctrl-C will stop the sweep at once (no handler: {e})");
+        }
+    });
+}
+
+/// The whole sweep: prints the device, the methods and a table, and returns the rows. With
+/// `--out`, keeps the rows so far in `FILE.partial.json` after every row and writes `--out`
+/// whole at the end ([`RowsFile`]).
+pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
+    let rows_file = args
+        .out
+        .as_deref()
+        .map(|out| RowsFile::check("--out", out))
+        .transpose()
+        .map_err(|e| e.to_string())?;
     let chosen = choose(args)?;
+    stop_on_ctrl_c();
     let cuda = args.device != Device::Cpu;
     let device = cpu_description();
     // [step 03]
@@ -109,8 +154,11 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
     let mut rows = Vec::new();
     // each method's last measured row, for the next row's estimate
     let mut pace: HashMap<&str, Pace> = HashMap::new();
-    for &tokens in &args.lengths {
+    'sweep: for &tokens in &args.lengths {
         for (&m, imp) in chosen.iter().zip(&implementations) {
+            if STOP.load(Ordering::SeqCst) {
+                break 'sweep;
+            }
             let shape = Shape::new(args.batch, args.heads, tokens, args.head_dim);
             eprintln!(
                 "[{}/{total}] {} at {tokens} tokens ({}) ...",
@@ -181,18 +229,51 @@ pub fn run(args: &BenchArgs) -> Result<Vec<Row>, String> {
                 error,
                 gpus: args.gpus, // [step 07]
             };
+            // Ctrl-C reaches the peak's child too, which then fails: a row that failed
+            // while the sweep was being stopped is not the method's failure
+            if STOP.load(Ordering::SeqCst) && row.error.is_some() {
+                eprintln!("      stopped: this row was broken off and is not kept");
+                break 'sweep;
+            }
             println!("{}", report::table_line(&row, cuda));
             eprintln!("      done in {:.1} s", started.elapsed().as_secs_f64());
             rows.push(row);
-            if let Some(out) = &args.out {
-                write_rows(out, &rows)?;
+            if let Some(file) = &rows_file
+                && let Err(e) = file.save_so_far(&row::to_json(&rows))
+            {
+                // not fatal: the rows are in memory, and --out is written at the end
+                eprintln!("      the rows so far could not be kept: {e}");
             }
         }
     }
-    if let Some(out) = &args.out {
-        println!("\nwrote {} rows to {}", rows.len(), out.display());
+    let stopped = STOP.load(Ordering::SeqCst);
+    match &rows_file {
+        Some(file) if stopped => {
+            let kept = if !rows.is_empty() && file.partial().exists() {
+                format!(
+                    "the {} rows so far are in {}",
+                    rows.len(),
+                    file.partial().display()
+                )
+            } else {
+                "no row was kept".to_string()
+            };
+            println!(
+                "\nstopped by Ctrl-C: --out {} was left as it was; {kept}",
+                file.path().display()
+            );
+        }
+        Some(file) => {
+            let measured = rows.iter().any(|r| r.ms.is_some());
+            let said = file
+                .finish(&row::to_json(&rows), rows.len(), measured)
+                .map_err(|e| e.to_string())?;
+            println!("\n{said}");
+        }
+        None if stopped => println!("\nstopped by Ctrl-C after {} rows", rows.len()),
+        None => {}
     }
-    Ok(rows)
+    Ok(Sweep { rows, stopped })
 }
 
 /// A row whose estimate is longer than this is announced, with the estimate.
@@ -318,13 +399,6 @@ pub fn exit_status(rows: &[Row]) -> u8 {
 
 /// How a row whose check failed begins its error.
 pub const WRONG_RESULT: &str = "wrong result";
-
-fn write_rows(out: &Path, rows: &[Row]) -> Result<(), String> {
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    }
-    fs::write(out, row::to_json(rows)).map_err(|e| format!("{}: {e}", out.display()))
-}
 
 /// One row's numbers.
 #[derive(Clone, Copy, Debug, PartialEq)]

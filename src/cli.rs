@@ -8,11 +8,13 @@
 //! - [`parse`]: arguments to a [`Command`], every flag checked before any work.
 //! - [`BenchArgs`]: the benchmark's flags with their defaults filled in.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser, Subcommand};
 use flash_core::Pass;
+use flash_core::check::at_least_one;
+use flash_core::row::RowsFile;
 
 use crate::attend::AttendArgs;
 use crate::methods::{self, Device, Dtype, Method};
@@ -29,6 +31,7 @@ EXIT STATUS
     1  nothing ran (an error before the sweep, or writing --out failed)
     3  some rows could not run (out of memory, an unsupported shape, a device error)
     4  a method's result was wrong: the check before timing failed
+  130  stopped by Ctrl-C: --out unchanged, the rows so far in FILE.partial.json
 
 EXAMPLES
     cargo run --release
@@ -105,7 +108,9 @@ struct BenchFlags {
     #[arg(long, default_value_t = 1, hide_default_value = true, allow_negative_numbers = true, value_parser = at_least_one)]
     gpus: usize,
     // [/step 07]
-    /// Also write the rows as JSON (charts/data/ feeds the charts); checked before any work
+    /// Also write the rows as JSON (charts/data/ feeds the charts): checked before any
+    /// work, written whole at the end (over an earlier file only if a row was measured);
+    /// meanwhile the rows so far are kept in FILE.partial.json
     #[arg(long, value_name = "FILE.json")]
     out: Option<PathBuf>,
 }
@@ -154,13 +159,6 @@ fn parse_dtype(s: &str) -> Result<Dtype, String> {
         .find(|d| d.name() == s)
         .copied()
         .ok_or_else(|| format!("accepted: {}", names(Dtype::ALL.iter().map(|d| d.name()))))
-}
-
-fn at_least_one(s: &str) -> Result<usize, String> {
-    match s.trim().parse::<usize>() {
-        Ok(n) if n > 0 => Ok(n),
-        _ => Err("a whole number of at least 1".into()),
-    }
 }
 
 fn non_empty(s: &str) -> Result<String, String> {
@@ -293,7 +291,8 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
                     .map_err(|e| invalid(&mut cmd, e.to_string()))?;
             }
             if let Some(out) = &args.out {
-                check_writable(out).map_err(|why| invalid(&mut cmd, why))?;
+                RowsFile::check("--out", out)
+                    .map_err(|e| invalid(&mut cmd, e.to_string()))?;
             }
             Ok(Command::Bench(args))
         }
@@ -447,40 +446,6 @@ fn bench_args(b: BenchFlags) -> BenchArgs {
     }
 }
 
-/// `--out` must name a file that can be written: not a folder, in a folder that exists or
-/// can be made. Checked by creating the file's folder and opening the file for appending
-/// (which leaves an existing file as it is), so that a sweep of minutes does not end in an
-/// error.
-fn check_writable(out: &Path) -> Result<(), String> {
-    if out.is_dir() {
-        return Err(format!(
-            "--out {}: is a folder; give a file name such as {}/rows.json",
-            out.display(),
-            out.display()
-        ));
-    }
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| {
-            format!(
-                "--out {}: cannot make its folder {}: {e}",
-                out.display(),
-                dir.display()
-            )
-        })?;
-    }
-    let existed = out.exists();
-    std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(out)
-        .map_err(|e| format!("--out {}: cannot write it: {e}", out.display()))?;
-    if !existed {
-        // leave nothing behind if the run then fails before its first row
-        let _ = std::fs::remove_file(out);
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -551,7 +516,7 @@ mod tests {
             ),
             ("--q q.npy", "unexpected argument '--q'"),
             ("--k k.npy", "unexpected argument '--k'"),
-            ("--out /", "is a folder"),
+            ("--out /", "--out names a folder"),
             // [step 03]
             (
                 "attend --method naive --dtype bf16 --q a --k b --v c --out-dir d",

@@ -17,7 +17,8 @@ fn main() -> ExitCode {
     };
     let result = match command {
         Command::Bench(args) => match bench::run(&args) {
-            Ok(rows) => return ExitCode::from(bench::exit_status(&rows)),
+            Ok(sweep) if sweep.stopped => return ExitCode::from(bench::EXIT_STOPPED),
+            Ok(sweep) => return ExitCode::from(bench::exit_status(&sweep.rows)),
             Err(e) => Err(e),
         },
         Command::Attend(args) => attend::attend(&args).map(|written| {

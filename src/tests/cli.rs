@@ -318,14 +318,183 @@ fn bad_arguments_are_refused_with_status_2_and_nothing_written() {
         args.extend(["--out", out_flag]);
         cases.push(bad(&args, 2, says));
     }
-    // --out itself: a folder, and a file under a folder that cannot be made
-    cases.push(bad(&["--out", "/tmp"], 2, "is a folder"));
+    // --out itself, refused before any measuring: a folder, a file in a folder that does
+    // not exist (not made: a typo would scatter folders), a folder that takes no files
+    cases.push(bad(&["--out", "/tmp"], 2, "--out names a folder"));
+    let missing = dir.join("no/such/rows.json");
     cases.push(bad(
-        &["--out", "/proc/x/y.json"],
+        &["--out", missing.to_str().unwrap()],
         2,
-        "cannot make its folder /proc/x",
+        "does not exist; create it first",
     ));
-    check_bad_inputs(cases, &[&out, Path::new("/proc/x")]);
+    cases.push(bad(
+        &["--out", "/proc/rows.json"],
+        2,
+        "--out: cannot write in the folder /proc",
+    ));
+    check_bad_inputs(
+        cases,
+        &[&out, &dir.join("no"), Path::new("/proc/rows.json")],
+    );
+    fs::remove_dir_all(dir).unwrap();
+}
+
+/// The files in `dir` and their bytes, to compare a folder before and after a run.
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            (name, fs::read(&p).unwrap())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+/// rows.json as an earlier, complete sweep left it: the file a failed or stopped sweep must
+/// leave as it was.
+fn earlier_rows(dir: &Path) -> PathBuf {
+    let out = dir.join("rows.json");
+    fs::write(&out, "[the complete rows of an earlier sweep]\n").unwrap();
+    out
+}
+
+#[test]
+fn a_sweep_that_measures_nothing_leaves_the_old_out_whole() {
+    let dir = temp_dir("measured-nothing");
+    let out = earlier_rows(&dir);
+    let before = snapshot(&dir);
+    // 2^20 tokens of one head: naive's table of 4 TB fits no machine, the only row fails
+    let o = run(&[
+        "--methods",
+        "naive",
+        "--lengths",
+        "1048576",
+        "--heads",
+        "1",
+        "--head-dim",
+        "1",
+        "--runs",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let (stdout, stderr) = text(&o);
+    assert_eq!(o.status.code(), Some(3), "{stdout}\n{stderr}");
+    assert!(stdout.contains("out of memory"), "{stdout}");
+    assert!(
+        stdout.contains("no row was measured") && stdout.contains("left as it was"),
+        "{stdout}"
+    );
+    assert_eq!(snapshot(&dir), before, "the folder changed");
+    fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+#[cfg_attr(not(unix), ignore = "needs a POSIX shell's ulimit")]
+fn a_file_size_limit_leaves_the_old_out_whole() {
+    let dir = temp_dir("fsize");
+    let out = earlier_rows(&dir);
+    let before = snapshot(&dir);
+    // no file may grow past 0 bytes; SIGXFSZ ignored, so a write fails with EFBIG instead
+    // of killing the process
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg("ulimit -f 0; trap '' XFSZ; exec \"$0\" \"$@\"")
+        .arg(binary())
+        .args(["--methods", "naive", "--lengths", "16", "--heads", "1"])
+        .args([
+            "--head-dim",
+            "4",
+            "--runs",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("rows.json") && stderr.contains("file-size limit"),
+        "{stderr}"
+    );
+    // the row was measured, and the old file is whole: no half-written rows, no temporary
+    assert!(stdout.lines().any(|l| l.starts_with("naive ")), "{stdout}");
+    assert_eq!(snapshot(&dir), before, "the folder changed");
+    fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+#[cfg_attr(not(unix), ignore = "sends SIGINT with kill(1)")]
+fn ctrl_c_stops_after_a_row_and_keeps_the_rows_so_far_beside_the_old_out() {
+    let dir = temp_dir("ctrl-c");
+    let out = earlier_rows(&dir);
+    let old = fs::read(&out).unwrap();
+    let lengths = vec!["64"; 40].join(",");
+    let child = Command::new(binary())
+        .args(["--methods", "naive", "--lengths", &lengths, "--heads", "1"])
+        .args([
+            "--head-dim",
+            "8",
+            "--runs",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // the first row kept is the moment to press Ctrl-C
+    let partial = dir.join("rows.partial.json");
+    let started = std::time::Instant::now();
+    while !partial.exists() {
+        assert!(started.elapsed().as_secs() < 60, "no row within a minute");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let o = child.wait_with_output().unwrap();
+    let (stdout, stderr) = text(&o);
+    assert_eq!(o.status.code(), Some(130), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("Ctrl-C: stopping after the row in progress"),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("stopped by Ctrl-C") && stdout.contains("rows.partial.json"),
+        "{stdout}"
+    );
+    // the earlier file is whole; the rows so far parse, fewer than the sweep's 40
+    assert_eq!(fs::read(&out).unwrap(), old);
+    let kept = row::from_json(&fs::read_to_string(&partial).unwrap(), "partial").unwrap();
+    assert!(!kept.is_empty() && kept.len() < 40, "{} rows", kept.len());
+    assert!(
+        kept.iter().all(|r| r.ms.is_some()),
+        "a broken-off row was kept"
+    );
+    // a new sweep refuses to start over them
+    let o = run(&[
+        "--methods",
+        "naive",
+        "--lengths",
+        "16",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let (_, stderr) = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("rows of an earlier sweep that was stopped"),
+        "{stderr}"
+    );
     fs::remove_dir_all(dir).unwrap();
 }
 
@@ -378,10 +547,72 @@ fn attend_refuses_a_missing_file_and_a_nan_and_writes_nothing() {
             status: 2,
             says: "--k",
         },
+        // --out-dir naming a file is refused before any input is read
+        BadInput {
+            args: {
+                let mut args = attend("missing.npy");
+                *args.last_mut().unwrap() = p("k.npy");
+                args
+            },
+            status: 1,
+            says: "--out-dir names a file, not a folder",
+        },
     ];
     check_bad_inputs(cases, &[&out_dir.join("out.npy"), &out_dir]);
     fs::remove_dir_all(dir).unwrap();
 }
+
+// [step 04]
+#[test]
+fn attend_with_a_nan_in_dout_leaves_the_last_run_s_outputs_as_they_were() {
+    let dir = temp_dir("attend-dout-nan");
+    let shape = Shape::new(1, 2, 9, 4);
+    let [_, _, mut dout] = random_qkv(shape, 22);
+    npy::write_f32(&dir.join("dout.npy"), dout.view()).unwrap();
+    dout[[0, 1, 4, 2]] = f32::NAN;
+    npy::write_f32(&dir.join("dout_nan.npy"), dout.view()).unwrap();
+    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let out_dir = dir.join("out");
+    let attend = |dout: Option<&str>| {
+        let mut args: Vec<String> =
+            ["attend", "--method", "naive"].map(String::from).to_vec();
+        for (flag, file) in [("--q", "q.npy"), ("--k", "k.npy"), ("--v", "v.npy")] {
+            args.extend([flag.to_string(), p(file)]);
+        }
+        if let Some(d) = dout {
+            args.extend(["--dout".to_string(), p(d)]);
+        }
+        args.extend(["--out-dir".to_string(), p("out")]);
+        Command::new(binary()).args(&args).output().unwrap()
+    };
+    let refused = |o: &Output| {
+        let (stdout, stderr) = text(o);
+        assert_eq!(o.status.code(), Some(1), "{stdout}\n{stderr}");
+        assert!(
+            stderr.contains("non-finite input")
+                && stderr.contains("dout[0, 1, 4, 2] is NaN"),
+            "{stderr}"
+        );
+    };
+    // a run without --dout leaves out.npy and lse.npy; a failed run with new inputs and a
+    // NaN in dout changes neither and adds no dq, dk, dv
+    write_qkv(&dir, shape, 21);
+    assert!(attend(None).status.success());
+    let before = snapshot(&out_dir);
+    assert_eq!(before.len(), 2);
+    write_qkv(&dir, shape, 23);
+    refused(&attend(Some("dout_nan.npy")));
+    assert_eq!(snapshot(&out_dir), before, "the outputs changed");
+    // after a run with its gradients, the five files stay as they were
+    assert!(attend(Some("dout.npy")).status.success());
+    let before = snapshot(&out_dir);
+    assert_eq!(before.len(), 5);
+    write_qkv(&dir, shape, 24);
+    refused(&attend(Some("dout_nan.npy")));
+    assert_eq!(snapshot(&out_dir), before, "the outputs changed");
+    fs::remove_dir_all(dir).unwrap();
+}
+// [/step 04]
 
 // [step 02]
 #[test]

@@ -334,6 +334,22 @@ pub fn check_same<A: Copy + Into<f64>>(
     check_finite(name, x)
 }
 
+/// A count of at least 1 (`--runs`, each of `--lengths`), as clap's `value_parser` takes
+/// it: the message says what was wrong with `s` and what is accepted, a number too large for
+/// the machine's word included.
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    use std::num::IntErrorKind;
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        Err(e) if *e.kind() == IntErrorKind::PosOverflow => Err(format!(
+            "{} is too large: accepted a whole number from 1 to {}",
+            s.trim(),
+            usize::MAX
+        )),
+        _ => Err(format!("{s:?} is not a whole number of at least 1")),
+    }
+}
+
 /// The memory and swap of this machine in bytes (`/proc/meminfo`), None where unknown.
 pub fn memory_and_swap() -> Option<u128> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -374,6 +390,21 @@ pub fn try_zeros<A: Clone + Default>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counts_say_what_is_accepted_and_how_large_they_may_be() {
+        assert_eq!(at_least_one(" 12 "), Ok(12));
+        assert_eq!(at_least_one(&usize::MAX.to_string()), Ok(usize::MAX));
+        for bad in ["0", "-3", "", "1k", "2.5"] {
+            let e = at_least_one(bad).unwrap_err();
+            assert!(e.contains("a whole number of at least 1"), "{bad}: {e}");
+        }
+        let e = at_least_one("99999999999999999999").unwrap_err();
+        assert!(
+            e.contains("too large") && e.contains(&format!("from 1 to {}", usize::MAX)),
+            "{e}"
+        );
+    }
 
     #[test]
     #[cfg_attr(not(target_os = "linux"), ignore = "needs Linux's /proc/meminfo")]

@@ -2,9 +2,12 @@
 //! charts read them, and the PyTorch peer script (`charts/peers/pytorch_peers.py`) writes
 //! the same keys. A file is a JSON list of rows.
 
+use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
+
+use crate::files::{self, FileError};
 
 use crate::check::Pass;
 use crate::method::{Device, Dtype};
@@ -159,6 +162,112 @@ pub fn from_json(json: &str, source: &str) -> Result<Vec<Row>, String> {
         .map_err(|e| format!("{source}: not a list of benchmark rows: {e}"))
 }
 
+// ANCHOR: rows_file
+/// The file a sweep writes its rows to (`--out`): written once, whole, at the sweep's end,
+/// and only if the sweep measured something, so that a sweep that is stopped, or whose
+/// every row failed, leaves the file of an earlier run as it was. Along the way the rows
+/// so far are rewritten whole after every row to a file beside it ([`RowsFile::partial`]:
+/// `cpu.json` → `cpu.partial.json`), so a sweep stopped after hours loses nothing; that file
+/// is removed once the target is written.
+#[derive(Clone, Debug)]
+pub struct RowsFile {
+    flag: String,
+    path: PathBuf,
+    partial: PathBuf,
+}
+
+impl RowsFile {
+    /// Checks, before any work, that `path` can be written as the output of `flag` and that
+    /// no rows of an earlier, stopped sweep wait beside it (this sweep would replace them).
+    pub fn check(flag: &str, path: &Path) -> Result<Self, FileError> {
+        files::check_output(flag, path)?;
+        let partial = partial_path(path);
+        if partial.exists() {
+            return Err(FileError {
+                path: partial.clone(),
+                what: format!(
+                    "{flag}: this file holds the rows of an earlier sweep that was stopped; \
+                     move it away, or rename it to {} to keep it as that sweep's result, \
+                     before starting another",
+                    path.display()
+                ),
+            });
+        }
+        Ok(RowsFile {
+            flag: flag.to_string(),
+            path: path.to_path_buf(),
+            partial,
+        })
+    }
+
+    /// The file the sweep's rows go to at its end.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The file beside it that holds the rows so far while the sweep runs.
+    pub fn partial(&self) -> &Path {
+        &self.partial
+    }
+
+    /// Keeps the rows so far (`json`, the whole list) in [`RowsFile::partial`].
+    pub fn save_so_far(&self, json: &str) -> Result<(), FileError> {
+        files::write_atomic(&self.partial, json.as_bytes())
+    }
+
+    /// Ends the sweep: writes `json` (its `rows`) to the target and removes the rows so far;
+    /// but with nothing `measured` (every row failed), leaves a target that exists as it
+    /// was. Returns what was done, in words. On an error the target is as it was and the
+    /// rows so far are still in [`RowsFile::partial`] (if they could be written there).
+    pub fn finish(
+        &self,
+        json: &str,
+        rows: usize,
+        measured: bool,
+    ) -> Result<String, FileError> {
+        if !measured && self.path.exists() {
+            let _ = std::fs::remove_file(&self.partial);
+            return Ok(format!(
+                "no row was measured: {} {} was left as it was",
+                self.flag,
+                self.path.display()
+            ));
+        }
+        files::write_atomic(&self.path, json.as_bytes()).map_err(|e| FileError {
+            what: if self.partial.exists() {
+                format!(
+                    "{}; the rows are kept in {}",
+                    e.what,
+                    self.partial.display()
+                )
+            } else {
+                e.what
+            },
+            ..e
+        })?;
+        let _ = std::fs::remove_file(&self.partial);
+        Ok(format!("wrote {rows} rows to {}", self.path.display()))
+    }
+}
+
+/// Where a sweep writing `path` keeps its rows so far: `.partial` before the extension
+/// (`cpu.json` → `cpu.partial.json`), or after a name without one.
+pub fn partial_path(path: &Path) -> PathBuf {
+    let name = match (path.file_stem(), path.extension()) {
+        (Some(stem), Some(ext)) => format!(
+            "{}.partial.{}",
+            stem.to_string_lossy(),
+            ext.to_string_lossy()
+        ),
+        _ => format!(
+            "{}.partial",
+            path.file_name().unwrap_or_default().to_string_lossy()
+        ),
+    };
+    path.with_file_name(name)
+}
+// ANCHOR_END: rows_file
+
 /// The commit these binaries were built from: `git rev-parse --short HEAD` when they were
 /// built, `-dirty` if tracked files differed from it, `unknown` outside this repository's
 /// git (`build.rs`). Baked in at build time: a binary copied to another machine (a GPU box)
@@ -196,6 +305,48 @@ fn utc(secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sweep_writes_its_file_once_and_only_with_something_measured() {
+        let dir = std::env::temp_dir().join(format!("rows-file-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cpu.json");
+        assert_eq!(partial_path(&path), dir.join("cpu.partial.json"));
+        assert_eq!(partial_path(Path::new("rows")), Path::new("rows.partial"));
+        std::fs::write(&path, "the complete rows of an earlier sweep").unwrap();
+
+        // rows along the way go beside the file, never over it
+        let out = RowsFile::check("--out", &path).unwrap();
+        out.save_so_far("[first]").unwrap();
+        assert_eq!(std::fs::read_to_string(out.partial()).unwrap(), "[first]");
+        // a second sweep refuses to start over the first one's rows so far
+        let e = RowsFile::check("--out", &path).unwrap_err();
+        assert!(e.what.contains("stopped") && e.path == out.partial(), "{e}");
+        // nothing measured: the earlier file is left whole
+        let said = out.finish("[failed rows]", 1, false).unwrap();
+        assert!(said.contains("left as it was"), "{said}");
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "the complete rows of an earlier sweep"
+        );
+        assert!(!out.partial().exists());
+        // ... and where there was none, the failed rows are written, with their reasons
+        let fresh = dir.join("fresh.json");
+        let rows = RowsFile::check("--out", &fresh).unwrap();
+        rows.finish("[failed rows]", 1, false).unwrap();
+        assert_eq!(std::fs::read_to_string(&fresh).unwrap(), "[failed rows]");
+        // something measured: written whole, the rows so far removed
+        let out = RowsFile::check("--out", &path).unwrap();
+        out.save_so_far("[a]").unwrap();
+        assert_eq!(
+            out.finish("[a, b]", 2, true).unwrap(),
+            format!("wrote 2 rows to {}", path.display())
+        );
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "[a, b]");
+        assert!(!out.partial().exists());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 
     #[test]
     fn the_commit_is_a_hash_or_unknown() {
