@@ -1,9 +1,10 @@
 //! `cargo run -p charts`: draws every chart in `charts/` from the rows in
 //! `charts/data/*.json` (the main set, and each of `charts::SETS` with its own charts).
 
-use std::fs;
 use std::path::Path;
 use std::process::ExitCode;
+
+use flash_core::files;
 
 fn main() -> ExitCode {
     // the package's own folder, wherever cargo is run from
@@ -15,9 +16,18 @@ fn main() -> ExitCode {
                 dir.join("data").display()
             ));
         }
+        // every chart or none: a failed write leaves the set drawn from one data set
+        let mut staged = files::Staged::new();
+        let mut written = Vec::new();
         for (name, svg) in charts {
             let path = dir.join(&name);
-            fs::write(&path, svg).map_err(|e| format!("{}: {e}", path.display()))?;
+            staged
+                .add(&path, |w| w.write_all(svg.as_bytes()))
+                .map_err(|e| format!("{e}; no chart was changed"))?;
+            written.push(path);
+        }
+        staged.commit().map_err(|e| e.to_string())?;
+        for path in written {
             println!("wrote {}", path.display());
         }
         Ok(())

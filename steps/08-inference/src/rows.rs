@@ -1,10 +1,11 @@
 //! The rows `decode-bench` (the GPU) and `decode-cpu` (the CPU) write: one measurement of
-//! one method at one shape, in one schema, so that the charts and the peers read both.
+//! one method at one shape, in one schema, so that the charts and the peers read both. Each
+//! tool checks its `--out` before any work ([`RowsFile::check`]), keeps the rows so far
+//! beside it after every row ([`keep_so_far`]) and writes it whole at the end
+//! ([`write_out`]).
 
-use std::path::Path;
-
-use flash_core::AttnError;
-use flash_core::row::to_json_row_a_line;
+use flash_core::files::FileError;
+use flash_core::row::{RowsFile, to_json_row_a_line};
 use serde::Serialize;
 
 /// One measurement: a method at one shape, or why it has none.
@@ -69,14 +70,27 @@ pub struct GroupedRow {
     pub error: Option<String>,
 }
 
-/// Writes `rows` to `path` as JSON, one row a line, creating its folder.
-pub fn write_rows<R: Serialize>(path: &Path, rows: &[R]) -> Result<(), AttnError> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| AttnError::Unsupported {
-            what: format!("cannot create {}: {e}", dir.display()),
-        })?;
+/// After each row of a sweep: the rows so far, whole, in `--out`'s `FILE.partial.json`
+/// ([`RowsFile`]). Not fatal when they cannot be written (the rows are in memory, and
+/// `--out` is written at the end): it says so on stderr.
+pub fn keep_so_far<R: Serialize>(out: Option<&RowsFile>, rows: &[R]) {
+    if let Some(out) = out
+        && let Err(e) = out.save_so_far(&to_json_row_a_line(rows))
+    {
+        eprintln!("the rows so far could not be kept: {e}");
     }
-    std::fs::write(path, to_json_row_a_line(rows)).map_err(|e| AttnError::Unsupported {
-        what: format!("cannot write {}: {e}", path.display()),
-    })
+}
+
+/// At a sweep's end: `--out` written whole, over an earlier file only if a row was
+/// `measured` ([`RowsFile::finish`]); prints what was done.
+pub fn write_out<R: Serialize>(
+    out: Option<&RowsFile>,
+    rows: &[R],
+    measured: bool,
+) -> Result<(), FileError> {
+    if let Some(out) = out {
+        let said = out.finish(&to_json_row_a_line(rows), rows.len(), measured)?;
+        println!("\n{said}");
+    }
+    Ok(())
 }

@@ -20,6 +20,7 @@ fn decode_cpu(args: &[&str]) -> std::process::Output {
 fn every_shape_gives_a_checked_row_and_the_read_loop_s() {
     let dir = std::env::temp_dir().join(format!("decode-cpu-{}", std::process::id()));
     let out = dir.join("rows.json");
+    std::fs::create_dir_all(&dir).unwrap();
     let run = decode_cpu(&[
         "--contexts",
         "100,300",

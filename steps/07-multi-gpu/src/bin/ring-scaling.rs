@@ -324,12 +324,20 @@ fn print_row(
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    // before the GPUs are touched: a run of minutes must not end in an unwritable path
+    if let Some(out) = &args.out
+        && let Err(e) = flash_core::files::check_output("--out", out)
+    {
+        eprintln!("ring-scaling: {e}");
+        return ExitCode::FAILURE;
+    }
     match run(&args) {
         Ok(report) => {
             if let Some(out) = &args.out {
                 let json = flash_core::row::to_json_row_a_line(&report);
-                if let Err(e) = std::fs::write(out, json) {
-                    eprintln!("{}: {e}", out.display());
+                // whole or not at all: an earlier report stays as it was if this one fails
+                if let Err(e) = flash_core::files::write_atomic(out, json.as_bytes()) {
+                    eprintln!("ring-scaling: {e}");
                     return ExitCode::FAILURE;
                 }
                 println!("wrote {}", out.display());

@@ -6,6 +6,7 @@
 //!
 //! `cargo run --release -p step08-inference --bin decode-bench -- --help`
 
+use std::error::Error;
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -13,7 +14,7 @@ use clap::Parser;
 use cudarc::driver::CudaSlice;
 use flash_core::inputs::random_normal;
 use flash_core::reference::error;
-use flash_core::row::{COMMIT, utc_now};
+use flash_core::row::{COMMIT, RowsFile, utc_now};
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
 use ndarray::{Array4, s};
@@ -27,7 +28,7 @@ use step08_inference::cuda::{
 };
 use step08_inference::kernel::{DecodeKernel, KEY_GROUP};
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
-use step08_inference::rows::{DecodeRow, write_rows};
+use step08_inference::rows::{DecodeRow, keep_so_far, write_out};
 
 /// Decoding attention on the GPU against the memory's speed: one query row (or a few) of
 /// every query head against a cache of keys and values, contiguous and in pages, and a
@@ -96,7 +97,9 @@ struct Args {
     /// a multiple of a block's keys allows): to measure the choice
     #[arg(long, value_parser = at_least_one)]
     splits: Option<usize>,
-    /// Write the rows as JSON, one row a line (e.g. charts/data/decode.json)
+    /// Write the rows as JSON, one row a line (e.g. charts/data/decode.json): checked
+    /// before any work, written whole at the end; meanwhile the rows so far are kept in
+    /// FILE.partial.json
     #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
 }
@@ -243,7 +246,16 @@ fn measure_decode(
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(&args) {
+    // on the CPU, before the GPU is touched
+    let out = match args.out.as_deref().map(|out| RowsFile::check("--out", out)) {
+        None => None,
+        Some(Ok(out)) => Some(out),
+        Some(Err(e)) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(&args, out.as_ref()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -252,7 +264,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(args: &Args) -> Result<(), AttnError> {
+fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
     for &kv in &args.kv_heads {
         if !args.q_heads.is_multiple_of(kv) {
             return Err(AttnError::Unsupported {
@@ -261,7 +273,8 @@ fn run(args: &Args) -> Result<(), AttnError> {
                      q_heads / kv_heads query heads",
                     args.q_heads
                 ),
-            });
+            }
+            .into());
         }
         DecodeKernel::new(
             args.dtype,
@@ -276,7 +289,8 @@ fn run(args: &Args) -> Result<(), AttnError> {
     if let Some(&t) = args.contexts.iter().find(|&&t| t < args.q_rows) {
         return Err(AttnError::Unsupported {
             what: format!("--contexts {t} is shorter than --q-rows {}", args.q_rows),
-        });
+        }
+        .into());
     }
     let gpu = Gpu::shared()?;
     let device = gpu.describe();
@@ -380,16 +394,12 @@ fn run(args: &Args) -> Result<(), AttnError> {
                     }
                     print_line(shape, &decode, &paged, &read);
                     rows.extend([decode, paged, read]);
-                    if let Some(path) = &args.out {
-                        write_rows(path, &rows)?;
-                    }
+                    keep_so_far(out, &rows);
                 }
             }
         }
     }
-    if let Some(path) = &args.out {
-        println!("\nwrote {} rows to {}", rows.len(), path.display());
-    }
+    write_out(out, &rows, rows.iter().any(|r| r.us.is_some()))?;
     Ok(())
 }
 

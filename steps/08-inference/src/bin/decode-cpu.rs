@@ -8,19 +8,20 @@
 //!
 //! `cargo run --release -p step08-inference --bin decode-cpu -- --help`
 
+use std::error::Error;
 use std::process::ExitCode;
 
 use clap::Parser;
 use flash_core::inputs::random_normal;
 use flash_core::reference::error;
-use flash_core::row::{COMMIT, utc_now};
+use flash_core::row::{COMMIT, RowsFile, utc_now};
 use flash_core::timing::{Warmup, cpu_median_ms};
-use flash_core::{AttnError, Shape};
+use flash_core::{AttnError, Shape, memory_and_swap};
 use rayon::prelude::*;
 use step03_cuda_forward::Dtype;
 use step03_cuda_forward::tool::at_least_one;
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
-use step08_inference::rows::{DecodeRow as Row, write_rows};
+use step08_inference::rows::{DecodeRow as Row, keep_so_far, write_out};
 use step08_inference::{DecodeShape, cpu_description, decode};
 
 /// Decoding attention on the CPU against the memory's speed: one query row of every query
@@ -67,7 +68,9 @@ struct Args {
     /// Untimed calls of each method before its timed runs
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    /// Write the rows as JSON, one row a line (e.g. charts/data/decode-cpu.json)
+    /// Write the rows as JSON, one row a line (e.g. charts/data/decode-cpu.json): checked
+    /// before any work, written whole at the end; meanwhile the rows so far are kept in
+    /// FILE.partial.json
     #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
 }
@@ -88,13 +91,76 @@ fn read_all(k: &[f32], v: &[f32]) -> u32 {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(&args) {
+    let out = match before_any_work(&args) {
+        Ok(out) => out,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(&args, out.as_ref()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// What is checked before any work: `--out` can be written, and every shape's q, k and v
+/// can be counted in bytes without overflow and fit in this machine's memory and swap (a
+/// size from the command line is refused here, not by the allocator's abort half-way).
+fn before_any_work(args: &Args) -> Result<Option<RowsFile>, Box<dyn Error>> {
+    let have = memory_and_swap();
+    for &head_dim in &args.head_dims {
+        for &kv_heads in &args.kv_heads {
+            for &batch in &args.batch {
+                for &context in &args.contexts {
+                    let values = |heads: usize, tokens: usize| {
+                        [heads, tokens, head_dim]
+                            .iter()
+                            .try_fold(batch as u128, |n, &x| n.checked_mul(x as u128))
+                    };
+                    let bytes = values(args.q_heads, 1)
+                        .zip(values(kv_heads, context))
+                        .and_then(|(q, kv)| {
+                            kv.checked_mul(2)?.checked_add(q)?.checked_mul(4)
+                        });
+                    let shape = format!(
+                        "--batch {batch} --q-heads {} --kv-heads {kv_heads} --contexts \
+                         {context} --head-dims {head_dim}",
+                        args.q_heads
+                    );
+                    let fits = bytes.filter(|&b| b <= isize::MAX as u128);
+                    match (fits, have) {
+                        (None, _) => {
+                            return Err(format!(
+                                "{shape}: q, k and v in f32 would take more bytes than this \
+                                 machine can address; choose smaller sizes"
+                            )
+                            .into());
+                        }
+                        (Some(need), Some(have)) if need > have => {
+                            return Err(format!(
+                                "{shape}: q, k and v in f32 take {need} bytes ({:.1} GB), and \
+                                 this machine has {have} bytes ({:.1} GB) of memory and swap; \
+                                 choose a shorter context, fewer sequences or fewer kv heads",
+                                need as f64 / 1e9,
+                                have as f64 / 1e9
+                            )
+                            .into());
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+    }
+    Ok(args
+        .out
+        .as_deref()
+        .map(|out| RowsFile::check("--out", out))
+        .transpose()?)
 }
 
 /// Our decode's result against the f64 reference, by FlashAttention's rule in f32.
@@ -121,7 +187,7 @@ fn check(
     Ok(())
 }
 
-fn run(args: &Args) -> Result<(), AttnError> {
+fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
     if let Some(kv) = args
         .kv_heads
         .iter()
@@ -133,7 +199,8 @@ fn run(args: &Args) -> Result<(), AttnError> {
                  q_heads / kv_heads query heads",
                 args.q_heads
             ),
-        });
+        }
+        .into());
     }
     let device = cpu_description();
     println!("device: {device}");
@@ -221,20 +288,17 @@ fn run(args: &Args) -> Result<(), AttnError> {
                     }
                     print_line(shape, &ours, &read);
                     rows.extend([ours, read]);
-                    if let Some(path) = &args.out {
-                        write_rows(path, &rows)?;
-                    }
+                    keep_so_far(out, &rows);
                 }
             }
         }
     }
-    if let Some(path) = &args.out {
-        println!("\nwrote {} rows to {}", rows.len(), path.display());
-    }
+    write_out(out, &rows, rows.iter().any(|r| r.us.is_some()))?;
     if let Some(bad) = rows.iter().find_map(|r| r.error.as_ref()) {
         return Err(AttnError::Unsupported {
             what: format!("a result failed its check ({bad}); its rows have no time"),
-        });
+        }
+        .into());
     }
     Ok(())
 }

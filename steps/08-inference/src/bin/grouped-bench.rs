@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use flash_core::reference::error;
+use flash_core::row::RowsFile;
 use flash_core::row::{COMMIT, utc_now};
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Pass, Shape};
@@ -15,7 +16,7 @@ use step06_hopper::kernel::ForwardKernel;
 use step08_inference::cuda::cache_value;
 use step08_inference::grouped::Forward;
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
-use step08_inference::rows::{GroupedRow, write_rows};
+use step08_inference::rows::{GroupedRow, keep_so_far, write_out};
 
 /// Causal attention with grouped-query attention on the GPU: step 03's forward and step
 /// 06's Hopper forward (pass fwd), each with its backward (step 04's, step 06's: pass
@@ -56,7 +57,9 @@ struct Args {
     /// Timed runs of each pass after the warm-up; the median is reported
     #[arg(long, default_value_t = 10, value_parser = at_least_one)]
     runs: usize,
-    /// Write the rows as JSON, one row a line (e.g. charts/data/grouped.json)
+    /// Write the rows as JSON, one row a line (e.g. charts/data/grouped.json): checked
+    /// before any work, written whole at the end; meanwhile the rows so far are kept in
+    /// FILE.partial.json
     #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
 }
@@ -177,7 +180,7 @@ fn measure(
     median_ms(Warmup::Millis(200.0), args.runs, once).map_err(|e| e.to_string())
 }
 
-fn run(args: &Args) -> Result<Vec<GroupedRow>, AttnError> {
+fn run(args: &Args, out: Option<&RowsFile>) -> Result<Vec<GroupedRow>, AttnError> {
     let gpu = Gpu::new()?;
     let device = gpu.describe();
     println!("device: {device}");
@@ -239,9 +242,7 @@ fn run(args: &Args) -> Result<Vec<GroupedRow>, AttnError> {
                         tflops,
                         error: err,
                     });
-                    if let Some(out) = &args.out {
-                        write_rows(out, &rows)?;
-                    }
+                    keep_so_far(out, &rows);
                 }
             }
         }
@@ -277,11 +278,21 @@ fn main() -> ExitCode {
         );
         return ExitCode::FAILURE;
     }
-    match run(&args) {
+    // on the CPU, before the GPU is touched
+    let out = match args.out.as_deref().map(|out| RowsFile::check("--out", out)) {
+        None => None,
+        Some(Ok(out)) => Some(out),
+        Some(Err(e)) => {
+            eprintln!("grouped-bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(&args, out.as_ref()) {
         Ok(rows) => {
             let failed = rows.iter().filter(|r| r.error.is_some()).count();
-            if let Some(out) = &args.out {
-                println!("wrote {} rows to {}", rows.len(), out.display());
+            if let Err(e) = write_out(out.as_ref(), &rows, failed < rows.len()) {
+                eprintln!("grouped-bench: {e}");
+                return ExitCode::FAILURE;
             }
             if failed > 0 {
                 eprintln!("grouped-bench: {failed} rows failed their check or their run");
