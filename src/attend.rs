@@ -53,6 +53,24 @@ pub struct AttendArgs {
 /// Runs the method and writes its results; returns the paths written.
 pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     files::check_output_dir("--out-dir", &args.out_dir).map_err(|e| e.to_string())?;
+    #[allow(unused_mut)] // the backward's files join them from step 04 on
+    let mut names = vec!["out.npy", "lse.npy"];
+    // [step 04]
+    if args.dout.is_some() {
+        names.extend(["dq.npy", "dk.npy", "dv.npy"]);
+    }
+    // [/step 04]
+    // a folder where an output goes would stop the renames half-way: refused now
+    for name in names {
+        let path = args.out_dir.join(name);
+        if path.is_dir() {
+            return Err(format!(
+                "{}: --out-dir holds a folder named {name}, where this run writes a file; \
+                 move it away",
+                path.display()
+            ));
+        }
+    }
     // [step 08]
     if let Some(decoder) = methods::decoder_by_name(&args.method) {
         return decode(decoder, args);
@@ -96,6 +114,9 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
         Some(path) => {
             let d = npy::read_f32_4d(path).map_err(|e| e.to_string())?;
             same_shape(path, &d, &args.q, &q)?;
+            // refused before the forward runs, not after it (the backward would refuse it)
+            flash_core::check_finite("dout", &d.view())
+                .map_err(|e| format!("{}: {e}", path.display()))?;
             Some(d)
         }
         None => None,
