@@ -6,13 +6,17 @@
 
 use std::collections::HashMap;
 use std::fs;
+use std::io::{self, Write};
 use std::path::Path;
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use flash_core::files;
+use ndarray::ArrayViewD;
+use safetensors::tensor::{Dtype, Metadata, SafeTensors, TensorInfo};
 
 use crate::TrainError;
 use crate::model::{Config, Params};
 use crate::optim::{AdamW, AdamWSettings};
+use crate::train::Trainer;
 
 /// What a checkpoint holds.
 #[derive(Clone, Debug, PartialEq)]
@@ -24,33 +28,67 @@ pub struct Checkpoint {
     pub step: usize,
 }
 
-fn le_bytes(x: &[f32]) -> Vec<u8> {
-    x.iter().flat_map(|v| v.to_le_bytes()).collect()
+impl From<Trainer> for Checkpoint {
+    /// Everything needed to go on training: weights, optimizer, step.
+    fn from(t: Trainer) -> Checkpoint {
+        Checkpoint {
+            params: t.params,
+            opt: Some(t.opt),
+            step: t.step,
+        }
+    }
+}
+
+/// Floats a buffer of a checkpoint's bytes holds: a tensor is written in pieces of this
+/// many, so a save never holds more than one piece's copy beside the weights.
+const PIECE: usize = 1 << 16;
+
+/// Writes `x` as little-endian bytes, a piece at a time.
+fn write_le(w: &mut dyn Write, x: &[f32]) -> io::Result<()> {
+    let mut buf = Vec::with_capacity(4 * PIECE.min(x.len()));
+    for piece in x.chunks(PIECE) {
+        buf.clear();
+        buf.extend(piece.iter().flat_map(|v| v.to_le_bytes()));
+        w.write_all(&buf)?;
+    }
+    Ok(())
 }
 
 impl Checkpoint {
-    /// Writes the checkpoint to `path`.
+    /// Writes the checkpoint to `path`, whole or not at all ([`files::write_atomic_with`]):
+    /// a save that fails half-way (a full disk, a file-size limit, a second Ctrl-C) leaves
+    /// the checkpoint that was there before as it was. The tensors stream to the file one
+    /// after another, in safetensors' own order (by name), so the file is byte for byte
+    /// what `safetensors::serialize` makes, without a second copy of the model in memory.
     pub fn save(&self, path: &Path) -> Result<(), TrainError> {
-        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-        let mut add = |prefix: &str, p: &Params<f32>| {
-            for (name, t) in p.tensors() {
-                let data = le_bytes(t.as_slice().expect("standard layout"));
-                tensors.push((format!("{prefix}{name}"), t.shape().to_vec(), data));
-            }
-        };
-        add("", &self.params);
-        if let Some(opt) = &self.opt {
-            add("adamw.m.", &opt.m);
-            add("adamw.v.", &opt.v);
+        fn named<'a>(
+            prefix: &str,
+            p: &'a Params<f32>,
+        ) -> Vec<(String, ArrayViewD<'a, f32>)> {
+            let tensors = p.tensors().into_iter();
+            tensors
+                .map(|(name, t)| (format!("{prefix}{name}"), t))
+                .collect()
         }
-        let views = tensors
+        let mut tensors = named("", &self.params);
+        if let Some(opt) = &self.opt {
+            tensors.extend(named("adamw.m.", &opt.m));
+            tensors.extend(named("adamw.v.", &opt.v));
+        }
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut offset = 0;
+        let infos = tensors
             .iter()
-            .map(|(name, shape, data)| {
-                let view =
-                    TensorView::new(Dtype::F32, shape.clone(), data).expect("sizes agree");
-                (name.clone(), view)
+            .map(|(name, t)| {
+                let info = TensorInfo {
+                    dtype: Dtype::F32,
+                    shape: t.shape().to_vec(),
+                    data_offsets: (offset, offset + 4 * t.len()),
+                };
+                offset += 4 * t.len();
+                (name.clone(), info)
             })
-            .collect::<Vec<_>>();
+            .collect();
         let json = |v: serde_json::Result<String>| v.expect("plain structs serialise");
         let mut meta = HashMap::from([
             ("format".to_string(), "step05-train".to_string()),
@@ -64,9 +102,21 @@ impl Checkpoint {
             meta.insert("adamw".into(), json(serde_json::to_string(&opt.settings)));
             meta.insert("adamw.t".into(), opt.t.to_string());
         }
-        let bytes = safetensors::serialize(views, Some(meta))
-            .map_err(|e| TrainError::Checkpoint(format!("{}: {e}", path.display())))?;
-        fs::write(path, bytes).map_err(|e| TrainError::io(path, e))
+        let bad = |e: String| TrainError::Checkpoint(format!("{}: {e}", path.display()));
+        let header = Metadata::new(Some(meta), infos).map_err(|e| bad(e.to_string()))?;
+        let mut header = json(serde_json::to_string(&header)).into_bytes();
+        // safetensors' header: its length as a little-endian u64, then JSON padded with
+        // spaces to a multiple of 8 bytes, so the tensors that follow are aligned
+        header.resize(header.len().next_multiple_of(8), b' ');
+        files::write_atomic_with(path, |w| {
+            w.write_all(&(header.len() as u64).to_le_bytes())?;
+            w.write_all(&header)?;
+            for (_, t) in &tensors {
+                write_le(w, t.as_slice().expect("standard layout"))?;
+            }
+            Ok(())
+        })
+        .map_err(TrainError::from)
     }
 
     /// Reads a checkpoint that [`Checkpoint::save`] wrote.
@@ -110,7 +160,16 @@ impl Checkpoint {
                     .data()
                     .chunks_exact(4)
                     .map(|b| f32::from_le_bytes(b.try_into().unwrap()));
-                for (dst, v) in t.iter_mut().zip(values) {
+                for (i, (dst, v)) in t.iter_mut().zip(values).enumerate() {
+                    // a NaN or an infinity trains and samples garbage without an error:
+                    // refused here, where the file can be named
+                    if !v.is_finite() {
+                        return Err(bad(format!(
+                            "{full}[{i}] is {v}: the checkpoint holds a non-finite number \
+                             (the run that wrote it diverged, or the file is damaged); \
+                             resume or sample from an earlier checkpoint"
+                        )));
+                    }
                     *dst = v;
                 }
             }

@@ -9,6 +9,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use flash_core::files;
 use flash_core::inputs::SplitMix64;
 use ndarray::Array2;
 
@@ -229,21 +230,23 @@ impl Corpus {
 
     /// Writes the corpus, already split, as a token file: the magic bytes `GPTBYTES`, then
     /// four little-endian `u64`s (training bytes, held-out bytes, training files, held-out
-    /// files), then the training bytes and the held-out bytes.
+    /// files), then the training bytes and the held-out bytes. Whole or not at all, streamed
+    /// from the corpus without a copy of it ([`files::write_atomic_with`]).
     pub fn save(&self, path: &Path) -> Result<(), TrainError> {
-        let mut out = Vec::with_capacity(40 + self.train.len() + self.heldout.len());
-        out.extend_from_slice(MAGIC);
-        for n in [
-            self.train.len(),
-            self.heldout.len(),
-            self.train_files,
-            self.heldout_files,
-        ] {
-            out.extend_from_slice(&(n as u64).to_le_bytes());
-        }
-        out.extend_from_slice(&self.train);
-        out.extend_from_slice(&self.heldout);
-        fs::write(path, out).map_err(|e| TrainError::io(path, e))
+        files::write_atomic_with(path, |w| {
+            w.write_all(MAGIC)?;
+            for n in [
+                self.train.len(),
+                self.heldout.len(),
+                self.train_files,
+                self.heldout_files,
+            ] {
+                w.write_all(&(n as u64).to_le_bytes())?;
+            }
+            w.write_all(&self.train)?;
+            w.write_all(&self.heldout)
+        })
+        .map_err(TrainError::from)
     }
 
     fn from_token_file(source: String, bytes: &[u8]) -> Result<Corpus, TrainError> {

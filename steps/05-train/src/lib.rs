@@ -24,9 +24,11 @@
 //! - [`optim`]: [`AdamW`], the [`Schedule`] of the learning rate, [`clip_grad_norm`].
 //! - [`data`]: the [`Corpus`] (split by file into training and held-out bytes) and the
 //!   batches, drawn from a seed and the step.
-//! - [`checkpoint`]: [`Checkpoint`]s as safetensors files.
+//! - [`checkpoint`]: [`Checkpoint`]s as safetensors files, written whole or not at all.
+//! - [`flag`]: the command line's numbers, checked where they enter.
 //! - [`train`](mod@train): [`Trainer`], the [`Learner`] the loop trains (CPU or GPU), the
-//!   loop and its record, and [`sample`].
+//!   loop (stopped by Ctrl-C, saving along the way: [`train_with`]) and its record, and
+//!   [`sample`].
 //! - [`cuda`]: [`GpuTrainer`](cuda::GpuTrainer), the model on the GPU (`kernels/train.cu`,
 //!   cuBLAS, and the kernels of steps 03 and 04).
 //! - `src/main.rs`: the command, `train` (`--device cpu|cuda`) and `sample`.
@@ -34,6 +36,7 @@
 pub mod checkpoint;
 pub mod cuda;
 pub mod data;
+pub mod flag;
 pub mod layers;
 pub mod model;
 pub mod optim;
@@ -46,9 +49,12 @@ pub use checkpoint::Checkpoint;
 pub use data::{Batch, Corpus};
 pub use model::{Config, Params, backward, forward, loss};
 pub use optim::{AdamW, AdamWSettings, Schedule, clip_grad_norm};
-pub use train::{Learner, RunRecord, Settings, Trainer, sample, train};
+pub use train::{
+    Control, Learner, RunRecord, Settings, Trainer, sample, train, train_with,
+};
 
 use flash_core::AttnError;
+use flash_core::files::FileError;
 
 /// What can go wrong, each with a message that says what was wrong and what is accepted.
 #[derive(Debug)]
@@ -64,6 +70,9 @@ pub enum TrainError {
         path: String,
         source: std::io::Error,
     },
+    /// An output that cannot be written where it was asked for, or a write that failed
+    /// (and left the old file as it was).
+    File(FileError),
     /// The attention refused its inputs.
     Attention(AttnError),
     /// The GPU: none, a missing library, a failed launch, or out of its memory.
@@ -86,6 +95,7 @@ impl fmt::Display for TrainError {
                 f.write_str(m)
             }
             TrainError::Io { path, source } => write!(f, "{path}: {source}"),
+            TrainError::File(e) => write!(f, "{e}"),
             TrainError::Attention(e) => write!(f, "attention: {e}"),
             TrainError::Device(e) => write!(f, "GPU: {e}"),
         }
@@ -93,6 +103,12 @@ impl fmt::Display for TrainError {
 }
 
 impl std::error::Error for TrainError {}
+
+impl From<FileError> for TrainError {
+    fn from(e: FileError) -> Self {
+        TrainError::File(e)
+    }
+}
 
 impl From<AttnError> for TrainError {
     fn from(e: AttnError) -> Self {

@@ -11,17 +11,22 @@
 //! ```
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use flash_core::files;
 use step05_train::cuda::parallel::{DataParallel, local_batch}; // [step 07]
 use step05_train::cuda::{AttentionKind, GpuTrainer};
+use step05_train::flag;
 use step05_train::model::Preset;
 use step05_train::optim::{AdamWSettings, Schedule};
-use step05_train::train::{Event, RunRecord};
+use step05_train::train::{
+    EvalRecord, Event, RunRecord, StepRecord, Utf8Stream, sample_each, throughput,
+};
 use step05_train::{
-    Checkpoint, Config, Corpus, Settings, TrainError, Trainer, sample, train,
+    Checkpoint, Config, Control, Corpus, Learner, Settings, TrainError, Trainer, train_with,
 };
 
 #[derive(Parser)]
@@ -36,6 +41,12 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model (or go on training one, with --resume).
+    ///
+    /// Ctrl-C or SIGTERM stops the run after the step it is in: the run's JSON so far is
+    /// written (--out), the checkpoint is saved (to --save, or, without it, to a new file
+    /// train-interrupted-STEP.safetensors in the current folder), the command that resumes
+    /// it is printed, and the exit status is 130. A second Ctrl-C quits at once, leaving
+    /// every file as it was. --save-every N saves along the way; --resume goes on, exactly.
     Train(Box<TrainArgs>),
     /// Generate text from a checkpoint.
     Sample(SampleArgs),
@@ -139,21 +150,21 @@ struct TrainArgs {
     /// Steps of the whole run (the learning rate reaches its minimum at the last)
     #[arg(long, default_value_t = 1000)]
     steps: usize,
-    /// The largest learning rate, reached after the warm-up [default: 3e-3; 6e-4 for a
-    /// model 768 wide or wider, such as --model gpt2]
-    #[arg(long)]
+    /// The largest learning rate, reached after the warm-up, in (0, 1] [default: 3e-3;
+    /// 6e-4 for a model 768 wide or wider, such as --model gpt2]
+    #[arg(long, value_parser = flag::learning_rate, allow_hyphen_values = true)]
     lr: Option<f32>,
-    /// The last learning rate, as a fraction of --lr
-    #[arg(long, default_value_t = 0.1)]
+    /// The last learning rate, as a fraction of --lr, in [0, 1]
+    #[arg(long, default_value_t = 0.1, value_parser = flag::fraction, allow_hyphen_values = true)]
     min_lr_frac: f32,
     /// Steps of linear warm-up
     #[arg(long, default_value_t = 50)]
     warmup: usize,
-    /// AdamW's weight decay, on matrices only
-    #[arg(long, default_value_t = 0.1)]
+    /// AdamW's weight decay, on matrices only, in [0, 1]
+    #[arg(long, default_value_t = 0.1, value_parser = flag::fraction, allow_hyphen_values = true)]
     weight_decay: f32,
-    /// The gradients' largest global norm
-    #[arg(long, default_value_t = 1.0)]
+    /// The gradients' largest global norm, above 0
+    #[arg(long, default_value_t = 1.0, value_parser = flag::positive, allow_hyphen_values = true)]
     clip: f32,
     /// Seed of the initial weights and of the batches
     #[arg(long, default_value_t = 1337)]
@@ -170,15 +181,22 @@ struct TrainArgs {
     /// Write the run (every step and held-out loss) as JSON
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Write a checkpoint (weights and optimizer) at the end
+    /// Write a checkpoint (weights and optimizer) at the end, on Ctrl-C, and with
+    /// --save-every along the way; each save replaces the last whole, never half-written
     #[arg(long)]
     save: Option<PathBuf>,
-    /// Go on from a checkpoint: its weights, optimizer and step
+    /// Save the checkpoint to --save every this many steps, as well as at the end
+    #[arg(long, requires = "save")]
+    save_every: Option<usize>,
+    /// Go on from a checkpoint: its weights, optimizer and step. With the flags of the run
+    /// that wrote it, the steps that follow are bit for bit those that run would have taken
+    /// (the batches, the rate and AdamW's step depend only on the seed and the step);
+    /// with --out naming that run's JSON, the steps are added to it
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Stop after the first step that ends past this many seconds of training (held-out
     /// losses not counted); the schedule still runs over --steps
-    #[arg(long)]
+    #[arg(long, value_parser = flag::seconds, allow_hyphen_values = true)]
     max_seconds: Option<f64>,
     /// Write the initial weights (before the first step) as a checkpoint without optimizer
     /// state, for a peer trainer to start from the same weights
@@ -218,14 +236,16 @@ struct SampleArgs {
     /// Bytes to generate
     #[arg(long, default_value_t = 200)]
     tokens: usize,
-    /// Below 1 sharper, above 1 flatter; 0 always takes the likeliest byte
-    #[arg(long, default_value_t = 0.8)]
+    /// Below 1 sharper, above 1 flatter; 0 always takes the likeliest byte (0 or more)
+    #[arg(long, default_value_t = 0.8, value_parser = flag::temperature, allow_hyphen_values = true)]
     temperature: f32,
     #[arg(long, default_value_t = 1337)]
     seed: u64,
 }
 
-fn run_train(args: TrainArgs) -> Result<(), TrainError> {
+fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
+    // every file the run writes can be written: said before anything loads or trains
+    check_outputs(&args)?;
     // [step 07]
     // before anything loads: the GPUs asked for, and the batch's split over them
     let gpus = check_gpus(&args)?;
@@ -339,10 +359,36 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
             }
             Event::Step(_) => {}
             Event::Eval(e) => println!("step {:>5} | held-out loss {:.4}", e.step, e.loss),
+            Event::Saved(step) => {
+                let path = args.save.as_deref().expect("--save-every requires --save");
+                println!("step {step:>5} | checkpoint saved to {}", path.display());
+            }
         }
         let _ = std::io::stdout().flush();
     };
-    let (run, trainer) = match args.device {
+    // the run's JSON before this one, continued if it ends where the checkpoint starts
+    let earlier = earlier_record(&args, &config, &settings, trainer.step);
+    // from here on, Ctrl-C and SIGTERM stop the run after its step, saved
+    let stop = interrupt_flag()?;
+    let mut save_along = |ckpt: &Checkpoint, run: &RunRecord| -> Result<(), TrainError> {
+        if let Some(path) = &args.out {
+            write_record(path, &continued(earlier.as_ref(), run))?;
+        }
+        ckpt.save(args.save.as_deref().expect("--save-every requires --save"))
+    };
+    let control = Control {
+        interrupt: Some(stop),
+        save_every: args.save_every.unwrap_or(0),
+        save: Some(&mut save_along),
+    };
+    // the checkpoint is copied back from a GPU only when it is saved
+    let wanted = |learner: &dyn Learner| -> Result<Option<Checkpoint>, TrainError> {
+        match args.save.is_some() || stop.load(Ordering::SeqCst) {
+            true => learner.checkpoint().map(Some),
+            false => Ok(None),
+        }
+    };
+    let (run, ckpt) = match args.device {
         DeviceArg::Cpu => {
             if args.attention != AttentionArg::Flash {
                 let name = args
@@ -362,8 +408,8 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
                 ));
             }
             println!("device: cpu, {} threads", rayon::current_num_threads());
-            let run = train(&mut trainer, &corpus, &settings, report)?;
-            (run, trainer)
+            let run = train_with(&mut trainer, &corpus, &settings, control, report)?;
+            (run, wanted(&trainer)?)
         }
         // [step 07]
         DeviceArg::Cuda if gpus.len() > 1 => {
@@ -389,12 +435,8 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
                 first.batch,
                 first.bytes as f64 / 1e9
             );
-            let run = train(&mut dp, &corpus, &settings, report)?;
-            let trainer = match args.save {
-                Some(_) => dp.to_trainer()?,
-                None => trainer,
-            };
-            (run, trainer)
+            let run = train_with(&mut dp, &corpus, &settings, control, report)?;
+            (run, wanted(&dp)?)
         }
         // [/step 07]
         DeviceArg::Cuda => {
@@ -416,32 +458,210 @@ fn run_train(args: TrainArgs) -> Result<(), TrainError> {
                 attention.name(),
                 gpu.bytes as f64 / 1e9
             );
-            let run = train(&mut gpu, &corpus, &settings, report)?;
-            // the weights and moments come back only to be saved
-            let trainer = match args.save {
-                Some(_) => gpu.to_trainer()?,
-                None => trainer,
-            };
-            (run, trainer)
+            let run = train_with(&mut gpu, &corpus, &settings, control, report)?;
+            (run, wanted(&gpu)?)
         }
     };
+    let interrupted = stop.load(Ordering::SeqCst);
+    if interrupted {
+        println!(
+            "interrupted after step {}: saving",
+            ckpt.as_ref().map_or(0, |c| c.step)
+        );
+    }
     summary(&run);
     if let Some(path) = &args.out {
-        // one step a line (flash_core::row::row_a_line)
-        let json = flash_core::row::to_json_row_a_line(&run);
-        std::fs::write(path, json).map_err(|e| TrainError::io(path, e))?;
-        println!("run written to {}", path.display());
+        let run = continued(earlier.as_ref(), &run);
+        write_record(path, &run)?;
+        println!(
+            "run written to {} (steps {}..{})",
+            path.display(),
+            run.started_at_step,
+            run.started_at_step + run.steps.len()
+        );
     }
-    if let Some(path) = &args.save {
-        let ckpt = Checkpoint {
-            params: trainer.params,
-            opt: Some(trainer.opt),
-            step: trainer.step,
-        };
-        ckpt.save(path)?;
-        println!("checkpoint written to {}", path.display());
+    let Some(ckpt) = ckpt else {
+        return Ok(ExitCode::SUCCESS);
+    };
+    let path = match &args.save {
+        Some(path) => path.clone(),
+        None => fresh_checkpoint_path(ckpt.step),
+    };
+    ckpt.save(&path)?;
+    println!("checkpoint written to {}", path.display());
+    if !interrupted {
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "to go on from step {} of {}, exactly where it stopped:\n  {}",
+        ckpt.step,
+        settings.steps,
+        resume_command(&path, args.save.is_none())
+    );
+    // 128 + SIGINT: how a shell reports a command stopped by Ctrl-C
+    Ok(ExitCode::from(130))
+}
+
+/// Every output path, checked before the corpus loads: its folder exists and takes files,
+/// and it is not a folder; the message names the flag.
+fn check_outputs(args: &TrainArgs) -> Result<(), TrainError> {
+    let outputs = [
+        ("--out", &args.out),
+        ("--save", &args.save),
+        ("--save-tokens", &args.save_tokens),
+        ("--save-init", &args.save_init),
+        ("--dump-batches", &args.dump_batches),
+    ];
+    for (flag, path) in outputs {
+        if let Some(path) = path {
+            files::check_output(flag, path)?;
+        }
+    }
+    if let Some(path) = &args.dump_batches {
+        files::check_output("--dump-batches (its .heldout)", &heldout_path(path))?;
+    }
+    if args.save_every == Some(0) {
+        return Err(TrainError::Config(
+            "--save-every 0: it takes a number of steps, 1 or more (leave it out to save \
+             only at the end and on Ctrl-C)"
+                .into(),
+        ));
     }
     Ok(())
+}
+
+/// A flag that Ctrl-C, SIGTERM or SIGHUP sets; the training loop stops after the step it
+/// is in. A second signal quits at once: every file is then as it was, since each is
+/// written whole or not at all.
+fn interrupt_flag() -> Result<&'static AtomicBool, TrainError> {
+    static STOP: AtomicBool = AtomicBool::new(false);
+    ctrlc::set_handler(|| {
+        if STOP.swap(true, Ordering::SeqCst) {
+            eprintln!("\ninterrupted again: quitting without saving");
+            std::process::exit(130);
+        }
+        eprintln!(
+            "\ninterrupted: finishing this step, then saving (Ctrl-C again to quit at once)"
+        );
+    })
+    .map_err(|e| TrainError::Config(format!("cannot catch Ctrl-C: {e}")))?;
+    Ok(&STOP)
+}
+
+/// Where an interrupted run without --save puts its checkpoint: a new file in the current
+/// folder, never one that is there already.
+fn fresh_checkpoint_path(step: usize) -> PathBuf {
+    (0..)
+        .map(|n| match n {
+            0 => PathBuf::from(format!("train-interrupted-{step}.safetensors")),
+            n => PathBuf::from(format!("train-interrupted-{step}-{n}.safetensors")),
+        })
+        .find(|p| !p.exists())
+        .expect("a free name")
+}
+
+/// This command line with `--resume CHECKPOINT` (and `--save CHECKPOINT` when it had no
+/// --save), less the flags that write the run's inputs (--save-tokens, --save-init,
+/// --dump-batches: written already, and --save-init would be overwritten by weights that
+/// are no longer the initial ones), quoted for a POSIX shell.
+fn resume_command(checkpoint: &Path, add_save: bool) -> String {
+    let drop = ["--resume", "--save-tokens", "--save-init", "--dump-batches"];
+    let mut words: Vec<String> = Vec::new();
+    let mut args = std::env::args_os().map(|a| a.to_string_lossy().into_owned());
+    while let Some(arg) = args.next() {
+        let name = arg.split('=').next().unwrap_or_default();
+        if drop.contains(&name) {
+            if !arg.contains('=') {
+                args.next(); // its value
+            }
+            continue;
+        }
+        words.push(arg);
+    }
+    let path = checkpoint.display().to_string();
+    if add_save {
+        words.extend(["--save".into(), path.clone()]);
+    }
+    words.extend(["--resume".into(), path]);
+    words
+        .iter()
+        .map(|w| shell_quoted(w))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// `word` as a POSIX shell reads it back: as it is when it is plain, else in single quotes.
+fn shell_quoted(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        return word.to_string();
+    }
+    format!("'{}'", word.replace('\'', r"'\''"))
+}
+
+/// The run's record as JSON, one step a line ([`flash_core::row::row_a_line`]), whole or
+/// not at all.
+fn write_record(path: &Path, run: &RunRecord) -> Result<(), TrainError> {
+    let json = flash_core::row::to_json_row_a_line(run);
+    files::write_atomic(path, json.as_bytes()).map_err(TrainError::from)
+}
+
+/// With --resume and --out: the record already in --out, if it is this run's up to the
+/// checkpoint's step (the same model and settings, a step `step` in it, or started
+/// there), cut at that step; the resumed run's steps are added to it. None otherwise, and
+/// --out is written anew.
+fn earlier_record(
+    args: &TrainArgs,
+    config: &Config,
+    settings: &Settings,
+    step: usize,
+) -> Option<RunRecord> {
+    let (Some(_), Some(path)) = (&args.resume, &args.out) else {
+        return None;
+    };
+    let text = std::fs::read_to_string(path).ok()?;
+    let mut run: RunRecord = serde_json::from_str(&text).ok()?;
+    // the time budget is a run's own; everything else must be the same
+    let same = |s: &Settings| Settings {
+        max_seconds: None,
+        ..*s
+    };
+    let reaches = run.started_at_step == step || run.steps.iter().any(|s| s.step == step);
+    if run.config != *config || same(&run.settings) != same(settings) || !reaches {
+        println!(
+            "{} is not this run's record up to step {step}: it is written anew",
+            path.display()
+        );
+        return None;
+    }
+    run.steps.retain(|s| s.step <= step);
+    run.evals.retain(|e| e.step < step);
+    println!(
+        "{}: the run's record up to step {step}, the steps that follow are added to it",
+        path.display()
+    );
+    Some(run)
+}
+
+/// `run` after `earlier` (see [`earlier_record`]): one record of the whole run, its
+/// training seconds counted on from the earlier part's.
+fn continued(earlier: Option<&RunRecord>, run: &RunRecord) -> RunRecord {
+    let Some(earlier) = earlier else {
+        return run.clone();
+    };
+    let offset = earlier.steps.last().map_or(0.0, |s| s.train_seconds);
+    let mut whole = earlier.clone();
+    whole.steps.extend(run.steps.iter().map(|s| StepRecord {
+        train_seconds: s.train_seconds + offset,
+        ..*s
+    }));
+    whole.evals.extend(run.evals.iter().map(|e| EvalRecord {
+        train_seconds: e.train_seconds + offset,
+        ..*e
+    }));
+    whole.seconds += run.seconds;
+    whole.tokens_per_s = throughput(&whole.steps, whole.tokens_per_step);
+    whole
 }
 
 // [step 07]
@@ -555,10 +775,43 @@ fn summary(run: &RunRecord) {
     }
 }
 
+/// Bytes free for this user in the file system of `folder`, where the platform says.
+fn free_bytes(folder: &Path) -> Option<u64> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::ffi::OsStrExt;
+        let name = std::ffi::CString::new(folder.as_os_str().as_bytes()).ok()?;
+        let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+        // SAFETY: `name` is a NUL-terminated path and `st` a place statvfs fills on success
+        let st = unsafe {
+            if libc::statvfs(name.as_ptr(), st.as_mut_ptr()) != 0 {
+                return None;
+            }
+            st.assume_init()
+        };
+        #[allow(clippy::unnecessary_cast)] // the fields' widths differ between platforms
+        Some(st.f_bavail as u64 * st.f_frsize as u64)
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = folder;
+        None
+    }
+}
+
+/// Where `--dump-batches PATH` puts the held-out batches: `PATH.heldout`.
+fn heldout_path(path: &Path) -> PathBuf {
+    let mut heldout = path.as_os_str().to_owned();
+    heldout.push(".heldout");
+    PathBuf::from(heldout)
+}
+
 /// The windows of steps `from..settings.steps` to `path`, and of the held-out batches to
-/// `path.heldout`: row-major u8, `seq_len + 1` bytes a window.
+/// `path.heldout`: row-major u8, `seq_len + 1` bytes a window. The size is checked against
+/// the disk before anything is written, and the windows stream to the file a step at a
+/// time; the two files are written whole, both or neither.
 fn dump_batches(
-    path: &std::path::Path,
+    path: &Path,
     corpus: &Corpus,
     settings: &Settings,
     from: usize,
@@ -566,45 +819,79 @@ fn dump_batches(
     use step05_train::data::{heldout_starts, train_starts, windows};
     let (batch, tokens) = (settings.batch, settings.seq_len);
     corpus.check_window(tokens)?;
-    let mut out = Vec::with_capacity(
-        (settings.steps - from.min(settings.steps)) * batch * (tokens + 1),
-    );
-    for step in from..settings.steps {
-        let starts = train_starts(corpus.train.len(), batch, tokens, settings.seed, step);
-        out.extend_from_slice(&windows(&corpus.train, &starts, tokens));
+    let steps = settings.steps.saturating_sub(from);
+    let window = tokens as u128 + 1;
+    let bytes = steps as u128 * batch as u128 * window
+        + settings.eval_batches as u128 * batch as u128 * window;
+    let folder = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let free = free_bytes(folder);
+    if bytes > u64::MAX as u128 || free.is_some_and(|free| bytes > free as u128) {
+        return Err(TrainError::Config(format!(
+            "--dump-batches: {steps} steps × {batch} sequences × {window} bytes (and the \
+             held-out batches) need {bytes} bytes ({:.1} GB), but {} has {}: use fewer \
+             --steps or a smaller --batch or --seq-len",
+            bytes as f64 / 1e9,
+            folder.display(),
+            free.map_or("less".into(), |f| format!(
+                "{f} bytes free ({:.1} GB)",
+                f as f64 / 1e9
+            )),
+        )));
     }
-    std::fs::write(path, &out).map_err(|e| TrainError::io(path, e))?;
-    let mut held = Vec::new();
-    for starts in heldout_starts(corpus.heldout.len(), batch, tokens, settings.eval_batches)
-    {
-        held.extend_from_slice(&windows(&corpus.heldout, &starts, tokens));
-    }
-    let mut heldout_path = path.as_os_str().to_owned();
-    heldout_path.push(".heldout");
-    let heldout_path = PathBuf::from(heldout_path);
-    std::fs::write(&heldout_path, &held).map_err(|e| TrainError::io(&heldout_path, e))?;
+    let heldout = heldout_path(path);
+    let mut staged = files::Staged::new();
+    staged.add(path, |w| {
+        for step in from..settings.steps {
+            let starts =
+                train_starts(corpus.train.len(), batch, tokens, settings.seed, step);
+            w.write_all(&windows(&corpus.train, &starts, tokens))?;
+        }
+        Ok(())
+    })?;
+    staged.add(&heldout, |w| {
+        let held =
+            heldout_starts(corpus.heldout.len(), batch, tokens, settings.eval_batches);
+        for starts in held {
+            w.write_all(&windows(&corpus.heldout, &starts, tokens))?;
+        }
+        Ok(())
+    })?;
+    staged.commit()?;
     println!(
-        "batches of steps {from}..{} written to {} ([{}, {batch}, {}] bytes), held-out to {}",
+        "batches of steps {from}..{} written to {} ([{steps}, {batch}, {window}] bytes), \
+         held-out to {}",
         settings.steps,
         path.display(),
-        settings.steps.saturating_sub(from),
-        tokens + 1,
-        heldout_path.display()
+        heldout.display()
     );
     Ok(())
 }
 
-fn run_sample(args: SampleArgs) -> Result<(), TrainError> {
+fn run_sample(args: SampleArgs) -> Result<ExitCode, TrainError> {
     let ckpt = Checkpoint::load(&args.checkpoint)?;
-    let text = sample(
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let io = |e: std::io::Error| TrainError::io(Path::new("standard output"), e);
+    out.write_all(args.prompt.as_bytes()).map_err(io)?;
+    // each byte printed as it is drawn, a character once its last byte is there
+    let mut text = Utf8Stream::default();
+    sample_each(
         &ckpt.params,
         args.prompt.as_bytes(),
         args.tokens,
         args.temperature,
         args.seed,
+        |byte| {
+            out.write_all(text.push(byte).as_bytes())
+                .and_then(|()| out.flush())
+                .map_err(io)
+        },
     )?;
-    println!("{}{}", args.prompt, String::from_utf8_lossy(&text));
-    Ok(())
+    writeln!(out, "{}", text.finish()).map_err(io)?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn main() -> ExitCode {
@@ -613,7 +900,7 @@ fn main() -> ExitCode {
         Command::Sample(args) => run_sample(args),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE

@@ -1,11 +1,13 @@
 //! The training loop, the held-out loss, the run's record, and sampling.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use flash_core::inputs::SplitMix64;
 use serde::{Deserialize, Serialize};
 
 use crate::TrainError;
+use crate::checkpoint::Checkpoint;
 use crate::data::{Batch, Corpus, heldout_batches, train_batch};
 use crate::model::{Config, Params, backward, forward, loss, next_token_probs};
 use crate::optim::{AdamW, AdamWSettings, Schedule, clip_grad_norm};
@@ -175,6 +177,39 @@ fn one() -> usize {
 pub enum Event<'a> {
     Step(&'a StepRecord),
     Eval(&'a EvalRecord),
+    /// A checkpoint was saved along the way (`Control::save_every`), after this many steps.
+    Saved(usize),
+}
+
+/// What saves a checkpoint along the way, given it and the run's record so far.
+pub type SaveFn<'a> = dyn FnMut(&Checkpoint, &RunRecord) -> Result<(), TrainError> + 'a;
+
+/// What may stop a run before its last step, and what it saves on the way.
+pub struct Control<'a> {
+    /// Set from outside (by Ctrl-C or SIGTERM): the loop finishes the step it is in and
+    /// returns, without its held-out loss, so that what it did can be saved.
+    pub interrupt: Option<&'a AtomicBool>,
+    /// Every this many steps (counted from 0, not from the resumed step), hand a
+    /// checkpoint to `save`; 0: never.
+    pub save_every: usize,
+    /// Where a checkpoint along the way goes, with the run's record so far.
+    pub save: Option<&'a mut SaveFn<'a>>,
+}
+
+impl Control<'_> {
+    /// Runs to the end: nothing stops it, nothing is saved on the way.
+    pub fn none() -> Control<'static> {
+        Control {
+            interrupt: None,
+            save_every: 0,
+            save: None,
+        }
+    }
+
+    fn interrupted(&self) -> bool {
+        self.interrupt
+            .is_some_and(|flag| flag.load(Ordering::SeqCst))
+    }
 }
 
 /// The hardware a run trained on and how, for its record.
@@ -227,6 +262,9 @@ pub trait Learner {
         Vec::new()
     }
     // [/step 07]
+    /// The weights, the optimizer's state and the step, on the host, to be saved (on the
+    /// GPU, copied back).
+    fn checkpoint(&self) -> Result<Checkpoint, TrainError>;
 }
 
 /// A model, its optimizer and how far it has trained, on the CPU.
@@ -328,6 +366,14 @@ impl Learner for Trainer {
             precision: "f32".into(),
         }
     }
+
+    fn checkpoint(&self) -> Result<Checkpoint, TrainError> {
+        Ok(Checkpoint {
+            params: self.params.clone(),
+            opt: Some(self.opt.clone()),
+            step: self.step,
+        })
+    }
 }
 
 /// Checks the settings against the model and the corpus.
@@ -357,6 +403,24 @@ pub fn train<L: Learner + ?Sized>(
     learner: &mut L,
     corpus: &Corpus,
     settings: &Settings,
+    report: impl FnMut(Event),
+) -> Result<RunRecord, TrainError> {
+    train_with(learner, corpus, settings, Control::none(), report)
+}
+
+/// [`train`], stopped early by `control.interrupt` (after the step it is in) and saving a
+/// checkpoint every `control.save_every` steps.
+///
+/// A step depends only on the learner's state and its step number: its batch on the seed
+/// and the step ([`train_batch`]), its rate on the step ([`Schedule::lr`]), AdamW's bias
+/// correction on the optimizer's count of steps, which the checkpoint keeps. So a run
+/// stopped at any step, saved and resumed, takes the steps, bit for bit, of a run that
+/// never stopped.
+pub fn train_with<L: Learner + ?Sized>(
+    learner: &mut L,
+    corpus: &Corpus,
+    settings: &Settings,
+    mut control: Control,
     mut report: impl FnMut(Event),
 ) -> Result<RunRecord, TrainError> {
     let config = learner.config();
@@ -410,12 +474,25 @@ pub fn train<L: Learner + ?Sized>(
     run.evals.push(first);
     let every = settings.eval_every.max(1);
     let out_of_time = |t: f64| settings.max_seconds.is_some_and(|max| t >= max);
-    while learner.steps_done() < settings.steps && !out_of_time(train_seconds) {
-        let mut record = learner.train_step(corpus, settings)?;
+    while learner.steps_done() < settings.steps
+        && !out_of_time(train_seconds)
+        && !control.interrupted()
+    {
+        let step = learner.steps_done();
+        let mut record = learner
+            .train_step(corpus, settings)
+            .map_err(|e| diverged(e, step))?;
+        if !record.loss.is_finite() || !record.grad_norm.is_finite() {
+            return Err(diverged_at(step + 1, &record));
+        }
         train_seconds += record.ms / 1e3;
         record.train_seconds = train_seconds;
         report(Event::Step(&record));
         run.steps.push(record);
+        if control.interrupted() {
+            // asked to stop: no held-out loss, the caller saves at once
+            break;
+        }
         let step = learner.steps_done();
         if step.is_multiple_of(every)
             || step == settings.steps
@@ -425,6 +502,16 @@ pub fn train<L: Learner + ?Sized>(
             report(Event::Eval(&e));
             run.evals.push(e);
         }
+        if let Some(save) = control.save.as_mut()
+            && control.save_every > 0
+            && step.is_multiple_of(control.save_every)
+            && step < settings.steps
+        {
+            run.seconds = started.elapsed().as_secs_f64();
+            run.tokens_per_s = throughput(&run.steps, run.tokens_per_step);
+            save(&learner.checkpoint()?, &run)?;
+            report(Event::Saved(step));
+        }
     }
     run.seconds = started.elapsed().as_secs_f64();
     run.tokens_per_s = throughput(&run.steps, run.tokens_per_step);
@@ -432,6 +519,30 @@ pub fn train<L: Learner + ?Sized>(
     run.profile = learner.profile();
     run.allreduce_ms = learner.allreduce_ms(); // [step 07]
     Ok(run)
+}
+
+/// A step's failure on numbers that are no longer finite said as what it is: the run
+/// diverged (the attention would report only its non-finite input).
+fn diverged(e: TrainError, step: usize) -> TrainError {
+    match e {
+        TrainError::Attention(flash_core::AttnError::NonFinite { what }) => {
+            TrainError::Config(format!(
+                "step {}: the run diverged, the model's numbers are no longer finite ({what}); \
+                 train again from the last checkpoint with a smaller --lr or --clip",
+                step + 1
+            ))
+        }
+        e => e,
+    }
+}
+
+/// The error for a step whose loss or gradient norm is not finite.
+fn diverged_at(step: usize, record: &StepRecord) -> TrainError {
+    TrainError::Config(format!(
+        "step {step}: the run diverged (loss {}, gradient norm {}); nothing of this step is \
+         saved: train again from the last checkpoint with a smaller --lr or --clip",
+        record.loss, record.grad_norm
+    ))
 }
 
 /// Tokens a second over every step but the first (see [`RunRecord::tokens_per_s`]).
@@ -452,49 +563,147 @@ pub fn sample(
     temperature: f32,
     seed: u64,
 ) -> Result<Vec<u8>, TrainError> {
+    let mut out = Vec::with_capacity(count);
+    sample_each(params, prompt, count, temperature, seed, |t| {
+        out.push(t);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// [`sample`], handing each token to `each` as soon as it is drawn (`sample` prints as it
+/// goes).
+pub fn sample_each(
+    params: &Params<f32>,
+    prompt: &[u8],
+    count: usize,
+    temperature: f32,
+    seed: u64,
+    mut each: impl FnMut(u8) -> Result<(), TrainError>,
+) -> Result<(), TrainError> {
+    check_temperature(temperature)?;
     let mut rng = SplitMix64::new(seed);
     let mut tokens = prompt.to_vec();
     for _ in 0..count {
         let probs = next_token_probs(params, &tokens)?;
-        tokens.push(pick(
-            probs.as_slice().expect("one row"),
-            temperature,
-            &mut rng,
+        let probs = probs.as_slice().expect("one row");
+        check_probs(probs)?;
+        let next = pick(probs, temperature, &mut rng);
+        tokens.push(next);
+        each(next)?;
+    }
+    Ok(())
+}
+
+/// An error unless `temperature` is a number of 0 or more (0: always the likeliest).
+pub fn check_temperature(temperature: f32) -> Result<(), TrainError> {
+    if temperature.is_nan() || temperature < 0.0 || temperature.is_infinite() {
+        return Err(TrainError::Config(format!(
+            "a temperature of {temperature}: it takes a finite number, 0 or more (0 always \
+             takes the likeliest byte)"
+        )));
+    }
+    Ok(())
+}
+
+/// An error unless the model's distribution is made of numbers: a model with a NaN
+/// somewhere gives NaN probabilities, and a draw from them means nothing.
+pub fn check_probs(probs: &[f32]) -> Result<(), TrainError> {
+    if probs.iter().any(|p| !p.is_finite()) {
+        return Err(TrainError::Config(
+            "the model's probabilities of the next byte are not all finite: its weights \
+             hold a NaN or an infinity, or overflow on this prompt"
+                .into(),
         ));
     }
-    Ok(tokens[prompt.len()..].to_vec())
+    Ok(())
 }
 
 /// The next token from the model's distribution `probs`: the likeliest at `temperature` 0
 /// (the first of equals), otherwise a draw from `p^(1/τ)` renormalised, taking one number
 /// of `rng`.
+///
+/// The weights are computed in log space, `e^((ln p − ln p_max) / τ)`: the likeliest byte
+/// weighs exactly 1 at any `τ`, and the others less. `p^(1/τ)` itself underflows to 0 for
+/// every byte once `τ` is small (`0.5^(1/10⁻⁶)`), and a draw from all-zero weights would
+/// take whatever byte the loop ends on; in log space a small `τ` tends to the likeliest
+/// byte, as it should.
 pub fn pick(probs: &[f32], temperature: f32, rng: &mut SplitMix64) -> u8 {
-    let next = if temperature <= 0.0 {
-        probs
-            .iter()
-            .enumerate()
-            .fold(
-                (0, f32::MIN),
-                |best, (i, &p)| if p > best.1 { (i, p) } else { best },
-            )
-            .0
-    } else {
-        // p^(1/τ), renormalised: the softmax of the logits divided by τ
-        let weights: Vec<f64> = probs
-            .iter()
-            .map(|&p| (p as f64).powf(1.0 / temperature as f64))
-            .collect();
-        let total: f64 = weights.iter().sum();
-        let mut u = rng.next_unit() * total;
-        let mut pick = weights.len() - 1;
-        for (i, w) in weights.iter().enumerate() {
-            if u <= *w {
-                pick = i;
-                break;
-            }
-            u -= w;
+    let likeliest = probs
+        .iter()
+        .enumerate()
+        .fold(
+            (0, f32::MIN),
+            |best, (i, &p)| if p > best.1 { (i, p) } else { best },
+        )
+        .0;
+    if temperature <= 0.0 {
+        return likeliest as u8;
+    }
+    let ln_max = (probs[likeliest] as f64).ln();
+    let inv_t = 1.0 / temperature as f64;
+    // each weight in (0, 1], 1 for the likeliest; p = 0 gives ln p = −∞ and weight 0
+    let weights: Vec<f64> = probs
+        .iter()
+        .map(|&p| (((p as f64).ln() - ln_max) * inv_t).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let mut u = rng.next_unit() * total;
+    let mut pick = likeliest;
+    for (i, w) in weights.iter().enumerate() {
+        if u <= *w && *w > 0.0 {
+            pick = i;
+            break;
         }
-        pick
-    };
-    next as u8
+        u -= w;
+    }
+    pick as u8
+}
+
+/// Bytes to text as they come, as [`String::from_utf8_lossy`] would show them all at the
+/// end: a character split over several bytes waits for its last byte, and bytes that can
+/// never be UTF-8 become U+FFFD.
+#[derive(Debug, Default)]
+pub struct Utf8Stream {
+    /// Bytes of a character begun but not finished.
+    pending: Vec<u8>,
+}
+
+impl Utf8Stream {
+    /// The text that `byte` completes (often empty, while a character is unfinished).
+    pub fn push(&mut self, byte: u8) -> String {
+        self.pending.push(byte);
+        let mut text = String::new();
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    text.push_str(s);
+                    self.pending.clear();
+                    return text;
+                }
+                Err(e) => {
+                    let good = e.valid_up_to();
+                    text.push_str(
+                        std::str::from_utf8(&self.pending[..good]).expect("valid"),
+                    );
+                    match e.error_len() {
+                        // unfinished: wait for the next byte
+                        None => {
+                            self.pending.drain(..good);
+                            return text;
+                        }
+                        Some(bad) => {
+                            text.push(char::REPLACEMENT_CHARACTER);
+                            self.pending.drain(..good + bad);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// What is left at the end: U+FFFD for a character never finished.
+    pub fn finish(self) -> String {
+        String::from_utf8_lossy(&self.pending).into_owned()
+    }
 }

@@ -15,7 +15,7 @@ use step02_online_softmax::DEFAULT_BLOCK;
 use step05_train::TrainError;
 use step05_train::layers::{gelu, layernorm, softmax_rows};
 use step05_train::model::{Config, Params, forward};
-use step05_train::train::pick;
+use step05_train::train::{check_probs, check_temperature, pick};
 
 // ANCHOR: kv_cache
 /// Each layer's keys and values of every token the model has read, `[kv_heads, positions,
@@ -359,6 +359,7 @@ pub fn generate(
             prompt.len() + count
         )));
     }
+    check_temperature(temperature)?;
     if count == 0 {
         return Ok(Vec::new());
     }
@@ -369,7 +370,9 @@ pub fn generate(
         // the probabilities as step 05's forward makes them, then its sampling rule
         let mut probs = logits.insert_axis(Axis(0));
         softmax_rows(&mut probs);
-        let next = pick(probs.as_slice().expect("one row"), temperature, &mut rng);
+        let probs = probs.as_slice().expect("one row");
+        check_probs(probs)?;
+        let next = pick(probs, temperature, &mut rng);
         out.push(next);
         if out.len() == count {
             return Ok(out);

@@ -48,6 +48,7 @@ use step03_cuda_forward::{
 use step04_backward::cuda::DeviceGrads;
 
 use crate::TrainError;
+use crate::checkpoint::Checkpoint;
 use crate::data::{Batch, Corpus, train_batch};
 use crate::model::{Config, Params};
 use crate::optim::AdamW;
@@ -1602,6 +1603,10 @@ impl Learner for GpuTrainer {
         // a held-out pass leaves marks of its own: not a step's
         self.profiler.used = 0;
         Ok((sum / batches.len() as f64) as f32)
+    }
+
+    fn checkpoint(&self) -> Result<Checkpoint, TrainError> {
+        Ok(self.to_trainer()?.into())
     }
 
     fn hardware(&self) -> Hardware {

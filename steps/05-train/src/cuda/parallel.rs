@@ -36,6 +36,7 @@ use step07_multi_gpu::comm::{communicators, nccl_error};
 
 use super::{AttentionKind, GpuTrainer};
 use crate::TrainError;
+use crate::checkpoint::Checkpoint;
 use crate::data::{Batch, Corpus, train_batch};
 use crate::model::Config;
 use crate::train::{Hardware, Learner, PhaseRecord, Settings, StepRecord, Trainer};
@@ -329,6 +330,10 @@ impl Learner for DataParallel {
 
     fn hardware(&self) -> Hardware {
         self.replicas[0].hardware()
+    }
+
+    fn checkpoint(&self) -> Result<Checkpoint, TrainError> {
+        Ok(self.to_trainer()?.into())
     }
 
     /// The largest of the GPUs' high-water marks (the replicas allocate alike).

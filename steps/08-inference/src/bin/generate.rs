@@ -21,6 +21,7 @@ use clap::{Parser, ValueEnum};
 use flash_core::timing::median;
 use serde::{Deserialize, Serialize};
 use step05_train::cuda::{AttentionKind, GpuTrainer};
+use step05_train::flag;
 use step05_train::model::{Config, Params, Preset};
 use step05_train::train::Trainer;
 use step05_train::{Checkpoint, TrainError, sample};
@@ -68,8 +69,8 @@ struct Cli {
     /// context together
     #[arg(long, default_value_t = 64)]
     count: usize,
-    /// Below 1 sharper, above 1 flatter; 0 always takes the likeliest byte
-    #[arg(long, default_value_t = 0.8)]
+    /// Below 1 sharper, above 1 flatter; 0 always takes the likeliest byte (0 or more)
+    #[arg(long, default_value_t = 0.8, value_parser = flag::temperature, allow_hyphen_values = true)]
     temperature: f32,
     /// The seed of the draws
     #[arg(long, default_value_t = 1337)]
@@ -85,8 +86,8 @@ struct Cli {
     /// one CUDA graph
     #[arg(long)]
     no_graph: bool,
-    /// Timed runs of each, after an untimed one; the median is reported
-    #[arg(long, default_value_t = 3)]
+    /// Timed runs of each, after an untimed one, 1 or more; the median is reported
+    #[arg(long, default_value_t = 3, value_parser = flag::at_least_one)]
     runs: usize,
     /// Add a row (the device, commit, date, model, prompt length, count, and tokens a
     /// second with and without the cache) to this JSON file's list, creating it; runs both,
@@ -157,7 +158,7 @@ fn timed(calls: &[Call], runs: usize) -> Result<Vec<(Vec<u8>, f64)>, TrainError>
         .map(|call| call())
         .collect::<Result<Vec<_>, _>>()?;
     let mut ms = vec![Vec::with_capacity(runs); calls.len()];
-    for _ in 0..runs.max(1) {
+    for _ in 0..runs {
         for (call, ms) in calls.iter().zip(&mut ms) {
             let start = Instant::now();
             let result = call();
@@ -166,6 +167,14 @@ fn timed(calls: &[Call], runs: usize) -> Result<Vec<(Vec<u8>, f64)>, TrainError>
         }
     }
     Ok(first.into_iter().zip(ms.into_iter().map(median)).collect())
+}
+
+/// How a time was taken, in words: "one run", or "median of 3 runs".
+fn of_runs(runs: usize) -> String {
+    match runs {
+        1 => "one run".into(),
+        n => format!("median of {n} runs"),
+    }
 }
 
 /// Appends `row` to the list in `path` (a new list if there is no file).
@@ -183,7 +192,8 @@ fn add_row(path: &Path, row: &GenerateRow) -> Result<(), TrainError> {
     };
     rows.push(row.clone());
     let json = flash_core::row::to_json_row_a_line(&rows);
-    std::fs::write(path, json).map_err(|e| TrainError::io(path, e))
+    // whole or not at all: the rows already there survive a failed write
+    flash_core::files::write_atomic(path, json.as_bytes()).map_err(TrainError::from)
 }
 
 /// The prompt and what came after it, as text (bytes that are not UTF-8 shown as �).
@@ -196,6 +206,10 @@ fn print_text(prompt: &[u8], text: &[u8]) {
 }
 
 fn run(cli: Cli) -> Result<(), TrainError> {
+    // before the model loads or anything is timed: --out can be written
+    if let Some(path) = &cli.out {
+        flash_core::files::check_output("--out", path)?;
+    }
     if cli.no_graph && matches!(cli.device, Device::Cpu) {
         return Err(TrainError::Config(
             "--no-graph chooses how a GPU step runs (its kernels launched one by one rather \
@@ -376,8 +390,8 @@ fn report(
     let count = cli.count;
     let speed = |what: &str, tokens_per_s: f64| {
         println!(
-            "{what}: {count} tokens at {tokens_per_s:.0} tokens/s (median of {} runs)",
-            cli.runs.max(1)
+            "{what}: {count} tokens at {tokens_per_s:.0} tokens/s ({})",
+            of_runs(cli.runs)
         );
     };
     let tokens_per_s = |ms: f64| count as f64 / (ms / 1e3);
@@ -438,9 +452,9 @@ fn report(
         }
     );
     println!(
-        "the prefill of {} bytes alone: {prefill_ms:.2} ms (median of {} runs)",
+        "the prefill of {} bytes alone: {prefill_ms:.2} ms ({})",
         prompt.len(),
-        cli.runs.max(1)
+        of_runs(cli.runs)
     );
     if let Some(path) = &cli.out {
         let row = GenerateRow {
@@ -453,7 +467,7 @@ fn report(
             prompt_len: prompt.len(),
             count,
             temperature: cli.temperature,
-            runs: cli.runs.max(1),
+            runs: cli.runs,
             tokens_per_s_cached: with,
             tokens_per_s_graph: graph.map(|(tps, _)| tps),
             same_text_graph: graph.map(|(_, same)| same),
