@@ -122,6 +122,22 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
     if !cuda {
         println!("SIMD: {}", simd_level());
     }
+    // the GFLOP/s of a CPU row as a share of what this machine's cores can do at most
+    let peak_gflops: Option<f64> = None;
+    // [step 02]
+    let peak_gflops = match cuda {
+        true => peak_gflops,
+        false => step02_online_softmax::peak::f32_peak_gflops(
+            step02_online_softmax::Isa::detect(),
+        ),
+    };
+    if let Some(peak) = peak_gflops {
+        println!(
+            "f32 peak: {peak:.0} GFLOP/s, measured with multiply-add chains on every thread \
+             (a row's note gives its share)"
+        );
+    }
+    // [/step 02]
     println!(
         "shape: batch {}, heads {}, head_dim {}, {}, causal; pass {}; median of {} runs after a warm-up",
         args.batch,
@@ -235,7 +251,7 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
                 eprintln!("      stopped: this row was broken off and is not kept");
                 break 'sweep;
             }
-            println!("{}", report::table_line(&row, cuda));
+            println!("{}", report::table_line(&row, cuda, peak_gflops));
             eprintln!("      done in {:.1} s", started.elapsed().as_secs_f64());
             rows.push(row);
             if let Some(file) = &rows_file

@@ -17,7 +17,9 @@ pub fn table_header(cuda: bool) -> String {
     )
 }
 
-pub fn table_line(row: &Row, cuda: bool) -> String {
+/// One row of the table; with `peak_gflops` (the CPU's measured f32 peak), the note of a
+/// measured row gives its share of that peak.
+pub fn table_line(row: &Row, cuda: bool, peak_gflops: Option<f64>) -> String {
     let rate = row
         .tflops
         .map(|t| {
@@ -37,6 +39,11 @@ pub fn table_line(row: &Row, cuda: bool) -> String {
         rate,
         row.peak_bytes
             .map_or("-".into(), |b| format!("{:.1}", b as f64 / 1e6)),
-        row.error.as_deref().unwrap_or("")
+        match (&row.error, row.tflops, peak_gflops) {
+            (Some(e), _, _) => e.clone(),
+            (None, Some(t), Some(peak)) =>
+                format!("{:.0}% of the f32 peak", 100.0 * t * 1e3 / peak),
+            _ => String::new(),
+        }
     )
 }
