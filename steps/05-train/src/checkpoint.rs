@@ -58,8 +58,8 @@ impl Checkpoint {
     /// Writes the checkpoint to `path`, whole or not at all ([`files::write_atomic_with`]):
     /// a save that fails half-way (a full disk, a file-size limit, a second Ctrl-C) leaves
     /// the checkpoint that was there before as it was. The tensors stream to the file one
-    /// after another, in safetensors' own order (by name), so the file is byte for byte
-    /// what `safetensors::serialize` makes, without a second copy of the model in memory.
+    /// after another, in the layout and order (by name) that `safetensors::serialize`
+    /// gives them, without a second copy of the model in memory.
     pub fn save(&self, path: &Path) -> Result<(), TrainError> {
         fn named<'a>(
             prefix: &str,
