@@ -12,7 +12,13 @@
 //!   for each query row against its kv head's cache, grouped-query attention, the causal
 //!   diagonal aligned to the cache's end) and [`decode_split`] (the keys cut into chunks,
 //!   each chunk's partial result merged by step 07's merge through the log-sum-exps), with
-//!   [`check_decode`]'s refusals of bad input.
+//!   [`check_decode`]'s refusals of bad input. [`decode()`] is rung 1 of CPU decoding.
+//! - [`decode_grouped`](mod@decode_grouped): rungs 2 to 4, at the memory's speed: each kv
+//!   head's rows together over blocks of keys, each key and value read once for all of them
+//!   and checked for finiteness in that read ([`decode_grouped()`]), the block's products in
+//!   SIMD registers ([`decode_simd`]), the keys split over the threads when the kv heads are
+//!   few ([`decode_threads`]); [`decode_kernels`] holds the products in AVX-512, AVX2 and
+//!   plain Rust, chosen at run time.
 //! - [`reference`](mod@reference): the `f64` reference on the expanded heads (each kv head
 //!   repeated, the queries at the end of the sequence: step 01's causal attention), the
 //!   same row by row for long caches, and attention by hand in 16 bits for the
@@ -52,8 +58,8 @@
 //!   (`charts/data/grouped.json`).
 //! - [`methods`]: the decoders as the repository's registry lists them (`attend --method
 //!   decode`, `decode_split`, `flash_decode`, `flash_decode_paged`).
-//! - `src/bin/decode-cpu.rs`: [`decode()`] on the CPU against a loop that only reads the
-//!   same bytes, checked then timed, as JSON rows (`charts/data/decode-cpu.json`); both
+//! - `src/bin/decode-cpu.rs`: the rungs of CPU decoding against a loop that only reads
+//!   the same bytes, checked then timed, as JSON rows (`charts/data/decode-cpu.json`); both
 //!   benchmarks write [`rows::DecodeRow`]s.
 
 pub mod cuda;

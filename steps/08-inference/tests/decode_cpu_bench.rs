@@ -1,5 +1,6 @@
-//! `decode-cpu`, the CPU's decoding benchmark, run as a reader runs it: its rows, and its
-//! refusal of kv heads that do not divide the query heads.
+//! `decode-cpu`, the CPU's decoding benchmark, run as a reader runs it: its rows, one per
+//! rung and the read loop's, and its refusals of kv heads that do not divide the query heads
+//! and of a rung it does not know.
 
 use std::process::Command;
 
@@ -45,8 +46,8 @@ fn every_shape_gives_a_checked_row_and_the_read_loop_s() {
     let rows: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     std::fs::remove_dir_all(&dir).ok();
-    // 2 kv head counts × 2 contexts, each our decode and the read loop
-    assert_eq!(rows.len(), 8);
+    // 2 kv head counts × 2 contexts, each the four rungs and the read loop
+    assert_eq!(rows.len(), 20);
     for row in &rows {
         assert!(row["error"].is_null(), "{row}");
         assert!(row["us"].as_f64().unwrap() > 0.0, "{row}");
@@ -56,8 +57,32 @@ fn every_shape_gives_a_checked_row_and_the_read_loop_s() {
         assert!(row["fraction_of_read"].as_f64().unwrap() > 0.0, "{row}");
     }
     let methods: Vec<&str> = rows.iter().map(|r| r["method"].as_str().unwrap()).collect();
-    assert_eq!(methods.iter().filter(|&&m| m == "decode_cpu").count(), 4);
-    assert_eq!(methods.iter().filter(|&&m| m == "read_cpu").count(), 4);
+    for method in [
+        "decode",
+        "decode_grouped",
+        "decode_simd",
+        "decode_threads",
+        "read_cpu",
+    ] {
+        assert_eq!(
+            methods.iter().filter(|&&m| m == method).count(),
+            4,
+            "{method}"
+        );
+    }
+}
+
+#[test]
+fn a_rung_it_does_not_know_is_refused_with_the_ones_it_does() {
+    let run = decode_cpu(&["--methods", "decode,decode_fast", "--contexts", "64"]);
+    assert!(!run.status.success());
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        err.contains("decode_fast")
+            && err.contains("decode_grouped, decode_simd, decode_threads"),
+        "{err}"
+    );
+    assert!(run.stdout.is_empty(), "nothing measured before the refusal");
 }
 
 #[test]

@@ -1,8 +1,9 @@
-//! How fast decoding reads its cache on the CPU: for each shape, [`decode`] (step 02's loop,
-//! one query row of every head against its kv head's cache, rows in parallel) and a loop
-//! that only reads the same bytes, the memory's speed. The result is checked against the
-//! `f64` reference first, then timed: the median of `--runs` after a warm-up. Writes one
-//! JSON row per method and shape (`--out`, e.g. `charts/data/decode-cpu.json`, the rows of
+//! How fast decoding reads its cache on the CPU: for each shape, the rungs of `--methods`
+//! ([`decode`], step 02's loop one query row at a time, to [`decode_threads`], each kv head's
+//! rows together in SIMD registers with the keys split over the threads) and a loop that
+//! only reads the same bytes, the memory's speed. Each result is checked against the `f64`
+//! reference first, then timed: the median of `--runs` after a warm-up. Writes one JSON row
+//! per method and shape (`--out`, e.g. `charts/data/decode-cpu.json`, the rows of
 //! `decode-bench` with `device` a CPU) and prints a table; PyTorch's CPU attention on the
 //! same shapes is `charts/peers/pytorch_peers.py --decode --device cpu`.
 //!
@@ -22,7 +23,75 @@ use step03_cuda_forward::Dtype;
 use step03_cuda_forward::tool::at_least_one;
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
 use step08_inference::rows::{DecodeRow as Row, keep_so_far, write_out};
-use step08_inference::{DecodeShape, cpu_description, decode};
+use step08_inference::{
+    DecodeShape, cpu_description, decode, decode_grouped, decode_simd, decode_threads,
+};
+
+// ANCHOR: rungs
+/// The rungs of CPU decoding, in the order the chapter climbs them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Method {
+    /// 1: step 02's loop, one query row at a time, rows in parallel
+    #[value(name = "decode")]
+    Decode,
+    /// 2: a kv head's rows together, keys in blocks, each key and value read once; plain Rust
+    #[value(name = "decode_grouped")]
+    Grouped,
+    /// 3: rung 2 in AVX-512 or AVX2 registers, chosen at run time
+    #[value(name = "decode_simd")]
+    Simd,
+    /// 4: rung 3 with the keys split over the threads when the kv heads are too few
+    #[value(name = "decode_threads")]
+    Threads,
+}
+
+impl Method {
+    fn name(self) -> &'static str {
+        match self {
+            Method::Decode => "decode",
+            Method::Grouped => "decode_grouped",
+            Method::Simd => "decode_simd",
+            Method::Threads => "decode_threads",
+        }
+    }
+
+    fn implementation(self) -> &'static str {
+        match self {
+            Method::Decode => {
+                "step08 rung 1, decode: step 02's online softmax, one query row against its \
+                 kv head's cache, rows in parallel (rayon)"
+            }
+            Method::Grouped => {
+                "step08 rung 2, decode_grouped: the rows of a kv head together, blocks of 64 \
+                 keys, each key and value read once for all of them, plain Rust"
+            }
+            Method::Simd => {
+                "step08 rung 3, decode_simd: rung 2 with AVX-512 or AVX2 kernels chosen at \
+                 run time"
+            }
+            Method::Threads => {
+                "step08 rung 4, decode_threads: rung 3 with the keys split over the threads \
+                 when the (sequence, kv head) pairs are too few, merged through the \
+                 log-sum-exps"
+            }
+        }
+    }
+
+    fn run(
+        self,
+        q: ndarray::ArrayView4<f32>,
+        k: ndarray::ArrayView4<f32>,
+        v: ndarray::ArrayView4<f32>,
+    ) -> Result<flash_core::Attention, AttnError> {
+        match self {
+            Method::Decode => decode(q, k, v),
+            Method::Grouped => decode_grouped(q, k, v),
+            Method::Simd => decode_simd(q, k, v),
+            Method::Threads => decode_threads(q, k, v),
+        }
+    }
+}
+// ANCHOR_END: rungs
 
 /// Decoding attention on the CPU against the memory's speed: one query row of every query
 /// head against a cache of keys and values in `f32`, and a loop that only reads the same
@@ -62,6 +131,13 @@ struct Args {
     /// multi-head attention, fewer is grouped-query attention
     #[arg(long, value_delimiter = ',', default_value = "32,8", value_parser = at_least_one)]
     kv_heads: Vec<usize>,
+    /// The rungs to measure
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "decode,decode_grouped,decode_simd,decode_threads"
+    )]
+    methods: Vec<Method>,
     /// Timed runs of each method after the warm-up; the median is reported
     #[arg(long, default_value_t = 10, value_parser = at_least_one)]
     runs: usize,
@@ -163,15 +239,16 @@ fn before_any_work(args: &Args) -> Result<Option<RowsFile>, Box<dyn Error>> {
         .transpose()?)
 }
 
-/// Our decode's result against the f64 reference, by FlashAttention's rule in f32.
+/// A rung's result against the f64 reference, by FlashAttention's rule in f32.
 fn check(
+    method: Method,
     q: &ndarray::Array4<f32>,
     k: &ndarray::Array4<f32>,
     v: &ndarray::Array4<f32>,
 ) -> Result<(), String> {
     let text = |e: AttnError| e.to_string();
     let reference = decode_f64(q.view(), k.view(), v.view()).map_err(text)?;
-    let ours = decode(q.view(), k.view(), v.view()).map_err(text)?;
+    let ours = method.run(q.view(), k.view(), v.view()).map_err(text)?;
     let by_hand = by_hand_rows_low_precision(q.view(), k.view(), v.view(), Dtype::F32)
         .map_err(text)?;
     let (ours, by_hand) = (
@@ -208,10 +285,11 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
         "{} query heads, one row each, f32; median of {} runs after {} untimed",
         args.q_heads, args.runs, args.warmup
     );
-    println!(
-        "\n{:>4} {:>3} {:>5} {:>7} | {:>10} {:>7} {:>5} | {:>10} {:>7}",
-        "d", "kv", "batch", "context", "decode ms", "GB/s", "%read", "read ms", "GB/s"
-    );
+    print!("\n{:>4} {:>3} {:>5} {:>7} |", "d", "kv", "batch", "context");
+    for m in &args.methods {
+        print!(" {:>14} {:>5} |", format!("{} ms", m.name()), "%read");
+    }
+    println!(" {:>8} {:>6}", "read ms", "GB/s");
     let date = utc_now();
     let mut rows: Vec<Row> = Vec::new();
     for &head_dim in &args.head_dims {
@@ -248,11 +326,11 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
                         fraction_of_read: None,
                         error: None,
                     };
-                    let mut ours = row(
-                        "decode_cpu",
-                        "step08 decode: step 02's online softmax, one query row against its \
-                         kv head's cache, rows in parallel (rayon)",
-                    );
+                    let mut ours: Vec<Row> = args
+                        .methods
+                        .iter()
+                        .map(|m| row(m.name(), m.implementation()))
+                        .collect();
                     let mut read = row(
                         "read_cpu",
                         "every 4-byte word of k and v read once and folded by XOR, in \
@@ -262,13 +340,15 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
                     let kv_shape = Shape::new(batch, kv_heads, context, head_dim);
                     let (k, v) = (random_normal(kv_shape, 2), random_normal(kv_shape, 3));
                     let warmup = Warmup::Calls(args.warmup);
-                    match check(&q, &k, &v) {
-                        Err(e) => ours.error = Some(e),
-                        Ok(()) => {
-                            let ms = cpu_median_ms(warmup, args.runs, || {
-                                decode(q.view(), k.view(), v.view())
-                            })?;
-                            ours.us = Some(ms * 1e3);
+                    for (&method, ours) in args.methods.iter().zip(&mut ours) {
+                        match check(method, &q, &k, &v) {
+                            Err(e) => ours.error = Some(e),
+                            Ok(()) => {
+                                let ms = cpu_median_ms(warmup, args.runs, || {
+                                    method.run(q.view(), k.view(), v.view())
+                                })?;
+                                ours.us = Some(ms * 1e3);
+                            }
                         }
                     }
                     let (ks, vs) = (
@@ -279,15 +359,16 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
                         Ok::<_, AttnError>(std::hint::black_box(read_all(ks, vs)))
                     })?;
                     read.us = Some(ms * 1e3);
-                    for r in [&mut ours, &mut read] {
+                    for r in ours.iter_mut().chain([&mut read]) {
                         r.gb_s = r.us.map(|us| r.bytes as f64 / (us * 1e-6) / 1e9);
                     }
                     let read_gb_s = read.gb_s;
-                    for r in [&mut ours, &mut read] {
+                    for r in ours.iter_mut().chain([&mut read]) {
                         r.fraction_of_read = r.gb_s.zip(read_gb_s).map(|(a, b)| a / b);
                     }
                     print_line(shape, &ours, &read);
-                    rows.extend([ours, read]);
+                    rows.extend(ours);
+                    rows.push(read);
                     keep_so_far(out, &rows);
                 }
             }
@@ -303,26 +384,23 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
-fn print_line(shape: DecodeShape, ours: &Row, read: &Row) {
+fn print_line(shape: DecodeShape, ours: &[Row], read: &Row) {
     let ms = |r: &Row| r.us.map_or("-".into(), |x| format!("{:.3}", x / 1e3));
     let gb = |r: &Row| r.gb_s.map_or("-".into(), |x| format!("{x:.1}"));
     let pct = |r: &Row| {
         r.fraction_of_read
             .map_or("-".into(), |x| format!("{:.0}%", 100.0 * x))
     };
-    println!(
-        "{:>4} {:>3} {:>5} {:>7} | {:>10} {:>7} {:>5} | {:>10} {:>7}{}",
-        shape.head_dim,
-        shape.kv_heads,
-        shape.batch,
-        shape.context,
-        ms(ours),
-        gb(ours),
-        pct(ours),
-        ms(read),
-        gb(read),
-        ours.error
-            .as_ref()
-            .map_or(String::new(), |e| format!("  {e}"))
+    print!(
+        "{:>4} {:>3} {:>5} {:>7} |",
+        shape.head_dim, shape.kv_heads, shape.batch, shape.context
     );
+    for r in ours {
+        print!(" {:>14} {:>5} |", ms(r), pct(r));
+    }
+    let errors: Vec<String> = ours
+        .iter()
+        .filter_map(|r| r.error.as_ref().map(|e| format!("  {}: {e}", r.method)))
+        .collect();
+    println!(" {:>8} {:>6}{}", ms(read), gb(read), errors.concat());
 }
