@@ -61,6 +61,17 @@ impl Checkpoint {
     /// after another, in the layout and order (by name) that `safetensors::serialize`
     /// gives them, without a second copy of the model in memory.
     pub fn save(&self, path: &Path) -> Result<(), TrainError> {
+        self.save_with(path, &[])
+    }
+
+    /// [`Checkpoint::save`] with more entries in the header's metadata: the trainer keeps
+    /// the run's settings and its corpus's fingerprint there, so that a resumed run can say
+    /// where it differs from the run that saved.
+    pub fn save_with(
+        &self,
+        path: &Path,
+        extra: &[(&str, String)],
+    ) -> Result<(), TrainError> {
         fn named<'a>(
             prefix: &str,
             p: &'a Params<f32>,
@@ -101,6 +112,9 @@ impl Checkpoint {
         if let Some(opt) = &self.opt {
             meta.insert("adamw".into(), json(serde_json::to_string(&opt.settings)));
             meta.insert("adamw.t".into(), opt.t.to_string());
+        }
+        for (key, value) in extra {
+            meta.insert(key.to_string(), value.clone());
         }
         let bad = |e: String| TrainError::Checkpoint(format!("{}: {e}", path.display()));
         let header = Metadata::new(Some(meta), infos).map_err(|e| bad(e.to_string()))?;
@@ -195,6 +209,33 @@ impl Checkpoint {
             }
         };
         Ok(Checkpoint { params, opt, step })
+    }
+
+    /// The metadata of the checkpoint at `path` (its configuration, step, and what
+    /// [`Checkpoint::save_with`] added), read from its header alone.
+    pub fn metadata(path: &Path) -> Result<HashMap<String, String>, TrainError> {
+        use std::io::Read;
+        let bad =
+            |why: String| TrainError::Checkpoint(format!("{}: {why}", path.display()));
+        let mut file = fs::File::open(path).map_err(|e| TrainError::io(path, e))?;
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n)
+            .map_err(|e| TrainError::io(path, e))?;
+        let n = u64::from_le_bytes(n);
+        let len = file.metadata().map_err(|e| TrainError::io(path, e))?.len();
+        // the header's length is checked against the file's before it is allocated
+        if n > len.saturating_sub(8) {
+            return Err(bad(format!(
+                "its header says {n} bytes, but the file has {len}: not safetensors"
+            )));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact(&mut header)
+            .map_err(|e| TrainError::io(path, e))?;
+        let header: serde_json::Value = serde_json::from_slice(&header)
+            .map_err(|e| bad(format!("its header is not JSON: {e}")))?;
+        let meta = header.get("__metadata__").cloned().unwrap_or_default();
+        Ok(serde_json::from_value(meta).unwrap_or_default())
     }
 
     /// An error unless the checkpoint's model has the configuration `want`.

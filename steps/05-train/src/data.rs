@@ -280,6 +280,18 @@ impl Corpus {
         })
     }
 
+    /// The corpus in a line that changes with any of its bytes: the sizes of both parts and
+    /// an FNV-1a hash of their bytes. A checkpoint keeps it, so that a run resumed on other
+    /// text can say so.
+    pub fn fingerprint(&self) -> String {
+        let hash = fnv1a(&self.train) ^ fnv1a(&self.heldout).rotate_left(1);
+        format!(
+            "{} training and {} held-out bytes, FNV-1a {hash:016x}",
+            self.train.len(),
+            self.heldout.len()
+        )
+    }
+
     /// Checks that both parts hold at least one window of `tokens + 1` bytes (the inputs
     /// and, one further, the targets).
     pub fn check_window(&self, tokens: usize) -> Result<(), TrainError> {

@@ -307,6 +307,11 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
         corpus.save(path)?;
         println!("  written as tokens to {}", path.display());
     }
+    // what a checkpoint of this run keeps of it, and what a resumed run compares
+    let run_meta = run_metadata(&settings, &corpus);
+    if let Some(path) = &args.resume {
+        resume_notes(path, &run_meta)?;
+    }
     let mut trainer = match resumed {
         Some(ckpt) => {
             let opt = ckpt.opt.ok_or_else(|| {
@@ -331,7 +336,7 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
             opt: None,
             step: trainer.step,
         };
-        init.save(path)?;
+        init.save_with(path, &run_meta)?;
         println!("initial weights written to {}", path.display());
     }
     println!(
@@ -374,7 +379,8 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
         if let Some(path) = &args.out {
             write_record(path, &continued(earlier.as_ref(), run))?;
         }
-        ckpt.save(args.save.as_deref().expect("--save-every requires --save"))
+        let path = args.save.as_deref().expect("--save-every requires --save");
+        ckpt.save_with(path, &run_meta)
     };
     let control = Control {
         interrupt: Some(stop),
@@ -487,7 +493,7 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
         Some(path) => path.clone(),
         None => fresh_checkpoint_path(ckpt.step),
     };
-    ckpt.save(&path)?;
+    ckpt.save_with(&path, &run_meta)?;
     println!("checkpoint written to {}", path.display());
     if !interrupted {
         return Ok(ExitCode::SUCCESS);
@@ -500,6 +506,78 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
     );
     // 128 + SIGINT: how a shell reports a command stopped by Ctrl-C
     Ok(ExitCode::from(130))
+}
+
+/// What a checkpoint keeps of the run that saved it: the settings that decide its steps
+/// (not the held-out loss's, nor the time budget) and its corpus's fingerprint.
+fn run_metadata(settings: &Settings, corpus: &Corpus) -> Vec<(&'static str, String)> {
+    let steps_depend_on = Settings {
+        eval_every: 0,
+        eval_batches: 0,
+        max_seconds: None,
+        ..*settings
+    };
+    let settings = serde_json::to_string(&steps_depend_on).expect("a plain struct");
+    vec![("settings", settings), ("corpus", corpus.fingerprint())]
+}
+
+/// With --resume: where this run differs from the one that saved the checkpoint, said
+/// before training, since the steps that follow are then not those that run would have
+/// taken. A checkpoint from before these entries, or from a peer, says nothing.
+fn resume_notes(path: &Path, now: &[(&str, String)]) -> Result<(), TrainError> {
+    let saved = Checkpoint::metadata(path)?;
+    let mut differ = Vec::new();
+    for (key, value) in now {
+        let Some(then) = saved.get(*key) else {
+            continue;
+        };
+        if *key == "settings" {
+            let (then, now): (serde_json::Value, serde_json::Value) = (
+                serde_json::from_str(then).unwrap_or_default(),
+                serde_json::from_str(value).expect("written above"),
+            );
+            differ.extend(json_differences("", &then, &now));
+        } else if then != value {
+            differ.push(format!("{key}: {then} then, {value} now"));
+        }
+    }
+    if !differ.is_empty() {
+        println!(
+            "note: this run is not the one that saved {}, so the steps that follow are not \
+             those it would have taken; it differs in\n  {}",
+            path.display(),
+            differ.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
+/// Every field where two JSON values differ, by its path (`schedule.max: 0.003 then,
+/// 0.001 now`).
+fn json_differences(
+    at: &str,
+    then: &serde_json::Value,
+    now: &serde_json::Value,
+) -> Vec<String> {
+    use serde_json::Value;
+    match (then, now) {
+        (Value::Object(a), Value::Object(b)) => b
+            .iter()
+            .flat_map(|(key, b_value)| {
+                let path = if at.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{at}.{key}")
+                };
+                match a.get(key) {
+                    Some(a_value) => json_differences(&path, a_value, b_value),
+                    None => vec![format!("{path}: none then, {b_value} now")],
+                }
+            })
+            .collect(),
+        (a, b) if a != b => vec![format!("{at}: {a} then, {b} now")],
+        _ => Vec::new(),
+    }
 }
 
 /// Every output path, checked before the corpus loads: its folder exists and takes files,

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use step05_train::model::{Config, Params};
-use step05_train::train::{RunRecord, pick};
+use step05_train::train::{RunRecord, Utf8Stream, pick};
 use step05_train::{Checkpoint, sample};
 
 /// The trainer's binary, as cargo built it for these tests.
@@ -250,6 +250,53 @@ fn save_every_writes_a_checkpoint_along_the_way() {
         12
     );
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_resumed_run_with_other_settings_or_text_says_where_it_differs() {
+    let dir = folder("differs");
+    let first = train(&dir, &["--steps", "4", "--save", "c.safetensors"]);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let same = train(&dir, &["--steps", "4", "--resume", "c.safetensors"]);
+    assert!(
+        !text(&same.stdout).contains("note:"),
+        "{}",
+        text(&same.stdout)
+    );
+    let other = train(
+        &dir,
+        &["--steps", "4", "--resume", "c.safetensors", "--seed", "7"],
+    );
+    let out = text(&other.stdout);
+    assert!(
+        out.contains("note: this run is not the one that saved"),
+        "{out}"
+    );
+    assert!(out.contains("seed: 1337 then, 7 now"), "{out}");
+    // other text: the same corpus less its last byte
+    let mut corpus = common::corpus();
+    corpus.train.pop();
+    corpus.save(&dir.join("corpus.tokens")).unwrap();
+    let out = text(&train(&dir, &["--steps", "4", "--resume", "c.safetensors"]).stdout);
+    assert!(out.contains("corpus: "), "{out}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn text_printed_as_it_comes_is_the_text_printed_at_the_end() {
+    let cases: [&[u8]; 5] = [
+        "plain ascii".as_bytes(),
+        "é, ∑ and 🦀 split over bytes".as_bytes(),
+        &[b'a', 0xff, b'b', 0xc3],
+        &[0xe2, 0x88, b'x', 0xf0, 0x9f, 0xa6],
+        &[0xed, 0xa0, 0x80, 0xc0, 0xaf],
+    ];
+    for bytes in cases {
+        let mut stream = Utf8Stream::default();
+        let mut shown: String = bytes.iter().map(|&b| stream.push(b)).collect();
+        shown.push_str(&stream.finish());
+        assert_eq!(shown, String::from_utf8_lossy(bytes), "{bytes:?}");
+    }
 }
 
 /// `args` must fail before the corpus loads, with a message that names `flag`.
