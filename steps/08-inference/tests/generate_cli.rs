@@ -40,6 +40,20 @@ fn bad_numbers_and_outputs_are_refused_naming_the_flag() {
 }
 
 #[test]
+fn an_out_that_is_not_a_list_of_rows_is_refused_before_the_model_loads() {
+    let path =
+        std::env::temp_dir().join(format!("generate-cli-{}.json", std::process::id()));
+    std::fs::write(&path, b"{\"not\": \"rows\"}").unwrap();
+    let o = run(&["--out", path.to_str().unwrap()]);
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(std::fs::read(&path).unwrap(), b"{\"not\": \"rows\"}");
+    std::fs::remove_file(&path).unwrap();
+    assert!(!o.status.success(), "{out}");
+    assert!(err.contains("not a list of generate's rows"), "{err}");
+    assert!(!out.contains("model:"), "the model loaded first: {out}");
+}
+
+#[test]
 fn a_temperature_near_zero_writes_the_likeliest_bytes() {
     // the text is the line after the model's two; a run's speed follows it
     let text_of = |t: &str| {

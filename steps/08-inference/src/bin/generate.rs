@@ -177,19 +177,24 @@ fn of_runs(runs: usize) -> String {
     }
 }
 
-/// Appends `row` to the list in `path` (a new list if there is no file).
-fn add_row(path: &Path, row: &GenerateRow) -> Result<(), TrainError> {
-    let mut rows: Vec<GenerateRow> = match std::fs::read_to_string(path) {
+/// The rows already in `path` (none if there is no file).
+fn read_rows(path: &Path) -> Result<Vec<GenerateRow>, TrainError> {
+    match std::fs::read_to_string(path) {
         Ok(text) => serde_json::from_str(&text).map_err(|e| {
             TrainError::Config(format!(
                 "{}: not a list of generate's rows ({e}); --out adds a row to such a \
                  list, or writes a new file",
                 path.display()
             ))
-        })?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-        Err(e) => return Err(TrainError::io(path, e)),
-    };
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(TrainError::io(path, e)),
+    }
+}
+
+/// Appends `row` to the list in `path` (a new list if there is no file).
+fn add_row(path: &Path, row: &GenerateRow) -> Result<(), TrainError> {
+    let mut rows = read_rows(path)?;
     rows.push(row.clone());
     let json = flash_core::row::to_json_row_a_line(&rows);
     // whole or not at all: the rows already there survive a failed write
@@ -206,9 +211,11 @@ fn print_text(prompt: &[u8], text: &[u8]) {
 }
 
 fn run(cli: Cli) -> Result<(), TrainError> {
-    // before the model loads or anything is timed: --out can be written
+    // before the model loads or anything is timed: --out can be written, and what is
+    // there already is a list of rows to add to
     if let Some(path) = &cli.out {
         flash_core::files::check_output("--out", path)?;
+        read_rows(path)?;
     }
     if cli.no_graph && matches!(cli.device, Device::Cpu) {
         return Err(TrainError::Config(
