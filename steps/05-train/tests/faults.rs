@@ -76,6 +76,7 @@ fn record(path: &Path) -> RunRecord {
 }
 
 #[test]
+#[cfg(unix)] // sh, ulimit and signals
 fn a_save_cut_off_half_way_leaves_the_old_checkpoint_whole() {
     let dir = folder("save");
     let done = train(&dir, &["--steps", "3", "--save", "ckpt.safetensors"]);
@@ -129,6 +130,7 @@ fn a_save_cut_off_half_way_leaves_the_old_checkpoint_whole() {
 }
 
 #[test]
+#[cfg(unix)] // sh, ulimit and signals
 fn a_run_stopped_by_sigint_and_resumed_takes_the_steps_of_one_that_never_stopped() {
     let dir = folder("interrupt");
     // long enough that SIGINT, sent once step 3 is printed, lands well before the end (a
