@@ -262,8 +262,11 @@ mod avx512 {
         _mm512_castps512_ps128(_mm512_permutexvar_ps(first, y))
     }
 
-    /// Row after row, the row's `W` registers loaded once and multiplied by the block's
-    /// keys four at a time (four independent sums, and one halving for the four).
+    /// Rows four at a time (then one at a time), each group of four keys multiplied by the
+    /// four rows register by register: a register of a key serves four rows and a register
+    /// of a row four keys, so the sixteen sums need eight loads for sixteen multiply-adds
+    /// rather than one load each, and the four sums of a row are halved together into
+    /// four scores.
     ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold;
     /// `d ≤ 16 · W`.
@@ -275,8 +278,33 @@ mod avx512 {
         t: Tile,
         scale: f32,
     ) {
+        let mut r = 0;
+        while r + 4 <= t.rows {
+            // SAFETY: rows r .. r + 4 < R; the caller's conditions
+            unsafe { scores_tile::<W, 4>(q, k, s, t, scale, r) };
+            r += 4;
+        }
+        while r < t.rows {
+            // SAFETY: row r < R; the caller's conditions
+            unsafe { scores_tile::<W, 1>(q, k, s, t, scale, r) };
+            r += 1;
+        }
+    }
+
+    /// Rows `r0 .. r0 + RB` against every key of the block.
+    ///
+    /// SAFETY (caller): as [`scores_rows`], and `r0 + RB ≤ R`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn scores_tile<const W: usize, const RB: usize>(
+        q: &[f32],
+        k: &[f32],
+        s: &mut [f32],
+        t: Tile,
+        scale: f32,
+        r0: usize,
+    ) {
         let d = t.d;
-        // lanes of register c inside the row: all of them but in the last, partial one
+        // lanes of register c inside a row: all of them but in the last, partial one
         let mask = |c: usize| {
             if c + 1 < W || d.is_multiple_of(LANES) {
                 0xffff
@@ -284,40 +312,46 @@ mod avx512 {
                 tail_mask(d)
             }
         };
+        let load = |x: *const f32, c: usize| {
+            // SAFETY: the callers pass a row of d values; the masked lanes are not read
+            unsafe { _mm512_maskz_loadu_ps(mask(c), x.add(c * LANES)) }
+        };
+        let row = |r: usize| q[(r0 + r) * d..].as_ptr();
+        let key = |j: usize| k[j * d..].as_ptr();
         let scale4 = _mm_set1_ps(scale);
-        for r in 0..t.rows {
-            let mut q_r = [_mm512_setzero_ps(); W];
-            for (c, x) in q_r.iter_mut().enumerate() {
-                // SAFETY: row r < R; the masked lanes, past d, are not read
-                *x = unsafe {
-                    _mm512_maskz_loadu_ps(mask(c), q.as_ptr().add(r * d + c * LANES))
-                };
-            }
-            let dot = |j: usize| {
-                let mut a = _mm512_setzero_ps();
-                for (c, &q) in q_r.iter().enumerate() {
-                    // SAFETY: key j < t.keys; the masked lanes, past d, are not read
-                    let x = unsafe {
-                        _mm512_maskz_loadu_ps(mask(c), k.as_ptr().add(j * d + c * LANES))
-                    };
-                    a = _mm512_fmadd_ps(q, x, a);
+        let mut j = 0;
+        while j + 4 <= t.keys {
+            let mut acc = [[_mm512_setzero_ps(); 4]; RB];
+            for c in 0..W {
+                let keys = [
+                    load(key(j), c),
+                    load(key(j + 1), c),
+                    load(key(j + 2), c),
+                    load(key(j + 3), c),
+                ];
+                for r in 0..RB {
+                    let x = load(row(r), c);
+                    for u in 0..4 {
+                        acc[r][u] = _mm512_fmadd_ps(x, keys[u], acc[r][u]);
+                    }
                 }
-                a
-            };
-            let s_r = &mut s[r * t.bc..r * t.bc + t.keys];
-            let mut quads = s_r.chunks_exact_mut(4);
-            let mut j = 0;
-            for out in &mut quads {
-                let sums =
-                    _mm_mul_ps(sum4([dot(j), dot(j + 1), dot(j + 2), dot(j + 3)]), scale4);
-                // SAFETY: out holds 4 values
-                unsafe { _mm_storeu_ps(out.as_mut_ptr(), sums) };
-                j += 4;
             }
-            for out in quads.into_remainder() {
-                *out = _mm512_reduce_add_ps(dot(j)) * scale;
-                j += 1;
+            for r in 0..RB {
+                let sums = _mm_mul_ps(sum4(acc[r]), scale4);
+                // SAFETY: row r0 + r < R and keys j .. j + 4 ≤ t.keys ≤ bc: inside s
+                unsafe { _mm_storeu_ps(s.as_mut_ptr().add((r0 + r) * t.bc + j), sums) };
             }
+            j += 4;
+        }
+        while j < t.keys {
+            for r in 0..RB {
+                let mut a = _mm512_setzero_ps();
+                for c in 0..W {
+                    a = _mm512_fmadd_ps(load(row(r), c), load(key(j), c), a);
+                }
+                s[(r0 + r) * t.bc + j] = _mm512_reduce_add_ps(a) * scale;
+            }
+            j += 1;
         }
     }
 
@@ -334,14 +368,41 @@ mod avx512 {
         seen
     }
 
-    /// Row after row, the row's output in `2 · W` registers (two sums, even and odd keys,
-    /// so that consecutive multiply-adds do not wait for each other) while the block's
-    /// values go by; stored once at the end.
+    /// Rows four at a time (then one at a time), their outputs in registers while the
+    /// block's values go by, at most four registers of each of the four rows a pass: a
+    /// register of a value serves four rows, and each row's probability, broadcast once a
+    /// key, serves its registers. Stored once at the end of the pass.
     ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold; `d ≤
     /// 16 · W`.
     #[target_feature(enable = "avx512f")]
     unsafe fn values_rows<const W: usize>(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
+        let mut r = 0;
+        while r + 4 <= t.rows {
+            // SAFETY: rows r .. r + 4 < R; the caller's conditions
+            unsafe { values_tile::<W, 4>(p, v, o, t, r) };
+            r += 4;
+        }
+        while r < t.rows {
+            // SAFETY: row r < R; the caller's conditions
+            unsafe { values_tile::<W, 1>(p, v, o, t, r) };
+            r += 1;
+        }
+    }
+
+    /// Rows `r0 .. r0 + RB`, every value of the block added into their outputs.
+    ///
+    /// SAFETY (caller): as [`values_rows`], and `r0 + RB ≤ R`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn values_tile<const W: usize, const RB: usize>(
+        p: &[f32],
+        v: &[f32],
+        o: &mut [f32],
+        t: Tile,
+        r0: usize,
+    ) {
+        // registers of a row a pass: 4 · 4 sums, 4 probabilities and a value's register
+        const CB: usize = 4;
         let d = t.d;
         let mask = |c: usize| {
             if c + 1 < W || d.is_multiple_of(LANES) {
@@ -351,49 +412,52 @@ mod avx512 {
             }
         };
         let load = |x: *const f32, c: usize| {
-            // SAFETY: the caller passes a row of d values; the masked lanes are not read
+            // SAFETY: the callers pass a row of d values; the masked lanes are not read
             unsafe { _mm512_maskz_loadu_ps(mask(c), x.add(c * LANES)) }
         };
-        for r in 0..t.rows {
-            // SAFETY: row r < R, o holds R · d values
-            let o_r = unsafe { o.as_mut_ptr().add(r * d) };
-            let mut even = [_mm512_setzero_ps(); W];
-            let mut odd = [_mm512_setzero_ps(); W];
-            for (c, x) in even.iter_mut().enumerate() {
-                *x = load(o_r, c);
-            }
-            let p_r = &p[r * t.bc..r * t.bc + t.keys];
-            let mut pairs = p_r.chunks_exact(2);
-            let mut j = 0;
-            for pair in &mut pairs {
-                let (p0, p1) = (_mm512_set1_ps(pair[0]), _mm512_set1_ps(pair[1]));
-                // SAFETY: keys j, j + 1 < t.keys
-                let (v0, v1) =
-                    unsafe { (v.as_ptr().add(j * d), v.as_ptr().add((j + 1) * d)) };
-                for c in 0..W {
-                    even[c] = _mm512_fmadd_ps(p0, load(v0, c), even[c]);
-                    odd[c] = _mm512_fmadd_ps(p1, load(v1, c), odd[c]);
-                }
-                j += 2;
-            }
-            if let [p_j] = pairs.remainder() {
-                let p0 = _mm512_set1_ps(*p_j);
-                // SAFETY: key j < t.keys
-                let v0 = unsafe { v.as_ptr().add(j * d) };
-                for c in 0..W {
-                    even[c] = _mm512_fmadd_ps(p0, load(v0, c), even[c]);
+        let base = o.as_mut_ptr();
+        // SAFETY: row r0 + r < R, o holds R · d values
+        let out = |r: usize| unsafe { base.add((r0 + r) * d) };
+        let mut c0 = 0;
+        while c0 < W {
+            let mut acc = [[_mm512_setzero_ps(); CB]; RB];
+            for r in 0..RB {
+                for c in 0..CB {
+                    if c0 + c < W {
+                        acc[r][c] = load(out(r), c0 + c);
+                    }
                 }
             }
-            for c in 0..W {
-                // SAFETY: the masked lanes, past d, are not written
-                unsafe {
-                    _mm512_mask_storeu_ps(
-                        o_r.add(c * LANES),
-                        mask(c),
-                        _mm512_add_ps(even[c], odd[c]),
-                    )
-                };
+            for j in 0..t.keys {
+                let mut pr = [_mm512_setzero_ps(); RB];
+                for r in 0..RB {
+                    pr[r] = _mm512_set1_ps(p[(r0 + r) * t.bc + j]);
+                }
+                let value = v[j * d..].as_ptr();
+                for c in 0..CB {
+                    if c0 + c < W {
+                        let x = load(value, c0 + c);
+                        for r in 0..RB {
+                            acc[r][c] = _mm512_fmadd_ps(pr[r], x, acc[r][c]);
+                        }
+                    }
+                }
             }
+            for r in 0..RB {
+                for c in 0..CB {
+                    if c0 + c < W {
+                        // SAFETY: row r0 + r < R; the masked lanes, past d, are not written
+                        unsafe {
+                            _mm512_mask_storeu_ps(
+                                out(r).add((c0 + c) * LANES),
+                                mask(c0 + c),
+                                acc[r][c],
+                            )
+                        };
+                    }
+                }
+            }
+            c0 += CB;
         }
     }
 
