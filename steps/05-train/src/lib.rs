@@ -21,6 +21,8 @@
 //! - [`layers`]: each layer's forward and backward, and the float types.
 //! - [`model`]: [`Config`], [`Params`] (one struct of arrays, named as GPT-2's, with a flat
 //!   view by name for the optimizer and the checkpoints), [`forward`] and [`backward`].
+//! - [`fast`]: the same model's fast path on the CPU, checked against [`model`]: a shard
+//!   of the batch per thread, the products by faer, fused element-wise passes.
 //! - [`optim`]: [`AdamW`], the [`Schedule`] of the learning rate, [`clip_grad_norm`].
 //! - [`data`]: the [`Corpus`] (split by file into training and held-out bytes) and the
 //!   batches, drawn from a seed and the step.
@@ -36,6 +38,7 @@
 pub mod checkpoint;
 pub mod cuda;
 pub mod data;
+pub mod fast;
 pub mod flag;
 pub mod layers;
 pub mod model;

@@ -19,6 +19,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use flash_core::files;
 use step05_train::cuda::parallel::{DataParallel, local_batch}; // [step 07]
 use step05_train::cuda::{AttentionKind, GpuTrainer};
+use step05_train::fast::FastCpu;
 use step05_train::flag;
 use step05_train::model::Preset;
 use step05_train::optim::{AdamWSettings, Schedule};
@@ -59,6 +60,15 @@ enum DeviceArg {
     Cpu,
     /// The GPU trainer, mixed precision, with steps 03 and 04's kernels
     Cuda,
+}
+
+/// Which code trains on the CPU: the same model, the same losses within f32 rounding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum CpuPathArg {
+    /// A shard of the batch per core, faer's matrix products, fused passes (src/fast.rs)
+    Fast,
+    /// The model as chapter 5 reads it, layer by layer on ndarray (src/model.rs)
+    Readable,
 }
 
 /// The attention inside the model (on the GPU).
@@ -210,6 +220,9 @@ struct TrainArgs {
     /// Where to train
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     device: DeviceArg,
+    /// Which code trains on the CPU (--device cpu) [default: fast]
+    #[arg(long, value_enum)]
+    cpu_path: Option<CpuPathArg>,
     /// The attention inside the model; by-hand on the GPU only
     #[arg(long, value_enum, default_value_t = AttentionArg::Flash)]
     attention: AttentionArg,
@@ -250,6 +263,13 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
     // before anything loads: the GPUs asked for, and the batch's split over them
     let gpus = check_gpus(&args)?;
     // [/step 07]
+    if args.device == DeviceArg::Cuda && args.cpu_path.is_some() {
+        return Err(TrainError::Config(
+            "--cpu-path chooses the code that trains on the CPU: it needs --device cpu (the \
+             GPU trainer is one, src/cuda/)"
+                .into(),
+        ));
+    }
     if args.device == DeviceArg::Cuda {
         // before the corpus loads: no GPU is said at once
         step03_cuda_forward::Gpu::shared().map_err(TrainError::Device)?;
@@ -413,8 +433,21 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
                     "--profile times the GPU's phases: it needs --device cuda".into(),
                 ));
             }
-            println!("device: cpu, {} threads", rayon::current_num_threads());
-            let run = train_with(&mut trainer, &corpus, &settings, control, report)?;
+            let path = args.cpu_path.unwrap_or(CpuPathArg::Fast);
+            println!(
+                "device: cpu, {} threads, the {} path",
+                rayon::current_num_threads(),
+                path.to_possible_value().expect("a value").get_name()
+            );
+            let run = match path {
+                CpuPathArg::Fast => {
+                    let mut fast = FastCpu::new(&mut trainer);
+                    train_with(&mut fast, &corpus, &settings, control, report)?
+                }
+                CpuPathArg::Readable => {
+                    train_with(&mut trainer, &corpus, &settings, control, report)?
+                }
+            };
             (run, wanted(&trainer)?)
         }
         // [step 07]

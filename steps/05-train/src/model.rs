@@ -355,14 +355,10 @@ pub struct Activations<A: Float> {
     pub probs: Array2<A>,
 }
 
-// ANCHOR: forward
-/// The forward pass over `inputs` (`[B, T]` tokens), keeping what the backward needs.
-pub fn forward<A: Float>(
-    p: &Params<A>,
-    inputs: ArrayView2<u8>,
-) -> Result<Activations<A>, TrainError> {
-    let cfg = p.config;
-    let (batch, tokens) = inputs.dim();
+/// Checks that a batch of tokens fits the model: no longer than its context, every token
+/// in its vocabulary.
+pub(crate) fn check_inputs(cfg: &Config, inputs: ArrayView2<u8>) -> Result<(), TrainError> {
+    let tokens = inputs.ncols();
     if tokens > cfg.context {
         return Err(TrainError::Config(format!(
             "{tokens} tokens in a row, but the model's context is {}: it has a position \
@@ -376,6 +372,18 @@ pub fn forward<A: Float>(
             cfg.vocab
         )));
     }
+    Ok(())
+}
+
+// ANCHOR: forward
+/// The forward pass over `inputs` (`[B, T]` tokens), keeping what the backward needs.
+pub fn forward<A: Float>(
+    p: &Params<A>,
+    inputs: ArrayView2<u8>,
+) -> Result<Activations<A>, TrainError> {
+    let cfg = p.config;
+    let (batch, tokens) = inputs.dim();
+    check_inputs(&cfg, inputs)?;
     // x[b·T + t] = wte[token] + wpe[t]
     let mut x = Array2::zeros((batch * tokens, cfg.d_model));
     for ((b, t), &tok) in inputs.indexed_iter() {

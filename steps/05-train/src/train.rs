@@ -243,6 +243,11 @@ pub trait Learner {
     fn heldout_loss(&mut self, batches: &[Batch]) -> Result<f32, TrainError>;
     /// Where and how it trains.
     fn hardware(&self) -> Hardware;
+    /// What trained, as the record names it: `step05-train`, the readable CPU model and the
+    /// GPU trainer; the CPU's fast path is `step05-train-fast`.
+    fn trainer(&self) -> &'static str {
+        "step05-train"
+    }
     /// The high-water mark of device memory so far, where there is a device.
     fn peak_memory_bytes(&self) -> Result<Option<u64>, TrainError> {
         Ok(None)
@@ -447,7 +452,7 @@ pub fn train_with<L: Learner + ?Sized>(
         steps: Vec::new(),
         evals: Vec::new(),
         seconds: 0.0,
-        trainer: "step05-train".into(),
+        trainer: learner.trainer().into(),
         device: hw.device,
         device_name: hw.device_name,
         attention: hw.attention,
