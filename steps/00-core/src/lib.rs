@@ -9,6 +9,8 @@
 //! ## Layout
 //!
 //! - [`check`]: [`Shape`], [`AttnError`], [`check_qkv`] and [`try_zeros`].
+//! - [`exercise`]: what the CPU exercise checkers share: a panic in a reader's code as a
+//!   verdict ([`exercise::attempt`]), and the verdict printed ([`exercise::report`]).
 //! - [`files`]: files a user makes, written whole or not at all ([`files::write_atomic`]),
 //!   and output paths checked before the work ([`files::check_output`]).
 //! - [`Attention`]: what every forward method returns, the output and each row's
@@ -22,6 +24,7 @@
 //! - [`row`]: [`Row`], one measurement as `charts/data/*.json` holds it.
 
 pub mod check;
+pub mod exercise;
 pub mod files;
 pub mod inputs;
 pub mod method;

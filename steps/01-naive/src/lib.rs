@@ -12,12 +12,15 @@
 //! - [`attention`]: the method itself, in four visible stages ([`scores`],
 //!   [`apply_causal_mask`], [`softmax_rows`], then the product with v).
 //! - [`Naive`]: the method as the benchmark's registry lists it ([`methods`]).
+//! - [`exercise`]: the checker of chapter 1's exercise, the softmax of one row.
+
+pub mod exercise;
 
 use flash_core::{
     Attention, AttnError, Device, Dtype, Method, check_f32, check_qkv, try_zeros,
 };
 use ndarray::linalg::general_mat_mul;
-use ndarray::{Array3, Array4, ArrayView4, s};
+use ndarray::{Array3, Array4, ArrayView4, ArrayViewMut1, s};
 
 /// This step's methods, as the benchmark and the cross-step tests run them.
 pub fn methods() -> Vec<&'static dyn Method> {
@@ -142,14 +145,23 @@ pub fn softmax_rows(table: &mut Array4<f32>) -> Array3<f32> {
     let [b_n, h_n, t_n, _] = <[usize; 4]>::try_from(table.shape()).expect("4 dimensions");
     let mut lse = Array3::zeros((b_n, h_n, t_n));
     for (mut row, lse) in table.rows_mut().into_iter().zip(lse.iter_mut()) {
-        let max = row.fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        row.mapv_inplace(|x| (x - max).exp());
-        let sum = row.sum();
-        row.mapv_inplace(|x| x / sum);
-        *lse = max + sum.ln();
+        *lse = softmax_row(row.as_slice_mut().expect("the table's rows are contiguous"));
     }
     lse
 }
+
+// ANCHOR: softmax_row
+/// One row of [`softmax_rows`]: `row` becomes its probabilities, and the row's log-sum-exp
+/// is returned. A masked score (−∞) becomes exactly 0.
+pub fn softmax_row(row: &mut [f32]) -> f32 {
+    let mut row = ArrayViewMut1::from(row);
+    let max = row.fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    row.mapv_inplace(|x| (x - max).exp());
+    let sum = row.sum();
+    row.mapv_inplace(|x| x / sum);
+    max + sum.ln()
+}
+// ANCHOR_END: softmax_row
 // ANCHOR_END: softmax
 
 /// The table of probabilities itself (scores, mask, softmax), for tests and the book.
