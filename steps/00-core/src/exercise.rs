@@ -42,9 +42,11 @@ thread_local! {
 /// frames) and [`attempt`] says where in the reader's file it happened.
 pub fn quiet_panics() {
     std::panic::set_hook(Box::new(|info| {
-        let at = info
-            .location()
-            .map(|l| format!("{}:{}", l.file(), l.line()));
+        // a binary includes the reader's file by a path relative to its own
+        let at = info.location().map(|l| {
+            let file = l.file().replace("/src/bin/../../", "/");
+            format!("{file}:{}", l.line())
+        });
         PANIC_AT.with(|p| *p.borrow_mut() = at);
     }));
 }
@@ -138,7 +140,7 @@ pub fn within(
                 if got.len() == 1 {
                     String::new()
                 } else {
-                    format!("[{i}]")
+                    format!(" at [{i}]")
                 },
                 got[i],
                 expected[i]
@@ -187,10 +189,10 @@ mod tests {
             Ok(())
         );
         let e = within("c", "p", &[1.0, 0.6, 0.0], &expected, 1e-6, "r").unwrap_err();
-        assert!(e.why.starts_with("p[1] is 0.6"), "{e}");
+        assert!(e.why.starts_with("p at [1] is 0.6"), "{e}");
         // a masked entry must be exactly 0, however small the bound's complaint
         let e = within("c", "p", &[1.0, 0.5, 1e-9], &expected, 1e-6, "r").unwrap_err();
-        assert!(e.why.starts_with("p[2]"), "{e}");
+        assert!(e.why.starts_with("p at [2]"), "{e}");
         let e = within("c", "p", &[f32::NAN, 0.5, 0.0], &expected, 1e-6, "r").unwrap_err();
         assert!(e.why.contains("error inf"), "{e}");
         assert!(within("c", "p", &[1.0], &expected, 1e-6, "r").is_err());

@@ -3,7 +3,7 @@
 //! views.
 
 use flash_core::{Attention, AttnError, check_qkv};
-use ndarray::{Array3, Array4, ArrayView4, s};
+use ndarray::{Array3, Array4, ArrayView2, ArrayView4, s};
 
 /// The block size of [`attention_loop`]: 64 queries against 64 keys, the blocks of the fast
 /// version too. Any size gives the same answer; on the GPU, FlashAttention-2's forward
@@ -92,30 +92,15 @@ pub fn attention_blocked(
                         }
                     }
                     // ANCHOR_END: block_scores
-                    // ANCHOR: online_update
                     for i in 0..rows {
-                        let row = &scores[i * cols..(i + 1) * cols];
-                        // The new maximum. Finite: block 0 holds key 0, which every row
-                        // sees.
-                        let m_new = row.iter().fold(m[i], |a, &s| a.max(s));
-                        // Everything summed so far is relative to the old maximum;
-                        // e^(s − m_old)·e^(m_old − m_new) = e^(s − m_new) moves it to the
-                        // new one. On the first block m_old = −∞ and the correction is
-                        // e^(−∞) = 0.
-                        let correction = (m[i] - m_new).exp();
-                        let acc_i = &mut acc[i * d_n..(i + 1) * d_n];
-                        l[i] *= correction;
-                        acc_i.iter_mut().for_each(|a| *a *= correction);
-                        for (j, &s) in row.iter().enumerate() {
-                            let p = (s - m_new).exp(); // e^(−∞) = 0 for a masked key
-                            l[i] += p;
-                            for (a, &v) in acc_i.iter_mut().zip(v.row(k0 + j)) {
-                                *a += p * v;
-                            }
-                        }
-                        m[i] = m_new;
+                        online_update(
+                            &mut m[i],
+                            &mut l[i],
+                            &mut acc[i * d_n..(i + 1) * d_n],
+                            &scores[i * cols..(i + 1) * cols],
+                            v.slice(s![k0..k0 + cols, ..]),
+                        );
                     }
-                    // ANCHOR_END: online_update
                 }
                 // ANCHOR: finalise
                 // After the last block, ℓ_i is the whole row's sum: o_i = acc_i/ℓ_i, and
@@ -134,3 +119,35 @@ pub fn attention_blocked(
     Ok(Attention { out, lse })
 }
 // ANCHOR_END: blocked
+
+// ANCHOR: online_update
+/// One block of keys into one query row's running values: `scores` are the row's scores for
+/// the block's keys (−∞ for a masked key), `v` the block's values, a key a row; `m`, `l` and
+/// `acc` are the row's largest score so far, `ℓ = Σ e^(s − m)` and `Σ e^(s − m)·v` over the
+/// keys before the block, and the same over the keys up to its end afterwards. The row must
+/// have seen a key by the block's end, so that `m` is finite.
+pub fn online_update(
+    m: &mut f32,
+    l: &mut f32,
+    acc: &mut [f32],
+    scores: &[f32],
+    v: ArrayView2<f32>,
+) {
+    // The new maximum. Finite: block 0 holds key 0, which every row sees.
+    let m_new = scores.iter().fold(*m, |a, &s| a.max(s));
+    // Everything summed so far is relative to the old maximum; e^(s − m_old)·e^(m_old −
+    // m_new) = e^(s − m_new) moves it to the new one. On the first block m_old = −∞ and the
+    // correction is e^(−∞) = 0.
+    let correction = (*m - m_new).exp();
+    *l *= correction;
+    acc.iter_mut().for_each(|a| *a *= correction);
+    for (&s, v) in scores.iter().zip(v.rows()) {
+        let p = (s - m_new).exp(); // e^(−∞) = 0 for a masked key
+        *l += p;
+        for (a, &v) in acc.iter_mut().zip(v) {
+            *a += p * v;
+        }
+    }
+    *m = m_new;
+}
+// ANCHOR_END: online_update

@@ -56,6 +56,7 @@
 //!   alternatives measured; `benches/online.rs`: criterion.
 
 pub mod blocked;
+pub mod exercise;
 pub mod fast;
 pub mod kernels;
 pub mod peak;
