@@ -27,9 +27,11 @@
 //!   for each block, `kernels/ring.cu` to merge them, NCCL (or copies between simulated
 //!   ranks on one GPU) to pass the keys and values on, overlapped with the blocks.
 //! - [`methods`]: `cuda_ring` in the registry.
+//! - [`exercise`]: the checker of chapter 7's exercise, the merge of two partial results.
 
 pub mod comm;
 pub mod cpu;
+pub mod exercise;
 pub mod gpu;
 pub mod merge;
 pub mod methods;
