@@ -92,8 +92,8 @@ pub fn max_error(got: &[f32], expected: &[f64]) -> f64 {
 }
 
 /// `got` against `expected` within `allowed` at every index, or a [`NotYet`] for `case` that
-/// names the worst entry (`what[i]`), both values, its error and the bound (`rule` says where
-/// the bound comes from). An exact `expected` of 0 or ±∞ must come back exact.
+/// names the worst entry (`what at [i]`), both values, its error and the bound (`rule` says where
+/// the bound comes from). An `expected` of ±∞ must come back exact.
 pub fn within(
     case: &str,
     what: &str,
@@ -114,8 +114,8 @@ pub fn within(
     }
     let mut worst: Option<(usize, f64)> = None;
     for (i, (&g, &e)) in got.iter().zip(expected).enumerate() {
-        let error = if e.is_infinite() || e == 0.0 {
-            // masked entries and empty rows are exact by construction
+        let error = if e.is_infinite() {
+            // the log-sum-exp of a row that saw no key
             if f64::from(g) == e {
                 0.0
             } else {
@@ -144,6 +144,27 @@ pub fn within(
                 },
                 got[i],
                 expected[i]
+            ),
+        )),
+    }
+}
+
+/// `got` exactly 0 at every index where `zero` holds (a masked key, say: `because` says
+/// why), or a [`NotYet`] for `case` that names the first entry that is not.
+pub fn zero_where(
+    case: &str,
+    what: &str,
+    got: &[f32],
+    zero: impl Fn(usize) -> bool,
+    because: &str,
+) -> Result<(), NotYet> {
+    match (0..got.len()).find(|&i| zero(i) && got[i] != 0.0) {
+        None => Ok(()),
+        Some(i) => Err(NotYet::new(
+            case,
+            format!(
+                "{what} at [{i}] is {}, where it must be exactly 0 ({because})",
+                got[i]
             ),
         )),
     }
@@ -190,9 +211,23 @@ mod tests {
         );
         let e = within("c", "p", &[1.0, 0.6, 0.0], &expected, 1e-6, "r").unwrap_err();
         assert!(e.why.starts_with("p at [1] is 0.6"), "{e}");
-        // a masked entry must be exactly 0, however small the bound's complaint
-        let e = within("c", "p", &[1.0, 0.5, 1e-9], &expected, 1e-6, "r").unwrap_err();
-        assert!(e.why.starts_with("p at [2]"), "{e}");
+        // ±∞ must be exact, and a masked entry exactly 0 by zero_where
+        let inf = [f64::NEG_INFINITY];
+        assert!(within("c", "lse", &[-1e30], &inf, 1e-6, "r").is_err());
+        assert_eq!(
+            within("c", "lse", &[f32::NEG_INFINITY], &inf, 1e-6, "r"),
+            Ok(())
+        );
+        assert_eq!(
+            within("c", "p", &[1.0, 0.5, 1e-9], &expected, 1e-6, "r"),
+            Ok(())
+        );
+        let e = zero_where("c", "p", &[1.0, 0.5, 1e-9], |i| i == 2, "masked").unwrap_err();
+        assert!(e.why.starts_with("p at [2] is 0.000000001, where"), "{e}");
+        assert_eq!(
+            zero_where("c", "p", &[1.0, 0.5, 0.0], |i| i == 2, "masked"),
+            Ok(())
+        );
         let e = within("c", "p", &[f32::NAN, 0.5, 0.0], &expected, 1e-6, "r").unwrap_err();
         assert!(e.why.contains("error inf"), "{e}");
         assert!(within("c", "p", &[1.0], &expected, 1e-6, "r").is_err());

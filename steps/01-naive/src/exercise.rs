@@ -3,7 +3,7 @@
 //! FlashAttention's rule, against the error of [`crate::softmax_row`], the function the
 //! template was cut from. The `naive-exercise` binary runs it on the reader's file.
 
-use flash_core::exercise::{NotYet, attempt, max_error, twice, within};
+use flash_core::exercise::{NotYet, attempt, max_error, twice, within, zero_where};
 use flash_core::inputs::SplitMix64;
 
 /// The template the reader fills in, under the crate's folder.
@@ -65,6 +65,8 @@ pub fn check(softmax_row: impl Fn(&mut [f32]) -> f32) -> Result<usize, NotYet> {
         let your_lse = attempt(case, || softmax_row(&mut yours))?;
         let allowed = twice(max_error(&ours, &p), 1.0);
         within(case, "p", &yours, &p, allowed, rule)?;
+        let masked = |j: usize| scores[j] == f32::NEG_INFINITY;
+        zero_where(case, "p", &yours, masked, "a masked key's probability")?;
         let allowed = twice(max_error(&[our_lse], &[lse]), lse);
         within(case, "the log-sum-exp", &[your_lse], &[lse], allowed, rule)?;
     }

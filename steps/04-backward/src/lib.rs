@@ -62,9 +62,10 @@
 //! - [`rule`](mod@rule): FlashAttention's rule for out, dq, dk and dv
 //!   ([`BackwardCheck`](rule::BackwardCheck)), which the GPU tests and the exercise checker
 //!   both apply.
-//! - [`exercise`]: chapter 4's exercise, `softmax_backward` written by the reader in
-//!   `exercises/softmax_backward.cu`; `src/bin/backward-exercise.rs` checks it on the GPU
-//!   (`cargo run -p step04-backward --bin backward-exercise -- softmax-backward`).
+//! - [`exercise`]: chapter 4's exercises: `grad_scores` (δ and dS for one block) written by
+//!   the reader in `exercises/grad_scores.rs`, checked on the CPU; `softmax_backward` in
+//!   `exercises/softmax_backward.cu`, checked on the GPU. `src/bin/backward-exercise.rs`
+//!   runs either (`cargo run -p step04-backward --bin backward-exercise -- grad-scores`).
 
 pub mod blockwise;
 pub mod by_hand;
