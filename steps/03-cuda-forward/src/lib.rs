@@ -53,9 +53,10 @@
 //! - [`by_hand`]: attention by hand on the GPU (cuBLAS and `kernels/causal_softmax.cu`).
 //! - [`rule`]: FlashAttention's rule ([`ForwardCheck`](rule::ForwardCheck)), which the GPU
 //!   tests and the exercise checker both apply.
-//! - [`exercise`]: chapter 3's exercise, rung 1's key loop written by the reader in
-//!   `exercises/rows.cu`; `src/bin/exercise.rs` checks it on the GPU
-//!   (`cargo run -p step03-cuda-forward --bin exercise -- rows`).
+//! - [`exercise`]: chapter 3's exercises: the swizzle written by the reader in Rust in
+//!   `exercises/swizzle.rs`, checked on the CPU; rung 1's key loop in `exercises/rows.cu`,
+//!   checked on the GPU. `src/bin/exercise.rs` runs either
+//!   (`cargo run -p step03-cuda-forward --bin exercise -- swizzle`).
 //! - [`ptxas`]: what the kernel-check binaries share; `src/bin/kernel-check.rs` compiles
 //!   every kernel the library launches (and the exercise's template) with NVRTC and ptxas
 //!   and fails on any spill (no GPU needed).

@@ -47,3 +47,50 @@ fn the_checker_reports_a_kernel_that_does_not_compile() {
         .expect_err("a syntax error is refused");
     assert!(err.to_string().contains("NVRTC could not compile"), "{err}");
 }
+
+// The CPU exercise: the checker accepts the kernels' swizzle, and refuses the template as
+// shipped (a `todo!()`), a tile left unswizzled, and the XOR with row mod 8 at every head
+// dim, which at head dim 32 moves chunks out of their row. Neither reads the template.
+
+use step03_cuda_forward::exercise::{SWIZZLE_HEAD_DIMS, check_swizzle, swizzled};
+use step03_cuda_forward::kernel::TENSOR_CORES_CUH;
+
+#[test]
+fn the_rust_swizzle_is_the_kernels() {
+    for line in [
+        "#define SWIZZLE (CHUNKS < 8 ? CHUNKS : 8)",
+        "return row * HEAD_DIM + ((chunk ^ (row & (SWIZZLE - 1))) << 3);",
+    ] {
+        assert!(
+            TENSOR_CORES_CUH.contains(line),
+            "tensor_cores.cuh no longer says `{line}`: bring exercise::swizzled up to date"
+        );
+    }
+}
+
+#[test]
+fn the_cpu_checker_accepts_the_solution() {
+    assert_eq!(check_swizzle(&swizzled), Ok(SWIZZLE_HEAD_DIMS.len()));
+}
+
+#[test]
+fn the_cpu_checker_refuses_the_template() {
+    let e = check_swizzle(&|_, _, _| todo!()).unwrap_err();
+    assert!(e.why.contains("not yet implemented"), "{e}");
+}
+
+#[test]
+fn the_cpu_checker_refuses_an_unswizzled_tile() {
+    let e = check_swizzle(&|row, chunk, head_dim| row * head_dim + chunk * 8).unwrap_err();
+    assert!(e.case.starts_with("head dim 64"), "{e}");
+    assert!(e.why.contains("takes 8 turns"), "{e}");
+}
+
+#[test]
+fn the_cpu_checker_refuses_row_mod_8_at_head_dim_32() {
+    let e =
+        check_swizzle(&|row, chunk, head_dim| row * head_dim + ((chunk ^ (row % 8)) << 3))
+            .unwrap_err();
+    assert!(e.case.starts_with("head dim 32"), "{e}");
+    assert!(e.why.contains("outside the row"), "{e}");
+}
