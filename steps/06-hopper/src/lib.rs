@@ -34,12 +34,15 @@
 //! - [`layout`]: the strides between batches, heads and tokens the kernels read and write
 //!   at (the trainer's fused projection), checked against a shape and TMA's alignment
 //! - [`methods`]: `cuda_hopper` and the rungs in the registry
+//! - [`exercise`]: the checker of chapter 6's exercise, which element of a `wgmma`
+//!   accumulator each register holds (`bin/hopper-exercise`, on the CPU)
 //! - `kernels/`: `hopper.cuh` (types, descriptors, mbarriers, TMA, `wgmma`), `forward.cuh`
 //!   and `backward.cuh` (what each direction's kernels share), and the rungs
 //! - `bin/hopper-kernel-check`: every kernel the methods launch through NVRTC and ptxas for
 //!   `sm_90a`, no GPU needed (CI runs it)
 
 pub mod backward;
+pub mod exercise;
 pub mod forward;
 pub mod kernel;
 pub mod layout;
