@@ -11,8 +11,9 @@
 //! relative and each tensor's gradient within [`GRAD_TOL`] in relative L2 norm, `‖g_gpu −
 //! g_cpu‖ / ‖g_cpu‖`. The measured errors are printed by each run.
 //!
-//! The tests that need a GPU are `#[ignore = "needs a CUDA GPU"]`: a machine without one
-//! lists them as ignored, and `-- --include-ignored` runs them, failing where no GPU opens.
+//! The tests that need a GPU are `#[ignore = "needs a CUDA GPU"]` (those of step 06's
+//! kernels `"needs a Hopper GPU (compute capability 9.0)"`): a machine without one lists
+//! them as ignored, and `-- --include-ignored` runs them, failing where no GPU opens.
 //! The others check on every machine: shapes the kernels cannot take are refused before any
 //! GPU is touched, and a trainer is made where a GPU opens and is an error saying what is
 //! missing where none does.
@@ -179,7 +180,7 @@ fn gradients_match_the_cpu_model_when_the_mlp_leaves_a_partial_block() {
 // [step 06]
 /// Step 06's kernels inside the model, at head dims 64 and 128 (the ones they take).
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn hopper_gradients_match_the_cpu_model() {
     gradients_match(AttentionKind::Hopper, &[(128, 2), (256, 2)]);
 }
@@ -212,7 +213,7 @@ fn grouped_flash_gradients_match_the_cpu_model() {
 /// Step 06's kernels read q, k and v from the narrower projection in place and write dk
 /// and dv for every query head, which `sum_kv_groups` adds up; head dims 64 and 128.
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn grouped_hopper_gradients_match_the_cpu_model() {
     grouped_gradients_match(AttentionKind::Hopper, 256);
     grouped_gradients_match(AttentionKind::Hopper, 512);

@@ -2,8 +2,9 @@
 //! backward, step 06's Hopper forward and backward) against the `f64` reference on
 //! repeated heads, with FlashAttention's rule: the error of each of out, dq, dk and dv at most twice that of
 //! attention by hand in the same precision (on the repeated heads, dk and dv summed over
-//! each group as autograd sums a repeat's gradient). Ignored where there is no GPU; the
-//! refusals of bad input on the host run everywhere.
+//! each group as autograd sums a repeat's gradient). Every kernel is checked in the same
+//! test, step 06's among them, so the two tests that run them need a Hopper GPU and are
+//! ignored elsewhere; the refusals of bad input on the host run everywhere.
 
 use flash_core::inputs::random_normal;
 use flash_core::reference::{Error, error};
@@ -57,7 +58,7 @@ fn rule(what: &str, ours: Error, by_hand: Error) {
 
 // ANCHOR: grouped_forward_test
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn grouped_forwards_match_the_reference_within_twice_by_hand_error() {
     let gpu = Gpu::new().expect("a GPU");
     for (i, (b, h, kv, t, d)) in SHAPES.into_iter().enumerate() {
@@ -118,7 +119,7 @@ fn by_hand_grads(
 }
 
 #[test]
-#[ignore = "needs a CUDA GPU"]
+#[ignore = "needs a Hopper GPU (compute capability 9.0)"]
 fn the_grouped_backward_matches_the_reference_within_twice_by_hand_error() {
     let gpu = Gpu::new().expect("a GPU");
     for (i, (b, h, kv, t, d)) in SHAPES.into_iter().enumerate() {
