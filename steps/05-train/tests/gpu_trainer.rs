@@ -11,12 +11,16 @@
 //! relative and each tensor's gradient within [`GRAD_TOL`] in relative L2 norm, `‖g_gpu −
 //! g_cpu‖ / ‖g_cpu‖`. The measured errors are printed by each run.
 //!
-//! The tests that need a GPU are `#[ignore = "needs a CUDA GPU"]` (those of step 06's
-//! kernels `"needs a Hopper GPU (compute capability 9.0)"`): a machine without one lists
-//! them as ignored, and `-- --include-ignored` runs them, failing where no GPU opens.
+//! The tests that need a GPU are `#[ignore = "needs a CUDA GPU"]`: a machine without one
+//! lists them as ignored, and `-- --include-ignored` runs them, failing where no GPU opens.
 //! The others check on every machine: shapes the kernels cannot take are refused before any
 //! GPU is touched, and a trainer is made where a GPU opens and is an error saying what is
 //! missing where none does.
+// [step 06]
+//!
+//! The tests of step 06's kernels need a Hopper GPU and say so:
+//! `#[ignore = "needs a Hopper GPU (compute capability 9.0)"]`.
+// [/step 06]
 
 mod common;
 use common::corpus;
