@@ -345,6 +345,7 @@ const STYLES: &[Style] = &[
     peer("pytorch_sdpa", "cuda", "PyTorch's default SDPA", "SDPA", RGBColor(0xfd, 0x8d, 0x3c), Marker::Square),
     // [/step 03]
     // [step 05]
+    ours("cpu_fast_path", "fast path: a shard per core, faer's products", "fast path", 5, RGBColor(0x00, 0x44, 0x1b), Marker::Diamond),
     peer("pytorch_compiled", "", "PyTorch's default SDPA, torch.compile", "compiled", RGBColor(0xe7, 0x29, 0x8a), Marker::Cross),
     // [/step 05]
 ];

@@ -192,6 +192,11 @@ impl Run {
         !self.trainer.starts_with("pytorch")
     }
 
+    /// Ours on the CPU's fast path (`train --cpu-path fast`), the CPU's default trainer.
+    fn is_fast_path(&self) -> bool {
+        self.trainer == "step05-train-fast"
+    }
+
     fn device_kind(&self) -> Device {
         if self.device == "cuda" {
             Device::Cuda
@@ -207,6 +212,7 @@ impl Run {
         match (self.is_ours(), self.attention.as_str()) {
             (true, "by-hand") if gpu => "cuda_naive",
             (true, "by-hand") => "naive",
+            (true, _) if self.is_fast_path() => "cpu_fast_path",
             (true, _) if gpu => "cuda_flash",
             (true, _) => "online",
             _ if self.trainer == "pytorch-compiled" => "pytorch_compiled",
@@ -223,12 +229,17 @@ impl Run {
         look(self.method(), self.device_kind())
     }
 
-    /// The legend's words: ours with the steps that bring our attention, PyTorch's with its
-    /// attention, and `torch.compile` where it compiled.
+    /// The legend's words: ours with the steps that bring our attention (on the CPU, the
+    /// readable model apart from the fast path), PyTorch's with its attention, and
+    /// `torch.compile` where it compiled.
     fn label(&self) -> String {
         let l = self.look();
         if self.is_ours() {
-            return format!("ours: {}", l.label(Pass::ForwardBackward));
+            let which = match self.device == "cpu" && !self.is_fast_path() {
+                true => ", readable model",
+                false => "",
+            };
+            return format!("ours{which}: {}", l.label(Pass::ForwardBackward));
         }
         if self.trainer == "pytorch-compiled" && self.attention != "sdpa-default" {
             let base = Run {
@@ -310,8 +321,9 @@ impl Run {
     }
 }
 
-/// The runs in the order of the looks, ours first and our flash attention first of ours
-/// (the run the others are compared with), eager before compiled.
+/// The runs in the order of the looks, ours first and our flash attention first of ours,
+/// the CPU's fast path before the readable model (the first is the run the others are
+/// compared with), eager before compiled.
 fn ordered(runs: &[&Run]) -> Vec<Run> {
     let mut out: Vec<Run> = runs.iter().map(|&r| r.clone()).collect();
     out.sort_by_key(|r| {
@@ -319,6 +331,7 @@ fn ordered(runs: &[&Run]) -> Vec<Run> {
         (
             !l.ours,
             !(l.ours && r.attention == "flash"),
+            !r.is_fast_path(),
             l.rank,
             r.trainer.clone(),
             r.attention.clone(),
@@ -865,8 +878,9 @@ fn table(runs: &[Run]) -> String {
     }
     md.push_str(
         "\n*tokens/s*: every step's tokens but the first's over their seconds; *ms a step*: the \
-         median, the first step left out; *vs ours*: the run's tokens/s over ours (our flash \
-         attention), above 1× the run is faster; *held-out loss*: the last one measured; *loss \
+         median, the first step left out; *vs ours*: the run's tokens/s over ours (the first \
+         row: our flash attention, on the CPU our fast path), above 1× the run is faster; \
+         *held-out loss*: the last one measured; *loss \
          vs ours*: the largest relative difference between the run's losses and ours at the \
          same steps (training and held-out), from the same initial weights and batches (*other \
          settings*: a run of another model, batch, schedule, seed or text, not compared).\n",
@@ -996,7 +1010,7 @@ mod tests {
         }
         assert!(
             get("train-cpu-loss.svg")
-                .contains("ours: online softmax, SIMD (steps 02 and 04)")
+                .contains("ours, readable model: online softmax, SIMD (steps 02 and 04)")
         );
         // PyTorch by hand is in the throughput, not in the loss chart
         let by_hand = colour("pytorch_by_hand", Device::Cpu);
@@ -1038,8 +1052,40 @@ mod tests {
         let cpu = &charts.iter().find(|(n, _)| n == "train-cpu.md").unwrap().1;
         // the old record: two steps, the second alone timed, 512 tokens in 1 ms
         assert!(
-            cpu.contains("| ours: online softmax, SIMD (steps 02 and 04) | 2 | 512,000 | 1.00 | 1.00× | 5.5000 (step 0) | – |"),
+            cpu.contains("| ours, readable model: online softmax, SIMD (steps 02 and 04) | 2 | 512,000 | 1.00 | 1.00× | 5.5000 (step 0) | – |"),
             "{cpu}"
+        );
+    }
+
+    #[test]
+    fn the_cpus_fast_path_is_the_run_the_others_are_compared_with() {
+        let mut runs = sample();
+        let fast = run("step05-train-fast", "flash", "cpu", 16000.0, "");
+        runs.push(serde_json::from_str(&fast).unwrap());
+        let charts = render_all(&runs).unwrap();
+        let cpu = &charts.iter().find(|(n, _)| n == "train-cpu.md").unwrap().1;
+        let rows: Vec<&str> = cpu.lines().filter(|l| l.starts_with("| ours")).collect();
+        assert!(
+            rows[0].starts_with(
+                "| ours: fast path: a shard per core, faer's products (step 05) | 20 | 16,000 |"
+            ) && rows[0].contains("| 1.00× |"),
+            "{cpu}"
+        );
+        // PyTorch's 8,000 tokens/s against the fast path's 16,000
+        assert!(
+            cpu.contains(
+                "| PyTorch SDPA (CPU flash attention) | 20 | 8,000 | 64.0 | 0.50× |"
+            ),
+            "{cpu}"
+        );
+        let loss = &charts
+            .iter()
+            .find(|(n, _)| n == "train-cpu-loss.svg")
+            .unwrap()
+            .1;
+        assert!(
+            loss.contains("ours: fast path"),
+            "the fast path is in the loss chart"
         );
     }
 
