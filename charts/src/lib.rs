@@ -26,6 +26,7 @@
 //! - [`render_all`]: every chart and table the rows call for, as `(file name, text)`.
 //! - [`train`]: the training runs' charts, from `charts/data/train-*.json`. // [step 05]
 //! - [`decode`]: decoding's tables and chart, from `charts/data/decode*.json`. // [step 08]
+//! - [`decode_cpu`]: decoding on the CPU, from `charts/data/decode-cpu*.json`. // [step 08]
 //! - [`grouped`]: grouped-query attention's tables, from `charts/data/grouped*.json`. // [step 08]
 
 use std::collections::BTreeSet;
@@ -39,6 +40,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 pub mod decode; // [step 08]
+pub mod decode_cpu; // [step 08]
 pub mod grouped; // [step 08]
 pub mod train; // [step 05]
 
@@ -119,6 +121,10 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
     // decoding against the read kernel, ours and PyTorch's
     if let Some(decoding) = decode::read(&data)? {
         charts.extend(decode::render_all(&decoding)?);
+    }
+    // decoding on the CPU, rung by rung, against the read loop and PyTorch's
+    if let Some(decoding) = decode_cpu::read(&data)? {
+        charts.extend(decode_cpu::render_all(&decoding)?);
     }
     // grouped-query attention in the training kernels, ours and PyTorch's
     if let Some(rows) = grouped::read(&data)? {

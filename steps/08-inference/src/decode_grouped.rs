@@ -146,8 +146,9 @@ pub fn decode_threads(
 /// Rung 4's split: keys per chunk for a call on `threads` threads. The whole cache (no
 /// split, no merge) when the (sequence, kv head) pairs give every thread two tasks or
 /// more; otherwise chunks that make at least that many tasks, a whole number of blocks and
-/// at least [`MIN_CHUNK`] keys. Two a thread, not one: equal tasks then share the threads
-/// evenly even when the count is odd, up to one task in four.
+/// at least [`MIN_CHUNK`] keys. Two a thread rather than one: rayon's threads take tasks as
+/// they free up, so a thread slowed by something else holds the others up by half its
+/// share at most.
 pub fn plan_chunk(shape: DecodeShape, threads: usize) -> usize {
     let (pairs, want) = (shape.batch * shape.kv_heads, 2 * threads.max(1));
     if pairs >= want || shape.context == 0 {
