@@ -191,9 +191,14 @@ impl Staged {
     /// Renames every file over its target. The renames are each atomic; between them a
     /// crash can leave some targets new and some old, never one half-written.
     pub fn commit(mut self) -> Result<(), FileError> {
-        for (tmp, path) in std::mem::take(&mut self.files) {
+        let mut files = std::mem::take(&mut self.files).into_iter();
+        while let Some((tmp, path)) = files.next() {
             if let Err(e) = fs::rename(&tmp, &path) {
+                // this one and the ones not renamed yet leave no temporary file behind
                 let _ = fs::remove_file(&tmp);
+                for (rest, _) in files {
+                    let _ = fs::remove_file(rest);
+                }
                 return Err(FileError::io(&path, e));
             }
             sync_dir(&path);

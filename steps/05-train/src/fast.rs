@@ -12,7 +12,8 @@
 //! - **A shard of the batch per thread.** A batch's sequences are independent until their
 //!   gradients are summed, so each of rayon's threads takes a run of whole sequences
 //!   through the entire forward and backward, and the shards' gradients are added at the
-//!   end, in shard order (which thread ran what does not change the sum). Within a shard
+//!   end, in shard order (which thread ran what does not change the sum; how many threads
+//!   there are does, so a run resumed with other threads is told so). Within a shard
 //!   the products run on one thread: a product of a thousand rows is too short to split
 //!   twice. This is step 07's data parallelism, over the cores of one CPU.
 //! - **The products by faer**, whose kernels use the CPU's widest vectors (AVX-512 where

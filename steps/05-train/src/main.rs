@@ -198,8 +198,9 @@ struct TrainArgs {
     /// Save the checkpoint to --save every this many steps, as well as at the end
     #[arg(long, requires = "save")]
     save_every: Option<usize>,
-    /// Go on from a checkpoint: its weights, optimizer and step. With the flags of the run
-    /// that wrote it, the steps that follow are bit for bit those that run would have taken
+    /// Go on from a checkpoint: its weights, optimizer and step. With the flags, device and
+    /// threads of the run that wrote it, the steps that follow are bit for bit those that
+    /// run would have taken
     /// (the batches, the rate and AdamW's step depend only on the seed and the step);
     /// with --out naming that run's JSON, the steps are added to it
     #[arg(long)]
@@ -328,7 +329,7 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
         println!("  written as tokens to {}", path.display());
     }
     // what a checkpoint of this run keeps of it, and what a resumed run compares
-    let run_meta = run_metadata(&settings, &corpus);
+    let run_meta = run_metadata(&settings, &corpus, trained_how(&args));
     if let Some(path) = &args.resume {
         resume_notes(path, &run_meta)?;
     }
@@ -543,7 +544,11 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
 
 /// What a checkpoint keeps of the run that saved it: the settings that decide its steps
 /// (not the held-out loss's, nor the time budget) and its corpus's fingerprint.
-fn run_metadata(settings: &Settings, corpus: &Corpus) -> Vec<(&'static str, String)> {
+fn run_metadata(
+    settings: &Settings,
+    corpus: &Corpus,
+    how: String,
+) -> Vec<(&'static str, String)> {
     let steps_depend_on = Settings {
         eval_every: 0,
         eval_batches: 0,
@@ -551,7 +556,30 @@ fn run_metadata(settings: &Settings, corpus: &Corpus) -> Vec<(&'static str, Stri
         ..*settings
     };
     let settings = serde_json::to_string(&steps_depend_on).expect("a plain struct");
-    vec![("settings", settings), ("corpus", corpus.fingerprint())]
+    vec![
+        ("settings", settings),
+        ("corpus", corpus.fingerprint()),
+        ("trained", how),
+    ]
+}
+
+/// What, besides the settings, decides how a step's numbers are rounded: on the CPU the
+/// path, the threads (the fast path sums one shard of the batch a thread) and the
+/// instructions; on the GPU the device. A run resumed elsewhere is told it differs.
+fn trained_how(args: &TrainArgs) -> String {
+    match args.device {
+        DeviceArg::Cpu => format!(
+            "cpu, the {} path, {} threads, {:?}",
+            args.cpu_path
+                .unwrap_or(CpuPathArg::Fast)
+                .to_possible_value()
+                .expect("a value")
+                .get_name(),
+            rayon::current_num_threads(),
+            step02_online_softmax::Isa::detect()
+        ),
+        DeviceArg::Cuda => "cuda".into(),
+    }
 }
 
 /// With --resume: where this run differs from the one that saved the checkpoint, said
@@ -630,6 +658,13 @@ fn check_outputs(args: &TrainArgs) -> Result<(), TrainError> {
     }
     if let Some(path) = &args.dump_batches {
         files::check_output("--dump-batches (its .heldout)", &heldout_path(path))?;
+    }
+    if args.save.is_none() {
+        // without --save, Ctrl-C saves into the current folder (fresh_checkpoint_path)
+        files::check_output(
+            "the checkpoint Ctrl-C saves without --save (train-interrupted-STEP.safetensors)",
+            &fresh_checkpoint_path(0),
+        )?;
     }
     if args.save_every == Some(0) {
         return Err(TrainError::Config(

@@ -82,11 +82,12 @@ impl DecodeKernels {
     /// keys is finite.
     pub fn scores(self, q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> bool {
         assert!(
-            t.keys <= t.bc
+            t.d > 0
+                && t.keys <= t.bc
                 && q.len() >= t.rows * t.d
                 && k.len() >= t.keys * t.d
                 && s.len() >= t.rows * t.bc,
-            "{t:?}: keys ≤ bc, q R·d, k keys·d and s R·bc long"
+            "{t:?}: d ≥ 1, keys ≤ bc, q R·d, k keys·d and s R·bc long"
         );
         let seen = match self.isa {
             // SAFETY: `self` exists only if the CPU has AVX-512F (`DecodeKernels::new`);
@@ -108,11 +109,12 @@ impl DecodeKernels {
     /// block's values is finite.
     pub fn values(self, p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> bool {
         assert!(
-            t.keys <= t.bc
+            t.d > 0
+                && t.keys <= t.bc
                 && p.len() >= t.rows * t.bc
                 && v.len() >= t.keys * t.d
                 && o.len() >= t.rows * t.d,
-            "{t:?}: keys ≤ bc, p R·bc, v keys·d and o R·d long"
+            "{t:?}: d ≥ 1, keys ≤ bc, p R·bc, v keys·d and o R·d long"
         );
         let seen = match self.isa {
             // SAFETY: `self` proves AVX-512F; the asserts above bound every pointer (rows
