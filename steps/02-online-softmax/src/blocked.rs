@@ -121,11 +121,11 @@ pub fn attention_blocked(
 // ANCHOR_END: blocked
 
 // ANCHOR: online_update
-/// One block of keys into one query row's running values: `scores` are the row's scores for
-/// the block's keys (−∞ for a masked key), `v` the block's values, a key a row; `m`, `l` and
-/// `acc` are the row's largest score so far, `ℓ = Σ e^(s − m)` and `Σ e^(s − m)·v` over the
-/// keys before the block, and the same over the keys up to its end afterwards. The row must
-/// have seen a key by the block's end, so that `m` is finite.
+/// One block of keys into one query row's running values: `scores` are the row's scores
+/// for the block's keys (−∞ for a masked key), `v` the block's values, a key a row; `m`,
+/// `l` and `acc` are the row's largest score so far, `ℓ = Σ e^(s − m)` and
+/// `Σ e^(s − m)·v` over the keys before the block, and the same over the keys up to its end
+/// afterwards. The row must have seen a key by the block's end, so that `m` is finite.
 pub fn online_update(
     m: &mut f32,
     l: &mut f32,

@@ -63,7 +63,8 @@ fn gradients_agree(config: Config, sequences: usize, threads: usize) {
     let rel = ((got_loss - want_loss) / want_loss).abs();
     assert!(
         rel < 2e-6,
-        "{threads} threads: loss {got_loss} against the readable model's {want_loss} ({rel:.1e} apart)"
+        "{threads} threads: loss {got_loss} against the readable model's {want_loss} \
+         ({rel:.1e} apart)"
     );
     for ((name, w), (_, g)) in want.tensors().into_iter().zip(got.tensors()) {
         let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));

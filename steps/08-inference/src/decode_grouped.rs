@@ -83,7 +83,8 @@ pub fn group_partial(
             }
             let m_new = m[r].max(lanes(p, f32::NEG_INFINITY, f32::max));
             exp.exp2_shifted(p, m_new, LOG2_E);
-            // what was summed so far moves to the new maximum; e^(−∞) = 0 on the first block
+            // what was summed so far moves to the new maximum; e^(−∞) = 0 on the first
+            // block
             let correction = (m[r] - m_new).exp();
             l[r] = l[r] * correction + lanes(p, 0.0, |a, b| a + b);
             m[r] = m_new;

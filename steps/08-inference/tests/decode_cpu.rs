@@ -353,7 +353,8 @@ proptest! {
         let split = decode_split(q.view(), k.view(), v.view(), chunk).unwrap();
         let isas = isas();
         let isa = isas[isa % isas.len()];
-        let grouped = decode_grouped_with(q.view(), k.view(), v.view(), isa, Some(chunk)).unwrap();
+        let (q, k, v) = (q.view(), k.view(), v.view());
+        let grouped = decode_grouped_with(q, k, v, isa, Some(chunk)).unwrap();
         let want = by_expanded_heads(q.view(), k.view(), v.view()).unwrap();
         for (name, got) in [("decode", &whole), ("split", &split), ("grouped", &grouped)] {
             let (out, lse) = (error(&got.out, &want.out), error(&got.lse, &want.lse));
