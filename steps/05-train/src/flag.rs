@@ -85,17 +85,8 @@ pub fn temperature(text: &str) -> Result<f32, String> {
     Ok(x)
 }
 
-/// A count of 1 or more: `generate --runs`.
-pub fn at_least_one(text: &str) -> Result<usize, String> {
-    let n: usize = text
-        .trim()
-        .parse()
-        .map_err(|_| format!("`{text}` is not a whole number"))?;
-    if n == 0 {
-        return Err("0: it takes a whole number of 1 or more".into());
-    }
-    Ok(n)
-}
+/// A count of 1 or more (`generate --runs`): the one parser every program uses.
+pub use flash_core::check::at_least_one;
 
 #[cfg(test)]
 mod tests {
