@@ -120,11 +120,12 @@ fn table(d: &CpuDecoding) -> String {
     if batches {
         t += " batch |";
     }
-    t += " context | cache, MB |";
+    // the two answers first, so that a narrow screen shows them before the times
+    t += " context | PyTorch's time ÷ ours | of the read loop | cache, MB |";
     for (_, words) in &rungs {
         t += &format!(" {words}, ms |");
     }
-    t += " GB/s | of the read loop | read loop, GB/s | PyTorch, ms | its time ÷ ours |\n|";
+    t += " GB/s | read loop, GB/s | PyTorch, ms |\n|";
     t += &" --- |".repeat(4 + usize::from(batches) + rungs.len() + 5);
     t += "\n";
     for head_dim in d.values(|r| r.head_dim) {
@@ -140,9 +141,15 @@ fn table(d: &CpuDecoding) -> String {
                     if batches {
                         t += &format!(" {batch} |");
                     }
+                    let read = d.ours("read_cpu", key).and_then(|r| r.gb_s);
+                    let pt = d.pytorch(key).and_then(|r| r.us);
                     t += &format!(
-                        " {} | {} |",
+                        " {} | {} | {} | {} |",
                         number(context as f64, 0),
+                        pt.zip(ours.us)
+                            .map_or(String::new(), |(p, us)| format!("{:.2}×", p / us)),
+                        ours.fraction_of_read
+                            .map_or(String::new(), |f| format!("{:.0}%", f * 100.0)),
                         number(ours.bytes as f64 / 1e6, 1)
                     );
                     for (m, _) in &rungs {
@@ -156,17 +163,11 @@ fn table(d: &CpuDecoding) -> String {
                         };
                         t += &format!(" {cell} |");
                     }
-                    let read = d.ours("read_cpu", key).and_then(|r| r.gb_s);
-                    let pt = d.pytorch(key).and_then(|r| r.us);
                     t += &format!(
-                        " {} | {} | {} | {} | {} |\n",
+                        " {} | {} | {} |\n",
                         ours.gb_s.map_or(String::new(), |g| number(g, 1)),
-                        ours.fraction_of_read
-                            .map_or(String::new(), |f| format!("{:.0}%", f * 100.0)),
                         read.map_or(String::new(), |g| number(g, 1)),
                         pt.map_or(String::new(), |p| number(p / 1e3, 2)),
-                        pt.zip(ours.us)
-                            .map_or(String::new(), |(p, us)| format!("{:.2}×", p / us)),
                     );
                 }
             }
@@ -351,8 +352,10 @@ mod tests {
         );
         assert_eq!(lines[0].matches('|').count(), lines[1].matches('|').count());
         assert!(
-            lines[2].contains("| 4.00 | 1.00 |") && lines[2].ends_with("| 1.50 | 1.50× |"),
-            "{t}"
+            lines[2].contains("| 1,024 | 1.50× | 50% |")
+                && lines[2].contains("| 4.00 | 1.00 |")
+                && lines[2].ends_with("| 1.50 |"),
+            "the ratio and the share of the read loop first, the times after: {t}"
         );
         let svg = bandwidth_chart(&d, 128, 8).unwrap();
         assert!(
