@@ -291,43 +291,8 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
         step05_train::cuda::check_heads(&config, AttentionKind::ByHand)?;
     }
     // [/step 08]
-    let lr = args.lr.unwrap_or_else(|| default_lr(&config));
-    let settings = Settings {
-        batch: args.batch,
-        seq_len: args.seq_len.unwrap_or(config.context),
-        steps: args.steps,
-        schedule: Schedule {
-            max: lr,
-            min: lr * args.min_lr_frac,
-            warmup: args.warmup,
-            steps: args.steps,
-        },
-        adamw: AdamWSettings {
-            weight_decay: args.weight_decay,
-            ..AdamWSettings::default()
-        },
-        clip: args.clip,
-        seed: args.seed,
-        eval_every: args.eval_every,
-        eval_batches: args.eval_batches,
-        max_seconds: args.max_seconds,
-    };
-    let corpus = match &args.data {
-        Some(path) => Corpus::load(path)?,
-        None => Corpus::default_corpus()?,
-    };
-    println!("corpus: {}", corpus.source);
-    println!(
-        "  training: {} bytes from {} files; held out: {} bytes from {} files",
-        corpus.train.len(),
-        corpus.train_files,
-        corpus.heldout.len(),
-        corpus.heldout_files
-    );
-    if let Some(path) = &args.save_tokens {
-        corpus.save(path)?;
-        println!("  written as tokens to {}", path.display());
-    }
+    let settings = settings_of(&args, &config);
+    let corpus = load_corpus(&args)?;
     // what a checkpoint of this run keeps of it, and what a resumed run compares
     let run_meta = run_metadata(&settings, &corpus, trained_how(&args));
     if let Some(path) = &args.resume {
@@ -453,11 +418,7 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
         }
         // [step 07]
         DeviceArg::Cuda if gpus.len() > 1 => {
-            let attention = match args.attention {
-                AttentionArg::Flash => AttentionKind::Flash,
-                AttentionArg::ByHand => AttentionKind::ByHand,
-                AttentionArg::Hopper => AttentionKind::Hopper, // [step 06]
-            };
+            let attention = attention_kind(args.attention);
             let mut dp = DataParallel::new(
                 &trainer,
                 &gpus,
@@ -480,11 +441,7 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
         }
         // [/step 07]
         DeviceArg::Cuda => {
-            let attention = match args.attention {
-                AttentionArg::Flash => AttentionKind::Flash,
-                AttentionArg::ByHand => AttentionKind::ByHand,
-                AttentionArg::Hopper => AttentionKind::Hopper, // [step 06]
-            };
+            let attention = attention_kind(args.attention);
             let mut gpu = GpuTrainer::new(
                 &trainer,
                 settings.batch,
@@ -540,6 +497,62 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
     );
     // 128 + SIGINT: how a shell reports a command stopped by Ctrl-C
     Ok(ExitCode::from(130))
+}
+
+/// The run's settings from its flags, the model's default rate where --lr is not given.
+fn settings_of(args: &TrainArgs, config: &Config) -> Settings {
+    let lr = args.lr.unwrap_or_else(|| default_lr(config));
+    Settings {
+        batch: args.batch,
+        seq_len: args.seq_len.unwrap_or(config.context),
+        steps: args.steps,
+        schedule: Schedule {
+            max: lr,
+            min: lr * args.min_lr_frac,
+            warmup: args.warmup,
+            steps: args.steps,
+        },
+        adamw: AdamWSettings {
+            weight_decay: args.weight_decay,
+            ..AdamWSettings::default()
+        },
+        clip: args.clip,
+        seed: args.seed,
+        eval_every: args.eval_every,
+        eval_batches: args.eval_batches,
+        max_seconds: args.max_seconds,
+    }
+}
+
+/// The corpus --data names (or the default one), described, and written as tokens with
+/// --save-tokens.
+fn load_corpus(args: &TrainArgs) -> Result<Corpus, TrainError> {
+    let corpus = match &args.data {
+        Some(path) => Corpus::load(path)?,
+        None => Corpus::default_corpus()?,
+    };
+    println!("corpus: {}", corpus.source);
+    println!(
+        "  training: {} bytes from {} files; held out: {} bytes from {} files",
+        corpus.train.len(),
+        corpus.train_files,
+        corpus.heldout.len(),
+        corpus.heldout_files
+    );
+    if let Some(path) = &args.save_tokens {
+        corpus.save(path)?;
+        println!("  written as tokens to {}", path.display());
+    }
+    Ok(corpus)
+}
+
+/// The GPU trainer's attention for the flag.
+fn attention_kind(arg: AttentionArg) -> AttentionKind {
+    match arg {
+        AttentionArg::Flash => AttentionKind::Flash,
+        AttentionArg::ByHand => AttentionKind::ByHand,
+        AttentionArg::Hopper => AttentionKind::Hopper, // [step 06]
+    }
 }
 
 /// What a checkpoint keeps of the run that saved it: the settings that decide its steps
