@@ -676,6 +676,40 @@ fn workspaces(config: Config, spaces: &mut Vec<Workspace>) -> &mut [Workspace] {
 }
 
 // ANCHOR: shards
+/// The summed cross-entropy of each shard of the batch, a run of sequences per thread, in
+/// shard order; with `grads`, each shard's gradients too, in its workspace. `spaces`
+/// keeps the shards' buffers for the next call.
+fn shards<'s>(
+    p: &Params<f32>,
+    inputs: ArrayView2<u8>,
+    targets: ArrayView2<u8>,
+    spaces: &'s mut Vec<Workspace>,
+    grads: bool,
+) -> Result<(Vec<f64>, &'s mut [Workspace]), TrainError> {
+    check_inputs(&p.config, inputs)?;
+    let exp = Kernels::new(Isa::detect())?;
+    let batch_rows = inputs.len();
+    let spaces = workspaces(p.config, spaces);
+    let runs = runs(inputs.nrows(), spaces.len());
+    let sums = runs
+        .par_iter()
+        .zip(spaces.par_iter_mut())
+        .map(|(&(from, to), ws)| {
+            let inputs = inputs.slice_axis(Axis(0), (from..to).into());
+            let targets = targets.slice_axis(Axis(0), (from..to).into());
+            let n = forward(p, inputs, exp, ws)?;
+            let sum =
+                cross_entropy(&mut ws.logits, targets, n.vocab, batch_rows, grads, exp);
+            if grads {
+                backward(p, n, inputs, ws)?;
+            }
+            Ok(sum)
+        })
+        .collect::<Result<Vec<f64>, TrainError>>()?;
+    let used = runs.len();
+    Ok((sums, &mut spaces[..used]))
+}
+
 /// The mean cross-entropy of the batch and its gradient with respect to every weight:
 /// the readable model's [`crate::forward`], [`crate::loss`] and [`crate::backward`] in one
 /// call, a shard of sequences per thread, the shards' gradients added in shard order.
@@ -686,32 +720,18 @@ pub fn loss_and_grads(
     targets: ArrayView2<u8>,
     spaces: &mut Vec<Workspace>,
 ) -> Result<(f32, Params<f32>), TrainError> {
-    check_inputs(&p.config, inputs)?;
-    let exp = Kernels::new(Isa::detect())?;
-    let batch_rows = inputs.len();
-    let spaces = workspaces(p.config, spaces);
-    let runs = runs(inputs.nrows(), spaces.len());
-    let sums: Vec<f64> = runs
-        .par_iter()
-        .zip(spaces.par_iter_mut())
-        .map(|(&(from, to), ws)| {
-            let inputs = inputs.slice_axis(Axis(0), (from..to).into());
-            let targets = targets.slice_axis(Axis(0), (from..to).into());
-            let n = forward(p, inputs, exp, ws)?;
-            let sum =
-                cross_entropy(&mut ws.logits, targets, n.vocab, batch_rows, true, exp);
-            backward(p, n, inputs, ws)?;
-            Ok(sum)
-        })
-        .collect::<Result<_, TrainError>>()?;
-    let mut grads = spaces[0].grads.clone();
-    for ws in &spaces[1..runs.len()] {
+    let (sums, shards) = shards(p, inputs, targets, spaces, true)?;
+    let mut grads = shards[0].grads.clone();
+    for ws in &shards[1..] {
         let parts = grads.tensors_mut().into_iter().zip(ws.grads.tensors());
         for ((_, mut total), (_, part)) in parts {
             total += &part;
         }
     }
-    Ok(((sums.iter().sum::<f64>() / batch_rows as f64) as f32, grads))
+    Ok((
+        (sums.iter().sum::<f64>() / inputs.len() as f64) as f32,
+        grads,
+    ))
 }
 // ANCHOR_END: shards
 
@@ -722,29 +742,8 @@ pub fn batch_loss(
     targets: ArrayView2<u8>,
     spaces: &mut Vec<Workspace>,
 ) -> Result<f32, TrainError> {
-    check_inputs(&p.config, inputs)?;
-    let exp = Kernels::new(Isa::detect())?;
-    let batch_rows = inputs.len();
-    let spaces = workspaces(p.config, spaces);
-    let runs = runs(inputs.nrows(), spaces.len());
-    let sums: Vec<f64> = runs
-        .par_iter()
-        .zip(spaces.par_iter_mut())
-        .map(|(&(from, to), ws)| {
-            let inputs = inputs.slice_axis(Axis(0), (from..to).into());
-            let targets = targets.slice_axis(Axis(0), (from..to).into());
-            let n = forward(p, inputs, exp, ws)?;
-            Ok(cross_entropy(
-                &mut ws.logits,
-                targets,
-                n.vocab,
-                batch_rows,
-                false,
-                exp,
-            ))
-        })
-        .collect::<Result<_, TrainError>>()?;
-    Ok((sums.iter().sum::<f64>() / batch_rows as f64) as f32)
+    let (sums, _) = shards(p, inputs, targets, spaces, false)?;
+    Ok((sums.iter().sum::<f64>() / inputs.len() as f64) as f32)
 }
 
 /// A [`Trainer`] trained by the fast path: its weights, optimizer and step, updated in
