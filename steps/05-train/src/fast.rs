@@ -798,15 +798,14 @@ impl Learner for FastCpu<'_> {
         t.opt.step(&mut t.params, &grads, lr);
         t.step += 1;
         let seconds = started.elapsed().as_secs_f64();
-        Ok(StepRecord {
-            step: t.step,
+        Ok(StepRecord::timed(
+            t.step,
             loss,
             lr,
             grad_norm,
-            ms: seconds * 1e3,
-            tokens_per_s: (settings.batch * settings.seq_len) as f64 / seconds,
-            train_seconds: 0.0,
-        })
+            seconds,
+            settings.batch * settings.seq_len,
+        ))
     }
 
     fn heldout_loss(&mut self, batches: &[Batch]) -> Result<f32, TrainError> {

@@ -59,6 +59,29 @@ pub struct StepRecord {
     pub train_seconds: f64,
 }
 
+impl StepRecord {
+    /// Step `step` (counting it), which took `seconds` over `tokens` tokens; the loop fills
+    /// in `train_seconds`.
+    pub fn timed(
+        step: usize,
+        loss: f32,
+        lr: f32,
+        grad_norm: f32,
+        seconds: f64,
+        tokens: usize,
+    ) -> StepRecord {
+        StepRecord {
+            step,
+            loss,
+            lr,
+            grad_norm,
+            ms: seconds * 1e3,
+            tokens_per_s: tokens as f64 / seconds,
+            train_seconds: 0.0,
+        }
+    }
+}
+
 /// The held-out loss after `step` steps.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EvalRecord {
@@ -315,15 +338,14 @@ impl Trainer {
         self.opt.step(&mut self.params, &grads, lr);
         self.step += 1;
         let seconds = started.elapsed().as_secs_f64();
-        Ok(StepRecord {
-            step: self.step,
+        Ok(StepRecord::timed(
+            self.step,
             loss,
             lr,
             grad_norm,
-            ms: seconds * 1e3,
-            tokens_per_s: (settings.batch * settings.seq_len) as f64 / seconds,
-            train_seconds: 0.0,
-        })
+            seconds,
+            settings.batch * settings.seq_len,
+        ))
     }
     // ANCHOR_END: train_step
 

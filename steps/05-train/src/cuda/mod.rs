@@ -1583,15 +1583,14 @@ impl Learner for GpuTrainer {
         self.profiler.finish_step()?;
         self.step += 1;
         let seconds = started.elapsed().as_secs_f64();
-        Ok(StepRecord {
-            step: self.step,
+        Ok(StepRecord::timed(
+            self.step,
             loss,
             lr,
             grad_norm,
-            ms: seconds * 1e3,
-            tokens_per_s: (settings.batch * settings.seq_len) as f64 / seconds,
-            train_seconds: 0.0,
-        })
+            seconds,
+            settings.batch * settings.seq_len,
+        ))
     }
     // ANCHOR_END: gpu_train_step
 

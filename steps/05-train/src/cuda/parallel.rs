@@ -306,15 +306,14 @@ impl Learner for DataParallel {
             replica.step += 1;
         }
         let seconds = started.elapsed().as_secs_f64();
-        Ok(StepRecord {
-            step: step + 1,
+        Ok(StepRecord::timed(
+            step + 1,
             loss,
             lr,
             grad_norm,
-            ms: seconds * 1e3,
-            tokens_per_s: (settings.batch * settings.seq_len) as f64 / seconds,
-            train_seconds: 0.0,
-        })
+            seconds,
+            settings.batch * settings.seq_len,
+        ))
     }
     // ANCHOR_END: parallel_train_step
 
