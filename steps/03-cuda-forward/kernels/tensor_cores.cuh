@@ -202,6 +202,7 @@ __device__ __forceinline__ void mma_16816(float* c, const u32* a, u32 b0, u32 b1
 }
 // ANCHOR_END: mma
 
+// ANCHOR: to_f32
 // One 16-bit value widened to f32 (exactly): bf16 is the top half of an f32, f16 needs cvt.
 __device__ __forceinline__ float to_f32(u16 x) {
     if constexpr (IS_BF16) {
@@ -212,6 +213,7 @@ __device__ __forceinline__ float to_f32(u16 x) {
         return f;
     }
 }
+// ANCHOR_END: to_f32
 
 // One f32 value rounded to 16 bits (to nearest, ties to even), as raw bits.
 __device__ __forceinline__ u16 from_f32(float x) {
