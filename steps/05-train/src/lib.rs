@@ -38,6 +38,7 @@
 pub mod checkpoint;
 pub mod cuda;
 pub mod data;
+pub mod exercise;
 pub mod fast;
 pub mod flag;
 pub mod layers;
