@@ -66,6 +66,7 @@ pub mod cuda;
 pub mod decode;
 pub mod decode_grouped;
 pub mod decode_kernels;
+pub mod exercise;
 pub mod generate;
 pub mod gpu_generate;
 pub mod grouped;

@@ -1,0 +1,250 @@
+//! Chapter 8's exercise, on the CPU: where a token of a paged cache lives in the pool, as
+//! the decoding kernel's `key_rows` finds it (`kernels/decode.cu`), written by the reader
+//! in `exercises/key_offset.rs`. The checker asks it for every token, kv head and sequence
+//! of page tables laid out as a server's would be (pages taken from the pool in the pool's
+//! order and shuffled, sequences of no token, of a page exactly and with a partial last
+//! page) and holds each answer to the rules the kernel relies on, in an order that says
+//! which one breaks, then to [`key_offset`], the kernel's lookup in Rust, which a test
+//! holds to the `.cu` file's text. The `decode-exercise` binary runs it on the reader's
+//! file.
+
+use flash_core::exercise::{NotYet, attempt};
+use flash_core::inputs::SplitMix64;
+
+/// The template the reader fills in.
+pub const TEMPLATE: &str = "steps/08-inference/exercises/key_offset.rs";
+
+/// Where the solution is.
+pub const SOLUTION: &str = "key_offset in steps/08-inference/src/exercise.rs, and key_rows \
+     in steps/08-inference/kernels/decode.cu (chapter 8, Exercises, under Solution)";
+
+/// A pool of pages, `[pages, kv_heads, page_size, head_dim]` values, row-major.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pool {
+    pub pages: usize,
+    pub kv_heads: usize,
+    /// Tokens a page holds.
+    pub page_size: usize,
+    pub head_dim: usize,
+}
+
+impl Pool {
+    /// Values in the pool.
+    pub fn len(&self) -> usize {
+        self.pages * self.kv_heads * self.page_size * self.head_dim
+    }
+
+    /// Whether the pool holds no value.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A page table: `entries` is `[batch, max_pages]`, row-major, entry `p` of sequence `b` the
+/// page that holds its tokens `p · page_size` to `(p + 1) · page_size − 1`, `-1` where it has
+/// none; `lens[b]` is how many tokens sequence `b` holds.
+#[derive(Clone, Copy, Debug)]
+pub struct Table<'a> {
+    pub entries: &'a [i32],
+    pub max_pages: usize,
+    pub lens: &'a [usize],
+}
+
+/// The signature of the exercise: `(pool, table, b, kvh, t) -> offset`.
+pub type KeyOffset<'a> = dyn Fn(&Pool, &Table, usize, usize, usize) -> Option<usize> + 'a;
+
+// ANCHOR: key_offset
+/// `key_rows` of `kernels/decode.cu` for one token, in values from the pool's start: the
+/// table's entry for the token's page, then the kv head's rows of that page, then the
+/// token's row among them.
+pub fn key_offset(
+    pool: &Pool,
+    table: &Table,
+    b: usize,
+    kvh: usize,
+    t: usize,
+) -> Option<usize> {
+    if t >= table.lens[b] {
+        return None;
+    }
+    let page = table.entries[b * table.max_pages + t / pool.page_size] as usize;
+    Some(
+        ((page * pool.kv_heads + kvh) * pool.page_size + t % pool.page_size)
+            * pool.head_dim,
+    )
+}
+// ANCHOR_END: key_offset
+
+/// One case: a name, the pool, each sequence's length, and whether the pool's pages are
+/// handed out shuffled (as in a server that has run a while) or in order.
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub name: &'static str,
+    pub pool: Pool,
+    pub lens: Vec<usize>,
+    pub shuffled: bool,
+}
+
+/// One sequence in pages taken in the pool's order, where a lookup that ignores the table
+/// still lands right; chapter 8's figure, two sequences of 150 and 100 tokens in pages 3, 0,
+/// 5 and 6, 1 of 8; 8 kv heads in pages of 16 tokens, with a sequence of no token and one
+/// of exactly one page; and 5 sequences of seeded lengths in a pool with pages to spare.
+pub fn cases() -> Vec<Case> {
+    let pool = |pages, kv_heads, page_size, head_dim| Pool {
+        pages,
+        kv_heads,
+        page_size,
+        head_dim,
+    };
+    let mut rng = SplitMix64::new(8800);
+    let seeded: Vec<usize> = (0..5).map(|_| (rng.next_u64() % 200) as usize).collect();
+    vec![
+        Case {
+            name: "one sequence, pages in the pool's order",
+            pool: pool(4, 1, 64, 64),
+            lens: vec![150],
+            shuffled: false,
+        },
+        Case {
+            name: "the chapter's figure: 150 and 100 tokens in pages 3, 0, 5 and 6, 1",
+            pool: pool(8, 1, 64, 64),
+            lens: vec![150, 100],
+            shuffled: true,
+        },
+        Case {
+            name: "8 kv heads, pages of 16, sequences of 0, 16 and 77 tokens",
+            pool: pool(12, 8, 16, 128),
+            lens: vec![0, 16, 77],
+            shuffled: true,
+        },
+        Case {
+            name: "5 sequences of seeded lengths, pages of 16",
+            pool: pool(80, 2, 16, 32),
+            lens: seeded,
+            shuffled: true,
+        },
+    ]
+}
+
+/// The table of `case`: each sequence takes the pages its length needs from the free list,
+/// in order, `-1` after them. Shuffled, the free list is the figure's order for the figure's
+/// pool (3, 0, 5, 6, 1, then the rest) and a seeded permutation otherwise.
+pub fn table_of(case: &Case) -> (Vec<i32>, usize) {
+    let pool = case.pool;
+    let max_len = case.lens.iter().copied().max().unwrap_or(0).max(1);
+    let max_pages = max_len.div_ceil(pool.page_size) + 1;
+    let mut free: Vec<i32> = (0..pool.pages as i32).collect();
+    if case.shuffled {
+        if pool.pages == 8 {
+            free = vec![3, 0, 5, 6, 1, 2, 4, 7];
+        } else {
+            let mut rng = SplitMix64::new(8801);
+            for i in (1..free.len()).rev() {
+                free.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+            }
+        }
+    }
+    let mut free = free.into_iter();
+    let mut entries = vec![-1; case.lens.len() * max_pages];
+    for (b, &len) in case.lens.iter().enumerate() {
+        for p in 0..len.div_ceil(pool.page_size) {
+            entries[b * max_pages + p] =
+                free.next().expect("a pool with a page for every token");
+        }
+    }
+    (entries, max_pages)
+}
+
+/// Checks `key_offset` (the reader's) on every token of every kv head and sequence of each
+/// case, and on the tokens past each sequence's end up to its table row's reach. For each,
+/// in order: `None` exactly where the sequence does not hold the token; the offset is the
+/// start of a row of the pool; the row is in a page of the sequence's own; it belongs to
+/// kv head `kvh`; its page is the table's entry for the token's page (`t / page_size`); it
+/// is row `t % page_size` of that page, which is where the kernel reads it. The number of
+/// cases, or the first token that fails and why.
+pub fn check(key_offset_of: &KeyOffset) -> Result<usize, NotYet> {
+    let all = cases();
+    for case in &all {
+        let (entries, max_pages) = table_of(case);
+        let table = Table {
+            entries: &entries,
+            max_pages,
+            lens: &case.lens,
+        };
+        let pool = case.pool;
+        let row_values = pool.head_dim;
+        let page_values = pool.kv_heads * pool.page_size * pool.head_dim;
+        for (b, &len) in case.lens.iter().enumerate() {
+            let pages = &entries[b * max_pages..(b + 1) * max_pages];
+            for kvh in 0..pool.kv_heads {
+                for t in 0..max_pages * pool.page_size {
+                    let at =
+                        format!("{}: sequence {b}, kv head {kvh}, token {t}", case.name);
+                    let got = attempt(&at, || key_offset_of(&pool, &table, b, kvh, t))?;
+                    let not_yet = |why: String| Err(NotYet::new(at.clone(), why));
+                    let offset = match (got, t < len) {
+                        (None, false) => continue,
+                        (Some(o), false) => {
+                            return not_yet(format!(
+                                "{o}, where the sequence holds {len} tokens: None past its \
+                                 end (the page there is -1, or another token's)"
+                            ));
+                        }
+                        (None, true) => {
+                            return not_yet(format!(
+                                "None, where the sequence holds {len} tokens, this one among them"
+                            ));
+                        }
+                        (Some(o), true) => o,
+                    };
+                    if offset % row_values != 0 || offset + row_values > pool.len() {
+                        return not_yet(format!(
+                            "{offset}, which is not the start of a row of the pool: a \
+                             multiple of head_dim ({row_values}) below {}",
+                            pool.len()
+                        ));
+                    }
+                    let page = offset / page_values;
+                    if !pages.contains(&(page as i32)) {
+                        return not_yet(format!(
+                            "{offset}, in page {page}, which is not one of the sequence's \
+                             pages {:?}: the table says where its tokens are",
+                            pages.iter().filter(|&&p| p >= 0).collect::<Vec<_>>()
+                        ));
+                    }
+                    let head = offset % page_values / (pool.page_size * row_values);
+                    if head != kvh {
+                        return not_yet(format!(
+                            "{offset}, in kv head {head}'s rows of page {page}: a page holds \
+                             kv head 0's {} rows, then kv head 1's, …",
+                            pool.page_size
+                        ));
+                    }
+                    let entry = t / pool.page_size;
+                    if page as i32 != pages[entry] {
+                        return not_yet(format!(
+                            "{offset}, in page {page}, where the token is in the sequence's \
+                             page {entry} (t / page_size), which the table puts in page {}",
+                            pages[entry]
+                        ));
+                    }
+                    let row = offset % (pool.page_size * row_values) / row_values;
+                    if row != t % pool.page_size {
+                        return not_yet(format!(
+                            "{offset}, row {row} of the page, where the token is row {} \
+                             (t % page_size)",
+                            t % pool.page_size
+                        ));
+                    }
+                    // every rule holds, so this is the kernel's place; say so if it is not
+                    if Some(offset) != key_offset(&pool, &table, b, kvh, t) {
+                        return not_yet(format!(
+                            "{offset}, which is not where the kernel reads"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(all.len())
+}

@@ -1,0 +1,94 @@
+//! The exercise checker can tell right from wrong: it accepts the kernel's lookup (the
+//! solution), which must be `decode.cu`'s, and refuses the template as shipped (a
+//! `todo!()`), a lookup that ignores the table, one that forgets the kv heads, and one that
+//! answers past a sequence's end. None of them reads `exercises/`, so these keep passing
+//! once a reader has filled the template in.
+
+use step08_inference::exercise::{Pool, Table, cases, check, key_offset, table_of};
+
+const DECODE_CU: &str = include_str!("../kernels/decode.cu");
+
+#[test]
+fn the_checker_accepts_the_solution() {
+    assert_eq!(check(&key_offset), Ok(cases().len()));
+}
+
+#[test]
+fn the_solution_is_the_kernels_lookup() {
+    for line in [
+        "const long long page = table[(long long)b * max_pages + kv / PAGE_SIZE];",
+        "return base + ((page * KVH + kvh) * PAGE_SIZE + kv % PAGE_SIZE) * HEAD_DIM;",
+    ] {
+        assert!(
+            DECODE_CU.contains(line),
+            "decode.cu's key_rows no longer has {line}"
+        );
+    }
+}
+
+#[test]
+fn the_figures_table_is_the_figures() {
+    let (entries, max_pages) = table_of(&cases()[1]);
+    assert_eq!(max_pages, 4);
+    assert_eq!(entries, [3, 0, 5, -1, 6, 1, -1, -1]);
+}
+
+#[test]
+fn the_checker_refuses_the_template() {
+    let e = check(
+        &|_: &Pool, _: &Table, _: usize, _: usize, _: usize| -> Option<usize> { todo!() },
+    )
+    .unwrap_err();
+    assert!(e.why.contains("not yet implemented"), "{e}");
+}
+
+#[test]
+fn the_checker_refuses_a_lookup_without_the_table() {
+    // right while pages are handed out in the pool's order, to one sequence
+    let e = check(
+        &|pool: &Pool, table: &Table, _: usize, kvh: usize, t: usize| {
+            (t < table.lens[0]).then(|| {
+                ((t / pool.page_size * pool.kv_heads + kvh) * pool.page_size
+                    + t % pool.page_size)
+                    * pool.head_dim
+            })
+        },
+    )
+    .unwrap_err();
+    assert!(e.case.starts_with("the chapter's figure"), "{e}");
+    assert!(e.why.contains("which the table puts in page 3"), "{e}");
+}
+
+#[test]
+fn the_checker_refuses_a_lookup_without_the_kv_heads() {
+    let e = check(
+        &|pool: &Pool, table: &Table, b: usize, _: usize, t: usize| {
+            let one_head = Pool {
+                kv_heads: 1,
+                ..*pool
+            };
+            key_offset(&one_head, table, b, 0, t)
+        },
+    )
+    .unwrap_err();
+    assert!(e.case.starts_with("8 kv heads"), "{e}");
+}
+
+#[test]
+fn the_checker_refuses_an_answer_past_the_end() {
+    let e = check(
+        &|pool: &Pool, table: &Table, b: usize, kvh: usize, t: usize| {
+            let all = vec![usize::MAX; table.lens.len()];
+            let unbounded = Table {
+                lens: &all,
+                ..*table
+            };
+            let page = table.entries[b * table.max_pages + t / pool.page_size];
+            (page >= 0)
+                .then(|| key_offset(pool, &unbounded, b, kvh, t))
+                .flatten()
+        },
+    )
+    .unwrap_err();
+    assert!(e.why.contains("None past its end"), "{e}");
+}
