@@ -100,8 +100,8 @@ impl BlockMask {
         if q_tokens > kv_tokens {
             return Err(AttnError::Unsupported {
                 what: format!(
-                    "{q_tokens} queries on {kv_tokens} keys: the queries are the last tokens, \
-                     so there can be no more of them than keys"
+                    "{q_tokens} queries on {kv_tokens} keys: the queries are the last \
+                     tokens, so there can be no more of them than keys"
                 ),
             });
         }
@@ -236,7 +236,8 @@ impl BlockMask {
         }
     }
 
-    /// `[tables, q_blocks, kv_blocks]`: each tile's class as `u8` (0 empty, 1 partial, 2 full).
+    /// `[tables, q_blocks, kv_blocks]`: each tile's class as `u8` (0 empty, 1 partial, 2
+    /// full).
     pub fn tiles(&self) -> &[u8] {
         &self.tiles
     }

@@ -267,7 +267,8 @@ impl<'a> Head<'a> {
         let mut out = ArrayViewMut2::from_shape((t_n, d_n), out).expect("[tq, d]");
         for i in 0..self.block_mask.q_blocks() {
             let rows = i * blocks.queries..((i + 1) * blocks.queries).min(t_n);
-            // m: each row's largest score so far; l: its sum of e^(s − m); acc: Σ e^(s − m)·v
+            // m: each row's largest score so far; l: its sum of e^(s − m);
+            // acc: its Σ e^(s − m)·v
             let mut m = vec![f32::NEG_INFINITY; rows.len()];
             let mut l = vec![0.0f32; rows.len()];
             let mut acc = Array2::<f32>::zeros((rows.len(), d_n));

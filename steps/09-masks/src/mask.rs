@@ -216,7 +216,8 @@ impl Documents {
         Documents::from_ids(cu.len(), tokens, ids)
     }
 
-    /// From the lengths of the documents packed into every sequence alike (`documents:FILE`).
+    /// From the lengths of the documents packed into every sequence alike
+    /// (`documents:FILE`).
     pub fn from_lengths(lengths: &[usize]) -> Result<Documents, MaskError> {
         if let Some(i) = lengths.iter().position(|&n| n == 0) {
             return Err(MaskError::new(format!(
@@ -491,8 +492,9 @@ impl Mask {
             Mask::Custom(c) => {
                 return c.cuda.clone().ok_or_else(|| {
                     MaskError::new(format!(
-                        "the mask {} is a Rust closure with no CUDA source; give it one \
-                         defining `{MASK_SIGNATURE}` (CustomMask::with_cuda, or cuda:FILE.cu)",
+                        "the mask {} is a Rust closure with no CUDA source; give it \
+                         one defining `{MASK_SIGNATURE}` (CustomMask::with_cuda, or \
+                         cuda:FILE.cu)",
                         c.name
                     ))
                 });
@@ -586,23 +588,28 @@ impl ScoreMod {
             ScoreMod::None => ("return s;".to_string(), "return 1.0f;".to_string()),
             ScoreMod::SoftCap { cap } => {
                 let cap = float_literal(*cap);
+                // tanh(x) = 1 − 2/(e^2x + 1), with the fast exponential and division:
+                // tanhf's slow path costs the backward registers it does not have
+                let t = format!("1.0f - __fdividef(2.0f, __expf(2.0f * s / {cap}) + 1.0f)");
                 (
-                    format!("return {cap} * tanhf(s / {cap});"),
-                    format!("const float t = tanhf(s / {cap});\n    return 1.0f - t * t;"),
+                    format!("return {cap} * ({t});"),
+                    format!("const float t = {t};\n    return 1.0f - t * t;"),
                 )
             }
             ScoreMod::Alibi { heads } => (
+                // slope_h = 2^(−8(h+1)/heads)
                 format!(
-                    "return s + exp2f(-8.0f * (float)(h + 1) / {heads}.0f) * (float)(k - q);"
+                    "const float slope = exp2f(-8.0f * (float)(h + 1) / {heads}.0f);\n    \
+                     return s + slope * (float)(k - q);"
                 ),
                 "return 1.0f;".to_string(),
             ),
             ScoreMod::Custom(c) => {
                 return c.cuda.clone().ok_or_else(|| {
                     MaskError::new(format!(
-                        "the score function {} is Rust closures with no CUDA source; give it \
-                         one defining score_mod and score_mod_grad (CustomScore::with_cuda, \
-                         or cuda:FILE.cu)",
+                        "the score function {} is Rust closures with no CUDA source; \
+                         give it one defining score_mod and score_mod_grad \
+                         (CustomScore::with_cuda, or cuda:FILE.cu)",
                         c.name
                     ))
                 });

@@ -88,8 +88,8 @@ pub fn check_masked<A: Copy + Into<f64>>(
     let (qd, kd, vd) = (q.dim(), k.dim(), v.dim());
     let mismatch = |why: &str| AttnError::ShapeMismatch {
         what: format!(
-            "q is {:?}, k is {:?}, v is {:?}: {why}; accepted: q [batch, heads, tq, d], k and \
-             v [batch, kv_heads, tk, d] with tq ≤ tk and kv_heads dividing heads",
+            "q is {:?}, k is {:?}, v is {:?}: {why}; accepted: q [batch, heads, tq, d], \
+             k and v [batch, kv_heads, tk, d] with tq ≤ tk and kv_heads dividing heads",
             <[usize; 4]>::from(qd),
             <[usize; 4]>::from(kd),
             <[usize; 4]>::from(vd)

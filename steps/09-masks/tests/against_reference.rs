@@ -16,6 +16,7 @@ use step09_masks::{Mask, ScoreMod, backward, forward};
 /// dim 16: partial tiles of 64 at both ends, and an offset of 32 between rows and positions.
 const SHAPE: (usize, usize, usize, usize, usize, usize) = (2, 4, 2, 45, 77, 16);
 
+// ANCHOR: rule
 fn check(mask: &Mask, score: &ScoreMod, seed: u64) {
     let x = inputs(SHAPE, seed);
     let (q, k, v, dout) = (x.q.view(), x.k.view(), x.v.view(), x.dout.view());
@@ -46,6 +47,7 @@ fn check(mask: &Mask, score: &ScoreMod, seed: u64) {
         assert_rule(&format!("{what}: {name}"), ours, by_hand);
     }
 }
+// ANCHOR_END: rule
 
 #[test]
 fn every_mask_and_score_function_matches_the_f64_reference() {

@@ -191,7 +191,7 @@ fn the_picture_of_a_document_mask() {
     );
 }
 
-/// One forward and backward with the given blocks: the gradients and the work.
+// ANCHOR: skipping
 #[test]
 fn skipping_really_skips() {
     let x = inputs(SHAPE, 3);
@@ -239,6 +239,7 @@ fn skipping_really_skips() {
     let (all, _) = bm.computed_scores();
     assert!(all < (tq * tk / 3) as u64, "{all} scores of {}", tq * tk);
 }
+// ANCHOR_END: skipping
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
@@ -256,7 +257,9 @@ proptest! {
         let tk = (tq + extra).max(6);
         let shape = (2, 2, 1, tq, tk, 8);
         let x = inputs(shape, seed);
-        let mask = masks(tk).into_iter().chain([mask_with_empty_rows()]).nth(which).unwrap();
+        let mut all = masks(tk);
+        all.push(mask_with_empty_rows());
+        let mask = all.swap_remove(which);
         let score = score_mods(2).into_iter().nth(score).unwrap();
         let run = |blocks: BlockSizes| {
             let bm = BlockMask::new(&mask, (2, 2, tq, tk), blocks).unwrap();
@@ -285,7 +288,9 @@ proptest! {
         extra in 0usize..20,
     ) {
         let tk = (tq + extra).max(6);
-        let mask = masks(tk).into_iter().chain([mask_with_empty_rows()]).nth(which).unwrap();
+        let mut all = masks(tk);
+        all.push(mask_with_empty_rows());
+        let mask = all.swap_remove(which);
         check_tiles(&mask, (2, 2, tq, tk), BlockSizes { queries, keys });
     }
 }

@@ -51,7 +51,8 @@ fn the_reference_backward_matches_finite_differences() {
                     let e = (numeric - analytic).abs();
                     assert!(
                         e < 1e-6 * (1.0 + analytic.abs()),
-                        "mask {}, score {}: {}{at:?} is {analytic}, finite differences {numeric}",
+                        "mask {}, score {}: {}{at:?} is {analytic}, finite differences \
+                         {numeric}",
                         mask.name(),
                         score.name(),
                         ["dq", "dk", "dv"][which]

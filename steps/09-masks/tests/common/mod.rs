@@ -75,7 +75,9 @@ pub fn score_mods(heads: usize) -> Vec<ScoreMod> {
 /// A mask under which some rows see no key: rows before position 60 see nothing, and after
 /// it every fifth position sees nothing either.
 pub fn mask_with_empty_rows() -> Mask {
-    let mask = CustomMask::new("late", |_, _, q, k| q >= 60 && !q.is_multiple_of(5) && k <= q);
+    let mask = CustomMask::new("late", |_, _, q, k| {
+        q >= 60 && !q.is_multiple_of(5) && k <= q
+    });
     Mask::Custom(mask.varying(Varies {
         batch: false,
         head: false,
