@@ -27,6 +27,7 @@ pub fn methods() -> Vec<&'static dyn Method> {
     vec![&Naive]
 }
 
+// ANCHOR: naive_method
 /// `naive`: [`attention`], the method every later one is checked against.
 #[derive(Clone, Copy, Debug)]
 pub struct Naive;
@@ -55,6 +56,7 @@ impl Method for Naive {
         attention(q, k, v)
     }
 }
+// ANCHOR_END: naive_method
 
 // ANCHOR: by_hand
 /// Causal attention by hand: `softmax(mask(q·kᵀ/√d))·v` for `[batch, heads, tokens,
