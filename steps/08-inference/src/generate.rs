@@ -18,15 +18,16 @@ use step05_train::model::{Config, Params, forward};
 use step05_train::train::{check_probs, check_temperature, pick};
 
 // ANCHOR: kv_cache
-/// Each layer's keys and values of every token the model has read, `[kv_heads, positions,
-/// head_dim]` per layer as the attention reads them: with grouped heads, one head for each
+/// A whole model's key/value cache on the CPU, in `f32`: each layer's keys and values of
+/// every token the model has read, `[kv_heads, positions, head_dim]` per layer as the
+/// attention reads them: with grouped heads, one head for each
 /// group of query heads, so the cache is `heads / kv_heads` times smaller.
 ///
 /// The buffers are the model's context long from the start: a token appends a row to each
-/// (position [`KvCache::len`]), and nothing already there moves. The context is also the
+/// (position [`ModelCache::len`]), and nothing already there moves. The context is also the
 /// cap: the model has a position embedding for `context` positions only.
 #[derive(Clone, Debug, PartialEq)]
-pub struct KvCache {
+pub struct ModelCache {
     /// Per layer, `[kv_heads, context, head_dim]`; positions `0..len` are filled.
     keys: Vec<Array3<f32>>,
     values: Vec<Array3<f32>>,
@@ -35,12 +36,12 @@ pub struct KvCache {
 }
 // ANCHOR_END: kv_cache
 
-impl KvCache {
+impl ModelCache {
     /// An empty cache for a model of this shape.
-    pub fn new(config: Config) -> KvCache {
+    pub fn new(config: Config) -> ModelCache {
         let shape = (config.kv_heads, config.context, config.head_dim());
         let layer = || Array3::zeros(shape);
-        KvCache {
+        ModelCache {
             keys: (0..config.layers).map(|_| layer()).collect(),
             values: (0..config.layers).map(|_| layer()).collect(),
             len: 0,
@@ -111,7 +112,7 @@ fn check_token(config: &Config, token: u8) -> Result<(), TrainError> {
 pub fn prefill(
     params: &Params<f32>,
     prompt: &[u8],
-) -> Result<(KvCache, Array1<f32>), TrainError> {
+) -> Result<(ModelCache, Array1<f32>), TrainError> {
     let cfg = params.config;
     if prompt.is_empty() {
         return Err(TrainError::Config(
@@ -119,7 +120,7 @@ pub fn prefill(
                 .into(),
         ));
     }
-    let mut cache = KvCache::new(cfg);
+    let mut cache = ModelCache::new(cfg);
     cache.check_room(prompt.len())?;
     let n = prompt.len();
     let inputs = ArrayView2::from_shape((1, n), prompt).expect("one row");
@@ -149,7 +150,7 @@ pub fn prefill(
 /// it.
 pub fn step(
     params: &Params<f32>,
-    cache: &mut KvCache,
+    cache: &mut ModelCache,
     token: u8,
 ) -> Result<Array1<f32>, TrainError> {
     let cfg = params.config;
@@ -228,7 +229,7 @@ fn linear_row(x: ArrayView1<f32>, w: ArrayView2<f32>, b: ArrayView1<f32>) -> Arr
 /// That attention is [`decode`](crate::decode()), `n` query rows a head against the cache.
 pub fn extend(
     params: &Params<f32>,
-    cache: &mut KvCache,
+    cache: &mut ModelCache,
     tokens: &[u8],
 ) -> Result<Array1<f32>, TrainError> {
     let cfg = params.config;

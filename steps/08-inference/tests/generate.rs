@@ -7,7 +7,7 @@ use ndarray::{Array2, ArrayView2};
 use step05_train::layers::Float;
 use step05_train::model::{Config, Params, forward};
 use step05_train::sample;
-use step08_inference::generate::{KvCache, extend, generate, prefill, step};
+use step08_inference::generate::{ModelCache, extend, generate, prefill, step};
 
 mod common;
 
@@ -141,7 +141,7 @@ fn a_text_read_in_turns_matches_the_full_forward() {
         let tokens = bytes(CONFIG.context, 200 + model_seed);
         let full = full_logits(&p, &tokens);
         let exact = full_logits(&p.cast(f64::from), &tokens);
-        let mut cache = KvCache::new(config);
+        let mut cache = ModelCache::new(config);
         let (mut ours, mut by_forward) = (0.0f64, 0.0f64);
         let mut end = 0;
         for &n in turns {
@@ -172,7 +172,7 @@ fn a_text_read_in_turns_matches_the_full_forward() {
         }
     }
     let p = model(5);
-    let mut cache = KvCache::new(CONFIG);
+    let mut cache = ModelCache::new(CONFIG);
     extend(&p, &mut cache, &[b'a'; 90]).unwrap();
     let e = extend(&p, &mut cache, &[b'a'; 11]).unwrap_err().to_string();
     assert!(
@@ -236,7 +236,7 @@ fn bad_prompts_and_tokens_are_refused() {
 #[test]
 fn the_cache_grows_a_row_a_token() {
     let p = model(1);
-    let empty = KvCache::new(CONFIG);
+    let empty = ModelCache::new(CONFIG);
     assert!(empty.is_empty());
     assert_eq!(empty.capacity(), 100);
     let (mut cache, _) = prefill(&p, b"abc").unwrap();
