@@ -1,7 +1,7 @@
 //! The block masks chapter 9 draws: three documents packed into one sequence of 256 tokens,
 //! and a sliding window, in tiles of 32 × 32. The book's
-//! `book/src/output/block-mask.txt` is this program's output under the command that prints it (`tests/book_output.rs` checks
-//! that it still is).
+//! `book/src/output/block-mask.txt` is this program's output under the command that prints
+//! it (`tests/book_output.rs` checks that it still is).
 //!
 //! `cargo run -p step09-masks --example block-picture`
 

@@ -10,9 +10,9 @@
 //! ## Layout
 //!
 //! One *table* per sequence and per head that the mask varies with ([`Mask::varies_with`]),
-//! one in all for a mask that varies with neither; table `t` of sequence `b`, query head `h`
-//! is [`BlockMask::table`]. With `tables` tables, `m` query blocks and `n` key blocks, every
-//! array is row-major:
+//! one in all for a mask that varies with neither; table `t` of sequence `b`, query head
+//! `h` is [`BlockMask::table`]. With `tables` tables, `m` query blocks and `n` key blocks,
+//! every array is row-major:
 //!
 //! - `tiles`: `[tables, m, n]`, a [`Tile`] as `u8` (0 empty, 1 partial, 2 full).
 //! - `kv_count`: `[tables, m]`, the non-empty key blocks of each query block.

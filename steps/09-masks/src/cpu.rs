@@ -18,11 +18,16 @@ use crate::block::{BlockMask, BlockSizes};
 use crate::mask::{Mask, ScoreMod};
 use crate::shape::{QkvShape, check_grads_inputs, check_masked};
 
-/// What a pass did: the scores it computed, and how many times it asked the mask.
+/// What a pass did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Work {
+    /// Scores computed: every score of every tile visited.
     pub scores: u64,
+    /// Times the mask was asked: once per score of a partial tile.
     pub mask_calls: u64,
+    /// Scores that went into the softmax: those of full tiles and those the mask let
+    /// through in partial ones.
+    pub kept: u64,
 }
 
 impl std::ops::Add for Work {
@@ -31,6 +36,7 @@ impl std::ops::Add for Work {
         Work {
             scores: self.scores + o.scores,
             mask_calls: self.mask_calls + o.mask_calls,
+            kept: self.kept + o.kept,
         }
     }
 }
@@ -46,8 +52,8 @@ fn check_block_mask(shape: QkvShape, block_mask: &BlockMask) -> Result<(), AttnE
     if block_mask.shape() != dims {
         return Err(AttnError::ShapeMismatch {
             what: format!(
-                "the block mask was made for (batch, heads, tq, tk) = {:?}, but the inputs are \
-                 {shape}",
+                "the block mask was made for (batch, heads, tq, tk) = {:?}, but the inputs \
+                 are {shape}",
                 block_mask.shape()
             ),
         });
@@ -248,6 +254,7 @@ impl<'a> Head<'a> {
                     continue;
                 }
             }
+            work.kept += 1;
             if !self.score.is_identity() {
                 *x = self.score.apply(f64::from(*x), self.b, self.h, qp, key) as f32;
             }

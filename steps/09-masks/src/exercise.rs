@@ -62,9 +62,9 @@ pub fn check_dilated(f: DilatedFn) -> Result<usize, NotYet> {
                 return Err(NotYet::new(
                     case,
                     format!(
-                        "dilated(q = {q}, k = {k}, window = {window}, dilation = {dilation}) is \
-                         {}, where the definition gives {want} (k ≤ q, q − k < window · \
-                         dilation, q − k a multiple of dilation)",
+                        "dilated(q = {q}, k = {k}, window = {window}, dilation = \
+                         {dilation}) is {}, where the definition gives {want} (k ≤ q, q − \
+                         k < window · dilation, q − k a multiple of dilation)",
                         !want
                     ),
                 ));
@@ -77,8 +77,9 @@ pub fn check_dilated(f: DilatedFn) -> Result<usize, NotYet> {
     {
         let blocks = BlockSizes { queries, keys };
         let case = format!(
-            "the CPU forward with your mask, window {window}, dilation {dilation}, {b} × {h} \
-             heads on {kvh} kv heads, {tq} queries on {tk} keys, head dim {d}, tiles of {} × {}",
+            "the CPU forward with your mask, window {window}, dilation {dilation}, {b} × \
+             {h} heads on {kvh} kv heads, {tq} queries on {tk} keys, head dim {d}, tiles \
+             of {} × {}",
             blocks.queries, blocks.keys
         );
         let seed = 9100 + 3 * n as u64;

@@ -8,8 +8,8 @@
 //!
 //! Each built-in has three forms that must agree: a Rust function (the CPU and the `f64`
 //! reference call it), CUDA source with its parameters written in as literals (the kernels
-//! compile it with NVRTC), and, for the masks, the interval of keys each row sees (the block
-//! mask counts with it; [`Mask::row_keys`]).
+//! compile it with NVRTC), and, for the masks, the interval of keys each row sees (the
+//! block mask counts with it; [`Mask::row_keys`]).
 //!
 //! ## Layout
 //!
@@ -52,10 +52,11 @@ impl From<MaskError> for AttnError {
 }
 
 /// What `--mask` accepts, for every message that refuses a term.
-pub const ACCEPTED: &str = "accepted: comma-separated terms, at most one mask and one score \
-     function: causal, full, sliding:W (W ≥ 1), prefix:P, documents:FILE (document lengths, \
-     whitespace-separated, adding up to the tokens), softcap:C (C > 0, finite), alibi, \
-     cuda:FILE.cu (defining mask_mod, or score_mod and score_mod_grad, or all three)";
+pub const ACCEPTED: &str = "accepted: comma-separated terms, at most one mask and one \
+     score function: causal, full, sliding:W (W ≥ 1), prefix:P, documents:FILE (document \
+     lengths, whitespace-separated, adding up to the tokens), softcap:C (C > 0, finite), \
+     alibi, cuda:FILE.cu (defining mask_mod, or score_mod and score_mod_grad, or all \
+     three)";
 
 /// Whether a mask can differ between the sequences of a batch and between heads: the block
 /// mask keeps one table for each value of what it varies with, and one for all otherwise.
@@ -165,8 +166,8 @@ impl Documents {
     ) -> Result<Documents, MaskError> {
         if rows.checked_mul(tokens) != Some(ids.len()) {
             return Err(MaskError::new(format!(
-                "document ids: {} ids for {rows} sequences of {tokens} tokens; accepted: one \
-                 id per token of each sequence, [rows, tokens] row-major",
+                "document ids: {} ids for {rows} sequences of {tokens} tokens; accepted: \
+                 one id per token of each sequence, [rows, tokens] row-major",
                 ids.len()
             )));
         }
@@ -197,7 +198,8 @@ impl Documents {
             let bad = |why: &str| {
                 MaskError::new(format!(
                     "cu_seqlens of sequence {r}, {bounds:?}: {why}; accepted: cumulative \
-                     lengths that start at 0, strictly increase and end at the tokens, {tokens}"
+                     lengths that start at 0, strictly increase and end at the tokens, \
+                     {tokens}"
                 ))
             };
             if bounds.first() != Some(&0) {
@@ -246,8 +248,8 @@ impl Documents {
                 Ok(n) if n > 0 => lengths.push(n),
                 _ => {
                     return Err(MaskError::new(format!(
-                        "documents:{}: {word:?} is not a length; accepted: whole numbers of \
-                         at least 1, whitespace-separated",
+                        "documents:{}: {word:?} is not a length; accepted: whole numbers \
+                         of at least 1, whitespace-separated",
                         path.display()
                     )));
                 }
@@ -356,8 +358,8 @@ impl CustomScore {
 }
 
 /// The CUDA signature every `mask_mod` has.
-const MASK_SIGNATURE: &str = "__device__ __forceinline__ bool mask_mod(int b, int h, int q, \
-                              int k, const int* __restrict__ data)";
+const MASK_SIGNATURE: &str = "__device__ __forceinline__ bool mask_mod(int b, int h, int \
+                              q, int k, const int* __restrict__ data)";
 
 /// `f` as a CUDA `float` literal that reads back as the same `f32`.
 fn float_literal(x: f64) -> String {
@@ -448,15 +450,17 @@ impl Mask {
             Mask::Documents(d) => {
                 if d.tokens != tk {
                     return Err(MaskError::new(format!(
-                        "the documents add up to {} tokens, but k and v hold {tk}; accepted: \
-                         document lengths (or ids, or cu_seqlens) that cover every key",
+                        "the documents add up to {} tokens, but k and v hold {tk}; \
+                         accepted: document lengths (or ids, or cu_seqlens) that cover \
+                         every key",
                         d.tokens
                     )));
                 }
                 if d.rows != 1 && d.rows != batch {
                     return Err(MaskError::new(format!(
-                        "document ids for {} sequences, but the batch has {batch}; accepted: \
-                         one row of ids per sequence, or one for every sequence alike",
+                        "document ids for {} sequences, but the batch has {batch}; \
+                         accepted: one row of ids per sequence, or one for every sequence \
+                         alike",
                         d.rows
                     )));
                 }
@@ -568,8 +572,8 @@ impl ScoreMod {
                 )))
             }
             ScoreMod::Alibi { heads: n } if *n != heads => Err(MaskError::new(format!(
-                "alibi was built for {n} heads but q has {heads}; its slopes 2^(-8(h+1)/heads) \
-                 depend on the head count"
+                "alibi was built for {n} heads but q has {heads}; its slopes \
+                 2^(-8(h+1)/heads) depend on the head count"
             ))),
             ScoreMod::Custom(c) if c.rust.is_none() => Err(MaskError::new(format!(
                 "the score function {} is CUDA source only: it runs in the GPU's kernels, \
@@ -700,8 +704,8 @@ fn from_cuda_file(path: &str) -> Result<(Option<Mask>, Option<ScoreMod>), MaskEr
         return Err(MaskError::new(format!(
             "cuda:{path} defines neither mask_mod nor score_mod; accepted: a file defining \
              `{MASK_SIGNATURE}`, or score_mod and score_mod_grad (`__device__ \
-             __forceinline__ float score_mod(float s, int b, int h, int q, int k)`), or all \
-             three"
+             __forceinline__ float score_mod(float s, int b, int h, int q, int k)`), or \
+             all three"
         )));
     }
     let mask = mask.then(|| {

@@ -3,9 +3,9 @@
 //! and fewer queries than keys.
 //!
 //! Written once over the precision: in `f64` it is the reference ([`attention_f64`],
-//! [`backward_f64`]); in `f32` it is the baseline of FlashAttention's rule, attention by hand
-//! in the tested method's own precision ([`attention_by_hand`], [`backward_by_hand`]). A
-//! method's error against `f64` may be at most twice the baseline's.
+//! [`backward_f64`]); in `f32` it is the baseline of FlashAttention's rule, attention by
+//! hand in the tested method's own precision ([`attention_by_hand`], [`backward_by_hand`]).
+//! A method's error against `f64` may be at most twice the baseline's.
 //!
 //! A row that sees no key is defined: its output is 0 and its log-sum-exp −∞ (as step 07's
 //! merge treats it), and it passes no gradient back.

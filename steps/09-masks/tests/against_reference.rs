@@ -13,7 +13,8 @@ use step09_masks::reference::{
 use step09_masks::{Mask, ScoreMod, backward, forward};
 
 /// 2 sequences, 4 query heads on 2 kv heads, 45 queries (the last ones) on 77 keys, head
-/// dim 16: partial tiles of 64 at both ends, and an offset of 32 between rows and positions.
+/// dim 16: partial tiles of 64 at both ends, and an offset of 32 between rows and
+/// positions.
 const SHAPE: (usize, usize, usize, usize, usize, usize) = (2, 4, 2, 45, 77, 16);
 
 // ANCHOR: rule

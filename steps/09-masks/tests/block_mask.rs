@@ -211,6 +211,8 @@ fn skipping_really_skips() {
             // every score of every non-empty tile, and the mask asked in the partial ones
             assert_eq!(work.scores, all, "{what}: scores");
             assert_eq!(work.mask_calls, partial, "{what}: mask calls");
+            // and exactly the scores the mask lets through reach the softmax
+            assert_eq!(work.kept, bm.visible(), "{what}: scores kept");
             let (_, work) = backward_with(
                 x.q.view(),
                 x.k.view(),
@@ -223,6 +225,7 @@ fn skipping_really_skips() {
             .unwrap();
             assert_eq!(work.scores, all, "{what}: backward scores");
             assert_eq!(work.mask_calls, partial, "{what}: backward mask calls");
+            assert_eq!(work.kept, bm.visible(), "{what}: backward scores kept");
         }
     }
     // a sliding window of 10 over 77 keys computes far fewer than all 45 × 77 scores a head
@@ -293,4 +296,23 @@ proptest! {
         let mask = all.swap_remove(which);
         check_tiles(&mask, (2, 2, tq, tk), BlockSizes { queries, keys });
     }
+}
+
+#[test]
+fn a_block_mask_for_another_shape_or_of_empty_blocks_is_refused() {
+    let x = inputs(SHAPE, 8);
+    let (q, k, v) = (x.q.view(), x.k.view(), x.v.view());
+    let other =
+        BlockMask::new(&Mask::Causal, (2, 4, 45, 78), BlockSizes::default()).unwrap();
+    let e = forward_with(q, k, v, &other, &ScoreMod::None).unwrap_err();
+    assert!(e.to_string().contains("(2, 4, 45, 78)"), "{e}");
+    let zero = BlockSizes {
+        queries: 0,
+        keys: 64,
+    };
+    let e = BlockMask::new(&Mask::Causal, (2, 4, 45, 77), zero).unwrap_err();
+    assert!(e.to_string().contains("both must be at least 1"), "{e}");
+    let e =
+        BlockMask::new(&Mask::Causal, (2, 4, 78, 77), BlockSizes::default()).unwrap_err();
+    assert!(e.to_string().contains("78 queries on 77 keys"), "{e}");
 }

@@ -21,7 +21,7 @@ fn the_book_shows_what_block_picture_prints() {
     assert!(
         committed == shown,
         "book/src/output/block-mask.txt differs from what the example prints now: run \
-         `UPDATE_BOOK_OUTPUT=1 cargo test -p step09-masks --test book_output` to update it\n\
-         --- now:\n{shown}"
+         `UPDATE_BOOK_OUTPUT=1 cargo test -p step09-masks --test book_output` to update \
+         it\n --- now:\n{shown}"
     );
 }

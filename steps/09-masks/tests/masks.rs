@@ -135,8 +135,8 @@ fn a_cuda_file_is_a_mask_a_score_function_or_both() {
     let score = temp_file(
         "score.cu",
         "__device__ __forceinline__ float score_mod(float s, int b, int h, int q, int k) \
-         { return 2.0f * s; }\n__device__ __forceinline__ float score_mod_grad(float s, int b, \
-         int h, int q, int k) { return 2.0f; }\n",
+         { return 2.0f * s; }\n__device__ __forceinline__ float score_mod_grad(float s, \
+         int b, int h, int q, int k) { return 2.0f; }\n",
     );
     let text = format!("sliding:4,cuda:{}", score.display());
     let (m, s) = MaskSpec::parse(&text).unwrap().resolve(1, 1, 4).unwrap();
