@@ -28,12 +28,12 @@ impl QkvShape {
 
     /// The kv head that query head `h` reads: `h / (heads / kv_heads)`.
     pub fn kv_head(&self, h: usize) -> usize {
-        h / (self.heads / self.kv_heads)
+        h / self.group()
     }
 
-    /// Query heads per kv head.
+    /// Query heads per kv head (0 when there is no head).
     pub fn group(&self) -> usize {
-        self.heads / self.kv_heads
+        self.heads.checked_div(self.kv_heads).unwrap_or(0)
     }
 
     /// The scale of the scores, `1/√d`.

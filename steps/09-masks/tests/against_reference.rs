@@ -126,3 +126,25 @@ fn a_row_that_sees_no_key_gives_zero_and_minus_infinity_and_no_gradient() {
         }
     }
 }
+
+#[test]
+fn empty_shapes_give_empty_results() {
+    for (b, h, kvh, tq, tk) in [
+        (0, 2, 1, 3, 5),
+        (1, 0, 0, 3, 5),
+        (1, 2, 1, 0, 5),
+        (1, 2, 1, 0, 0),
+    ] {
+        let x = inputs((b, h, kvh, tq, tk, 4), 1);
+        let (q, k, v, dout) = (x.q.view(), x.k.view(), x.v.view(), x.dout.view());
+        for mask in [Mask::Causal, Mask::Sliding { window: 2 }] {
+            let fwd = forward(q, k, v, &mask, &ScoreMod::None).unwrap();
+            assert_eq!(fwd.out.dim(), (b, h, tq, 4));
+            let g = backward(q, k, v, &fwd, dout, &mask, &ScoreMod::None).unwrap();
+            assert_eq!(g.dk.dim(), (b, kvh, tk, 4));
+            assert!(g.dk.iter().all(|&x| x == 0.0));
+            let want = backward_f64(q, k, v, dout, &mask, &ScoreMod::None).unwrap();
+            assert_eq!(want.dq.dim(), (b, h, tq, 4));
+        }
+    }
+}
