@@ -53,10 +53,12 @@
 //! - [`by_hand`]: attention by hand on the GPU (cuBLAS and `kernels/causal_softmax.cu`).
 //! - [`rule`]: FlashAttention's rule ([`ForwardCheck`](rule::ForwardCheck)), which the GPU
 //!   tests and the exercise checker both apply.
+//! - [`banks`]: chapter 3's first CPU exercise, the turns shared memory's banks take for a
+//!   warp's loads, written by the reader in `exercises/banks.rs`, and its checker.
 //! - [`exercise`]: chapter 3's exercises: the swizzle written by the reader in Rust in
 //!   `exercises/swizzle.rs`, checked on the CPU; rung 1's key loop in `exercises/rows.cu`,
-//!   checked on the GPU. `src/bin/exercise.rs` runs either
-//!   (`cargo run -p step03-cuda-forward --bin exercise -- swizzle`).
+//!   checked on the GPU. `src/bin/exercise.rs` runs any of them
+//!   (`cargo run -p step03-cuda-forward --bin exercise -- banks`).
 //! - [`ptxas`]: what the kernel-check binaries share; `src/bin/kernel-check.rs` compiles
 //!   every kernel the library launches (and the exercise's template) with NVRTC and ptxas
 //!   and fails on any spill (no GPU needed).
@@ -64,6 +66,7 @@
 //! - [`methods`](mod@methods): the step's methods in the registry, [`Ladder`],
 //!   [`CudaNaive`] and [`CudaFlash`].
 
+pub mod banks;
 pub mod by_hand;
 pub mod exercise;
 pub mod host;
