@@ -316,3 +316,50 @@ fn a_block_mask_for_another_shape_or_of_empty_blocks_is_refused() {
         BlockMask::new(&Mask::Causal, (2, 4, 78, 77), BlockSizes::default()).unwrap_err();
     assert!(e.to_string().contains("78 queries on 77 keys"), "{e}");
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// What a query cannot see cannot change it: keys and values its mask hides, changed by
+    /// any amount, leave its output, log-sum-exp and dq exactly as they were, whatever the
+    /// tiles (a hidden key in a partial tile is computed, then masked before the softmax).
+    #[test]
+    fn a_query_does_not_depend_on_the_keys_it_cannot_see(
+        which in 0usize..8,
+        score in 0usize..4,
+        queries in 1usize..40,
+        keys in 1usize..40,
+        row in 0usize..45,
+        head in 0usize..4,
+        seed in 0u64..1000,
+    ) {
+        let (b, h, kvh, tq, tk, d) = SHAPE;
+        let x = inputs(SHAPE, seed);
+        let mut all = masks(tk);
+        all.push(mask_with_empty_rows());
+        let mask = all.swap_remove(which);
+        let score = score_mods(h).swap_remove(score);
+        let bm = BlockMask::new(&mask, (b, h, tq, tk), BlockSizes { queries, keys }).unwrap();
+        let run = |k: &ndarray::Array4<f32>, v: &ndarray::Array4<f32>| {
+            let (fwd, _) = forward_with(x.q.view(), k.view(), v.view(), &bm, &score).unwrap();
+            let dout = x.dout.view();
+            let (g, _) = backward_with(x.q.view(), k.view(), v.view(), &fwd, dout, &bm, &score)
+                .unwrap();
+            (fwd, g)
+        };
+        let (fwd, g) = run(&x.k, &x.v);
+        let (mut k, mut v) = (x.k.clone(), x.v.clone());
+        let (seq, g_head, qp) = (1, head / (h / kvh), row + tk - tq);
+        for j in (0..tk).filter(|&j| !mask.allows(seq, head, qp, j)) {
+            for c in 0..d {
+                k[[seq, g_head, j, c]] += 100.0;
+                v[[seq, g_head, j, c]] -= 100.0;
+            }
+        }
+        let (fwd2, g2) = run(&k, &v);
+        let at = ndarray::s![seq, head, row, ..];
+        prop_assert_eq!(fwd.out.slice(at), fwd2.out.slice(at));
+        prop_assert_eq!(fwd.lse[[seq, head, row]].to_bits(), fwd2.lse[[seq, head, row]].to_bits());
+        prop_assert_eq!(g.dq.slice(at), g2.dq.slice(at));
+    }
+}

@@ -277,6 +277,21 @@ fn bad_input_is_refused_naming_the_value_and_what_is_accepted() {
     let neither = temp_file("neither.cu", "__device__ int f(int x) { return x; }");
     let e = parse_err(&format!("cuda:{}", neither.display()));
     assert!(e.contains("defines neither mask_mod nor score_mod"), "{e}");
+    // a name inside a longer name, or in a block comment, is no definition
+    let lookalike = temp_file(
+        "lookalike.cu",
+        "__device__ bool my_mask_mod(int q, int k) { return true; }\n\
+         /* float score_mod(float s) */",
+    );
+    let e = parse_err(&format!("cuda:{}", lookalike.display()));
+    assert!(e.contains("defines neither mask_mod nor score_mod"), "{e}");
+    let commented = temp_file(
+        "commented.cu",
+        "__device__ float score_mod(float s, int b, int h, int q, int k) { return s; }\n\
+         /* __device__ float score_mod_grad(float s, int b, int h, int q, int k) */",
+    );
+    let e = parse_err(&format!("cuda:{}", commented.display()));
+    assert!(e.contains("defines no score_mod_grad"), "{e}");
     let half = temp_file(
         "half.cu",
         "__device__ float score_mod(float s, int b, int h, int q, int k) { return s; }",
