@@ -339,12 +339,12 @@ proptest! {
         all.push(mask_with_empty_rows());
         let mask = all.swap_remove(which);
         let score = score_mods(h).swap_remove(score);
-        let bm = BlockMask::new(&mask, (b, h, tq, tk), BlockSizes { queries, keys }).unwrap();
+        let blocks = BlockSizes { queries, keys };
+        let bm = BlockMask::new(&mask, (b, h, tq, tk), blocks).unwrap();
         let run = |k: &ndarray::Array4<f32>, v: &ndarray::Array4<f32>| {
-            let (fwd, _) = forward_with(x.q.view(), k.view(), v.view(), &bm, &score).unwrap();
-            let dout = x.dout.view();
-            let (g, _) = backward_with(x.q.view(), k.view(), v.view(), &fwd, dout, &bm, &score)
-                .unwrap();
+            let (q, k, v, dout) = (x.q.view(), k.view(), v.view(), x.dout.view());
+            let (fwd, _) = forward_with(q, k, v, &bm, &score).unwrap();
+            let (g, _) = backward_with(q, k, v, &fwd, dout, &bm, &score).unwrap();
             (fwd, g)
         };
         let (fwd, g) = run(&x.k, &x.v);
@@ -359,7 +359,8 @@ proptest! {
         let (fwd2, g2) = run(&k, &v);
         let at = ndarray::s![seq, head, row, ..];
         prop_assert_eq!(fwd.out.slice(at), fwd2.out.slice(at));
-        prop_assert_eq!(fwd.lse[[seq, head, row]].to_bits(), fwd2.lse[[seq, head, row]].to_bits());
+        let (a, z) = (fwd.lse[[seq, head, row]], fwd2.lse[[seq, head, row]]);
+        prop_assert_eq!(a.to_bits(), z.to_bits());
         prop_assert_eq!(g.dq.slice(at), g2.dq.slice(at));
     }
 }
