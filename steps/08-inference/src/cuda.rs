@@ -1,340 +1,581 @@
-//! Decoding on the GPU: a cache of keys and values in device memory, contiguous or in
-//! pages, the split of its keys over thread blocks, and the launches of
-//! `kernels/decode.cu` and of `kernels/read.cu`, the physical limit it is measured against.
+//! Decoding on the GPU: a cache of keys and values in device memory that grows a page at a
+//! time, the split of its keys over thread blocks, and the launches of `kernels/append.cu`,
+//! `kernels/decode.cu`, and `kernels/read.cu`, the physical limit decoding is measured
+//! against.
+//!
+//! A user decodes in one call, as with FlashAttention's `flash_attn_with_kvcache` (the new
+//! tokens' keys and values appended, then attention, the split chosen for this GPU):
+//!
+//! ```text
+//! let paged = CacheLayout::Paged { page_size: PAGE_SIZE };
+//! let spec = CacheSpec::new(batch, kv_heads, max_len, head_dim, Dtype::Bf16, paged);
+//! let mut cache = PagedKvCache::new(gpu, spec)?;
+//! let new = NewKv::from_heads(&k_new, &v_new)?;
+//! let out = attend_with_kvcache(gpu, &mut cache, &q, Some(&new))?;
+//! ```
+//!
+//! or, as with FlashInfer, plans once and runs the plan for each layer of a model:
+//!
+//! ```text
+//! let plan = DecodePlan::new(gpu, &cache, q_heads, q_rows)?;    // once
+//! let mut out = plan.alloc_output(gpu)?;
+//! cache.reserve(gpu, &[1; batch])?;                              // each step
+//! for layer in 0..layers {
+//!     cache.write(gpu, layer, &new_kv)?;
+//!     plan.run(gpu, &cache, layer, &q, &mut out)?;
+//! }
+//! ```
 //!
 //! ## Layout
 //!
-//! - [`KvCache`]: k and v of `[batch, kv_heads, context, head_dim]` tokens, either one
-//!   contiguous tensor each or a pool of pages `[pages, kv_heads, page_size, head_dim]`
-//!   read through a page table `[batch, max_pages]` ([`Layout`]), as vLLM's PagedAttention
-//!   keeps them; [`check_table`] refuses a table that points past the pool before anything
-//!   is launched.
+//! - [`PagedKvCache`]: each layer's keys and values in a pool of pages `[pool, kv_heads,
+//!   page_size, head_dim]`, and one [`PageTable`] for all layers, on the host and on the
+//!   device, as vLLM's PagedAttention keeps them: a sequence takes a free page when it
+//!   grows past its last ([`PagedKvCache::reserve`]), and the table is checked and
+//!   copied to the device when it changes. [`CacheLayout::Contiguous`] is the same cache
+//!   with one page a sequence, as long as the cache. [`NewKv`]: where the new tokens' keys
+//!   and values are read from.
 //! - [`SplitPlan`]: how many splits of how many keys, [`plan_splits`] choosing them from
 //!   the GPU's multiprocessors.
-//! - [`decode_into`]: the kernel, its splits merged by their last block, on device tensors;
-//!   [`decode`] on host arrays.
+//! - [`DecodePlan`]: the kernel's build and the GPU's occupancy for a cache and a count of
+//!   query rows, made once; [`DecodePlan::run`] launches the kernel, its splits merged by
+//!   their last block, on one layer. [`attend_with_kvcache`]: append and attend in one
+//!   call; [`decode`] on host arrays.
 //! - [`read_bytes`], [`fill_cache`]: the read kernel, and the benchmark's fill of a cache
 //!   whose values [`cache_value`] makes again on the host.
 
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use flash_core::inputs::SplitMix64;
+use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use flash_core::{Attention, AttnError, Shape};
-use ndarray::{Array3, Array4, ArrayView4, s};
+use ndarray::{Array3, Array4, ArrayView4};
+use step03_cuda_forward::kernel::{HEAD_DIMS, unsupported_head_dim};
 use step03_cuda_forward::{
-    DeviceTensor, Dtype, Gpu, alloc_error, device_error, half_dtype, host,
+    DeviceTensor, Dtype, Gpu, alloc_error, device_error, half_dtype,
 };
 
 use crate::decode::{DecodeShape, check_decode, check_sizes};
 use crate::kernel::{
-    DECODE, DecodeKernel, FILL, READ, check_page_size, compile_fill, compile_read,
+    APPEND, DECODE, DecodeKernel, FILL, READ, compile_append, compile_fill, compile_read,
 };
+use crate::pages::PageTable;
 
-/// How a cache's tokens lie in memory.
-pub enum Layout {
-    /// `[batch, kv_heads, context, head_dim]`, one sequence's head after another.
+/// How a cache's tokens lie in each layer's pool, `[pages, kv_heads, page_size, head_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CacheLayout {
+    /// One page a sequence, as long as the cache: `[batch, kv_heads, max_len, head_dim]`,
+    /// one sequence's heads after another's. The decoding kernel's build reads no table.
     Contiguous,
-    /// A pool of `pages` pages of `[kv_heads, page_size, head_dim]`, and for each sequence
-    /// a row of `max_pages` page indices: its tokens `p·page_size ..` are in page
-    /// `table[b][p]`. The host keeps the table it checked.
-    Paged {
-        page_size: usize,
-        pages: usize,
-        max_pages: usize,
-        table: CudaSlice<i32>,
-        table_host: Vec<i32>,
-    },
+    /// Pages of `page_size` tokens from a pool the sequences share, found through the
+    /// page table.
+    Paged { page_size: usize },
 }
 
-/// A cache of keys and values on the GPU, 16-bit values.
-pub struct KvCache {
-    pub k: CudaSlice<u16>,
-    pub v: CudaSlice<u16>,
-    /// `[batch]` tokens in each sequence's cache now, on the device, where the decoding
-    /// kernel reads them: `context` when made, [`KvCache::set_lens`] to change.
-    pub lens: CudaSlice<i32>,
+impl CacheLayout {
+    /// The decoding kernel's `PAGE_SIZE`: 0 for a contiguous cache.
+    pub fn kernel_page_size(&self) -> usize {
+        match self {
+            CacheLayout::Contiguous => 0,
+            CacheLayout::Paged { page_size } => *page_size,
+        }
+    }
+}
+
+/// What a [`PagedKvCache`] holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheSpec {
+    /// Layers, each with keys and values of its own; the sequences' lengths and pages are
+    /// the same in every layer.
+    pub layers: usize,
+    /// Sequences.
     pub batch: usize,
     pub kv_heads: usize,
-    /// Tokens a sequence's cache has room for.
-    pub context: usize,
-    /// The most tokens any sequence holds now, as the host knows it (`lens` at most this):
-    /// the keys a split must cover. `context` when made; [`KvCache::set_lens`] sets the
-    /// longest length.
-    pub keys: usize,
     pub head_dim: usize,
+    /// Tokens a sequence may hold: a model's context.
+    pub max_len: usize,
+    /// bf16 or f16.
     pub dtype: Dtype,
-    pub layout: Layout,
+    pub layout: CacheLayout,
+    /// Pages in each layer's pool. [`CacheSpec::new`] gives every sequence room for
+    /// `max_len` tokens; fewer, and the sequences share the pool as a server's do. A
+    /// contiguous cache has one page a sequence: `batch`.
+    pub pool: usize,
 }
 
-// ANCHOR: check_table
-/// Checks a page table before any launch: `table` holds `batch` rows of `max_pages`
-/// entries, and each sequence's first `⌈context / page_size⌉` entries, the pages the
-/// kernel reads, name pages of the pool, `0 .. pages`. Entries after those are never
-/// read (padding, `-1` say).
-pub fn check_table(
-    table: &[i32],
-    batch: usize,
-    max_pages: usize,
-    pages: usize,
-    page_size: usize,
-    context: usize,
-) -> Result<(), AttnError> {
-    check_page_size(page_size)?;
-    if page_size == 0 {
-        return Err(AttnError::Unsupported {
-            what: "a paged cache with pages of 0 tokens".into(),
-        });
-    }
-    let used = context.div_ceil(page_size);
-    if table.len() != batch * max_pages || max_pages < used {
-        return Err(AttnError::ShapeMismatch {
-            what: format!(
-                "the page table holds {} entries for {batch} sequences of {max_pages} \
-                 pages; it must be [batch, max_pages] with max_pages at least {used} \
-                 ({context} tokens in pages of {page_size})",
-                table.len()
-            ),
-        });
-    }
-    for b in 0..batch {
-        for p in 0..used {
-            let entry = table[b * max_pages + p];
-            if entry < 0 || entry as usize >= pages {
-                return Err(AttnError::Unsupported {
-                    what: format!(
-                        "page table entry {p} of sequence {b} (tokens {} to {}) is page \
-                         {entry}, but the pool holds {pages} pages: every page a sequence \
-                         uses must be one of 0 to {}",
-                        p * page_size,
-                        ((p + 1) * page_size).min(context) - 1,
-                        pages as i64 - 1
-                    ),
-                });
-            }
+impl CacheSpec {
+    /// One layer, and a pool with room for every sequence at `max_len` tokens.
+    pub fn new(
+        batch: usize,
+        kv_heads: usize,
+        max_len: usize,
+        head_dim: usize,
+        dtype: Dtype,
+        layout: CacheLayout,
+    ) -> CacheSpec {
+        let pool = match layout {
+            CacheLayout::Contiguous => batch,
+            CacheLayout::Paged { page_size } => batch * max_len.div_ceil(page_size.max(1)),
+        };
+        CacheSpec {
+            layers: 1,
+            batch,
+            kv_heads,
+            head_dim,
+            max_len,
+            dtype,
+            layout,
+            pool,
         }
     }
-    Ok(())
-}
-// ANCHOR_END: check_table
 
-impl KvCache {
-    /// The cache's logical shape, `[batch, kv_heads, context, head_dim]`.
-    pub fn dims(&self) -> [usize; 4] {
-        [self.batch, self.kv_heads, self.context, self.head_dim]
-    }
-
-    /// Bytes of k and v the kernel reads.
-    pub fn bytes(&self) -> u64 {
-        2 * (self.batch * self.kv_heads * self.context * self.head_dim) as u64 * 2
-    }
-
-    /// Tokens per page, 0 when contiguous.
-    pub fn page_size(&self) -> usize {
+    /// An empty page table for this cache.
+    pub fn page_table(&self) -> Result<PageTable, AttnError> {
         match self.layout {
-            Layout::Contiguous => 0,
-            Layout::Paged { page_size, .. } => page_size,
+            CacheLayout::Contiguous if self.pool != self.batch => {
+                Err(AttnError::Unsupported {
+                    what: format!(
+                        "a contiguous cache of {} sequences with a pool of {} pages: a \
+                     contiguous cache has one page a sequence, a pool of {}",
+                        self.batch, self.pool, self.batch
+                    ),
+                })
+            }
+            CacheLayout::Contiguous => PageTable::contiguous(self.batch, self.max_len),
+            CacheLayout::Paged { page_size } => {
+                PageTable::new(self.batch, self.max_len, page_size, self.pool)
+            }
         }
     }
 
-    /// A contiguous cache of uninitialised values (the benchmark fills it on the GPU).
-    pub fn alloc(gpu: &Gpu, dims: [usize; 4], dtype: Dtype) -> Result<KvCache, AttnError> {
-        let [batch, kv_heads, context, head_dim] = dims;
-        let len = checked_len(&dims)?;
-        let (k, v) = (alloc_values(gpu, len)?, alloc_values(gpu, len)?);
-        Ok(KvCache {
-            k,
-            v,
-            lens: full_lens(gpu, batch, context)?,
-            keys: context,
-            batch,
-            kv_heads,
-            context,
-            head_dim,
-            dtype: half_dtype(dtype)?,
-            layout: Layout::Contiguous,
-        })
+    /// Values in one layer's pool of keys (or of values), checked before any allocation.
+    fn layer_values(&self, page_size: usize) -> Result<usize, AttnError> {
+        [self.kv_heads, page_size, self.head_dim]
+            .iter()
+            .try_fold(self.pool, |n, &d| n.checked_mul(d))
+            .filter(|&n| {
+                n.checked_mul(self.layers)
+                    .is_some_and(|n| n <= isize::MAX as usize / 2)
+            })
+            .ok_or_else(|| AttnError::Unsupported {
+                what: format!("{self:?}: more values than memory can address"),
+            })
     }
+}
 
-    /// A paged cache of uninitialised values: a pool of `pages` pages and a checked table.
-    pub fn alloc_paged(
-        gpu: &Gpu,
-        dims: [usize; 4],
-        dtype: Dtype,
-        page_size: usize,
-        pages: usize,
-        table: Vec<i32>,
-    ) -> Result<KvCache, AttnError> {
-        let [batch, kv_heads, context, head_dim] = dims;
-        let max_pages = table.len().checked_div(batch).unwrap_or(0);
-        check_table(&table, batch, max_pages, pages, page_size, context)?;
-        let len = checked_len(&[pages, kv_heads, page_size, head_dim])?;
-        let (k, v) = (alloc_values(gpu, len)?, alloc_values(gpu, len)?);
-        let table_dev = gpu
-            .stream()
-            .clone_htod(&table)
-            .map_err(device_error("copying the page table"))?;
-        Ok(KvCache {
-            k,
-            v,
-            lens: full_lens(gpu, batch, context)?,
-            keys: context,
-            batch,
-            kv_heads,
-            context,
-            head_dim,
-            dtype: half_dtype(dtype)?,
-            layout: Layout::Paged {
-                page_size,
-                pages,
-                max_pages,
-                table: table_dev,
-                table_host: table,
-            },
-        })
-    }
+/// New tokens' keys and values on the device, read where they are: value `c` of head `h`
+/// of new token `j` of sequence `b` at `b·batch_stride + j·row_stride + h·head_stride + c`
+/// in `k` (and in `v`), as PyTorch reads a strided tensor.
+pub struct NewKv<'a> {
+    k: CudaView<'a, u16>,
+    v: CudaView<'a, u16>,
+    dtype: Dtype,
+    batch: usize,
+    /// New tokens a sequence.
+    rows: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// Values from one sequence's first new token to the next's, from a token to the
+    /// next, from a head to the next.
+    strides: [usize; 3],
+}
 
-    /// Host arrays `[batch, kv_heads, context, head_dim]` rounded to `dtype` and copied to
-    /// the GPU, contiguous.
-    pub fn upload(
-        gpu: &Gpu,
-        k: ArrayView4<f32>,
-        v: ArrayView4<f32>,
-        dtype: Dtype,
-    ) -> Result<KvCache, AttnError> {
-        let dims: [usize; 4] = k.dim().into();
-        let dtype = half_dtype(dtype)?;
-        let copy = |x: ArrayView4<f32>| {
-            let bits = host::to_bits(x, dtype);
-            gpu.stream()
-                .clone_htod(&bits)
-                .map_err(alloc_error("copying the cache", bits.len() as u128 * 2))
-        };
-        let [batch, kv_heads, context, head_dim] = dims;
-        Ok(KvCache {
-            k: copy(k)?,
-            v: copy(v)?,
-            lens: full_lens(gpu, batch, context)?,
-            keys: context,
-            batch,
-            kv_heads,
-            context,
-            head_dim,
-            dtype,
-            layout: Layout::Contiguous,
-        })
-    }
-
-    /// The same values in pages of `page_size` tokens: each sequence's pages take places of
-    /// the pool in a shuffled order (from `seed`), so that reading through the table is
-    /// what the test checks; a last page's tokens past the context are zeros.
-    pub fn upload_paged(
-        gpu: &Gpu,
-        k: ArrayView4<f32>,
-        v: ArrayView4<f32>,
-        dtype: Dtype,
-        page_size: usize,
-        seed: u64,
-    ) -> Result<KvCache, AttnError> {
-        check_page_size(page_size)?;
-        let [batch, kv_heads, context, head_dim] = <[usize; 4]>::from(k.dim());
-        let dtype = half_dtype(dtype)?;
-        let max_pages = context.div_ceil(page_size.max(1));
-        let table = shuffled_table(batch, max_pages, seed);
-        let pages = batch * max_pages;
-        let pool = |x: ArrayView4<f32>| {
-            let mut p = Array4::<f32>::zeros((pages, kv_heads, page_size, head_dim));
-            for b in 0..batch {
-                for j in 0..max_pages {
-                    let (t0, t1) = (j * page_size, ((j + 1) * page_size).min(context));
-                    let place = table[b * max_pages + j] as usize;
-                    p.slice_mut(s![place, .., ..t1 - t0, ..])
-                        .assign(&x.slice(s![b, .., t0..t1, ..]));
-                }
-            }
-            let bits = host::to_bits(p.view(), dtype);
-            gpu.stream().clone_htod(&bits).map_err(alloc_error(
-                "copying the pool of pages",
-                bits.len() as u128 * 2,
-            ))
-        };
-        let (k_pool, v_pool) = (pool(k)?, pool(v)?);
-        check_table(&table, batch, max_pages, pages, page_size, context)?;
-        let table_dev = gpu
-            .stream()
-            .clone_htod(&table)
-            .map_err(device_error("copying the page table"))?;
-        Ok(KvCache {
-            k: k_pool,
-            v: v_pool,
-            lens: full_lens(gpu, batch, context)?,
-            keys: context,
-            batch,
-            kv_heads,
-            context,
-            head_dim,
-            dtype,
-            layout: Layout::Paged {
-                page_size,
-                pages,
-                max_pages,
-                table: table_dev,
-                table_host: table,
-            },
-        })
-    }
-
-    /// Each sequence's length, one a sequence, at most the cache's `context`: a batch of
-    /// sequences of different lengths, each query row's diagonal aligned to its own
-    /// sequence's end. Nothing is written when a length is refused.
-    pub fn set_lens(&mut self, gpu: &Gpu, lens: &[usize]) -> Result<(), AttnError> {
-        if lens.len() != self.batch || lens.iter().any(|&n| n > self.context) {
+impl<'a> NewKv<'a> {
+    /// Contiguous `[batch, kv_heads, rows, head_dim]` tensors, SDPA's layout and step 03's.
+    pub fn from_heads(
+        k: &'a DeviceTensor,
+        v: &'a DeviceTensor,
+    ) -> Result<NewKv<'a>, AttnError> {
+        let s = k.shape;
+        if v.shape != s || v.dtype != k.dtype {
             return Err(AttnError::ShapeMismatch {
                 what: format!(
-                    "lengths {lens:?} for a cache of {} sequences of at most {} tokens: one \
-                     length a sequence, each 0 to {}",
-                    self.batch, self.context, self.context
+                    "the new keys are {s} {} and the values {} {}: both must be [batch, \
+                     kv_heads, rows, head_dim] of one dtype",
+                    k.dtype.name(),
+                    v.shape,
+                    v.dtype.name()
                 ),
             });
         }
-        let longest = lens.iter().copied().max().unwrap_or(0);
-        let lens: Vec<i32> = lens.iter().map(|&n| n as i32).collect();
+        NewKv::strided(
+            k.data.slice(..),
+            v.data.slice(..),
+            k.dtype,
+            [s.batch, s.tokens, s.heads, s.head_dim],
+            [
+                s.heads * s.tokens * s.head_dim,
+                s.head_dim,
+                s.tokens * s.head_dim,
+            ],
+        )
+    }
+
+    /// The keys and values in fused projections `[q's heads | k's heads | v's heads]`, one
+    /// row of `(q_heads + 2·kv_heads)·head_dim` values a token, `rows` tokens a sequence
+    /// one after another: a model's `qkv`, read in place.
+    pub fn from_fused(
+        qkv: &'a CudaSlice<u16>,
+        dtype: Dtype,
+        [batch, rows]: [usize; 2],
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<NewKv<'a>, AttnError> {
+        let width = (q_heads + 2 * kv_heads) * head_dim;
+        let (k_at, v_at) = (q_heads * head_dim, (q_heads + kv_heads) * head_dim);
+        if v_at > qkv.len() {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "a fused projection of {} values for {q_heads} query heads and \
+                     {kv_heads} kv heads of {head_dim}: a token's row is {width} values",
+                    qkv.len()
+                ),
+            });
+        }
+        NewKv::strided(
+            qkv.slice(k_at..),
+            qkv.slice(v_at..),
+            dtype,
+            [batch, rows, kv_heads, head_dim],
+            [rows * width, width, head_dim],
+        )
+    }
+
+    /// Checks that every value the strides reach lies in `k` and `v`.
+    fn strided(
+        k: CudaView<'a, u16>,
+        v: CudaView<'a, u16>,
+        dtype: Dtype,
+        [batch, rows, kv_heads, head_dim]: [usize; 4],
+        strides: [usize; 3],
+    ) -> Result<NewKv<'a>, AttnError> {
+        let dtype = half_dtype(dtype)?;
+        let last = [batch, rows, kv_heads]
+            .iter()
+            .zip(strides)
+            .try_fold(head_dim, |end, (&n, stride)| {
+                n.saturating_sub(1).checked_mul(stride)?.checked_add(end)
+            });
+        let empty = batch == 0 || rows == 0 || kv_heads == 0 || head_dim == 0;
+        match last {
+            Some(end) if empty || (end <= k.len() && end <= v.len()) => Ok(NewKv {
+                k,
+                v,
+                dtype,
+                batch,
+                rows,
+                kv_heads,
+                head_dim,
+                strides,
+            }),
+            _ => Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "new keys and values of {batch} sequences × {rows} tokens × {kv_heads} \
+                     heads × {head_dim} at strides {strides:?} reach past their buffers \
+                     of {} and {} values",
+                    k.len(),
+                    v.len()
+                ),
+            }),
+        }
+    }
+
+    /// New tokens a sequence.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+// ANCHOR: paged_kv_cache
+/// Keys and values on the GPU, 16-bit, for `batch` sequences and `layers` layers, in pages
+/// handed out as the sequences grow. Its lengths, its page table and the values they
+/// describe change together, through its methods only: [`PagedKvCache::reserve`] makes
+/// room for new tokens in every sequence (once a step), [`PagedKvCache::write`] puts one
+/// layer's keys and values there, [`PagedKvCache::append`] does both for a one-layer
+/// cache, and [`PagedKvCache::release`] empties a sequence.
+pub struct PagedKvCache {
+    spec: CacheSpec,
+    /// `[layers, pool, kv_heads, page_size, head_dim]` each.
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    /// The host's table, lengths and free pages.
+    pages: PageTable,
+    /// `[batch, max_pages]`: the host's table as of its last change.
+    table: CudaSlice<i32>,
+    /// `[2·batch]`: each sequence's length, then how many of its tokens the last reserve
+    /// added, as the host's were at the last reserve or release. The kernels read both.
+    lens: CudaSlice<i32>,
+    /// Tokens the last reserve added to each sequence.
+    added: Vec<usize>,
+    /// Per layer, whether those tokens' keys and values are still to be written: a layer
+    /// that has not written them is not attended.
+    unwritten: Vec<bool>,
+}
+// ANCHOR_END: paged_kv_cache
+
+impl PagedKvCache {
+    /// An empty cache: every sequence of length 0, every page free. Its sizes are checked
+    /// before anything is allocated.
+    pub fn new(gpu: &Gpu, spec: CacheSpec) -> Result<PagedKvCache, AttnError> {
+        half_dtype(spec.dtype)?;
+        if !HEAD_DIMS.contains(&spec.head_dim) {
+            return Err(unsupported_head_dim(spec.head_dim));
+        }
+        if spec.layers == 0 || spec.kv_heads == 0 {
+            return Err(AttnError::Unsupported {
+                what: format!(
+                    "a cache of {} layers and {} kv heads: at least one of each",
+                    spec.layers, spec.kv_heads
+                ),
+            });
+        }
+        let pages = spec.page_table()?;
+        let len = spec.layer_values(pages.page_size())? * spec.layers;
+        let stream = gpu.stream();
+        let values = || {
+            stream
+                .alloc_zeros::<u16>(len.max(1))
+                .map_err(alloc_error("allocating the cache", len as u128 * 2))
+        };
+        let (k, v) = (values()?, values()?);
+        let table = stream
+            .clone_htod(pages.table())
+            .map_err(device_error("copying the page table"))?;
+        let lens = stream
+            .alloc_zeros::<i32>(2 * spec.batch)
+            .map_err(device_error("allocating the cache's lengths"))?;
+        Ok(PagedKvCache {
+            k,
+            v,
+            table,
+            lens,
+            added: vec![0; spec.batch],
+            unwritten: vec![false; spec.layers],
+            pages,
+            spec,
+        })
+    }
+
+    pub fn spec(&self) -> CacheSpec {
+        self.spec
+    }
+
+    /// Each sequence's length: its tokens, those the last reserve added included.
+    pub fn lens(&self) -> &[usize] {
+        self.pages.lens()
+    }
+
+    /// The longest sequence's length.
+    pub fn longest(&self) -> usize {
+        self.pages.longest()
+    }
+
+    /// The host's page table, lengths and free pages.
+    pub fn pages(&self) -> &PageTable {
+        &self.pages
+    }
+
+    /// Each layer's pool of keys and of values, `[layers, pool, kv_heads, page_size,
+    /// head_dim]`, to read.
+    pub fn pools(&self) -> (&CudaSlice<u16>, &CudaSlice<u16>) {
+        (&self.k, &self.v)
+    }
+
+    /// Bytes of keys and values the sequences hold now, in all layers: what decoding every
+    /// layer reads.
+    pub fn bytes(&self) -> u64 {
+        let tokens: usize = self.lens().iter().sum();
+        let s = self.spec;
+        2 * (s.layers * tokens * s.kv_heads * s.head_dim) as u64 * 2
+    }
+
+    /// The free pages in an order shuffled by `seed`, so that the pages a sequence takes
+    /// lie out of order in the pool ([`PageTable::shuffle_free`]).
+    pub fn shuffle_free(&mut self, seed: u64) {
+        self.pages.shuffle_free(seed);
+    }
+
+    // ANCHOR: reserve
+    /// Room for `added[b]` more tokens at the end of each sequence `b`, in every layer:
+    /// the lengths grow, a sequence past its last page takes free ones, and the table (when
+    /// it changed, checked first) and the lengths go to the device, where the kernels read
+    /// them. Once a step, before each layer's [`PagedKvCache::write`]. All or nothing on
+    /// the host: a sequence past `max_len` or a pool out of pages changes nothing.
+    pub fn reserve(&mut self, gpu: &Gpu, added: &[usize]) -> Result<(), AttnError> {
+        if self.pages.grow(added)? {
+            self.pages.check()?;
+            gpu.stream()
+                .memcpy_htod(self.pages.table(), &mut self.table)
+                .map_err(device_error("copying the page table"))?;
+        }
+        self.added = added.to_vec();
+        let any = added.iter().any(|&n| n > 0);
+        self.unwritten.iter_mut().for_each(|u| *u = any);
+        self.copy_lens(gpu)
+    }
+    // ANCHOR_END: reserve
+
+    // ANCHOR: write
+    /// Layer `layer`'s keys and values of the tokens the last [`PagedKvCache::reserve`]
+    /// added: sequence `b`'s first `added[b]` rows of `new`, written by `kernels/append.cu`
+    /// into the pages the table names.
+    pub fn write(&mut self, gpu: &Gpu, layer: usize, new: &NewKv) -> Result<(), AttnError> {
+        self.check_new(layer, new)?;
+        let most = self.added.iter().copied().max().unwrap_or(0);
+        if new.rows < most {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "the last reserve added up to {most} tokens a sequence and the new \
+                     keys and values hold {} a sequence",
+                    new.rows
+                ),
+            });
+        }
+        let s = self.spec;
+        let values = s.batch * most * s.kv_heads * s.head_dim;
+        if values > 0 {
+            let f = append_kernel(gpu, s.dtype, s.head_dim)?;
+            let blocks = u32::try_from(values.div_ceil(256)).map_err(|_| {
+                AttnError::Unsupported {
+                    what: format!("{values} new values: the append kernel takes < 2^40"),
+                }
+            })?;
+            let layer_len = self.k.len() / s.layers;
+            let at = layer * layer_len..(layer + 1) * layer_len;
+            let mut k = self.k.slice_mut(at.clone());
+            let mut v = self.v.slice_mut(at);
+            let [batch_stride, row_stride, head_stride] = new.strides.map(|x| x as i64);
+            let (max_pages, page_size) =
+                (self.pages.max_pages() as i32, self.pages.page_size() as i32);
+            let (kv_heads, rows, batch) = (s.kv_heads as i32, most as i32, s.batch as i32);
+            let mut launch = gpu.stream().launch_builder(&f);
+            launch
+                .arg(&new.k)
+                .arg(&new.v)
+                .arg(&batch_stride)
+                .arg(&row_stride)
+                .arg(&head_stride)
+                .arg(&mut k)
+                .arg(&mut v)
+                .arg(&self.table)
+                .arg(&max_pages)
+                .arg(&kv_heads)
+                .arg(&page_size)
+                .arg(&self.lens)
+                .arg(&rows)
+                .arg(&batch);
+            let config = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: NewKv::strided proved every source value the strides reach lies in
+            // new.k and new.v; k and v are one layer's pool; the device table names, for
+            // each sequence, pages of the pool for every token below its length (checked
+            // when it changed), and lens holds those lengths and added[b] ≤ rows, the
+            // tokens a sequence writes, from lens[b] - added[b] on
+            unsafe { launch.launch(config) }
+                .map_err(device_error("launching append_kv"))?;
+        }
+        self.unwritten[layer] = false;
+        Ok(())
+    }
+    // ANCHOR_END: write
+
+    /// `new`'s tokens at the end of every sequence of a one-layer cache: a reserve of
+    /// `new.rows()` tokens a sequence and the layer's write. A model's cache of several
+    /// layers reserves once a step and writes each layer.
+    pub fn append(&mut self, gpu: &Gpu, new: &NewKv) -> Result<(), AttnError> {
+        if self.spec.layers != 1 {
+            return Err(AttnError::Unsupported {
+                what: format!(
+                    "append on a cache of {} layers: a model reserves once a step \
+                     (PagedKvCache::reserve) and writes each layer (PagedKvCache::write)",
+                    self.spec.layers
+                ),
+            });
+        }
+        // refused before anything changes
+        self.check_new(0, new)?;
+        self.reserve(gpu, &vec![new.rows; self.spec.batch])?;
+        self.write(gpu, 0, new)
+    }
+
+    /// Empties sequence `seq`: length 0, its pages back to the free list.
+    pub fn release(&mut self, gpu: &Gpu, seq: usize) -> Result<(), AttnError> {
+        if self.pages.release(seq)? {
+            gpu.stream()
+                .memcpy_htod(self.pages.table(), &mut self.table)
+                .map_err(device_error("copying the page table"))?;
+        }
+        self.added[seq] = 0;
+        self.copy_lens(gpu)
+    }
+
+    fn copy_lens(&mut self, gpu: &Gpu) -> Result<(), AttnError> {
+        let words: Vec<i32> = self
+            .pages
+            .lens()
+            .iter()
+            .chain(&self.added)
+            .map(|&n| n as i32)
+            .collect();
         gpu.stream()
-            .memcpy_htod(&lens, &mut self.lens)
-            .map_err(device_error("copying the cache's lengths"))?;
-        self.keys = longest;
+            .memcpy_htod(&words, &mut self.lens)
+            .map_err(device_error("copying the cache's lengths"))
+    }
+
+    /// The refusals of a layer and of new keys and values that do not fit this cache.
+    fn check_new(&self, layer: usize, new: &NewKv) -> Result<(), AttnError> {
+        self.check_layer(layer)?;
+        let s = self.spec;
+        let ours = (s.batch, s.kv_heads, s.head_dim, s.dtype);
+        let theirs = (new.batch, new.kv_heads, new.head_dim, new.dtype);
+        if ours != theirs {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "new keys and values of {} sequences, {} kv heads of {} values, {}, \
+                     for a cache of {} sequences, {} kv heads of {}, {}",
+                    new.batch,
+                    new.kv_heads,
+                    new.head_dim,
+                    new.dtype.name(),
+                    s.batch,
+                    s.kv_heads,
+                    s.head_dim,
+                    s.dtype.name()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(), AttnError> {
+        if layer >= self.spec.layers {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "layer {layer} of a cache of {} layers: layers 0 to {}",
+                    self.spec.layers,
+                    self.spec.layers - 1
+                ),
+            });
+        }
         Ok(())
     }
 }
 
-/// A page table for `batch` sequences of `max_pages` pages, the `batch · max_pages` pages
-/// of a pool handed out in an order shuffled by `seed` (Fisher–Yates).
-pub fn shuffled_table(batch: usize, max_pages: usize, seed: u64) -> Vec<i32> {
-    let mut table: Vec<i32> = (0..(batch * max_pages) as i32).collect();
-    let mut rng = SplitMix64::new(seed);
-    for i in (1..table.len()).rev() {
-        table.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
-    }
-    table
-}
-
-/// Every sequence's length at `context`, on the device.
-fn full_lens(gpu: &Gpu, batch: usize, context: usize) -> Result<CudaSlice<i32>, AttnError> {
-    let len = i32::try_from(context).map_err(|_| AttnError::Unsupported {
-        what: format!("a cache of {context} tokens: the kernel takes at most 2^31 - 1"),
-    })?;
-    gpu.stream()
-        .clone_htod(&vec![len; batch.max(1)])
-        .map_err(device_error("copying the cache's lengths"))
-}
-
-fn checked_len(dims: &[usize; 4]) -> Result<usize, AttnError> {
-    Shape::new(dims[0], dims[1], dims[2], dims[3]).checked_len()
-}
-
-fn alloc_values(gpu: &Gpu, len: usize) -> Result<CudaSlice<u16>, AttnError> {
-    // SAFETY: the values are written (by a copy or fill_cache) before any kernel reads them
-    unsafe { gpu.stream().alloc::<u16>(len.max(1)) }
-        .map_err(alloc_error("allocating the cache", len as u128 * 2))
+/// `kernels/append.cu`'s `append_kv` for a dtype and head dim, compiled on first use.
+fn append_kernel(
+    gpu: &Gpu,
+    dtype: Dtype,
+    head_dim: usize,
+) -> Result<CudaFunction, AttnError> {
+    let arch = gpu.arch();
+    gpu.kernel(
+        format!("append {} {head_dim}", dtype.name()),
+        APPEND,
+        0,
+        || compile_append(dtype, head_dim, arch),
+    )
 }
 
 // ANCHOR: plan_splits
@@ -432,7 +673,7 @@ pub fn fixed_splits(context: usize, splits: usize, step: usize) -> SplitPlan {
     }
 }
 
-/// What [`decode_into`] writes: the output `[batch, q_heads, q_rows, head_dim]` in 16
+/// What [`DecodePlan::run`] writes: the output `[batch, q_heads, q_rows, head_dim]` in 16
 /// bits, each row's natural log-sum-exp, and room for the splits' partial results in f32.
 pub struct DecodeOutput {
     pub out: DeviceTensor,
@@ -441,6 +682,7 @@ pub struct DecodeOutput {
     part_lse: CudaSlice<f32>,
     /// Per (sequence, kv head), the blocks that have finished; zero between launches.
     done: CudaSlice<u32>,
+    /// The most splits `part_out` and `part_lse` have room for.
     splits: usize,
 }
 
@@ -452,29 +694,18 @@ pub fn sm_count(gpu: &Gpu) -> Result<usize, AttnError> {
         .map_err(device_error("reading the multiprocessor count"))
 }
 
-/// The kernel for a shape and layout, compiled on first use.
-fn decode_kernel(
-    gpu: &Gpu,
-    kernel: DecodeKernel,
-    entry: &str,
-) -> Result<cudarc::driver::CudaFunction, AttnError> {
+/// The decoding kernel's build, compiled on first use.
+fn decode_kernel(gpu: &Gpu, kernel: DecodeKernel) -> Result<CudaFunction, AttnError> {
     let arch = gpu.arch();
-    gpu.kernel(kernel.name(), entry, kernel.smem_bytes(), || {
+    gpu.kernel(kernel.name(), DECODE, kernel.smem_bytes(), || {
         kernel.compile(arch)
     })
 }
 
-/// What [`plan_splits`] needs to know for `shape` and a cache of `page_size` on this GPU:
-/// its multiprocessors, and how many blocks of the kernel's build each holds.
-pub fn occupancy(
-    gpu: &Gpu,
-    shape: DecodeShape,
-    dtype: Dtype,
-    page_size: usize,
-) -> Result<Occupancy, AttnError> {
-    let kernel =
-        DecodeKernel::new(dtype, shape.head_dim, shape.rows_per_kv_head(), page_size)?;
-    let f = decode_kernel(gpu, kernel, DECODE)?;
+/// What [`plan_splits`] needs to know of this GPU for a build of the decoding kernel: its
+/// multiprocessors, and how many blocks of the build each holds.
+pub fn occupancy(gpu: &Gpu, kernel: DecodeKernel) -> Result<Occupancy, AttnError> {
+    let f = decode_kernel(gpu, kernel)?;
     let per_sm = f
         .occupancy_max_active_blocks_per_multiprocessor(
             kernel.threads(),
@@ -490,284 +721,353 @@ pub fn occupancy(
     })
 }
 
-/// The split [`plan_splits`] chooses on this GPU for `shape` and a cache of `page_size`.
-pub fn plan(
-    gpu: &Gpu,
+// ANCHOR: decode_plan
+/// Decoding planned once for a cache and a count of query rows, as FlashInfer's `plan()`:
+/// the kernel's build, what the split is chosen from on this GPU, and the output's room;
+/// then [`DecodePlan::run`] for each layer and step. The split is chosen at each run for
+/// the cache's longest sequence then ([`plan_splits`]), or fixed
+/// ([`DecodePlan::with_splits`]), as a CUDA graph's launches must be.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodePlan {
+    /// q's and the cache's sizes, `context` the cache's `max_len`.
     shape: DecodeShape,
-    dtype: Dtype,
-    page_size: usize,
-) -> Result<SplitPlan, AttnError> {
-    let gpu_now = occupancy(gpu, shape, dtype, page_size)?;
-    Ok(plan_splits(
-        shape.batch * shape.kv_heads,
-        shape.context,
-        gpu_now,
-    ))
+    /// The cache this plan is for, but its layers and pool.
+    spec: CacheSpec,
+    kernel: DecodeKernel,
+    occupancy: Occupancy,
+    fixed: Option<SplitPlan>,
 }
 
-/// Allocates what [`decode_into`] writes for `shape` with up to `splits` splits.
-pub fn alloc_output(
-    gpu: &Gpu,
-    shape: DecodeShape,
-    dtype: Dtype,
-    splits: usize,
-) -> Result<DecodeOutput, AttnError> {
-    let rows = shape.batch * shape.q_heads * shape.q_rows;
-    let stream = gpu.stream();
-    let f32s = |n: usize, what: &str| {
-        stream
-            .alloc_zeros::<f32>(n.max(1))
-            .map_err(alloc_error(what, n as u128 * 4))
-    };
-    let out = stream
-        .alloc_zeros::<u16>((rows * shape.head_dim).max(1))
-        .map_err(alloc_error(
-            "allocating the output",
-            (rows * shape.head_dim) as u128 * 2,
-        ))?;
-    let parts = if splits > 1 { splits } else { 0 };
-    Ok(DecodeOutput {
-        out: DeviceTensor {
-            data: out,
-            shape: Shape::new(shape.batch, shape.q_heads, shape.q_rows, shape.head_dim),
-            dtype: half_dtype(dtype)?,
-        },
-        lse: f32s(rows, "allocating the log-sum-exp")?,
-        part_out: f32s(
-            parts * rows * shape.head_dim,
-            "allocating the splits' outputs",
-        )?,
-        part_lse: f32s(parts * rows, "allocating the splits' log-sum-exps")?,
-        done: stream
-            .alloc_zeros::<u32>((shape.batch * shape.kv_heads).max(1))
-            .map_err(alloc_error(
-                "allocating the splits' counters",
-                (shape.batch * shape.kv_heads) as u128 * 4,
-            ))?,
-        splits,
-    })
-}
+impl DecodePlan {
+    /// The plan for `q_heads` heads of `q_rows` query rows a sequence against `cache`, on
+    /// this GPU.
+    pub fn new(
+        gpu: &Gpu,
+        cache: &PagedKvCache,
+        q_heads: usize,
+        q_rows: usize,
+    ) -> Result<DecodePlan, AttnError> {
+        let probe = DecodePlan::with_occupancy(cache.spec(), q_heads, q_rows, NO_GPU)?;
+        let occupancy = occupancy(gpu, probe.kernel)?;
+        Ok(DecodePlan { occupancy, ..probe })
+    }
 
-// ANCHOR: decode_into
-/// Decoding attention on the GPU: `q` `[batch, q_heads, q_rows, head_dim]` against `cache`,
-/// the keys cut as `plan` says. With one split each block writes its rows' output; with
-/// more, each block its split's partial result in f32, and the last block of a (sequence,
-/// kv head) to finish merges them: one launch either way.
-pub fn decode_into(
-    gpu: &Gpu,
-    q: &DeviceTensor,
-    cache: &KvCache,
-    plan: SplitPlan,
-    result: &mut DecodeOutput,
-) -> Result<(), AttnError> {
-    let (shape, kernel) = check_device(q, cache, plan, result)?;
-    if shape.is_empty() {
-        return Ok(());
-    }
-    let f = decode_kernel(gpu, kernel, DECODE)?;
-    let (table, max_pages) = match &cache.layout {
-        Layout::Contiguous => (None, 0),
-        Layout::Paged {
-            table, max_pages, ..
-        } => (Some(table), *max_pages as i32),
-    };
-    let config = LaunchConfig {
-        grid_dim: (
-            plan.splits as u32,
-            shape.kv_heads as u32,
-            shape.batch as u32,
-        ),
-        block_dim: (kernel.threads(), 1, 1),
-        shared_mem_bytes: kernel.smem_bytes(),
-    };
-    let rows = shape.rows_per_kv_head();
-    let (t, n, r) = (shape.context as i32, shape.q_rows as i32, rows as i32);
-    let split_keys = plan.split_keys as i32;
-    let scale_log2 = (std::f64::consts::LOG2_E * shape.scale()) as f32;
-    let stream = gpu.stream();
-    let mut launch = stream.launch_builder(&f);
-    launch.arg(&q.data).arg(&cache.k).arg(&cache.v);
-    match table {
-        Some(table) => launch.arg(table),
-        // a contiguous cache reads no table: any device pointer will do
-        None => launch.arg(&cache.k),
-    };
-    launch
-        .arg(&mut result.out.data)
-        .arg(&mut result.lse)
-        .arg(&mut result.part_out)
-        .arg(&mut result.part_lse)
-        .arg(&mut result.done)
-        .arg(&cache.lens)
-        .arg(&t)
-        .arg(&n)
-        .arg(&r)
-        .arg(&max_pages)
-        .arg(&split_keys)
-        .arg(&scale_log2);
-    // SAFETY: check_device proved q holds batch·q_heads·q_rows·head_dim values, the cache
-    // batch·kv_heads·context·head_dim (or its pool pages·kv_heads·page_size·head_dim,
-    // with a table checked on the host to name only pages of the pool), the output buffers
-    // the shape's rows, and room for plan.splits partial results when there are several
-    // with a counter for each (sequence, kv head), zeroed at allocation and left at zero by
-    // each launch's last block; lens holds batch lengths; the grid covers the splits, kv
-    // heads and sequences, and the kernel reads keys below min(lens[b], context) only.
-    unsafe { launch.launch(config) }.map_err(device_error("launching flash_decode"))?;
-    Ok(())
-}
-// ANCHOR_END: decode_into
-
-/// The checks [`decode_into`] makes before a launch; the shape, and the kernel's build
-/// for it.
-fn check_device(
-    q: &DeviceTensor,
-    cache: &KvCache,
-    plan: SplitPlan,
-    result: &DecodeOutput,
-) -> Result<(DecodeShape, DecodeKernel), AttnError> {
-    let qs = q.shape;
-    let shape = check_sizes(qs.dims(), cache.dims(), cache.dims())?;
-    if q.dtype != cache.dtype {
-        return Err(AttnError::Unsupported {
-            what: format!(
-                "q is {} and the cache {}: both must have one dtype",
-                q.dtype.name(),
-                cache.dtype.name()
-            ),
-        });
-    }
-    if q.data.len() < qs.len().max(1) {
-        return Err(AttnError::ShapeMismatch {
-            what: format!(
-                "q's buffer holds {} values, its shape {qs} needs more",
-                q.data.len()
-            ),
-        });
-    }
-    let cache_len = match &cache.layout {
-        Layout::Contiguous => cache.batch * cache.kv_heads * cache.context,
-        Layout::Paged {
-            page_size,
-            pages,
-            max_pages,
-            table_host,
-            ..
-        } => {
-            check_table(
-                table_host,
-                cache.batch,
-                *max_pages,
-                *pages,
-                *page_size,
-                cache.context,
-            )?;
-            pages * cache.kv_heads * page_size
+    /// The plan for a GPU described by `occupancy`: every check of the shapes, no GPU.
+    pub fn with_occupancy(
+        spec: CacheSpec,
+        q_heads: usize,
+        q_rows: usize,
+        occupancy: Occupancy,
+    ) -> Result<DecodePlan, AttnError> {
+        let q = [spec.batch, q_heads, q_rows, spec.head_dim];
+        let kv = [spec.batch, spec.kv_heads, spec.max_len, spec.head_dim];
+        let shape = check_sizes(q, kv, kv)?;
+        if shape.is_empty() {
+            return Err(AttnError::Unsupported {
+                what: format!("{shape}: a plan decodes at least one query row"),
+            });
         }
-    } * cache.head_dim;
-    if cache.k.len() < cache_len || cache.v.len() < cache_len {
-        return Err(AttnError::ShapeMismatch {
-            what: format!(
-                "the cache's buffers hold {} and {} values; its shape needs {cache_len}",
-                cache.k.len(),
-                cache.v.len()
-            ),
-        });
+        let kernel = DecodeKernel::new(
+            half_dtype(spec.dtype)?,
+            spec.head_dim,
+            shape.rows_per_kv_head(),
+            spec.layout.kernel_page_size(),
+        )?;
+        let grid_ok = shape.kv_heads <= 65_535
+            && shape.batch <= 65_535
+            && shape.context <= i32::MAX as usize / 2;
+        if !grid_ok {
+            return Err(AttnError::Unsupported {
+                what: format!(
+                    "{shape}: the kernel's grid takes at most 65,535 kv heads and \
+                     sequences, and 2^30 tokens a sequence"
+                ),
+            });
+        }
+        Ok(DecodePlan {
+            shape,
+            spec,
+            kernel,
+            occupancy,
+            fixed: None,
+        })
     }
-    if result.out.shape != qs || result.out.dtype != q.dtype {
-        return Err(AttnError::ShapeMismatch {
-            what: format!(
-                "the output buffers are for {} {}, q is {qs} {}",
-                result.out.shape,
-                result.out.dtype.name(),
-                q.dtype.name()
-            ),
-        });
-    }
-    if cache.lens.len() < shape.batch {
-        return Err(AttnError::ShapeMismatch {
-            what: format!(
-                "the cache's lengths hold {} values, one for each of its {} sequences is \
-                 needed",
-                cache.lens.len(),
-                shape.batch
-            ),
-        });
-    }
-    if result.done.len() < shape.batch * shape.kv_heads {
-        return Err(AttnError::ShapeMismatch {
-            what: format!(
-                "the output buffers count the splits of {} (sequence, kv head) pairs; the \
-                 cache has {}",
-                result.done.len(),
-                shape.batch * shape.kv_heads
-            ),
-        });
-    }
-    let kernel = DecodeKernel::new(
-        cache.dtype,
-        shape.head_dim,
-        shape.rows_per_kv_head().max(1),
-        cache.page_size(),
-    )?;
-    let fits = plan.split_keys.is_multiple_of(kernel.block_keys())
-        && plan.splits * plan.split_keys >= cache.keys.min(shape.context)
-        && (plan.splits == 1 || plan.splits <= result.splits);
-    if !fits {
-        return Err(AttnError::Unsupported {
-            what: format!(
-                "{plan:?} does not cover {} keys in splits of a multiple of {} keys, or \
-                 the output has room for {} splits only",
-                cache.keys.min(shape.context),
-                kernel.block_keys(),
-                result.splits
-            ),
-        });
-    }
-    let grid_ok = shape.kv_heads <= 65_535
-        && shape.batch <= 65_535
-        && plan.splits <= i32::MAX as usize
-        && shape.context <= i32::MAX as usize - plan.split_keys;
-    if !grid_ok {
-        return Err(AttnError::Unsupported {
-            what: format!(
-                "{shape}: the kernel's grid takes at most 65,535 kv heads and sequences, \
-                 and 32-bit token indices"
-            ),
-        });
-    }
-    Ok((shape, kernel))
-}
 
-/// Where a host call's cache goes: contiguous, or in pages of `page_size` tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HostLayout {
-    Contiguous,
-    Paged { page_size: usize },
-}
+    /// The same plan with the keys always cut into `splits` splits (as near as a multiple
+    /// of a block's keys allows) of a full cache, whatever the lengths: to measure the
+    /// choice, or for a graph.
+    pub fn with_splits(self, splits: usize) -> DecodePlan {
+        let fixed = fixed_splits(self.shape.context, splits, self.kernel.block_keys());
+        DecodePlan {
+            fixed: Some(fixed),
+            ..self
+        }
+    }
 
-/// Decoding on the GPU from host arrays: q, k and v rounded to `dtype` and copied over, the
-/// cache contiguous or paged (its pages shuffled in the pool), `splits` splits or the
-/// plan's own; the output widened back to `f32`.
+    /// The split a run takes when the longest sequence holds `keys` tokens.
+    pub fn split(&self, keys: usize) -> SplitPlan {
+        let pairs = self.shape.batch * self.shape.kv_heads;
+        self.fixed
+            .unwrap_or_else(|| plan_splits(pairs, keys, self.occupancy))
+    }
+
+    /// The sizes: q `[batch, q_heads, q_rows, head_dim]`, the cache's `max_len` tokens.
+    pub fn shape(&self) -> DecodeShape {
+        self.shape
+    }
+
+    pub fn kernel(&self) -> DecodeKernel {
+        self.kernel
+    }
+
+    /// The most splits a run takes at any length: the room an output needs.
+    pub fn most_splits(&self) -> usize {
+        match self.fixed {
+            Some(fixed) => fixed.splits,
+            None => most_splits(
+                self.shape.batch * self.shape.kv_heads,
+                self.shape.context,
+                self.occupancy,
+            ),
+        }
+    }
+
+    /// An output for every run of this plan.
+    pub fn alloc_output(&self, gpu: &Gpu) -> Result<DecodeOutput, AttnError> {
+        let shape = self.shape;
+        let splits = self.most_splits();
+        let rows = shape.batch * shape.q_heads * shape.q_rows;
+        let stream = gpu.stream();
+        let f32s = |n: usize, what: &str| {
+            stream
+                .alloc_zeros::<f32>(n.max(1))
+                .map_err(alloc_error(what, n as u128 * 4))
+        };
+        let out = stream
+            .alloc_zeros::<u16>((rows * shape.head_dim).max(1))
+            .map_err(alloc_error(
+                "allocating the output",
+                (rows * shape.head_dim) as u128 * 2,
+            ))?;
+        let parts = if splits > 1 { splits } else { 0 };
+        Ok(DecodeOutput {
+            out: DeviceTensor {
+                data: out,
+                shape: Shape::new(shape.batch, shape.q_heads, shape.q_rows, shape.head_dim),
+                dtype: self.spec.dtype,
+            },
+            lse: f32s(rows, "allocating the log-sum-exp")?,
+            part_out: f32s(
+                parts * rows * shape.head_dim,
+                "allocating the splits' outputs",
+            )?,
+            part_lse: f32s(parts * rows, "allocating the splits' log-sum-exps")?,
+            done: stream
+                .alloc_zeros::<u32>(shape.batch * shape.kv_heads)
+                .map_err(alloc_error(
+                    "allocating the splits' counters",
+                    (shape.batch * shape.kv_heads) as u128 * 4,
+                ))?,
+            splits,
+        })
+    }
+
+    // ANCHOR: run
+    /// Decoding attention on layer `layer` of `cache`: `q` `[batch, q_heads, q_rows,
+    /// head_dim]`, row `i` of `n` of sequence `b` against its keys `0 ..= len[b] − n + i`.
+    /// With one split each block writes its rows' output; with more, each block its
+    /// split's partial result in f32, and the last block of a (sequence, kv head) to finish
+    /// merges them: one launch either way. Returns the split it took.
+    pub fn run(
+        &self,
+        gpu: &Gpu,
+        cache: &PagedKvCache,
+        layer: usize,
+        q: &DeviceTensor,
+        out: &mut DecodeOutput,
+    ) -> Result<SplitPlan, AttnError> {
+        let split = self.check_run(cache, layer, q, out)?;
+        let f = decode_kernel(gpu, self.kernel)?;
+        let shape = self.shape;
+        let config = LaunchConfig {
+            grid_dim: (
+                split.splits as u32,
+                shape.kv_heads as u32,
+                shape.batch as u32,
+            ),
+            block_dim: (self.kernel.threads(), 1, 1),
+            shared_mem_bytes: self.kernel.smem_bytes(),
+        };
+        let layer_len = cache.k.len() / cache.spec.layers;
+        let at = layer * layer_len..(layer + 1) * layer_len;
+        let (k, v) = (cache.k.slice(at.clone()), cache.v.slice(at));
+        let rows = shape.rows_per_kv_head();
+        let (t, n, r) = (shape.context as i32, shape.q_rows as i32, rows as i32);
+        let max_pages = cache.pages.max_pages() as i32;
+        let split_keys = split.split_keys as i32;
+        let scale_log2 = (std::f64::consts::LOG2_E * shape.scale()) as f32;
+        let mut launch = gpu.stream().launch_builder(&f);
+        launch
+            .arg(&q.data)
+            .arg(&k)
+            .arg(&v)
+            .arg(&cache.table)
+            .arg(&mut out.out.data)
+            .arg(&mut out.lse)
+            .arg(&mut out.part_out)
+            .arg(&mut out.part_lse)
+            .arg(&mut out.done)
+            .arg(&cache.lens)
+            .arg(&t)
+            .arg(&n)
+            .arg(&r)
+            .arg(&max_pages)
+            .arg(&split_keys)
+            .arg(&scale_log2);
+        // SAFETY: check_run proved q holds batch·q_heads·q_rows·head_dim values and the
+        // output the same rows, with room for split.splits partial results when there are
+        // several and a counter for each (sequence, kv head), zeroed at allocation and left
+        // at zero by each launch's last block; the cache is the plan's (its pools hold
+        // pool·kv_heads·page_size·head_dim values a layer, its device table names pages of
+        // the pool for every token below each length, checked when it changed, and lens
+        // holds batch lengths of at most max_len); the grid covers the splits, kv heads and
+        // sequences, the splits cover the longest sequence, and the kernel reads keys
+        // below min(lens[b], max_len) only.
+        unsafe { launch.launch(config) }.map_err(device_error("launching flash_decode"))?;
+        Ok(split)
+    }
+    // ANCHOR_END: run
+
+    /// The refusals of [`DecodePlan::run`], before a launch; the split it takes.
+    fn check_run(
+        &self,
+        cache: &PagedKvCache,
+        layer: usize,
+        q: &DeviceTensor,
+        out: &DecodeOutput,
+    ) -> Result<SplitPlan, AttnError> {
+        let ours = CacheSpec {
+            layers: cache.spec.layers,
+            pool: cache.spec.pool,
+            ..self.spec
+        };
+        if cache.spec != ours {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "a plan for a cache {:?} run on a cache {:?}: make the plan for the \
+                     cache",
+                    self.spec, cache.spec
+                ),
+            });
+        }
+        cache.check_layer(layer)?;
+        if cache.unwritten[layer] {
+            return Err(AttnError::Unsupported {
+                what: format!(
+                    "layer {layer} has not written the keys and values of the tokens the \
+                     last reserve added ({:?} a sequence): write them before attending",
+                    cache.added
+                ),
+            });
+        }
+        let n = self.shape.q_rows;
+        if let Some((b, &len)) = cache.lens().iter().enumerate().find(|(_, l)| **l < n) {
+            return Err(AttnError::Unsupported {
+                what: format!(
+                    "sequence {b} holds {len} tokens and q has {n} rows a sequence: the \
+                     query rows are each sequence's last tokens, so each must hold at \
+                     least {n}"
+                ),
+            });
+        }
+        let qs = Shape::new(
+            self.shape.batch,
+            self.shape.q_heads,
+            self.shape.q_rows,
+            self.shape.head_dim,
+        );
+        if q.shape != qs || q.dtype != self.spec.dtype || q.data.len() < qs.len() {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "q is {} {} in a buffer of {} values; the plan decodes {qs} {}",
+                    q.shape,
+                    q.dtype.name(),
+                    q.data.len(),
+                    self.spec.dtype.name()
+                ),
+            });
+        }
+        let split = self.split(cache.longest());
+        if out.out.shape != qs
+            || out.out.dtype != q.dtype
+            || split.splits > out.splits.max(1)
+        {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "the output is for {} {} with room for {} splits; this run writes {qs} \
+                     {} in {} splits (DecodePlan::alloc_output makes a plan's output)",
+                    out.out.shape,
+                    out.out.dtype.name(),
+                    out.splits,
+                    q.dtype.name(),
+                    split.splits
+                ),
+            });
+        }
+        Ok(split)
+    }
+}
+// ANCHOR_END: decode_plan
+
+/// What a plan made without a GPU assumes until [`occupancy`] reads the GPU's.
+const NO_GPU: Occupancy = Occupancy {
+    sms: 1,
+    blocks_per_sm: 1,
+    streaming: 1,
+    block_keys: 1,
+};
+
+// ANCHOR: attend_with_kvcache
+/// Appends `new`'s tokens to every sequence of a one-layer `cache` (none when `new` is
+/// `None`), then decodes `q`'s rows against each sequence's cache with the split chosen for
+/// this GPU and the cache's longest sequence: FlashAttention's `flash_attn_with_kvcache`
+/// in one call. q is checked before the cache changes.
+pub fn attend_with_kvcache(
+    gpu: &Gpu,
+    cache: &mut PagedKvCache,
+    q: &DeviceTensor,
+    new: Option<&NewKv>,
+) -> Result<DecodeOutput, AttnError> {
+    let plan = DecodePlan::new(gpu, cache, q.shape.heads, q.shape.tokens)?;
+    let mut out = plan.alloc_output(gpu)?;
+    if let Some(new) = new {
+        cache.append(gpu, new)?;
+    }
+    plan.run(gpu, cache, 0, q, &mut out)?;
+    Ok(out)
+}
+// ANCHOR_END: attend_with_kvcache
+
+/// Decoding on the GPU from host arrays: q, k and v rounded to `dtype` and copied over, k
+/// and v appended to an empty cache laid out as `layout` (its free pages shuffled, so
+/// that a sequence's pages lie out of order in the pool), the keys cut in `splits` splits
+/// or as the plan chooses; the output widened back to `f32`.
 pub fn decode(
     gpu: &Gpu,
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
     v: ArrayView4<f32>,
     dtype: Dtype,
-    layout: HostLayout,
+    layout: CacheLayout,
     splits: Option<usize>,
 ) -> Result<Attention, AttnError> {
     let shape = check_decode(&q, &k, &v)?;
     let dtype = half_dtype(dtype)?;
-    let page_size = match layout {
-        HostLayout::Contiguous => 0,
-        HostLayout::Paged { page_size } => page_size,
-    };
-    let kernel = DecodeKernel::new(
+    DecodeKernel::new(
         dtype,
         shape.head_dim,
         shape.rows_per_kv_head().max(1),
-        page_size,
+        layout.kernel_page_size(),
     )?;
     if shape.is_empty() {
         return Ok(Attention {
@@ -775,19 +1075,25 @@ pub fn decode(
             lse: Array3::zeros((shape.batch, shape.q_heads, shape.q_rows)),
         });
     }
-    let cache = match layout {
-        HostLayout::Contiguous => KvCache::upload(gpu, k, v, dtype)?,
-        HostLayout::Paged { page_size } => {
-            KvCache::upload_paged(gpu, k, v, dtype, page_size, 7)?
-        }
-    };
-    let plan = match splits {
-        Some(n) => fixed_splits(shape.context, n, kernel.block_keys()),
-        None => plan(gpu, shape, dtype, page_size)?,
-    };
+    let spec = CacheSpec::new(
+        shape.batch,
+        shape.kv_heads,
+        shape.context,
+        shape.head_dim,
+        dtype,
+        layout,
+    );
+    let mut cache = PagedKvCache::new(gpu, spec)?;
+    cache.shuffle_free(7);
+    let mut plan = DecodePlan::new(gpu, &cache, shape.q_heads, shape.q_rows)?;
+    if let Some(n) = splits {
+        plan = plan.with_splits(n);
+    }
+    let (k, v) = (gpu.upload(k, dtype)?, gpu.upload(v, dtype)?);
+    cache.append(gpu, &NewKv::from_heads(&k, &v)?)?;
     let q = gpu.upload(q, dtype)?;
-    let mut result = alloc_output(gpu, shape, dtype, plan.splits)?;
-    decode_into(gpu, &q, &cache, plan, &mut result)?;
+    let mut result = plan.alloc_output(gpu)?;
+    plan.run(gpu, &cache, 0, &q, &mut result)?;
     let out = gpu.download(&result.out)?;
     let lse = gpu
         .stream()
@@ -854,52 +1160,59 @@ pub fn cache_value(seed: u32, e: u64) -> f32 {
     ((h >> 24) as i32 - 128) as f32 / 64.0
 }
 
-/// Fills k (`seed`) and v (`seed + 1`) of a cache on the GPU with [`cache_value`]'s values,
-/// through the page table when it has one.
-pub fn fill_cache(gpu: &Gpu, cache: &mut KvCache, seed: u32) -> Result<(), AttnError> {
-    let (dtype, head_dim, arch) = (cache.dtype, cache.head_dim, gpu.arch());
+/// Fills every layer's k (`seed`) and v (`seed + 1`) of a cache on the GPU with
+/// [`cache_value`]'s values at each token's logical index in `[batch, kv_heads, max_len,
+/// head_dim]`, through the page table. Every sequence must hold `max_len` tokens (a
+/// reserve of them): the fill writes them all, and then they are written.
+pub fn fill_cache(gpu: &Gpu, cache: &mut PagedKvCache, seed: u32) -> Result<(), AttnError> {
+    let s = cache.spec;
+    if cache.lens().iter().any(|&n| n != s.max_len) {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "fill_cache on sequences of {:?} tokens: it fills whole caches, so every \
+                 sequence must hold the cache's {} (PagedKvCache::reserve)",
+                cache.lens(),
+                s.max_len
+            ),
+        });
+    }
+    let (dtype, head_dim, arch) = (s.dtype, s.head_dim, gpu.arch());
     let f = gpu.kernel(format!("fill {dtype:?} {head_dim}"), FILL, 0, || {
         compile_fill(dtype, head_dim, arch)
     })?;
-    let n = (cache.batch * cache.kv_heads * cache.context * cache.head_dim) as i64;
-    let (kvh, t) = (cache.kv_heads as i32, cache.context as i32);
-    let (page_size, max_pages) = match &cache.layout {
-        Layout::Contiguous => (0, 0),
-        Layout::Paged {
-            page_size,
-            max_pages,
-            ..
-        } => (*page_size as i32, *max_pages as i32),
-    };
+    let n = (s.batch * s.kv_heads * s.max_len * s.head_dim) as i64;
+    let (kvh, t) = (s.kv_heads as i32, s.max_len as i32);
+    let page_size = s.layout.kernel_page_size() as i32;
+    let max_pages = cache.pages.max_pages() as i32;
     let blocks = (sm_count(gpu)? * 8) as u32;
-    // a contiguous cache reads no table: a word to point at
-    let no_table = gpu
-        .stream()
-        .alloc_zeros::<i32>(1)
-        .map_err(device_error("allocating a word"))?;
-    let table = match &cache.layout {
-        Layout::Paged { table, .. } => table,
-        Layout::Contiguous => &no_table,
-    };
-    for (x, seed) in [(&mut cache.k, seed), (&mut cache.v, seed.wrapping_add(1))] {
-        let config = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = gpu.stream().launch_builder(&f);
-        launch
-            .arg(x)
-            .arg(table)
-            .arg(&n)
-            .arg(&kvh)
-            .arg(&t)
-            .arg(&page_size)
-            .arg(&max_pages)
-            .arg(&seed);
-        // SAFETY: the cache holds its logical values (or its pool their pages, through a
-        // table checked on the host); the kernel writes each logical value once
-        unsafe { launch.launch(config) }.map_err(device_error("launching fill_cache"))?;
+    let layer_len = cache.k.len() / s.layers;
+    let PagedKvCache { k, v, table, .. } = cache;
+    for layer in 0..s.layers {
+        let at = layer * layer_len..(layer + 1) * layer_len;
+        for (x, seed) in [(&mut *k, seed), (&mut *v, seed.wrapping_add(1))] {
+            let mut x = x.slice_mut(at.clone());
+            let config = LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = gpu.stream().launch_builder(&f);
+            launch
+                .arg(&mut x)
+                .arg(&*table)
+                .arg(&n)
+                .arg(&kvh)
+                .arg(&t)
+                .arg(&page_size)
+                .arg(&max_pages)
+                .arg(&seed);
+            // SAFETY: the layer's pool holds every sequence's max_len tokens (contiguous,
+            // or in the pages its table names: every sequence is full, and the table was
+            // checked when it changed); the kernel writes each logical value once
+            unsafe { launch.launch(config) }
+                .map_err(device_error("launching fill_cache"))?;
+        }
     }
+    cache.unwritten.iter_mut().for_each(|u| *u = false);
     Ok(())
 }

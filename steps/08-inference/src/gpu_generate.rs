@@ -1,14 +1,17 @@
 //! Generating with the key/value cache on the GPU: step 05's model as its GPU trainer runs
 //! it (the weights' bf16 copy in cuBLAS's products, the LayerNorm, GELU and embedding
 //! kernels of step 05's `kernels/train.cu`): the prompt in one pass (a prefill, with step
-//! 03's causal kernel over its rows), then one token a step. Each layer appends the new
-//! tokens' keys and values to its paged cache (`kernels/append.cu`), and this step's
-//! decoding kernel reads the whole cache with the token's one query row per head.
+//! 03's causal kernel over its rows), then one token a step. The model's cache is one
+//! [`PagedKvCache`] of all its layers, used as a reader would use it: a step reserves
+//! room for its token once ([`PagedKvCache::reserve`]), each layer writes the token's keys
+//! and values there (`kernels/append.cu`) and runs the [`DecodePlan`] made once with the
+//! model, the decoding kernel reading the whole cache with the token's one query row per
+//! head.
 //!
-//! The cache is a pool of pages with a page table, as [`KvCache::alloc_paged`] makes it:
-//! the decoding kernel reads a cache of `T` tokens, and a contiguous cache of `T` tokens is
-//! `T` rows a head, so a cache that grows by a token a step would move every head's rows
-//! at each step; pages of 64 tokens take a new token where the last page has room.
+//! The cache is in pages of [`PAGE_SIZE`] tokens, taken from a free list as the text
+//! grows: a contiguous cache of `T` tokens is `T` rows a head, so a cache that grew by a
+//! token a step would move every head's rows at each step; a page takes a new token where
+//! it has room, and a new page comes when it has none.
 //!
 //! [`sample_gpu`] is the same model without the cache: step 05's GPU forward over the whole
 //! window for every new token.
@@ -32,15 +35,9 @@ use step05_train::layers::softmax_rows;
 use step05_train::model::{Config, Params};
 use step05_train::train::pick;
 
-use crate::cuda::{
-    DecodeOutput, KvCache, Occupancy, SplitPlan, alloc_output, decode_into, most_splits,
-    occupancy, plan_splits,
-};
-use crate::decode::DecodeShape;
-use crate::kernel::{APPEND, EMBED, compile_append};
-
-/// Tokens per page of the cache.
-pub const PAGE_SIZE: usize = 64;
+use crate::cuda::{CacheLayout, CacheSpec, DecodeOutput, DecodePlan, NewKv, PagedKvCache};
+use crate::kernel::{EMBED, compile_append};
+use crate::pages::PAGE_SIZE;
 
 fn device(e: flash_core::AttnError) -> TrainError {
     TrainError::Device(e)
@@ -58,31 +55,30 @@ fn alloc<T: DeviceRepr + ValidAsZeroBits>(
 }
 
 // ANCHOR: gpu_model
-/// Step 05's model on the GPU for generating: its weights, one paged cache of keys and
-/// values per layer, and one token's activations.
+/// Step 05's model on the GPU for generating: its weights, a paged cache of keys and values
+/// for its layers, and one token's activations.
 pub struct GpuModel {
     /// GPU 0 on a stream of this model's own, which a graph can be captured from.
     gpu: Gpu,
     kernels: Kernels,
     blas: Blas,
-    append: CudaFunction,
     embed: CudaFunction,
     pub config: Config,
     layout: Layout,
     /// The weights in step 05's flat layout, `f32` and the products' bf16 copy.
     weights: CudaSlice<f32>,
     weights16: CudaSlice<u16>,
-    /// Per layer, `[1, kv_heads, context, head_dim]` in pages of [`PAGE_SIZE`] tokens.
-    caches: Vec<KvCache>,
-    /// Tokens in the caches: the next token's position.
-    len: usize,
-    /// What a step reads from memory rather than from its launches' arguments: the
-    /// caches' length with the step's token, and the token.
+    /// Every layer's keys and values of one sequence of up to `context` tokens, in pages
+    /// of [`PAGE_SIZE`]; its length is the next token's position.
+    cache: PagedKvCache,
+    /// What an embedding reads from memory rather than from its launch's arguments: the
+    /// cache's length with the step's token, and the token.
     at: CudaSlice<i32>,
-    /// What the split of the keys is chosen from, for this model's decoding kernel.
-    occupancy: Occupancy,
-    /// The split of a full cache: a graph's, whatever the cache's length.
-    full: SplitPlan,
+    /// The decoding kernel planned for the cache and one query row a head; it chooses the
+    /// split for the cache's length at each step.
+    plan: DecodePlan,
+    /// The same with the split of a full cache: a graph's, whatever the cache's length.
+    graph_plan: DecodePlan,
     /// Whether a step replays one CUDA graph (from the second step on) or launches its
     /// kernels one by one.
     pub graphs: bool,
@@ -119,11 +115,6 @@ impl GpuModel {
         let kernels = Kernels::load(&gpu, c)?;
         let blas = Blas::new(&gpu)?;
         let arch = gpu.arch();
-        let append = gpu
-            .kernel(format!("append bf16 {d}"), APPEND, 0, || {
-                compile_append(Dtype::Bf16, d, arch)
-            })
-            .map_err(device)?;
         let embed = gpu
             .kernel(format!("append bf16 {d}"), EMBED, 0, || {
                 compile_append(Dtype::Bf16, d, arch)
@@ -141,28 +132,19 @@ impl GpuModel {
         unsafe {
             kernels.to_bf16(ptr(&gpu, &weights), ptr(&gpu, &weights16), layout.len)?;
         }
-        let pages = config.context.div_ceil(PAGE_SIZE);
-        let caches = (0..config.layers)
-            .map(|_| {
-                KvCache::alloc_paged(
-                    &gpu,
-                    [1, kv_heads, config.context, d],
-                    Dtype::Bf16,
-                    PAGE_SIZE,
-                    pages,
-                    (0..pages as i32).collect(),
-                )
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(device)?;
-        // the output has room for the most splits a plan gives at any length, a graph's
+        let paged = CacheLayout::Paged {
+            page_size: PAGE_SIZE,
+        };
+        let spec = CacheSpec {
+            layers: config.layers,
+            ..CacheSpec::new(1, kv_heads, config.context, d, Dtype::Bf16, paged)
+        };
+        let cache = PagedKvCache::new(&gpu, spec).map_err(device)?;
+        let plan = DecodePlan::new(&gpu, &cache, heads, 1).map_err(device)?;
+        let graph_plan = plan.clone().with_splits(plan.split(config.context).splits);
+        // the output has room for the most splits the plan gives at any length, a graph's
         // (a full cache's) among them
-        let full_shape = DecodeShape::new(1, heads, kv_heads, 1, config.context, d);
-        let occupancy =
-            occupancy(&gpu, full_shape, Dtype::Bf16, PAGE_SIZE).map_err(device)?;
-        let full = plan_splits(kv_heads, config.context, occupancy);
-        let most = most_splits(kv_heads, config.context, occupancy);
-        let att = alloc_output(&gpu, full_shape, Dtype::Bf16, most).map_err(device)?;
+        let att = plan.alloc_output(&gpu).map_err(device)?;
         let qkv = DeviceTensor {
             data: alloc(&gpu, config.qkv_width(), "the fused projection")?,
             shape: flash_core::Shape::new(1, heads, 1, d),
@@ -171,17 +153,15 @@ impl GpuModel {
         Ok(GpuModel {
             kernels,
             blas,
-            append,
             embed,
             config,
             layout,
             weights,
             weights16,
-            caches,
-            len: 0,
+            cache,
             at: alloc(&gpu, 2, "the step's position and token")?,
-            occupancy,
-            full,
+            plan,
+            graph_plan,
             graphs: true,
             graph: None,
             x: alloc(&gpu, c, "the residual stream")?,
@@ -200,7 +180,7 @@ impl GpuModel {
 
     /// Tokens in the cache.
     pub fn len(&self) -> usize {
-        self.len
+        self.cache.lens()[0]
     }
 
     /// The GPU's name (`NVIDIA H200`).
@@ -217,18 +197,18 @@ impl GpuModel {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
 
-    /// Empties the caches (their pages are overwritten as new tokens come).
-    pub fn reset(&mut self) {
-        self.len = 0;
+    /// Empties the cache: its pages go back to the free list, to be taken again as new
+    /// tokens come.
+    pub fn reset(&mut self) -> Result<(), TrainError> {
+        self.cache.release(&self.gpu, 0).map_err(device)
     }
 
-    /// Bytes of keys and values in the caches now: what each decoding step reads.
+    /// Bytes of keys and values in the cache now: what each decoding step reads.
     pub fn cache_bytes(&self) -> usize {
-        let c = self.config;
-        2 * c.layers * c.kv_heads * c.head_dim() * self.len * 2
+        self.cache.bytes() as usize
     }
 
     // ANCHOR: gpu_step
@@ -238,7 +218,7 @@ impl GpuModel {
     /// kernels and captures them as a graph; every later step replays it.
     pub fn step(&mut self, token: u8) -> Result<Array1<f32>, TrainError> {
         let cfg = self.config;
-        let pos = self.len;
+        let pos = self.len();
         if pos >= cfg.context {
             return Err(TrainError::Config(format!(
                 "the cache holds {pos} tokens, the model's context: it has position \
@@ -258,24 +238,21 @@ impl GpuModel {
         stream
             .memcpy_htod(&[pos as i32 + 1, token as i32], &mut self.at)
             .map_err(|e| device(device_error("copying the token")(e)))?;
-        // the keys a split must cover: this step's (a graph's full split covers them all)
-        for cache in &mut self.caches {
-            cache.keys = pos + 1;
-        }
+        // room for the token in every layer, a new page when the last is full: the host's
+        // work, outside the graph, which reads the table and the lengths from memory
+        self.cache.reserve(&self.gpu, &[1]).map_err(device)?;
         if !self.graphs {
-            // the fewest splits for the keys there are now
-            let plan = plan_splits(cfg.kv_heads, pos + 1, self.occupancy);
-            self.launch_step(plan)?;
+            // the plan chooses the fewest splits for the keys there are now
+            self.launch_step(false)?;
         } else if let Some(graph) = &self.graph {
             graph
                 .launch()
                 .map_err(|e| device(device_error("launching the step's graph")(e)))?;
         } else {
             // once by launches (which loads every kernel), then captured for the next
-            self.launch_step(self.full)?;
+            self.launch_step(true)?;
             self.graph = Some(self.capture()?);
         }
-        self.len += 1;
         self.read_logits("the step")
     }
     // ANCHOR_END: gpu_step
@@ -296,14 +273,15 @@ impl GpuModel {
     /// The step's launches recorded as one CUDA graph, not run: each kernel and product
     /// with the arguments it had, which a replay gives again. Every one of them is the
     /// same at every position: the position and the token are read from `at`, the
-    /// caches' lengths from the caches, and the split is a full cache's.
+    /// cache's lengths and page table from the cache's memory, and the split is a full
+    /// cache's.
     fn capture(&mut self) -> Result<CudaGraph, TrainError> {
         let stream = self.gpu.stream().clone();
         let fail = |what| move |e| device(device_error(what)(e));
         stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(fail("starting the step's capture"))?;
-        let launched = self.launch_step(self.full);
+        let launched = self.launch_step(true);
         // the capture ends whatever happened in it
         let graph = stream.end_capture(CUgraphInstantiate_flags(0));
         launched?;
@@ -322,21 +300,21 @@ impl GpuModel {
     // ANCHOR_END: capture
 
     /// The kernels and products of one step, queued on the model's stream: the token in
-    /// `at` at the position there, the attention's keys cut as `plan` says.
-    fn launch_step(&mut self, plan: SplitPlan) -> Result<(), TrainError> {
+    /// `at` at the position there, the attention's split a full cache's for a graph
+    /// (`graph`), else the one the plan chooses for the cache's length.
+    fn launch_step(&mut self, graph: bool) -> Result<(), TrainError> {
         let cfg = self.config;
         let (c, d) = (cfg.d_model, cfg.head_dim());
-        let (width, kv_heads) = (cfg.qkv_width(), cfg.kv_heads);
+        let (width, heads, kv_heads) = (cfg.qkv_width(), cfg.heads, cfg.kv_heads);
         let GpuModel {
             gpu,
             kernels: k,
             blas,
-            append,
             embed,
             layout: lay,
             weights,
             weights16,
-            caches,
+            cache,
             at,
             qkv: q,
             att,
@@ -344,6 +322,7 @@ impl GpuModel {
             ..
         } = self;
         let gpu: &Gpu = gpu;
+        let plan = if graph { &self.graph_plan } else { &self.plan };
         let (w32, w16) = (ptr(gpu, weights), ptr(gpu, weights16));
         let w32 = |off: usize| w32 + 4 * off as u64;
         let w16 = |off: usize| w16 + 2 * off as u64;
@@ -371,15 +350,11 @@ impl GpuModel {
                 let attn_w = plain(w16(w.attn_w));
                 blas.matmul_bias(1, width, c, plain(ln), attn_w, w16(w.attn_b), qkv)?;
                 // this token's keys and values join the cache; its q stays in qkv
-                let cache = &mut caches[l];
-                let new = NewRows {
-                    k: qkv + 2 * c as u64,
-                    v: qkv + 2 * (c + kv_heads * d) as u64,
-                    row_stride: width,
-                    head_stride: d,
-                };
-                append_kv(gpu, append, new, cache, at, 1)?;
-                decode_into(gpu, q, cache, plan, att).map_err(device)?;
+                let new =
+                    NewKv::from_fused(&q.data, Dtype::Bf16, [1, 1], heads, kv_heads, d)
+                        .map_err(device)?;
+                cache.write(gpu, l, &new).map_err(device)?;
+                plan.run(gpu, cache, l, q, att).map_err(device)?;
                 let out = ptr(gpu, &att.out.data);
                 blas.matmul(1, c, c, plain(out), plain(w16(w.proj_w)), y, Out::F32, 0.0)?;
                 let ln_2 = (w32(w.ln_2_w), w32(w.ln_2_b));
@@ -419,12 +394,13 @@ impl GpuModel {
     pub fn prefill(&mut self, prompt: &[u8]) -> Result<Array1<f32>, TrainError> {
         let cfg = self.config;
         let n = prompt.len();
-        if self.len > 0 || n == 0 || n > cfg.context {
+        if !self.is_empty() || n == 0 || n > cfg.context {
             return Err(TrainError::Config(format!(
                 "a prefill of {n} tokens into a cache of {}: a prefill reads 1 to {} \
                  tokens (the model's context) into an empty cache; tokens after those go \
                  in with step",
-                self.len, cfg.context
+                self.len(),
+                cfg.context
             )));
         }
         if let Some(&t) = prompt.iter().find(|&&t| t as usize >= cfg.vocab) {
@@ -442,10 +418,8 @@ impl GpuModel {
         let tokens = stream
             .clone_htod(prompt)
             .map_err(|e| device(device_error("copying the prompt")(e)))?;
-        // the caches will hold n tokens (append_kv reads it; no token of `at` is read)
-        stream
-            .memcpy_htod(&[n as i32, 0], &mut self.at)
-            .map_err(|e| device(device_error("copying the prompt's length")(e)))?;
+        // room for the prompt in every layer
+        self.cache.reserve(gpu, &[n]).map_err(device)?;
         let (x, x_mid, y) = (
             alloc::<f32>(gpu, n * c, "the prompt's residual stream")?,
             alloc::<f32>(gpu, n * c, "the prompt's residual stream")?,
@@ -503,15 +477,10 @@ impl GpuModel {
                 blas.matmul(n, width, c, plain(lnp), attn_w, qkvp, Out::Bf16, 0.0)?;
                 let qkv_heads = (heads_of(&q), heads_of(&key), heads_of(&v));
                 k.qkv_to_heads(qkvp, w32(w.attn_b), qkv_heads, dims, width)?;
-                // the prompt's keys and values join the cache from its [kv_heads, n, D]
-                // tensors
-                let new = NewRows {
-                    k: heads_of(&key),
-                    v: heads_of(&v),
-                    row_stride: d,
-                    head_stride: n * d,
-                };
-                append_kv(gpu, &self.append, new, &mut self.caches[l], &self.at, n)?;
+                // the prompt's keys and values join the cache from their [1, kv_heads, n,
+                // D] tensors
+                let new = NewKv::from_heads(&key, &v).map_err(device)?;
+                self.cache.write(gpu, l, &new).map_err(device)?;
                 gpu.forward_into(&q, &key, &v, &mut att).map_err(device)?;
                 k.heads_rows(ptr(gpu, &att.out.data), rowsp, true, dims)?;
                 blas.matmul(
@@ -544,68 +513,9 @@ impl GpuModel {
             blas.matmul(1, cfg.vocab, c, plain(lnp), wte, logits, Out::F32, 0.0)?;
         }
         // ANCHOR_END: gpu_prefill_layers
-        self.len = n;
         self.read_logits("the prefill")
     }
     // ANCHOR_END: gpu_prefill
-}
-
-/// Where [`append_kv`] reads the new tokens' keys and values: the first key and value, and
-/// how far apart (in values) one token's row is from the next's and one head's from the
-/// next head's.
-struct NewRows {
-    k: u64,
-    v: u64,
-    row_stride: usize,
-    head_stride: usize,
-}
-
-/// `rows` tokens' keys and values into `cache`, as its last tokens once `len[0]` are in
-/// it; the cache's length becomes `len[0]`.
-fn append_kv(
-    gpu: &Gpu,
-    append: &CudaFunction,
-    from: NewRows,
-    cache: &mut KvCache,
-    len: &CudaSlice<i32>,
-    rows: usize,
-) -> Result<(), TrainError> {
-    let crate::cuda::Layout::Paged {
-        table, page_size, ..
-    } = &cache.layout
-    else {
-        unreachable!("GpuModel::new makes paged caches")
-    };
-    let values = (rows * cache.kv_heads * cache.head_dim) as u32;
-    let config = LaunchConfig {
-        grid_dim: (values.div_ceil(256), 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let (row_stride, head_stride) = (from.row_stride as i64, from.head_stride as i64);
-    let (heads, page_size) = (cache.kv_heads as i32, *page_size as i32);
-    let rows_i = rows as i32;
-    let mut launch = gpu.stream().launch_builder(append);
-    launch
-        .arg(&from.k)
-        .arg(&from.v)
-        .arg(&row_stride)
-        .arg(&head_stride)
-        .arg(&mut cache.k)
-        .arg(&mut cache.v)
-        .arg(table)
-        .arg(&heads)
-        .arg(&page_size)
-        .arg(len)
-        .arg(&mut cache.lens)
-        .arg(&rows_i);
-    // SAFETY: the callers' rows, heads and strides stay inside the buffers k and v point
-    // into; the table has a page for every position below the context (the identity over
-    // the pool, made in GpuModel::new), len[0] (written by step or prefill) is at least
-    // rows and at most the context, and the pool holds those pages
-    unsafe { launch.launch(config) }
-        .map(|_| ())
-        .map_err(|e| device(device_error("launching append_kv")(e)))
 }
 
 /// The embedding of the token in `at` at the position there into `x`.
@@ -659,7 +569,7 @@ pub fn generate_gpu(
             prompt.len()
         )));
     }
-    model.reset();
+    model.reset()?;
     if count == 0 {
         return Ok(Vec::new());
     }

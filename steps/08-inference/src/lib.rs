@@ -23,11 +23,14 @@
 //!   repeated, the queries at the end of the sequence: step 01's causal attention), the
 //!   same row by row for long caches, and attention by hand in 16 bits for the
 //!   low-precision rule.
-//! - [`cuda`]: decoding on the GPU: [`KvCache`](cuda::KvCache), contiguous or in pages read
-//!   through a page table checked on the host ([`check_table`](cuda::check_table)), the
-//!   split of the keys over thread blocks ([`plan_splits`](cuda::plan_splits)), and the
-//!   launches ([`decode_into`](cuda::decode_into) on device tensors,
-//!   [`cuda::decode`] on host arrays, [`read_bytes`](cuda::read_bytes)).
+//! - [`cuda`]: decoding on the GPU: [`PagedKvCache`](cuda::PagedKvCache), keys and values
+//!   in pages taken as the sequences grow, appended to by `kernels/append.cu`; the split
+//!   of the keys over thread blocks ([`plan_splits`](cuda::plan_splits)); the decoding
+//!   kernel planned once and run per layer ([`DecodePlan`](cuda::DecodePlan)), or append
+//!   and attend in one call ([`attend_with_kvcache`](cuda::attend_with_kvcache)),
+//!   [`cuda::decode`] on host arrays, and [`read_bytes`](cuda::read_bytes).
+//! - [`pages`]: the page table on the host: the free list, each sequence's pages and
+//!   length, and [`check_table`](pages::check_table), run whenever the table changes.
 //! - [`kernel`]: the `.cu` sources and their NVRTC builds;
 //!   [`DecodeKernel`](kernel::DecodeKernel) alone turns a dtype, a head dim, the query
 //!   rows of a kv head and a page size into `kernels/decode.cu`'s `-D` options.
@@ -41,14 +44,14 @@
 //!   kernel, checked then timed, as JSON rows (`charts/data/decode.json`);
 //!   `src/bin/decode-kernel-check.rs`: every kernel through NVRTC and ptxas, no spills.
 //! - [`generate`](mod@generate): the KV cache in step 05's model, on the CPU:
-//!   [`KvCache`](generate::KvCache), the prefill, a decoding step with one query row
+//!   [`ModelCache`](generate::ModelCache), the prefill, a decoding step with one query row
 //!   against the cache (step 02's loop), and [`generate`](generate::generate), which
 //!   returns what step 05's `sample` returns; `src/bin/generate.rs`, the text and its
 //!   tokens a second with and without the cache.
 //! - [`gpu_generate`]: the same on the GPU: [`GpuModel`](gpu_generate::GpuModel), step
-//!   05's model with a paged cache per layer, a token's step its products and kernels with
-//!   the decoding kernel as its attention (`kernels/append.cu` adds the token's keys and
-//!   values to the cache); [`generate_gpu`](gpu_generate::generate_gpu), and
+//!   05's model with one paged cache for its layers, a token's step its products and
+//!   kernels with the decoding kernel as its attention (`kernels/append.cu` adds the
+//!   token's keys and values to the cache); [`generate_gpu`](gpu_generate::generate_gpu), and
 //!   [`sample_gpu`](gpu_generate::sample_gpu), the GPU forward over the whole window a
 //!   token.
 //! - [`grouped`]: grouped-query attention in the training kernels, step 03's and step 06's
@@ -72,6 +75,7 @@ pub mod gpu_generate;
 pub mod grouped;
 pub mod kernel;
 pub mod methods;
+pub mod pages;
 pub mod reference;
 pub mod rows;
 

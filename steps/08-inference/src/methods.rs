@@ -9,15 +9,12 @@ use flash_core::{Attention, AttnError};
 use ndarray::ArrayView4;
 use step03_cuda_forward::Gpu;
 
-use crate::cuda::HostLayout;
+use crate::cuda::CacheLayout;
+use crate::pages::PAGE_SIZE;
 
 /// The chunk of keys [`DecodeSplit`] merges: a split of the GPU kernel at batch 1 and 128k
 /// tokens (16 splits of 8,192).
 pub const SPLIT_CHUNK: usize = 8192;
-
-/// The page size of [`FLASH_DECODE_PAGED`]'s cache: 64 tokens, as
-/// [`GpuModel`](crate::gpu_generate::GpuModel)'s.
-pub const PAGE_SIZE: usize = 64;
 
 // ANCHOR: decoder
 /// A decoding method: what the help says about it, and the attention of `q`'s rows against
@@ -53,21 +50,21 @@ pub struct DecodeSplit;
 pub struct FlashDecode {
     name: &'static str,
     about: &'static str,
-    pub layout: HostLayout,
+    pub layout: CacheLayout,
 }
 
 /// The decoding kernel on a contiguous cache.
 pub static FLASH_DECODE: FlashDecode = FlashDecode {
     name: "flash_decode",
     about: "flash-decoding: the keys split over thread blocks, merged by the last to finish",
-    layout: HostLayout::Contiguous,
+    layout: CacheLayout::Contiguous,
 };
 
 /// The decoding kernel on a cache in pages of [`PAGE_SIZE`] tokens.
 pub static FLASH_DECODE_PAGED: FlashDecode = FlashDecode {
     name: "flash_decode_paged",
-    about: "flash_decode on a cache in pages of 64 tokens, read through a page table",
-    layout: HostLayout::Paged {
+    about: "flash_decode on a cache in pages of 64 tokens (PAGE_SIZE), read through a page table",
+    layout: CacheLayout::Paged {
         page_size: PAGE_SIZE,
     },
 };

@@ -99,7 +99,7 @@ fn cached_logits(config: Config, model_seed: u64, prompt: usize, graphs: bool) {
         for &token in &tokens[5..8] {
             model.step(token).unwrap();
         }
-        model.reset();
+        model.reset().unwrap();
     }
     let mut gpu = trainer(&p);
     gpu.loss(

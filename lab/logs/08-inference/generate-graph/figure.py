@@ -14,7 +14,7 @@ def line(x1, y1, x2, y2, color="#444", sw=1, arrow=False, dash=None):
 title = "A generation step on the GPU: launched kernel by kernel, or replayed as one graph"
 label = ("One step of GPT-2 small's shape for one sequence, over time: by launches the CPU queues 111 "
          "kernels and products one by one and the GPU, done with each in a few microseconds, waits for "
-         "the next; as a graph the CPU writes the position and the token to memory and launches the "
+         "the next; as a graph the CPU writes the position, the token and the cache's lengths to memory and launches the "
          "step once, and the GPU runs its kernels back to back")
 text(20, 30, title, 18, bold=True)
 text(20, 50, "GPT-2 small's shape, one sequence, one token: 12 layers of 9 launches, with the embedding, the last LayerNorm and the logits, 111 in all", 12, fill="#555")
@@ -51,7 +51,7 @@ for fill, what in [("#dbe8f6", "a product (cuBLAS)"), ("#fde2c4", "append_kv"), 
 text(20, 290, "As one graph: captured once, replayed every step with the same arguments", 14, bold=True)
 text(20, 326, "CPU", 13, bold=True); text(20, 341, "launches", 11, fill="#555")
 text(20, 386, "GPU", 13, bold=True); text(20, 401, "runs", 11, fill="#555")
-rect(X0, 312, 62, 30, "#fde2c4", rx=2, sw=0.8); text(X0 + 31, 331, "copy at", 11, anchor="middle")
+rect(X0, 312, 62, 30, "#fde2c4", rx=2, sw=0.8); text(X0 + 31, 331, "copies", 11, anchor="middle")
 rect(X0 + 66, 312, 70, 30, "#f3f3f3", rx=2, sw=0.8); text(X0 + 101, 331, "launch graph", 11, anchor="middle")
 line(X0 + 101, 342, X0 + 150, 370, "#888", 0.8, arrow=True)
 x = X0 + 150
@@ -67,11 +67,11 @@ line(xe, 387, X1 - 90, 344, "#888", 0.8, arrow=True, dash="3 3")
 rect(20, 440, 860, 118, "#fafafa", "#bbb", rx=4)
 text(36, 462, "Nothing that changes may be an argument: a replay gives every kernel the arguments it had when captured", 13, bold=True)
 rect(36, 476, 150, 46, "#fde2c4", rx=3); text(111, 495, "at = [len, token]", 12, anchor="middle"); text(111, 512, "written before each step", 11, anchor="middle", fill="#555")
-line(186, 490, 250, 482, arrow=True); line(186, 506, 250, 512, arrow=True)
+line(186, 490, 250, 482, arrow=True)
 text(256, 486, "embed_token: the token's row of wte and the row len − 1 of wpe", 12)
-text(256, 516, "append_kv: the new k and v at position len − 1, and the cache's length", 12)
-line(690, 512, 736, 512, arrow=True)
-text(742, 508, "lens", 12, bold=True); text(742, 524, "flash_decode reads", 11, fill="#555")
+text(256, 516, "append_kv and flash_decode: where k and v go, the keys to read", 12)
+line(736, 512, 690, 512, arrow=True)
+text(742, 508, "lens, page table", 12, bold=True); text(742, 524, "copied by reserve", 11, fill="#555")
 text(36, 546, "and the split is a full cache's, fixed: splits past the cache's end find no keys and weigh nothing in the merge", 11.5, fill="#555")
 
 svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H+10}" viewBox="0 0 {W} {H+10}" role="img" aria-label="{label}">',

@@ -23,8 +23,8 @@ use step03_cuda_forward::tool::at_least_one;
 use step03_cuda_forward::{Dtype, Gpu, device_error};
 use step08_inference::DecodeShape;
 use step08_inference::cuda::{
-    DecodeOutput, KvCache, alloc_output, cache_value, decode_into, fill_cache,
-    fixed_splits, plan, read_bytes, shuffled_table,
+    CacheLayout, CacheSpec, DecodeOutput, DecodePlan, PagedKvCache, cache_value,
+    fill_cache, read_bytes,
 };
 use step08_inference::kernel::{DecodeKernel, KEY_GROUP};
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
@@ -210,38 +210,56 @@ struct Measured {
     splits: Option<usize>,
 }
 
-/// The decoding kernel on `cache`: check, then time.
+/// The decoding kernel on `cache`: planned, checked, then timed.
 fn measure_decode(
     gpu: &Gpu,
     args: &Args,
     shape: DecodeShape,
     q: &step03_cuda_forward::DeviceTensor,
-    cache: &KvCache,
+    cache: &PagedKvCache,
     want: &[Expected],
 ) -> Result<Measured, String> {
     let text = |e: AttnError| e.to_string();
-    let plan = match args.splits {
-        Some(n) => {
-            let kernel = DecodeKernel::new(
-                args.dtype,
-                shape.head_dim,
-                shape.rows_per_kv_head(),
-                cache.page_size(),
-            )
-            .map_err(text)?;
-            fixed_splits(shape.context, n, kernel.block_keys())
-        }
-        None => plan(gpu, shape, args.dtype, cache.page_size()).map_err(text)?,
-    };
-    let mut result = alloc_output(gpu, shape, args.dtype, plan.splits).map_err(text)?;
-    decode_into(gpu, q, cache, plan, &mut result).map_err(text)?;
+    let mut plan =
+        DecodePlan::new(gpu, cache, shape.q_heads, shape.q_rows).map_err(text)?;
+    if let Some(n) = args.splits {
+        plan = plan.with_splits(n);
+    }
+    let mut result = plan.alloc_output(gpu).map_err(text)?;
+    let split = plan.run(gpu, cache, 0, q, &mut result).map_err(text)?;
     check(gpu, shape, &result, want)?;
-    let us = time_us(gpu, args, || decode_into(gpu, q, cache, plan, &mut result))
-        .map_err(text)?;
+    let us = time_us(gpu, args, || {
+        plan.run(gpu, cache, 0, q, &mut result).map(|_| ())
+    })
+    .map_err(text)?;
     Ok(Measured {
         us,
-        splits: Some(plan.splits),
+        splits: Some(split.splits),
     })
+}
+
+/// A cache of `shape`'s sequences laid out as `layout`, full, its values [`cache_value`]'s
+/// from `seed`; a paged one's pages shuffled in the pool.
+fn filled_cache(
+    gpu: &Gpu,
+    args: &Args,
+    shape: DecodeShape,
+    layout: CacheLayout,
+    seed: u32,
+) -> Result<PagedKvCache, AttnError> {
+    let spec = CacheSpec::new(
+        shape.batch,
+        shape.kv_heads,
+        shape.context,
+        shape.head_dim,
+        args.dtype,
+        layout,
+    );
+    let mut cache = PagedKvCache::new(gpu, spec)?;
+    cache.shuffle_free(seed as u64);
+    cache.reserve(gpu, &vec![shape.context; shape.batch])?;
+    fill_cache(gpu, &mut cache, seed)?;
+    Ok(cache)
 }
 
 fn main() -> ExitCode {
@@ -476,16 +494,13 @@ fn measure_shape(
         Ok(q) => q,
         Err(e) => return all(e.to_string()),
     };
-    let dims = [shape.batch, shape.kv_heads, shape.context, shape.head_dim];
     // contiguous
-    match KvCache::alloc(gpu, dims, args.dtype).and_then(|mut c| {
-        fill_cache(gpu, &mut c, seed)?;
-        Ok(c)
-    }) {
+    match filled_cache(gpu, args, shape, CacheLayout::Contiguous, seed) {
         Ok(cache) => {
             found.decode = Some(measure_decode(gpu, args, shape, &q_dev, &cache, &want));
+            let (k, v) = cache.pools();
             found.read = Some(
-                time_us(gpu, args, || read_bytes(gpu, &cache.k, &cache.v, sums))
+                time_us(gpu, args, || read_bytes(gpu, k, v, sums))
                     .map(|us| Measured { us, splits: None })
                     .map_err(|e| e.to_string()),
             );
@@ -493,20 +508,8 @@ fn measure_shape(
         Err(e) => return all(e.to_string()),
     }
     // paged: the same logical values through a shuffled table
-    let max_pages = shape.context.div_ceil(args.page_size);
-    let table = shuffled_table(shape.batch, max_pages, seed as u64);
-    let paged = KvCache::alloc_paged(
-        gpu,
-        dims,
-        args.dtype,
-        args.page_size,
-        shape.batch * max_pages,
-        table,
-    )
-    .and_then(|mut c| {
-        fill_cache(gpu, &mut c, seed)?;
-        Ok(c)
-    });
+    let page_size = args.page_size;
+    let paged = filled_cache(gpu, args, shape, CacheLayout::Paged { page_size }, seed);
     found.paged = Some(match paged {
         Ok(cache) => measure_decode(gpu, args, shape, &q_dev, &cache, &want),
         Err(e) => Err(e.to_string()),

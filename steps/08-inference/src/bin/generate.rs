@@ -336,7 +336,7 @@ fn run(cli: Cli) -> Result<(), TrainError> {
             };
             let prefill_only = || {
                 let mut model = model.borrow_mut();
-                model.reset();
+                model.reset()?;
                 model.prefill(&prompt)?;
                 Ok(Vec::new())
             };
