@@ -7,9 +7,18 @@
 //! which one breaks, then to [`key_offset`], the kernel's lookup in Rust, which a test
 //! holds to the `.cu` file's text. The `decode-exercise` binary runs it on the reader's
 //! file.
+//!
+//! And the cache's exercise, also on the CPU: a prompt read into a new [`ModelCache`] one
+//! token at a time with [`step`], written by the reader in `exercises/prefill_by_steps.rs`
+//! and held to [`prefill`], which reads it in one pass ([`check_prefill`]).
 
-use flash_core::exercise::{NotYet, attempt};
+use flash_core::exercise::{NotYet, attempt, twice};
 use flash_core::inputs::SplitMix64;
+use ndarray::Array1;
+use step05_train::model::Preset;
+use step05_train::{Config, Params, TrainError};
+
+use crate::generate::{ModelCache, prefill, step};
 
 /// The template the reader fills in.
 pub const TEMPLATE: &str = "steps/08-inference/exercises/key_offset.rs";
@@ -247,4 +256,163 @@ pub fn check(key_offset_of: &KeyOffset) -> Result<usize, NotYet> {
         }
     }
     Ok(all.len())
+}
+
+// The cache's exercise: a prompt read one token at a time.
+
+/// The template of the cache's exercise.
+pub const PREFILL_TEMPLATE: &str = "steps/08-inference/exercises/prefill_by_steps.rs";
+
+/// Where its solution is.
+pub const PREFILL_SOLUTION: &str = "prefill_by_steps in steps/08-inference/src/exercise.rs \
+     (chapter 8, Exercises, under Solution)";
+
+/// The signature of the cache's exercise: `(params, prompt) -> (cache, logits)`.
+pub type PrefillBySteps<'a> =
+    dyn Fn(&Params<f32>, &[u8]) -> Result<(ModelCache, Array1<f32>), TrainError> + 'a;
+
+// ANCHOR: prefill_by_steps
+/// [`prefill`]'s cache and logits from [`step`] alone, one call a token: `step` works on
+/// an empty cache (the first token goes to position 0), and the last call's logits are
+/// those of the token after the prompt.
+pub fn prefill_by_steps(
+    params: &Params<f32>,
+    prompt: &[u8],
+) -> Result<(ModelCache, Array1<f32>), TrainError> {
+    let mut cache = ModelCache::new(params.config);
+    let (last, rest) = prompt.split_last().ok_or_else(|| {
+        TrainError::Config("an empty prompt: at least one token is needed".into())
+    })?;
+    for &t in rest {
+        step(params, &mut cache, t)?;
+    }
+    let logits = step(params, &mut cache, *last)?;
+    Ok((cache, logits))
+}
+// ANCHOR_END: prefill_by_steps
+
+/// The models and prompts of the cache's exercise: chapter 5's `small` model (context 128)
+/// with prompts of 1, 64 and 128 bytes, the last filling the cache, and the same shape with
+/// 2 kv heads for its 4 query heads and a prompt of 77 bytes.
+pub fn prefill_cases() -> Vec<(String, Config, Vec<u8>)> {
+    let small = Preset::Small.config();
+    let grouped = Config {
+        kv_heads: 2,
+        ..small
+    };
+    let mut rng = SplitMix64::new(8900);
+    let mut text = |n: usize| -> Vec<u8> { (0..n).map(|_| rng.next_u64() as u8).collect() };
+    let mut all = Vec::new();
+    for n in [1, 64, 128] {
+        let bytes = if n == 1 { "byte" } else { "bytes" };
+        all.push((
+            format!("the small model, a prompt of {n} {bytes}"),
+            small,
+            text(n),
+        ));
+    }
+    all.push((
+        "the small model with 2 kv heads, 77 bytes".into(),
+        grouped,
+        text(77),
+    ));
+    all
+}
+
+/// The largest difference between two caches' keys and values, and the number of tokens
+/// they hold where those differ.
+fn cache_difference(a: &ModelCache, b: &ModelCache, layers: usize) -> Result<f32, String> {
+    if a.len() != b.len() {
+        return Err(format!(
+            "the cache holds {} tokens, where the prompt has {}",
+            a.len(),
+            b.len()
+        ));
+    }
+    let mut worst = 0.0f32;
+    for layer in 0..layers {
+        for (x, y) in [
+            (a.keys(layer), b.keys(layer)),
+            (a.values(layer), b.values(layer)),
+        ] {
+            let d = x
+                .iter()
+                .zip(y.iter())
+                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+            worst = worst.max(if d.is_nan() { f32::INFINITY } else { d });
+        }
+    }
+    Ok(worst)
+}
+
+/// Checks `prefill_by` (the reader's) on every case against [`prefill`]: the cache holds the
+/// prompt's tokens, and every layer's keys and values and the logits are within twice what
+/// [`prefill_by_steps`] differs from `prefill` by (or of one rounding, where that is smaller):
+/// the same model, rounded in another order. An empty prompt must be an error. The number of
+/// cases, or the first that fails and why.
+pub fn check_prefill(prefill_by: &PrefillBySteps) -> Result<usize, NotYet> {
+    let all = prefill_cases();
+    for (n, (name, config, prompt)) in all.iter().enumerate() {
+        let params = Params::init(*config, 8901 + n as u64).expect("a valid shape");
+        let (want, want_logits) = prefill(&params, prompt).expect("a prompt that fits");
+        let (ours, ours_logits) =
+            prefill_by_steps(&params, prompt).expect("a prompt that fits");
+        let layers = config.layers;
+        let logits_error = |l: &Array1<f32>| {
+            l.iter().zip(&want_logits).fold(0.0f32, |m, (x, y)| {
+                let d = (x - y).abs();
+                m.max(if d.is_nan() { f32::INFINITY } else { d })
+            })
+        };
+        let step_cache = cache_difference(&ours, &want, layers).expect("the same tokens");
+        let allowed_cache = twice(f64::from(step_cache), 1.0);
+        let allowed_logits = twice(f64::from(logits_error(&ours_logits)), 1.0);
+        let got = attempt(name, || prefill_by(&params, prompt))?;
+        let (cache, logits) = got.map_err(|e| {
+            NotYet::new(
+                name,
+                format!("an error, where the prompt fits the context: {e}"),
+            )
+        })?;
+        let cache_error =
+            cache_difference(&cache, &want, layers).map_err(|w| NotYet::new(name, w))?;
+        if f64::from(cache_error) > allowed_cache {
+            return Err(NotYet::new(
+                name,
+                format!(
+                    "a key or value differs from prefill's by {cache_error:.2e}, allowed \
+                     {allowed_cache:.2e} (twice the step's own difference)"
+                ),
+            ));
+        }
+        if logits.len() != want_logits.len() {
+            return Err(NotYet::new(
+                name,
+                format!(
+                    "{} logits, where the vocabulary has {}",
+                    logits.len(),
+                    want_logits.len()
+                ),
+            ));
+        }
+        let error = logits_error(&logits);
+        if f64::from(error) > allowed_logits {
+            return Err(NotYet::new(
+                name,
+                format!(
+                    "the logits differ from prefill's by {error:.2e}, allowed \
+                     {allowed_logits:.2e}: are they the last token's?"
+                ),
+            ));
+        }
+    }
+    let empty = "an empty prompt";
+    let params = Params::init(prefill_cases()[0].1, 8900).expect("a valid shape");
+    if attempt(empty, || prefill_by(&params, &[]))?.is_ok() {
+        return Err(NotYet::new(
+            empty,
+            "a cache and logits, where there is no token to predict from: an error is wanted",
+        ));
+    }
+    Ok(all.len() + 1)
 }

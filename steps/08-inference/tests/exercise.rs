@@ -92,3 +92,57 @@ fn the_checker_refuses_an_answer_past_the_end() {
     .unwrap_err();
     assert!(e.why.contains("None past its end"), "{e}");
 }
+
+// The cache's exercise: the checker accepts the solution and refuses the template, a prompt
+// read without its last byte, and an empty prompt that gives an empty cache rather than an
+// error.
+
+use ndarray::Array1;
+use step05_train::{Params, TrainError};
+use step08_inference::exercise::{check_prefill, prefill_by_steps, prefill_cases};
+use step08_inference::generate::{ModelCache, step};
+
+#[test]
+fn the_prefill_checker_accepts_the_solution() {
+    assert_eq!(
+        check_prefill(&prefill_by_steps),
+        Ok(prefill_cases().len() + 1)
+    );
+}
+
+#[test]
+fn the_prefill_checker_refuses_the_template() {
+    let e = check_prefill(&|_: &Params<f32>,
+                            _: &[u8]|
+     -> Result<(ModelCache, Array1<f32>), TrainError> {
+        todo!()
+    })
+    .unwrap_err();
+    assert!(e.why.contains("not yet implemented"), "{e}");
+}
+
+#[test]
+fn the_prefill_checker_refuses_a_prompt_without_its_last_byte() {
+    let e = check_prefill(&|p: &Params<f32>, prompt: &[u8]| {
+        let mut cache = ModelCache::new(p.config);
+        let mut logits = Array1::zeros(p.config.vocab);
+        for &t in &prompt[..prompt.len().saturating_sub(1)] {
+            logits = step(p, &mut cache, t)?;
+        }
+        Ok((cache, logits))
+    })
+    .unwrap_err();
+    assert!(e.why.contains("the cache holds 0 tokens"), "{e}");
+}
+
+#[test]
+fn the_prefill_checker_refuses_an_empty_cache_for_an_empty_prompt() {
+    let e = check_prefill(&|p: &Params<f32>, prompt: &[u8]| {
+        if prompt.is_empty() {
+            return Ok((ModelCache::new(p.config), Array1::zeros(p.config.vocab)));
+        }
+        prefill_by_steps(p, prompt)
+    })
+    .unwrap_err();
+    assert_eq!(e.case, "an empty prompt", "{e}");
+}

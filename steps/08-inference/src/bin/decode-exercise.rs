@@ -1,9 +1,12 @@
-//! Checks chapter 8's exercise on the CPU: compiles in the reader's `key_offset`
-//! (`exercises/key_offset.rs`), asks it where every token of seeded page tables lives in the
-//! pool, and says `right` or `not yet` (exit 1) with the token, the answer and the rule it
-//! breaks.
+//! Checks chapter 8's exercises on the CPU. `key-offset`: compiles in the reader's
+//! `key_offset` (`exercises/key_offset.rs`), asks it where every token of seeded page tables
+//! lives in the pool, and says `right` or `not yet` (exit 1) with the token, the answer and
+//! the rule it breaks. `prefill-by-steps`: compiles in the reader's `prefill_by_steps`
+//! (`exercises/prefill_by_steps.rs`), reads seeded prompts with it and with `prefill`, and
+//! says `right` or `not yet` with the prompt and what differs.
 //!
 //! `cargo run -p step08-inference --bin decode-exercise -- key-offset`
+//! `cargo run -p step08-inference --bin decode-exercise -- prefill-by-steps`
 
 use std::process::ExitCode;
 
@@ -13,14 +16,18 @@ use step08_inference::exercise;
 
 #[path = "../../exercises/key_offset.rs"]
 mod key_offset;
+#[path = "../../exercises/prefill_by_steps.rs"]
+mod prefill_by_steps;
 
-/// Checks an exercise of chapter 8 on the CPU, against the rules the decoding kernel relies
-/// on and its own lookup.
+/// Checks an exercise of chapter 8 on the CPU: key-offset against the rules the decoding
+/// kernel relies on and its own lookup; prefill-by-steps against prefill, within twice the
+/// step's own difference.
 #[derive(Parser, Debug)]
 #[command(name = "decode-exercise")]
 struct Args {
     /// Which exercise (`key-offset`: where a token of a paged cache lives in the pool, in
-    /// exercises/key_offset.rs)
+    /// exercises/key_offset.rs; `prefill-by-steps`: a prompt read one token at a time, in
+    /// exercises/prefill_by_steps.rs)
     #[arg(value_enum)]
     exercise: Exercise,
 }
@@ -29,11 +36,24 @@ struct Args {
 enum Exercise {
     /// A token's place in a paged cache's pool, through the page table
     KeyOffset,
+    /// A prompt read into a new cache one token at a time
+    PrefillBySteps,
 }
 
 fn main() -> ExitCode {
-    let Exercise::KeyOffset = Args::parse().exercise;
     quiet_panics();
-    let verdict = exercise::check(&key_offset::key_offset);
-    report(exercise::TEMPLATE, exercise::SOLUTION, verdict)
+    match Args::parse().exercise {
+        Exercise::KeyOffset => {
+            let verdict = exercise::check(&key_offset::key_offset);
+            report(exercise::TEMPLATE, exercise::SOLUTION, verdict)
+        }
+        Exercise::PrefillBySteps => {
+            let verdict = exercise::check_prefill(&prefill_by_steps::prefill_by_steps);
+            report(
+                exercise::PREFILL_TEMPLATE,
+                exercise::PREFILL_SOLUTION,
+                verdict,
+            )
+        }
+    }
 }
