@@ -938,6 +938,29 @@ impl DecodePlan {
     }
     // ANCHOR_END: run
 
+    /// An error unless `q` is the plan's `[batch, q_heads, q_rows, head_dim]` in the
+    /// cache's dtype; its shape.
+    fn check_q(&self, q: &DeviceTensor) -> Result<Shape, AttnError> {
+        let qs = Shape::new(
+            self.shape.batch,
+            self.shape.q_heads,
+            self.shape.q_rows,
+            self.shape.head_dim,
+        );
+        if q.shape != qs || q.dtype != self.spec.dtype || q.data.len() < qs.len() {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "q is {} {} in a buffer of {} values; the plan decodes {qs} {}",
+                    q.shape,
+                    q.dtype.name(),
+                    q.data.len(),
+                    self.spec.dtype.name()
+                ),
+            });
+        }
+        Ok(qs)
+    }
+
     /// The refusals of [`DecodePlan::run`], before a launch; the split it takes.
     fn check_run(
         &self,
@@ -980,23 +1003,7 @@ impl DecodePlan {
                 ),
             });
         }
-        let qs = Shape::new(
-            self.shape.batch,
-            self.shape.q_heads,
-            self.shape.q_rows,
-            self.shape.head_dim,
-        );
-        if q.shape != qs || q.dtype != self.spec.dtype || q.data.len() < qs.len() {
-            return Err(AttnError::ShapeMismatch {
-                what: format!(
-                    "q is {} {} in a buffer of {} values; the plan decodes {qs} {}",
-                    q.shape,
-                    q.dtype.name(),
-                    q.data.len(),
-                    self.spec.dtype.name()
-                ),
-            });
-        }
+        let qs = self.check_q(q)?;
         let split = self.split(cache.longest());
         if out.out.shape != qs
             || out.out.dtype != q.dtype
@@ -1039,6 +1046,7 @@ pub fn attend_with_kvcache(
     new: Option<&NewKv>,
 ) -> Result<DecodeOutput, AttnError> {
     let plan = DecodePlan::new(gpu, cache, q.shape.heads, q.shape.tokens)?;
+    plan.check_q(q)?;
     let mut out = plan.alloc_output(gpu)?;
     if let Some(new) = new {
         cache.append(gpu, new)?;

@@ -448,6 +448,15 @@ fn a_cache_refuses_what_would_make_its_lengths_and_values_disagree() {
         e.contains("sequence 1 holds 0 tokens and q has 3 rows"),
         "{e}"
     );
+    // attend_with_kvcache checks q before it appends: the cache stays as it was
+    let narrow = gpu
+        .upload(Array4::zeros((2, 2, 1, 32)).view(), Dtype::Bf16)
+        .unwrap();
+    let Err(e) = attend_with_kvcache(gpu, &mut cache, &narrow, Some(&new)) else {
+        panic!("q of head dim 32 against a cache of 64 was taken");
+    };
+    assert!(e.to_string().contains("the plan decodes"), "{e}");
+    assert_eq!(cache.lens(), [7, 0]);
     // a cache of several layers reserves once and writes each layer
     let two = CacheSpec { layers: 2, ..spec };
     let mut model = PagedKvCache::new(gpu, two).unwrap();
