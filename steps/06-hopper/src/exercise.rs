@@ -5,6 +5,11 @@
 //! threads) and then to the layout itself ([`accumulator_element`]), which the kernels'
 //! mask, softmax and stores assume. The `hopper-exercise` binary runs it on the reader's
 //! file.
+//!
+//! Chapter 6.1's, also on the CPU: which stage and which barrier phases a block of the
+//! backward's stream of q and dO waits for, written in `exercises/stream_waits.rs` and
+//! checked by what the waits would do on the barriers ([`check_waits`]), then against
+//! `backward.cuh`'s own ([`stream_waits`]).
 
 use flash_core::exercise::{NotYet, attempt};
 
@@ -119,4 +124,150 @@ pub fn check(
         }
     }
     Ok(WIDTHS.len())
+}
+
+// Chapter 6.1's exercise: the waits of a stream through a ring of stages behind mbarriers.
+
+/// Where the second exercise's solution is.
+pub const WAITS_SOLUTION: &str = "stream_waits in steps/06-hopper/src/exercise.rs \
+     (chapter 6.1, Exercises, under Solution)";
+
+/// What block `n` of a stream does in a ring of stages: the stage it goes through, the
+/// parity the consumers wait for on `full[stage]`, and the parity the producer waits for on
+/// `empty[stage]` before it copies (`None`: no wait).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Waits {
+    pub stage: usize,
+    pub full_parity: u32,
+    pub empty_parity: Option<u32>,
+}
+
+/// The stage counts the checker tries, and the blocks of each stream.
+pub const WAIT_STAGES: [usize; 3] = [2, 3, 4];
+pub const WAIT_BLOCKS: usize = 40;
+
+// ANCHOR: stream_waits
+/// `backward.cuh`'s waits for block `n` of a stream through `stages` buffers: it is the
+/// `k`-th block through stage `n mod stages`, `k = ⌊n / stages⌋`. The consumers wait for
+/// `full`'s phase `k`, parity `k mod 2`; the producer, from the second round on, for
+/// `empty`'s phase `k − 1`, which the consumers of block `n − stages` complete.
+pub fn stream_waits(n: usize, stages: usize) -> Waits {
+    let k = n / stages;
+    Waits {
+        stage: n % stages,
+        full_parity: (k % 2) as u32,
+        empty_parity: (k > 0).then(|| ((k - 1) % 2) as u32),
+    }
+}
+// ANCHOR_END: stream_waits
+
+/// Whether a wait for `parity` returns on a barrier that has completed `completed` phases:
+/// once the last completed phase has that parity. A new barrier (`completed` 0) is in phase
+/// 0, and a wait for parity 1 returns at once, as for a phase before it.
+fn passes(completed: usize, parity: u32) -> bool {
+    (completed % 2) as u32 != parity
+}
+
+/// Checks `waits_of` (the reader's) on streams of [`WAIT_BLOCKS`] blocks through each of
+/// [`WAIT_STAGES`] stages, by what its waits would do. In order: the stage is one of the
+/// ring's, and the blocks of a round take different stages; the producer's wait for block
+/// `n` holds while the stage's previous block is still being read and returns once its
+/// consumers release it (or, where the stage is new, returns at once or is not made); the
+/// consumers' wait holds until the copy of block `n` lands and then returns; last, the
+/// stage and parities are `backward.cuh`'s. The number of stage counts, or the first block
+/// that fails and why.
+pub fn check_waits(waits_of: &dyn Fn(usize, usize) -> Waits) -> Result<usize, NotYet> {
+    for stages in WAIT_STAGES {
+        let mut got = Vec::new();
+        for n in 0..WAIT_BLOCKS {
+            let at = format!("{stages} stages, block {n}");
+            let w = attempt(&at, || waits_of(n, stages))?;
+            if w.stage >= stages {
+                let why = format!(
+                    "stage {}, where the ring has stages 0 to {}",
+                    w.stage,
+                    stages - 1
+                );
+                return Err(NotYet::new(at, why));
+            }
+            got.push(w);
+        }
+        for (n, w) in got.iter().enumerate() {
+            let at = format!("{stages} stages, block {n}");
+            let round = n - n % stages;
+            if let Some(m) = (round..n).find(|&m| got[m].stage == w.stage) {
+                let why = format!(
+                    "stage {}, which block {m} of the same round holds: {stages} blocks in \
+                     flight need {stages} different stages",
+                    w.stage
+                );
+                return Err(NotYet::new(at, why));
+            }
+            // k: the blocks that went through this stage before block n
+            let before: Vec<usize> = (0..n).filter(|&m| got[m].stage == w.stage).collect();
+            let k = before.len();
+            match (w.empty_parity, before.last()) {
+                (None, Some(&m)) => {
+                    let why = format!(
+                        "no wait before the copy, where stage {} still holds block {m}, which \
+                         the consumers may still be reading",
+                        w.stage
+                    );
+                    return Err(NotYet::new(at, why));
+                }
+                (Some(p), Some(&m)) if passes(k - 1, p) => {
+                    let why = format!(
+                        "the producer's wait on empty[{}] for parity {p} returns before the \
+                         consumers release block {m}: the copy would overwrite it",
+                        w.stage
+                    );
+                    return Err(NotYet::new(at, why));
+                }
+                (Some(p), Some(&m)) if !passes(k, p) => {
+                    let why = format!(
+                        "the producer's wait on empty[{}] for parity {p} would not return \
+                         once the consumers release block {m}: it waits forever",
+                        w.stage
+                    );
+                    return Err(NotYet::new(at, why));
+                }
+                (Some(p), None) if !passes(0, p) => {
+                    let why = format!(
+                        "the producer waits on a new barrier, empty[{}], for parity {p}: \
+                         phase 0 completes only when a block's consumers release the stage, \
+                         and none has gone through it, so it waits forever",
+                        w.stage
+                    );
+                    return Err(NotYet::new(at, why));
+                }
+                _ => {}
+            }
+            let p = w.full_parity;
+            if passes(k, p) {
+                let why = format!(
+                    "the consumers' wait on full[{}] for parity {p} returns before block {n}'s \
+                     copy lands (phase {k} of that barrier): they would read {}",
+                    w.stage,
+                    before
+                        .last()
+                        .map_or("an empty stage".into(), |m| format!("block {m}"))
+                );
+                return Err(NotYet::new(at, why));
+            }
+            if !passes(k + 1, p) {
+                let why = format!(
+                    "the consumers' wait on full[{}] for parity {p} would not return once \
+                     block {n}'s copy lands: they wait forever",
+                    w.stage
+                );
+                return Err(NotYet::new(at, why));
+            }
+            let want = stream_waits(n, stages);
+            if *w != want {
+                let why = format!("{w:?}, where backward.cuh's is {want:?}");
+                return Err(NotYet::new(at, why));
+            }
+        }
+    }
+    Ok(WAIT_STAGES.len())
 }
