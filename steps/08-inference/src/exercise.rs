@@ -10,11 +10,14 @@
 //!
 //! And the cache's exercise, also on the CPU: a prompt read into a new [`ModelCache`] one
 //! token at a time with [`step`], written by the reader in `exercises/prefill_by_steps.rs`
-//! and held to [`prefill`], which reads it in one pass ([`check_prefill`]).
+//! and held to [`prefill`], which reads it in one pass ([`check_prefill`]). And chapter
+//! 8.2's: each group's gradient summed into its kv head, written in
+//! `exercises/sum_groups.rs` and held to the sum in `f64` ([`check_sum_groups`]).
 
+use flash_core::Shape;
 use flash_core::exercise::{NotYet, attempt, twice};
-use flash_core::inputs::SplitMix64;
-use ndarray::Array1;
+use flash_core::inputs::{SplitMix64, random_normal};
+use ndarray::{Array1, Array4, ArrayView4};
 use step05_train::model::Preset;
 use step05_train::{Config, Params, TrainError};
 
@@ -415,4 +418,82 @@ pub fn check_prefill(prefill_by: &PrefillBySteps) -> Result<usize, NotYet> {
         ));
     }
     Ok(all.len() + 1)
+}
+
+// Chapter 8.2's exercise: each group's dK (or dV) summed into its kv head.
+
+/// The template of the group sum's exercise.
+pub const GROUPS_TEMPLATE: &str = "steps/08-inference/exercises/sum_groups.rs";
+
+/// Where its solution is.
+pub const GROUPS_SOLUTION: &str = "sum_groups in steps/05-train/src/layers.rs \
+     (chapter 8.2, Exercises, under Solution)";
+
+/// The signature of the group sum's exercise: `(dk, kv_heads) -> dk summed by group`.
+pub type SumGroups<'a> = dyn Fn(ArrayView4<f32>, usize) -> Array4<f32> + 'a;
+
+/// Sequences, query heads, kv heads, tokens and head dim of each case: 4 query heads on 2
+/// kv heads; 8 on 2; 6 on 1 (multi-query attention); 4 on 4, where the sum is the gradient
+/// itself; and 12 on 4, GPT-2 small's heads grouped as in chapter 8.2.
+pub const GROUP_CASES: [(usize, usize, usize, usize, usize); 5] = [
+    (1, 4, 2, 5, 8),
+    (2, 8, 2, 3, 4),
+    (1, 6, 1, 4, 8),
+    (2, 4, 4, 3, 4),
+    (3, 12, 4, 7, 16),
+];
+
+/// Checks `sum_of` (the reader's) on every case: the shape `[batch, kv_heads, tokens,
+/// head_dim]`, then every value within twice the error of step 05's `sum_groups` against the
+/// sum in `f64` (or of one rounding, where that is smaller); where the answer is the sum of
+/// other heads, it says which. The number of cases, or the first that fails and why.
+pub fn check_sum_groups(sum_of: &SumGroups) -> Result<usize, NotYet> {
+    for (n, &(batch, heads, kv_heads, tokens, head_dim)) in GROUP_CASES.iter().enumerate() {
+        let g = heads / kv_heads;
+        let case = format!(
+            "{heads} query heads on {kv_heads} kv heads, {batch} × {tokens} tokens"
+        );
+        let dk = random_normal(Shape::new(batch, heads, tokens, head_dim), 8800 + n as u64);
+        let exact = |group_of: &dyn Fn(usize) -> usize| {
+            let mut out = Array4::<f64>::zeros((batch, kv_heads, tokens, head_dim));
+            for ((b, h, t, d), &x) in dk.indexed_iter() {
+                out[[b, group_of(h), t, d]] += f64::from(x);
+            }
+            out
+        };
+        let want = exact(&|h| h / g);
+        let ours = step05_train::layers::sum_groups(dk.clone(), g);
+        let error = |got: &Array4<f32>, want: &Array4<f64>| {
+            got.iter().zip(want).fold(0.0f64, |m, (&x, &y)| {
+                let d = (f64::from(x) - y).abs();
+                m.max(if d.is_nan() { f64::INFINITY } else { d })
+            })
+        };
+        let scale = want.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        let allowed = twice(error(&ours, &want), scale);
+        let got = attempt(&case, || sum_of(dk.view(), kv_heads))?;
+        let dims = [batch, kv_heads, tokens, head_dim];
+        if got.shape() != dims {
+            return Err(NotYet::new(
+                case,
+                format!(
+                    "a result of shape {:?}, where it is {dims:?}: one gradient for each kv head",
+                    got.shape()
+                ),
+            ));
+        }
+        let e = error(&got, &want);
+        if e > allowed {
+            let interleaved = exact(&|h| h % kv_heads);
+            let why = if error(&got, &interleaved) <= allowed {
+                "the sums of query heads h with the same h % kv_heads: query head h reads kv \
+                 head h / g, so a group is g neighbouring heads"
+                    .to_string()
+            } else {
+                format!("a value off the group's sum by {e:.2e}, allowed {allowed:.2e}")
+            };
+            return Err(NotYet::new(case, why));
+        }
+    }
+    Ok(GROUP_CASES.len())
 }

@@ -146,3 +146,46 @@ fn the_prefill_checker_refuses_an_empty_cache_for_an_empty_prompt() {
     .unwrap_err();
     assert_eq!(e.case, "an empty prompt", "{e}");
 }
+
+// Chapter 8.2's exercise: the checker accepts step 05's sum and refuses the template, the
+// per-query-head gradient left unsummed and groups taken as every kv_heads-th head.
+
+use ndarray::{Array4, ArrayView4, Axis};
+use step08_inference::exercise::{GROUP_CASES, check_sum_groups};
+
+#[test]
+fn the_group_checker_accepts_the_solution() {
+    let solution = |dk: ArrayView4<f32>, kv_heads: usize| {
+        step05_train::layers::sum_groups(dk.to_owned(), dk.dim().1 / kv_heads)
+    };
+    assert_eq!(check_sum_groups(&solution), Ok(GROUP_CASES.len()));
+}
+
+#[test]
+fn the_group_checker_refuses_the_template() {
+    let e = check_sum_groups(&|_: ArrayView4<f32>, _: usize| -> Array4<f32> { todo!() })
+        .unwrap_err();
+    assert!(e.why.contains("not yet implemented"), "{e}");
+}
+
+#[test]
+fn the_group_checker_refuses_an_unsummed_gradient() {
+    let e = check_sum_groups(&|dk: ArrayView4<f32>, _: usize| dk.to_owned()).unwrap_err();
+    assert!(e.why.contains("one gradient for each kv head"), "{e}");
+}
+
+#[test]
+fn the_group_checker_refuses_interleaved_groups() {
+    let interleaved = |dk: ArrayView4<f32>, kv_heads: usize| {
+        let (b, _, t, d) = dk.dim();
+        let mut out = Array4::zeros((b, kv_heads, t, d));
+        for (h, head) in dk.axis_iter(Axis(1)).enumerate() {
+            let mut sum = out.index_axis_mut(Axis(1), h % kv_heads);
+            sum += &head;
+        }
+        out
+    };
+    let e = check_sum_groups(&interleaved).unwrap_err();
+    assert!(e.case.starts_with("4 query heads on 2"), "{e}");
+    assert!(e.why.contains("h / g"), "{e}");
+}

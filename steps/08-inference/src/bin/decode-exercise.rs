@@ -3,10 +3,12 @@
 //! lives in the pool, and says `right` or `not yet` (exit 1) with the token, the answer and
 //! the rule it breaks. `prefill-by-steps`: compiles in the reader's `prefill_by_steps`
 //! (`exercises/prefill_by_steps.rs`), reads seeded prompts with it and with `prefill`, and
-//! says `right` or `not yet` with the prompt and what differs.
+//! says `right` or `not yet` with the prompt and what differs. `sum-groups`: compiles in the
+//! reader's `sum_groups` (`exercises/sum_groups.rs`) and holds it to the sum in `f64`.
 //!
 //! `cargo run -p step08-inference --bin decode-exercise -- key-offset`
 //! `cargo run -p step08-inference --bin decode-exercise -- prefill-by-steps`
+//! `cargo run -p step08-inference --bin decode-exercise -- sum-groups`
 
 use std::process::ExitCode;
 
@@ -18,16 +20,19 @@ use step08_inference::exercise;
 mod key_offset;
 #[path = "../../exercises/prefill_by_steps.rs"]
 mod prefill_by_steps;
+#[path = "../../exercises/sum_groups.rs"]
+mod sum_groups;
 
 /// Checks an exercise of chapter 8 on the CPU: key-offset against the rules the decoding
 /// kernel relies on and its own lookup; prefill-by-steps against prefill, within twice the
-/// step's own difference.
+/// step's own difference; sum-groups against the sum in f64.
 #[derive(Parser, Debug)]
 #[command(name = "decode-exercise")]
 struct Args {
     /// Which exercise (`key-offset`: where a token of a paged cache lives in the pool, in
     /// exercises/key_offset.rs; `prefill-by-steps`: a prompt read one token at a time, in
-    /// exercises/prefill_by_steps.rs)
+    /// exercises/prefill_by_steps.rs; `sum-groups`: each group's gradient summed into its kv
+    /// head, in exercises/sum_groups.rs)
     #[arg(value_enum)]
     exercise: Exercise,
 }
@@ -38,6 +43,8 @@ enum Exercise {
     KeyOffset,
     /// A prompt read into a new cache one token at a time
     PrefillBySteps,
+    /// Each group's gradient summed into its kv head
+    SumGroups,
 }
 
 fn main() -> ExitCode {
@@ -52,6 +59,14 @@ fn main() -> ExitCode {
             report(
                 exercise::PREFILL_TEMPLATE,
                 exercise::PREFILL_SOLUTION,
+                verdict,
+            )
+        }
+        Exercise::SumGroups => {
+            let verdict = exercise::check_sum_groups(&sum_groups::sum_groups);
+            report(
+                exercise::GROUPS_TEMPLATE,
+                exercise::GROUPS_SOLUTION,
                 verdict,
             )
         }
