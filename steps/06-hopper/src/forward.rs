@@ -32,7 +32,7 @@ unsafe impl DeviceRepr for TensorMap {}
 /// `x` must describe values of a live allocation on this GPU's context (its layout checked
 /// against the shape, 16-byte aligned: [`Layout::check`]); with [`TmaRank::Three`] its
 /// layout must merge batches and heads ([`TmaRank::of`]).
-pub(crate) unsafe fn tensor_map(
+pub unsafe fn tensor_map(
     x: Strided,
     dtype: Dtype,
     s: Shape,

@@ -380,7 +380,8 @@ impl BackwardPass {
         }
     }
 
-    fn source(self) -> &'static str {
+    /// The kernel's source (after [`HOPPER_CUH`] and [`BACKWARD_CUH`]).
+    pub fn source(self) -> &'static str {
         match self {
             BackwardPass::Dkdv => include_str!("../kernels/backward_1_dkdv.cu"),
             BackwardPass::Dq => include_str!("../kernels/backward_1_dq.cu"),

@@ -23,16 +23,25 @@
 //! - [`cpu`](mod@cpu): the online softmax and the blockwise backward over the block mask's
 //!   tiles, [`forward`], [`backward`] and their `_with` forms that take a block mask and
 //!   count the [`Work`](cpu::Work).
+//! - [`cuda`]: the GPU's side: the mask's CUDA compiled by NVRTC into step 06's Hopper
+//!   forwards (rungs 1 and 4: `kernels/masked_1_wgmma.cu`, `masked_4_overlap.cu`) and its
+//!   one-pass backward (`masked_backward.cu`), with `masked.cuh`; the block mask computed
+//!   on the GPU (`kernels/block_mask.cu`) as a [`DeviceMask`](cuda::DeviceMask);
+//!   [`cuda::forward`] and [`cuda::backward`].
+//! - [`rule`]: FlashAttention's rule on the GPU, attention by hand in 16 bits with the same
+//!   mask and score function as its baseline.
 //! - [`exercise`]: chapter 9's CPU exercise, a dilated sliding window written by the reader
 //!   in `exercises/dilated.rs` and checked by `masks-exercise dilated`; the solution is
 //!   [`dilated`](mod@dilated).
 
 pub mod block;
 pub mod cpu;
+pub mod cuda;
 pub mod dilated;
 pub mod exercise;
 pub mod mask;
 pub mod reference;
+pub mod rule;
 pub mod shape;
 
 pub use block::{BlockMask, BlockSizes, Tile};

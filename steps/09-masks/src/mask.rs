@@ -280,6 +280,23 @@ impl Documents {
         &self.ids
     }
 
+    /// The first token of each token's document, `[rows, tokens]` row-major: with the ids,
+    /// what the GPU reads as `data` ([`Mask::gpu_data`]), so that a row's keys are one
+    /// interval, from its document's first token to itself.
+    pub fn starts(&self) -> Vec<i32> {
+        let mut starts = Vec::with_capacity(self.ids.len());
+        for row in self.ids.chunks(self.tokens.max(1)) {
+            let mut start = 0;
+            for (t, &id) in row.iter().enumerate() {
+                if t > 0 && id != row[t - 1] {
+                    start = t as i32;
+                }
+                starts.push(start);
+            }
+        }
+        starts
+    }
+
     /// The document of token `t` of sequence `b`.
     pub fn id(&self, b: usize, t: usize) -> i32 {
         let row = if self.rows == 1 { 0 } else { b };
@@ -504,12 +521,51 @@ impl Mask {
                 });
             }
         };
+        // a mask whose rows are each one interval of keys says so: the kernels then compare
+        // a key with two bounds, as step 06's causal mask compares it with one (keys lo..hi
+        // of query q, of tk in all: no bound may pass tk − 1 but q's own)
+        let interval = match self {
+            Mask::Causal => Some(("0".to_string(), "q".to_string())),
+            Mask::Full => Some(("0".to_string(), "tk - 1".to_string())),
+            Mask::Sliding { window } => {
+                Some((format!("q - {window} + 1"), "q".to_string()))
+            }
+            Mask::PrefixLm { prefix } => {
+                Some(("0".to_string(), format!("max(q, min({prefix}, tk) - 1)")))
+            }
+            // from the document's first token: the starts follow the ids in `data`
+            Mask::Documents(d) => {
+                let stride = if d.rows == 1 { 0 } else { d.tokens };
+                Some((
+                    format!("data[{} + (long long)b * {stride} + q]", d.rows * d.tokens),
+                    "q".to_string(),
+                ))
+            }
+            Mask::Custom(_) => None,
+        };
+        let interval = interval.map_or(String::new(), |(lo, hi)| {
+            format!(
+                "#define MASK_INTERVAL 1\n\
+                 __device__ __forceinline__ void mask_interval(int b, int h, int q, int tk, \
+                 const int* __restrict__ data, int& lo, int& hi) {{\n    \
+                 lo = {lo};\n    hi = {hi};\n}}\n"
+            )
+        });
         Ok(format!(
-            "// mask {}\n{MASK_SIGNATURE} {{\n    {body}\n}}\n",
+            "// mask {}\n{MASK_SIGNATURE} {{\n    {body}\n}}\n{interval}",
             self.name()
         ))
     }
     // ANCHOR_END: mask_cuda
+
+    /// What the GPU reads as `data`: a document mask's ids, then each token's document's
+    /// first token ([`Documents::starts`]); `None` for other masks.
+    pub fn gpu_data(&self) -> Option<Vec<i32>> {
+        match self {
+            Mask::Documents(d) => Some([d.ids(), &d.starts()].concat()),
+            _ => None,
+        }
+    }
 
     /// The mask's document ids, for the GPU's `data` argument; `None` for other masks.
     pub fn data(&self) -> Option<&[i32]> {
@@ -591,13 +647,17 @@ impl ScoreMod {
         let (value, grad) = match self {
             ScoreMod::None => ("return s;".to_string(), "return 1.0f;".to_string()),
             ScoreMod::SoftCap { cap } => {
+                let inverse = float_literal(1.0 / cap);
                 let cap = float_literal(*cap);
-                // tanh(x) = 1 − 2/(e^2x + 1), with the fast exponential and division:
-                // tanhf's slow path costs the backward registers it does not have
-                let t = format!("1.0f - __fdividef(2.0f, __expf(2.0f * s / {cap}) + 1.0f)");
+                // tanh in one instruction of the multifunction unit (relative error
+                // 2^-11, below a 16-bit score's rounding), as FlashAttention-3's
+                // soft-capping: tanhf costs several, and registers the backward does not have
+                let t = format!(
+                    "float t;\n    asm(\"tanh.approx.f32 %0, %1;\" : \"=f\"(t) : \"f\"(s * {inverse}));"
+                );
                 (
-                    format!("return {cap} * ({t});"),
-                    format!("const float t = {t};\n    return 1.0f - t * t;"),
+                    format!("{t}\n    return {cap} * t;"),
+                    format!("{t}\n    return 1.0f - t * t;"),
                 )
             }
             ScoreMod::Alibi { heads } => (

@@ -192,8 +192,12 @@ fn the_cuda_text_writes_the_parameters_in() {
     assert!(none.contains("float score_mod(float s, int b, int h, int q, int k)"));
     assert!(none.contains("float score_mod_grad(float s, int b, int h, int q, int k)"));
     let cap = ScoreMod::SoftCap { cap: 30.0 }.cuda().unwrap();
+    // the cap and its inverse, tanh in one instruction
     assert!(
-        cap.contains("s / 30.0f") && !cap.contains("IDENTITY"),
+        cap.contains("return 30.0f * t")
+            && cap.contains("s * 0.033333335f")
+            && cap.contains("tanh.approx.f32")
+            && !cap.contains("IDENTITY"),
         "{cap}"
     );
     assert!(
@@ -355,4 +359,44 @@ fn bad_input_is_refused_naming_the_value_and_what_is_accepted() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("do not divide"), "{e}");
+}
+
+/// Every built-in mask tells the kernels its rows' interval of keys, and a document mask's
+/// data holds each token's document's first token after the ids; a user's mask has none.
+#[test]
+fn built_in_masks_give_their_rows_interval() {
+    for (mask, lo, hi) in [
+        (Mask::Causal, "lo = 0;", "hi = q;"),
+        (Mask::Full, "lo = 0;", "hi = tk - 1;"),
+        (Mask::Sliding { window: 7 }, "lo = q - 7 + 1;", "hi = q;"),
+        (
+            Mask::PrefixLm { prefix: 5 },
+            "lo = 0;",
+            "hi = max(q, min(5, tk) - 1);",
+        ),
+    ] {
+        let text = mask.cuda().unwrap();
+        assert!(text.contains("#define MASK_INTERVAL 1"), "{text}");
+        assert!(text.contains(lo) && text.contains(hi), "{text}");
+    }
+    let docs = Documents::from_cu_seqlens(5, &[vec![0, 2, 5], vec![0, 3, 5]]).unwrap();
+    assert_eq!(docs.starts(), vec![0, 0, 2, 2, 2, 0, 0, 0, 3, 3]);
+    let mask = Mask::Documents(docs);
+    assert!(
+        mask.cuda()
+            .unwrap()
+            .contains("lo = data[10 + (long long)b * 5 + q];")
+    );
+    assert_eq!(
+        mask.gpu_data().unwrap(),
+        vec![0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 0, 0, 2, 2, 2, 0, 0, 0, 3, 3]
+    );
+    let custom =
+        CustomMask::new("mine", |_, _, q, k| k <= q).with_cuda("bool mask_mod(...)");
+    assert!(
+        !Mask::Custom(custom)
+            .cuda()
+            .unwrap()
+            .contains("MASK_INTERVAL")
+    );
 }
