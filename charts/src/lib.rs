@@ -28,6 +28,7 @@
 //! - [`decode`]: decoding's tables and chart, from `charts/data/decode*.json`. // [step 08]
 //! - [`decode_cpu`]: decoding on the CPU, from `charts/data/decode-cpu*.json`. // [step 08]
 //! - [`grouped`]: grouped-query attention's tables, from `charts/data/grouped*.json`. // [step 08]
+//! - [`masks`]: the masks' tables and charts, from `charts/data/masks-*.json`. // [step 09]
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -42,6 +43,7 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 pub mod decode; // [step 08]
 pub mod decode_cpu; // [step 08]
 pub mod grouped; // [step 08]
+pub mod masks; // [step 09]
 pub mod train; // [step 05]
 
 /// Measurements with charts of their own, apart from the main CPU and GPU ones: the rows of
@@ -135,6 +137,10 @@ pub fn render_dir(dir: &Path) -> Result<Vec<(String, String)>, String> {
         &data,
     )?)?);
     // [/step 08]
+    // [step 09]
+    // the masked kernels against FlexAttention, a head dim at a time
+    charts.extend(masks::render_all(&masks::read(&data)?)?);
+    // [/step 09]
     Ok(charts)
 }
 
@@ -163,6 +169,7 @@ fn read_files(dir: &Path, keep: impl Fn(&Path) -> bool) -> Result<Vec<Row>, Stri
         .filter(|p| p.extension().is_some_and(|x| x == "json") && keep(p))
         .filter(|p| !train::is_run_file(p)) // [step 05]
         .filter(|p| !is_inference_file(p)) // [step 08]
+        .filter(|p| !masks::is_mask_file(p)) // [step 09]
         .collect();
     files.sort();
     let mut rows = Vec::new();
@@ -354,6 +361,10 @@ const STYLES: &[Style] = &[
     ours("cpu_fast_path", "fast path: a shard per core, faer's products", "fast path", 5, RGBColor(0x00, 0x44, 0x1b), Marker::Diamond),
     peer("pytorch_compiled", "", "PyTorch's default SDPA, torch.compile", "compiled", RGBColor(0xe7, 0x29, 0x8a), Marker::Cross),
     // [/step 05]
+    // [step 09]
+    ours("masked", "masks as code: step 06's Hopper kernels with the mask compiled in", "masked", 9, RGBColor(0x31, 0x82, 0xbd), Marker::Circle),
+    peer("flex_attention", "", "FlexAttention via PyTorch (torch.compile, a block mask)", "FlexAttention", RGBColor(0x80, 0x00, 0x26), Marker::Square),
+    // [/step 09]
 ];
 
 /// Our best method at each length against the peer it is compared with, in the tables: the

@@ -118,7 +118,8 @@ def main():
                                          heads=args.heads, tokens=t, head_dim=d, dtype="bf16", mask=spec,
                                          pass_=pass_, ms=ms, error=error))
                         print(f"{name:<15} {spec:<26} {d:>4} {t:>6} {pass_:>8} {ms if ms is None else round(ms, 3)} {error or ''}", flush=True)
-    text = "[\n" + ",\n".join(json.dumps(r).replace('"pass_"', '"pass"') for r in rows) + "\n]\n"
+    # a row a line, indented as flash_core::row::row_a_line lays out every file of charts/data/
+    text = "[\n" + ",\n".join("  " + json.dumps(r).replace('"pass_"', '"pass"') for r in rows) + "\n]\n"
     folder = os.path.dirname(os.path.abspath(args.out))
     with tempfile.NamedTemporaryFile("w", dir=folder, delete=False) as f:
         f.write(text)
