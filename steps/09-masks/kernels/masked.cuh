@@ -133,7 +133,8 @@ __device__ __forceinline__ void apply_mods(float (&sc)[64], bool partial, u64 bi
 // log-sum-exp of −∞, as step 07's merge reads an empty part; `tokens` is tq
 __device__ __forceinline__ void
 store_masked_output(const float (&o)[HALVES][32], const float (&m)[2], const float (&l)[2],
-                    u16* __restrict__ out, const Layout& out_layout, float* __restrict__ lse,
+                    u16* __restrict__ out, const Layout& out_layout,
+                    float* __restrict__ lse,
                     int head, int r0, int tokens, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -60,7 +60,8 @@ extern "C" __global__ void __maxnreg__(MAX_REGS) masked_forward(
       mbar_expect_tx(smem_u32(&qbar), BLOCK_M * ROW_BYTES);
       tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), BLOCK_M, mb * BLOCK_M, head, heads);
       for (int i = 0; i < n_blocks; ++i) {
-        const int s = i % STAGES, entry = list.at(row, mb, i), key0 = (entry >> 1) * BLOCK_N;
+        const int s = i % STAGES, entry = list.at(row, mb, i);
+        const int key0 = (entry >> 1) * BLOCK_N;
         if (i >= STAGES) mbar_wait(smem_u32(&empty[s]), ((i / STAGES) - 1) & 1);
         stage_entry[s] = entry;
         mbar_expect_tx(smem_u32(&full[s]), 2 * BLOCK_N * ROW_BYTES);

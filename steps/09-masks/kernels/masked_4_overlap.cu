@@ -71,6 +71,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) masked_forward
     if (tid == 128 * WGS && n_blocks > 0) {
       mbar_expect_tx(smem_u32(&qbar), BLOCK_M * ROW_BYTES);
       tma_load(smem_u32(sq), &map_q, smem_u32(&qbar), BLOCK_M, mb * BLOCK_M, head, heads);
+      // ANCHOR: masked_producer
       // the list's i-th block of keys or values into buffer i % STAGES
       auto load = [&](const TensorMap* map, unsigned char* tiles, u64* full, u64* empty,
                       int i) {
@@ -86,6 +87,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) masked_forward
         if (i < n_blocks) load(&map_k, sk, full_k, empty_k, i);
         load(&map_v, sv, full_v, empty_v, i - 1);
       }
+      // ANCHOR_END: masked_producer
     }
     return;
   }
@@ -139,6 +141,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) masked_forward
       asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (wg + 1) % WGS) : "memory");
   };
 
+  // ANCHOR: masked_block
   // block i's entry, once its keys have landed, and its mask: a bit a score (all ones
   // when the block is full, or when the mask is an interval a row)
   int entry;
@@ -146,9 +149,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) masked_forward
   auto block_ready = [&](int i) {
     keys_ready(i);
     entry = stage_entry[i % STAGES];
-    bits = MASK_INTERVAL || (entry & 1) ? ~0ull
-                                        : visible_bits((entry >> 1) * BLOCK_N, r0, lane, args);
+    bits = MASK_INTERVAL || (entry & 1)
+               ? ~0ull
+               : visible_bits((entry >> 1) * BLOCK_N, r0, lane, args);
   };
+  // ANCHOR_END: masked_block
   block_ready(0);
   my_turn();
   wgmma_fence();
@@ -158,7 +163,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) masked_forward
   wgmma_wait0();
   fence_operands(sc);
   keys_done(0);
-  apply_mods(sc, (entry & 1) == 0, bits, keys, (entry >> 1) * BLOCK_N, r0, lane, scale, args);
+  apply_mods(sc, (entry & 1) == 0, bits, keys, (entry >> 1) * BLOCK_N, r0, lane, scale,
+             args);
   softmax(sc, m, l, corr, exp_scale);
   pack_fragments<BLOCK_N>(p, sc);
   for (int i = 1; i < n_blocks; ++i) {
@@ -180,7 +186,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) masked_forward
     wgmma_wait1();
     fence_operands(sc);
     keys_done(i);
-    apply_mods(sc, (entry & 1) == 0, bits, keys, (entry >> 1) * BLOCK_N, r0, lane, scale, args);
+    apply_mods(sc, (entry & 1) == 0, bits, keys, (entry >> 1) * BLOCK_N, r0, lane, scale,
+             args);
     softmax(sc, m, l, corr, exp_scale);
     wgmma_wait0();
     fence_operands(o);

@@ -8,13 +8,14 @@
 // backward.cuh's producer for the one pass, its stream of query blocks taken from the
 // list: the block's keys and values once, then each listed block of STREAM queries with
 // its rows' log-sum-exps (in base 2) and δs, and its entry in stage_entry (the consumers
-// read it there, not from global memory on every block). A row past tq, or one that saw no key (a
-// log-sum-exp of −∞), gets +∞: its probabilities are then 0
+// read it there, not from global memory on every block). A row past tq, or one that saw
+// no key (a log-sum-exp of −∞), gets +∞: its probabilities are then 0
 __device__ __forceinline__ void
 produce_listed(const TensorMap* map_k, const TensorMap* map_v, const TensorMap* map_q,
                const TensorMap* map_do, unsigned char* sk, unsigned char* sv,
                unsigned char* sq, unsigned char* sdo, float (*slse)[STREAM],
-               float (*sdelta)[STREAM], int* stage_entry, u64* kv_bar, u64* full, u64* empty,
+               float (*sdelta)[STREAM], int* stage_entry, u64* kv_bar, u64* full,
+               u64* empty,
                const float* lse, const float* delta, const BlockList& list, int row,
                int kb, int head, int heads, int q_per_kv, int tq, int lane) {
   const int kv_head = head / q_per_kv, kv_heads = heads / q_per_kv;
@@ -66,7 +67,8 @@ __device__ __noinline__ void add_dq_listed(float* dq_accum, unsigned char* sdq, 
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         asm volatile(
-            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::
+            "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
+            " [%0], [%1], %2;\n" ::
                 "l"(dst + half * 32 * HEAD_DIM),
             "r"(smem_u32(sdq + b * 64 * HEAD_DIM * 4 + half * 32 * HEAD_DIM * 4)),
             "n"(32 * HEAD_DIM * 4)
@@ -88,15 +90,18 @@ __device__ __noinline__ void add_dq_listed(float* dq_accum, unsigned char* sdq, 
 // 4j+e: key kr0 + 8·(e/2), query q0 + 8j + 2·(lane%4) + e%2). Asked before the block's
 // products are issued, while only dK and dV hold registers: beside Sᵀ and dPᵀ a mask that
 // reads memory (documents) would leave the products too few
-__device__ __forceinline__ u32 visible_bits_t(int q0, int kr0, int lane, const MaskArgs& a) {
+__device__ __forceinline__ u32 visible_bits_t(int q0, int kr0, int lane,
+                                              const MaskArgs& a) {
   u32 bits = 0;
 #pragma unroll
   for (int j = 0; j < STREAM / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int key = kr0 + 8 * (e / 2), qp = q0 + 8 * j + 2 * (lane % 4) + (e % 2) + a.q_offset;
+      const int key = kr0 + 8 * (e / 2);
+      const int qp = q0 + 8 * j + 2 * (lane % 4) + (e % 2) + a.q_offset;
       // past the ends mask_mod is not asked: its data holds the tk positions only
-      if (key < a.tk && qp < a.tk && mask_mod(a.b, a.h, qp, key, a.data)) bits |= 1u << (4 * j + e);
+      if (key < a.tk && qp < a.tk && mask_mod(a.b, a.h, qp, key, a.data))
+        bits |= 1u << (4 * j + e);
     }
   }
   return bits;
@@ -175,8 +180,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     release_registers<PRODUCER_REGS>();
     if (tid < 128 * WGS + 32) {
       produce_listed(&map_k, &map_v, &map_q, &map_do, sk, sv, sq, sdo, slse, sdelta,
-                     stage_entry, &kvbar, full, empty, lse, delta, list, row, kb, head, heads,
-                     q_per_kv, tq, tid % 32);
+                     stage_entry, &kvbar, full, empty, lse, delta, list, row, kb, head,
+                     heads, q_per_kv, tq, tid % 32);
     } else if (tid < 128 * WGS + 64) {
       add_dq_listed(dq_accum, sdq, head, list, row, kb, tq, tid % 32);
     }

@@ -107,3 +107,58 @@ pub fn check_dilated(f: DilatedFn) -> Result<usize, NotYet> {
     }
     Ok(cases)
 }
+
+/// The solution of the GPU exercise, `src/dilated.cu`.
+pub const CUDA_SOLUTION: &str =
+    "steps/09-masks/src/dilated.cu (chapter 9, Exercises, under Solution)";
+
+/// The solution's CUDA, for the test that holds the checker to it.
+pub const DILATED_CU: &str = include_str!("dilated.cu");
+
+/// The windows the GPU checker tries: (window, dilation).
+pub const GPU_WINDOWS: [(usize, usize); 3] = [(4, 3), (16, 8), (64, 2)];
+
+/// A reader's CUDA `mask_mod` (`source`, which reads WINDOW and DILATION) checked on the GPU:
+/// for each of [`GPU_WINDOWS`], the masked forward and backward with it, on a shape with
+/// grouped heads and fewer queries than keys, against the `f64` reference of the definition
+/// by FlashAttention's rule. The number of windows checked, or the first that is not yet right
+/// and why.
+pub fn check_dilated_cuda(
+    gpu: &step03_cuda_forward::Gpu,
+    source: &str,
+) -> Result<usize, NotYet> {
+    let case = crate::rule::GpuCase {
+        batch: 1,
+        heads: 2,
+        kv_heads: 1,
+        tq: 200,
+        tk: 300,
+        d: 64,
+    };
+    for (n, (window, dilation)) in GPU_WINDOWS.into_iter().enumerate() {
+        let what = format!("window {window}, dilation {dilation}");
+        let solution = crate::dilated::dilated;
+        let cuda =
+            format!("#define WINDOW {window}\n#define DILATION {dilation}\n{source}");
+        let mask = Mask::Custom(
+            CustomMask::new(format!("dilated:{window}x{dilation}"), move |_, _, q, k| {
+                solution(q, k, window, dilation)
+            })
+            .with_cuda(cuda)
+            .varying(Varies {
+                batch: false,
+                head: false,
+            }),
+        );
+        crate::rule::check_on_gpu(
+            gpu,
+            case,
+            &mask,
+            &crate::mask::ScoreMod::None,
+            step03_cuda_forward::Dtype::Bf16,
+            90 + n as u64,
+        )
+        .map_err(|why| NotYet::new(what, why))?;
+    }
+    Ok(GPU_WINDOWS.len())
+}

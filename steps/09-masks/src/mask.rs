@@ -546,8 +546,8 @@ impl Mask {
         let interval = interval.map_or(String::new(), |(lo, hi)| {
             format!(
                 "#define MASK_INTERVAL 1\n\
-                 __device__ __forceinline__ void mask_interval(int b, int h, int q, int tk, \
-                 const int* __restrict__ data, int& lo, int& hi) {{\n    \
+                 __device__ __forceinline__ void mask_interval(int b, int h, int q, \
+                 int tk, const int* __restrict__ data, int& lo, int& hi) {{\n    \
                  lo = {lo};\n    hi = {hi};\n}}\n"
             )
         });

@@ -7,13 +7,19 @@
 //! softmax in f32 and rounded; the score function in f32 on the rounded scaled score, and
 //! its result rounded.
 
+use flash_core::Shape;
+use flash_core::inputs::random_normal;
 use flash_core::method::Grads;
+use flash_core::reference::{Error, error};
 use flash_core::{Attention, AttnError};
 use ndarray::{Array2, Array3, Array4, ArrayView2, ArrayView4, s};
-use step03_cuda_forward::Dtype;
 use step03_cuda_forward::host::{round, round_array};
+use step03_cuda_forward::{Dtype, Gpu};
 
+use crate::block::{BlockMask, BlockSizes};
+use crate::cuda::{self, DeviceMask, GpuMask};
 use crate::mask::{Mask, ScoreMod};
+use crate::reference::{attention_f64, backward_f64};
 use crate::shape::check_masked;
 
 /// One head's probabilities by hand in `dtype`, `[tq, tk]`: the rounded scaled scores, the
@@ -215,4 +221,139 @@ pub fn row_both_ways(
         }
     }
     (o64, o16.into_iter().map(r).collect())
+}
+
+/// A shape the GPU checks run: q `[batch, heads, tq, d]`, k and v `[batch, kv_heads, tk, d]`.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuCase {
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub tq: usize,
+    pub tk: usize,
+    pub d: usize,
+}
+
+/// Ours within twice by hand's error, plus 10⁻⁵ of the reference's size.
+fn within(what: &str, ours: Error, hand: Error, want: &Array4<f64>) -> Result<(), String> {
+    let size = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    if ours.max_abs.is_nan() || ours.max_abs > 2.0 * hand.max_abs + 1e-5 * size {
+        return Err(format!(
+            "{what}: max abs error {:.3e} > 2 × by hand's {:.3e}",
+            ours.max_abs, hand.max_abs
+        ));
+    }
+    Ok(())
+}
+
+/// The log-sum-exps: −∞ exactly where the reference's are, close elsewhere.
+fn lse_matches(what: &str, ours: &Array3<f32>, want: &Array3<f64>) -> Result<(), String> {
+    for ((idx, &o), &w) in ours.indexed_iter().zip(want.iter()) {
+        let ok = if w == f64::NEG_INFINITY {
+            o == f32::NEG_INFINITY
+        } else {
+            (o as f64 - w).abs() <= 2e-2 * (1.0 + w.abs())
+        };
+        if !ok {
+            return Err(format!(
+                "{what}: lse at {idx:?} is {o}, the reference's {w}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The masked kernels on the GPU against the `f64` reference: the block mask the GPU makes
+/// against the CPU's (the same count of visible scores), then the forward's output and
+/// log-sum-exps and the backward's gradients on seeded inputs, each within twice the error of
+/// attention by hand in `dtype`. `Err` says which array of which case is over, and by how
+/// much.
+pub fn check_on_gpu(
+    gpu: &Gpu,
+    c: GpuCase,
+    mask: &Mask,
+    score: &ScoreMod,
+    dtype: Dtype,
+    seed: u64,
+) -> Result<(), String> {
+    let what = format!("{c:?} {} {} {}", mask.name(), score.name(), dtype.name());
+    let qs = Shape::new(c.batch, c.heads, c.tq, c.d);
+    let ks = Shape::new(c.batch, c.kv_heads, c.tk, c.d);
+    let q = random_normal(qs, seed);
+    let k = random_normal(ks, seed + 1);
+    let v = random_normal(ks, seed + 2);
+    let dout = random_normal(qs, seed + 3);
+    let gm = GpuMask::new(mask, score).map_err(|e| format!("{what}: {e}"))?;
+    let dm = DeviceMask::new(gpu, &gm, c.batch, c.heads, c.tq, c.tk, c.d)
+        .map_err(|e| format!("{what}: {e}"))?;
+    // the GPU's block mask lets through as many scores as the CPU's
+    let cpu_blocks = BlockMask::new(
+        mask,
+        (c.batch, c.heads, c.tq, c.tk),
+        BlockSizes {
+            queries: cuda::TILE_Q,
+            keys: cuda::TILE_K,
+        },
+    )
+    .map_err(|e| format!("{what}: {e}"))?;
+    if dm.computed_scores() != cpu_blocks.visible() {
+        return Err(format!(
+            "{what}: the GPU's block mask counts {} visible scores, the CPU's {}",
+            dm.computed_scores(),
+            cpu_blocks.visible()
+        ));
+    }
+    let up = |x: &Array4<f32>| gpu.upload(x.view(), dtype).map_err(|e| e.to_string());
+    let (dq_, dk_, dv_, ddo) = (up(&q)?, up(&k)?, up(&v)?, up(&dout)?);
+    let fwd =
+        cuda::forward(gpu, &dq_, &dk_, &dv_, &dm).map_err(|e| format!("{what}: {e}"))?;
+    let grads = cuda::backward(gpu, &dq_, &dk_, &dv_, &fwd, &ddo, &dm)
+        .map_err(|e| format!("{what}: {e}"))?;
+    let down = |x| gpu.download(x).map_err(|e| e.to_string());
+    let out = down(&fwd.out)?;
+    let lse = gpu
+        .stream()
+        .clone_dtoh(&fwd.lse)
+        .map_err(|e| e.to_string())?;
+    let lse = Array3::from_shape_vec((c.batch, c.heads, c.tq), lse).unwrap();
+    let (dq, dk, dv) = (down(&grads.dq)?, down(&grads.dk)?, down(&grads.dv)?);
+
+    let r = |x: &Array4<f32>| round_array(x.view(), dtype);
+    let (qr, kr, vr, dr) = (r(&q), r(&k), r(&v), r(&dout));
+    let want = attention_f64(qr.view(), kr.view(), vr.view(), mask, score)
+        .map_err(|e| e.to_string())?;
+    let want_g = backward_f64(qr.view(), kr.view(), vr.view(), dr.view(), mask, score)
+        .map_err(|e| e.to_string())?;
+    let hand = by_hand_low_precision(q.view(), k.view(), v.view(), mask, score, dtype)
+        .map_err(|e| e.to_string())?;
+    let hand_g = backward_by_hand_low_precision(
+        q.view(),
+        k.view(),
+        v.view(),
+        dout.view(),
+        mask,
+        score,
+        dtype,
+    )
+    .map_err(|e| e.to_string())?;
+    within(
+        &format!("{what} out"),
+        error(&out, &want.out),
+        error(&hand.out, &want.out),
+        &want.out,
+    )?;
+    lse_matches(&what, &lse, &want.lse)?;
+    for (name, ours, hand, want) in [
+        ("dq", &dq, &hand_g.dq, &want_g.dq),
+        ("dk", &dk, &hand_g.dk, &want_g.dk),
+        ("dv", &dv, &hand_g.dv, &want_g.dv),
+    ] {
+        within(
+            &format!("{what} {name}"),
+            error(ours, want),
+            error(hand, want),
+            want,
+        )?;
+    }
+    Ok(())
 }

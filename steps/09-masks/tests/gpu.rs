@@ -8,28 +8,13 @@
 
 use flash_core::Shape;
 use flash_core::inputs::random_normal;
-use flash_core::reference::{Error, error};
-use ndarray::{Array3, Array4};
-use step03_cuda_forward::host::round_array;
 use step03_cuda_forward::{Dtype, Gpu};
 use step09_masks::cuda::{self, DeviceMask, GpuMask};
-use step09_masks::reference::{attention_f64, backward_f64};
-use step09_masks::rule::{backward_by_hand_low_precision, by_hand_low_precision};
-use step09_masks::{BlockMask, BlockSizes, CustomMask, Documents, Mask, ScoreMod, Varies};
+use step09_masks::rule::{GpuCase, check_on_gpu};
+use step09_masks::{CustomMask, Documents, Mask, ScoreMod, Varies};
 
-/// q's shape, k's heads and length.
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    batch: usize,
-    heads: usize,
-    kv_heads: usize,
-    tq: usize,
-    tk: usize,
-    d: usize,
-}
-
-const CASES: [Case; 4] = [
-    Case {
+const CASES: [GpuCase; 4] = [
+    GpuCase {
         batch: 2,
         heads: 4,
         kv_heads: 2,
@@ -37,7 +22,7 @@ const CASES: [Case; 4] = [
         tk: 300,
         d: 64,
     },
-    Case {
+    GpuCase {
         batch: 1,
         heads: 2,
         kv_heads: 1,
@@ -45,7 +30,7 @@ const CASES: [Case; 4] = [
         tk: 333,
         d: 128,
     },
-    Case {
+    GpuCase {
         batch: 2,
         heads: 3,
         kv_heads: 3,
@@ -53,7 +38,7 @@ const CASES: [Case; 4] = [
         tk: 257,
         d: 64,
     },
-    Case {
+    GpuCase {
         batch: 1,
         heads: 2,
         kv_heads: 2,
@@ -95,7 +80,7 @@ fn holes() -> Mask {
     )
 }
 
-fn masks(c: Case) -> Vec<(Mask, ScoreMod)> {
+fn masks(c: GpuCase) -> Vec<(Mask, ScoreMod)> {
     vec![
         (Mask::Causal, ScoreMod::None),
         (Mask::Full, ScoreMod::None),
@@ -111,125 +96,6 @@ fn masks(c: Case) -> Vec<(Mask, ScoreMod)> {
     ]
 }
 
-/// Ours within twice by hand's error, plus 10⁻⁵ of the reference's size.
-fn within(what: &str, ours: Error, hand: Error, want: &Array4<f64>) -> Result<(), String> {
-    let size = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
-    if ours.max_abs.is_nan() || ours.max_abs > 2.0 * hand.max_abs + 1e-5 * size {
-        return Err(format!(
-            "{what}: max abs error {:.3e} > 2 × by hand's {:.3e}",
-            ours.max_abs, hand.max_abs
-        ));
-    }
-    Ok(())
-}
-
-/// The log-sum-exps: −∞ exactly where the reference's are, close elsewhere.
-fn lse_matches(what: &str, ours: &Array3<f32>, want: &Array3<f64>) -> Result<(), String> {
-    for ((idx, &o), &w) in ours.indexed_iter().zip(want.iter()) {
-        let ok = if w == f64::NEG_INFINITY {
-            o == f32::NEG_INFINITY
-        } else {
-            (o as f64 - w).abs() <= 2e-2 * (1.0 + w.abs())
-        };
-        if !ok {
-            return Err(format!(
-                "{what}: lse at {idx:?} is {o}, the reference's {w}"
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn run_case(
-    gpu: &Gpu,
-    c: Case,
-    mask: &Mask,
-    score: &ScoreMod,
-    dtype: Dtype,
-    seed: u64,
-) -> Result<(), String> {
-    let what = format!("{c:?} {} {} {}", mask.name(), score.name(), dtype.name());
-    let qs = Shape::new(c.batch, c.heads, c.tq, c.d);
-    let ks = Shape::new(c.batch, c.kv_heads, c.tk, c.d);
-    let q = random_normal(qs, seed);
-    let k = random_normal(ks, seed + 1);
-    let v = random_normal(ks, seed + 2);
-    let dout = random_normal(qs, seed + 3);
-    let gm = GpuMask::new(mask, score).map_err(|e| format!("{what}: {e}"))?;
-    let dm = DeviceMask::new(gpu, &gm, c.batch, c.heads, c.tq, c.tk, c.d)
-        .map_err(|e| format!("{what}: {e}"))?;
-    // the GPU's block mask lets through as many scores as the CPU's
-    let cpu_blocks = BlockMask::new(
-        mask,
-        (c.batch, c.heads, c.tq, c.tk),
-        BlockSizes {
-            queries: cuda::TILE_Q,
-            keys: cuda::TILE_K,
-        },
-    )
-    .map_err(|e| format!("{what}: {e}"))?;
-    if dm.computed_scores() != cpu_blocks.visible() {
-        return Err(format!(
-            "{what}: the GPU's block mask counts {} visible scores, the CPU's {}",
-            dm.computed_scores(),
-            cpu_blocks.visible()
-        ));
-    }
-    let up = |x: &Array4<f32>| gpu.upload(x.view(), dtype).map_err(|e| e.to_string());
-    let (dq_, dk_, dv_, ddo) = (up(&q)?, up(&k)?, up(&v)?, up(&dout)?);
-    let fwd =
-        cuda::forward(gpu, &dq_, &dk_, &dv_, &dm).map_err(|e| format!("{what}: {e}"))?;
-    let grads = cuda::backward(gpu, &dq_, &dk_, &dv_, &fwd, &ddo, &dm)
-        .map_err(|e| format!("{what}: {e}"))?;
-    let down = |x| gpu.download(x).map_err(|e| e.to_string());
-    let out = down(&fwd.out)?;
-    let lse = gpu
-        .stream()
-        .clone_dtoh(&fwd.lse)
-        .map_err(|e| e.to_string())?;
-    let lse = Array3::from_shape_vec((c.batch, c.heads, c.tq), lse).unwrap();
-    let (dq, dk, dv) = (down(&grads.dq)?, down(&grads.dk)?, down(&grads.dv)?);
-
-    let r = |x: &Array4<f32>| round_array(x.view(), dtype);
-    let (qr, kr, vr, dr) = (r(&q), r(&k), r(&v), r(&dout));
-    let want = attention_f64(qr.view(), kr.view(), vr.view(), mask, score)
-        .map_err(|e| e.to_string())?;
-    let want_g = backward_f64(qr.view(), kr.view(), vr.view(), dr.view(), mask, score)
-        .map_err(|e| e.to_string())?;
-    let hand = by_hand_low_precision(q.view(), k.view(), v.view(), mask, score, dtype)
-        .map_err(|e| e.to_string())?;
-    let hand_g = backward_by_hand_low_precision(
-        q.view(),
-        k.view(),
-        v.view(),
-        dout.view(),
-        mask,
-        score,
-        dtype,
-    )
-    .map_err(|e| e.to_string())?;
-    within(
-        &format!("{what} out"),
-        error(&out, &want.out),
-        error(&hand.out, &want.out),
-        &want.out,
-    )?;
-    lse_matches(&what, &lse, &want.lse)?;
-    for (name, ours, hand, want) in [
-        ("dq", &dq, &hand_g.dq, &want_g.dq),
-        ("dk", &dk, &hand_g.dk, &want_g.dk),
-        ("dv", &dv, &hand_g.dv, &want_g.dv),
-    ] {
-        within(
-            &format!("{what} {name}"),
-            error(ours, want),
-            error(hand, want),
-            want,
-        )?;
-    }
-    Ok(())
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU (a Hopper)"]
 fn every_mask_and_score_function_keeps_the_rule_forward_and_backward() {
@@ -243,7 +109,7 @@ fn every_mask_and_score_function_keeps_the_rule_forward_and_backward() {
             } else {
                 Dtype::Bf16
             };
-            match run_case(gpu, c, &mask, &score, dtype, 100 * i as u64 + j as u64) {
+            match check_on_gpu(gpu, c, &mask, &score, dtype, 100 * i as u64 + j as u64) {
                 Ok(()) => checked += 1,
                 Err(e) => failures.push(e),
             }
@@ -285,4 +151,21 @@ fn a_mask_that_does_not_compile_names_its_line() {
         .err()
         .expect("refused");
     assert!(e.to_string().contains("NVRTC"), "{e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (a Hopper)"]
+fn the_gpu_exercise_checker_accepts_the_solution_and_refuses_the_template() {
+    use step09_masks::exercise::{DILATED_CU, GPU_WINDOWS, check_dilated_cuda};
+    let gpu = Gpu::shared().expect("a GPU");
+    assert_eq!(check_dilated_cuda(gpu, DILATED_CU), Ok(GPU_WINDOWS.len()));
+    // the template as shipped sees no key at all; a window that forgets the dilation sees
+    // too many (neither reads exercises/, which a reader fills in)
+    let none = "__device__ __forceinline__ bool mask_mod(int b, int h, int q, int k, \
+                const int* __restrict__ data) { return false; }";
+    let undilated = "__device__ __forceinline__ bool mask_mod(int b, int h, int q, int k, \
+                     const int* __restrict__ data) { return k <= q && q - k < WINDOW; }";
+    for template in [none, undilated] {
+        assert!(check_dilated_cuda(gpu, template).is_err(), "{template}");
+    }
 }

@@ -2,14 +2,17 @@
 //! (`exercises/dilated.rs`), asks it about every (query, key) pair of small windows and
 //! dilations against the definition, runs the CPU forward with it as a mask against the
 //! `f64` reference, and says `right` or `not yet` (exit 1) with the case and why.
+//! `dilated-cuda`, on a Hopper GPU: the reader's `mask_mod` in `exercises/dilated.cu`,
+//! compiled into the masked kernels, forward and backward against the `f64` reference.
 //!
-//! `cargo run -p step09-masks --bin masks-exercise -- dilated`
+//! `cargo run -p step09-masks --bin masks-exercise -- dilated` (or `dilated-cuda`)
 
 use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
 use flash_core::exercise::{quiet_panics, report};
-use step09_masks::exercise::{SOLUTION, check_dilated};
+use step03_cuda_forward::Gpu;
+use step09_masks::exercise::{CUDA_SOLUTION, SOLUTION, check_dilated, check_dilated_cuda};
 
 #[path = "../../exercises/dilated.rs"]
 mod dilated;
@@ -19,6 +22,9 @@ mod dilated;
 enum Exercise {
     /// A dilated sliding window as a mask, in exercises/dilated.rs, on the CPU
     Dilated,
+    /// The same window as CUDA, in exercises/dilated.cu, in the Hopper kernels (needs a
+    /// Hopper GPU)
+    DilatedCuda,
 }
 
 /// Checks an exercise of chapter 9. dilated, on the CPU: the reader's mask against its
@@ -38,6 +44,22 @@ fn main() -> ExitCode {
             quiet_panics();
             let verdict = check_dilated(dilated::dilated);
             report("steps/09-masks/exercises/dilated.rs", SOLUTION, verdict)
+        }
+        Exercise::DilatedCuda => {
+            let gpu = match Gpu::shared() {
+                Ok(gpu) => gpu,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let verdict =
+                check_dilated_cuda(gpu, include_str!("../../exercises/dilated.cu"));
+            report(
+                "steps/09-masks/exercises/dilated.cu",
+                CUDA_SOLUTION,
+                verdict,
+            )
         }
     }
 }

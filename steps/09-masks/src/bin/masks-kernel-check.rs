@@ -17,7 +17,8 @@ use step09_masks::cuda::{
     GpuMask, backward_kernels, backward_source, block_mask_source, forward_kernel,
     forward_source,
 };
-use step09_masks::{Documents, Mask, ScoreMod};
+use step09_masks::exercise::DILATED_CU;
+use step09_masks::{CustomMask, Documents, Mask, ScoreMod};
 
 /// Every built-in mask and score function in the masked forward and backward (bf16, both
 /// head dims, TMA rank 3), the causal mask also in f16 and with rank-4 maps, and each
@@ -59,6 +60,9 @@ fn compile(
 
 fn masks() -> Vec<(&'static str, Mask, ScoreMod)> {
     let docs = Documents::from_lengths(&[100, 200, 724]).expect("lengths of at least 1");
+    let dilated = Mask::Custom(CustomMask::new("dilated", |_, _, q, k| k <= q).with_cuda(
+        format!("#define WINDOW 16\n#define DILATION 8\n{DILATED_CU}"),
+    ));
     vec![
         ("causal", Mask::Causal, ScoreMod::None),
         ("full", Mask::Full, ScoreMod::None),
@@ -71,6 +75,8 @@ fn masks() -> Vec<(&'static str, Mask, ScoreMod)> {
             ScoreMod::SoftCap { cap: 30.0 },
         ),
         ("causal+alibi", Mask::Causal, ScoreMod::Alibi { heads: 12 }),
+        // a user's mask, asked score by score: the exercise's dilated window
+        ("custom", dilated, ScoreMod::None),
     ]
 }
 
