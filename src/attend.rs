@@ -11,6 +11,10 @@
 //! heads, tokens]`, the natural-log log-sum-exp of each row of scores), and with `--dout`
 //! also `dq.npy`, `dk.npy` and `dv.npy`.
 //!
+//! With `--mask SPEC` (`sliding:1024`, `documents:FILE,softcap:30`...) // [step 09]
+//! step 09's masked attention runs on the method's device, and k and v // [step 09]
+//! may be longer than q and have fewer heads. // [step 09]
+//! // [step 09]
 //! ## Layout
 //!
 //! - [`AttendArgs`]: what the command line gives.
@@ -47,6 +51,11 @@ pub struct AttendArgs {
     /// The gradient of the loss with respect to the output; asks for the backward pass.
     pub dout: Option<PathBuf>,
     // [/step 04]
+    // [step 09]
+    /// A mask and a score function as `--mask` takes them ([`step09_masks::MaskSpec`]):
+    /// step 09's masked attention runs on the method's device in its place.
+    pub mask: Option<String>,
+    // [/step 09]
     pub out_dir: PathBuf,
 }
 
@@ -85,6 +94,12 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
     }
     let dtype = args.dtype.unwrap_or(dtype);
     // [/step 03]
+    // [step 09]
+    // the mask brings its own backward: no method's is needed for --dout
+    if let Some(spec) = &args.mask {
+        return masked(method.device(), dtype, spec, args);
+    }
+    // [/step 09]
     // [step 04]
     if args.dout.is_some() && !method.has_backward() {
         let with: Vec<_> = methods::all()
@@ -221,6 +236,11 @@ fn decode(
             decoder.name()
         ));
     }
+    // [step 09]
+    if args.mask.is_some() {
+        return Err(crate::cli::masked_decoder(decoder.name()));
+    }
+    // [/step 09]
     let q = npy::read_f32_4d(&args.q).map_err(|e| e.to_string())?;
     let k = npy::read_f32_4d(&args.k).map_err(|e| e.to_string())?;
     let v = npy::read_f32_4d(&args.v).map_err(|e| e.to_string())?;
@@ -255,6 +275,116 @@ pub fn check_decoder_dtype(
     computes_in(&what, decoder.dtypes(), dtype)
 }
 // [/step 08]
+
+// [step 09]
+/// A masked run: q `[batch, heads, tq, head_dim]` against k and v `[batch, kv_heads, tk,
+/// head_dim]`, `tq ≤ tk` (q's rows are the last `tq` of the `tk` positions) and `kv_heads`
+/// dividing `heads`; the mask and score function of `spec`, resolved against that shape.
+/// Step 09's masked attention runs on `device`: on the CPU its blockwise forward and
+/// backward, on the GPU its Hopper kernels. Writes `out.npy` and `lse.npy` (q's rows), and
+/// with `--dout` (q's shape) `dq.npy` of q's shape and `dk.npy`, `dv.npy` of k's.
+fn masked(
+    device: methods::Device,
+    dtype: Dtype,
+    spec: &str,
+    args: &AttendArgs,
+) -> Result<Vec<PathBuf>, String> {
+    let spec = step09_masks::MaskSpec::parse(spec).map_err(|e| e.to_string())?;
+    let q = npy::read_f32_4d(&args.q).map_err(|e| e.to_string())?;
+    let k = npy::read_f32_4d(&args.k).map_err(|e| e.to_string())?;
+    let v = npy::read_f32_4d(&args.v).map_err(|e| e.to_string())?;
+    let (batch, heads, _, _) = q.dim();
+    // a documents file must cover k's positions; ALiBi takes q's head count
+    let (mask, score) = spec
+        .resolve(batch, heads, k.dim().2)
+        .map_err(|e| e.to_string())?;
+    let dout = match &args.dout {
+        Some(path) => {
+            let d = npy::read_f32_4d(path).map_err(|e| e.to_string())?;
+            same_shape(path, &d, &args.q, &q)?;
+            flash_core::check_finite("dout", &d.view())
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            Some(d)
+        }
+        None => None,
+    };
+    let failed = |e: flash_core::AttnError| format!("--mask {:?}: {e}", spec.text());
+    let (result, grads) = match device {
+        methods::Device::Cpu => {
+            let fwd = step09_masks::forward(q.view(), k.view(), v.view(), &mask, &score)
+                .map_err(failed)?;
+            let grads = match &dout {
+                Some(d) => Some(
+                    step09_masks::backward(
+                        q.view(),
+                        k.view(),
+                        v.view(),
+                        &fwd,
+                        d.view(),
+                        &mask,
+                        &score,
+                    )
+                    .map_err(failed)?,
+                ),
+                None => None,
+            };
+            (fwd, grads)
+        }
+        _ => masked_on_gpu([&q, &k, &v], dout.as_ref(), &mask, &score, dtype)
+            .map_err(failed)?,
+    };
+    let mut outputs = vec![
+        ("out.npy", result.out.view().into_dyn()),
+        ("lse.npy", result.lse.view().into_dyn()),
+    ];
+    if let Some(g) = &grads {
+        outputs.extend([
+            ("dq.npy", g.dq.view().into_dyn()),
+            ("dk.npy", g.dk.view().into_dyn()),
+            ("dv.npy", g.dv.view().into_dyn()),
+        ]);
+    }
+    write_all(&args.out_dir, outputs)
+}
+
+/// The masked forward (and with `dout` the backward) on GPU 0 in `dtype`: the block mask
+/// made on the GPU for this shape, then step 09's kernels over it; the results widened back
+/// to `f32`.
+fn masked_on_gpu(
+    [q, k, v]: [&Array4<f32>; 3],
+    dout: Option<&Array4<f32>>,
+    mask: &step09_masks::Mask,
+    score: &step09_masks::ScoreMod,
+    dtype: Dtype,
+) -> Result<(flash_core::Attention, Option<methods::Grads>), flash_core::AttnError> {
+    use step09_masks::cuda::{self, DeviceMask, GpuMask};
+    // refused here as the CPU refuses them: a NaN would spread through a block of keys
+    for (name, x) in [("q", q), ("k", k), ("v", v)] {
+        flash_core::check_finite(name, &x.view())?;
+    }
+    let (batch, heads, tq, d) = q.dim();
+    let tk = k.dim().2;
+    cuda::check_mask(mask, score, batch, heads, tk)?;
+    let gpu = step03_cuda_forward::Gpu::shared()?;
+    let device_mask =
+        DeviceMask::new(gpu, &GpuMask::new(mask, score)?, batch, heads, tq, tk, d)?;
+    let up = |x: &Array4<f32>| gpu.upload(x.view(), dtype);
+    let (q, k, v) = (up(q)?, up(k)?, up(v)?);
+    let fwd = cuda::forward(gpu, &q, &k, &v, &device_mask)?;
+    let grads = match dout {
+        Some(dout) => {
+            let g = cuda::backward(gpu, &q, &k, &v, &fwd, &up(dout)?, &device_mask)?;
+            Some(methods::Grads {
+                dq: gpu.download(&g.dq)?,
+                dk: gpu.download(&g.dk)?,
+                dv: gpu.download(&g.dv)?,
+            })
+        }
+        None => None,
+    };
+    Ok((gpu.download_attention(&fwd)?, grads))
+}
+// [/step 09]
 
 fn same_shape(
     path: &Path,
@@ -296,6 +426,7 @@ mod tests {
             v: dir.join("v.npy"),
             dtype: None, // [step 03]
             dout: None,  // [step 04]
+            mask: None,  // [step 09]
             out_dir: dir.join("out"),
         };
         (dir, args, qkv)

@@ -140,10 +140,45 @@ struct AttendFlags {
     #[arg(long, value_name = "FILE.npy")]
     dout: Option<PathBuf>,
     // [/step 04]
+    // [step 09]
+    #[arg(long, value_name = "SPEC", help = mask_help(), value_parser = parse_mask)]
+    mask: Option<String>,
+    // [/step 09]
     /// Where to write the results
     #[arg(long, value_name = "DIR")]
     out_dir: PathBuf,
 }
+
+// [step 09]
+/// `--mask`'s line in `attend --help`: what it does, and the terms step 09's parser accepts,
+/// from the parser's own list.
+fn mask_help() -> String {
+    format!(
+        "A mask and a score function (step 09): step 09's masked attention runs in the \
+         method's place on its device (the CPU's blockwise forward and backward, or the GPU's \
+         Hopper kernels), and k and v may have more tokens than q (q's rows are the last \
+         positions) and fewer heads (grouped-query attention); {}",
+        step09_masks::mask::ACCEPTED
+    )
+}
+
+/// The refusal of `--mask` with a decoder, from [`parse`] and from `attend` alike.
+pub fn masked_decoder(name: &str) -> String {
+    format!(
+        "--mask: {name:?} is a decoder, query rows against a cache with the causal diagonal \
+         built in, and takes no mask; a mask runs with a method in its place (naive on the \
+         CPU, cuda_hopper on the GPU)"
+    )
+}
+
+/// `--mask` checked where it is given, by step 09's one parser; the text is kept for
+/// `attend`, which resolves it against the inputs' shape (and reads a documents file).
+fn parse_mask(s: &str) -> Result<String, String> {
+    step09_masks::MaskSpec::parse(s)
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
+}
+// [/step 09]
 
 fn parse_device(s: &str) -> Result<Device, String> {
     Device::ALL
@@ -261,6 +296,11 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
         Some(Sub::Attend(a)) => {
             // [step 08]
             if let Some(decoder) = methods::decoder_by_name(&a.method) {
+                // [step 09]
+                if a.mask.is_some() {
+                    return Err(invalid(&mut cmd, masked_decoder(decoder.name())));
+                }
+                // [/step 09]
                 if let Some(dtype) = a.dtype {
                     crate::attend::check_decoder_dtype(decoder, dtype)
                         .map_err(|e| invalid(&mut cmd, e))?;
@@ -413,6 +453,7 @@ fn attend_args(a: AttendFlags) -> AttendArgs {
         // [step 04]
         dout: a.dout,
         // [/step 04]
+        mask: a.mask, // [step 09]
         out_dir: a.out_dir,
     }
 }

@@ -789,3 +789,192 @@ fn the_book_shows_what_the_binary_prints() {
     }
 }
 // [/step 05]
+
+// [step 09]
+/// The largest difference between `a` and the `f64` reference, and the reference's largest
+/// size (for the rule's margin).
+fn max_error<'a>(
+    a: impl IntoIterator<Item = &'a f32>,
+    want: impl IntoIterator<Item = &'a f64>,
+) -> (f64, f64) {
+    a.into_iter()
+        .zip(want)
+        .fold((0.0f64, 1.0f64), |(err, size), (&a, &w)| {
+            (err.max((a as f64 - w).abs()), size.max(w.abs()))
+        })
+}
+
+/// `attend --mask` on the CPU: 5 query rows (the last of 9 positions) on 4 heads against
+/// keys on 2 kv heads, a sliding window of 3, forward and backward; each array within twice
+/// the error of attention by hand in `f32` against the `f64` reference (FlashAttention's
+/// rule).
+#[test]
+fn attend_with_a_mask_is_within_the_2x_rule_of_the_f64_reference() {
+    use step09_masks::MaskSpec;
+    use step09_masks::reference::{
+        attention_by_hand, attention_f64, backward_by_hand, backward_f64,
+    };
+    let dir = temp_dir("attend-mask");
+    let (qs, ks) = (Shape::new(2, 4, 5, 16), Shape::new(2, 2, 9, 16));
+    let q = random_qkv(qs, 21)[0].clone();
+    let [k, v, _] = random_qkv(ks, 22);
+    let dout = random_qkv(qs, 23)[0].clone();
+    for (name, x) in [("q", &q), ("k", &k), ("v", &v), ("dout", &dout)] {
+        npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
+    }
+    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let o = run(&[
+        "attend",
+        "--method",
+        "naive",
+        "--mask",
+        "sliding:3",
+        "--q",
+        &p("q.npy"),
+        "--k",
+        &p("k.npy"),
+        "--v",
+        &p("v.npy"),
+        "--dout",
+        &p("dout.npy"),
+        "--out-dir",
+        &p("out"),
+    ]);
+    let (stdout, stderr) = text(&o);
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("dv.npy"), "{stdout}");
+
+    let (mask, score) = MaskSpec::parse("sliding:3")
+        .unwrap()
+        .resolve(2, 4, 9)
+        .unwrap();
+    let (q, k, v, dout) = (q.view(), k.view(), v.view(), dout.view());
+    let want = attention_f64(q, k, v, &mask, &score).unwrap();
+    let hand = attention_by_hand(q, k, v, &mask, &score).unwrap();
+    let want_g = backward_f64(q, k, v, dout, &mask, &score).unwrap();
+    let hand_g = backward_by_hand(q, k, v, dout, &mask, &score).unwrap();
+    let read = |n: &str| npy::read_f32(&dir.join("out").join(n)).unwrap();
+    let (out, lse) = (read("out.npy"), read("lse.npy"));
+    let (dq, dk, dv) = (read("dq.npy"), read("dk.npy"), read("dv.npy"));
+    assert_eq!(
+        (out.shape(), lse.shape(), dq.shape(), dk.shape()),
+        (
+            &[2, 4, 5, 16][..],
+            &[2, 4, 5][..],
+            &[2, 4, 5, 16][..],
+            &[2, 2, 9, 16][..]
+        )
+    );
+    for (name, (ours, size), (by_hand, _)) in [
+        (
+            "out",
+            max_error(&out, &want.out),
+            max_error(&hand.out, &want.out),
+        ),
+        (
+            "lse",
+            max_error(&lse, &want.lse),
+            max_error(&hand.lse, &want.lse),
+        ),
+        (
+            "dq",
+            max_error(&dq, &want_g.dq),
+            max_error(&hand_g.dq, &want_g.dq),
+        ),
+        (
+            "dk",
+            max_error(&dk, &want_g.dk),
+            max_error(&hand_g.dk, &want_g.dk),
+        ),
+        (
+            "dv",
+            max_error(&dv, &want_g.dv),
+            max_error(&hand_g.dv, &want_g.dv),
+        ),
+    ] {
+        assert!(
+            ours <= 2.0 * by_hand + 1e-5 * size,
+            "{name}: max abs error {ours:.3e} against f64, over twice by hand's {by_hand:.3e}"
+        );
+    }
+    // the window mattered: causal attention over the same keys is far from it
+    let causal = attention_f64(q, k, v, &step09_masks::Mask::Causal, &score).unwrap();
+    assert!(max_error(&out, &causal.out).0 > 1e-2);
+    fs::remove_dir_all(dir).unwrap();
+}
+
+/// A mask the parser refuses is an argument error (status 2) that says what is accepted; one
+/// that does not fit the inputs, or comes with a decoder, is refused too; nothing is written.
+#[test]
+fn attend_refuses_a_bad_mask_with_what_is_accepted_and_writes_nothing() {
+    let dir = temp_dir("attend-bad-mask");
+    let q = random_qkv(Shape::new(1, 2, 4, 8), 31)[0].clone();
+    let [k, v, _] = random_qkv(Shape::new(1, 2, 6, 8), 32);
+    let k3 = random_qkv(Shape::new(1, 3, 6, 8), 33)[0].clone();
+    for (name, x) in [("q", &q), ("k", &k), ("v", &v), ("k3", &k3), ("v3", &k3)] {
+        npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
+    }
+    // two documents of 2 and 3 tokens, where k and v hold 6
+    fs::write(dir.join("lengths.txt"), "2 3\n").unwrap();
+    let p = |n: &str| dir.join(n).to_str().unwrap().to_string();
+    let documents = format!("documents:{}", p("lengths.txt"));
+    let attend = |method: &str, mask: &str, kv: [&str; 2]| -> Vec<String> {
+        [
+            "attend",
+            "--method",
+            method,
+            "--mask",
+            mask,
+            "--q",
+            &p("q.npy"),
+            "--k",
+            &p(kv[0]),
+            "--v",
+            &p(kv[1]),
+            "--out-dir",
+            &p("out"),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let kv = ["k.npy", "v.npy"];
+    let mut cases = Vec::new();
+    for (mask, says) in [
+        ("sliding:0", "a window of 0 keys"),
+        (
+            "sliding:x",
+            "is not a whole number; accepted: comma-separated terms",
+        ),
+        ("causal,full", "gives two masks"),
+        (
+            "bogus",
+            "unknown term \"bogus\"; accepted: comma-separated terms",
+        ),
+        ("softcap:-1", "accepted:"),
+    ] {
+        let args = attend("naive", mask, kv);
+        cases.push(BadInput {
+            args,
+            status: 2,
+            says,
+        });
+    }
+    cases.push(BadInput {
+        args: attend("naive", &documents, kv),
+        status: 1,
+        says: "the documents add up to 5 tokens, but k and v hold 6",
+    });
+    cases.push(BadInput {
+        args: attend("naive", "causal", ["k3.npy", "v3.npy"]),
+        status: 1,
+        says: "the kv heads do not divide the query heads",
+    });
+    cases.push(BadInput {
+        args: attend("decode", "causal", kv),
+        status: 2,
+        says: "\"decode\" is a decoder",
+    });
+    check_bad_inputs(cases, &[&dir.join("out")]);
+    fs::remove_dir_all(dir).unwrap();
+}
+// [/step 09]
