@@ -804,21 +804,19 @@ fn max_error<'a>(
         })
 }
 
-/// `attend --mask` on the CPU: 5 query rows (the last of 9 positions) on 4 heads against
-/// keys on 2 kv heads, a sliding window of 3, forward and backward; each array within twice
-/// the error of attention by hand in `f32` against the `f64` reference (FlashAttention's
-/// rule).
-#[test]
-fn attend_with_a_mask_is_within_the_2x_rule_of_the_f64_reference() {
-    use step09_masks::MaskSpec;
-    use step09_masks::reference::{
-        attention_by_hand, attention_f64, backward_by_hand, backward_f64,
-    };
-    let dir = temp_dir("attend-mask");
-    let (qs, ks) = (Shape::new(2, 4, 5, 16), Shape::new(2, 2, 9, 16));
-    let q = random_qkv(qs, 21)[0].clone();
-    let [k, v, _] = random_qkv(ks, 22);
-    let dout = random_qkv(qs, 23)[0].clone();
+/// Seeded q and dout of shape `qs`, k and v of shape `ks`, written to `dir`; then `attend
+/// --method METHOD --mask SPEC --dout`: the four inputs, and what it wrote (out, lse, dq, dk,
+/// dv).
+fn attend_masked(
+    dir: &Path,
+    method: &str,
+    spec: &str,
+    (qs, ks): (Shape, Shape),
+    seed: u64,
+) -> ([ndarray::Array4<f32>; 4], [ndarray::ArrayD<f32>; 5]) {
+    let q = random_qkv(qs, seed)[0].clone();
+    let [k, v, _] = random_qkv(ks, seed + 1);
+    let dout = random_qkv(qs, seed + 2)[0].clone();
     for (name, x) in [("q", &q), ("k", &k), ("v", &v), ("dout", &dout)] {
         npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
     }
@@ -826,9 +824,9 @@ fn attend_with_a_mask_is_within_the_2x_rule_of_the_f64_reference() {
     let o = run(&[
         "attend",
         "--method",
-        "naive",
+        method,
         "--mask",
-        "sliding:3",
+        spec,
         "--q",
         &p("q.npy"),
         "--k",
@@ -842,8 +840,37 @@ fn attend_with_a_mask_is_within_the_2x_rule_of_the_f64_reference() {
     ]);
     let (stdout, stderr) = text(&o);
     assert!(o.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("dv.npy"), "{stdout}");
+    let read = |n: &str| npy::read_f32(&dir.join("out").join(format!("{n}.npy"))).unwrap();
+    let written = ["out", "lse", "dq", "dk", "dv"].map(read);
+    let shapes = written.each_ref().map(|x| x.shape().to_vec());
+    let (q_dims, k_dims) = (qs.dims().to_vec(), ks.dims().to_vec());
+    assert_eq!(
+        shapes,
+        [
+            q_dims.clone(),
+            q_dims[..3].to_vec(),
+            q_dims,
+            k_dims.clone(),
+            k_dims
+        ]
+    );
+    ([q, k, v, dout], written)
+}
 
+/// `attend --mask` on the CPU: 5 query rows (the last of 9 positions) on 4 heads against
+/// keys on 2 kv heads, a sliding window of 3, forward and backward; each array within twice
+/// the error of attention by hand in `f32` against the `f64` reference (FlashAttention's
+/// rule).
+#[test]
+fn attend_with_a_mask_is_within_the_2x_rule_of_the_f64_reference() {
+    use step09_masks::MaskSpec;
+    use step09_masks::reference::{
+        attention_by_hand, attention_f64, backward_by_hand, backward_f64,
+    };
+    let dir = temp_dir("attend-mask");
+    let shapes = (Shape::new(2, 4, 5, 16), Shape::new(2, 2, 9, 16));
+    let ([q, k, v, dout], [out, lse, dq, dk, dv]) =
+        attend_masked(&dir, "naive", "sliding:3", shapes, 21);
     let (mask, score) = MaskSpec::parse("sliding:3")
         .unwrap()
         .resolve(2, 4, 9)
@@ -853,18 +880,6 @@ fn attend_with_a_mask_is_within_the_2x_rule_of_the_f64_reference() {
     let hand = attention_by_hand(q, k, v, &mask, &score).unwrap();
     let want_g = backward_f64(q, k, v, dout, &mask, &score).unwrap();
     let hand_g = backward_by_hand(q, k, v, dout, &mask, &score).unwrap();
-    let read = |n: &str| npy::read_f32(&dir.join("out").join(n)).unwrap();
-    let (out, lse) = (read("out.npy"), read("lse.npy"));
-    let (dq, dk, dv) = (read("dq.npy"), read("dk.npy"), read("dv.npy"));
-    assert_eq!(
-        (out.shape(), lse.shape(), dq.shape(), dk.shape()),
-        (
-            &[2, 4, 5, 16][..],
-            &[2, 4, 5][..],
-            &[2, 4, 5, 16][..],
-            &[2, 2, 9, 16][..]
-        )
-    );
     for (name, (ours, size), (by_hand, _)) in [
         (
             "out",
@@ -900,6 +915,69 @@ fn attend_with_a_mask_is_within_the_2x_rule_of_the_f64_reference() {
     // the window mattered: causal attention over the same keys is far from it
     let causal = attention_f64(q, k, v, &step09_masks::Mask::Causal, &score).unwrap();
     assert!(max_error(&out, &causal.out).0 > 1e-2);
+    fs::remove_dir_all(dir).unwrap();
+}
+
+/// `attend --mask` with a GPU method runs step 09's Hopper kernels: 77 query rows against
+/// 333 keys on 2 kv heads, a sliding window with soft-capping, forward and backward in bf16;
+/// each array within twice the error of attention by hand in bf16 against the `f64`
+/// reference on the inputs rounded to bf16.
+#[test]
+#[ignore = "needs a Hopper GPU (sm_90)"]
+fn attend_with_a_mask_on_the_gpu_is_within_the_2x_rule() {
+    use step03_cuda_forward::host::round_array;
+    use step09_masks::MaskSpec;
+    use step09_masks::reference::{attention_f64, backward_f64};
+    use step09_masks::rule::{backward_by_hand_low_precision, by_hand_low_precision};
+    let dir = temp_dir("attend-mask-gpu");
+    let spec = "sliding:64,softcap:30";
+    let shapes = (Shape::new(1, 4, 77, 64), Shape::new(1, 2, 333, 64));
+    let ([q, k, v, dout], [out, lse, dq, dk, dv]) =
+        attend_masked(&dir, "cuda_hopper", spec, shapes, 41);
+    let (mask, score) = MaskSpec::parse(spec).unwrap().resolve(1, 4, 333).unwrap();
+    let bf16 = Dtype::Bf16;
+    let [qr, kr, vr, dr] = [&q, &k, &v, &dout].map(|x| round_array(x.view(), bf16));
+    let want = attention_f64(qr.view(), kr.view(), vr.view(), &mask, &score).unwrap();
+    let want_g =
+        backward_f64(qr.view(), kr.view(), vr.view(), dr.view(), &mask, &score).unwrap();
+    let (q, k, v, dout) = (q.view(), k.view(), v.view(), dout.view());
+    let hand = by_hand_low_precision(q, k, v, &mask, &score, bf16).unwrap();
+    let hand_g =
+        backward_by_hand_low_precision(q, k, v, dout, &mask, &score, bf16).unwrap();
+    for (name, (ours, size), (by_hand, _)) in [
+        (
+            "out",
+            max_error(&out, &want.out),
+            max_error(&hand.out, &want.out),
+        ),
+        (
+            "dq",
+            max_error(&dq, &want_g.dq),
+            max_error(&hand_g.dq, &want_g.dq),
+        ),
+        (
+            "dk",
+            max_error(&dk, &want_g.dk),
+            max_error(&hand_g.dk, &want_g.dk),
+        ),
+        (
+            "dv",
+            max_error(&dv, &want_g.dv),
+            max_error(&hand_g.dv, &want_g.dv),
+        ),
+    ] {
+        assert!(
+            ours <= 2.0 * by_hand + 1e-5 * size,
+            "{name}: max abs error {ours:.3e} against f64, over twice by hand's {by_hand:.3e}"
+        );
+    }
+    // the log-sum-exps are kept in f32: close to the reference's
+    for (&o, &w) in lse.iter().zip(&want.lse) {
+        assert!(
+            (o as f64 - w).abs() <= 2e-2 * (1.0 + w.abs()),
+            "lse {o}, f64 {w}"
+        );
+    }
     fs::remove_dir_all(dir).unwrap();
 }
 
