@@ -334,7 +334,7 @@ fn rate_chart(m: &Measured) -> Result<String, String> {
                 plot.configure_mesh()
                     .disable_y_mesh()
                     .y_labels(0)
-                    .x_desc("TFLOP/s (4·D FLOPs a kept score forward, ×3.5 with backward)")
+                    .x_desc("TFLOP/s over the kept scores (4 · head dim FLOPs each forward, ×3.5 with backward)")
                     .x_label_formatter(&|x: &f64| format!("{x:.0}"))
                     .light_line_style(RGBColor(0xee, 0xee, 0xee))
                     .label_style(("sans-serif", 20))
