@@ -1,6 +1,6 @@
 //! Every method the registry lists, on every case of the table, against the f64 reference.
 
-use cross_step_tests::{F32_MAX_ABS, cases};
+use cross_step_tests::{F32_MAX_ABS, Tally, cases};
 use flash_attention::methods::{self, Device, Dtype};
 use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
@@ -12,6 +12,12 @@ fn every_cpu_method_matches_the_f64_reference() {
         .filter(|m| m.device() == Device::Cpu)
         .collect();
     assert!(!methods.is_empty());
+    // f32 is what this test holds to F32_MAX_ABS: a CPU method that claims another dtype
+    // fails the tally until a rule for it is written here
+    let mut tally = Tally::default();
+    for m in &methods {
+        m.dtypes().iter().for_each(|&d| tally.claim(m.name(), d));
+    }
     for case in cases() {
         let [q, k, v] = random_qkv(case.shape, case.seed);
         let reference = attention_f64(q.view(), k.view(), v.view()).unwrap();
@@ -28,8 +34,10 @@ fn every_cpu_method_matches_the_f64_reference() {
                 m.name(),
                 case.shape
             );
+            tally.checked(m.name(), Dtype::F32);
         }
     }
+    tally.assert_each_claim_checked();
 }
 
 #[test]
@@ -133,51 +141,68 @@ fn every_cpu_method_returns_an_empty_output_for_empty_input() {
 }
 
 // [step 03]
-/// The CUDA methods of the registry on every case, in bf16, with FlashAttention's rule: max
-/// error against f64 at most twice that of attention by hand in bf16, plus a tiny margin.
+/// The CUDA methods of the registry on every case, in each dtype they claim, with
+/// FlashAttention's rule: max error against f64 at most twice that of attention by hand in
+/// that dtype, plus a tiny margin. Each method must be checked on at least one case of each
+/// dtype it claims: a head dim it refuses is skipped, and counted.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn every_cuda_method_is_within_twice_by_hand_error_in_bf16() {
+fn every_cuda_method_is_within_twice_by_hand_error_in_each_dtype() {
     use flash_core::AttnError;
-    use step03_cuda_forward::Dtype as GpuDtype;
     use step03_cuda_forward::host::{by_hand_low_precision, round_array};
     let methods: Vec<_> = methods::all()
         .into_iter()
         .filter(|m| m.device() == Device::Cuda)
         .collect();
     assert!(!methods.is_empty());
+    // every dtype a method claims is checked, each against attention by hand in it
+    let mut tally = Tally::default();
+    for m in &methods {
+        m.dtypes().iter().for_each(|&d| tally.claim(m.name(), d));
+    }
+    let dtypes = [Dtype::Bf16, Dtype::F16];
     for case in cases() {
         let [q, k, v] = random_qkv(case.shape, case.seed);
-        let rounded = [&q, &k, &v].map(|x| round_array(x.view(), GpuDtype::Bf16));
-        let reference =
-            attention_f64(rounded[0].view(), rounded[1].view(), rounded[2].view()).unwrap();
-        let by_hand = error(
-            &by_hand_low_precision(q.view(), k.view(), v.view(), GpuDtype::Bf16),
-            &reference.out,
-        );
-        for m in &methods {
-            let got = match m.forward(q.view(), k.view(), v.view(), Dtype::Bf16) {
-                Ok(got) => got,
-                // the first rungs of the ladder keep a row in registers: not every head dim
-                Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
-                    println!("{:>16} {}: {e}", m.name(), case.shape);
-                    continue;
-                }
-                Err(e) => panic!("{} failed on {}: {e}", m.name(), case.shape),
-            };
-            let out = error(&got.out, &reference.out);
-            println!(
-                "{:>16} {}: out {out}; by hand in bf16 {by_hand}",
-                m.name(),
-                case.shape
+        for dtype in dtypes {
+            let rounded = [&q, &k, &v].map(|x| round_array(x.view(), dtype));
+            let reference =
+                attention_f64(rounded[0].view(), rounded[1].view(), rounded[2].view())
+                    .unwrap();
+            let by_hand = error(
+                &by_hand_low_precision(q.view(), k.view(), v.view(), dtype),
+                &reference.out,
             );
-            assert!(
-                out.max_abs <= 2.0 * by_hand.max_abs + 1e-5,
-                "{} on {}: out {out}; by hand in bf16 {by_hand}",
-                m.name(),
-                case.shape
-            );
+            for m in methods.iter().filter(|m| m.dtypes().contains(&dtype)) {
+                let got = match m.forward(q.view(), k.view(), v.view(), dtype) {
+                    Ok(got) => got,
+                    // the first rungs of the ladder keep a row in registers: not every
+                    // head dim
+                    Err(e @ AttnError::UnsupportedHeadDim { .. }) => {
+                        println!("{:>16} {} {dtype}: {e}", m.name(), case.shape);
+                        tally.refused(m.name(), dtype);
+                        continue;
+                    }
+                    Err(e) => {
+                        panic!("{} failed on {} in {dtype}: {e}", m.name(), case.shape)
+                    }
+                };
+                let out = error(&got.out, &reference.out);
+                println!(
+                    "{:>16} {} {dtype}: out {out}; by hand {by_hand}",
+                    m.name(),
+                    case.shape
+                );
+                assert!(
+                    out.max_abs <= 2.0 * by_hand.max_abs + 1e-5,
+                    "{} on {} in {dtype}: out {out}; by hand {by_hand}",
+                    m.name(),
+                    case.shape
+                );
+                tally.checked(m.name(), dtype);
+            }
         }
     }
+    // a method that claims a dtype outside `dtypes` fails here, unchecked
+    tally.assert_each_claim_checked();
 }
 // [/step 03]

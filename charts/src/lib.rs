@@ -1232,8 +1232,10 @@ mod tests {
 
     #[test]
     fn charts_scale_to_the_column() {
+        let mut svgs = 0;
         for (name, svg) in render_all(&sample()).unwrap() {
             if name.ends_with(".svg") {
+                svgs += 1;
                 assert!(
                     svg.starts_with("<svg width=\"100%\" viewBox=\"0 0 900 "),
                     "{name}: {}",
@@ -1246,6 +1248,7 @@ mod tests {
                 );
             }
         }
+        assert!(svgs > 0, "the sample rows give no SVG chart");
     }
 
     #[test]
@@ -1342,7 +1345,12 @@ mod tests {
         // tests run in their package's folder: charts/ in this checkout, wherever it was
         // built
         let dir = Path::new(".");
-        for (name, svg) in render_dir(dir).unwrap() {
+        let charts = render_dir(dir).unwrap();
+        assert!(
+            !charts.is_empty(),
+            "charts/data/ gives no charts: the committed ones are checked against nothing"
+        );
+        for (name, svg) in charts {
             let committed = fs::read_to_string(dir.join(&name)).unwrap_or_default();
             assert!(
                 committed == svg,

@@ -977,8 +977,10 @@ mod tests {
 
     #[test]
     fn training_charts_scale_to_the_column() {
+        let mut svgs = 0;
         for (name, svg) in render_all(&sample()).unwrap() {
             if name.ends_with(".svg") {
+                svgs += 1;
                 let root = svg.lines().next().unwrap();
                 assert!(
                     root.starts_with("<svg width=\"100%\" viewBox=\"0 0 900 "),
@@ -990,6 +992,7 @@ mod tests {
                 );
             }
         }
+        assert!(svgs > 0, "the sample runs give no SVG chart");
     }
 
     #[test]
@@ -1126,7 +1129,13 @@ mod tests {
     fn committed_training_charts_are_regenerated_from_committed_data() {
         let dir = Path::new(".");
         let runs = read_runs(&dir.join("data")).unwrap();
-        for (name, text) in render_all(&runs).unwrap() {
+        let charts = render_all(&runs).unwrap();
+        assert!(
+            !charts.is_empty(),
+            "charts/data/train-*.json gives no charts: the committed ones are checked against \
+             nothing"
+        );
+        for (name, text) in charts {
             let committed = fs::read_to_string(dir.join(&name)).unwrap_or_default();
             assert!(
                 committed == text,
