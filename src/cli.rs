@@ -63,8 +63,13 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Sub {
-    /// Run one method on q, k, v from .npy files and write out.npy and lse.npy (and, with
-    /// --dout, dq.npy, dk.npy, dv.npy), to check it against any framework.
+    /// Run one method on q, k, v from .npy files and write out.npy and lse.npy
+    // clap joins a paragraph's lines with a space: the text reads whole with or without
+    // step 04's words
+    // [step 04]
+    /// (and, with --dout, dq.npy, dk.npy, dv.npy),
+    // [/step 04]
+    /// to check it against any framework.
     Attend(AttendFlags),
     #[command(name = PEAK_CHILD, hide = true)]
     PeakChild(BenchFlags),
