@@ -24,7 +24,6 @@
 //!   any writer (a [`flash_core::files::Staged`] file).
 //! - [`NpyError`]: the file and what was wrong with it.
 
-use std::fmt;
 use std::fs::File;
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -35,19 +34,12 @@ use ndarray::{Array4, ArrayD, ArrayView, Dimension};
 use ndarray_npy::{ReadNpyError, ReadNpyExt, WriteNpyExt};
 
 /// What was wrong with one `.npy` file.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}: {what}", .path.display())]
 pub struct NpyError {
     pub path: PathBuf,
     pub what: String,
 }
-
-impl fmt::Display for NpyError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.path.display(), self.what)
-    }
-}
-
-impl std::error::Error for NpyError {}
 
 fn error(path: &Path, what: impl Into<String>) -> NpyError {
     NpyError {

@@ -153,74 +153,56 @@ impl fmt::Display for Shape {
 }
 
 /// Why an attention call refused its input or could not finish.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum AttnError {
     /// q, k and v (or an output gradient) do not all have one shape.
+    #[error(
+        "shape mismatch: {what}; q, k and v must all be [batch, heads, tokens, head_dim] with the same four sizes"
+    )]
     ShapeMismatch { what: String },
     /// The head dim is zero, so the scale `1/√d` is undefined.
+    #[error(
+        "head_dim is 0: the scores are scaled by 1/sqrt(head_dim), so head_dim must be at least 1"
+    )]
     ZeroHeadDim,
     /// The method handles only some head dims.
+    #[error("head_dim {head_dim} is not supported by this method; supported: {supported}")]
     UnsupportedHeadDim { head_dim: usize, supported: String },
     /// Some other size the method cannot take (too many tokens for its indices, say).
+    #[error("unsupported input: {what}")]
     Unsupported { what: String },
     /// An input holds a NaN or an infinity: `what` names the tensor, the first such value
     /// and its position.
+    #[error(
+        "non-finite input: {what}; every value of q, k, v (and dout) must be a finite number"
+    )]
     NonFinite { what: String },
     /// Allocating `bytes` failed: the input is too large for this method on this machine.
     /// `bytes` is 0 when the allocator did not say how much was asked for (a GPU driver).
+    #[error(
+        "out of memory: {what}{}; try fewer tokens, sequences or heads, or a method that keeps no T×T table",
+        needs(*.bytes)
+    )]
     OutOfMemory { what: String, bytes: u128 },
     /// No usable device, or the device failed (no GPU, no NVRTC, a failed compile or
     /// launch).
+    #[error("device error: {what}")]
     Device { what: String },
     // [step 04]
     /// A backward pass was asked of a method that has none.
+    #[error("no backward pass in {method:?}")]
     NoBackward { method: String },
     // [/step 04]
 }
 
-impl fmt::Display for AttnError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            AttnError::ShapeMismatch { what } => write!(
-                f,
-                "shape mismatch: {what}; q, k and v must all be [batch, heads, tokens, head_dim] with the same four sizes"
-            ),
-            AttnError::ZeroHeadDim => write!(
-                f,
-                "head_dim is 0: the scores are scaled by 1/sqrt(head_dim), so head_dim must be at least 1"
-            ),
-            AttnError::UnsupportedHeadDim {
-                head_dim,
-                supported,
-            } => {
-                write!(
-                    f,
-                    "head_dim {head_dim} is not supported by this method; supported: {supported}"
-                )
-            }
-            AttnError::Unsupported { what } => write!(f, "unsupported input: {what}"),
-            AttnError::NonFinite { what } => write!(
-                f,
-                "non-finite input: {what}; every value of q, k, v (and dout) must be a finite number"
-            ),
-            AttnError::OutOfMemory { what, bytes: 0 } => write!(
-                f,
-                "out of memory: {what}: the device said out of memory; try fewer tokens, sequences or heads, or a method that keeps no T×T table"
-            ),
-            AttnError::OutOfMemory { what, bytes } => write!(
-                f,
-                "out of memory: {what} needs {:.1} MB; try fewer tokens, sequences or heads, or a method that keeps no T×T table",
-                *bytes as f64 / 1e6
-            ),
-            AttnError::Device { what } => write!(f, "device error: {what}"),
-            // [step 04]
-            AttnError::NoBackward { method } => write!(f, "no backward pass in {method:?}"),
-            // [/step 04]
-        }
+/// What an [`AttnError::OutOfMemory`] says of its size: the megabytes asked for, or that
+/// the device said no without a number.
+fn needs(bytes: u128) -> String {
+    match bytes {
+        0 => ": the device said out of memory".to_string(),
+        _ => format!(" needs {:.1} MB", bytes as f64 / 1e6),
     }
 }
-
-impl std::error::Error for AttnError {}
 
 // [step 08]
 /// The shape k and v have in grouped-query attention: q's, with `kv_heads` heads, each
@@ -390,6 +372,29 @@ pub fn try_zeros<A: Clone + Default>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The one message built from a field's value rather than written out: with and
+    /// without the size of the allocation that failed.
+    #[test]
+    fn out_of_memory_names_the_size_when_it_is_known() {
+        let oom = |bytes| {
+            AttnError::OutOfMemory {
+                what: "the scores".into(),
+                bytes,
+            }
+            .to_string()
+        };
+        let advice =
+            "; try fewer tokens, sequences or heads, or a method that keeps no T×T table";
+        assert_eq!(
+            oom(0),
+            format!("out of memory: the scores: the device said out of memory{advice}")
+        );
+        assert_eq!(
+            oom(12_345_678),
+            format!("out of memory: the scores needs 12.3 MB{advice}")
+        );
+    }
 
     #[test]
     fn counts_say_what_is_accepted_and_how_large_they_may_be() {

@@ -46,7 +46,6 @@ pub mod model;
 pub mod optim;
 pub mod train;
 
-use std::fmt;
 use std::path::Path;
 
 pub use checkpoint::Checkpoint;
@@ -61,25 +60,32 @@ use flash_core::AttnError;
 use flash_core::files::FileError;
 
 /// What can go wrong, each with a message that says what was wrong and what is accepted.
-#[derive(Debug)]
+#[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     /// A model or run that cannot be: a shape, a length, a flag.
+    #[error("{0}")]
     Config(String),
     /// A corpus that cannot be trained on.
+    #[error("{0}")]
     Data(String),
     /// A checkpoint that cannot be read or does not fit.
+    #[error("{0}")]
     Checkpoint(String),
     /// A file that could not be read or written.
+    #[error("{path}: {source}")]
     Io {
         path: String,
         source: std::io::Error,
     },
     /// An output that cannot be written where it was asked for, or a write that failed
     /// (and left the old file as it was).
-    File(FileError),
+    #[error("{0}")]
+    File(#[from] FileError),
     /// The attention refused its inputs.
-    Attention(AttnError),
+    #[error("attention: {0}")]
+    Attention(#[from] AttnError),
     /// The GPU: none, a missing library, a failed launch, or out of its memory.
+    #[error("GPU: {0}")]
     Device(AttnError),
 }
 
@@ -89,33 +95,5 @@ impl TrainError {
             path: path.display().to_string(),
             source,
         }
-    }
-}
-
-impl fmt::Display for TrainError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            TrainError::Config(m) | TrainError::Data(m) | TrainError::Checkpoint(m) => {
-                f.write_str(m)
-            }
-            TrainError::Io { path, source } => write!(f, "{path}: {source}"),
-            TrainError::File(e) => write!(f, "{e}"),
-            TrainError::Attention(e) => write!(f, "attention: {e}"),
-            TrainError::Device(e) => write!(f, "GPU: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for TrainError {}
-
-impl From<FileError> for TrainError {
-    fn from(e: FileError) -> Self {
-        TrainError::File(e)
-    }
-}
-
-impl From<AttnError> for TrainError {
-    fn from(e: AttnError) -> Self {
-        TrainError::Attention(e)
     }
 }
