@@ -1,13 +1,14 @@
 //! One warpgroup, one tile: `S = Q·Kᵀ` from shared memory and `O = bf16(S)·V` with `P` from
 //! registers (`kernels/wgmma_probe.cu`), checked against the same products on the host.
 
+use std::borrow::Cow;
+
 use cudarc::driver::sys::CUtensorMapDataType;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::AttnError;
 use flash_core::inputs::SplitMix64;
 use half::bf16;
-use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
+use step03_cuda_forward::gpu::KernelSpec;
 use step03_cuda_forward::{Gpu, device_error};
 
 use step06_hopper::forward::{TensorMap, encode_tiled};
@@ -19,17 +20,22 @@ pub const N: usize = 64;
 /// Dynamic shared memory: three 8 KiB tiles and room to align them on 1024 bytes.
 const SMEM: u32 = 3 * 8192 + 1024;
 
-/// Compiles the probe for `sm_90a`, the target with `wgmma`.
-pub fn compile() -> Result<Ptx, AttnError> {
-    require_nvrtc()?;
-    let options = CompileOptions {
-        arch: Some("sm_90a"),
-        options: vec!["--std=c++17".into()],
-        name: Some("wgmma_probe.cu".into()),
-        ..Default::default()
-    };
-    compile_ptx_with_opts(WGMMA_PROBE_CU, options)
-        .map_err(|e| compile_error("wgmma_probe", e))
+/// The probe's build: no parameters, for `sm_90a`, the target with `wgmma`.
+#[derive(Clone, Copy, Debug)]
+pub struct WgmmaProbe;
+
+impl KernelSpec for WgmmaProbe {
+    fn name(&self) -> String {
+        "wgmma_probe.cu".into()
+    }
+
+    fn source(&self) -> Cow<'_, str> {
+        WGMMA_PROBE_CU.into()
+    }
+
+    fn arch(&self, _device: &'static str) -> &'static str {
+        "sm_90a"
+    }
 }
 
 /// The byte offsets a pair of descriptors is made with.
@@ -99,7 +105,7 @@ pub fn run(
         Load::Threads => "wgmma_probe",
         Load::Tma => "wgmma_probe_tma",
     };
-    let f = gpu.kernel(entry.into(), entry, SMEM, compile)?;
+    let f = gpu.kernel(&WgmmaProbe, entry, SMEM)?;
     let (qb, qf) = tile(1);
     let (kb, kf) = tile(2);
     let (vb, vf) = tile(3);

@@ -23,6 +23,7 @@ use flash_core::reference::{attention_f64, error};
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
 use flash_lab::hopper_shapes;
+use step03_cuda_forward::gpu::compile;
 use step03_cuda_forward::{Dtype, Gpu};
 use step04_backward::cuda as step04;
 use step06_hopper::backward;
@@ -130,7 +131,7 @@ fn run(args: Args) -> Result<bool, AttnError> {
     for dtype in [Dtype::Bf16, Dtype::F16] {
         for &d in &head_dims {
             for kernel in args.forward_kernels(d) {
-                let ptx = kernel.compile(dtype, d, TmaRank::Three)?;
+                let ptx = compile(&kernel.build(dtype, d, TmaRank::Three), "sm_90a")?;
                 println!(
                     "hopper_forward {} d{d} {} compiles for sm_90a",
                     dtype.name(),

@@ -12,6 +12,7 @@ use clap::Parser;
 use flash_core::Shape;
 use flash_lab::hopper_shapes;
 use step03_cuda_forward::Dtype;
+use step03_cuda_forward::gpu::compile;
 use step03_cuda_forward::ptxas::{self, Variant};
 use step06_hopper::kernel::{
     BackwardKernels, BackwardRung, ForwardKernel, ForwardRung, HEAD_DIMS,
@@ -32,7 +33,7 @@ fn main() -> ExitCode {
     if flags.arch == "sm_90" {
         flags.arch = "sm_90a".into();
     }
-    ptxas::main(flags, |_| {
+    ptxas::main(flags, |arch| {
         let mut kernels = Vec::new();
         for d in HEAD_DIMS {
             let lengths = [1, 4097, 8193, 1 << 14];
@@ -52,7 +53,7 @@ fn main() -> ExitCode {
                 .collect();
             for k in hopper_shapes::forward(d) {
                 let name = format!("forward_d{d}_{}", k.name().replace(' ', "_"));
-                let ptx = k.compile(Dtype::Bf16, d, TmaRank::Three);
+                let ptx = compile(&k.build(Dtype::Bf16, d, TmaRank::Three), arch);
                 kernels.push(if launched_f.contains(&k) {
                     Variant::used(name, ptx)
                 } else {
@@ -68,7 +69,7 @@ fn main() -> ExitCode {
                     }
                     seen.push((k, launched));
                     let name = format!("backward_d{d}_{}", k.name().replace(' ', "_"));
-                    let ptx = k.compile(Dtype::Bf16, d, TmaRank::Three);
+                    let ptx = compile(&k.build(Dtype::Bf16, d, TmaRank::Three), arch);
                     kernels.push(if launched {
                         Variant::used(name, ptx)
                     } else {

@@ -12,10 +12,11 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use flash_lab::{backward_shapes, forward_shapes};
-use step03_cuda_forward::kernel::{HEAD_DIMS, compile_forward};
+use step03_cuda_forward::gpu::compile;
+use step03_cuda_forward::kernel::{ForwardKernel, HEAD_DIMS};
 use step03_cuda_forward::ptxas::{self, Variant};
 use step03_cuda_forward::{Dtype, ForwardConfig};
-use step04_backward::cuda::{BackwardConfig, compile_backward};
+use step04_backward::cuda::{BackwardConfig, BackwardKernel};
 
 /// Compiles every tile shape of the lab's forward and backward candidates (bf16 and f16,
 /// every head dim) with NVRTC and assembles it with `ptxas -v`, printing registers, shared
@@ -48,7 +49,7 @@ fn main() -> ExitCode {
                         continue;
                     }
                     compiled.push(kernel);
-                    let ptx = compile_forward(dtype, head_dim, kernel, arch);
+                    let ptx = compile(&ForwardKernel::new(dtype, head_dim, kernel), arch);
                     let label = kernel.label().replace(' ', "_");
                     kernels.push(if kernel == ForwardConfig::for_head_dim(head_dim) {
                         Variant::used(format!("{name}_{label}"), ptx)
@@ -58,7 +59,7 @@ fn main() -> ExitCode {
                 }
                 let name = format!("flash_backward_{}_d{head_dim}", dtype.name());
                 for config in backward_shapes::candidates(head_dim) {
-                    let ptx = compile_backward(dtype, head_dim, config, arch);
+                    let ptx = compile(&BackwardKernel::new(dtype, head_dim, config), arch);
                     let label = config.label().replace([' ', '/'], "_");
                     kernels.push(if config == BackwardConfig::for_head_dim(head_dim) {
                         Variant::used(format!("{name}_{label}"), ptx)

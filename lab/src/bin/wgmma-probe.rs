@@ -5,11 +5,12 @@
 
 use std::process::ExitCode;
 
-use flash_lab::probe::{self, Load, Offsets};
+use flash_lab::probe::{self, Load, Offsets, WgmmaProbe};
 use step03_cuda_forward::Gpu;
+use step03_cuda_forward::gpu::compile;
 
 fn main() -> ExitCode {
-    let ptx = match probe::compile() {
+    let ptx = match compile(&WgmmaProbe, "sm_90a") {
         Ok(ptx) => ptx,
         Err(e) => {
             eprintln!("error: {e}");

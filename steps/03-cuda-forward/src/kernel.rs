@@ -1,11 +1,15 @@
-//! The kernel sources and how NVRTC compiles them: the one place that turns a `.cu` file
-//! and what it is compiled for (for the forward kernel a [`ForwardKernel`]: dtype, head dim
-//! and tile shape) into PTX, used by the launcher and by the register and spill check.
+//! The kernel sources and their typed descriptions: each kernel this step launches is one
+//! value of a type that implements [`KernelSpec`] (for the forward kernel a
+//! [`ForwardKernel`]: dtype, head dim and tile shape), which says which source it is, the
+//! `-D` set it is compiled with, its name and its limits; [`compile`](crate::gpu::compile)
+//! turns it into PTX for the launcher and for the register and spill check.
 
-use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
+use std::borrow::Cow;
+
 use flash_core::AttnError;
 
 use crate::Dtype;
+use crate::gpu::KernelSpec;
 
 /// What every attention kernel starts with: the types, the shared-memory swizzle and the
 /// tensor-core instructions (`kernels/tensor_cores.cuh`), prepended to each kernel's
@@ -176,7 +180,7 @@ impl ForwardConfig {
 }
 
 /// One build of the forward kernel: everything its `-D` options say. It alone turns a
-/// dtype, a head dim and a tile shape into those options ([`ForwardKernel::options`]), a
+/// dtype, a head dim and a tile shape into those options ([`KernelSpec::defines`]), a
 /// module name and the checks they must pass; `kernels/flash_forward.cu` holds no defaults.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ForwardKernel {
@@ -200,17 +204,12 @@ impl ForwardKernel {
             causal: true, // [step 07]
         }
     }
+}
 
-    /// Whether this build can be compiled, or what is wrong with it.
-    pub fn check(&self) -> Result<(), AttnError> {
-        if !HEAD_DIMS.contains(&self.head_dim) {
-            return Err(unsupported_head_dim(self.head_dim));
-        }
-        self.config.check()
-    }
-
+// ANCHOR: compile
+impl KernelSpec for ForwardKernel {
     /// The module's name: the kernel, the dtype, the head dim and the tile shape.
-    pub fn name(&self) -> String {
+    fn name(&self) -> String {
         let (dtype, head_dim) = (self.dtype.name(), self.head_dim);
         let tile = self.config.label().replace(' ', "_");
         // [step 07]
@@ -221,90 +220,91 @@ impl ForwardKernel {
         format!("{FLASH_FORWARD}_{dtype}_d{head_dim}_{tile}.cu")
     }
 
+    fn source(&self) -> Cow<'_, str> {
+        FLASH_FORWARD_CU.into()
+    }
+
     /// The `-D` options that specialise `kernels/flash_forward.cu`, one for each of its
     /// parameters.
-    pub fn options(&self, arch: &'static str) -> CompileOptions {
+    fn defines(&self) -> Vec<String> {
         let c = self.config;
-        CompileOptions {
-            arch: Some(arch),
-            options: vec![
-                format!("-DHEAD_DIM={}", self.head_dim),
-                format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
-                format!("-DWARPS={}", c.warps),
-                format!("-DM_TILES={}", c.m_tiles),
-                format!("-DBLOCK_N={}", c.block_n),
-                format!("-DSUB_N={}", c.keys_per_step()),
-                format!("-DMIN_BLOCKS={}", c.min_blocks),
-                format!("-DCAUSAL={}", self.causal as u8), // [step 07]
-                "--std=c++17".into(),
-            ],
-            name: Some(self.name()),
-            ..Default::default()
+        vec![
+            format!("-DHEAD_DIM={}", self.head_dim),
+            format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
+            format!("-DWARPS={}", c.warps),
+            format!("-DM_TILES={}", c.m_tiles),
+            format!("-DBLOCK_N={}", c.block_n),
+            format!("-DSUB_N={}", c.keys_per_step()),
+            format!("-DMIN_BLOCKS={}", c.min_blocks),
+            format!("-DCAUSAL={}", self.causal as u8), // [step 07]
+        ]
+    }
+
+    /// A head dim the kernel is compiled for, and a tile shape it can be compiled with.
+    fn check(&self) -> Result<(), AttnError> {
+        if !HEAD_DIMS.contains(&self.head_dim) {
+            return Err(unsupported_head_dim(self.head_dim));
         }
+        self.config.check()
     }
-
-    /// Compiles the kernel for `arch` (`sm_90` on an H100 or H200).
-    pub fn compile(&self, arch: &'static str) -> Result<Ptx, AttnError> {
-        self.check()?;
-        compile_ptx_with_opts(FLASH_FORWARD_CU, self.options(arch))
-            .map_err(|e| compile_error(&self.name(), e))
-    }
-}
-
-// ANCHOR: compile
-/// Compiles the forward kernel for one dtype, head dim and tile shape. The architecture is
-/// the device's (`sm_90` on an H100 or H200); [`ForwardKernel::options`] turns the rest
-/// into the `-D` options that specialise the source.
-pub fn compile_forward(
-    dtype: Dtype,
-    head_dim: usize,
-    config: ForwardConfig,
-    arch: &'static str,
-) -> Result<Ptx, AttnError> {
-    ForwardKernel::new(dtype, head_dim, config).compile(arch)
 }
 // ANCHOR_END: compile
 
-// [step 07]
-/// [`compile_forward`] with the causal mask off (`-DCAUSAL=0`): every query sees every key.
-/// Step 07's ring computes blocks of keys that lie wholly before their queries so.
-pub fn compile_forward_full(
-    dtype: Dtype,
-    head_dim: usize,
-    config: ForwardConfig,
-    arch: &'static str,
-) -> Result<Ptx, AttnError> {
-    ForwardKernel {
-        causal: false,
-        ..ForwardKernel::new(dtype, head_dim, config)
+/// The softmax of attention by hand on the GPU, for one dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SoftmaxKernel {
+    pub dtype: Dtype,
+}
+
+impl KernelSpec for SoftmaxKernel {
+    fn name(&self) -> String {
+        format!("causal_softmax_{}.cu", self.dtype.name())
     }
-    .compile(arch)
-}
-// [/step 07]
 
-/// Compiles the softmax kernel of attention by hand for one dtype.
-pub fn compile_softmax(dtype: Dtype, arch: &'static str) -> Result<Ptx, AttnError> {
-    let options = CompileOptions {
-        arch: Some(arch),
-        options: vec![
-            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
-            "--std=c++17".into(),
-        ],
-        name: Some(format!("causal_softmax_{}.cu", dtype.name())),
-        ..Default::default()
-    };
-    compile_ptx_with_opts(CAUSAL_SOFTMAX_CU, options)
-        .map_err(|e| compile_error("causal_softmax", e))
+    fn source(&self) -> Cow<'_, str> {
+        CAUSAL_SOFTMAX_CU.into()
+    }
+
+    fn defines(&self) -> Vec<String> {
+        vec![format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8)]
+    }
 }
 
-/// Compiles [`SPIN_CU`].
-pub fn compile_spin(arch: &'static str) -> Result<Ptx, AttnError> {
-    let options = CompileOptions {
-        arch: Some(arch),
-        name: Some("spin.cu".into()),
-        ..Default::default()
-    };
-    compile_ptx_with_opts(SPIN_CU, options).map_err(|e| compile_error("spin", e))
+/// A kernel file compiled after [`TENSOR_CORES_CUH`] whose only parameters are the dtype and
+/// the head dim (`IS_BF16`, `HEAD_DIM`): the ring's merge (step 07), the decoder's fill and
+/// append (step 08).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SimpleKernel {
+    /// The file's stem, which the module's name starts with.
+    pub stem: &'static str,
+    /// The file, without the header.
+    pub source: &'static str,
+    pub dtype: Dtype,
+    pub head_dim: usize,
+}
+
+impl KernelSpec for SimpleKernel {
+    fn name(&self) -> String {
+        format!("{}_{}_d{}.cu", self.stem, self.dtype.name(), self.head_dim)
+    }
+
+    fn source(&self) -> Cow<'_, str> {
+        [TENSOR_CORES_CUH, self.source].concat().into()
+    }
+
+    fn defines(&self) -> Vec<String> {
+        vec![
+            format!("-DHEAD_DIM={}", self.head_dim),
+            format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
+        ]
+    }
+
+    fn check(&self) -> Result<(), AttnError> {
+        if !HEAD_DIMS.contains(&self.head_dim) {
+            return Err(unsupported_head_dim(self.head_dim));
+        }
+        Ok(())
+    }
 }
 
 /// The error for a head dim the kernels lack, naming the ones they take.
@@ -312,42 +312,5 @@ pub fn unsupported_head_dim(head_dim: usize) -> AttnError {
     AttnError::UnsupportedHeadDim {
         head_dim,
         supported: HEAD_DIMS.map(|d| d.to_string()).join(", "),
-    }
-}
-
-/// An NVRTC failure as an [`AttnError`], with the compile log.
-pub fn compile_error(kernel: &str, e: CompileError) -> AttnError {
-    let what = match e {
-        CompileError::CompileError { log, options, .. } => {
-            format!(
-                "NVRTC could not compile {kernel} with {options:?}:\n{}",
-                log.to_string_lossy()
-            )
-        }
-        other => format!("NVRTC failed on {kernel}: {other:?}"),
-    };
-    AttnError::Device { what }
-}
-
-/// Whether NVRTC's library can be opened on this machine.
-pub fn nvrtc_present() -> bool {
-    // SAFETY: only tries to open the shared library; nothing is called through it
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
-/// An error unless NVRTC can be loaded: a compile without it would panic inside cudarc.
-pub fn require_nvrtc() -> Result<(), AttnError> {
-    if nvrtc_present() {
-        Ok(())
-    } else {
-        Err(missing_nvrtc())
-    }
-}
-
-/// The error of [`require_nvrtc`] where NVRTC is missing, saying where to get it (a test
-/// checks it on machines that have NVRTC too).
-pub fn missing_nvrtc() -> AttnError {
-    AttnError::Device {
-        what: "no NVRTC (libnvrtc.so) found: install the CUDA toolkit (or the nvidia-cuda-nvrtc wheel) and put its lib folder on LD_LIBRARY_PATH".into(),
     }
 }

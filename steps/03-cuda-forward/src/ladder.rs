@@ -20,12 +20,15 @@
 
 use std::hash::{Hash, Hasher};
 
+use std::borrow::Cow;
+
 use cudarc::driver::{LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use cudarc::nvrtc::Ptx;
 use flash_core::{Attention, AttnError, check_qkv};
 use ndarray::ArrayView4;
 
-use crate::kernel::{self, ForwardConfig, compile_error};
+use crate::gpu::{self, KernelSpec};
+use crate::kernel::{self, ForwardConfig, ForwardKernel};
 use crate::{
     DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, check_output, device_error,
 };
@@ -223,13 +226,8 @@ impl Rung {
             Some(source) => self.compile_source(source, dtype, head_dim, arch),
             None => {
                 self.check_head_dim(head_dim)?;
-                kernel::require_nvrtc()?;
-                kernel::compile_forward(
-                    dtype,
-                    head_dim,
-                    ForwardConfig::for_head_dim(head_dim),
-                    arch,
-                )
+                let config = ForwardConfig::for_head_dim(head_dim);
+                gpu::compile(&ForwardKernel::new(dtype, head_dim, config), arch)
             }
         }
     }
@@ -248,8 +246,7 @@ impl Rung {
 
     /// Compiles `source`, a kernel with this rung's entry point and parameters (its own
     /// file or a reader's, with `tensor_cores.cuh` in front), with the `-D` options the
-    /// rung's own kernel gets. Rungs 1 to 4: rung 5's options are
-    /// [`ForwardKernel`](kernel::ForwardKernel)'s.
+    /// rung's own kernel gets. Rungs 1 to 4: rung 5's options are [`ForwardKernel`]'s.
     pub fn compile_source(
         self,
         source: &str,
@@ -257,44 +254,82 @@ impl Rung {
         head_dim: usize,
         arch: &'static str,
     ) -> Result<Ptx, AttnError> {
-        self.check_head_dim(head_dim)?;
-        kernel::require_nvrtc()?;
-        let mut defines = match self {
+        gpu::compile(
+            &LadderKernel {
+                rung: self,
+                source,
+                dtype,
+                head_dim,
+            },
+            arch,
+        )
+    }
+}
+
+/// One build of rungs 1 to 4: the rung, its source (the rung's own file or a reader's,
+/// with `tensor_cores.cuh` in front), the dtype and the head dim.
+#[derive(Clone, Copy, Debug)]
+pub struct LadderKernel<'a> {
+    pub rung: Rung,
+    pub source: &'a str,
+    pub dtype: Dtype,
+    pub head_dim: usize,
+}
+
+impl KernelSpec for LadderKernel<'_> {
+    fn name(&self) -> String {
+        let (entry, dtype) = (self.rung.entry(), self.dtype.name());
+        format!("{entry}_{dtype}_d{}.cu", self.head_dim)
+    }
+
+    fn source(&self) -> Cow<'_, str> {
+        self.source.into()
+    }
+
+    fn defines(&self) -> Vec<String> {
+        let mut defines = match self.rung {
             Rung::Rows => vec![format!("-DBLOCK_M={ROWS_BLOCK_M}")],
             Rung::Shared => vec![
                 format!("-DBLOCK_M={ROWS_BLOCK_M}"),
                 format!("-DBLOCK_N={SHARED_BLOCK_N}"),
             ],
-            Rung::Mma | Rung::Ldmatrix => {
+            Rung::Mma | Rung::Ldmatrix | Rung::Flash => {
                 // the final kernel's tile, so that rungs 3, 4 and 5 differ only in how they
                 // read fragments, how they copy and in what order: rungs 3 and 4 copy the
                 // keys rung 5 computes on at a time (all of a block up to head dim 64, half
                 // of one at 128)
-                let c = ForwardConfig::for_head_dim(head_dim);
+                let c = ForwardConfig::for_head_dim(self.head_dim);
                 vec![
                     format!("-DWARPS={}", c.warps),
                     format!("-DM_TILES={}", c.m_tiles),
                     format!("-DBLOCK_N={}", c.keys_per_step()),
                 ]
             }
-            Rung::Flash => {
-                return Err(AttnError::Unsupported {
-                    what: "a kernel of another source is for rungs 1 to 4; rung 5 is compiled by ForwardKernel".into(),
-                });
-            }
         };
         defines.extend([
-            format!("-DHEAD_DIM={head_dim}"),
-            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
-            "--std=c++17".into(),
+            format!("-DHEAD_DIM={}", self.head_dim),
+            format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
         ]);
-        let options = CompileOptions {
-            arch: Some(arch),
-            options: defines,
-            name: Some(format!("{}_{}_d{head_dim}.cu", self.entry(), dtype.name())),
-            ..Default::default()
-        };
-        compile_ptx_with_opts(source, options).map_err(|e| compile_error(self.entry(), e))
+        defines
+    }
+
+    /// A head dim the rung takes; rungs 1 to 4 only (rung 5 is a [`ForwardKernel`]).
+    fn check(&self) -> Result<(), AttnError> {
+        self.rung.check_head_dim(self.head_dim)?;
+        if self.rung == Rung::Flash {
+            return Err(AttnError::Unsupported {
+                what: "a kernel of another source is for rungs 1 to 4; rung 5 is compiled by ForwardKernel".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The name and the source's hash: a reader's kernel is compiled apart from the
+    /// rung's own.
+    fn key(&self) -> String {
+        let mut hasher = std::hash::DefaultHasher::new();
+        self.source.hash(&mut hasher);
+        format!("{} {:016x}", self.name(), hasher.finish())
     }
 }
 
@@ -355,21 +390,13 @@ impl Gpu {
             return Ok(());
         }
         let (threads, block_m, smem) = rung.launch_shape(shape.head_dim);
-        // the source is part of the key: a reader's kernel is compiled apart from the
-        // rung's own
-        let mut hasher = std::hash::DefaultHasher::new();
-        source.hash(&mut hasher);
-        let f = self.kernel(
-            format!(
-                "ladder {rung:?} {:?} {} {:016x}",
-                q.dtype,
-                shape.head_dim,
-                hasher.finish()
-            ),
-            rung.entry(),
-            smem,
-            || rung.compile_source(source, q.dtype, shape.head_dim, self.arch),
-        )?;
+        let spec = LadderKernel {
+            rung,
+            source,
+            dtype: q.dtype,
+            head_dim: shape.head_dim,
+        };
+        let f = self.kernel(&spec, rung.entry(), smem)?;
         // one block per block_m queries of each head, head after head
         let blocks = crate::grid_blocks(shape, block_m)?;
         let config = LaunchConfig {
@@ -379,7 +406,7 @@ impl Gpu {
         };
         let tokens = shape.tokens as i32;
         let scale_log2 = shape.scale_log2();
-        let mut launch = self.stream.launch_builder(&f);
+        let mut launch = self.stream().launch_builder(&f);
         launch
             .arg(&q.data)
             .arg(&k.data)
@@ -493,8 +520,8 @@ mod tests {
     /// spills.
     #[test]
     fn every_rung_compiles_or_says_that_nvrtc_is_missing() {
-        let present = kernel::nvrtc_present();
-        let missing = kernel::missing_nvrtc().to_string();
+        let present = gpu::nvrtc_present();
+        let missing = gpu::missing_nvrtc().to_string();
         for rung in Rung::ALL {
             for &head_dim in rung.head_dims() {
                 for dtype in [Dtype::Bf16, Dtype::F16] {

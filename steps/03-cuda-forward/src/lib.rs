@@ -69,6 +69,7 @@
 pub mod banks;
 pub mod by_hand;
 pub mod exercise;
+pub mod gpu;
 pub mod host;
 pub mod kernel;
 pub mod ladder;
@@ -92,6 +93,9 @@ use ndarray::{Array3, Array4, ArrayView4};
 
 pub use cudarc;
 pub use kernel::ForwardConfig;
+
+use gpu::{FixedKernel, KernelSpec};
+use kernel::{ForwardKernel, SoftmaxKernel};
 pub use ladder::Rung;
 
 /// The element types: the kernels take the 16-bit ones, bf16 and f16 ([`half_dtype`]).
@@ -230,7 +234,7 @@ impl Gpu {
                 what: "no CUDA driver (libcuda.so) on this machine: the CUDA methods need an NVIDIA GPU and its driver".into(),
             });
         }
-        kernel::require_nvrtc()?;
+        gpu::require_nvrtc()?;
         let ctx = CudaContext::new(ordinal)
             .map_err(|e| device_error(&format!("opening GPU {ordinal}"))(e))?;
         let (major, minor) = ctx
@@ -311,19 +315,18 @@ impl Gpu {
         )
     }
 
-    /// The kernel `entry` of the module `compile` gives, compiled and loaded once per `key`
-    /// (every entry of one module under one key: one compile); `smem` is the dynamic shared
-    /// memory it will be launched with. Later steps compile their kernels through this
-    /// cache.
+    /// The kernel `entry` of the module `spec` describes, compiled ([`gpu::compile`]) and
+    /// loaded once per [`KernelSpec::key`] (every entry of one module under one key: one
+    /// compile, one check of the build's limits); `smem` is the dynamic shared memory it
+    /// will be launched with. Every step's kernels are compiled through this cache.
     pub fn kernel(
         &self,
-        key: String,
+        spec: &impl KernelSpec,
         entry: &str,
         smem: u32,
-        compile: impl FnOnce() -> Result<cudarc::nvrtc::Ptx, AttnError>,
     ) -> Result<CudaFunction, AttnError> {
         let mut kernels = self.kernels.lock().expect("kernel cache poisoned");
-        let name = (key, entry.to_string());
+        let name = (spec.key(), entry.to_string());
         if let Some(f) = kernels.functions.get(&name) {
             return Ok(f.clone());
         }
@@ -332,7 +335,7 @@ impl Gpu {
             None => {
                 let m = self
                     .ctx
-                    .load_module(compile()?)
+                    .load_module(gpu::compile(spec, self.arch)?)
                     .map_err(device_error("loading a compiled kernel"))?;
                 kernels.modules.insert(name.0.clone(), m.clone());
                 m
@@ -358,18 +361,20 @@ impl Gpu {
         config: ForwardConfig,
     ) -> Result<CudaFunction, AttnError> {
         self.kernel(
-            format!("forward {dtype:?} {head_dim} {config:?}"),
+            &ForwardKernel::new(dtype, head_dim, config),
             kernel::FLASH_FORWARD,
             config.smem_bytes(head_dim),
-            || kernel::compile_forward(dtype, head_dim, config, self.arch),
         )
     }
 
     /// Keeps the GPU busy for about `micros` microseconds (at 2 GHz), queued on the stream:
     /// see [`kernel::SPIN_CU`].
     pub fn spin(&self, micros: u64) -> Result<(), AttnError> {
-        let f =
-            self.kernel("spin".into(), "spin", 0, || kernel::compile_spin(self.arch))?;
+        let spin = FixedKernel {
+            name: "spin.cu",
+            source: kernel::SPIN_CU,
+        };
+        let f = self.kernel(&spin, "spin", 0)?;
         let cycles = (micros * 2000) as i64;
         let config = LaunchConfig {
             grid_dim: (1, 1, 1),
@@ -384,12 +389,7 @@ impl Gpu {
     }
 
     pub(crate) fn softmax_kernel(&self, dtype: Dtype) -> Result<CudaFunction, AttnError> {
-        self.kernel(
-            format!("softmax {dtype:?}"),
-            kernel::CAUSAL_SOFTMAX,
-            0,
-            || kernel::compile_softmax(dtype, self.arch),
-        )
+        self.kernel(&SoftmaxKernel { dtype }, kernel::CAUSAL_SOFTMAX, 0)
     }
 
     pub(crate) fn blas(&self) -> Result<&cudarc::cublas::CudaBlas, AttnError> {
@@ -635,13 +635,12 @@ impl Gpu {
         if shape.is_empty() {
             return Ok(());
         }
-        let (dtype, head_dim, arch) = (q.dtype, shape.head_dim, self.arch);
-        let f = self.kernel(
-            format!("forward full {dtype:?} {head_dim} {config:?}"),
-            kernel::FLASH_FORWARD,
-            config.smem_bytes(head_dim),
-            || kernel::compile_forward_full(dtype, head_dim, config, arch),
-        )?;
+        let head_dim = shape.head_dim;
+        let full = ForwardKernel {
+            causal: false,
+            ..ForwardKernel::new(q.dtype, head_dim, config)
+        };
+        let f = self.kernel(&full, kernel::FLASH_FORWARD, config.smem_bytes(head_dim))?;
         self.launch_forward(&f, config, q, k, v, result)
     }
     // [/step 07]

@@ -8,7 +8,7 @@ use std::process::{Command, ExitCode};
 use cudarc::nvrtc::Ptx;
 use flash_core::AttnError;
 
-use crate::kernel::require_nvrtc;
+use crate::gpu::require_nvrtc;
 
 /// One entry point as ptxas reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]

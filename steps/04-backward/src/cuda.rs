@@ -5,12 +5,14 @@
 //! [`BackwardConfig::for_head_dim`]). Each block writes only its own rows: no atomics, the
 //! same bits on every run.
 
+use std::borrow::Cow;
+
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use flash_core::{Attention, AttnError, Shape, check_qkv, check_same};
 use ndarray::{Array4, ArrayView4};
 use step03_cuda_forward::by_hand::warp_per_row;
-use step03_cuda_forward::kernel::compile_error;
+use step03_cuda_forward::gpu::KernelSpec;
+use step03_cuda_forward::kernel::TENSOR_CORES_CUH;
 use step03_cuda_forward::{
     DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, check_device, cudarc,
     device_error,
@@ -37,7 +39,7 @@ const MAX_GRID_Y: usize = 65_535;
 /// result's meaning (other sizes sum in another order). [`BackwardConfig::for_head_dim`] is
 /// the fastest measured on the H200 (the tuning log, `lab/logs/04-backward/README.md`).
 /// Each field is a `-D` option of `kernels/flash_backward.cu`
-/// ([`BackwardKernel::options`]).
+/// ([`KernelSpec::defines`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackwardConfig {
     /// Warps per thread block (`WARPS`): 4 or 8.
@@ -175,7 +177,7 @@ impl BackwardConfig {
 }
 
 /// One build of the backward kernels: everything their `-D` options say. It alone turns a
-/// dtype, a head dim and a tile shape into those options ([`BackwardKernel::options`]), a
+/// dtype, a head dim and a tile shape into those options ([`KernelSpec::defines`]), a
 /// module name and the checks they must pass; `kernels/flash_backward.cu` holds no
 /// defaults.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -204,21 +206,12 @@ impl BackwardKernel {
             accumulate: false, // [step 07]
         }
     }
+}
 
-    /// Whether these kernels can be compiled, or what is wrong with them.
-    pub fn check(&self) -> Result<(), AttnError> {
-        if !HEAD_DIMS.contains(&self.head_dim) {
-            return Err(AttnError::UnsupportedHeadDim {
-                head_dim: self.head_dim,
-                supported: supported_head_dims(),
-            });
-        }
-        self.config.check()
-    }
-
+impl KernelSpec for BackwardKernel {
     /// The module's name: the kernels, what the build changes about them, the dtype, the
     /// head dim and the tile shape.
-    pub fn name(&self) -> String {
+    fn name(&self) -> String {
         let tile = self.config.label().replace([' ', '/'], "_");
         let build = format!("{}_d{}_{tile}.cu", self.dtype.name(), self.head_dim);
         // [step 07]
@@ -231,37 +224,40 @@ impl BackwardKernel {
         format!("flash_backward_{build}")
     }
 
-    /// The `-D` options that specialise `kernels/flash_backward.cu`, one for each of its
-    /// parameters.
-    pub fn options(&self, arch: &'static str) -> CompileOptions {
-        let c = self.config;
-        CompileOptions {
-            arch: Some(arch),
-            options: vec![
-                format!("-DHEAD_DIM={}", self.head_dim),
-                format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
-                format!("-DWARPS={}", c.warps),
-                format!("-DM_TILES={}", c.m_tiles),
-                format!("-DDKDV_STREAM={}", c.dkdv_stream),
-                format!("-DDQ_STREAM={}", c.dq_stream),
-                format!("-DDKDV_SUB={}", c.dkdv_sub),
-                format!("-DDQ_SUB={}", c.dq_sub),
-                format!("-DDKDV_MIN_BLOCKS={}", c.dkdv_min_blocks),
-                format!("-DDQ_MIN_BLOCKS={}", c.dq_min_blocks),
-                format!("-DCAUSAL={}", self.causal as u8), // [step 07]
-                format!("-DACCUMULATE={}", self.accumulate as u8), // [step 07]
-                "--std=c++17".into(),
-            ],
-            name: Some(self.name()),
-            ..Default::default()
-        }
+    /// Step 03's tensor-core helpers, then the backward kernels.
+    fn source(&self) -> Cow<'_, str> {
+        [TENSOR_CORES_CUH, FLASH_BACKWARD_CU].concat().into()
     }
 
-    /// Compiles the three kernels for `arch`.
-    pub fn compile(&self, arch: &'static str) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-        self.check()?;
-        compile_ptx_with_opts(backward_source(), self.options(arch))
-            .map_err(|e| compile_error(&self.name(), e))
+    /// The `-D` options that specialise `kernels/flash_backward.cu`, one for each of its
+    /// parameters.
+    fn defines(&self) -> Vec<String> {
+        let c = self.config;
+        vec![
+            format!("-DHEAD_DIM={}", self.head_dim),
+            format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
+            format!("-DWARPS={}", c.warps),
+            format!("-DM_TILES={}", c.m_tiles),
+            format!("-DDKDV_STREAM={}", c.dkdv_stream),
+            format!("-DDQ_STREAM={}", c.dq_stream),
+            format!("-DDKDV_SUB={}", c.dkdv_sub),
+            format!("-DDQ_SUB={}", c.dq_sub),
+            format!("-DDKDV_MIN_BLOCKS={}", c.dkdv_min_blocks),
+            format!("-DDQ_MIN_BLOCKS={}", c.dq_min_blocks),
+            format!("-DCAUSAL={}", self.causal as u8), // [step 07]
+            format!("-DACCUMULATE={}", self.accumulate as u8), // [step 07]
+        ]
+    }
+
+    /// A head dim the kernels are compiled for, and a tile shape they can be compiled with.
+    fn check(&self) -> Result<(), AttnError> {
+        if !HEAD_DIMS.contains(&self.head_dim) {
+            return Err(AttnError::UnsupportedHeadDim {
+                head_dim: self.head_dim,
+                supported: supported_head_dims(),
+            });
+        }
+        self.config.check()
     }
 }
 
@@ -272,63 +268,6 @@ pub struct DeviceGrads {
     pub dv: DeviceTensor,
 }
 
-// ANCHOR: compile_backward
-/// Compiles the three backward kernels for one dtype, head dim and tile shape
-/// ([`BackwardKernel::options`] gives their `-D` options).
-pub fn compile_backward(
-    dtype: Dtype,
-    head_dim: usize,
-    config: BackwardConfig,
-    arch: &'static str,
-) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-    BackwardKernel::new(dtype, head_dim, config).compile(arch)
-}
-// ANCHOR_END: compile_backward
-
-/// The kernels' source: step 03's tensor-core helpers, then the backward kernels.
-fn backward_source() -> String {
-    [
-        step03_cuda_forward::kernel::TENSOR_CORES_CUH,
-        FLASH_BACKWARD_CU,
-    ]
-    .concat()
-}
-
-// [step 07]
-/// [`compile_backward`] with the causal mask off (`-DCAUSAL=0`): every query sees every
-/// key, for the blocks of step 07's ring that lie wholly before their queries.
-pub fn compile_backward_full(
-    dtype: Dtype,
-    head_dim: usize,
-    config: BackwardConfig,
-    arch: &'static str,
-) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-    BackwardKernel {
-        causal: false,
-        ..BackwardKernel::new(dtype, head_dim, config)
-    }
-    .compile(arch)
-}
-
-/// The backward kernels with each block's gradients added into `f32` sums
-/// (`-DACCUMULATE=1`: dq, dk and dv are `float*`), with the causal mask or without it: step
-/// 07's ring adds every block's share to one `f32` sum per row and rounds once, at the end.
-pub fn compile_backward_accumulate(
-    dtype: Dtype,
-    head_dim: usize,
-    config: BackwardConfig,
-    causal: bool,
-    arch: &'static str,
-) -> Result<cudarc::nvrtc::Ptx, AttnError> {
-    BackwardKernel {
-        causal,
-        accumulate: true,
-        ..BackwardKernel::new(dtype, head_dim, config)
-    }
-    .compile(arch)
-}
-// [/step 07]
-
 fn kernel(
     gpu: &Gpu,
     dtype: Dtype,
@@ -337,13 +276,7 @@ fn kernel(
     entry: &str,
     smem: u32,
 ) -> Result<cudarc::driver::CudaFunction, AttnError> {
-    let arch = gpu.arch();
-    gpu.kernel(
-        format!("backward {dtype:?} {head_dim} {config:?}"),
-        entry,
-        smem,
-        || compile_backward(dtype, head_dim, config, arch),
-    )
+    gpu.kernel(&BackwardKernel::new(dtype, head_dim, config), entry, smem)
 }
 
 impl DeviceGrads {
@@ -472,16 +405,13 @@ pub fn backward_full(
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
-    let (dtype, head_dim, arch) = (q.dtype, q.shape.head_dim, gpu.arch());
+    let head_dim = q.shape.head_dim;
     let config = BackwardConfig::for_head_dim(head_dim);
-    let kernels = |entry: &str, smem| {
-        gpu.kernel(
-            format!("backward full {dtype:?} {head_dim} {config:?}"),
-            entry,
-            smem,
-            || compile_backward_full(dtype, head_dim, config, arch),
-        )
+    let full = BackwardKernel {
+        causal: false,
+        ..BackwardKernel::new(q.dtype, head_dim, config)
     };
+    let kernels = |entry: &str, smem| gpu.kernel(&full, entry, smem);
     launch_backward(gpu, config, &kernels, q, k, v, fwd, dout, &mut || Ok(()))
 }
 // [/step 07]

@@ -10,17 +10,18 @@
 //! the rest is the chain rule of [`reference`](crate::reference) one whole product at a
 //! time.
 
+use std::borrow::Cow;
 use std::hash::{Hash, Hasher};
 
 use cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::{Attention, AttnError, Shape};
 use half::{bf16, f16};
 use ndarray::ArrayView4;
 use step03_cuda_forward::by_hand::{products, warp_per_row};
-use step03_cuda_forward::kernel::{TENSOR_CORES_CUH, compile_error};
+use step03_cuda_forward::gpu::KernelSpec;
+use step03_cuda_forward::kernel::TENSOR_CORES_CUH;
 use step03_cuda_forward::{
     DeviceAttention, DeviceTensor, Dtype, Gpu, cudarc, device_error,
 };
@@ -39,37 +40,50 @@ pub fn backward_bytes(shape: Shape) -> u128 {
     (tables + 3 * shape.len() as u128) * 2
 }
 
-/// Compiles [`BY_HAND_BACKWARD_CU`] for one dtype.
-pub fn compile_by_hand_backward(
-    dtype: Dtype,
-    arch: &'static str,
-) -> Result<Ptx, AttnError> {
-    compile_by_hand_backward_from(BY_HAND_BACKWARD_CU, dtype, arch)
+/// One build of the two elementwise kernels: [`BY_HAND_BACKWARD_CU`] or a file with its two
+/// entry points (a reader's, in chapter 4's exercise), with step 03's
+/// [`TENSOR_CORES_CUH`] in front, for one dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct ByHandBackwardKernel<'a> {
+    pub source: &'a str,
+    pub dtype: Dtype,
 }
 
-/// Compiles `source`, a file with the two entry points of [`BY_HAND_BACKWARD_CU`] (its own,
-/// or a reader's in chapter 4's exercise), as [`compile_by_hand_backward`] compiles that
-/// one.
-pub fn compile_by_hand_backward_from(
-    source: &str,
-    dtype: Dtype,
-    arch: &'static str,
-) -> Result<Ptx, AttnError> {
-    step03_cuda_forward::kernel::require_nvrtc()?;
-    let options = CompileOptions {
-        arch: Some(arch),
-        options: vec![
+impl ByHandBackwardKernel<'static> {
+    /// The step's own kernels for `dtype`.
+    pub fn new(dtype: Dtype) -> Self {
+        ByHandBackwardKernel {
+            source: BY_HAND_BACKWARD_CU,
+            dtype,
+        }
+    }
+}
+
+impl KernelSpec for ByHandBackwardKernel<'_> {
+    fn name(&self) -> String {
+        format!("by_hand_backward_{}.cu", self.dtype.name())
+    }
+
+    fn source(&self) -> Cow<'_, str> {
+        [TENSOR_CORES_CUH, self.source].concat().into()
+    }
+
+    fn defines(&self) -> Vec<String> {
+        vec![
             // tensor_cores.cuh sizes its tiles by a head dim; the row kernels use none of
             // them
             "-DHEAD_DIM=64".into(),
-            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
-            "--std=c++17".into(),
-        ],
-        name: Some(format!("by_hand_backward_{}.cu", dtype.name())),
-        ..Default::default()
-    };
-    let source = [TENSOR_CORES_CUH, source].concat();
-    compile_ptx_with_opts(source, options).map_err(|e| compile_error("by_hand_backward", e))
+            format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
+        ]
+    }
+
+    /// The name and the source's hash: a reader's kernels are compiled apart from the
+    /// step's own.
+    fn key(&self) -> String {
+        let mut hasher = std::hash::DefaultHasher::new();
+        self.source.hash(&mut hasher);
+        format!("{} {:016x}", self.name(), hasher.finish())
+    }
 }
 
 /// The gradients of q, k and v by hand on the GPU, given the forward's output and
@@ -217,15 +231,7 @@ fn row_kernel(
     entry: &str,
     rows: i64,
 ) -> Result<(CudaFunction, LaunchConfig), AttnError> {
-    let arch = gpu.arch();
-    // the source is part of the key: a reader's kernels are compiled apart from the step's
-    // own
-    let mut hasher = std::hash::DefaultHasher::new();
-    source.hash(&mut hasher);
-    let key = format!("by hand {dtype:?} {:016x}", hasher.finish());
-    let f = gpu.kernel(key, entry, 0, || {
-        compile_by_hand_backward_from(source, dtype, arch)
-    })?;
+    let f = gpu.kernel(&ByHandBackwardKernel { source, dtype }, entry, 0)?;
     Ok((f, warp_per_row(rows as usize, entry)?))
 }
 

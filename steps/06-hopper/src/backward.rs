@@ -188,12 +188,7 @@ unsafe fn launch_passes(
     // a module per kernel, shape and rank; δ's kernel, and the one pass's dQ conversion,
     // are in the first kernel's module, under the same key, so the module is compiled once
     let function = |k: BackwardKernel, entry: &str| {
-        gpu.kernel(
-            format!("hopper backward {dtype:?} d{d} {} {rank:?}", k.name()),
-            entry,
-            k.smem_bytes(d),
-            || k.compile(dtype, d, rank),
-        )
+        gpu.kernel(&k.build(dtype, d, rank), entry, k.smem_bytes(d))
     };
     let stream = gpu.stream();
     let rows = shape.batch * shape.heads * shape.tokens;

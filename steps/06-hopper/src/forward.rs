@@ -308,12 +308,7 @@ unsafe fn launch(
     let grid = kernel.grid(shape)?;
     let rank = TmaRank::of(&[q.layout, k.layout, v.layout], shape);
     let smem = kernel.smem_bytes(d);
-    let f = gpu.kernel(
-        format!("hopper forward {dtype:?} d{d} {} {rank:?}", kernel.name()),
-        "hopper_forward",
-        smem,
-        || kernel.compile(dtype, d, rank),
-    )?;
+    let f = gpu.kernel(&kernel.build(dtype, d, rank), "hopper_forward", smem)?;
     kernel.check_registers(&f)?;
     let block_m = kernel.block_m();
     // k's and v's shape: q's

@@ -7,10 +7,11 @@
 //! The forward is a ladder of four rungs ([`ForwardRung`]), each a whole kernel in a file
 //! of its own, each adding one idea to the one before; the backward two ([`BackwardRung`]).
 
-use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use std::borrow::Cow;
+
 use flash_core::{AttnError, Shape};
 use step03_cuda_forward::Dtype;
-use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
+use step03_cuda_forward::gpu::KernelSpec;
 
 use crate::layout::TmaRank;
 
@@ -302,21 +303,15 @@ impl ForwardKernel {
         defines
     }
 
-    /// Compiles the kernel for `sm_90a` (the target with `wgmma`).
-    pub fn compile(&self, dtype: Dtype, d: usize, rank: TmaRank) -> Result<Ptx, AttnError> {
-        let name = format!(
-            "forward_{}_{}_d{d}_{}_rank{}.cu",
-            self.rung.number(),
-            dtype.name(),
-            self.name().replace(' ', "_"),
-            rank.rank()
-        );
-        compile(
-            format!("{HOPPER_CUH}\n{FORWARD_CUH}\n{}", self.rung.source()),
-            self.defines(dtype, d, rank),
-            name,
-            "hopper_forward",
-        )
+    /// This kernel for a dtype, a head dim and a rank of the tensor maps: what is
+    /// compiled.
+    pub fn build(self, dtype: Dtype, head_dim: usize, rank: TmaRank) -> Build<Self> {
+        Build {
+            kernel: self,
+            dtype,
+            head_dim,
+            rank,
+        }
     }
 
     /// The grid of a launch for `shape`: one block per `block_m` queries of each head of
@@ -545,20 +540,15 @@ impl BackwardKernel {
         defines
     }
 
-    /// Compiles the kernel's module for `sm_90a`.
-    pub fn compile(&self, dtype: Dtype, d: usize, rank: TmaRank) -> Result<Ptx, AttnError> {
-        let name = format!(
-            "backward_{}_d{d}_{}_rank{}.cu",
-            dtype.name(),
-            self.name().replace(' ', "_"),
-            rank.rank()
-        );
-        compile(
-            format!("{HOPPER_CUH}\n{BACKWARD_CUH}\n{}", self.pass.source()),
-            self.defines(dtype, d, rank),
-            name,
-            self.pass.entry(),
-        )
+    /// This kernel for a dtype, a head dim and a rank of the tensor maps: what is
+    /// compiled.
+    pub fn build(self, dtype: Dtype, head_dim: usize, rank: TmaRank) -> Build<Self> {
+        Build {
+            kernel: self,
+            dtype,
+            head_dim,
+            rank,
+        }
     }
 
     /// The grid for `shape`: one block per block of rows of each head of each sequence; an
@@ -688,22 +678,72 @@ fn common_defines(dtype: Dtype, d: usize, rank: TmaRank) -> Vec<String> {
     ]
 }
 
-fn compile(
-    source: String,
-    defines: Vec<String>,
-    name: String,
-    entry: &str,
-) -> Result<Ptx, AttnError> {
-    require_nvrtc()?;
-    let mut options = defines;
-    options.push("--std=c++17".into());
-    let options = CompileOptions {
-        arch: Some("sm_90a"),
-        options,
-        name: Some(name),
-        ..Default::default()
-    };
-    compile_ptx_with_opts(source, options).map_err(|e| compile_error(entry, e))
+/// One kernel compiled for a dtype, a head dim and a rank of the tensor maps: what NVRTC is
+/// given ([`KernelSpec`]), for `sm_90a`, the target with `wgmma`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Build<K> {
+    pub kernel: K,
+    pub dtype: Dtype,
+    pub head_dim: usize,
+    pub rank: TmaRank,
+}
+
+impl KernelSpec for Build<ForwardKernel> {
+    fn name(&self) -> String {
+        let (k, d) = (self.kernel, self.head_dim);
+        format!(
+            "forward_{}_{}_d{d}_{}_rank{}.cu",
+            k.rung.number(),
+            self.dtype.name(),
+            k.name().replace(' ', "_"),
+            self.rank.rank()
+        )
+    }
+
+    fn source(&self) -> Cow<'_, str> {
+        format!("{HOPPER_CUH}\n{FORWARD_CUH}\n{}", self.kernel.rung.source()).into()
+    }
+
+    fn defines(&self) -> Vec<String> {
+        self.kernel.defines(self.dtype, self.head_dim, self.rank)
+    }
+
+    fn check(&self) -> Result<(), AttnError> {
+        self.kernel.check(self.head_dim)
+    }
+
+    fn arch(&self, _device: &'static str) -> &'static str {
+        "sm_90a"
+    }
+}
+
+impl KernelSpec for Build<BackwardKernel> {
+    fn name(&self) -> String {
+        format!(
+            "backward_{}_d{}_{}_rank{}.cu",
+            self.dtype.name(),
+            self.head_dim,
+            self.kernel.name().replace(' ', "_"),
+            self.rank.rank()
+        )
+    }
+
+    fn source(&self) -> Cow<'_, str> {
+        let pass = self.kernel.pass.source();
+        format!("{HOPPER_CUH}\n{BACKWARD_CUH}\n{pass}").into()
+    }
+
+    fn defines(&self) -> Vec<String> {
+        self.kernel.defines(self.dtype, self.head_dim, self.rank)
+    }
+
+    fn check(&self) -> Result<(), AttnError> {
+        self.kernel.check(self.head_dim)
+    }
+
+    fn arch(&self, _device: &'static str) -> &'static str {
+        "sm_90a"
+    }
 }
 
 /// A grid of one block per `rows` tokens of each head of each sequence: (blocks, heads) or,

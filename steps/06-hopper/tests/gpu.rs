@@ -9,6 +9,7 @@
 use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
 use flash_core::{AttnError, Shape};
+use step03_cuda_forward::gpu::compile;
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step03_cuda_forward::{Dtype, Gpu};
 use step06_hopper::forward;
@@ -174,21 +175,18 @@ fn no_gpu_is_an_error_not_a_panic() {
 /// machine: the one this machine gets, and the error's message.
 #[test]
 fn without_nvrtc_compiling_is_an_error_not_a_panic() {
-    let present = step03_cuda_forward::kernel::nvrtc_present();
-    let missing = step03_cuda_forward::kernel::missing_nvrtc().to_string();
+    let present = step03_cuda_forward::gpu::nvrtc_present();
+    let missing = step03_cuda_forward::gpu::missing_nvrtc().to_string();
     assert!(
         missing.contains("NVRTC") && missing.contains("LD_LIBRARY_PATH"),
         "{missing}"
     );
-    let forward = ForwardKernel::for_shape(Shape::new(1, 1, 1, 64), 1).compile(
-        Dtype::Bf16,
-        64,
-        TmaRank::Three,
-    );
+    let forward = ForwardKernel::for_shape(Shape::new(1, 1, 1, 64), 1);
+    let forward = compile(&forward.build(Dtype::Bf16, 64, TmaRank::Three), "sm_90");
     let kernel =
         step06_hopper::kernel::BackwardKernels::for_shape(Shape::new(1, 1, 1 << 14, 64))
             .dkdv;
-    let backward = kernel.compile(Dtype::Bf16, 64, TmaRank::Four);
+    let backward = compile(&kernel.build(Dtype::Bf16, 64, TmaRank::Four), "sm_90");
     for (what, compiled) in [("forward", forward), ("backward", backward)] {
         match compiled {
             Ok(_) => assert!(present, "the {what} compiled without NVRTC"),

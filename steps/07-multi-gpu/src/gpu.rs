@@ -19,7 +19,8 @@
 //!   from rank `r` to rank `r + 1`: NCCL between GPUs, or copies on one GPU whose ranks are
 //!   simulated.
 //! - [`ring_forward`], [`ring_forward_backward`]: the same on host arrays.
-//! - [`compile_ring`]: `kernels/ring.cu` through NVRTC.
+//! - [`ring_kernel`]: `kernels/ring.cu`'s build, [`accumulating_backward`] step 04's
+//!   backward adding into `f32` sums.
 //!
 //! ## Streams
 //!
@@ -34,19 +35,16 @@ use cudarc::driver::{
     CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
 };
 use cudarc::nccl::safe::{Comm, group_end, group_start};
-use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use flash_core::method::Grads;
 use flash_core::{Attention, AttnError, Shape, check_qkv, check_same};
 use ndarray::{Array3, Array4, ArrayView4, s};
 use step03_cuda_forward::by_hand::warp_per_row;
-use step03_cuda_forward::kernel::{
-    HEAD_DIMS, TENSOR_CORES_CUH, compile_error, unsupported_head_dim,
-};
+use step03_cuda_forward::kernel::{HEAD_DIMS, SimpleKernel, unsupported_head_dim};
 use step03_cuda_forward::{
     DeviceAttention, DeviceTensor, Dtype, ForwardConfig, Gpu, alloc_error, device_error,
     half_dtype,
 };
-use step04_backward::cuda::{BackwardConfig, compile_backward_accumulate, delta};
+use step04_backward::cuda::{BackwardConfig, BackwardKernel, delta};
 
 use crate::comm::{communicators, gpus, nccl_error};
 use crate::schedule::{Pair, Visibility, ZigZag, pairs};
@@ -57,27 +55,29 @@ pub const RING_CU: &str = include_str!("../kernels/ring.cu");
 /// The entry points of [`RING_CU`].
 pub const RING_ENTRIES: [&str; 2] = ["ring_merge", "ring_round"];
 
-/// Compiles `kernels/ring.cu` for one dtype and head dim.
-pub fn compile_ring(
+/// `kernels/ring.cu` for one dtype and head dim.
+pub fn ring_kernel(dtype: Dtype, head_dim: usize) -> SimpleKernel {
+    SimpleKernel {
+        stem: "ring",
+        source: RING_CU,
+        dtype,
+        head_dim,
+    }
+}
+
+/// Step 04's backward kernels in their tile shape for `head_dim`, adding into `f32` sums,
+/// with the causal mask (the diagonal) or without it (a block wholly in the past).
+pub fn accumulating_backward(
     dtype: Dtype,
     head_dim: usize,
-    arch: &'static str,
-) -> Result<Ptx, AttnError> {
-    if !HEAD_DIMS.contains(&head_dim) {
-        return Err(unsupported_head_dim(head_dim));
+    causal: bool,
+) -> BackwardKernel {
+    let config = BackwardConfig::for_head_dim(head_dim);
+    BackwardKernel {
+        causal,
+        accumulate: true,
+        ..BackwardKernel::new(dtype, head_dim, config)
     }
-    let options = CompileOptions {
-        arch: Some(arch),
-        options: vec![
-            format!("-DHEAD_DIM={head_dim}"),
-            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
-            "--std=c++17".into(),
-        ],
-        name: Some(format!("ring_{}_d{head_dim}.cu", dtype.name())),
-        ..Default::default()
-    };
-    compile_ptx_with_opts([TENSOR_CORES_CUH, RING_CU].concat(), options)
-        .map_err(|e| compile_error("ring", e))
 }
 
 /// Who the ranks are.
@@ -503,10 +503,7 @@ impl RingAttention {
         entry: &str,
     ) -> Result<cudarc::driver::CudaFunction, AttnError> {
         let (gpu, dtype, head_dim) = (self.gpus[r], self.dtype, self.shape.head_dim);
-        let arch = gpu.arch();
-        gpu.kernel(format!("ring {dtype:?} {head_dim}"), entry, 0, || {
-            compile_ring(dtype, head_dim, arch)
-        })
+        gpu.kernel(&ring_kernel(dtype, head_dim), entry, 0)
     }
 
     /// `acc ⊕= part` for one chunk of rank `r`'s queries (`ring_merge`).
@@ -723,13 +720,7 @@ impl RingAttention {
         smem: u32,
     ) -> Result<cudarc::driver::CudaFunction, AttnError> {
         let (gpu, dtype, head_dim) = (self.gpus[r], self.dtype, self.shape.head_dim);
-        let (config, arch) = (BackwardConfig::for_head_dim(head_dim), gpu.arch());
-        gpu.kernel(
-            format!("ring backward {dtype:?} {head_dim} causal={causal}"),
-            entry,
-            smem,
-            || compile_backward_accumulate(dtype, head_dim, config, causal, arch),
-        )
+        gpu.kernel(&accumulating_backward(dtype, head_dim, causal), entry, smem)
     }
 
     // ANCHOR: backward_block

@@ -54,9 +54,7 @@ use step03_cuda_forward::{
 };
 
 use crate::decode::{DecodeShape, check_decode, check_sizes};
-use crate::kernel::{
-    APPEND, DECODE, DecodeKernel, FILL, READ, compile_append, compile_fill, compile_read,
-};
+use crate::kernel::{APPEND, DECODE, DecodeKernel, FILL, READ, READ_KERNEL, fill_kernel};
 use crate::pages::PageTable;
 
 /// How a cache's tokens lie in each layer's pool, `[pages, kv_heads, page_size, head_dim]`.
@@ -569,13 +567,7 @@ fn append_kernel(
     dtype: Dtype,
     head_dim: usize,
 ) -> Result<CudaFunction, AttnError> {
-    let arch = gpu.arch();
-    gpu.kernel(
-        format!("append {} {head_dim}", dtype.name()),
-        APPEND,
-        0,
-        || compile_append(dtype, head_dim, arch),
-    )
+    gpu.kernel(&crate::kernel::append_kernel(dtype, head_dim), APPEND, 0)
 }
 
 // ANCHOR: plan_splits
@@ -696,10 +688,7 @@ pub fn sm_count(gpu: &Gpu) -> Result<usize, AttnError> {
 
 /// The decoding kernel's build, compiled on first use.
 fn decode_kernel(gpu: &Gpu, kernel: DecodeKernel) -> Result<CudaFunction, AttnError> {
-    let arch = gpu.arch();
-    gpu.kernel(kernel.name(), DECODE, kernel.smem_bytes(), || {
-        kernel.compile(arch)
-    })
+    gpu.kernel(&kernel, DECODE, kernel.smem_bytes())
 }
 
 /// What [`plan_splits`] needs to know of this GPU for a build of the decoding kernel: its
@@ -1122,8 +1111,7 @@ pub fn read_bytes(
     v: &CudaSlice<u16>,
     sums: &mut CudaSlice<u32>,
 ) -> Result<(), AttnError> {
-    let arch = gpu.arch();
-    let f = gpu.kernel("read".into(), READ, 0, || compile_read(arch))?;
+    let f = gpu.kernel(&READ_KERNEL, READ, 0)?;
     if k.len() != v.len() || !k.len().is_multiple_of(8) {
         return Err(AttnError::ShapeMismatch {
             what: format!(
@@ -1184,10 +1172,7 @@ pub fn fill_cache(gpu: &Gpu, cache: &mut PagedKvCache, seed: u32) -> Result<(), 
             ),
         });
     }
-    let (dtype, head_dim, arch) = (s.dtype, s.head_dim, gpu.arch());
-    let f = gpu.kernel(format!("fill {dtype:?} {head_dim}"), FILL, 0, || {
-        compile_fill(dtype, head_dim, arch)
-    })?;
+    let f = gpu.kernel(&fill_kernel(s.dtype, s.head_dim), FILL, 0)?;
     let n = (s.batch * s.kv_heads * s.max_len * s.head_dim) as i64;
     let (kvh, t) = (s.kv_heads as i32, s.max_len as i32);
     let page_size = s.layout.kernel_page_size() as i32;

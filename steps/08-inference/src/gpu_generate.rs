@@ -36,7 +36,7 @@ use step05_train::model::{Config, Params};
 use step05_train::train::pick;
 
 use crate::cuda::{CacheLayout, CacheSpec, DecodeOutput, DecodePlan, NewKv, PagedKvCache};
-use crate::kernel::{EMBED, compile_append};
+use crate::kernel::{EMBED, append_kernel};
 use crate::pages::PAGE_SIZE;
 
 fn device(e: flash_core::AttnError) -> TrainError {
@@ -114,11 +114,8 @@ impl GpuModel {
         let kv_heads = config.kv_heads;
         let kernels = Kernels::load(&gpu, c)?;
         let blas = Blas::new(&gpu)?;
-        let arch = gpu.arch();
         let embed = gpu
-            .kernel(format!("append bf16 {d}"), EMBED, 0, || {
-                compile_append(Dtype::Bf16, d, arch)
-            })
+            .kernel(&append_kernel(Dtype::Bf16, d), EMBED, 0)
             .map_err(device)?;
         let layout = Layout::new(config);
         let stream = gpu.stream();

@@ -2,11 +2,13 @@
 //! a dtype, a head dim, the query rows of a kv head and a page size into the `-D` options
 //! of `kernels/decode.cu`, which holds no defaults of its own.
 
-use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use std::borrow::Cow;
+
 use flash_core::AttnError;
 use step03_cuda_forward::Dtype;
+use step03_cuda_forward::gpu::{FixedKernel, KernelSpec};
 use step03_cuda_forward::kernel::{
-    HEAD_DIMS, TENSOR_CORES_CUH, compile_error, unsupported_head_dim,
+    HEAD_DIMS, SimpleKernel, TENSOR_CORES_CUH, unsupported_head_dim,
 };
 
 /// The decoding kernel, with step 03's `tensor_cores.cuh` in front.
@@ -121,18 +123,11 @@ impl DecodeKernel {
         let stages = 2 * Self::WARPS * self.stages() * self.keys();
         ((rows + stages) * self.head_dim * 2) as u32
     }
+}
 
-    /// Whether this build can be compiled, or what is wrong with it.
-    pub fn check(&self) -> Result<(), AttnError> {
-        if !HEAD_DIMS.contains(&self.head_dim) {
-            return Err(unsupported_head_dim(self.head_dim));
-        }
-        step03_cuda_forward::half_dtype(self.dtype)?;
-        check_page_size(self.page_size)
-    }
-
+impl KernelSpec for DecodeKernel {
     /// The module's name: the kernel and everything its options say.
-    pub fn name(&self) -> String {
+    fn name(&self) -> String {
         let layout = match self.page_size {
             0 => "contiguous".to_string(),
             p => format!("paged{p}"),
@@ -145,31 +140,32 @@ impl DecodeKernel {
         )
     }
 
-    /// The `-D` options that specialise `kernels/decode.cu`, one for each parameter.
-    pub fn options(&self, arch: &'static str) -> CompileOptions {
-        CompileOptions {
-            arch: Some(arch),
-            options: vec![
-                format!("-DHEAD_DIM={}", self.head_dim),
-                format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
-                format!("-DROW_TILES={}", self.row_tiles),
-                format!("-DWARPS={}", Self::WARPS),
-                format!("-DKEYS={}", self.keys()),
-                format!("-DSTAGES={}", self.stages()),
-                format!("-DKEY_GROUP={KEY_GROUP}"),
-                format!("-DPAGE_SIZE={}", self.page_size),
-                "--std=c++17".into(),
-            ],
-            name: Some(self.name()),
-            ..Default::default()
-        }
+    /// Step 03's `tensor_cores.cuh`, then `kernels/decode.cu`.
+    fn source(&self) -> Cow<'_, str> {
+        [TENSOR_CORES_CUH, DECODE_CU].concat().into()
     }
 
-    /// Compiles the kernel and its merge for `arch` (`sm_90` on an H200).
-    pub fn compile(&self, arch: &'static str) -> Result<Ptx, AttnError> {
-        self.check()?;
-        compile_ptx_with_opts([TENSOR_CORES_CUH, DECODE_CU].concat(), self.options(arch))
-            .map_err(|e| compile_error(&self.name(), e))
+    /// The `-D` options that specialise `kernels/decode.cu`, one for each parameter.
+    fn defines(&self) -> Vec<String> {
+        vec![
+            format!("-DHEAD_DIM={}", self.head_dim),
+            format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
+            format!("-DROW_TILES={}", self.row_tiles),
+            format!("-DWARPS={}", Self::WARPS),
+            format!("-DKEYS={}", self.keys()),
+            format!("-DSTAGES={}", self.stages()),
+            format!("-DKEY_GROUP={KEY_GROUP}"),
+            format!("-DPAGE_SIZE={}", self.page_size),
+        ]
+    }
+
+    /// Whether this build can be compiled, or what is wrong with it.
+    fn check(&self) -> Result<(), AttnError> {
+        if !HEAD_DIMS.contains(&self.head_dim) {
+            return Err(unsupported_head_dim(self.head_dim));
+        }
+        step03_cuda_forward::half_dtype(self.dtype)?;
+        check_page_size(self.page_size)
     }
 }
 // ANCHOR_END: decode_kernel
@@ -191,55 +187,28 @@ pub fn check_page_size(page_size: usize) -> Result<(), AttnError> {
     })
 }
 
-/// Compiles `kernels/read.cu`.
-pub fn compile_read(arch: &'static str) -> Result<Ptx, AttnError> {
-    let options = CompileOptions {
-        arch: Some(arch),
-        name: Some("read.cu".into()),
-        ..Default::default()
-    };
-    compile_ptx_with_opts(READ_CU, options).map_err(|e| compile_error("read", e))
-}
+/// `kernels/read.cu`, which has no parameters.
+pub const READ_KERNEL: FixedKernel = FixedKernel {
+    name: "read.cu",
+    source: READ_CU,
+};
 
-/// Compiles `kernels/fill.cu` for one dtype and head dim.
-pub fn compile_fill(
-    dtype: Dtype,
-    head_dim: usize,
-    arch: &'static str,
-) -> Result<Ptx, AttnError> {
-    compile_small("fill", FILL_CU, dtype, head_dim, arch)
-}
-
-/// Compiles `kernels/append.cu` for one dtype and head dim.
-pub fn compile_append(
-    dtype: Dtype,
-    head_dim: usize,
-    arch: &'static str,
-) -> Result<Ptx, AttnError> {
-    compile_small("append", APPEND_CU, dtype, head_dim, arch)
-}
-
-/// A kernel file after `tensor_cores.cuh`, for one dtype and head dim.
-fn compile_small(
-    stem: &str,
-    source: &str,
-    dtype: Dtype,
-    head_dim: usize,
-    arch: &'static str,
-) -> Result<Ptx, AttnError> {
-    if !HEAD_DIMS.contains(&head_dim) {
-        return Err(unsupported_head_dim(head_dim));
+/// `kernels/fill.cu` for one dtype and head dim.
+pub fn fill_kernel(dtype: Dtype, head_dim: usize) -> SimpleKernel {
+    SimpleKernel {
+        stem: "fill",
+        source: FILL_CU,
+        dtype,
+        head_dim,
     }
-    let options = CompileOptions {
-        arch: Some(arch),
-        options: vec![
-            format!("-DHEAD_DIM={head_dim}"),
-            format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
-            "--std=c++17".into(),
-        ],
-        name: Some(format!("{stem}_{}_d{head_dim}.cu", dtype.name())),
-        ..Default::default()
-    };
-    compile_ptx_with_opts([TENSOR_CORES_CUH, source].concat(), options)
-        .map_err(|e| compile_error(stem, e))
+}
+
+/// `kernels/append.cu` for one dtype and head dim.
+pub fn append_kernel(dtype: Dtype, head_dim: usize) -> SimpleKernel {
+    SimpleKernel {
+        stem: "append",
+        source: APPEND_CU,
+        dtype,
+        head_dim,
+    }
 }

@@ -10,12 +10,12 @@
 
 use cudarc::driver::PushKernelArg;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
-use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use std::borrow::Cow;
 use std::hash::{Hash, Hasher};
 
 use flash_core::check::grouped_kv;
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
+use step03_cuda_forward::gpu::KernelSpec;
 use step03_cuda_forward::{
     DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error,
 };
@@ -193,22 +193,124 @@ pub fn backward_kernels(q: Shape) -> BackwardKernels {
     BackwardKernels::for_shape(q)
 }
 
-fn compile(
-    source: String,
-    defines: Vec<String>,
-    name: String,
-    entry: &str,
-) -> Result<Ptx, AttnError> {
-    require_nvrtc()?;
-    let mut options = defines;
-    options.push("--std=c++17".into());
-    let options = CompileOptions {
-        arch: Some("sm_90a"),
-        options,
-        name: Some(name),
-        ..Default::default()
-    };
-    compile_ptx_with_opts(source, options).map_err(|e| compile_error(entry, e))
+/// The block mask's kernels for a mask, for blocks of `wgs` warpgroups of queries.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockMaskKernel<'a> {
+    pub mask: &'a GpuMask,
+    pub wgs: usize,
+}
+
+impl KernelSpec for BlockMaskKernel<'_> {
+    fn name(&self) -> String {
+        "block_mask.cu".into()
+    }
+
+    fn source(&self) -> Cow<'_, str> {
+        block_mask_source(self.mask).into()
+    }
+
+    fn defines(&self) -> Vec<String> {
+        vec![format!("-DWGS={}", self.wgs)]
+    }
+
+    fn arch(&self, _device: &'static str) -> &'static str {
+        "sm_90a"
+    }
+
+    /// The mask's key (its names and a hash of its text) and the block shape.
+    fn key(&self) -> String {
+        format!("block mask {} wgs{}", self.mask.key, self.wgs)
+    }
+}
+
+/// The masked forward: `kernel` (rung 1 or rung 4 of step 06) with the mask's functions,
+/// for a dtype, a head dim and a rank of the tensor maps.
+#[derive(Clone, Copy, Debug)]
+pub struct MaskedForwardKernel<'a> {
+    pub mask: &'a GpuMask,
+    pub kernel: ForwardKernel,
+    pub dtype: Dtype,
+    pub head_dim: usize,
+    pub rank: TmaRank,
+}
+
+impl KernelSpec for MaskedForwardKernel<'_> {
+    fn name(&self) -> String {
+        "masked_forward.cu".into()
+    }
+
+    fn source(&self) -> Cow<'_, str> {
+        let (k, d) = (self.kernel, self.head_dim);
+        forward_source(self.mask, k, self.dtype, d, self.rank)
+            .0
+            .into()
+    }
+
+    fn defines(&self) -> Vec<String> {
+        self.kernel.defines(self.dtype, self.head_dim, self.rank)
+    }
+
+    /// Step 06's limits for the kernel it is built on.
+    fn check(&self) -> Result<(), AttnError> {
+        self.kernel.check(self.head_dim)
+    }
+
+    fn arch(&self, _device: &'static str) -> &'static str {
+        "sm_90a"
+    }
+
+    /// The mask's key and everything the build changes.
+    fn key(&self) -> String {
+        let (dtype, d, rank) = (self.dtype, self.head_dim, self.rank);
+        let (mask, kernel) = (&self.mask.key, self.kernel.name());
+        format!("masked forward {mask} {dtype:?} d{d} {kernel} {rank:?}")
+    }
+}
+
+/// The masked backward: step 06's one pass, `kernels`, with the mask's functions, for a
+/// dtype, a head dim and a rank of the tensor maps.
+#[derive(Clone, Copy, Debug)]
+pub struct MaskedBackwardKernel<'a> {
+    pub mask: &'a GpuMask,
+    pub kernels: BackwardKernels,
+    pub dtype: Dtype,
+    pub head_dim: usize,
+    pub rank: TmaRank,
+}
+
+impl KernelSpec for MaskedBackwardKernel<'_> {
+    fn name(&self) -> String {
+        "masked_backward.cu".into()
+    }
+
+    fn source(&self) -> Cow<'_, str> {
+        let (k, d) = (self.kernels, self.head_dim);
+        backward_source(self.mask, k, self.dtype, d, self.rank)
+            .0
+            .into()
+    }
+
+    fn defines(&self) -> Vec<String> {
+        self.kernels
+            .dkdv
+            .defines(self.dtype, self.head_dim, self.rank)
+    }
+
+    /// Step 06's limits for the dK and dV kernel it is built on.
+    fn check(&self) -> Result<(), AttnError> {
+        self.kernels.dkdv.check(self.head_dim)
+    }
+
+    fn arch(&self, _device: &'static str) -> &'static str {
+        "sm_90a"
+    }
+
+    /// The mask's key and everything the build changes.
+    fn key(&self) -> String {
+        let (dtype, d, rank) = (self.dtype, self.head_dim, self.rank);
+        let (mask, kernel) = (&self.mask.key, self.kernels.dkdv.name());
+        format!("masked backward {mask} {dtype:?} d{d} {kernel} {rank:?}")
+    }
 }
 
 /// The source of the block mask's kernels with `mask`'s functions: what
@@ -334,14 +436,8 @@ impl DeviceMask {
             ints(rows * fwd_blocks * k_blocks, "the forward's block lists")?;
         let mut bwd_count = ints(rows * k_blocks, "the backward's block lists")?;
         let mut bwd_index = ints(rows * k_blocks * q_tiles, "the backward's block lists")?;
-        let key = format!("block mask {} wgs{wgs}", mask.key);
-        let src = block_mask_source(mask);
-        let defines = vec![format!("-DWGS={wgs}")];
-        let module = |entry: &str| {
-            gpu.kernel(key.clone(), entry, 0, || {
-                compile(src.clone(), defines.clone(), "block_mask.cu".into(), entry)
-            })
-        };
+        let spec = BlockMaskKernel { mask, wgs };
+        let module = |entry: &str| gpu.kernel(&spec, entry, 0);
         let (tq32, tk32) = (tq as i32, tk as i32);
         let data_ptr = data.as_ref().map_or(0u64, |d| d.device_ptr(stream).0);
         {
@@ -602,29 +698,19 @@ pub fn forward(
     }
     let (shape, dtype, d) = (q.shape, q.dtype, q.shape.head_dim);
     let kernel = forward_kernel(shape, kv.heads, mask.mask.weight);
-    kernel.check(d)?;
     let grid = kernel.grid(shape)?;
     let [qs, ks, vs] = [q, k, v].map(|x| contiguous(x, gpu));
     let rank = TmaRank::of(&[qs.layout, ks.layout, vs.layout], shape);
     let smem = kernel.smem_bytes(d);
-    let (source, defines) = forward_source(&mask.mask, kernel, dtype, d, rank);
-    let f = gpu.kernel(
-        format!(
-            "masked forward {} {dtype:?} d{d} {} {rank:?}",
-            mask.mask.key,
-            kernel.name()
-        ),
-        "masked_forward",
-        smem,
-        || {
-            compile(
-                source,
-                defines,
-                "masked_forward.cu".into(),
-                "masked_forward",
-            )
-        },
-    )?;
+    let spec = MaskedForwardKernel {
+        mask: &mask.mask,
+        kernel,
+        dtype,
+        head_dim: d,
+        rank,
+    };
+    // step 06's limits for the kernel are checked as its module is compiled
+    let f = gpu.kernel(&spec, "masked_forward", smem)?;
     kernel.check_registers(&f)?;
     // SAFETY: q, k and v were checked to hold their shapes' values, contiguous, 16-bit,
     // in allocations of this GPU's context (256-byte aligned)
@@ -730,27 +816,20 @@ pub fn backward(
     }
     let kernels = backward_kernels(shape);
     let k1 = kernels.dkdv;
-    k1.check(d)?;
     // the grid runs over blocks of keys: tk's
     let grid = k1.grid(per_q)?;
     let [qs, ks, vs, os, dos] = [q, k, v, &fwd.out, dout].map(|x| contiguous(x, gpu));
     let rank = TmaRank::of(&[qs.layout, ks.layout, vs.layout, dos.layout], shape);
-    let (source, defines) = backward_source(&mask.mask, kernels, dtype, d, rank);
-    let key = format!(
-        "masked backward {} {dtype:?} d{d} {} {rank:?}",
-        mask.mask.key,
-        k1.name()
-    );
-    let function = |entry: &str| {
-        gpu.kernel(key.clone(), entry, k1.smem_bytes(d), || {
-            compile(
-                source.clone(),
-                defines.clone(),
-                "masked_backward.cu".into(),
-                entry,
-            )
-        })
+    let spec = MaskedBackwardKernel {
+        mask: &mask.mask,
+        kernels,
+        dtype,
+        head_dim: d,
+        rank,
     };
+    // step 06's limits for the kernel are checked as its module is compiled, before the
+    // first launch
+    let function = |entry: &str| gpu.kernel(&spec, entry, k1.smem_bytes(d));
     let tq = shape.tokens as i32;
     let tk = kv.tokens as i32;
 

@@ -11,8 +11,9 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use step03_cuda_forward::gpu::compile;
 use step03_cuda_forward::kernel::{
-    HEAD_DIMS, TENSOR_CORES_CUH, compile_forward, compile_softmax,
+    ForwardKernel, HEAD_DIMS, SoftmaxKernel, TENSOR_CORES_CUH,
 };
 use step03_cuda_forward::ptxas::{self, Variant};
 use step03_cuda_forward::{Dtype, ForwardConfig, Rung};
@@ -48,17 +49,19 @@ fn main() -> ExitCode {
             for head_dim in HEAD_DIMS {
                 kernels.push(Variant::used(
                     format!("flash_forward_{}_d{head_dim}", dtype.name()),
-                    compile_forward(
-                        dtype,
-                        head_dim,
-                        ForwardConfig::for_head_dim(head_dim),
+                    compile(
+                        &ForwardKernel::new(
+                            dtype,
+                            head_dim,
+                            ForwardConfig::for_head_dim(head_dim),
+                        ),
                         arch,
                     ),
                 ));
             }
             kernels.push(Variant::used(
                 format!("causal_softmax_{}", dtype.name()),
-                compile_softmax(dtype, arch),
+                compile(&SoftmaxKernel { dtype }, arch),
             ));
             let exercise = [TENSOR_CORES_CUH, ROWS_EXERCISE].concat();
             for &head_dim in Rung::Rows.head_dims() {

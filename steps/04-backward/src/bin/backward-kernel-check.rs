@@ -12,11 +12,10 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use step03_cuda_forward::Dtype;
+use step03_cuda_forward::gpu::compile;
 use step03_cuda_forward::ptxas::{self, Variant};
-use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, compile_backward};
-use step04_backward::cuda_by_hand::{
-    compile_by_hand_backward, compile_by_hand_backward_from,
-};
+use step04_backward::cuda::{BackwardConfig, BackwardKernel, HEAD_DIMS};
+use step04_backward::cuda_by_hand::ByHandBackwardKernel;
 
 /// Chapter 4's exercise as it stands in the crate's folder: the template, or a reader's
 /// kernel.
@@ -43,18 +42,24 @@ fn main() -> ExitCode {
                 let config = BackwardConfig::for_head_dim(head_dim);
                 kernels.push(Variant::used(
                     format!("flash_backward_{}_d{head_dim}", dtype.name()),
-                    compile_backward(dtype, head_dim, config, arch),
+                    compile(&BackwardKernel::new(dtype, head_dim, config), arch),
                 ));
             }
         }
         for dtype in [Dtype::Bf16, Dtype::F16] {
             kernels.push(Variant::used(
                 format!("by_hand_backward_{}", dtype.name()),
-                compile_by_hand_backward(dtype, arch),
+                compile(&ByHandBackwardKernel::new(dtype), arch),
             ));
             kernels.push(Variant::used(
                 format!("exercise_softmax_backward_{}", dtype.name()),
-                compile_by_hand_backward_from(SOFTMAX_BACKWARD_EXERCISE, dtype, arch),
+                compile(
+                    &ByHandBackwardKernel {
+                        source: SOFTMAX_BACKWARD_EXERCISE,
+                        dtype,
+                    },
+                    arch,
+                ),
             ));
         }
         kernels

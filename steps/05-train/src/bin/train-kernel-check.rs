@@ -7,7 +7,9 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use step03_cuda_forward::gpu::compile;
 use step03_cuda_forward::ptxas::{self, Variant};
+use step05_train::cuda::kernels::TrainKernels;
 
 /// Compiles the GPU trainer's kernels with NVRTC and assembles them with `ptxas -v`,
 /// printing registers, shared memory and spills per kernel.
@@ -25,7 +27,7 @@ fn main() -> ExitCode {
     ptxas::main(Args::parse().flags, |arch| {
         vec![Variant::used(
             "train".to_string(),
-            step05_train::cuda::kernels::compile(arch),
+            compile(&TrainKernels, arch),
         )]
     })
 }

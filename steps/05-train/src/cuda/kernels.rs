@@ -11,38 +11,42 @@
 //! the kernel runs.
 #![allow(clippy::missing_safety_doc)]
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use flash_core::AttnError;
-use step03_cuda_forward::Gpu;
 use step03_cuda_forward::cudarc::driver::sys::CUfunction_attribute;
 use step03_cuda_forward::cudarc::driver::{
     CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
 };
-use step03_cuda_forward::cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
-use step03_cuda_forward::device_error;
-use step03_cuda_forward::kernel::compile_error;
+use step03_cuda_forward::gpu::{KernelSpec, compile};
+use step03_cuda_forward::{Gpu, device_error};
 
 use crate::TrainError;
 
 /// The kernels' source, embedded so that binaries carry it wherever they run.
 pub const TRAIN_CU: &str = include_str!("../../kernels/train.cu");
 
-/// Compiles [`TRAIN_CU`] for `arch` (`sm_90` on an H200).
-pub fn compile(arch: &'static str) -> Result<Ptx, AttnError> {
-    let options = CompileOptions {
-        arch: Some(arch),
-        // the block shapes the host launches, which the kernels' shared arrays and launch
-        // bounds are sized for
-        options: vec![
-            "--std=c++17".into(),
+/// The build of [`TRAIN_CU`]: the block shapes the host launches, which the kernels' shared
+/// arrays and launch bounds are sized for.
+#[derive(Clone, Copy, Debug)]
+pub struct TrainKernels;
+
+impl KernelSpec for TrainKernels {
+    fn name(&self) -> String {
+        "train.cu".into()
+    }
+
+    fn source(&self) -> Cow<'_, str> {
+        TRAIN_CU.into()
+    }
+
+    fn defines(&self) -> Vec<String> {
+        vec![
             format!("-DGELU_LANES={GELU_LANES}"),
             format!("-DLN_BACKWARD_WARPS={LN_BACKWARD_WARPS}"),
-        ],
-        name: Some("train.cu".into()),
-        ..Default::default()
-    };
-    compile_ptx_with_opts(TRAIN_CU, options).map_err(|e| compile_error("train.cu", e))
+        ]
+    }
 }
 
 /// Warps per block of the LayerNorm backward (its shared memory holds `3·C` sums per warp).
@@ -127,7 +131,7 @@ impl Kernels {
     /// Compiles and loads the kernels on `gpu`; the LayerNorm backward may take the shared
     /// memory a residual stream `d_model` wide needs.
     pub fn load(gpu: &Gpu, d_model: usize) -> Result<Kernels, TrainError> {
-        let ptx = compile(gpu.arch()).map_err(TrainError::Device)?;
+        let ptx = compile(&TrainKernels, gpu.arch()).map_err(TrainError::Device)?;
         let module = gpu
             .context()
             .load_module(ptx)

@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use flash_core::Shape;
 use step03_cuda_forward::Dtype;
+use step03_cuda_forward::gpu::compile;
 use step03_cuda_forward::ptxas::{self, Variant};
 use step06_hopper::kernel::{
     BackwardKernels, BackwardRung, ForwardKernel, ForwardRung, HEAD_DIMS,
@@ -45,7 +46,7 @@ fn main() -> ExitCode {
     if flags.arch == "sm_90" {
         flags.arch = "sm_90a".into();
     }
-    ptxas::main(flags, |_| {
+    ptxas::main(flags, |arch| {
         let mut kernels = Vec::new();
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for d in HEAD_DIMS {
@@ -83,13 +84,19 @@ fn main() -> ExitCode {
                     for f in &forwards {
                         let name = format!("forward_{}", tag(f.name()));
                         if wanted(&name) {
-                            kernels.push(Variant::used(name, f.compile(dtype, d, rank)));
+                            kernels.push(Variant::used(
+                                name,
+                                compile(&f.build(dtype, d, rank), arch),
+                            ));
                         }
                     }
                     for k in &backwards {
                         let name = format!("backward_{}", tag(k.name()));
                         if wanted(&name) {
-                            kernels.push(Variant::used(name, k.compile(dtype, d, rank)));
+                            kernels.push(Variant::used(
+                                name,
+                                compile(&k.build(dtype, d, rank), arch),
+                            ));
                         }
                     }
                 }

@@ -11,13 +11,12 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use step03_cuda_forward::kernel::{HEAD_DIMS, compile_forward_full};
+use step03_cuda_forward::gpu::compile;
+use step03_cuda_forward::kernel::{ForwardKernel, HEAD_DIMS};
 use step03_cuda_forward::ptxas::{self, Variant};
 use step03_cuda_forward::{Dtype, ForwardConfig};
-use step04_backward::cuda::{
-    BackwardConfig, compile_backward_accumulate, compile_backward_full,
-};
-use step07_multi_gpu::gpu::compile_ring;
+use step04_backward::cuda::{BackwardConfig, BackwardKernel};
+use step07_multi_gpu::gpu::{accumulating_backward, ring_kernel};
 
 /// Compiles the ring's kernels (the unmasked forward and backward, and ring.cu's merge,
 /// round and add) in bf16 and f16 at every head dim, and assembles each with `ptxas -v`.
@@ -61,36 +60,39 @@ fn main() -> ExitCode {
                 let tag = format!("{}_d{head_dim}", dtype.name());
                 kernels.push(Variant::used(
                     format!("flash_forward_full_{tag}"),
-                    compile_forward_full(
-                        dtype,
-                        head_dim,
-                        ForwardConfig::for_head_dim(head_dim),
+                    compile(
+                        &ForwardKernel {
+                            causal: false,
+                            ..ForwardKernel::new(
+                                dtype,
+                                head_dim,
+                                ForwardConfig::for_head_dim(head_dim),
+                            )
+                        },
                         arch,
                     ),
                 ));
-                let backward = compile_backward_full(
-                    dtype,
-                    head_dim,
-                    BackwardConfig::for_head_dim(head_dim),
-                    arch,
-                );
+                let full = BackwardKernel {
+                    causal: false,
+                    ..BackwardKernel::new(
+                        dtype,
+                        head_dim,
+                        BackwardConfig::for_head_dim(head_dim),
+                    )
+                };
+                let backward = compile(&full, arch);
                 let name = format!("flash_backward_full_{tag}");
                 kernels.push(Variant::used(name, backward));
                 for causal in [true, false] {
                     let what = if causal { "causal" } else { "full" };
                     let name = format!("flash_backward_accumulate_{what}_{tag}");
-                    let ptx = compile_backward_accumulate(
-                        dtype,
-                        head_dim,
-                        BackwardConfig::for_head_dim(head_dim),
-                        causal,
-                        arch,
-                    );
+                    let ptx =
+                        compile(&accumulating_backward(dtype, head_dim, causal), arch);
                     kernels.push(Variant::used(name, ptx));
                 }
                 kernels.push(Variant::used(
                     format!("ring_{tag}"),
-                    compile_ring(dtype, head_dim, arch),
+                    compile(&ring_kernel(dtype, head_dim), arch),
                 ));
             }
         }

@@ -11,9 +11,10 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use step03_cuda_forward::Dtype;
+use step03_cuda_forward::gpu::{KernelSpec, compile};
 use step03_cuda_forward::kernel::HEAD_DIMS;
 use step03_cuda_forward::ptxas::{self, Variant};
-use step08_inference::kernel::{DecodeKernel, compile_append, compile_fill, compile_read};
+use step08_inference::kernel::{DecodeKernel, READ_KERNEL, append_kernel, fill_kernel};
 
 /// Compiles the decoding kernels (decode.cu, read.cu, fill.cu, append.cu) for
 /// every dtype, head dim, tile of query rows and page size the library launches, and
@@ -38,21 +39,21 @@ fn main() -> ExitCode {
                         let kernel = DecodeKernel::new(dtype, head_dim, rows, page_size)
                             .expect("a shape the library takes");
                         let name = kernel.name().trim_end_matches(".cu").to_string();
-                        kernels.push(Variant::used(name, kernel.compile(arch)));
+                        kernels.push(Variant::used(name, compile(&kernel, arch)));
                     }
                 }
                 let tag = format!("{}_d{head_dim}", dtype.name());
                 kernels.push(Variant::used(
                     format!("fill_{tag}"),
-                    compile_fill(dtype, head_dim, arch),
+                    compile(&fill_kernel(dtype, head_dim), arch),
                 ));
                 kernels.push(Variant::used(
                     format!("append_{tag}"),
-                    compile_append(dtype, head_dim, arch),
+                    compile(&append_kernel(dtype, head_dim), arch),
                 ));
             }
         }
-        kernels.push(Variant::used("read".into(), compile_read(arch)));
+        kernels.push(Variant::used("read".into(), compile(&READ_KERNEL, arch)));
         kernels
     })
 }

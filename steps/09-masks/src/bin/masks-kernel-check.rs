@@ -10,12 +10,12 @@ use clap::Parser;
 use flash_core::Shape;
 use std::process::ExitCode;
 use step03_cuda_forward::Dtype;
-use step03_cuda_forward::kernel::{compile_error, require_nvrtc};
+use step03_cuda_forward::gpu::compile;
 use step03_cuda_forward::ptxas::{self, Variant};
 use step06_hopper::layout::TmaRank;
 use step09_masks::cuda::{
-    GpuMask, backward_kernels, backward_source, block_mask_source, forward_kernel,
-    forward_source,
+    BlockMaskKernel, GpuMask, MaskedBackwardKernel, MaskedForwardKernel, backward_kernels,
+    forward_kernel,
 };
 use step09_masks::exercise::DILATED_CU;
 use step09_masks::{CustomMask, Documents, Mask, ScoreMod};
@@ -38,25 +38,6 @@ const EXPECTED_SPILLS: [&str; 2] = [
     "backward_bf16_d64_causal+softcap",
     "backward_bf16_d128_causal+softcap",
 ];
-
-fn compile(
-    source: String,
-    defines: Vec<String>,
-    entry: &str,
-) -> Result<cudarc::nvrtc::Ptx, flash_core::AttnError> {
-    require_nvrtc()?;
-    let mut options = defines;
-    options.push("--std=c++17".into());
-    cudarc::nvrtc::compile_ptx_with_opts(
-        source,
-        cudarc::nvrtc::CompileOptions {
-            arch: Some("sm_90a"),
-            options,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| compile_error(entry, e))
-}
 
 fn masks() -> Vec<(&'static str, Mask, ScoreMod)> {
     let docs = Documents::from_lengths(&[100, 200, 724]).expect("lengths of at least 1");
@@ -85,7 +66,7 @@ fn main() -> ExitCode {
     if flags.arch == "sm_90" {
         flags.arch = "sm_90a".into();
     }
-    ptxas::main(flags, |_| {
+    ptxas::main(flags, |arch| {
         let mut kernels = Vec::new();
         for (name, mask, score) in masks() {
             let gm = match GpuMask::new(&mask, &score) {
@@ -117,11 +98,7 @@ fn main() -> ExitCode {
                     let wgs = fk.warpgroups;
                     kernels.push(Variant::used(
                         format!("block_mask_{name}_d{d}_wgs{wgs}"),
-                        compile(
-                            block_mask_source(&gm),
-                            vec![format!("-DWGS={wgs}")],
-                            "block_mask",
-                        ),
+                        compile(&BlockMaskKernel { mask: &gm, wgs }, arch),
                     ));
                     for &(dtype, rank) in variants {
                         let tag = format!(
@@ -129,19 +106,27 @@ fn main() -> ExitCode {
                             dtype.name(),
                             if rank == TmaRank::Four { "_rank4" } else { "" }
                         );
-                        let (src, defines) = forward_source(&gm, fk, dtype, d, rank);
+                        let forward = MaskedForwardKernel {
+                            mask: &gm,
+                            kernel: fk,
+                            dtype,
+                            head_dim: d,
+                            rank,
+                        };
                         let fname = format!("forward_{tag}_rung{}", fk.rung.number());
-                        kernels.push(Variant::used(
-                            fname,
-                            compile(src, defines, "masked_forward"),
-                        ));
+                        kernels.push(Variant::used(fname, compile(&forward, arch)));
                         if t != 4096 {
                             continue;
                         }
-                        let (src, defines) =
-                            backward_source(&gm, backward_kernels(q), dtype, d, rank);
+                        let backward = MaskedBackwardKernel {
+                            mask: &gm,
+                            kernels: backward_kernels(q),
+                            dtype,
+                            head_dim: d,
+                            rank,
+                        };
                         let bname = format!("backward_{tag}");
-                        let ptx = compile(src, defines, "masked_dkdv");
+                        let ptx = compile(&backward, arch);
                         kernels.push(if EXPECTED_SPILLS.contains(&bname.as_str()) {
                             Variant::candidate(bname, ptx)
                         } else {
