@@ -365,7 +365,7 @@ fn masked_on_gpu(
     let (batch, heads, tq, d) = q.dim();
     let tk = k.dim().2;
     cuda::check_mask(mask, score, batch, heads, tk)?;
-    let gpu = step03_cuda_forward::Gpu::shared()?;
+    let gpu = step03_cuda_forward::gpu::Gpu::shared()?;
     let device_mask =
         DeviceMask::new(gpu, &GpuMask::new(mask, score)?, batch, heads, tq, tk, d)?;
     let up = |x: &Array4<f32>| gpu.upload(x.view(), dtype);

@@ -8,8 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use flash_core::AttnError;
 use flash_core::inputs::SplitMix64;
 use half::bf16;
-use step03_cuda_forward::gpu::KernelSpec;
-use step03_cuda_forward::{Gpu, device_error};
+use step03_cuda_forward::gpu::{Gpu, KernelSpec, device_error};
 
 use step06_hopper::forward::{TensorMap, encode_tiled};
 

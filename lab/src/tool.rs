@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use flash_core::AttnError;
 use flash_core::timing::{Warmup, median_ms as median_ms_of};
 
-use step03_cuda_forward::{DeviceTensor, Dtype, Gpu};
+use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu};
 
 pub use step03_cuda_forward::tool::at_least_one;
 

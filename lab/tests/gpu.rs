@@ -8,9 +8,9 @@ use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::reference::{attention_f64, error};
 use flash_lab::{backward_shapes, forward_shapes};
 use ndarray::Array4;
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step03_cuda_forward::kernel::HEAD_DIMS;
-use step03_cuda_forward::{Dtype, Gpu};
 use step04_backward::cuda::backward_with;
 
 /// A margin for the case where both errors are (nearly) zero.

@@ -18,7 +18,7 @@ use flash_core::Shape;
 use flash_core::timing::median;
 use flash_lab::backward_shapes;
 use flash_lab::tool::{Tool, at_least_one, median_ms, random_input};
-use step03_cuda_forward::{Gpu, cudarc};
+use step03_cuda_forward::gpu::{Gpu, cudarc};
 use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, backward_marked, backward_with};
 
 /// Times the backward kernels in several tile shapes (4 sequences, 12 heads, bf16, causal)

@@ -12,8 +12,9 @@ use clap::Parser;
 use flash_core::Shape;
 use flash_lab::forward_shapes;
 use flash_lab::tool::{Tool, at_least_one, median_ms, random_input};
+use step03_cuda_forward::ForwardConfig;
+use step03_cuda_forward::gpu::Dtype;
 use step03_cuda_forward::kernel::HEAD_DIMS;
-use step03_cuda_forward::{Dtype, ForwardConfig};
 
 /// Times the forward kernel in several tile shapes (4 sequences, 12 heads, bf16, causal)
 /// after checking that they all give the same output. Needs a CUDA GPU.

@@ -13,7 +13,7 @@ use clap::Parser;
 use flash_core::inputs::random_normal;
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::{Dtype, Gpu};
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step06_hopper::kernel::{BackwardKernels, ForwardKernel};
 use step06_hopper::{backward, forward};
 

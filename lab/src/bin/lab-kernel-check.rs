@@ -12,10 +12,10 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use flash_lab::{backward_shapes, forward_shapes};
-use step03_cuda_forward::gpu::compile;
+use step03_cuda_forward::ForwardConfig;
+use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::kernel::{ForwardKernel, HEAD_DIMS};
 use step03_cuda_forward::ptxas::{self, Variant};
-use step03_cuda_forward::{Dtype, ForwardConfig};
 use step04_backward::cuda::{BackwardConfig, BackwardKernel};
 
 /// Compiles every tile shape of the lab's forward and backward candidates (bf16 and f16,

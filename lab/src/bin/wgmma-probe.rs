@@ -6,8 +6,7 @@
 use std::process::ExitCode;
 
 use flash_lab::probe::{self, Load, Offsets, WgmmaProbe};
-use step03_cuda_forward::Gpu;
-use step03_cuda_forward::gpu::compile;
+use step03_cuda_forward::gpu::{Gpu, compile};
 
 fn main() -> ExitCode {
     let ptx = match compile(&WgmmaProbe, "sm_90a") {

@@ -5,7 +5,7 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use flash_core::Shape;
 use flash_core::inputs::random_qkv;
-use step03_cuda_forward::{Dtype, Gpu};
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 
 fn forward(c: &mut Criterion) {
     let gpu = match Gpu::new() {

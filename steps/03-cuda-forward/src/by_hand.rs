@@ -10,7 +10,8 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelA
 use flash_core::{AttnError, Shape};
 use half::{bf16, f16};
 
-use crate::{DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error};
+use crate::gpu::{DeviceTensor, Dtype, Gpu, device_error, half_dtype};
+use crate::{DeviceAttention, check_device};
 
 /// Bytes attention by hand takes on the GPU beyond its inputs: the table, the output and
 /// the log-sum-exp.
@@ -66,7 +67,7 @@ impl Gpu {
                 self.gemm(w, &v.data, &table, &mut result.out.data)?;
             }
             Dtype::F32 => {
-                crate::half_dtype(q.dtype)?;
+                half_dtype(q.dtype)?;
             }
         }
         Ok(result)

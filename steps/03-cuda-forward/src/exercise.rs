@@ -15,9 +15,10 @@ use std::process::ExitCode;
 use flash_core::exercise::{NotYet, attempt};
 use flash_core::{AttnError, Shape};
 
+use crate::Rung;
+use crate::gpu::{Dtype, Gpu};
 use crate::kernel::TENSOR_CORES_CUH;
 use crate::rule::{ForwardCheck, KERNEL_LSE};
-use crate::{Dtype, Gpu, Rung};
 
 /// The exercises of this step, by the name the `exercise` binary takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

@@ -5,7 +5,7 @@ use half::{bf16, f16};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array2, Array4, ArrayView2, ArrayView4, s};
 
-use crate::Dtype;
+use crate::gpu::Dtype;
 use flash_core::Shape;
 
 /// Each value rounded to `dtype` (to nearest, ties to even), as raw 16 bits.

@@ -8,8 +8,7 @@ use std::borrow::Cow;
 
 use flash_core::AttnError;
 
-use crate::Dtype;
-use crate::gpu::KernelSpec;
+use crate::gpu::{Dtype, KernelSpec};
 
 /// What every attention kernel starts with: the types, the shared-memory swizzle and the
 /// tensor-core instructions (`kernels/tensor_cores.cuh`), prepended to each kernel's
@@ -23,15 +22,6 @@ pub const FLASH_FORWARD_CU: &str = concat!(
 );
 /// The entry point in [`FLASH_FORWARD_CU`].
 pub const FLASH_FORWARD: &str = "flash_forward";
-/// A kernel that keeps the GPU busy for a given number of clock cycles. Queued before a
-/// timed call, it lets the host finish launching the call while the GPU is still busy, so
-/// the measured time is the call's kernels alone, not the host's work to start them.
-pub const SPIN_CU: &str = r#"
-extern "C" __global__ void spin(long long cycles) {  // cycles: how long to stay busy
-    long long start = clock64();
-    while (clock64() - start < cycles) {}
-}
-"#;
 /// The softmax of attention by hand on the GPU.
 pub const CAUSAL_SOFTMAX_CU: &str = include_str!("../kernels/causal_softmax.cu");
 /// The entry point in [`CAUSAL_SOFTMAX_CU`].

@@ -27,11 +27,9 @@ use cudarc::nvrtc::Ptx;
 use flash_core::{Attention, AttnError, check_qkv};
 use ndarray::ArrayView4;
 
-use crate::gpu::{self, KernelSpec};
+use crate::gpu::{self, DeviceTensor, Dtype, Gpu, KernelSpec, device_error};
 use crate::kernel::{self, ForwardConfig, ForwardKernel};
-use crate::{
-    DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, check_output, device_error,
-};
+use crate::{DeviceAttention, check_device, check_output};
 
 /// Rung 1's source (with `tensor_cores.cuh` in front, for the 16-bit conversions and
 /// `ex2`).

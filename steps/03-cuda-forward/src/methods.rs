@@ -9,7 +9,8 @@ use flash_core::method::{DeviceRun, DeviceRunSpec};
 use flash_core::{Attention, AttnError, Device, Dtype, Method, check_qkv};
 use ndarray::ArrayView4;
 
-use crate::{DeviceAttention, DeviceTensor, ForwardConfig, Gpu, Rung, half_dtype};
+use crate::gpu::{DeviceTensor, Gpu, half_dtype};
+use crate::{DeviceAttention, ForwardConfig, Rung};
 
 /// This step's methods, as the benchmark and the cross-step tests run them: the ladder of
 /// kernels that leads to the FlashAttention kernel, attention by hand, then the kernel

@@ -11,8 +11,8 @@ use flash_core::reference::{Error, attention_f64, error};
 use flash_core::{Attention, AttnError, Shape};
 use ndarray::ArrayView4;
 
+use crate::gpu::{Dtype, Gpu};
 use crate::host::{by_hand_low_precision, round_array};
-use crate::{Dtype, Gpu};
 
 /// The margin of the rule, for the case where both errors are (nearly) zero.
 pub const MARGIN: f64 = 1e-5;

@@ -3,8 +3,8 @@
 //! `exercises/`, so both keep passing once a reader has filled it in. Ignored where there
 //! is no GPU.
 
-use step03_cuda_forward::Gpu;
 use step03_cuda_forward::exercise::{self, Exercise};
+use step03_cuda_forward::gpu::Gpu;
 
 /// The line of rung 1 that shrinks what was summed so far when a new maximum comes.
 const RESCALE: &str = "const float correction = fast_exp2((m - m_new) * scale_log2);";

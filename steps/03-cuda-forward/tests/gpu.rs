@@ -6,8 +6,9 @@
 use flash_core::inputs::random_qkv;
 use flash_core::{AttnError, Shape};
 use ndarray::s;
+use step03_cuda_forward::Rung;
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step03_cuda_forward::rule::{BY_HAND_LSE, ForwardCheck, HostFn, KERNEL_LSE};
-use step03_cuda_forward::{Dtype, Gpu, Rung};
 
 fn check(gpu: &Gpu, shape: Shape, dtype: Dtype, seed: u64) {
     check_method(

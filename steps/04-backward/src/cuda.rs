@@ -11,12 +11,11 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use flash_core::{Attention, AttnError, Shape, check_qkv, check_same};
 use ndarray::{Array4, ArrayView4};
 use step03_cuda_forward::by_hand::warp_per_row;
-use step03_cuda_forward::gpu::KernelSpec;
-use step03_cuda_forward::kernel::TENSOR_CORES_CUH;
-use step03_cuda_forward::{
-    DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, check_device, cudarc,
-    device_error,
+use step03_cuda_forward::gpu::{
+    DeviceTensor, Dtype, Gpu, KernelSpec, alloc_error, cudarc, device_error,
 };
+use step03_cuda_forward::kernel::TENSOR_CORES_CUH;
+use step03_cuda_forward::{DeviceAttention, check_device};
 
 use crate::Grads;
 

@@ -19,12 +19,12 @@ use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use flash_core::{Attention, AttnError, Shape};
 use half::{bf16, f16};
 use ndarray::ArrayView4;
+use step03_cuda_forward::DeviceAttention;
 use step03_cuda_forward::by_hand::{products, warp_per_row};
-use step03_cuda_forward::gpu::KernelSpec;
-use step03_cuda_forward::kernel::TENSOR_CORES_CUH;
-use step03_cuda_forward::{
-    DeviceAttention, DeviceTensor, Dtype, Gpu, cudarc, device_error,
+use step03_cuda_forward::gpu::{
+    DeviceTensor, Dtype, Gpu, KernelSpec, cudarc, device_error,
 };
+use step03_cuda_forward::kernel::TENSOR_CORES_CUH;
 
 use crate::Grads;
 use crate::cuda::{DeviceGrads, check_backward_device, forward_backward_with};
@@ -124,7 +124,7 @@ pub fn backward_from(
         fwd,
         dout,
     };
-    match step03_cuda_forward::half_dtype(q.dtype)? {
+    match step03_cuda_forward::gpu::half_dtype(q.dtype)? {
         Dtype::Bf16 => backward_in(gpu, &inputs, bf16::from_f32),
         _ => backward_in(gpu, &inputs, f16::from_f32),
     }

@@ -18,7 +18,7 @@ use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::reference::attention_f64;
 use flash_core::{AttnError, Shape};
 use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
-use step03_cuda_forward::{Dtype, Gpu};
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 
 use crate::cuda_by_hand::{self, BY_HAND_BACKWARD_CU};
 use crate::rule::BackwardCheck;

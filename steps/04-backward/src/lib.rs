@@ -48,7 +48,7 @@
 //!
 //! - [`cuda`]: the backward on the GPU, `kernels/flash_backward.cu` (δ, then dK and dV per
 //!   block of keys, then dQ per block of queries), through step 03's
-//!   [`Gpu`](step03_cuda_forward::Gpu); its tile shape,
+//!   [`Gpu`](step03_cuda_forward::gpu::Gpu); its tile shape,
 //!   [`BackwardConfig`](cuda::BackwardConfig) (`for_head_dim`: the one each head dim runs),
 //!   and [`BackwardKernel`](cuda::BackwardKernel), which alone turns a dtype, a head dim
 //!   and a shape into the kernels' `-D` options (the `.cu` file holds no defaults).

@@ -11,10 +11,9 @@ use flash_core::{Attention, AttnError, Device, Dtype, Method, check_f32};
 use ndarray::ArrayView4;
 use step01_naive::Naive;
 use step02_online_softmax::Online;
+use step03_cuda_forward::gpu::{DeviceTensor, Gpu, device_error};
 use step03_cuda_forward::methods::prepare_inputs;
-use step03_cuda_forward::{
-    CudaFlash, CudaNaive, DeviceAttention, DeviceTensor, Gpu, device_error,
-};
+use step03_cuda_forward::{CudaFlash, CudaNaive, DeviceAttention};
 
 use crate::cuda::{DeviceBackwardFn, DeviceForwardFn, DeviceGrads};
 use crate::{Grads, check_backward, cuda, cuda_by_hand};
@@ -194,7 +193,7 @@ pub fn on_host(
 ) -> Result<Grads, AttnError> {
     // bad shapes and dtypes are refused the same way with or without a GPU
     let shape = check_backward(&q, &k, &v, fwd, &dout)?;
-    let dtype = step03_cuda_forward::half_dtype(dtype)?;
+    let dtype = step03_cuda_forward::gpu::half_dtype(dtype)?;
     let gpu = Gpu::shared()?;
     if shape.is_empty() {
         return Ok(Grads::zeros(shape));

@@ -10,8 +10,8 @@ use std::fmt;
 use flash_core::reference::{Error, attention_f64, error};
 use flash_core::{Attention, AttnError};
 use ndarray::{Array4, ArrayView4};
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
-use step03_cuda_forward::{Dtype, Gpu};
 
 use crate::Grads;
 use crate::cuda::backward_by_hand_low_precision;

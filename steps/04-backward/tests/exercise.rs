@@ -3,7 +3,7 @@
 //! template in `exercises/`, so both keep passing once a reader has filled it in. Ignored
 //! where there is no GPU.
 
-use step03_cuda_forward::Gpu;
+use step03_cuda_forward::gpu::Gpu;
 use step04_backward::exercise::{self, Exercise};
 
 /// dS = P ∘ (dP − δ) as the solution writes it.

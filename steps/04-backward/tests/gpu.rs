@@ -8,7 +8,7 @@
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::{Attention, AttnError, Shape};
 use ndarray::{Array4, ArrayView4};
-use step03_cuda_forward::{DeviceTensor, Dtype, Gpu};
+use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu};
 use step04_backward::Grads;
 use step04_backward::cuda::forward_backward;
 use step04_backward::cuda_by_hand;

@@ -5,7 +5,7 @@
 use flash_core::Shape;
 use flash_core::inputs::{random_normal, random_qkv};
 use ndarray::Array4;
-use step03_cuda_forward::{Dtype, Gpu};
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step04_backward::cuda::DeviceBackwardFn;
 use step04_backward::cuda_by_hand;
 

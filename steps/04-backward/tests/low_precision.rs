@@ -6,7 +6,7 @@
 use flash_core::Shape;
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::reference::error;
-use step03_cuda_forward::Dtype;
+use step03_cuda_forward::gpu::Dtype;
 use step03_cuda_forward::host::round_array;
 use step04_backward::cuda::backward_by_hand_low_precision;
 use step04_backward::reference::backward_f64;

@@ -273,7 +273,7 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
     }
     if args.device == DeviceArg::Cuda {
         // before the corpus loads: no GPU is said at once
-        step03_cuda_forward::Gpu::shared().map_err(TrainError::Device)?;
+        step03_cuda_forward::gpu::Gpu::shared().map_err(TrainError::Device)?;
     }
     let resumed = args.resume.as_deref().map(Checkpoint::load).transpose()?;
     let config = match &resumed {
@@ -828,7 +828,7 @@ fn continued(earlier: Option<&RunRecord>, run: &RunRecord) -> RunRecord {
 /// before anything loads: none for the CPU.
 fn check_gpus(
     args: &TrainArgs,
-) -> Result<Vec<&'static step03_cuda_forward::Gpu>, TrainError> {
+) -> Result<Vec<&'static step03_cuda_forward::gpu::Gpu>, TrainError> {
     if args.gpus == 0 {
         return Err(TrainError::Config(
             "--gpus 0: a run needs at least one GPU (--gpus 1, the default, is one GPU)"
@@ -849,7 +849,7 @@ fn check_gpus(
         return Ok(Vec::new());
     }
     local_batch(args.batch, args.gpus)?;
-    let there = step03_cuda_forward::Gpu::count();
+    let there = step03_cuda_forward::gpu::Gpu::count();
     if there == 0 {
         return Err(TrainError::Config(format!(
             "--gpus {}: no GPU here (no CUDA driver, or it sees no GPU)",

@@ -115,7 +115,7 @@ fn rel(a: f32, b: f32) -> f64 {
 #[ignore = "needs two CUDA GPUs and NCCL"]
 fn two_gpus_train_as_one_on_the_same_batches() {
     let (there, nccl) = (
-        step03_cuda_forward::Gpu::count(),
+        step03_cuda_forward::gpu::Gpu::count(),
         step07_multi_gpu::comm::nccl_present(),
     );
     assert!(

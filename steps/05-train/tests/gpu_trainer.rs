@@ -371,7 +371,7 @@ fn without_a_gpu_the_error_says_what_is_missing() {
         context: 16,
         vocab: 256,
     };
-    let gpu = step03_cuda_forward::Gpu::shared();
+    let gpu = step03_cuda_forward::gpu::Gpu::shared();
     match GpuTrainer::new(&trainer(config, 1), 1, 16, AttentionKind::Flash, false) {
         Ok(_) => assert!(gpu.is_ok(), "a trainer without a GPU"),
         Err(e) => {

@@ -7,7 +7,7 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use flash_core::Shape;
 use flash_core::inputs::{random_normal, random_qkv};
-use step03_cuda_forward::{Dtype, Gpu};
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step06_hopper::backward;
 use step06_hopper::forward;
 use step06_hopper::kernel::{ForwardKernel, HEAD_DIMS};

@@ -3,9 +3,8 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::{
-    DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error,
-};
+use step03_cuda_forward::DeviceAttention;
+use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, alloc_error, device_error};
 use step04_backward::cuda::{DeviceGrads, check_backward_device};
 
 use crate::forward::{self, check_hopper, tensor_map};

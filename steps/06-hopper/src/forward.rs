@@ -8,9 +8,8 @@ use cudarc::driver::sys::{
 };
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::{
-    DeviceAttention, DeviceTensor, Dtype, Gpu, check_device, device_error, grid_blocks,
-};
+use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, device_error};
+use step03_cuda_forward::{DeviceAttention, check_device, grid_blocks};
 
 use crate::kernel::{BLOCK_N, ForwardKernel, HEAD_DIMS};
 use crate::layout::{Layout, Strided, TmaRank};

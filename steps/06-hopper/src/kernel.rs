@@ -10,8 +10,7 @@
 use std::borrow::Cow;
 
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::Dtype;
-use step03_cuda_forward::gpu::KernelSpec;
+use step03_cuda_forward::gpu::{Dtype, KernelSpec};
 
 use crate::layout::TmaRank;
 
@@ -820,9 +819,11 @@ fn check_register_pool(
     threads: u32,
     what: &str,
 ) -> Result<(), AttnError> {
-    let regs = f.num_regs().map_err(step03_cuda_forward::device_error(
-        "reading a kernel's register count",
-    ))? as u32;
+    let regs = f
+        .num_regs()
+        .map_err(step03_cuda_forward::gpu::device_error(
+            "reading a kernel's register count",
+        ))? as u32;
     let needed = 128 * producer + 128 * warpgroups as u32 * consumer;
     if regs * threads < needed {
         return Err(AttnError::Device {

@@ -6,8 +6,9 @@
 use flash_core::method::{DeviceRun, DeviceRunSpec, Grads};
 use flash_core::{Attention, AttnError, Device, Dtype, Method, Shape, check_qkv};
 use ndarray::ArrayView4;
+use step03_cuda_forward::DeviceAttention;
+use step03_cuda_forward::gpu::{DeviceTensor, Gpu, half_dtype};
 use step03_cuda_forward::methods::{describe, prepare_inputs};
-use step03_cuda_forward::{DeviceAttention, DeviceTensor, Gpu, half_dtype};
 use step04_backward::cuda::{DeviceBackwardFn, DeviceGrads};
 use step04_backward::methods::{Pair, on_host, prepare as prepare_pair};
 

@@ -9,9 +9,8 @@
 use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::gpu::compile;
+use step03_cuda_forward::gpu::{Dtype, Gpu, compile};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
-use step03_cuda_forward::{Dtype, Gpu};
 use step06_hopper::forward;
 use step06_hopper::kernel::{ForwardKernel, ForwardRung, HEAD_DIMS};
 use step06_hopper::layout::TmaRank;

@@ -11,7 +11,7 @@ use cudarc::driver::CudaStream;
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::safe::Comm;
 use flash_core::AttnError;
-use step03_cuda_forward::Gpu;
+use step03_cuda_forward::gpu::Gpu;
 
 /// Whether NCCL's library can be opened (cudarc looks for `libnccl.so` and, on the folders
 /// of `LD_LIBRARY_PATH`, a few versioned names).

@@ -39,11 +39,11 @@ use flash_core::method::Grads;
 use flash_core::{Attention, AttnError, Shape, check_qkv, check_same};
 use ndarray::{Array3, Array4, ArrayView4, s};
 use step03_cuda_forward::by_hand::warp_per_row;
-use step03_cuda_forward::kernel::{HEAD_DIMS, SimpleKernel, unsupported_head_dim};
-use step03_cuda_forward::{
-    DeviceAttention, DeviceTensor, Dtype, ForwardConfig, Gpu, alloc_error, device_error,
-    half_dtype,
+use step03_cuda_forward::gpu::{
+    DeviceTensor, Dtype, Gpu, alloc_error, device_error, half_dtype,
 };
+use step03_cuda_forward::kernel::{HEAD_DIMS, SimpleKernel, unsupported_head_dim};
+use step03_cuda_forward::{DeviceAttention, ForwardConfig};
 use step04_backward::cuda::{BackwardConfig, BackwardKernel, delta};
 
 use crate::comm::{communicators, gpus, nccl_error};

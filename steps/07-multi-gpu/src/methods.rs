@@ -10,8 +10,8 @@ use flash_core::method::Grads;
 use flash_core::method::{DeviceRun, DeviceRunSpec};
 use flash_core::{Attention, AttnError, Device, Dtype, Method, Shape, check_qkv};
 use ndarray::{Array3, Array4, ArrayView4, s};
+use step03_cuda_forward::gpu::{Gpu, device_error, half_dtype};
 use step03_cuda_forward::methods::describe;
-use step03_cuda_forward::{Gpu, device_error, half_dtype};
 use step04_backward::check_backward;
 
 use crate::gpu::{Ranks, RingAttention, Shard, ShardAttention, ring_forward};

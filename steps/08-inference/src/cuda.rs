@@ -48,10 +48,10 @@ use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 use flash_core::{Attention, AttnError, Shape};
 use ndarray::{Array3, Array4, ArrayView4};
-use step03_cuda_forward::kernel::{HEAD_DIMS, unsupported_head_dim};
-use step03_cuda_forward::{
+use step03_cuda_forward::gpu::{
     DeviceTensor, Dtype, Gpu, alloc_error, device_error, half_dtype,
 };
+use step03_cuda_forward::kernel::{HEAD_DIMS, unsupported_head_dim};
 
 use crate::decode::{DecodeShape, check_decode, check_sizes};
 use crate::kernel::{APPEND, DECODE, DecodeKernel, FILL, READ, READ_KERNEL, fill_kernel};

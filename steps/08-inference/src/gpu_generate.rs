@@ -18,14 +18,14 @@
 
 use flash_core::inputs::SplitMix64;
 use ndarray::{Array1, ArrayView2, Axis};
-use step03_cuda_forward::cudarc::driver::sys::{
+use step03_cuda_forward::gpu::cudarc::driver::sys::{
     CUgraphInstantiate_flags, CUstreamCaptureMode,
 };
-use step03_cuda_forward::cudarc::driver::{
+use step03_cuda_forward::gpu::cudarc::driver::{
     CudaFunction, CudaGraph, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
     ValidAsZeroBits,
 };
-use step03_cuda_forward::{DeviceTensor, Dtype, Gpu, alloc_error, device_error};
+use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, alloc_error, device_error};
 use step05_train::TrainError;
 use step05_train::cuda::GpuTrainer;
 use step05_train::cuda::gemm::{Blas, Out, plain, transposed};

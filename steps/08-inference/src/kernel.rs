@@ -5,8 +5,7 @@
 use std::borrow::Cow;
 
 use flash_core::AttnError;
-use step03_cuda_forward::Dtype;
-use step03_cuda_forward::gpu::{FixedKernel, KernelSpec};
+use step03_cuda_forward::gpu::{Dtype, FixedKernel, KernelSpec};
 use step03_cuda_forward::kernel::{
     HEAD_DIMS, SimpleKernel, TENSOR_CORES_CUH, unsupported_head_dim,
 };
@@ -164,7 +163,7 @@ impl KernelSpec for DecodeKernel {
         if !HEAD_DIMS.contains(&self.head_dim) {
             return Err(unsupported_head_dim(self.head_dim));
         }
-        step03_cuda_forward::half_dtype(self.dtype)?;
+        step03_cuda_forward::gpu::half_dtype(self.dtype)?;
         check_page_size(self.page_size)
     }
 }

@@ -7,7 +7,7 @@
 use flash_core::method::{Device, Dtype, check_f32};
 use flash_core::{Attention, AttnError};
 use ndarray::ArrayView4;
-use step03_cuda_forward::Gpu;
+use step03_cuda_forward::gpu::Gpu;
 
 use crate::cuda::CacheLayout;
 use crate::pages::PAGE_SIZE;

@@ -7,7 +7,7 @@ use flash_core::AttnError;
 use flash_core::reference::{Reference, attention_f64};
 use ndarray::{Array3, Array4, ArrayView4, s};
 use rayon::prelude::*;
-use step03_cuda_forward::Dtype;
+use step03_cuda_forward::gpu::Dtype;
 use step03_cuda_forward::host::round;
 use step05_train::layers::repeat_kv;
 

@@ -7,7 +7,7 @@ use flash_core::{Attention, AttnError, Shape};
 use ndarray::{Array4, ArrayView4, s};
 use proptest::prelude::*;
 use step02_online_softmax::kernels::Isa;
-use step03_cuda_forward::Dtype;
+use step03_cuda_forward::gpu::Dtype;
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step08_inference::decode_grouped::{
     BLOCK_KEYS, MIN_CHUNK, decode_grouped_with, plan_chunk,

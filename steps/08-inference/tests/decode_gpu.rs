@@ -7,8 +7,8 @@ use flash_core::inputs::random_normal;
 use flash_core::reference::error;
 use flash_core::{Attention, AttnError, Shape};
 use ndarray::{Array3, Array4, ArrayView4};
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step03_cuda_forward::host::round_array;
-use step03_cuda_forward::{Dtype, Gpu};
 use step08_inference::DecodeShape;
 use step08_inference::cuda::{
     CacheLayout, CacheSpec, DecodeOutput, DecodePlan, NewKv, Occupancy, PagedKvCache,

@@ -5,7 +5,7 @@
 
 use flash_core::inputs::SplitMix64;
 use ndarray::{Array2, ArrayView2};
-use step03_cuda_forward::Gpu;
+use step03_cuda_forward::gpu::Gpu;
 use step05_train::cuda::{AttentionKind, GpuTrainer};
 use step05_train::model::{Config, Params, forward};
 use step05_train::optim::AdamW;

@@ -10,8 +10,8 @@ use flash_core::inputs::random_normal;
 use flash_core::reference::{Error, error};
 use flash_core::{AttnError, Shape};
 use ndarray::{Array4, ArrayView4};
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step03_cuda_forward::host::{by_hand_low_precision, round, round_array};
-use step03_cuda_forward::{Dtype, Gpu};
 use step04_backward::cuda::backward_by_hand_low_precision;
 use step05_train::layers::{repeat_kv, sum_groups};
 use step08_inference::grouped::{

@@ -4,7 +4,7 @@
 
 use flash_core::AttnError;
 use proptest::prelude::*;
-use step03_cuda_forward::Dtype;
+use step03_cuda_forward::gpu::Dtype;
 use step08_inference::cuda::{
     CacheLayout, CacheSpec, DecodePlan, Occupancy, most_splits, plan_splits,
 };

@@ -15,9 +15,9 @@ use std::hash::{Hash, Hasher};
 
 use flash_core::check::grouped_kv;
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::gpu::KernelSpec;
-use step03_cuda_forward::{
-    DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error,
+use step03_cuda_forward::DeviceAttention;
+use step03_cuda_forward::gpu::{
+    DeviceTensor, Dtype, Gpu, KernelSpec, alloc_error, device_error,
 };
 use step04_backward::cuda::DeviceGrads;
 use step06_hopper::forward::{check_hopper, tensor_map};

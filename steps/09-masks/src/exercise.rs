@@ -124,7 +124,7 @@ pub const GPU_WINDOWS: [(usize, usize); 3] = [(4, 3), (16, 8), (64, 2)];
 /// by FlashAttention's rule. The number of windows checked, or the first that is not yet right
 /// and why.
 pub fn check_dilated_cuda(
-    gpu: &step03_cuda_forward::Gpu,
+    gpu: &step03_cuda_forward::gpu::Gpu,
     source: &str,
 ) -> Result<usize, NotYet> {
     let case = crate::rule::GpuCase {
@@ -155,7 +155,7 @@ pub fn check_dilated_cuda(
             case,
             &mask,
             &crate::mask::ScoreMod::None,
-            step03_cuda_forward::Dtype::Bf16,
+            step03_cuda_forward::gpu::Dtype::Bf16,
             90 + n as u64,
         )
         .map_err(|why| NotYet::new(what, why))?;

@@ -13,8 +13,8 @@ use flash_core::method::Grads;
 use flash_core::reference::{Error, error};
 use flash_core::{Attention, AttnError};
 use ndarray::{Array2, Array3, Array4, ArrayView2, ArrayView4, s};
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step03_cuda_forward::host::{round, round_array};
-use step03_cuda_forward::{Dtype, Gpu};
 
 use crate::block::{BlockMask, BlockSizes};
 use crate::cuda::{self, DeviceMask, GpuMask};

@@ -8,7 +8,7 @@
 
 use flash_core::Shape;
 use flash_core::inputs::random_normal;
-use step03_cuda_forward::{Dtype, Gpu};
+use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step09_masks::cuda::{self, DeviceMask, GpuMask};
 use step09_masks::rule::{GpuCase, check_on_gpu};
 use step09_masks::{CustomMask, Documents, Mask, ScoreMod, Varies};

@@ -11,8 +11,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use step03_cuda_forward::Dtype;
-use step03_cuda_forward::gpu::compile;
+use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::ptxas::{self, Variant};
 use step04_backward::cuda::{BackwardConfig, BackwardKernel, HEAD_DIMS};
 use step04_backward::cuda_by_hand::ByHandBackwardKernel;

@@ -8,16 +8,16 @@
 
 use std::sync::Arc;
 
-use step03_cuda_forward::Gpu;
-use step03_cuda_forward::cudarc::cublas::CudaBlas;
-use step03_cuda_forward::cudarc::cublas::result::gemm_ex;
-use step03_cuda_forward::cudarc::cublas::sys::{
+use step03_cuda_forward::gpu::Gpu;
+use step03_cuda_forward::gpu::cudarc::cublas::CudaBlas;
+use step03_cuda_forward::gpu::cudarc::cublas::result::gemm_ex;
+use step03_cuda_forward::gpu::cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t,
 };
-use step03_cuda_forward::cudarc::driver::CudaContext;
+use step03_cuda_forward::gpu::cudarc::driver::CudaContext;
 // [step 06]
 use cudarc::cublaslt as lt;
-use step03_cuda_forward::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use step03_cuda_forward::gpu::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 // [/step 06]
 
 use flash_core::AttnError;
@@ -72,7 +72,7 @@ pub struct Blas {
 impl Blas {
     pub fn new(gpu: &Gpu) -> Result<Blas, TrainError> {
         // SAFETY: only tries to open the shared library
-        if !unsafe { step03_cuda_forward::cudarc::cublas::sys::is_culib_present() } {
+        if !unsafe { step03_cuda_forward::gpu::cudarc::cublas::sys::is_culib_present() } {
             return Err(TrainError::Device(AttnError::Device {
                 what: "no cuBLAS (libcublas.so) found: the GPU trainer's matrix products need \
                        it; put the CUDA toolkit's lib64 folder on LD_LIBRARY_PATH"

@@ -15,12 +15,11 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use flash_core::AttnError;
-use step03_cuda_forward::cudarc::driver::sys::CUfunction_attribute;
-use step03_cuda_forward::cudarc::driver::{
+use step03_cuda_forward::gpu::cudarc::driver::sys::CUfunction_attribute;
+use step03_cuda_forward::gpu::cudarc::driver::{
     CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg,
 };
-use step03_cuda_forward::gpu::{KernelSpec, compile};
-use step03_cuda_forward::{Gpu, device_error};
+use step03_cuda_forward::gpu::{Gpu, KernelSpec, compile, device_error};
 
 use crate::TrainError;
 

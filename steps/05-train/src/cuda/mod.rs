@@ -35,16 +35,15 @@ use std::time::Instant;
 
 use flash_core::{AttnError, Shape};
 use ndarray::ArrayView2;
-use step03_cuda_forward::cudarc::driver::sys::{
+use step03_cuda_forward::DeviceAttention;
+use step03_cuda_forward::gpu::cudarc::driver::sys::{
     CUevent_flags, CUmemPool_attribute, CUmemoryPool, CUresult, cuDeviceGetDefaultMemPool,
     cuMemPoolGetAttribute, cuMemPoolSetAttribute,
 };
-use step03_cuda_forward::cudarc::driver::{
+use step03_cuda_forward::gpu::cudarc::driver::{
     CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
 };
-use step03_cuda_forward::{
-    DeviceAttention, DeviceTensor, Dtype, Gpu, alloc_error, device_error,
-};
+use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, alloc_error, device_error};
 use step04_backward::cuda::DeviceGrads;
 
 use crate::TrainError;

@@ -28,10 +28,12 @@
 use std::time::Instant;
 
 use ndarray::{ArrayView2, s};
-use step03_cuda_forward::cudarc::driver::CudaEvent;
-use step03_cuda_forward::cudarc::driver::sys::CUevent_flags;
-use step03_cuda_forward::cudarc::nccl::safe::{Comm, ReduceOp, group_end, group_start};
-use step03_cuda_forward::{Gpu, device_error};
+use step03_cuda_forward::gpu::cudarc::driver::CudaEvent;
+use step03_cuda_forward::gpu::cudarc::driver::sys::CUevent_flags;
+use step03_cuda_forward::gpu::cudarc::nccl::safe::{
+    Comm, ReduceOp, group_end, group_start,
+};
+use step03_cuda_forward::gpu::{Gpu, device_error};
 use step07_multi_gpu::comm::{communicators, nccl_error};
 
 use super::{AttentionKind, GpuTrainer};
@@ -65,7 +67,7 @@ pub fn local_batch(batch: usize, gpus: usize) -> Result<usize, TrainError> {
 
 fn event_error(
     what: &'static str,
-) -> impl Fn(step03_cuda_forward::cudarc::driver::DriverError) -> TrainError {
+) -> impl Fn(step03_cuda_forward::gpu::cudarc::driver::DriverError) -> TrainError {
     move |e| TrainError::Device(device_error(what)(e))
 }
 

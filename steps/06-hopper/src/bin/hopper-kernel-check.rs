@@ -9,8 +9,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use flash_core::Shape;
-use step03_cuda_forward::Dtype;
-use step03_cuda_forward::gpu::compile;
+use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::ptxas::{self, Variant};
 use step06_hopper::kernel::{
     BackwardKernels, BackwardRung, ForwardKernel, ForwardRung, HEAD_DIMS,

@@ -11,10 +11,10 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use step03_cuda_forward::gpu::compile;
+use step03_cuda_forward::ForwardConfig;
+use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::kernel::{ForwardKernel, HEAD_DIMS};
 use step03_cuda_forward::ptxas::{self, Variant};
-use step03_cuda_forward::{Dtype, ForwardConfig};
 use step04_backward::cuda::{BackwardConfig, BackwardKernel};
 use step07_multi_gpu::gpu::{accumulating_backward, ring_kernel};
 
@@ -172,7 +172,7 @@ fn check_expected_spills(
 
 /// `ptxas -v` on `ptx` (written to a temporary file named after the variant): its report.
 fn assemble(
-    ptx: &step03_cuda_forward::cudarc::nvrtc::Ptx,
+    ptx: &step03_cuda_forward::gpu::cudarc::nvrtc::Ptx,
     arch: &str,
     ptxas: &str,
     name: &str,

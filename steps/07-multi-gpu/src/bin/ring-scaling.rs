@@ -17,7 +17,7 @@ use flash_core::timing::median;
 use flash_core::{AttnError, Pass, Shape};
 use ndarray::{Array4, Axis, concatenate};
 use serde::Serialize;
-use step03_cuda_forward::{Dtype, Gpu, device_error};
+use step03_cuda_forward::gpu::{Dtype, Gpu, device_error};
 use step04_backward::cuda::backward;
 use step07_multi_gpu::gpu::{Parts, Ranks, RingAttention, Shard, keep_pool_memory};
 use step07_multi_gpu::methods::{peak_per_gpu, time_ring_ms};

@@ -18,9 +18,9 @@ use flash_core::row::{COMMIT, RowsFile, utc_now};
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
 use ndarray::{Array4, s};
+use step03_cuda_forward::gpu::{Dtype, Gpu, device_error};
 use step03_cuda_forward::host::round_array;
 use step03_cuda_forward::tool::at_least_one;
-use step03_cuda_forward::{Dtype, Gpu, device_error};
 use step08_inference::DecodeShape;
 use step08_inference::cuda::{
     CacheLayout, CacheSpec, DecodeOutput, DecodePlan, PagedKvCache, cache_value,
@@ -215,7 +215,7 @@ fn measure_decode(
     gpu: &Gpu,
     args: &Args,
     shape: DecodeShape,
-    q: &step03_cuda_forward::DeviceTensor,
+    q: &step03_cuda_forward::gpu::DeviceTensor,
     cache: &PagedKvCache,
     want: &[Expected],
 ) -> Result<Measured, String> {

@@ -19,7 +19,7 @@ use flash_core::row::{COMMIT, RowsFile, utc_now};
 use flash_core::timing::{Warmup, cpu_median_ms};
 use flash_core::{AttnError, Shape, memory_and_swap};
 use rayon::prelude::*;
-use step03_cuda_forward::Dtype;
+use step03_cuda_forward::gpu::Dtype;
 use step03_cuda_forward::tool::at_least_one;
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
 use step08_inference::rows::{DecodeRow as Row, keep_so_far, write_out};

@@ -10,8 +10,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use step03_cuda_forward::Dtype;
-use step03_cuda_forward::gpu::{KernelSpec, compile};
+use step03_cuda_forward::gpu::{Dtype, KernelSpec, compile};
 use step03_cuda_forward::kernel::HEAD_DIMS;
 use step03_cuda_forward::ptxas::{self, Variant};
 use step08_inference::kernel::{DecodeKernel, READ_KERNEL, append_kernel, fill_kernel};

@@ -18,7 +18,7 @@ use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
 use ndarray::Array4;
 use serde::Serialize;
-use step03_cuda_forward::{DeviceTensor, Dtype, Gpu};
+use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu};
 use step09_masks::cuda::{self, DeviceMask, GpuMask};
 use step09_masks::rule::row_both_ways;
 use step09_masks::{Documents, Mask, MaskSpec, ScoreMod};

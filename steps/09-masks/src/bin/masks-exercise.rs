@@ -11,7 +11,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, ValueEnum};
 use flash_core::exercise::{quiet_panics, report};
-use step03_cuda_forward::Gpu;
+use step03_cuda_forward::gpu::Gpu;
 use step09_masks::exercise::{CUDA_SOLUTION, SOLUTION, check_dilated, check_dilated_cuda};
 
 #[path = "../../exercises/dilated.rs"]
