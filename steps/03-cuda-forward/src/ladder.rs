@@ -396,7 +396,7 @@ impl Gpu {
         };
         let f = self.kernel(&spec, rung.entry(), smem)?;
         // one block per block_m queries of each head, head after head
-        let blocks = crate::grid_blocks(shape, block_m)?;
+        let blocks = gpu::grid_blocks(shape, block_m)?;
         let config = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (threads, 1, 1),

@@ -90,7 +90,9 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use flash_core::{Attention, AttnError, Shape, check_qkv};
 use ndarray::{Array3, ArrayView4};
 
-use gpu::{DeviceTensor, Dtype, Gpu, alloc_error, cudarc, device_error, half_dtype};
+use gpu::{
+    DeviceTensor, Dtype, Gpu, alloc_error, cudarc, device_error, grid_blocks, half_dtype,
+};
 use kernel::{ForwardKernel, SoftmaxKernel};
 
 /// What the forward kernel writes: the output and each row's natural log-sum-exp.
@@ -372,51 +374,16 @@ pub(crate) fn check_output(
     Ok(())
 }
 
-/// The checks [`Gpu::forward`] makes before a launch: one shape and dtype for q, k and v, a
-/// supported head dim, buffers that hold what the shape says, and sizes the grid can take.
+/// The checks [`Gpu::forward`] makes before a launch: q, k and v as the runtime takes them
+/// ([`check_tensors`](gpu::check_tensors)), a head dim the kernel is compiled for, and sizes
+/// its grid can take.
 pub fn check_device(
     q: &DeviceTensor,
     k: &DeviceTensor,
     v: &DeviceTensor,
 ) -> Result<Shape, AttnError> {
-    // the shape k and v must have: q's
-    let kv = q.shape;
-    // [step 08]
-    // or q's with fewer heads, each shared by a group of q's (grouped-query attention)
-    let kv = flash_core::check::grouped_kv(kv, k.shape.heads)?;
-    // [/step 08]
-    if k.shape != kv || v.shape != kv {
-        return Err(AttnError::ShapeMismatch {
-            what: format!("q is {}, k is {}, v is {}", q.shape, k.shape, v.shape),
-        });
-    }
-    if q.dtype != k.dtype || q.dtype != v.dtype {
-        return Err(AttnError::Unsupported {
-            what: format!(
-                "q is {}, k is {}, v is {}: all three must have one dtype",
-                q.dtype.name(),
-                k.dtype.name(),
-                v.dtype.name()
-            ),
-        });
-    }
-    let shape = q.shape;
-    if shape.head_dim == 0 {
-        return Err(AttnError::ZeroHeadDim);
-    }
+    let shape = gpu::check_tensors(q, k, v)?;
     check_head_dim(shape.head_dim)?;
-    for (name, x) in [("q", q), ("k", k), ("v", v)] {
-        if x.data.len() != x.shape.len() {
-            return Err(AttnError::ShapeMismatch {
-                what: format!(
-                    "{name}'s buffer holds {} values but its shape {} needs {}",
-                    x.data.len(),
-                    x.shape,
-                    x.shape.len()
-                ),
-            });
-        }
-    }
     grid_blocks(shape, ForwardConfig::for_head_dim(shape.head_dim).block_m())?;
     Ok(shape)
 }
@@ -442,23 +409,6 @@ pub fn same_heads(
     })
 }
 // [/step 08]
-
-/// The thread blocks of a forward grid, one per `block_m` queries of each head, if the grid
-/// can take them: at most 2^31 − 1 blocks (a grid's x dimension), and at most 2^30 tokens
-/// (the kernels index rows with 32-bit integers).
-pub fn grid_blocks(shape: Shape, block_m: usize) -> Result<u32, AttnError> {
-    let blocks = shape
-        .tokens
-        .div_ceil(block_m)
-        .checked_mul(shape.batch)
-        .and_then(|n| n.checked_mul(shape.heads))
-        .filter(|&n| n <= i32::MAX as usize && shape.tokens <= 1 << 30);
-    blocks.map(|n| n as u32).ok_or_else(|| AttnError::Unsupported {
-        what: format!(
-            "{shape}: the kernel takes at most 2^31 - 1 blocks of {block_m} queries (sequences × heads × tokens / {block_m}) and 2^30 tokens"
-        ),
-    })
-}
 
 #[cfg(test)]
 mod tests {

@@ -177,11 +177,6 @@ unsafe fn launch_passes(
     layout: Layout,
 ) -> Result<(), AttnError> {
     let d = shape.head_dim;
-    // every kernel's limits and grid, before anything is launched
-    for k in kernels.kernels() {
-        k.check(d)?;
-        k.grid(shape)?;
-    }
     let i = inputs;
     let rank = TmaRank::of(&[i.q.layout, i.k.layout, i.v.layout, i.dout.layout], shape);
     // a module per kernel, shape and rank; δ's kernel, and the one pass's dQ conversion,
@@ -189,6 +184,12 @@ unsafe fn launch_passes(
     let function = |k: BackwardKernel, entry: &str| {
         gpu.kernel(&k.build(dtype, d, rank), entry, k.smem_bytes(d))
     };
+    // every kernel's grid, and its limits (checked as its module is compiled), before
+    // anything is launched
+    for k in kernels.kernels() {
+        k.grid(shape)?;
+        function(k, k.pass.entry())?;
+    }
     let stream = gpu.stream();
     let rows = shape.batch * shape.heads * shape.tokens;
     let tokens = shape.tokens as i32;

@@ -8,8 +8,10 @@ use cudarc::driver::sys::{
 };
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use flash_core::{AttnError, Shape};
-use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, device_error};
-use step03_cuda_forward::{DeviceAttention, check_device, grid_blocks};
+use step03_cuda_forward::DeviceAttention;
+use step03_cuda_forward::gpu::{
+    DeviceTensor, Dtype, Gpu, check_tensors, device_error, grid_blocks,
+};
 
 use crate::kernel::{BLOCK_N, ForwardKernel, HEAD_DIMS};
 use crate::layout::{Layout, Strided, TmaRank};
@@ -133,20 +135,24 @@ pub fn check_capability(major: i32, minor: i32) -> Result<(), AttnError> {
     Ok(())
 }
 
-/// The checks before a launch: step 03's, a head dim this kernel takes, and a grid of at
-/// most 65,535 heads (its y dimension).
+/// The checks before a launch: q, k and v as the GPU runtime takes them
+/// ([`check_tensors`]), then what the Hopper kernels need of their shape
+/// ([`check_shape`]). The kernel's own limits (shared memory, warpgroups) are its
+/// [`KernelSpec::check`](step03_cuda_forward::gpu::KernelSpec::check), made once, when its
+/// module is compiled.
 pub fn check(
     q: &DeviceTensor,
     k: &DeviceTensor,
     v: &DeviceTensor,
 ) -> Result<Shape, AttnError> {
-    let shape = check_device(q, k, v)?;
+    let shape = check_tensors(q, k, v)?;
     check_shape(shape)?;
     Ok(shape)
 }
 
 /// What the kernels need of a shape, wherever its values are: a head dim they take, at most
-/// 65,535 sequences × heads (the grid's y dimension), and step 03's limits on the grid's x.
+/// 65,535 sequences × heads (the grid's y dimension), and at most 2^31 − 1 blocks of the
+/// smallest block of queries, 64, on its x (and 2^30 tokens).
 pub fn check_shape(shape: Shape) -> Result<(), AttnError> {
     if !HEAD_DIMS.contains(&shape.head_dim) {
         return Err(AttnError::UnsupportedHeadDim {
@@ -303,7 +309,6 @@ unsafe fn launch(
     lse: u64,
 ) -> Result<(), AttnError> {
     let d = shape.head_dim;
-    kernel.check(d)?;
     let grid = kernel.grid(shape)?;
     let rank = TmaRank::of(&[q.layout, k.layout, v.layout], shape);
     let smem = kernel.smem_bytes(d);

@@ -18,6 +18,8 @@
 //! - [`DeviceTensor`]: a `[batch, heads, tokens, head_dim]` tensor of 16-bit values.
 //! - `compile.rs`: [`KernelSpec`], the typed description each kernel implements, and
 //!   [`compile`], the one call to NVRTC.
+//! - [`check_tensors`], [`grid_blocks`]: what any launch checks of its inputs and of a grid
+//!   over queries; each kernel checks its own limits in its [`KernelSpec::check`].
 //! - [`device_error`], [`alloc_error`]: driver errors as [`AttnError`]s.
 
 mod compile;
@@ -466,6 +468,72 @@ impl Gpu {
             .map_err(device_error("copying from the GPU"))?;
         Ok(host::from_bits(&bits, x.shape, x.dtype))
     }
+}
+
+/// That q, k and v are one attention's inputs on the device, whatever kernel takes them:
+/// one shape (k and v with fewer heads under grouped-query attention), one dtype, a head
+/// dim above 0, and buffers that hold what their shapes say. The shape. Each kernel then
+/// checks its own limits (head dims, grid) itself.
+pub fn check_tensors(
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+) -> Result<Shape, AttnError> {
+    // the shape k and v must have: q's
+    let kv = q.shape;
+    // [step 08]
+    // or q's with fewer heads, each shared by a group of q's (grouped-query attention)
+    let kv = flash_core::check::grouped_kv(kv, k.shape.heads)?;
+    // [/step 08]
+    if k.shape != kv || v.shape != kv {
+        return Err(AttnError::ShapeMismatch {
+            what: format!("q is {}, k is {}, v is {}", q.shape, k.shape, v.shape),
+        });
+    }
+    if q.dtype != k.dtype || q.dtype != v.dtype {
+        return Err(AttnError::Unsupported {
+            what: format!(
+                "q is {}, k is {}, v is {}: all three must have one dtype",
+                q.dtype.name(),
+                k.dtype.name(),
+                v.dtype.name()
+            ),
+        });
+    }
+    let shape = q.shape;
+    if shape.head_dim == 0 {
+        return Err(AttnError::ZeroHeadDim);
+    }
+    for (name, x) in [("q", q), ("k", k), ("v", v)] {
+        if x.data.len() != x.shape.len() {
+            return Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "{name}'s buffer holds {} values but its shape {} needs {}",
+                    x.data.len(),
+                    x.shape,
+                    x.shape.len()
+                ),
+            });
+        }
+    }
+    Ok(shape)
+}
+
+/// The thread blocks of a grid of one block per `block_m` queries of each head, if the grid
+/// can take them: at most 2^31 − 1 blocks (a grid's x dimension), and at most 2^30 tokens
+/// (the kernels index rows with 32-bit integers).
+pub fn grid_blocks(shape: Shape, block_m: usize) -> Result<u32, AttnError> {
+    let blocks = shape
+        .tokens
+        .div_ceil(block_m)
+        .checked_mul(shape.batch)
+        .and_then(|n| n.checked_mul(shape.heads))
+        .filter(|&n| n <= i32::MAX as usize && shape.tokens <= 1 << 30);
+    blocks.map(|n| n as u32).ok_or_else(|| AttnError::Unsupported {
+        what: format!(
+            "{shape}: the kernel takes at most 2^31 - 1 blocks of {block_m} queries (sequences × heads × tokens / {block_m}) and 2^30 tokens"
+        ),
+    })
 }
 
 #[cfg(test)]
