@@ -183,7 +183,7 @@ fn table(m: &Measured) -> String {
         m.device()
     );
     // the answers first, so that a narrow screen shows them before the times
-    t += "| mask | tokens | pass | FlexAttention ÷ ours | ours ÷ step 06 | TFLOP/s | density \
+    t += "| mask | tokens | pass | Flex ÷ ours | ours ÷ step 06 | TFLOP/s | density \
           | ours, ms | FlexAttention, ms | FA-2, ms | cuDNN, ms |\n";
     t += &format!("|{}\n", " --- |".repeat(11));
     for mask in m.masks() {
@@ -227,7 +227,7 @@ fn table(m: &Measured) -> String {
             }
         }
     }
-    t += "\n*FlexAttention ÷ ours*: FlexAttention's time over ours, above 1× ours is faster; \
+    t += "\n*Flex ÷ ours*: FlexAttention's time over ours, above 1× ours is faster; \
           *ours ÷ step 06*: for the causal mask, our time over step 06's `cuda_hopper`, \
           what taking the mask as code costs; *TFLOP/s*: ours, counting only the scores the \
           mask lets through (4 · head dim FLOPs each forward, 3.5 times that with the \
@@ -430,7 +430,7 @@ mod tests {
         let t = table(&sample());
         let lines: Vec<&str> = t.lines().filter(|l| l.starts_with('|')).collect();
         assert_eq!(lines.len(), 4, "{t}");
-        assert!(lines[0].starts_with("| mask | tokens | pass | FlexAttention ÷ ours |"));
+        assert!(lines[0].starts_with("| mask | tokens | pass | Flex ÷ ours |"));
         assert_eq!(lines[0].matches('|').count(), lines[1].matches('|').count());
         assert_eq!(lines[0].matches('|').count(), lines[2].matches('|').count());
         // FlexAttention 5 ms over our 4: 1.25×; ours over step 06's 3.2 ms: 1.25×
