@@ -1,7 +1,9 @@
 //! The backward's host side: δ, then the kernels of a [`BackwardKernels`]: rung 1's two
 //! passes (dK and dV per block of keys, then dQ per block of queries), or rung 2's one.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use flash_core::{AttnError, Shape};
 use step03_cuda_forward::DeviceAttention;
 use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, alloc_error, device_error};
@@ -191,7 +193,6 @@ unsafe fn launch_passes(
         function(k, k.pass.entry())?;
     }
     let stream = gpu.stream();
-    let rows = shape.batch * shape.heads * shape.tokens;
     let tokens = shape.tokens as i32;
     // k's and v's shape: q's
     let kv = shape;
@@ -204,35 +205,16 @@ unsafe fn launch_passes(
     let q_per_kv = (shape.heads / kv.heads) as i32;
     // [/step 08]
 
-    // δ, a warp a row, eight rows of one head a block
-    let delta = {
-        let f = function(kernels.dkdv, "hopper_delta")?;
-        // SAFETY: the kernel writes every row's δ before the passes read it
-        let mut delta = unsafe { stream.alloc::<f32>(rows) }
-            .map_err(alloc_error("the backward's δ", rows as u128 * 4))?;
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(&inputs.out.ptr)
-            .arg(&inputs.out.layout)
-            .arg(&inputs.dout.ptr)
-            .arg(&inputs.dout.layout)
-            .arg(&mut delta)
-            .arg(&tokens);
-        let config = LaunchConfig {
-            grid_dim: (
-                shape.tokens.div_ceil(8) as u32,
-                (shape.batch * shape.heads) as u32,
-                1,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the output and dO hold the shape's values where their layouts say (the
-        // caller's promise); each warp reads one row of each and writes that row's δ, for
-        // tokens below `tokens`; the grid's y is at most 65,535 (check_shape), its x at
-        // most 2^27 (check_shape's 2^30 tokens)
-        unsafe { launch.launch(config) }.map_err(device_error("launching hopper_delta"))?;
-        delta
+    // SAFETY: the output and dO hold the shape's values where their layouts say (the
+    // caller's promise)
+    let delta = unsafe {
+        launch_delta(
+            gpu,
+            &function(kernels.dkdv, "hopper_delta")?,
+            inputs.out,
+            inputs.dout,
+            shape,
+        )?
     };
 
     let scale = 1.0 / (d as f32).sqrt();
@@ -298,28 +280,19 @@ unsafe fn launch_passes(
     unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dkdv"))?;
 
     if let Some(acc) = &dq_accum {
-        let f = function(k, "hopper_dq_convert")?;
-        // a thread takes eight values of dQ
-        let items = (k.dq_accum_len(shape) / 8) as i64;
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(acc)
-            .arg(&dq)
-            .arg(&layout)
-            .arg(&tokens)
-            .arg(&items)
-            .arg(&scale);
-        let config = LaunchConfig {
-            grid_dim: ((items as u64).div_ceil(256).min(65_535) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: acc holds dq_accum_len values in f32: 64 rows of every block of 64
-        // queries, eight values for each of `items` threads (the head dim is 64 or 128);
-        // each thread reads its own values and writes them to dq where layout puts them,
-        // for rows below `tokens` only, within its span (the caller's promise)
-        unsafe { launch.launch(config) }
-            .map_err(device_error("launching hopper_dq_convert"))?;
+        // SAFETY: acc holds dq_accum_len values for the shape; dq is where layout puts
+        // the shape's values (the caller's promise)
+        unsafe {
+            launch_dq_convert(
+                gpu,
+                &function(k, "hopper_dq_convert")?,
+                acc,
+                dq,
+                layout,
+                shape,
+                scale,
+            )?;
+        }
     }
 
     // dQ: the block's queries and dO, the keys and values streamed
@@ -339,5 +312,89 @@ unsafe fn launch_passes(
         // SAFETY: as for dkdv; each block writes dq for its own queries below `tokens` only
         unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dq"))?;
     }
+    Ok(())
+}
+
+/// δ = Σ_d dO·O for every row (`hopper_delta`, `f`, of a backward module): the forward's
+/// output and its gradient read where their layouts say; δ is `[batch · heads, tokens]`, a
+/// warp a row, eight rows of one head a block.
+///
+/// # Safety
+/// `out` and `dout` must hold `shape`'s values where their layouts say, in live allocations
+/// on this GPU's context, until the stream has run the kernel.
+pub unsafe fn launch_delta(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    out: Strided,
+    dout: Strided,
+    shape: Shape,
+) -> Result<CudaSlice<f32>, AttnError> {
+    let stream = gpu.stream();
+    let rows = shape.batch * shape.heads * shape.tokens;
+    let tokens = shape.tokens as i32;
+    // SAFETY: the kernel writes every row's δ before anything reads it
+    let mut delta = unsafe { stream.alloc::<f32>(rows) }
+        .map_err(alloc_error("the backward's δ", rows as u128 * 4))?;
+    let mut launch = stream.launch_builder(f);
+    launch
+        .arg(&out.ptr)
+        .arg(&out.layout)
+        .arg(&dout.ptr)
+        .arg(&dout.layout)
+        .arg(&mut delta)
+        .arg(&tokens);
+    let config = LaunchConfig {
+        grid_dim: (
+            shape.tokens.div_ceil(8) as u32,
+            (shape.batch * shape.heads) as u32,
+            1,
+        ),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the output and dO hold the shape's values where their layouts say (the
+    // caller's promise); each warp reads one row of each and writes that row's δ, for
+    // tokens below `tokens`; the grid's y is at most 65,535 (check_shape), its x at most
+    // 2^27 (check_shape's 2^30 tokens)
+    unsafe { launch.launch(config) }.map_err(device_error("launching hopper_delta"))?;
+    Ok(delta)
+}
+
+/// dq = 16-bit(acc · scale) where `layout` puts it (`hopper_dq_convert`, `f`, of a one-pass
+/// module), from the one pass's f32 sums for queries of `shape`; a thread takes eight values.
+///
+/// # Safety
+/// `acc` must hold the one pass's `dq_accum_len(shape)` sums; `dq` must point at a live
+/// allocation on this GPU's context holding `shape`'s values where `layout` says.
+pub unsafe fn launch_dq_convert(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    acc: &CudaSlice<f32>,
+    dq: u64,
+    layout: Layout,
+    shape: Shape,
+    scale: f32,
+) -> Result<(), AttnError> {
+    let tokens = shape.tokens as i32;
+    let items = (acc.len() / 8) as i64;
+    let mut launch = gpu.stream().launch_builder(f);
+    launch
+        .arg(acc)
+        .arg(&dq)
+        .arg(&layout)
+        .arg(&tokens)
+        .arg(&items)
+        .arg(&scale);
+    let config = LaunchConfig {
+        grid_dim: ((items as u64).div_ceil(256).min(65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: acc holds 64 rows of every block of 64 queries, eight values for each of
+    // `items` threads (the head dim is 64 or 128); each thread reads its own values and
+    // writes them to dq where layout puts them, for rows below `tokens` only, within its
+    // span (the caller's promise)
+    unsafe { launch.launch(config) }
+        .map_err(device_error("launching hopper_dq_convert"))?;
     Ok(())
 }

@@ -20,6 +20,7 @@ use step03_cuda_forward::gpu::{
     DeviceTensor, Dtype, Gpu, KernelSpec, alloc_error, device_error,
 };
 use step04_backward::cuda::DeviceGrads;
+use step06_hopper::backward::{launch_delta, launch_dq_convert};
 use step06_hopper::forward::{check_hopper, tensor_map};
 use step06_hopper::kernel::{
     BACKWARD_CUH, BLOCK_N, BackwardKernels, BackwardPass, FORWARD_CUH, ForwardKernel,
@@ -374,22 +375,7 @@ impl DeviceMask {
         d: usize,
     ) -> Result<DeviceMask, AttnError> {
         check_lengths(tq, tk)?;
-        // ids and starts: a row of each for every sequence, or one row all share
-        if let Some(data) = &mask.data
-            && data.len() != 2 * batch * tk
-            && data.len() != 2 * tk
-        {
-            return Err(AttnError::ShapeMismatch {
-                what: format!(
-                    "the mask {} holds {} document ids and starts; {batch} sequences of {tk} \
-                     keys need {} (one row for all) or {}",
-                    mask.key,
-                    data.len(),
-                    2 * tk,
-                    2 * batch * tk
-                ),
-            });
-        }
+        check_data(mask, batch, tk)?;
         let q_shape = Shape::new(batch, heads, tq, d);
         let wgs = forward_kernel(q_shape, heads, mask.weight).warpgroups;
         let (rows, row_b, row_h) = match mask.rows {
@@ -490,13 +476,7 @@ impl DeviceMask {
         let visible = stream
             .clone_dtoh(&visible)
             .map_err(device_error("reading the block mask's count"))?[0];
-        let classes = stream
-            .clone_dtoh(&classes)
-            .map_err(device_error("reading the block mask"))?;
-        let mut tiles = [0u64; 3];
-        for c in classes {
-            tiles[c as usize] += 1;
-        }
+        let tiles = count_tiles(gpu, &classes)?;
         Ok(DeviceMask {
             mask: mask.clone(),
             batch,
@@ -590,6 +570,39 @@ impl DeviceMask {
         }
         Ok(())
     }
+}
+
+/// That a mask's data fits `batch` sequences of `tk` keys: document ids and starts, a row
+/// of each for every sequence, or one row all share.
+fn check_data(mask: &GpuMask, batch: usize, tk: usize) -> Result<(), AttnError> {
+    match &mask.data {
+        Some(data) if data.len() != 2 * batch * tk && data.len() != 2 * tk => {
+            Err(AttnError::ShapeMismatch {
+                what: format!(
+                    "the mask {} holds {} document ids and starts; {batch} sequences of {tk} \
+                     keys need {} (one row for all) or {}",
+                    mask.key,
+                    data.len(),
+                    2 * tk,
+                    2 * batch * tk
+                ),
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The tiles of each class in a block mask's classes on the GPU: empty, partial, full.
+fn count_tiles(gpu: &Gpu, classes: &CudaSlice<u8>) -> Result<[u64; 3], AttnError> {
+    let classes = gpu
+        .stream()
+        .clone_dtoh(classes)
+        .map_err(device_error("reading the block mask"))?;
+    let mut tiles = [0u64; 3];
+    for c in classes {
+        tiles[c as usize] += 1;
+    }
+    Ok(tiles)
 }
 
 /// That tq and tk make a shape the masks take: tq queries at the end of tk positions.
@@ -834,34 +847,8 @@ pub fn backward(
     let tk = kv.tokens as i32;
 
     // δ = rowsum(dO ∘ O), step 06's kernel
-    let mut delta = {
-        // SAFETY: hopper_delta writes every row's δ before the pass reads it
-        unsafe { stream.alloc::<f32>(rows) }
-            .map_err(alloc_error("the backward's δ", rows as u128 * 4))?
-    };
-    {
-        let f = function("hopper_delta")?;
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(&os.ptr)
-            .arg(&os.layout)
-            .arg(&dos.ptr)
-            .arg(&dos.layout)
-            .arg(&mut delta)
-            .arg(&tq);
-        let config = LaunchConfig {
-            grid_dim: (
-                shape.tokens.div_ceil(8) as u32,
-                (shape.batch * shape.heads) as u32,
-                1,
-            ),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: a warp a row of the output and dO (checked to be q's shape), writing
-        // that row's δ
-        unsafe { launch.launch(config) }.map_err(device_error("launching hopper_delta"))?;
-    }
+    // SAFETY: the output and dO were checked to hold q's shape, contiguous
+    let delta = unsafe { launch_delta(gpu, &function("hopper_delta")?, os, dos, shape)? };
 
     let f = function("masked_dkdv")?;
     k1.check_registers(&f)?;
@@ -917,26 +904,19 @@ pub fn backward(
         unsafe { launch.launch(config) }.map_err(device_error("launching masked_dkdv"))?;
     }
     {
-        let f = function("hopper_dq_convert")?;
-        let items = (n_acc / 8) as i64;
-        let dq_layout = Layout::heads(shape);
         let (dq, _dq) = grads.dq.data.device_ptr_mut(stream);
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(&dq_accum)
-            .arg(&dq)
-            .arg(&dq_layout)
-            .arg(&tq)
-            .arg(&items)
-            .arg(&scale);
-        let config = LaunchConfig {
-            grid_dim: ((items as u64).div_ceil(256).min(65_535) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: as step 06's: eight sums a thread, written to dq's rows below tq
-        unsafe { launch.launch(config) }
-            .map_err(device_error("launching hopper_dq_convert"))?;
+        // SAFETY: dq_accum holds the one pass's sums for q's shape; dq was allocated for it
+        unsafe {
+            launch_dq_convert(
+                gpu,
+                &function("hopper_dq_convert")?,
+                &dq_accum,
+                dq,
+                Layout::heads(shape),
+                shape,
+                scale,
+            )?;
+        }
     }
     // grouped-query attention: each group's dk and dv into its head of k and v
     if kv.heads != shape.heads {

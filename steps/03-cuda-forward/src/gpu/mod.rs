@@ -66,6 +66,16 @@ pub fn half_dtype(dtype: Dtype) -> Result<Dtype, AttnError> {
     }
 }
 
+/// A `--dtype` flag for the GPU's kernels, as clap's `value_parser` takes it: `bf16` or
+/// `f16`, anything else an error saying so.
+pub fn parse_half_dtype(s: &str) -> Result<Dtype, String> {
+    match s {
+        "bf16" => Ok(Dtype::Bf16),
+        "f16" => Ok(Dtype::F16),
+        _ => Err(format!("{s:?}: the GPU's kernels compute in bf16 or f16")),
+    }
+}
+
 /// A `[batch, heads, tokens, head_dim]` tensor of bf16 or f16 values in GPU memory,
 /// row-major.
 pub struct DeviceTensor {

@@ -18,7 +18,7 @@ use flash_core::row::{COMMIT, RowsFile, utc_now};
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
 use ndarray::{Array4, s};
-use step03_cuda_forward::gpu::{Dtype, Gpu, device_error};
+use step03_cuda_forward::gpu::{Dtype, Gpu, device_error, parse_half_dtype};
 use step03_cuda_forward::host::round_array;
 use step03_cuda_forward::tool::at_least_one;
 use step08_inference::DecodeShape;
@@ -85,7 +85,7 @@ struct Args {
     )]
     page_size: usize,
     /// The cache's dtype: bf16 or f16
-    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    #[arg(long, default_value = "bf16", value_parser = parse_half_dtype)]
     dtype: Dtype,
     /// Timed runs of each kernel after the warm-up; the median is reported
     #[arg(long, default_value_t = 30, value_parser = at_least_one)]
@@ -102,14 +102,6 @@ struct Args {
     /// FILE.partial.json
     #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
-}
-
-fn parse_dtype(s: &str) -> Result<Dtype, String> {
-    match s {
-        "bf16" => Ok(Dtype::Bf16),
-        "f16" => Ok(Dtype::F16),
-        _ => Err(format!("{s:?}: the decoding kernel takes bf16 or f16")),
-    }
 }
 
 /// The kv heads whose results are checked: the first of the first sequence and the last

@@ -11,7 +11,7 @@ use flash_core::{AttnError, Pass, Shape};
 use ndarray::{Array4, s};
 use rayon::prelude::*;
 use step03_cuda_forward::DeviceAttention;
-use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu};
+use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, parse_half_dtype};
 use step03_cuda_forward::tool::at_least_one;
 use step06_hopper::kernel::ForwardKernel;
 use step08_inference::cuda::cache_value;
@@ -53,7 +53,7 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "64,128", value_parser = at_least_one)]
     head_dims: Vec<usize>,
     /// bf16 or f16
-    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    #[arg(long, default_value = "bf16", value_parser = parse_half_dtype)]
     dtype: Dtype,
     /// Timed runs of each pass after the warm-up; the median is reported
     #[arg(long, default_value_t = 10, value_parser = at_least_one)]
@@ -63,14 +63,6 @@ struct Args {
     /// FILE.partial.json
     #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
-}
-
-fn parse_dtype(s: &str) -> Result<Dtype, String> {
-    match s {
-        "bf16" => Ok(Dtype::Bf16),
-        "f16" => Ok(Dtype::F16),
-        _ => Err(format!("{s:?}: the kernels take bf16 or f16")),
-    }
 }
 
 /// A tensor of `shape` whose values are [`cache_value`] of their index and `seed`.

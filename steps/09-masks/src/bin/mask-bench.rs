@@ -18,7 +18,7 @@ use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
 use ndarray::Array4;
 use serde::Serialize;
-use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu};
+use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, parse_half_dtype};
 use step09_masks::cuda::{self, DeviceMask, GpuMask};
 use step09_masks::rule::row_both_ways;
 use step09_masks::{Documents, Mask, MaskSpec, ScoreMod};
@@ -48,7 +48,7 @@ struct Args {
     #[arg(long, default_value_t = 12)]
     heads: usize,
     /// bf16 or f16
-    #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+    #[arg(long, default_value = "bf16", value_parser = parse_half_dtype)]
     dtype: Dtype,
     /// Timed runs a measurement (their median is reported)
     #[arg(long, default_value_t = 20)]
@@ -56,14 +56,6 @@ struct Args {
     /// Write the rows here as JSON (whole or not at all)
     #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
-}
-
-fn parse_dtype(s: &str) -> Result<Dtype, String> {
-    match s {
-        "bf16" => Ok(Dtype::Bf16),
-        "f16" => Ok(Dtype::F16),
-        _ => Err(format!("{s:?}: the kernels compute in bf16 or f16")),
-    }
 }
 
 /// One measurement, as `charts/data/masks*.json` holds it.
