@@ -8,16 +8,20 @@
 //! - `chapter`: the chapter's file under `book/src/`;
 //! - `text`: the chapter's words, exactly, that hold the number (line breaks and runs of
 //!   spaces count as one space, as they do in the rendered page);
-//! - `data`: the JSON file under `charts/data/`;
+//! - `data`: the JSON file under `charts/data/`, or a path from the repository's root;
 //! - `row`: in a file that is a list, the values that pick the row (`{ method = "online",
 //!   tokens = 1024, pass = "fwd" }`); left out for a file that is one object;
-//! - `field`: the value's path in the row, dot-separated, a negative index counting from the
-//!   end (`ms`, `evals.-1.loss`);
+//! - `field`: the value's path in the row, dot-separated: a negative index counts from the
+//!   end, `*` takes every item of a list and `N:M` items N to M - 1, like Python's slice
+//!   (`ms`, `evals.-1.loss`, `steps.*.loss`, `steps.50:.loss`);
 //! - `decimals`: the digits after the point the prose shows;
-//! - `scale` (optional): a factor from the field's unit to the prose's (`1e-3`: ms to s);
+//! - `scale` (optional): a factor from the field's unit to the prose's (`1e-3`: ms to s;
+//!   100: a fraction to %);
 //! - `over` (optional): a second value `{ data, row, field }` (`data` defaults to the
-//!   claim's) that the first is divided by: a ratio;
-//! - `pick` (optional): `"min"` or `"max"` of the rows `row` matches, for a range's ends.
+//!   claim's) that the first is divided by, a ratio; or, with `difference = true`, the
+//!   relative difference `|a - b| / |b|`; item by item where both are lists;
+//! - `pick` (optional): `"min"`, `"max"` or `"mean"` of what `row` and `field` take, for a
+//!   range's ends, a worst case or an average.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -91,40 +95,75 @@ fn same(want: &Toml, have: &Json) -> bool {
     }
 }
 
-/// The value at `path` (dot-separated keys and indices) in `json`.
-fn at_path<'a>(json: &'a Json, path: &str) -> Result<&'a Json, String> {
-    let mut here = json;
+/// The numbers at `path` (dot-separated keys and indices) in `json`: one, or one for each
+/// item a `*` (every item) or `N:M` (items N to M - 1, either end left out for the list's)
+/// takes from a list.
+fn at_path(json: &Json, path: &str) -> Result<Vec<f64>, String> {
+    let mut here = vec![json];
     for part in path.split('.') {
-        here = match here {
-            Json::Array(items) => {
-                let i: i64 = part.parse().map_err(|_| {
-                    format!("`{part}` of `{path}` indexes a list: give a number")
-                })?;
-                let i = if i < 0 { items.len() as i64 + i } else { i };
-                usize::try_from(i)
-                    .ok()
-                    .and_then(|i| items.get(i))
-                    .ok_or_else(|| {
+        let mut next = Vec::new();
+        for value in here {
+            match value {
+                Json::Array(items) if part == "*" => next.extend(items),
+                Json::Array(items) if part.contains(':') => {
+                    let (from, to) = part.split_once(':').unwrap_or_default();
+                    let bound = |b: &str, default: usize| {
+                        if b.is_empty() {
+                            return Ok(default);
+                        }
+                        b.parse::<usize>().map_err(|_| {
+                            format!("`{part}` of `{path}`: give `N:`, `:M` or `N:M`")
+                        })
+                    };
+                    let (from, to) = (bound(from, 0)?, bound(to, items.len())?);
+                    next.extend(items.iter().take(to).skip(from));
+                }
+                Json::Array(items) => {
+                    let i: i64 = part.parse().map_err(|_| {
+                        format!("`{part}` of `{path}` indexes a list: give a number, `*` or `N:`")
+                    })?;
+                    let i = if i < 0 { items.len() as i64 + i } else { i };
+                    let item = usize::try_from(i).ok().and_then(|i| items.get(i));
+                    next.push(item.ok_or_else(|| {
                         format!("`{path}`: the list has {} items", items.len())
-                    })?
+                    })?);
+                }
+                Json::Object(map) => next.push(
+                    map.get(part)
+                        .ok_or_else(|| format!("`{path}`: no key `{part}`"))?,
+                ),
+                _ => {
+                    return Err(format!(
+                        "`{path}`: `{part}` goes into a number or a string"
+                    ));
+                }
             }
-            Json::Object(map) => map
-                .get(part)
-                .ok_or_else(|| format!("`{path}`: no key `{part}`"))?,
-            _ => return Err(format!("`{path}`: `{part}` goes into a number or a string")),
-        };
+        }
+        here = next;
     }
-    Ok(here)
+    here.iter()
+        .map(|v| {
+            v.as_f64()
+                .ok_or_else(|| format!("`{path}` is {v}, not a number"))
+        })
+        .collect()
 }
 
-/// The value a claim (or its `over`) names: its file, its row, its field.
-fn value(spec: &Table, data: &str, pick: Option<&str>) -> Result<f64, String> {
-    let path = root().join("charts/data").join(data);
+/// Every number a claim (or its `over`) names: in its file, of the rows it picks, at its
+/// field.
+fn values(spec: &Table, data: &str) -> Result<Vec<f64>, String> {
+    // a bare name is a measurement of charts/data; a path names another committed record
+    let path = if data.contains('/') {
+        root().join(data)
+    } else {
+        root().join("charts/data").join(data)
+    };
     let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     let json: Json =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let field = get_str(spec, "field")?;
     let rows: Vec<&Json> = match (spec.get("row"), &json) {
+        (None, Json::Array(_)) => return Err(format!("{data} is a list: give `row`")),
         (None, _) => vec![&json],
         (Some(Toml::Table(want)), Json::Array(rows)) => rows
             .iter()
@@ -136,49 +175,50 @@ fn value(spec: &Table, data: &str, pick: Option<&str>) -> Result<f64, String> {
         (Some(Toml::Table(_)), _) => return Err(format!("{data} is not a list of rows")),
         (Some(_), _) => return Err("`row` is not a table".into()),
     };
-    let numbers = rows
-        .iter()
-        .map(|row| {
-            at_path(row, field)?
-                .as_f64()
-                .ok_or_else(|| format!("{data}: `{field}` is not a number"))
-        })
-        .collect::<Result<Vec<f64>, String>>()?;
-    let described = || match spec.get("row").and_then(Toml::as_table) {
-        Some(row) => {
-            let keys: Vec<String> =
-                row.iter().map(|(k, v)| format!("{k} = {v:?}")).collect();
-            format!("{data} with {}", keys.join(", "))
-        }
-        None => data.to_string(),
-    };
-    match (pick, numbers.as_slice()) {
-        (_, []) => Err(format!("no row of {} matches", described())),
-        (None, [one]) => Ok(*one),
-        (None, many) => Err(format!(
-            "{} rows of {} match: name more keys, or `pick` \"min\" or \"max\"",
-            many.len(),
-            described()
-        )),
-        (Some("min"), all) => Ok(all.iter().copied().fold(f64::INFINITY, f64::min)),
-        (Some("max"), all) => Ok(all.iter().copied().fold(f64::NEG_INFINITY, f64::max)),
-        (Some(other), _) => Err(format!("`pick` is \"min\" or \"max\", not {other:?}")),
+    if rows.is_empty() {
+        let row = spec.get("row").and_then(Toml::as_table);
+        let keys: Vec<String> = row
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| format!("{k} = {v:?}"))
+            .collect();
+        return Err(format!("no row of {data} has {}", keys.join(", ")));
     }
+    let mut numbers = Vec::new();
+    for row in rows {
+        numbers.extend(at_path(row, field).map_err(|e| format!("{data}: {e}"))?);
+    }
+    Ok(numbers)
 }
 
-/// Checks one claim against its JSON and its chapter; `Err` says what disagrees.
-fn check(claim: &Table) -> Result<(), String> {
-    let chapter = get_str(claim, "chapter")?;
-    let text = get_str(claim, "text")?;
+/// The number a claim says its text holds: its values, each divided by `over`'s (or its
+/// relative difference from it, with `difference`), scaled, and `pick`ed down to one.
+fn number(claim: &Table) -> Result<f64, String> {
     let data = get_str(claim, "data")?;
-    let pick = claim
-        .get("pick")
-        .map(|p| p.as_str().ok_or("`pick` is not a string"));
-    let pick = pick.transpose()?;
-    let decimals = get(claim, "decimals")?
-        .as_integer()
-        .and_then(|d| usize::try_from(d).ok())
-        .ok_or("`decimals` is not a count of digits")?;
+    let mut numbers = values(claim, data)?;
+    if let Some(over) = claim.get("over") {
+        let over = over.as_table().ok_or("`over` is not a table")?;
+        let over_data = over.get("data").and_then(Toml::as_str).unwrap_or(data);
+        let by = values(over, over_data).map_err(|e| format!("its `over`: {e}"))?;
+        if by.len() != 1 && by.len() != numbers.len() {
+            return Err(format!(
+                "{} values over {} of `over`: give one, or as many",
+                numbers.len(),
+                by.len()
+            ));
+        }
+        let difference = claim
+            .get("difference")
+            .is_some_and(|d| d.as_bool() == Some(true));
+        for (i, n) in numbers.iter_mut().enumerate() {
+            let b = by[if by.len() == 1 { 0 } else { i }];
+            *n = if difference {
+                (*n - b).abs() / b.abs()
+            } else {
+                *n / b
+            };
+        }
+    }
     let scale = match claim.get("scale") {
         None => 1.0,
         Some(s) => s
@@ -186,12 +226,33 @@ fn check(claim: &Table) -> Result<(), String> {
             .or_else(|| s.as_integer().map(|i| i as f64))
             .ok_or("`scale` is not a number")?,
     };
-    let mut number = value(claim, data, pick)? * scale;
-    if let Some(over) = claim.get("over") {
-        let over = over.as_table().ok_or("`over` is not a table")?;
-        let over_data = over.get("data").and_then(Toml::as_str).unwrap_or(data);
-        number /= value(over, over_data, None).map_err(|e| format!("its `over`: {e}"))?;
+    let pick = claim
+        .get("pick")
+        .map(|p| p.as_str().ok_or("`pick` is not a string"));
+    let all = numbers.iter().map(|n| n * scale);
+    match (pick.transpose()?, numbers.len()) {
+        (None, 1) => Ok(numbers[0] * scale),
+        (None, n) => Err(format!(
+            "{n} values match: name more of the row, or `pick` \"min\", \"max\" or \"mean\""
+        )),
+        (Some("min"), _) => Ok(all.fold(f64::INFINITY, f64::min)),
+        (Some("max"), _) => Ok(all.fold(f64::NEG_INFINITY, f64::max)),
+        (Some("mean"), n) => Ok(all.sum::<f64>() / n as f64),
+        (Some(other), _) => Err(format!(
+            "`pick` is \"min\", \"max\" or \"mean\", not {other:?}"
+        )),
     }
+}
+
+/// Checks one claim against its JSON and its chapter; `Err` says what disagrees.
+fn check(claim: &Table) -> Result<(), String> {
+    let chapter = get_str(claim, "chapter")?;
+    let text = get_str(claim, "text")?;
+    let decimals = get(claim, "decimals")?
+        .as_integer()
+        .and_then(|d| usize::try_from(d).ok())
+        .ok_or("`decimals` is not a count of digits")?;
+    let number = number(claim)?;
     let shown = formats(number, decimals);
     let text = squash(text);
     if !shown.iter().any(|s| holds_number(&text, s)) {
