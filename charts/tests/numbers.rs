@@ -11,6 +11,7 @@
 //! - `data`: the JSON file under `charts/data/`, or a path from the repository's root;
 //! - `row`: in a file that is a list, the values that pick the row (`{ method = "online",
 //!   tokens = 1024, pass = "fwd" }`); left out for a file that is one object;
+//! - `rows` (optional): the key of the list `row` picks from, in a file that is an object;
 //! - `field`: the value's path in the row, dot-separated: a negative index counts from the
 //!   end, `*` takes every item of a list and `N:M` items N to M - 1, like Python's slice
 //!   (`ms`, `evals.-1.loss`, `steps.*.loss`, `steps.50:.loss`);
@@ -20,8 +21,8 @@
 //! - `over` (optional): a second value `{ data, row, field }` (`data` defaults to the
 //!   claim's) that the first is divided by, a ratio; or, with `difference = true`, the
 //!   relative difference `|a - b| / |b|`; item by item where both are lists;
-//! - `pick` (optional): `"min"`, `"max"` or `"mean"` of what `row` and `field` take, for a
-//!   range's ends, a worst case or an average.
+//! - `pick` (optional): `"min"`, `"max"`, `"mean"` or `"median"` of what `row` and `field`
+//!   take, for a range's ends, a worst case or an average.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -162,9 +163,17 @@ fn values(spec: &Table, data: &str) -> Result<Vec<f64>, String> {
     let json: Json =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let field = get_str(spec, "field")?;
-    let rows: Vec<&Json> = match (spec.get("row"), &json) {
+    // the list `row` picks from: the file, or a list inside it
+    let list = match spec.get("rows") {
+        None => &json,
+        Some(Toml::String(key)) => json
+            .get(key)
+            .ok_or_else(|| format!("{data} has no `{key}`"))?,
+        Some(_) => return Err("`rows` is not a key".into()),
+    };
+    let rows: Vec<&Json> = match (spec.get("row"), list) {
         (None, Json::Array(_)) => return Err(format!("{data} is a list: give `row`")),
-        (None, _) => vec![&json],
+        (None, _) => vec![list],
         (Some(Toml::Table(want)), Json::Array(rows)) => rows
             .iter()
             .filter(|row| {
@@ -233,13 +242,18 @@ fn number(claim: &Table) -> Result<f64, String> {
     match (pick.transpose()?, numbers.len()) {
         (None, 1) => Ok(numbers[0] * scale),
         (None, n) => Err(format!(
-            "{n} values match: name more of the row, or `pick` \"min\", \"max\" or \"mean\""
+            "{n} values match: name more of the row, or `pick` \"min\", \"max\", \"mean\" or \"median\""
         )),
         (Some("min"), _) => Ok(all.fold(f64::INFINITY, f64::min)),
         (Some("max"), _) => Ok(all.fold(f64::NEG_INFINITY, f64::max)),
         (Some("mean"), n) => Ok(all.sum::<f64>() / n as f64),
+        (Some("median"), n) => {
+            let mut sorted: Vec<f64> = all.collect();
+            sorted.sort_by(f64::total_cmp);
+            Ok((sorted[(n - 1) / 2] + sorted[n / 2]) / 2.0)
+        }
         (Some(other), _) => Err(format!(
-            "`pick` is \"min\", \"max\" or \"mean\", not {other:?}"
+            "`pick` is \"min\", \"max\", \"mean\" or \"median\", not {other:?}"
         )),
     }
 }
