@@ -16,13 +16,15 @@
 //!   end, `*` takes every item of a list and `N:M` items N to M - 1, like Python's slice
 //!   (`ms`, `evals.-1.loss`, `steps.*.loss`, `steps.50:.loss`);
 //! - `decimals`: the digits after the point the prose shows;
+//! - `reciprocal` (optional): `true` takes one over the value, a rate as the time of one;
 //! - `scale` (optional): a factor from the field's unit to the prose's (`1e-3`: ms to s;
 //!   100: a fraction to %);
 //! - `over` (optional): a second value `{ data, row, field }` (`data` defaults to the
 //!   claim's) that the first is divided by, a ratio; or, with `difference = true`, the
 //!   relative difference `|a - b| / |b|`; item by item where both are lists;
 //! - `pick` (optional): `"min"`, `"max"`, `"mean"` or `"median"` of what `row` and `field`
-//!   take, for a range's ends, a worst case or an average.
+//!   take, for a range's ends, a worst case or an average (rows whose value is null, shapes
+//!   that did not run, left out).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -98,8 +100,8 @@ fn same(want: &Toml, have: &Json) -> bool {
 
 /// The numbers at `path` (dot-separated keys and indices) in `json`: one, or one for each
 /// item a `*` (every item) or `N:M` (items N to M - 1, either end left out for the list's)
-/// takes from a list.
-fn at_path(json: &Json, path: &str) -> Result<Vec<f64>, String> {
+/// takes from a list. With `skip_null`, nulls are left out rather than refused.
+fn at_path(json: &Json, path: &str, skip_null: bool) -> Result<Vec<f64>, String> {
     let mut here = vec![json];
     for part in path.split('.') {
         let mut next = Vec::new();
@@ -143,6 +145,8 @@ fn at_path(json: &Json, path: &str) -> Result<Vec<f64>, String> {
         here = next;
     }
     here.iter()
+        // a row that measured nothing (an error row's null) has no number to range over
+        .filter(|v| !(skip_null && v.is_null()))
         .map(|v| {
             v.as_f64()
                 .ok_or_else(|| format!("`{path}` is {v}, not a number"))
@@ -195,7 +199,8 @@ fn values(spec: &Table, data: &str) -> Result<Vec<f64>, String> {
     }
     let mut numbers = Vec::new();
     for row in rows {
-        numbers.extend(at_path(row, field).map_err(|e| format!("{data}: {e}"))?);
+        let skip_null = spec.contains_key("pick");
+        numbers.extend(at_path(row, field, skip_null).map_err(|e| format!("{data}: {e}"))?);
     }
     Ok(numbers)
 }
@@ -205,6 +210,13 @@ fn values(spec: &Table, data: &str) -> Result<Vec<f64>, String> {
 fn number(claim: &Table) -> Result<f64, String> {
     let data = get_str(claim, "data")?;
     let mut numbers = values(claim, data)?;
+    if claim
+        .get("reciprocal")
+        .is_some_and(|r| r.as_bool() == Some(true))
+    {
+        // a rate quoted as the time of one (tokens a second as milliseconds a token)
+        numbers.iter_mut().for_each(|n| *n = 1.0 / *n);
+    }
     if let Some(over) = claim.get("over") {
         let over = over.as_table().ok_or("`over` is not a table")?;
         let over_data = over.get("data").and_then(Toml::as_str).unwrap_or(data);
@@ -279,7 +291,10 @@ fn check(claim: &Table) -> Result<(), String> {
     let prose =
         fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     if !squash(&prose).contains(&text) {
-        return Err(format!("book/src/{chapter} does not hold \"{text}\""));
+        return Err(format!(
+            "book/src/{chapter} does not hold \"{text}\" (the JSON gives {})",
+            shown[0]
+        ));
     }
     Ok(())
 }
