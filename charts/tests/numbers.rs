@@ -123,7 +123,7 @@ fn at_path(json: &Json, path: &str, skip_null: bool) -> Result<Vec<f64>, String>
                 }
                 Json::Array(items) => {
                     let i: i64 = part.parse().map_err(|_| {
-                        format!("`{part}` of `{path}` indexes a list: give a number, `*` or `N:`")
+                        format!("`{part}` of `{path}` indexes a list: give a number, `*` or `N:M`")
                     })?;
                     let i = if i < 0 { items.len() as i64 + i } else { i };
                     let item = usize::try_from(i).ok().and_then(|i| items.get(i));
@@ -197,10 +197,13 @@ fn values(spec: &Table, data: &str) -> Result<Vec<f64>, String> {
             .collect();
         return Err(format!("no row of {data} has {}", keys.join(", ")));
     }
+    let skip_null = spec.contains_key("pick");
     let mut numbers = Vec::new();
     for row in rows {
-        let skip_null = spec.contains_key("pick");
         numbers.extend(at_path(row, field, skip_null).map_err(|e| format!("{data}: {e}"))?);
+    }
+    if numbers.is_empty() {
+        return Err(format!("{data}: every `{field}` it picks is null"));
     }
     Ok(numbers)
 }
@@ -270,8 +273,37 @@ fn number(claim: &Table) -> Result<f64, String> {
     }
 }
 
+/// The keys a claim may have, and those of its `over`: a misspelt key would otherwise be
+/// left out unseen (a `scal` that scales nothing).
+const KEYS: &[&str] = &[
+    "chapter",
+    "text",
+    "data",
+    "row",
+    "rows",
+    "field",
+    "decimals",
+    "reciprocal",
+    "scale",
+    "over",
+    "difference",
+    "pick",
+];
+const OVER_KEYS: &[&str] = &["data", "row", "rows", "field"];
+
 /// Checks one claim against its JSON and its chapter; `Err` says what disagrees.
 fn check(claim: &Table) -> Result<(), String> {
+    let over = claim.get("over").and_then(Toml::as_table);
+    let unknown = claim.keys().filter(|k| !KEYS.contains(&k.as_str()));
+    let unknown_over = over
+        .into_iter()
+        .flat_map(|o| o.keys())
+        .filter(|k| !OVER_KEYS.contains(&k.as_str()));
+    if let Some(key) = unknown.chain(unknown_over).next() {
+        return Err(format!(
+            "`{key}` is no key of a claim (book/numbers.toml's header lists them)"
+        ));
+    }
     let chapter = get_str(claim, "chapter")?;
     let text = get_str(claim, "text")?;
     let decimals = get(claim, "decimals")?
@@ -361,4 +393,16 @@ fn a_number_is_found_whole_and_in_either_grouping() {
     assert!(holds_number("3.4, 6.6, 13.0 and 25.8 MB", "6.6"));
     assert!(!holds_number("1,224 tokens", "224"));
     assert!(holds_number("2.06× as fast", "2.06"));
+}
+
+#[test]
+fn a_misspelt_key_is_refused() {
+    let mut claim: Table = "chapter = \"01-naive.md\"\nscal = 1e-6".parse().unwrap();
+    assert!(check(&claim).unwrap_err().contains("`scal`"));
+    claim.remove("scal");
+    claim.insert(
+        "over".into(),
+        "x = 1".parse::<Table>().map(Toml::Table).unwrap(),
+    );
+    assert!(check(&claim).unwrap_err().contains("`x`"));
 }
