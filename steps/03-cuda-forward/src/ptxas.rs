@@ -82,11 +82,14 @@ pub struct Flags {
 
 /// One kernel variant to check: its name, what NVRTC made of it, and whether a spill fails
 /// the check (a variant the library launches) or is only reported (a shape a tuner may
-/// time).
+/// time). A launched variant may list the spills it is known to have, each as (entry
+/// point, bytes stored, bytes loaded): more than listed fails, and so does a listed spill
+/// that is gone (take it off the list), so a list never hides a new spill.
 pub struct Variant {
     pub name: String,
     pub ptx: Result<Ptx, AttnError>,
     pub used: bool,
+    pub expected_spills: Vec<(&'static str, u64, u64)>,
 }
 
 impl Variant {
@@ -96,16 +99,46 @@ impl Variant {
             name,
             ptx,
             used: true,
+            expected_spills: Vec::new(),
         }
     }
 
     /// A shape a tuner may time: it must compile and assemble; a spill is reported.
     pub fn candidate(name: String, ptx: Result<Ptx, AttnError>) -> Variant {
         Variant {
-            name,
-            ptx,
             used: false,
+            ..Variant::used(name, ptx)
         }
+    }
+
+    /// A variant the library launches with the spills it is known to have: (entry point,
+    /// bytes stored, bytes loaded).
+    pub fn with_spills(self, spills: &[(&'static str, u64, u64)]) -> Variant {
+        Variant {
+            expected_spills: spills.to_vec(),
+            ..self
+        }
+    }
+}
+
+/// What is wrong with an entry point's spills, given what its variant lists: `None` when
+/// it spills no more than listed (and some, if anything is listed), or not at all.
+fn spill_fault(report: &Report, expected: &[(&'static str, u64, u64)]) -> Option<String> {
+    let listed = expected.iter().find(|s| s.0 == report.function);
+    let (stores, loads) = listed.map_or((0, 0), |s| (s.1, s.2));
+    let (st, ld) = (report.spill_stores, report.spill_loads);
+    if st > stores || ld > loads {
+        Some(if listed.is_some() {
+            format!(
+                "spills {st} B stored and {ld} B loaded, more than the {stores} and {loads} listed"
+            )
+        } else {
+            "spills registers to local memory".into()
+        })
+    } else if listed.is_some() && st == 0 && ld == 0 {
+        Some("no longer spills: take it off the list".into())
+    } else {
+        None
     }
 }
 
@@ -130,7 +163,13 @@ pub fn main(flags: Flags, kernels: impl Fn(&'static str) -> Vec<Variant>) -> Exi
         "{:<52} {:>9} {:>12} {:>12} {:>12}",
         "kernel", "registers", "shared (B)", "spill st (B)", "spill ld (B)"
     );
-    for Variant { name, ptx, used } in kernels(arch) {
+    for Variant {
+        name,
+        ptx,
+        used,
+        expected_spills,
+    } in kernels(arch)
+    {
         let log = ptx
             .map_err(|e| e.to_string())
             .and_then(|ptx| assemble(&ptx, arch, &ptxas, &dir.join(format!("{name}.ptx"))));
@@ -164,21 +203,34 @@ pub fn main(flags: Flags, kernels: impl Fn(&'static str) -> Vec<Variant>) -> Exi
             eprintln!("{name}: no entry point in ptxas's report:\n{log}");
             failed = true;
         }
+        for (function, ..) in &expected_spills {
+            if !reports.iter().any(|r| r.function == *function) {
+                eprintln!(
+                    "{name}: a spill is listed for {function}, which it does not have"
+                );
+                failed = true;
+            }
+        }
         for r in reports {
             let label = format!("{name} {}", r.function);
             println!(
                 "{label:<52} {:>9} {:>12} {:>12} {:>12}",
                 r.registers, r.smem_bytes, r.spill_stores, r.spill_loads
             );
-            if r.spill_stores > 0 || r.spill_loads > 0 {
-                if used {
-                    eprintln!("{label}: spills registers to local memory");
+            match spill_fault(&r, &expected_spills) {
+                Some(fault) if used => {
+                    eprintln!("{label}: {fault}");
                     failed = true;
-                } else {
+                }
+                Some(_) => {
                     println!(
                         "{label}: spills (a tuning candidate, not launched by the library)"
-                    );
+                    )
                 }
+                None if r.spill_stores > 0 || r.spill_loads > 0 => {
+                    println!("{label}: spills as listed")
+                }
+                None => {}
             }
         }
     }
@@ -228,5 +280,27 @@ ptxas info    : Used 255 registers, used 1 barriers, 33280 bytes smem
                 spill_loads: 12
             }
         );
+    }
+
+    fn report(function: &str, stores: u64, loads: u64) -> Report {
+        Report {
+            function: function.into(),
+            registers: 168,
+            smem_bytes: 0,
+            spill_stores: stores,
+            spill_loads: loads,
+        }
+    }
+
+    #[test]
+    fn a_spill_passes_only_where_it_is_listed_and_no_larger() {
+        let listed = [("dkdv", 8, 12)];
+        assert_eq!(spill_fault(&report("dkdv", 0, 0), &[]), None);
+        assert!(spill_fault(&report("dkdv", 4, 4), &[]).is_some());
+        assert_eq!(spill_fault(&report("dkdv", 8, 12), &listed), None);
+        assert_eq!(spill_fault(&report("dkdv", 4, 8), &listed), None);
+        assert!(spill_fault(&report("dkdv", 8, 16), &listed).is_some());
+        assert!(spill_fault(&report("dkdv", 0, 0), &listed).is_some());
+        assert!(spill_fault(&report("dq", 4, 4), &listed).is_some());
     }
 }
