@@ -218,14 +218,6 @@ mod avx512 {
         };
     }
 
-    /// The largest exponent field in `x`, a whole block of keys or values at once.
-    #[target_feature(enable = "avx512f")]
-    fn block_exponents(x: &[f32]) -> u32 {
-        // SAFETY: exponents reads x.len() values from x's start
-        let seen = unsafe { exponents(x.as_ptr(), x.len(), _mm512_setzero_si512()) };
-        _mm512_reduce_max_epi32(seen) as u32
-    }
-
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> u32 {
@@ -233,10 +225,8 @@ mod avx512 {
             // SAFETY: the caller's conditions
             return unsafe { scores_any(q, k, s, t, scale) };
         }
-        let seen = block_exponents(&k[..t.keys * t.d]);
         // SAFETY: the caller's conditions, and d ≤ W · 16 for the W chosen
-        unsafe { by_width!(scores_rows, t.d, q, k, s, t, scale) };
-        seen
+        unsafe { by_width!(scores_rows, t.d, q, k, s, t, scale) }
     }
 
     /// The sums of four registers, one a lane: `[Σ a[0], Σ a[1], Σ a[2], Σ a[3]]`, halving
@@ -264,11 +254,34 @@ mod avx512 {
         _mm512_castps512_ps128(_mm512_permutexvar_ps(first, y))
     }
 
+    /// Asks for the row at `x[at..]` of the block after next (`2 · bc` keys on, the next
+    /// block's keys and values being read meanwhile) to be brought into the L2 cache, one
+    /// request a line of 16 values. The products' own loads, spread among their
+    /// multiply-adds, keep too few misses in flight to read memory at its speed; these
+    /// requests, one block of work ahead, leave them to find their lines in the L2 cache.
+    /// Past the end of the cache they point beyond `x`: a prefetch never faults, and
+    /// `wrapping_add` makes no claim on where the address lies.
+    #[target_feature(enable = "avx512f")]
+    fn prefetch_ahead<const W: usize>(x: &[f32], at: usize, t: Tile) {
+        let row = x.as_ptr().wrapping_add(at + 2 * t.bc * t.d);
+        for c in 0..W {
+            _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(c * LANES).cast::<i8>());
+        }
+    }
+
+    /// `seen` with the exponent fields of `x` folded in: its largest in each lane.
+    #[target_feature(enable = "avx512f")]
+    fn fold_exponents(seen: __m512i, x: __m512) -> __m512i {
+        let e = _mm512_set1_epi32(EXPONENT as i32);
+        _mm512_max_epi32(seen, _mm512_and_si512(_mm512_castps_si512(x), e))
+    }
+
     /// Rows four at a time (then one at a time), each group of four keys multiplied by the
     /// four rows register by register: a register of a key serves four rows and a register
     /// of a row four keys, so the sixteen sums need eight loads for sixteen multiply-adds
     /// rather than one load each, and the four sums of a row are halved together into
-    /// four scores.
+    /// four scores. The first tile of rows also keeps the keys' largest exponent field, from
+    /// the registers the products load: the check costs no load of its own.
     ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold;
     /// `d ≤ 16 · W`.
@@ -279,32 +292,46 @@ mod avx512 {
         s: &mut [f32],
         t: Tile,
         scale: f32,
-    ) {
-        let mut r = 0;
+    ) -> u32 {
+        if t.rows == 0 {
+            return 0;
+        }
+        // SAFETY (all four calls): rows r .. r + RB < R; the caller's conditions
+        let (seen, mut r) = if t.rows >= 4 {
+            (
+                unsafe { scores_tile::<W, 4, true>(q, k, s, t, scale, 0) },
+                4,
+            )
+        } else {
+            (
+                unsafe { scores_tile::<W, 1, true>(q, k, s, t, scale, 0) },
+                1,
+            )
+        };
         while r + 4 <= t.rows {
-            // SAFETY: rows r .. r + 4 < R; the caller's conditions
-            unsafe { scores_tile::<W, 4>(q, k, s, t, scale, r) };
+            unsafe { scores_tile::<W, 4, false>(q, k, s, t, scale, r) };
             r += 4;
         }
         while r < t.rows {
-            // SAFETY: row r < R; the caller's conditions
-            unsafe { scores_tile::<W, 1>(q, k, s, t, scale, r) };
+            unsafe { scores_tile::<W, 1, false>(q, k, s, t, scale, r) };
             r += 1;
         }
+        _mm512_reduce_max_epi32(seen) as u32
     }
 
-    /// Rows `r0 .. r0 + RB` against every key of the block.
+    /// Rows `r0 .. r0 + RB` against every key of the block; with `CHECK`, the largest
+    /// exponent field of each lane of the keys, else zeros.
     ///
     /// SAFETY (caller): as [`scores_rows`], and `r0 + RB ≤ R`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn scores_tile<const W: usize, const RB: usize>(
+    unsafe fn scores_tile<const W: usize, const RB: usize, const CHECK: bool>(
         q: &[f32],
         k: &[f32],
         s: &mut [f32],
         t: Tile,
         scale: f32,
         r0: usize,
-    ) {
+    ) -> __m512i {
         let d = t.d;
         // lanes of register c inside a row: all of them but in the last, partial one
         let mask = |c: usize| {
@@ -321,8 +348,14 @@ mod avx512 {
         let row = |r: usize| q[(r0 + r) * d..].as_ptr();
         let key = |j: usize| k[j * d..].as_ptr();
         let scale4 = _mm_set1_ps(scale);
+        let mut seen = _mm512_setzero_si512();
         let mut j = 0;
         while j + 4 <= t.keys {
+            if CHECK {
+                for u in 0..4 {
+                    prefetch_ahead::<W>(k, (j + u) * d, t);
+                }
+            }
             let mut acc = [[_mm512_setzero_ps(); 4]; RB];
             for c in 0..W {
                 let keys = [
@@ -331,6 +364,11 @@ mod avx512 {
                     load(key(j + 2), c),
                     load(key(j + 3), c),
                 ];
+                if CHECK {
+                    for x in keys {
+                        seen = fold_exponents(seen, x);
+                    }
+                }
                 for r in 0..RB {
                     let x = load(row(r), c);
                     for u in 0..4 {
@@ -346,6 +384,11 @@ mod avx512 {
             j += 4;
         }
         while j < t.keys {
+            for c in 0..W {
+                if CHECK {
+                    seen = fold_exponents(seen, load(key(j), c));
+                }
+            }
             for r in 0..RB {
                 let mut a = _mm512_setzero_ps();
                 for c in 0..W {
@@ -355,6 +398,7 @@ mod avx512 {
             }
             j += 1;
         }
+        seen
     }
 
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold.
@@ -364,47 +408,79 @@ mod avx512 {
             // SAFETY: the caller's conditions
             return unsafe { values_any(p, v, o, t) };
         }
-        let seen = block_exponents(&v[..t.keys * t.d]);
         // SAFETY: the caller's conditions, and d ≤ W · 16 for the W chosen
-        unsafe { by_width!(values_rows, t.d, p, v, o, t) };
-        seen
+        unsafe { by_width!(values_rows, t.d, p, v, o, t) }
     }
 
-    /// Rows four at a time (then one at a time), their outputs in registers while the
-    /// block's values go by, at most four registers of each of the four rows a pass: a
-    /// register of a value serves four rows, and each row's probability, broadcast once a
-    /// key, serves its registers. Stored once at the end of the pass.
+    /// Rows in tiles of four (two where a row takes more than four registers: sixteen sums
+    /// at most), their outputs in registers while the block's values go by, whole: a
+    /// register of a value serves the tile's rows, and each row's probability, broadcast
+    /// once a key, serves its registers. Stored once at the end. A tile reads each value
+    /// whole, so that the first one, which brings the block from memory, reads it in
+    /// order, as the hardware's prefetcher expects (two passes over halves of each value
+    /// leave the second half to miss again); it also keeps the values' largest exponent
+    /// field.
     ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold; `d ≤
     /// 16 · W`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn values_rows<const W: usize>(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
-        let mut r = 0;
-        while r + 4 <= t.rows {
-            // SAFETY: rows r .. r + 4 < R; the caller's conditions
-            unsafe { values_tile::<W, 4>(p, v, o, t, r) };
-            r += 4;
-        }
-        while r < t.rows {
-            // SAFETY: row r < R; the caller's conditions
-            unsafe { values_tile::<W, 1>(p, v, o, t, r) };
-            r += 1;
-        }
+    unsafe fn values_rows<const W: usize>(
+        p: &[f32],
+        v: &[f32],
+        o: &mut [f32],
+        t: Tile,
+    ) -> u32 {
+        // SAFETY (both calls): the caller's conditions
+        let seen = if W <= 4 {
+            unsafe { values_tiles::<W, 4>(p, v, o, t) }
+        } else {
+            unsafe { values_tiles::<W, 2>(p, v, o, t) }
+        };
+        _mm512_reduce_max_epi32(seen) as u32
     }
 
-    /// Rows `r0 .. r0 + RB`, every value of the block added into their outputs.
+    /// [`values_rows`] in tiles of `RB` rows, then one at a time.
+    ///
+    /// SAFETY (caller): as [`values_rows`].
+    #[target_feature(enable = "avx512f")]
+    unsafe fn values_tiles<const W: usize, const RB: usize>(
+        p: &[f32],
+        v: &[f32],
+        o: &mut [f32],
+        t: Tile,
+    ) -> __m512i {
+        if t.rows == 0 {
+            return _mm512_setzero_si512();
+        }
+        // SAFETY (all four calls): rows r .. r + RB < R; the caller's conditions
+        let (seen, mut r) = if t.rows >= RB {
+            (unsafe { values_tile::<W, RB, true>(p, v, o, t, 0) }, RB)
+        } else {
+            (unsafe { values_tile::<W, 1, true>(p, v, o, t, 0) }, 1)
+        };
+        while r + RB <= t.rows {
+            unsafe { values_tile::<W, RB, false>(p, v, o, t, r) };
+            r += RB;
+        }
+        while r < t.rows {
+            unsafe { values_tile::<W, 1, false>(p, v, o, t, r) };
+            r += 1;
+        }
+        seen
+    }
+
+    /// Rows `r0 .. r0 + RB`, every value of the block added into their outputs; with
+    /// `CHECK`, the largest exponent field of each lane of the values, else zeros.
     ///
     /// SAFETY (caller): as [`values_rows`], and `r0 + RB ≤ R`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn values_tile<const W: usize, const RB: usize>(
+    unsafe fn values_tile<const W: usize, const RB: usize, const CHECK: bool>(
         p: &[f32],
         v: &[f32],
         o: &mut [f32],
         t: Tile,
         r0: usize,
-    ) {
-        // registers of a row a pass: 4 · 4 sums, 4 probabilities and a value's register
-        const CB: usize = 4;
+    ) -> __m512i {
         let d = t.d;
         let mask = |c: usize| {
             if c + 1 < W || d.is_multiple_of(LANES) {
@@ -420,47 +496,39 @@ mod avx512 {
         let base = o.as_mut_ptr();
         // SAFETY: row r0 + r < R, o holds R · d values
         let out = |r: usize| unsafe { base.add((r0 + r) * d) };
-        let mut c0 = 0;
-        while c0 < W {
-            let mut acc = [[_mm512_setzero_ps(); CB]; RB];
-            for r in 0..RB {
-                for c in 0..CB {
-                    if c0 + c < W {
-                        acc[r][c] = load(out(r), c0 + c);
-                    }
-                }
+        let mut seen = _mm512_setzero_si512();
+        let mut acc = [[_mm512_setzero_ps(); W]; RB];
+        for r in 0..RB {
+            for c in 0..W {
+                acc[r][c] = load(out(r), c);
             }
-            for j in 0..t.keys {
-                let mut pr = [_mm512_setzero_ps(); RB];
-                for r in 0..RB {
-                    pr[r] = _mm512_set1_ps(p[(r0 + r) * t.bc + j]);
-                }
-                let value = v[j * d..].as_ptr();
-                for c in 0..CB {
-                    if c0 + c < W {
-                        let x = load(value, c0 + c);
-                        for r in 0..RB {
-                            acc[r][c] = _mm512_fmadd_ps(pr[r], x, acc[r][c]);
-                        }
-                    }
-                }
-            }
-            for r in 0..RB {
-                for c in 0..CB {
-                    if c0 + c < W {
-                        // SAFETY: row r0 + r < R; the masked lanes, past d, are not written
-                        unsafe {
-                            _mm512_mask_storeu_ps(
-                                out(r).add((c0 + c) * LANES),
-                                mask(c0 + c),
-                                acc[r][c],
-                            )
-                        };
-                    }
-                }
-            }
-            c0 += CB;
         }
+        for j in 0..t.keys {
+            if CHECK {
+                prefetch_ahead::<W>(v, j * d, t);
+            }
+            let mut pr = [_mm512_setzero_ps(); RB];
+            for r in 0..RB {
+                pr[r] = _mm512_set1_ps(p[(r0 + r) * t.bc + j]);
+            }
+            let value = v[j * d..].as_ptr();
+            for c in 0..W {
+                let x = load(value, c);
+                if CHECK {
+                    seen = fold_exponents(seen, x);
+                }
+                for r in 0..RB {
+                    acc[r][c] = _mm512_fmadd_ps(pr[r], x, acc[r][c]);
+                }
+            }
+        }
+        for r in 0..RB {
+            for c in 0..W {
+                // SAFETY: row r0 + r < R; the masked lanes, past d, are not written
+                unsafe { _mm512_mask_storeu_ps(out(r).add(c * LANES), mask(c), acc[r][c]) };
+            }
+        }
+        seen
     }
 
     /// Any head dim: the key's registers loaded again for each row.

@@ -121,10 +121,11 @@ fn every_instruction_set_and_split_of_the_grouped_rungs_matches_the_reference() 
 #[test]
 fn the_simd_kernels_give_the_plain_rust_answer() {
     // the same sums in another order: equal up to a few units in the last place; head dims
-    // of 5 registers, the last partial (72), and past the 8 registers in which the AVX-512
-    // kernels hold a row (144)
+    // of 5 registers, the last partial (72), of 8 with 5 rows a kv head (tiles of two rows
+    // and one left), and past the 8 registers in which the AVX-512 kernels hold a row (144)
     for shape in [
         DecodeShape::new(1, 8, 2, 3, 1000, 72),
+        DecodeShape::new(1, 5, 1, 1, 300, 128),
         DecodeShape::new(1, 6, 1, 1, 200, 144),
     ] {
         let [q, k, v] = inputs(shape, 11);
@@ -208,6 +209,32 @@ fn the_grouped_rungs_refuse_what_decode_refuses_with_the_same_words() {
         Some(0),
     ));
     assert!(e.contains("a chunk of 0 keys"), "{e}");
+}
+
+#[test]
+fn the_products_see_a_value_that_is_not_finite_at_every_tile_of_rows() {
+    // the AVX-512 products check the registers they load, in the first tile of rows only:
+    // a tile of four rows, of two (values past 4 registers a row), of one; 1, 3 and 5 rows
+    // a kv head; head dims of 2, 5 and 8 registers; the value in a key's or a value's
+    // last register, in the last partial block
+    for d in [20, 72, 128] {
+        for (heads, kv) in [(2, 2), (3, 1), (5, 1)] {
+            let shape = DecodeShape::new(1, heads, kv, 1, 150, d);
+            let [q, k, v] = inputs(shape, 7);
+            for x in [f32::NAN, f32::INFINITY] {
+                let mut bad = k.clone();
+                bad[[0, kv - 1, 149, d - 1]] = x;
+                for (k, v) in [(&bad, &v), (&k, &bad)] {
+                    let want = err_of(decode(q.view(), k.view(), v.view()));
+                    for isa in isas() {
+                        let got =
+                            decode_grouped_with(q.view(), k.view(), v.view(), isa, None);
+                        assert_eq!(err_of(got), want, "{isa:?} {shape}");
+                    }
+                }
+            }
+        }
+    }
 }
 
 #[test]
