@@ -822,6 +822,7 @@ pub fn simd_level() -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::methods::{Describe, Descriptor};
     use ndarray::{ArrayView4, s};
 
     /// Step 01's attention with the outputs of the first and the last query of the first
@@ -874,22 +875,17 @@ mod tests {
         MissingRescale,
     }
 
-    impl Method for Broken {
-        fn name(&self) -> &'static str {
-            match self {
+    impl Describe for Broken {
+        fn descriptor(&self) -> Descriptor {
+            let name = match self {
                 Broken::SwappedRows => "swapped_rows",
                 Broken::MissingRescale => "missing_rescale",
-            }
+            };
+            Descriptor::new(name, "test", Device::Cpu, "a broken method")
         }
-        fn step(&self) -> &'static str {
-            "test"
-        }
-        fn device(&self) -> Device {
-            Device::Cpu
-        }
-        fn about(&self) -> &'static str {
-            "a broken method"
-        }
+    }
+
+    impl Method for Broken {
         fn forward(
             &self,
             q: ArrayView4<f32>,

@@ -17,8 +17,8 @@
 //!   log-sum-exp.
 //! - [`inputs`]: seeded normal inputs, the same on every machine.
 //! - [`reference`]: causal attention in `f64`, and the one error measure.
-//! - [`method`]: [`Method`], [`Device`], [`Dtype`]: one trait for every method, so one test
-//!   table and one benchmark run them all.
+//! - [`method`]: [`Method`], [`Describe`], [`Device`], [`Dtype`]: one trait for every
+//!   method, so one test table and one benchmark run them all.
 //! - [`timing`]: the median of timed runs after a warm-up, on the CPU's clock or a device's
 //!   events.
 //! - [`row`]: [`Row`], one measurement as `charts/data/*.json` holds it.
@@ -35,7 +35,7 @@ pub mod timing;
 pub use check::{
     AttnError, Pass, Shape, check_finite, check_qkv, check_same, memory_and_swap, try_zeros,
 };
-pub use method::{Device, Dtype, Method, check_f32};
+pub use method::{Describe, Descriptor, Device, Dtype, Method, check_f32};
 pub use row::Row;
 
 use ndarray::{Array3, Array4};

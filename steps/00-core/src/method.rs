@@ -1,13 +1,15 @@
 //! One trait for every method, so one test table and one benchmark run them all.
 //!
 //! Each method is a small type in the crate of the step that introduces it
-//! (`step01_naive::Naive` is the first) that implements [`Method`]: what the help says
-//! about it (name, step, device, one line) and its forward pass on host arrays, in the
-//! element type it is given. What a later step adds to the trait comes with a default that
-//! says the method lacks it, so that the methods of earlier steps need not change. Each
-//! step exports its methods (its `methods()`); the root crate's registry lists them, one
-//! line per step, so that a reader follows a call from the benchmark to the method's type,
-//! and from there to the code that computes it.
+//! (`step01_naive::Naive` is the first) that implements [`Describe`], what the help says
+//! about it in one [`Descriptor`] (name, step, device, one line, element types), and
+//! [`Method`], its forward pass on host arrays in the element type it is given. What a
+//! later step adds to the trait comes with a default that says the method lacks it, so that
+//! the methods of earlier steps need not change. Each step exports its methods (its
+//! `methods()`); the root crate's registry lists them, one line per step, so that a reader
+//! follows a call from the benchmark to the method's type, and from there to the code that
+//! computes it. Step 08's decoders share [`Describe`], so the registry resolves a name to
+//! either.
 
 use std::any::Any;
 use std::fmt;
@@ -51,6 +53,17 @@ impl Device {
             // [/step 03]
         }
     }
+
+    /// The element types the methods of this device compute in, the default first: the
+    /// CPU's in f32, the GPU's in bf16 or f16.
+    pub const fn dtypes(self) -> &'static [Dtype] {
+        match self {
+            Device::Cpu => &[Dtype::F32],
+            // [step 03]
+            Device::Cuda => &[Dtype::Bf16, Dtype::F16],
+            // [/step 03]
+        }
+    }
 }
 
 impl fmt::Display for Device {
@@ -60,7 +73,7 @@ impl fmt::Display for Device {
 }
 
 /// The element type a run computes in. CPU methods take `f32` ([`check_f32`]); GPU methods
-/// say which they take ([`Method::dtypes`]).
+/// say which they take ([`Describe::dtypes`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
@@ -189,28 +202,73 @@ pub fn not_on_a_device(method: &str) -> AttnError {
 }
 // [/step 03]
 
-/// An attention method: what a reader needs to know to pick it, and its passes.
+/// What the help says of an entry of the registry, a method or a decoder: one value that
+/// its type gives whole, rather than five getters each type restates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Descriptor {
+    /// The name `--methods` and `attend --method` take; the registry holds one entry of
+    /// each name.
+    pub name: &'static str,
+    /// The step that introduces it.
+    pub step: &'static str,
+    pub device: Device,
+    /// One line: what it does and what it keeps in memory.
+    pub about: &'static str,
+    /// The element types it computes in, its default first.
+    pub dtypes: &'static [Dtype],
+}
+
+impl Descriptor {
+    /// `name`, introduced by `step`, on `device`, computing in the device's element types
+    /// ([`Device::dtypes`]).
+    pub const fn new(
+        name: &'static str,
+        step: &'static str,
+        device: Device,
+        about: &'static str,
+    ) -> Self {
+        Descriptor {
+            name,
+            step,
+            device,
+            about,
+            dtypes: device.dtypes(),
+        }
+    }
+}
+
+/// What every entry of the registry has, a method or (from step 08) a decoder: its
+/// [`Descriptor`]. The getters read it; a type implements [`Describe::descriptor`] alone.
+pub trait Describe {
+    fn descriptor(&self) -> Descriptor;
+    fn name(&self) -> &'static str {
+        self.descriptor().name
+    }
+    fn step(&self) -> &'static str {
+        self.descriptor().step
+    }
+    fn device(&self) -> Device {
+        self.descriptor().device
+    }
+    fn about(&self) -> &'static str {
+        self.descriptor().about
+    }
+    fn dtypes(&self) -> &'static [Dtype] {
+        self.descriptor().dtypes
+    }
+}
+
+/// An attention method: what a reader needs to know to pick it ([`Describe`]), and its
+/// passes.
 ///
 /// It is `Any` so that the registry can find a method by its type and put a later step's
 /// extension of it in its place: that is how step 04 gives methods of earlier steps a
 /// backward.
-pub trait Method: Any + Send + Sync {
-    /// The name the benchmark's `--methods` takes.
-    fn name(&self) -> &'static str;
-    /// The step that introduces it.
-    fn step(&self) -> &'static str;
-    fn device(&self) -> Device;
-    /// One line: what it does and what it keeps in memory.
-    fn about(&self) -> &'static str;
+pub trait Method: Describe + Any + Send + Sync {
     /// What runs on this machine, when that is decided at run time: the SIMD path, the
     /// thread count, the kernel and its tiles. The benchmark prints it next to the name.
     fn implementation(&self) -> String {
         self.about().to_string()
-    }
-    /// The element types it computes in, its default first: f32 on the CPU, bf16 and f16
-    /// for the GPU methods.
-    fn dtypes(&self) -> &'static [Dtype] {
-        &[Dtype::F32]
     }
     /// The forward pass on `f32` host arrays `[batch, heads, tokens, head_dim]`, computed
     /// in `dtype` (a GPU method rounds the inputs to it and widens its output back): the
@@ -280,4 +338,11 @@ pub trait Method: Any + Send + Sync {
         false
     }
     // [/step 07]
+}
+
+/// A method prints as its name: the registry holds one method of each name.
+impl fmt::Debug for dyn Method {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }

@@ -17,7 +17,8 @@
 pub mod exercise;
 
 use flash_core::{
-    Attention, AttnError, Device, Dtype, Method, check_f32, check_qkv, try_zeros,
+    Attention, AttnError, Describe, Descriptor, Device, Dtype, Method, check_f32,
+    check_qkv, try_zeros,
 };
 use ndarray::linalg::general_mat_mul;
 use ndarray::{Array3, Array4, ArrayView4, ArrayViewMut1, s};
@@ -32,19 +33,18 @@ pub fn methods() -> Vec<&'static dyn Method> {
 #[derive(Clone, Copy, Debug)]
 pub struct Naive;
 
+impl Describe for Naive {
+    fn descriptor(&self) -> Descriptor {
+        Descriptor::new(
+            "naive",
+            "01-naive",
+            Device::Cpu,
+            "attention by hand: the whole [b, h, T, T] table of scores, single-threaded",
+        )
+    }
+}
+
 impl Method for Naive {
-    fn name(&self) -> &'static str {
-        "naive"
-    }
-    fn step(&self) -> &'static str {
-        "01-naive"
-    }
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-    fn about(&self) -> &'static str {
-        "attention by hand: the whole [b, h, T, T] table of scores, single-threaded"
-    }
     fn forward(
         &self,
         q: ArrayView4<f32>,

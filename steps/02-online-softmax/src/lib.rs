@@ -65,7 +65,9 @@ pub use blocked::{DEFAULT_BLOCK, attention_blocked, attention_loop};
 pub use fast::{Config, attention, attention_with};
 pub use kernels::Isa;
 
-use flash_core::{Attention, AttnError, Device, Dtype, Method, check_f32};
+use flash_core::{
+    Attention, AttnError, Describe, Descriptor, Device, Dtype, Method, check_f32,
+};
 use ndarray::ArrayView4;
 
 /// This step's methods, as the benchmark and the cross-step tests run them.
@@ -73,23 +75,25 @@ pub fn methods() -> Vec<&'static dyn Method> {
     vec![&OnlineLoop, &Online]
 }
 
+/// The step its methods' descriptors name.
+const STEP: &str = "02-online-softmax";
+
 /// `online_loop`: [`attention_loop`], the readable version.
 #[derive(Clone, Copy, Debug)]
 pub struct OnlineLoop;
 
+impl Describe for OnlineLoop {
+    fn descriptor(&self) -> Descriptor {
+        Descriptor::new(
+            "online_loop",
+            STEP,
+            Device::Cpu,
+            "the online softmax as plain loops, blocks of 64: a running max, sum and output per row, no T×T table; single-threaded",
+        )
+    }
+}
+
 impl Method for OnlineLoop {
-    fn name(&self) -> &'static str {
-        "online_loop"
-    }
-    fn step(&self) -> &'static str {
-        "02-online-softmax"
-    }
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-    fn about(&self) -> &'static str {
-        "the online softmax as plain loops, blocks of 64: a running max, sum and output per row, no T×T table; single-threaded"
-    }
     fn forward(
         &self,
         q: ArrayView4<f32>,
@@ -106,19 +110,18 @@ impl Method for OnlineLoop {
 #[derive(Clone, Copy, Debug)]
 pub struct Online;
 
+impl Describe for Online {
+    fn descriptor(&self) -> Descriptor {
+        Descriptor::new(
+            "online",
+            STEP,
+            Device::Cpu,
+            "the online softmax, parallel over (sequence, head, query block), AVX-512/AVX2 micro-kernels, 2^x by polynomial; no T×T table",
+        )
+    }
+}
+
 impl Method for Online {
-    fn name(&self) -> &'static str {
-        "online"
-    }
-    fn step(&self) -> &'static str {
-        "02-online-softmax"
-    }
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-    fn about(&self) -> &'static str {
-        "the online softmax, parallel over (sequence, head, query block), AVX-512/AVX2 micro-kernels, 2^x by polynomial; no T×T table"
-    }
     fn implementation(&self) -> String {
         fast::implementation()
     }

@@ -6,7 +6,9 @@
 
 use flash_core::inputs::random_qkv;
 use flash_core::method::{DeviceRun, DeviceRunSpec};
-use flash_core::{Attention, AttnError, Device, Dtype, Method, check_qkv};
+use flash_core::{
+    Attention, AttnError, Describe, Descriptor, Device, Dtype, Method, check_qkv,
+};
 use ndarray::ArrayView4;
 
 use crate::gpu::{DeviceTensor, Gpu, half_dtype};
@@ -26,8 +28,10 @@ pub fn methods() -> Vec<&'static dyn Method> {
     ]
 }
 
-/// What every method of this step computes in, its default first.
-const HALF: &[Dtype] = &[Dtype::Bf16, Dtype::F16];
+/// A method of this step, on the GPU: it computes in bf16 or f16.
+const fn on_gpu(name: &'static str, about: &'static str) -> Descriptor {
+    Descriptor::new(name, "03-cuda-forward", Device::Cuda, about)
+}
 
 /// One line about the GPU, for the benchmark's header.
 pub fn describe() -> Result<String, AttnError> {
@@ -39,22 +43,13 @@ pub fn describe() -> Result<String, AttnError> {
 #[derive(Clone, Copy, Debug)]
 pub struct Ladder(pub Rung);
 
+impl Describe for Ladder {
+    fn descriptor(&self) -> Descriptor {
+        on_gpu(self.0.name(), self.0.describe())
+    }
+}
+
 impl Method for Ladder {
-    fn name(&self) -> &'static str {
-        self.0.name()
-    }
-    fn step(&self) -> &'static str {
-        "03-cuda-forward"
-    }
-    fn device(&self) -> Device {
-        Device::Cuda
-    }
-    fn about(&self) -> &'static str {
-        self.0.describe()
-    }
-    fn dtypes(&self) -> &'static [Dtype] {
-        HALF
-    }
     fn forward(
         &self,
         q: ArrayView4<f32>,
@@ -83,22 +78,16 @@ impl Method for Ladder {
 #[derive(Clone, Copy, Debug)]
 pub struct CudaNaive;
 
+impl Describe for CudaNaive {
+    fn descriptor(&self) -> Descriptor {
+        on_gpu(
+            "cuda_naive",
+            "attention by hand on the GPU: cuBLAS products and a softmax kernel through the whole [b·h, T, T] table in device memory",
+        )
+    }
+}
+
 impl Method for CudaNaive {
-    fn name(&self) -> &'static str {
-        "cuda_naive"
-    }
-    fn step(&self) -> &'static str {
-        "03-cuda-forward"
-    }
-    fn device(&self) -> Device {
-        Device::Cuda
-    }
-    fn about(&self) -> &'static str {
-        "attention by hand on the GPU: cuBLAS products and a softmax kernel through the whole [b·h, T, T] table in device memory"
-    }
-    fn dtypes(&self) -> &'static [Dtype] {
-        HALF
-    }
     fn forward(
         &self,
         q: ArrayView4<f32>,
@@ -126,19 +115,16 @@ impl Method for CudaNaive {
 #[derive(Clone, Copy, Debug)]
 pub struct CudaFlash;
 
+impl Describe for CudaFlash {
+    fn descriptor(&self) -> Descriptor {
+        on_gpu(
+            "cuda_flash",
+            "the FlashAttention forward kernel: tensor cores (mma.sync), keys and values streamed through shared memory, no T×T table",
+        )
+    }
+}
+
 impl Method for CudaFlash {
-    fn name(&self) -> &'static str {
-        "cuda_flash"
-    }
-    fn step(&self) -> &'static str {
-        "03-cuda-forward"
-    }
-    fn device(&self) -> Device {
-        Device::Cuda
-    }
-    fn about(&self) -> &'static str {
-        "the FlashAttention forward kernel: tensor cores (mma.sync), keys and values streamed through shared memory, no T×T table"
-    }
     /// The kernel, its tiles for head dim 64, how it loads.
     fn implementation(&self) -> String {
         let c = ForwardConfig::for_head_dim(64);
@@ -146,9 +132,6 @@ impl Method for CudaFlash {
             "flash_forward.cu: {} (head dim 64), mma.sync m16n8k16, cp.async two stages, NVRTC",
             c.describe()
         )
-    }
-    fn dtypes(&self) -> &'static [Dtype] {
-        HALF
     }
     fn forward(
         &self,

@@ -7,7 +7,7 @@
 
 use flash_core::inputs::random_normal;
 use flash_core::method::{DeviceRun, DeviceRunSpec, not_on_a_device};
-use flash_core::{Attention, AttnError, Device, Dtype, Method, check_f32};
+use flash_core::{Attention, AttnError, Describe, Descriptor, Dtype, Method, check_f32};
 use ndarray::ArrayView4;
 use step01_naive::Naive;
 use step02_online_softmax::Online;
@@ -46,24 +46,15 @@ pub trait Backward: Method {
     }
 }
 
+impl<M: Backward> Describe for WithBackward<M> {
+    fn descriptor(&self) -> Descriptor {
+        self.0.descriptor()
+    }
+}
+
 impl<M: Backward> Method for WithBackward<M> {
-    fn name(&self) -> &'static str {
-        self.0.name()
-    }
-    fn step(&self) -> &'static str {
-        self.0.step()
-    }
-    fn device(&self) -> Device {
-        self.0.device()
-    }
-    fn about(&self) -> &'static str {
-        self.0.about()
-    }
     fn implementation(&self) -> String {
         self.0.implementation()
-    }
-    fn dtypes(&self) -> &'static [Dtype] {
-        self.0.dtypes()
     }
     fn forward(
         &self,

@@ -4,7 +4,9 @@
 //! and prepared on the device for the benchmark, as step 03's `cuda_flash` is.
 
 use flash_core::method::{DeviceRun, DeviceRunSpec, Grads};
-use flash_core::{Attention, AttnError, Device, Dtype, Method, Shape, check_qkv};
+use flash_core::{
+    Attention, AttnError, Describe, Descriptor, Device, Dtype, Method, Shape, check_qkv,
+};
 use ndarray::ArrayView4;
 use step03_cuda_forward::DeviceAttention;
 use step03_cuda_forward::gpu::{DeviceTensor, Gpu, half_dtype};
@@ -27,6 +29,11 @@ pub fn methods() -> Vec<&'static dyn Method> {
         &HopperTwoPasses,
         &CudaHopper,
     ]
+}
+
+/// A method of this step: on the GPU, in bf16 or f16.
+fn on_gpu(name: &'static str, about: &'static str) -> Descriptor {
+    Descriptor::new(name, "06-hopper", Device::Cuda, about)
 }
 
 /// Which forward kernel a method runs for a shape: the library's choice, or one rung's.
@@ -89,22 +96,13 @@ impl Forward {
 #[derive(Clone, Copy, Debug)]
 pub struct HopperRung(pub ForwardRung);
 
+impl Describe for HopperRung {
+    fn descriptor(&self) -> Descriptor {
+        on_gpu(self.0.method(), self.0.about())
+    }
+}
+
 impl Method for HopperRung {
-    fn name(&self) -> &'static str {
-        self.0.method()
-    }
-    fn step(&self) -> &'static str {
-        "06-hopper"
-    }
-    fn device(&self) -> Device {
-        Device::Cuda
-    }
-    fn about(&self) -> &'static str {
-        self.0.about()
-    }
-    fn dtypes(&self) -> &'static [Dtype] {
-        &[Dtype::Bf16, Dtype::F16]
-    }
     fn forward(
         &self,
         q: ArrayView4<f32>,
@@ -129,22 +127,16 @@ impl Method for HopperRung {
 #[derive(Clone, Copy, Debug)]
 pub struct HopperTwoPasses;
 
+impl Describe for HopperTwoPasses {
+    fn descriptor(&self) -> Descriptor {
+        on_gpu(
+            "hopper_two_passes",
+            "Hopper backward rung 1: step 04's two passes (dK and dV, then dQ), the same bits every run; the forward is cuda_hopper's",
+        )
+    }
+}
+
 impl Method for HopperTwoPasses {
-    fn name(&self) -> &'static str {
-        "hopper_two_passes"
-    }
-    fn step(&self) -> &'static str {
-        "06-hopper"
-    }
-    fn device(&self) -> Device {
-        Device::Cuda
-    }
-    fn about(&self) -> &'static str {
-        "Hopper backward rung 1: step 04's two passes (dK and dV, then dQ), the same bits every run; the forward is cuda_hopper's"
-    }
-    fn dtypes(&self) -> &'static [Dtype] {
-        &[Dtype::Bf16, Dtype::F16]
-    }
     fn forward(
         &self,
         q: ArrayView4<f32>,
@@ -189,19 +181,16 @@ impl Method for HopperTwoPasses {
 #[derive(Clone, Copy, Debug)]
 pub struct CudaHopper;
 
+impl Describe for CudaHopper {
+    fn descriptor(&self) -> Descriptor {
+        on_gpu(
+            "cuda_hopper",
+            "FlashAttention with Hopper's instructions (TMA, wgmma, warp specialisation), no T×T table: rung 1 or 4 of the forward by the shape, the backward in one pass (compute capability 9.0, head dims 64 and 128)",
+        )
+    }
+}
+
 impl Method for CudaHopper {
-    fn name(&self) -> &'static str {
-        "cuda_hopper"
-    }
-    fn step(&self) -> &'static str {
-        "06-hopper"
-    }
-    fn device(&self) -> Device {
-        Device::Cuda
-    }
-    fn about(&self) -> &'static str {
-        "FlashAttention with Hopper's instructions (TMA, wgmma, warp specialisation), no T×T table: rung 1 or 4 of the forward by the shape, the backward in one pass (compute capability 9.0, head dims 64 and 128)"
-    }
     fn implementation(&self) -> String {
         // at 4 × 12 heads
         let f = |t, d| ForwardKernel::for_shape(Shape::new(4, 12, t, d), 12).name();
@@ -212,9 +201,6 @@ impl Method for CudaHopper {
             f(8192, 128),
             BackwardKernels::for_shape(Shape::new(4, 12, 8192, 64)).name(),
         )
-    }
-    fn dtypes(&self) -> &'static [Dtype] {
-        &[Dtype::Bf16, Dtype::F16]
     }
     fn forward(
         &self,

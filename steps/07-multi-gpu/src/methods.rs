@@ -8,7 +8,9 @@ use std::time::Instant;
 use flash_core::inputs::{random_normal, random_qkv};
 use flash_core::method::Grads;
 use flash_core::method::{DeviceRun, DeviceRunSpec};
-use flash_core::{Attention, AttnError, Device, Dtype, Method, Shape, check_qkv};
+use flash_core::{
+    Attention, AttnError, Describe, Descriptor, Device, Dtype, Method, Shape, check_qkv,
+};
 use ndarray::{Array3, Array4, ArrayView4, s};
 use step03_cuda_forward::gpu::{Gpu, device_error, half_dtype};
 use step03_cuda_forward::methods::describe;
@@ -28,24 +30,20 @@ pub fn methods() -> Vec<&'static dyn Method> {
 #[derive(Clone, Copy, Debug)]
 pub struct CudaRing;
 
+impl Describe for CudaRing {
+    fn descriptor(&self) -> Descriptor {
+        Descriptor::new(
+            "cuda_ring",
+            "07-multi-gpu",
+            Device::Cuda,
+            "ring attention: the sequence split zig-zag over GPUs, keys and values passed round a ring (NCCL) while each GPU runs step 03's and step 04's kernels on its blocks, partial results merged through their log-sum-exps",
+        )
+    }
+}
+
 impl Method for CudaRing {
-    fn name(&self) -> &'static str {
-        "cuda_ring"
-    }
-    fn step(&self) -> &'static str {
-        "07-multi-gpu"
-    }
-    fn device(&self) -> Device {
-        Device::Cuda
-    }
-    fn about(&self) -> &'static str {
-        "ring attention: the sequence split zig-zag over GPUs, keys and values passed round a ring (NCCL) while each GPU runs step 03's and step 04's kernels on its blocks, partial results merged through their log-sum-exps"
-    }
     fn implementation(&self) -> String {
         implementation()
-    }
-    fn dtypes(&self) -> &'static [Dtype] {
-        &[Dtype::Bf16, Dtype::F16]
     }
     fn forward(
         &self,

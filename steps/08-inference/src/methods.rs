@@ -1,10 +1,11 @@
 //! Step 08's methods for the registry: decoders, query rows against a cache. They take
 //! inputs the other methods do not, `q` `[batch, q_heads, q_rows, head_dim]` against `k`
 //! and `v` `[batch, kv_heads, context, head_dim]` (the causal diagonal at the cache's end,
-//! `q_heads` a multiple of `kv_heads`), so they are a list of their own beside the
-//! forward methods of [`flash_core::method::Method`]: `attend` runs either.
+//! `q_heads` a multiple of `kv_heads`), so they are a trait of their own beside the
+//! forward methods of [`flash_core::method::Method`], described the same way
+//! ([`Describe`]): a name resolves to either, and `attend` runs either.
 
-use flash_core::method::{Device, Dtype, check_f32};
+use flash_core::method::{Describe, Descriptor, Device, Dtype, check_f32};
 use flash_core::{Attention, AttnError};
 use ndarray::ArrayView4;
 use step03_cuda_forward::gpu::Gpu;
@@ -16,19 +17,13 @@ use crate::pages::PAGE_SIZE;
 /// tokens (16 splits of 8,192).
 pub const SPLIT_CHUNK: usize = 8192;
 
+/// The step the decoders' descriptors name.
+const STEP: &str = "08-inference";
+
 // ANCHOR: decoder
-/// A decoding method: what the help says about it, and the attention of `q`'s rows against
-/// the cache `k`, `v`, computed in `dtype`.
-pub trait Decoder: Send + Sync {
-    /// The name `attend --method` takes.
-    fn name(&self) -> &'static str;
-    fn device(&self) -> Device;
-    /// One line: what it does.
-    fn about(&self) -> &'static str;
-    /// The element types it computes in, its default first.
-    fn dtypes(&self) -> &'static [Dtype] {
-        &[Dtype::F32]
-    }
+/// A decoding method: what the help says about it ([`Describe`], as for every method), and
+/// the attention of `q`'s rows against the cache `k`, `v`, computed in `dtype`.
+pub trait Decoder: Describe + Send + Sync {
     /// Each query row's output and log-sum-exp.
     fn decode(
         &self,
@@ -48,37 +43,46 @@ pub struct DecodeSplit;
 /// [`crate::cuda::decode`] on a cache laid out as `layout`, the split
 /// [`plan_splits`](crate::cuda::plan_splits) chooses.
 pub struct FlashDecode {
-    name: &'static str,
-    about: &'static str,
+    descriptor: Descriptor,
     pub layout: CacheLayout,
 }
 
 /// The decoding kernel on a contiguous cache.
 pub static FLASH_DECODE: FlashDecode = FlashDecode {
-    name: "flash_decode",
-    about: "flash-decoding: the keys split over thread blocks, merged by the last to finish",
+    descriptor: Descriptor::new(
+        "flash_decode",
+        STEP,
+        Device::Cuda,
+        "flash-decoding: the keys split over thread blocks, merged by the last to finish",
+    ),
     layout: CacheLayout::Contiguous,
 };
 
 /// The decoding kernel on a cache in pages of [`PAGE_SIZE`] tokens.
 pub static FLASH_DECODE_PAGED: FlashDecode = FlashDecode {
-    name: "flash_decode_paged",
-    about: "flash_decode on a cache in pages of 64 tokens (PAGE_SIZE), read through a page table",
+    descriptor: Descriptor::new(
+        "flash_decode_paged",
+        STEP,
+        Device::Cuda,
+        "flash_decode on a cache in pages of 64 tokens (PAGE_SIZE), read through a page table",
+    ),
     layout: CacheLayout::Paged {
         page_size: PAGE_SIZE,
     },
 };
 
+impl Describe for Decode {
+    fn descriptor(&self) -> Descriptor {
+        Descriptor::new(
+            "decode",
+            STEP,
+            Device::Cpu,
+            "query rows against a cache, step 02's loop a row; grouped-query heads",
+        )
+    }
+}
+
 impl Decoder for Decode {
-    fn name(&self) -> &'static str {
-        "decode"
-    }
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-    fn about(&self) -> &'static str {
-        "query rows against a cache, step 02's loop a row; grouped-query heads"
-    }
     fn decode(
         &self,
         q: ArrayView4<f32>,
@@ -91,16 +95,18 @@ impl Decoder for Decode {
     }
 }
 
+impl Describe for DecodeSplit {
+    fn descriptor(&self) -> Descriptor {
+        Descriptor::new(
+            "decode_split",
+            STEP,
+            Device::Cpu,
+            "decode with the keys in chunks of 8,192, merged through their log-sum-exps",
+        )
+    }
+}
+
 impl Decoder for DecodeSplit {
-    fn name(&self) -> &'static str {
-        "decode_split"
-    }
-    fn device(&self) -> Device {
-        Device::Cpu
-    }
-    fn about(&self) -> &'static str {
-        "decode with the keys in chunks of 8,192, merged through their log-sum-exps"
-    }
     fn decode(
         &self,
         q: ArrayView4<f32>,
@@ -113,19 +119,13 @@ impl Decoder for DecodeSplit {
     }
 }
 
+impl Describe for FlashDecode {
+    fn descriptor(&self) -> Descriptor {
+        self.descriptor
+    }
+}
+
 impl Decoder for FlashDecode {
-    fn name(&self) -> &'static str {
-        self.name
-    }
-    fn device(&self) -> Device {
-        Device::Cuda
-    }
-    fn about(&self) -> &'static str {
-        self.about
-    }
-    fn dtypes(&self) -> &'static [Dtype] {
-        &[Dtype::Bf16, Dtype::F16]
-    }
     fn decode(
         &self,
         q: ArrayView4<f32>,

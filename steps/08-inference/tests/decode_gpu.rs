@@ -684,6 +684,7 @@ fn without_a_gpu_the_error_says_what_is_missing() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn the_registrys_gpu_decoders_are_the_host_calls() {
+    use flash_core::Describe;
     use step08_inference::methods::{Decoder, FLASH_DECODE, FLASH_DECODE_PAGED};
     let gpu = Gpu::shared().expect("a GPU");
     let shape = DecodeShape::new(2, 8, 2, 1, 777, 64);
