@@ -29,16 +29,15 @@ use std::path::{Path, PathBuf};
 use flash_core::files;
 use ndarray::{Array4, ArrayViewD};
 
-use crate::methods;
-// [step 03]
-use crate::methods::{Dtype, Method};
-// [/step 03]
+use crate::methods; // [step 04]
+use crate::methods::{Describe, Dtype, Entry, Method};
 use crate::npy;
 
 /// The `attend` command's arguments.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct AttendArgs {
-    pub method: String,
+    /// What `--method` named, resolved: a method or (from step 08) a decoder.
+    pub method: Entry,
     pub q: PathBuf,
     pub k: PathBuf,
     pub v: PathBuf,
@@ -80,20 +79,27 @@ pub fn attend(args: &AttendArgs) -> Result<Vec<PathBuf>, String> {
             ));
         }
     }
-    // [step 08]
-    if let Some(decoder) = methods::decoder_by_name(&args.method) {
-        return decode(decoder, args);
-    }
-    // [/step 08]
-    let method = methods::by_name(&args.method)?;
     // the element type to compute in: the method's default unless --dtype asks for another
-    let dtype = method.dtypes()[0];
+    let dtype = args.method.dtypes()[0];
     // [step 03]
     if let Some(dtype) = args.dtype {
-        check_dtype(method, dtype)?;
+        check_dtype(args.method, dtype)?;
     }
     let dtype = args.dtype.unwrap_or(dtype);
     // [/step 03]
+    match args.method {
+        Entry::Method(method) => run(method, dtype, args),
+        Entry::Decoder(decoder) => decode(decoder, dtype, args), // [step 08]
+    }
+}
+
+/// A method's run: q, k and v of one shape `[batch, heads, tokens, head_dim]`; writes
+/// `out.npy` and `lse.npy`, and with `--dout` the gradients.
+fn run(
+    method: &dyn Method,
+    dtype: Dtype,
+    args: &AttendArgs,
+) -> Result<Vec<PathBuf>, String> {
     // [step 09]
     // the mask brings its own backward: no method's is needed for --dout
     if let Some(spec) = &args.mask {
@@ -193,21 +199,19 @@ fn write_all(
 }
 
 // [step 03]
-/// That the method computes in `dtype`: an error saying which it takes if not.
-pub fn check_dtype(method: &dyn Method, dtype: Dtype) -> Result<(), String> {
-    let what = format!("method {:?} runs on {}", method.name(), method.device());
-    computes_in(&what, method.dtypes(), dtype)
-}
-
-/// `Ok` if `dtype` is among `takes`; else an error: `--dtype`, then `what` (the method and
-/// its device), and the dtypes it takes.
-fn computes_in(what: &str, takes: &[Dtype], dtype: Dtype) -> Result<(), String> {
+/// That the method or decoder computes in `dtype`: an error naming it, its device and the
+/// dtypes it takes if not.
+pub fn check_dtype(entry: Entry, dtype: Dtype) -> Result<(), String> {
+    let takes = entry.dtypes();
     if takes.contains(&dtype) {
         return Ok(());
     }
     let names: Vec<&str> = takes.iter().map(|d| d.name()).collect();
     Err(format!(
-        "--dtype {dtype}: {what} and computes in {}",
+        "--dtype {dtype}: {} {:?} runs on {} and computes in {}",
+        entry.kind(),
+        entry.name(),
+        entry.device(),
         names.join(" or ")
     ))
 }
@@ -220,15 +224,9 @@ fn computes_in(what: &str, takes: &[Dtype], dtype: Dtype) -> Result<(), String> 
 /// together, naming the value and what is accepted.
 fn decode(
     decoder: &dyn methods::Decoder,
+    dtype: Dtype,
     args: &AttendArgs,
 ) -> Result<Vec<PathBuf>, String> {
-    let dtype = match args.dtype {
-        Some(dtype) => {
-            check_decoder_dtype(decoder, dtype)?;
-            dtype
-        }
-        None => decoder.dtypes()[0],
-    };
     if args.dout.is_some() {
         return Err(format!(
             "--dout asks for the backward pass, and {:?} is a decoder, for inference: it has \
@@ -264,15 +262,6 @@ fn decode(
             ("lse.npy", result.lse.view().into_dyn()),
         ],
     )
-}
-
-/// That the decoder computes in `dtype`: an error saying which it takes if not.
-pub fn check_decoder_dtype(
-    decoder: &dyn methods::Decoder,
-    dtype: Dtype,
-) -> Result<(), String> {
-    let what = format!("decoder {:?} runs on {}", decoder.name(), decoder.device());
-    computes_in(&what, decoder.dtypes(), dtype)
 }
 // [/step 08]
 
@@ -420,7 +409,7 @@ mod tests {
             npy::write_f32(&dir.join(format!("{name}.npy")), x.view()).unwrap();
         }
         let args = AttendArgs {
-            method: "naive".into(),
+            method: crate::methods::resolve("naive").unwrap(),
             q: dir.join("q.npy"),
             k: dir.join("k.npy"),
             v: dir.join("v.npy"),
@@ -460,7 +449,7 @@ mod tests {
         let (dir, mut args, [q, k, v]) = setup("backward", shape);
         let dout = random_qkv(shape, 99)[0].clone();
         npy::write_f32(&dir.join("dout.npy"), dout.view()).unwrap();
-        args.method = m.name().into();
+        args.method = Entry::Method(m);
         args.dout = Some(dir.join("dout.npy"));
         let written = attend(&args).unwrap();
         assert_eq!(written.len(), 5);
@@ -491,7 +480,7 @@ mod tests {
         (args.q, args.k, args.v) =
             (dir.join("dq.npy"), dir.join("dk.npy"), dir.join("dv.npy"));
         for name in ["decode", "decode_split"] {
-            args.method = name.into();
+            args.method = methods::resolve(name).unwrap();
             let written = attend(&args).unwrap();
             assert_eq!(written.len(), 2);
             let expected = step08_inference::decode(q.view(), k.view(), v.view()).unwrap();
@@ -563,19 +552,11 @@ mod tests {
             "{err}"
         );
 
-        let mut bad = args.clone();
-        bad.method = "no-such-method".into();
-        let err = attend(&bad).unwrap_err();
-        assert!(
-            err.contains("no-such-method") && err.contains("naive"),
-            "{err}"
-        );
-
         // [step 04]
         // --dout for a method without a backward pass is refused before any work
         if let Some(m) = methods::all().into_iter().find(|m| !m.has_backward()) {
             let mut args = args.clone();
-            args.method = m.name().into();
+            args.method = Entry::Method(m);
             args.dout = Some(dir.join("q.npy"));
             let err = attend(&args).unwrap_err();
             assert!(err.contains("backward") && err.contains(m.name()), "{err}");

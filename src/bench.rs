@@ -45,8 +45,8 @@ use flash_core::timing::median_ms; // [step 03]
 use flash_core::timing::{Warmup, cpu_median_ms};
 use flash_core::{Attention, Dtype, Pass, reference};
 
-use crate::cli::{BenchArgs, PEAK_CHILD, choose};
-use crate::methods::{self, Device, Method};
+use crate::cli::{BenchArgs, PEAK_CHILD};
+use crate::methods::{Device, Method};
 // [step 03]
 use crate::methods::DeviceRunSpec;
 // [/step 03]
@@ -105,7 +105,7 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
         .map(|out| RowsFile::check("--out", out))
         .transpose()
         .map_err(|e| e.to_string())?;
-    let chosen = choose(args)?;
+    let chosen = &args.methods;
     stop_on_ctrl_c();
     let cuda = args.device != Device::Cpu;
     let device = cpu_description();
@@ -147,17 +147,8 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
         args.pass(),
         args.runs
     );
-    if args.methods.is_empty() {
-        let left_out: Vec<&str> = methods::all()
-            .iter()
-            .filter(|m| {
-                m.device() == args.device && !chosen.iter().any(|c| c.name() == m.name())
-            })
-            .map(|m| m.name())
-            .collect();
-        if !left_out.is_empty() {
-            println!("left out, no backward pass: {}", left_out.join(", "));
-        }
+    if !args.left_out.is_empty() {
+        println!("left out, no backward pass: {}", args.left_out.join(", "));
     }
     let implementations: Vec<String> = chosen.iter().map(|m| m.implementation()).collect();
     for (m, imp) in chosen.iter().zip(&implementations) {
@@ -708,12 +699,8 @@ const EXIT_UNAVAILABLE: i32 = 4;
 /// The hidden child: makes the inputs, resets the high-water mark, runs one call and prints
 /// the growth in bytes. Returns the process's exit code.
 pub fn peak_child(args: &BenchArgs) -> i32 {
-    let (m, tokens) = match (choose(args), args.lengths.as_slice()) {
-        (Ok(ms), [tokens]) if ms.len() == 1 => (ms[0], *tokens),
-        (Err(e), _) => {
-            eprintln!("{e}");
-            return 2;
-        }
+    let (m, tokens) = match (args.methods.as_slice(), args.lengths.as_slice()) {
+        ([m], [tokens]) => (*m, *tokens),
         _ => {
             eprintln!("{PEAK_CHILD} takes one method and one length");
             return 2;
@@ -950,7 +937,7 @@ mod tests {
     #[test]
     fn a_correct_method_passes_the_check_and_is_timed() {
         let args = args("--methods naive --lengths 100 --heads 2 --head-dim 16 --runs 2");
-        let naive = crate::methods::by_name("naive").unwrap();
+        let naive = args.methods[0];
         let ms = check_then_time_cpu(naive, Shape::new(1, 2, 100, 16), &args).unwrap();
         assert!(ms.is_finite() && ms >= 0.0, "{ms}");
         let qkv = random_qkv(Shape::new(3, 2, 77, 8), 5);
@@ -962,7 +949,7 @@ mod tests {
     #[test]
     fn long_rows_are_estimated_and_small_ones_are_not() {
         let args = args("--methods naive --runs 3");
-        let naive = crate::methods::by_name("naive").unwrap();
+        let naive = args.methods[0];
         // at the pace of an earlier row: on the CPU its seconds scaled by the FLOPs, on a
         // GPU by the tokens
         let shape = Shape::new(1, 12, 8192, 64);

@@ -5,7 +5,8 @@
 //! ## Layout
 //!
 //! - [`Cli`]: the flags as clap reads them.
-//! - [`parse`]: arguments to a [`Command`], every flag checked before any work.
+//! - [`parse`]: arguments to a [`Command`], every flag checked and every name resolved
+//!   ([`methods::resolve`]) before any work: the commands are given what was resolved.
 //! - [`BenchArgs`]: the benchmark's flags with their defaults filled in.
 
 use std::path::PathBuf;
@@ -17,7 +18,7 @@ use flash_core::check::at_least_one;
 use flash_core::row::RowsFile;
 
 use crate::attend::AttendArgs;
-use crate::methods::{self, Device, Dtype, Method};
+use crate::methods::{self, Describe, Device, Dtype, Entry, Method};
 
 /// The hidden subcommand with which the benchmark runs itself to measure one peak.
 pub const PEAK_CHILD: &str = "__measure-peak";
@@ -212,12 +213,18 @@ fn names<'a>(xs: impl Iterator<Item = &'a str>) -> String {
     xs.collect::<Vec<_>>().join(", ")
 }
 
-/// What to measure: the benchmark's flags with their defaults filled in.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// What to measure: the benchmark's flags with their defaults filled in, and the methods
+/// they choose.
+#[derive(Clone, Debug)]
 pub struct BenchArgs {
     pub device: Device,
-    /// Method names; empty means every method of the device.
-    pub methods: Vec<String>,
+    /// The methods to run, resolved from `--methods` once ([`parse`]) and checked against
+    /// the device, the dtype, the pass and the GPUs; without `--methods`, every method of
+    /// the device that can run what the flags ask for.
+    pub methods: Vec<&'static dyn Method>,
+    /// Without `--methods`: the device's methods that were not chosen, which the sweep's
+    /// header names.
+    pub left_out: Vec<&'static str>,
     pub lengths: Vec<usize>,
     pub batch: usize,
     pub heads: usize,
@@ -243,7 +250,7 @@ impl BenchArgs {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum Command {
     Bench(BenchArgs),
     Attend(AttendArgs),
@@ -252,31 +259,36 @@ pub enum Command {
     PeakChild(BenchArgs),
 }
 
-/// The methods with their devices and steps, for the end of `--help`.
+/// Every entry of the registry with its device and step, for the end of `--help`: a
+/// heading for each kind of entry, then its lines.
 fn method_list() -> String {
-    let mut text = String::from("METHODS\n");
-    for m in methods::all() {
+    let mut text = String::new();
+    let mut section = "";
+    for entry in methods::entries() {
+        let (heading, width) = match entry {
+            Entry::Method(_) => ("METHODS\n", 14),
+            // [step 08]
+            Entry::Decoder(_) => (
+                "\nDECODERS (attend only: q [batch, q_heads, q_rows, head_dim] against k and v\n\
+                 [batch, kv_heads, context, head_dim], q_rows <= context, q_heads a multiple of\n\
+                 kv_heads, the causal diagonal at the cache's end)\n",
+                18,
+            ),
+            // [/step 08]
+        };
+        if heading != section {
+            section = heading;
+            text += heading;
+        }
+        let d = entry.descriptor();
         text += &format!(
-            "    {:<14} {:<5} step {}: {}\n",
-            m.name(),
-            m.device().name(),
-            m.step(),
-            m.about()
+            "    {:<width$} {:<5} step {}: {}\n",
+            d.name,
+            d.device.name(),
+            d.step,
+            d.about
         );
     }
-    // [step 08]
-    text += "\nDECODERS (attend only: q [batch, q_heads, q_rows, head_dim] against k and v\n\
-             [batch, kv_heads, context, head_dim], q_rows <= context, q_heads a multiple of\n\
-             kv_heads, the causal diagonal at the cache's end)\n";
-    for d in methods::decoders() {
-        text += &format!(
-            "    {:<18} {:<5} step 08-inference: {}\n",
-            d.name(),
-            d.device().name(),
-            d.about()
-        );
-    }
-    // [/step 08]
     text
 }
 
@@ -299,35 +311,26 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
         |cmd: &mut clap::Command, why: String| cmd.error(ErrorKind::ValueValidation, why);
     match cli.command {
         Some(Sub::Attend(a)) => {
-            // [step 08]
-            if let Some(decoder) = methods::decoder_by_name(&a.method) {
-                // [step 09]
-                if a.mask.is_some() {
-                    return Err(invalid(&mut cmd, masked_decoder(decoder.name())));
-                }
-                // [/step 09]
-                if let Some(dtype) = a.dtype {
-                    crate::attend::check_decoder_dtype(decoder, dtype)
-                        .map_err(|e| invalid(&mut cmd, e))?;
-                }
-                return Ok(Command::Attend(attend_args(a)));
+            let args = attend_args(a).map_err(|why| invalid(&mut cmd, why))?;
+            // [step 09]
+            if let (Some(_), Entry::Decoder(d)) = (&args.mask, args.method) {
+                return Err(invalid(&mut cmd, masked_decoder(d.name())));
             }
-            // [/step 08]
-            let method = methods::by_name(&a.method)
-                .map_err(|e| invalid(&mut cmd, format!("--method: {e}")))?;
+            // [/step 09]
             // [step 03]
-            if let Some(dtype) = a.dtype {
-                crate::attend::check_dtype(method, dtype)
+            if let Some(dtype) = args.dtype {
+                crate::attend::check_dtype(args.method, dtype)
                     .map_err(|e| invalid(&mut cmd, e))?;
             }
             // [/step 03]
-            let _ = method;
-            Ok(Command::Attend(attend_args(a)))
+            Ok(Command::Attend(args))
         }
-        Some(Sub::PeakChild(b)) => Ok(Command::PeakChild(bench_args(b))),
+        Some(Sub::PeakChild(b)) => {
+            let args = bench_args(b).map_err(|why| invalid(&mut cmd, why))?;
+            Ok(Command::PeakChild(args))
+        }
         None => {
-            let args = bench_args(cli.bench);
-            choose(&args).map_err(|why| invalid(&mut cmd, why))?;
+            let args = bench_args(cli.bench).map_err(|why| invalid(&mut cmd, why))?;
             for &tokens in &args.lengths {
                 let shape =
                     flash_core::Shape::new(args.batch, args.heads, tokens, args.head_dim);
@@ -344,39 +347,41 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, clap::Er
     }
 }
 
-/// The methods the flags choose, checked against the device, the dtype and the pass: an
-/// unknown name, or a method of another device, is an argument error.
-pub fn choose(args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
+/// The methods the flags choose, each of `names` resolved once and checked against the
+/// device, the dtype and the pass: an unknown name, a decoder, or a method of another
+/// device, is an argument error.
+fn choose(names: &[String], args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
     let of_device: Vec<&dyn Method> = methods::all()
         .into_iter()
         .filter(|m| m.device() == args.device)
         .collect();
-    let names =
+    let listed =
         |ms: &[&dyn Method]| ms.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ");
-    let chosen: Vec<&dyn Method> = if args.methods.is_empty() {
+    let chosen: Vec<&dyn Method> = if names.is_empty() {
         of_device.clone()
     } else {
         let mut chosen = Vec::new();
-        for name in &args.methods {
-            // [step 08]
-            if methods::decoder_by_name(name).is_some() {
-                return Err(format!(
-                    "{name:?} is a decoder, query rows against a cache: `attend --method \
-                     {name}` runs it, and step 08's decode-cpu and decode-bench measure it"
-                ));
+        for name in names {
+            match methods::resolve(name)? {
+                // [step 08]
+                Entry::Decoder(_) => {
+                    return Err(format!(
+                        "{name:?} is a decoder, query rows against a cache: `attend --method \
+                         {name}` runs it, and step 08's decode-cpu and decode-bench measure it"
+                    ));
+                }
+                // [/step 08]
+                Entry::Method(m) if m.device() != args.device => {
+                    return Err(format!(
+                        "method {name:?} runs on {}, not {}; the {} methods are: {}",
+                        m.device().name(),
+                        args.device.name(),
+                        args.device.name(),
+                        listed(&of_device)
+                    ));
+                }
+                Entry::Method(m) => chosen.push(m),
             }
-            // [/step 08]
-            let m = methods::by_name(name)?;
-            if m.device() != args.device {
-                return Err(format!(
-                    "method {name:?} runs on {}, not {}; the {} methods are: {}",
-                    m.device().name(),
-                    args.device.name(),
-                    args.device.name(),
-                    names(&of_device)
-                ));
-            }
-            chosen.push(m);
         }
         chosen
     };
@@ -399,13 +404,13 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
             .copied()
             .collect();
         if !without.is_empty() {
-            if args.methods.is_empty() {
+            if names.is_empty() {
                 return Ok(with);
             }
             return Err(format!(
                 "--backward: {} has no backward pass; the methods with one are: {}",
                 without.join(", "),
-                names(&with)
+                listed(&with)
             ));
         }
     }
@@ -426,7 +431,7 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
         let multi: Vec<&dyn Method> =
             chosen.iter().filter(|m| m.multi_gpu()).copied().collect();
         if !single.is_empty() {
-            if args.methods.is_empty() {
+            if names.is_empty() {
                 return Ok(multi);
             }
             let all: Vec<&dyn Method> = of_device
@@ -438,7 +443,7 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
                 "--gpus {}: {} runs on one GPU; the methods that spread over several are: {}",
                 args.gpus,
                 single.join(", "),
-                names(&all)
+                listed(&all)
             ));
         }
     }
@@ -446,9 +451,10 @@ pub fn choose(args: &BenchArgs) -> Result<Vec<&'static dyn Method>, String> {
     Ok(chosen)
 }
 
-fn attend_args(a: AttendFlags) -> AttendArgs {
-    AttendArgs {
-        method: a.method,
+/// `attend`'s flags, the method's name resolved once ([`methods::resolve`]).
+fn attend_args(a: AttendFlags) -> Result<AttendArgs, String> {
+    Ok(AttendArgs {
+        method: methods::resolve(&a.method).map_err(|e| format!("--method: {e}"))?,
         q: a.q,
         k: a.k,
         v: a.v,
@@ -460,10 +466,12 @@ fn attend_args(a: AttendFlags) -> AttendArgs {
         // [/step 04]
         mask: a.mask, // [step 09]
         out_dir: a.out_dir,
-    }
+    })
 }
 
-fn bench_args(b: BenchFlags) -> BenchArgs {
+/// The benchmark's flags with their defaults filled in, and the methods they choose
+/// ([`choose`]).
+fn bench_args(b: BenchFlags) -> Result<BenchArgs, String> {
     let cuda = b.device != Device::Cpu;
     let lengths = if b.lengths.is_empty() {
         let top = if cuda { 16384 } else { 8192 };
@@ -475,9 +483,10 @@ fn bench_args(b: BenchFlags) -> BenchArgs {
     // [step 03]
     let dtype = if cuda { Dtype::Bf16 } else { dtype };
     // [/step 03]
-    BenchArgs {
+    let mut args = BenchArgs {
         device: b.device,
-        methods: b.methods,
+        methods: Vec::new(),
+        left_out: Vec::new(),
         lengths,
         batch: b.batch.unwrap_or(if cuda { 4 } else { 1 }),
         heads: b.heads,
@@ -489,7 +498,19 @@ fn bench_args(b: BenchFlags) -> BenchArgs {
         // [/step 04]
         gpus: b.gpus, // [step 07]
         out: b.out,
+    };
+    args.methods = choose(&b.methods, &args)?;
+    if b.methods.is_empty() {
+        args.left_out = methods::all()
+            .into_iter()
+            .filter(|m| {
+                m.device() == args.device
+                    && !args.methods.iter().any(|c| c.name() == m.name())
+            })
+            .map(|m| m.name())
+            .collect();
     }
+    Ok(args)
 }
 
 #[cfg(test)]
@@ -530,7 +551,8 @@ mod tests {
     fn flags_take_both_spellings() {
         let b =
             bench("--methods naive,naive --lengths=16,32 --batch 2 --head-dim=8 --runs 1");
-        assert_eq!(b.methods, ["naive", "naive"]);
+        let names: Vec<&str> = b.methods.iter().map(|m| m.name()).collect();
+        assert_eq!(names, ["naive", "naive"]);
         assert_eq!(b.lengths, [16, 32]);
         assert_eq!((b.batch, b.head_dim, b.runs), (2, 8, 1));
         assert!(matches!(
@@ -614,7 +636,7 @@ mod tests {
     fn several_gpus_choose_the_methods_that_spread_over_them() {
         let b = bench("--device cuda --gpus 2");
         assert_eq!(b.gpus, 2);
-        let names: Vec<&str> = choose(&b).unwrap().iter().map(|m| m.name()).collect();
+        let names: Vec<&str> = b.methods.iter().map(|m| m.name()).collect();
         assert_eq!(names, ["cuda_ring"]);
         assert_eq!(bench("").gpus, 1);
     }
@@ -623,8 +645,18 @@ mod tests {
     #[test]
     fn help_lists_the_methods() {
         let help = command().render_long_help().to_string();
-        for m in methods::all() {
-            assert!(help.contains(m.name()), "{help}");
+        // a line each: the name, then its device, step and line of help
+        for e in methods::entries() {
+            let d = e.descriptor();
+            let rest = format!("{:<5} step {}: {}", d.device.name(), d.step, d.about);
+            let line = help
+                .lines()
+                .find(|l| l.trim_start().starts_with(&format!("{} ", d.name)));
+            assert!(
+                line.is_some_and(|l| l.ends_with(&rest)),
+                "{}: {help}",
+                d.name
+            );
         }
         assert!(help.contains("EXIT STATUS"), "{help}");
     }
@@ -633,17 +665,31 @@ mod tests {
     #[test]
     fn decoders_are_for_attend_and_the_help_says_so() {
         let help = command().render_long_help().to_string();
-        assert!(help.contains("DECODERS (attend only"), "{help}");
-        for d in methods::decoders() {
-            assert!(help.contains(d.name()), "{help}");
-        }
+        let heading = help
+            .find("DECODERS (attend only")
+            .expect("the decoders' heading");
+        assert!(
+            help.find("    cuda_ring ").is_some_and(|at| at < heading),
+            "{help}"
+        );
+        assert!(
+            help.find("    decode ").is_some_and(|at| at > heading),
+            "{help}"
+        );
         let e = parse_line("--methods decode").unwrap_err().to_string();
         assert!(
             e.contains("is a decoder") && e.contains("attend --method"),
             "{e}"
         );
         let line = "attend --method flash_decode --q q.npy --k k.npy --v v.npy --out-dir o";
-        assert!(matches!(parse_line(line).unwrap(), Command::Attend(_)));
+        // resolved once, to the decoder, which `attend` is given
+        assert!(matches!(
+            parse_line(line).unwrap(),
+            Command::Attend(AttendArgs {
+                method: Entry::Decoder(d),
+                ..
+            }) if d.name() == "flash_decode"
+        ));
         let e = parse_line(&format!("{line} --dtype f32"))
             .unwrap_err()
             .to_string();

@@ -1,7 +1,9 @@
 //! The registry: every attention method the repository has, each a type of the step that
 //! adds it implementing the one trait [`Method`] (the shared core's), so one test table and
 //! one benchmark run them all. Each step exports its methods; this list has one line per
-//! step.
+//! step. A name on the command line resolves once, here ([`resolve`]), to an [`Entry`]: a
+//! method, or from step 08 on a decoder; what is resolved is what the benchmark and
+//! `attend` are given.
 
 pub use flash_core::method::*;
 // [step 04]
@@ -42,62 +44,95 @@ fn give_backward<M: Backward>(
 
 // [step 08]
 pub use step08_inference::methods::Decoder;
-
-/// Every decoder: query rows against a cache of keys and values (step 08). They take inputs
-/// of their own, so `attend` runs them and the benchmark does not (step 08's `decode-cpu`
-/// and `decode-bench` measure them).
-pub fn decoders() -> Vec<&'static dyn Decoder> {
-    step08_inference::methods::decoders()
-}
-
-/// The decoder with this name, if there is one.
-pub fn decoder_by_name(name: &str) -> Option<&'static dyn Decoder> {
-    decoders().into_iter().find(|d| d.name() == name)
-}
 // [/step 08]
 
-/// The method with this name, or an error listing the names there are.
-pub fn by_name(name: &str) -> Result<&'static dyn Method, String> {
-    let all = all();
-    match all.iter().find(|m| m.name() == name) {
-        Some(&m) => Ok(m),
-        None => {
-            let why = format!(
-                "no method named {name:?}; the methods are: {}",
-                all.iter().map(|m| m.name()).collect::<Vec<_>>().join(", ")
-            );
-            // [step 08]
-            let decoders: Vec<_> = decoders().iter().map(|d| d.name()).collect();
-            let why = format!(
-                "{why}; attend also takes the decoders: {}",
-                decoders.join(", ")
-            );
-            // [/step 08]
-            Err(why)
+/// What a name on the command line resolves to, once: a method, or one of step 08's
+/// decoders (query rows against a cache, inputs of their own: `attend` runs them, the
+/// benchmark does not). Both are described the same way ([`Describe`]).
+#[derive(Clone, Copy)]
+pub enum Entry {
+    Method(&'static dyn Method),
+    // [step 08]
+    Decoder(&'static dyn Decoder),
+    // [/step 08]
+}
+
+impl Describe for Entry {
+    fn descriptor(&self) -> Descriptor {
+        match self {
+            Entry::Method(m) => m.descriptor(),
+            Entry::Decoder(d) => d.descriptor(), // [step 08]
         }
     }
+}
+
+impl Entry {
+    /// What the messages call it: `method` or `decoder`.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Entry::Method(_) => "method",
+            Entry::Decoder(_) => "decoder", // [step 08]
+        }
+    }
+}
+
+/// An entry prints as its name, which names one entry of the registry.
+impl std::fmt::Debug for Entry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Every entry: the methods in the order of the steps, then the decoders.
+pub fn entries() -> Vec<Entry> {
+    let entries = all().into_iter().map(Entry::Method);
+    // [step 08]
+    let decoders = step08_inference::methods::decoders();
+    let entries = entries.chain(decoders.into_iter().map(Entry::Decoder));
+    // [/step 08]
+    entries.collect()
+}
+
+/// The entry with this name, or an error listing the names there are: the one place a
+/// name is looked up.
+pub fn resolve(name: &str) -> Result<Entry, String> {
+    let entries = entries();
+    if let Some(&entry) = entries.iter().find(|e| e.name() == name) {
+        return Ok(entry);
+    }
+    let names = |kind: &str| {
+        let of_kind = entries.iter().filter(|e| e.kind() == kind);
+        of_kind.map(|e| e.name()).collect::<Vec<_>>().join(", ")
+    };
+    let why = format!(
+        "no method named {name:?}; the methods are: {}",
+        names("method")
+    );
+    // [step 08]
+    let why = format!(
+        "{why}; attend also takes the decoders: {}",
+        names("decoder")
+    );
+    // [/step 08]
+    Err(why)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// `--methods`, `attend` and [`by_name`] find a method by its name: a second method of
-    /// the same name could never be reached.
+    /// `--methods` and `attend` find a method or a decoder by its name ([`resolve`]): a
+    /// second entry of the same name could never be reached.
     #[test]
-    fn every_name_is_one_method() {
-        let all = all();
-        for m in &all {
-            let same: Vec<_> = all.iter().filter(|o| o.name() == m.name()).collect();
-            assert_eq!(same.len(), 1, "{} is listed {} times", m.name(), same.len());
+    fn every_name_is_one_entry() {
+        let entries = entries();
+        for e in &entries {
+            let same = entries.iter().filter(|o| o.name() == e.name()).count();
+            assert_eq!(same, 1, "{} is listed {same} times", e.name());
+            assert_eq!(resolve(e.name()).map(|r| r.name()), Ok(e.name()));
         }
-        // [step 08]
-        // nor a decoder of a method's name, or of another decoder's
-        for d in decoders() {
-            assert!(all.iter().all(|m| m.name() != d.name()), "{}", d.name());
-            let same = decoders().iter().filter(|o| o.name() == d.name()).count();
-            assert_eq!(same, 1, "{} is listed {same} times", d.name());
-        }
-        // [/step 08]
+        // an unknown name is refused with the names there are
+        let why = resolve("nope").unwrap_err();
+        assert!(why.contains("\"nope\"") && why.contains("naive"), "{why}");
     }
 }
