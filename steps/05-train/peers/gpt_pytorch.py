@@ -48,6 +48,18 @@ has: `framework` (PyTorch's version), `host` (the device in words), `weights` (w
 from) and, with --profile, `kernels`: the attention operations and kernels torch.profiler saw
 in one more forward and backward after the run.
 
+# [step 09]
+--documents packs files as `train --documents` does (step 09): a token attends to the earlier
+tokens of its own file only, never across a file boundary inside its window. The boundaries are
+the token file's (our --save-tokens writes where each file begins after the bytes); each window's
+document ids are counted as data.rs window_documents counts them. The mask is the block-diagonal
+causal one, given to scaled_dot_product_attention as a boolean attn_mask ([B, 1, T, T], True
+where a query sees a key), or to --attention by-hand as its mask. Not FlexAttention: its document
+mask (create_block_mask with a mask_mod comparing document ids) is the same mask, but PyTorch
+2.15 refuses its backward on the CPU ("FlexAttention does not support backward on CPU"), and
+this comparison trains on the CPU.
+
+# [/step 09]
 --like OUR_RUN.json takes the model and every setting from our trainer's record (written with
 --out): the run then has our run's weights, batches and schedule. --check-against OUR_RUN.json
 does the same, and compares the two runs' losses step by step; it exits with status 1 if any
@@ -254,13 +266,19 @@ def read_corpus(path):
         if len(data) < 40:
             raise Failure(f"--data {path}: a token file shorter than its header")
         train, heldout, train_files, heldout_files = struct.unpack("<4Q", data[8:40])
+        # [step 09]
+        # after the bytes, where each file begins (data.rs Corpus::save), if the writer knew
+        file_starts = read_file_starts(path, data[40 + train + heldout:], train, heldout)
+        data = data[:40 + train + heldout]
+        # [/step 09]
         if len(data) != 40 + train + heldout:
             raise Failure(
                 f"--data {path}: the header says {train} + {heldout} bytes but {len(data) - 40} follow it"
             )
         body = torch.frombuffer(bytearray(data[40:]), dtype=torch.uint8)
         return body[:train], body[train:], dict(
-            source=path, train_files=train_files, heldout_files=heldout_files
+            source=path, train_files=train_files, heldout_files=heldout_files,
+            file_starts=file_starts,  # [step 09]
         )
     if os.path.isdir(path):
         raise Failure(
@@ -271,7 +289,36 @@ def read_corpus(path):
         raise Failure(f"--data {path}: {len(data)} bytes; a text file to train on needs some text")
     cut = len(data) - len(data) // 10
     body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return body[:cut], body[cut:], dict(source=path, train_files=1, heldout_files=1)
+    return body[:cut], body[cut:], dict(
+        source=path, train_files=1, heldout_files=1,
+        file_starts=([0], [0]),  # one file: each part one document  # [step 09]
+    )
+# [step 09]
+
+
+def read_file_starts(path, trailer, train, heldout):
+    """The file starts after a token file's bytes: for the training and then the held-out
+    part, a u64 count and that many u64 offsets, increasing from 0 inside the part; None for
+    a file that has none (written before step 09)."""
+    if not trailer:
+        return None
+    if len(trailer) % 8:
+        raise Failure(f"--data {path}: not a valid token file: bytes follow its file starts")
+    words = list(struct.unpack(f"<{len(trailer) // 8}Q", trailer))
+    parts = []
+    for what, n in (("training", train), ("held-out", heldout)):
+        if not words or words[0] > len(words) - 1:
+            raise Failure(f"--data {path}: not a valid token file: its {what} file starts end early")
+        count, starts, words = words[0], words[1:1 + words[0]], words[1 + words[0]:]
+        if not starts or starts[0] != 0 or any(a >= b for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
+            raise Failure(
+                f"--data {path}: not a valid token file: its {what} file starts are not increasing from 0 below {n}"
+            )
+        parts.append(starts)
+    if words:
+        raise Failure(f"--data {path}: not a valid token file: bytes follow its file starts")
+    return tuple(parts)
+# [/step 09]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +349,21 @@ def windows(data, starts, tokens):
     idx = at[:, None] + torch.arange(tokens + 1, device=data.device)
     w = data[idx].long()
     return w[:, :-1], w[:, 1:]
+# [step 09]
+
+
+def documents_mask(file_starts, starts, tokens, device):
+    """The block-diagonal causal mask of windows of `tokens` bytes at `starts`, in a part whose
+    files begin at `file_starts`: [B, 1, T, T], True where query q sees key k, that is k <= q
+    and both from the same file (data.rs window_documents: each token's id, the files begun by
+    it less those begun by its window's first byte)."""
+    begun = torch.tensor(file_starts, dtype=torch.int64)
+    at = torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(tokens)
+    ids = torch.searchsorted(begun, at, right=True)
+    same = ids[:, :, None] == ids[:, None, :]
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    return (same & causal)[:, None].to(device)
+# [/step 09]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,6 +429,7 @@ class Attention(nn.Module):
         self.kv_heads = cfg["kv_heads"]  # [step 08]
         self.attention = attention
         self.ours = precision == "ours"
+        self.mask = None  # --documents: this batch's mask, set by GPT.set_documents  # [step 09]
         self.c_attn = Conv1D(c, c + 2 * self.kv_heads * (c // self.heads))
         self.c_proj = Conv1D(c, c)
 
@@ -391,8 +454,14 @@ class Attention(nn.Module):
             # [/step 08]
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            mask = mask if self.mask is None else self.mask  # [step 09]
             scores = scores.masked_fill(~mask, float("-inf"))
             out = torch.softmax(scores, dim=-1) @ v
+        # [step 09]
+        elif self.mask is not None:
+            # --documents: the block-diagonal causal mask, as a boolean attn_mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=kv != h)
+        # [/step 09]
         else:
             # the backend, if one is forced, is chosen around the whole step (sdpa_context)
             out = F.scaled_dot_product_attention(
@@ -448,6 +517,14 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg["context"], cfg["d_model"])
         self.h = nn.ModuleList(Block(cfg, attention, precision) for _ in range(cfg["layers"]))
         self.ln_f = nn.LayerNorm(cfg["d_model"], eps=LAYERNORM_EPS)
+    # [step 09]
+
+    def set_documents(self, mask):
+        """The mask every block's attention takes from now on: documents_mask's, or None for
+        causal attention over the whole window."""
+        for block in self.h:
+            block.attn.mask = mask
+    # [/step 09]
 
     def forward(self, inputs, targets):
         t = inputs.shape[1]
@@ -656,6 +733,13 @@ def settings_from(args, record, init_cfg):
                 "--like and --check-against take the model from the run"
             )
         # [/step 08]
+        # [step 09]
+        if args.documents and not s.get("documents", False):
+            raise Failure(
+                "--documents, but the run to check against trained without it: --like and "
+                "--check-against take every setting from the run (its --documents too)"
+            )
+        # [/step 09]
         settings = dict(s)
         settings["train_steps"] = given.get("steps", s["steps"])
         if record.get("started_at_step", 0) != 0:
@@ -706,6 +790,7 @@ def settings_from(args, record, init_cfg):
         eval_every=v["eval_every"],
         eval_batches=v["eval_batches"],
         train_steps=steps,
+        documents=bool(args.documents),  # [step 09]
     )
     return cfg, settings
 
@@ -791,6 +876,16 @@ def run(args):
             raise Failure(f"{corpus['source']}: {len(part)} {what} bytes, fewer than one sequence of {s['seq_len']} tokens and its next")
     train_data = train_text.to(device)
     heldout_data = heldout_text.to(device)
+    # [step 09]
+    documents = s.get("documents", False)
+    if documents and args.random_data:
+        raise Failure("--documents packs the files of --data; --random-data has none")
+    if documents and corpus["file_starts"] is None:
+        raise Failure(
+            f"--documents: {corpus['source']} does not say where its files begin (a token file written "
+            "before step 09); accepted: a token file our trainer writes now (train --save-tokens), or a text file"
+        )
+    # [/step 09]
 
     # ANCHOR: adamw
     # AdamW with the decay on matrices only (optim.rs: `w.ndim() == 2`)
@@ -825,6 +920,10 @@ def run(args):
         started = time.perf_counter()
         starts = train_starts(len(train_text), batch, tokens, s["seed"], step)
         inputs, targets = windows(train_data, starts, tokens)
+        # [step 09]
+        if documents:
+            model.set_documents(documents_mask(corpus["file_starts"][0], starts, tokens, device))
+        # [/step 09]
         loss = loss_of(inputs, targets)
         loss.backward()
         norm = clip_grad_norm([p.grad for p in params], s["clip"], exact=not cuda)
@@ -841,11 +940,21 @@ def run(args):
                     tokens_per_s=batch * tokens / seconds)
     # ANCHOR_END: train_step
 
-    heldout = [windows(heldout_data, st, tokens) for st in heldout_starts(len(heldout_text), batch, tokens, s["eval_batches"])]
+    held_starts = heldout_starts(len(heldout_text), batch, tokens, s["eval_batches"])
+    heldout = [windows(heldout_data, st, tokens) for st in held_starts]
+    # [step 09]
+    held_masks = [
+        documents_mask(corpus["file_starts"][1], st, tokens, device) if documents else None
+        for st in held_starts
+    ]
+    # [/step 09]
 
     @torch.no_grad()
     def evaluate(step, train_seconds):
-        total = sum(loss_of(x, y).item() for x, y in heldout)
+        total = 0.0
+        for i, (x, y) in enumerate(heldout):
+            model.set_documents(held_masks[i])  # [step 09]
+            total += loss_of(x, y).item()
         return dict(step=step, loss=total / len(heldout), train_seconds=train_seconds)
 
     n_params = sum(p.numel() for p in params)
@@ -928,6 +1037,8 @@ def run(args):
         )
     if args.profile and out["steps"]:
         def one_step():
+            first = train_starts(len(train_text), batch, tokens, s["seed"], 0)  # [step 09]
+            model.set_documents(documents_mask(corpus["file_starts"][0], first, tokens, device) if documents else None)  # [step 09]
             x, y = windows(train_data, train_starts(len(train_text), batch, tokens, s["seed"], 0), tokens)
             loss_of(x, y).backward()
             opt.zero_grad(set_to_none=True)
@@ -1001,6 +1112,7 @@ def parse_args(argv):
         p.add_argument(f"--{name}", type=kind, default=None, help=f"{what} [default: {default}, as ours]")
     p.add_argument("--seq-len", type=int, help="tokens per sequence [default: the context]")
     p.add_argument("--kv-heads", type=int, help="heads of keys and values, each shared by heads / kv-heads query heads (grouped-query attention, SDPA's enable_gqa) [default: --heads, as ours]")  # [step 08]
+    p.add_argument("--documents", action="store_true", help="files packed as ours packs them with train --documents: a token attends to the earlier tokens of its own file only (the block-diagonal causal mask, as SDPA's boolean attn_mask); with --like or --check-against, taken from the run")  # [step 09]
     p.add_argument("--max-seconds", type=float, help="stop after the first step that ends past this many seconds of training (held-out losses not counted); the schedule still runs over --steps")
     p.add_argument("--no-eval", action="store_true", help="no held-out losses (a timing run)")
     p.add_argument("--print-every", type=int, default=1)

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use flash_core::files;
 use flash_core::inputs::SplitMix64;
 use ndarray::Array2;
+use step09_masks::Documents; // [step 09]
 
 use crate::TrainError;
 
@@ -31,6 +32,14 @@ pub struct Corpus {
     pub heldout: Vec<u8>,
     pub train_files: usize,
     pub heldout_files: usize,
+    // [step 09]
+    /// Where each file begins in `train`, increasing from 0: the boundaries that
+    /// `train --documents` keeps attention from crossing. Empty where they are not known
+    /// (a token file keeps none).
+    pub train_file_starts: Vec<usize>,
+    /// The same for `heldout`.
+    pub heldout_file_starts: Vec<usize>,
+    // [/step 09]
 }
 
 /// FNV-1a of a path's bytes: a hash that never changes with the toolchain (std's `Hasher`
@@ -79,9 +88,22 @@ impl Corpus {
             heldout: Vec::new(),
             train_files: 0,
             heldout_files: 0,
+            train_file_starts: Vec::new(),   // [step 09]
+            heldout_file_starts: Vec::new(), // [step 09]
         };
         for (key, file) in files {
             let bytes = fs::read(file).map_err(|e| TrainError::io(file, e))?;
+            // [step 09]
+            // an empty file starts no document
+            if !bytes.is_empty() {
+                let held = fnv1a(key.as_bytes()).is_multiple_of(HELDOUT_ONE_IN);
+                let (part, starts) = match held {
+                    true => (&corpus.heldout, &mut corpus.heldout_file_starts),
+                    false => (&corpus.train, &mut corpus.train_file_starts),
+                };
+                starts.push(part.len());
+            }
+            // [/step 09]
             if fnv1a(key.as_bytes()).is_multiple_of(HELDOUT_ONE_IN) {
                 corpus.heldout.extend_from_slice(&bytes);
                 corpus.heldout_files += 1;
@@ -124,6 +146,11 @@ impl Corpus {
             heldout: bytes[cut..].to_vec(),
             train_files: 1,
             heldout_files: 1,
+            // [step 09]
+            // one file: each part is one document
+            train_file_starts: vec![0],
+            heldout_file_starts: vec![0],
+            // [/step 09]
         }
     }
 
@@ -232,6 +259,10 @@ impl Corpus {
     /// four little-endian `u64`s (training bytes, held-out bytes, training files, held-out
     /// files), then the training bytes and the held-out bytes. Whole or not at all, streamed
     /// from the corpus without a copy of it ([`files::write_atomic_with`]).
+    // [step 09]
+    /// Where the corpus knows where its files begin, they follow, for `train --documents`:
+    /// for each part, a `u64` count, then that many `u64` offsets.
+    // [/step 09]
     pub fn save(&self, path: &Path) -> Result<(), TrainError> {
         files::write_atomic_with(path, |w| {
             w.write_all(MAGIC)?;
@@ -244,7 +275,18 @@ impl Corpus {
                 w.write_all(&(n as u64).to_le_bytes())?;
             }
             w.write_all(&self.train)?;
-            w.write_all(&self.heldout)
+            w.write_all(&self.heldout)?;
+            // [step 09]
+            if !self.train_file_starts.is_empty() && !self.heldout_file_starts.is_empty() {
+                for starts in [&self.train_file_starts, &self.heldout_file_starts] {
+                    w.write_all(&(starts.len() as u64).to_le_bytes())?;
+                    for &s in starts {
+                        w.write_all(&(s as u64).to_le_bytes())?;
+                    }
+                }
+            }
+            // [/step 09]
+            Ok(())
         })
         .map_err(TrainError::from)
     }
@@ -262,6 +304,18 @@ impl Corpus {
             u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize
         };
         let (train, heldout) = (n(0), n(1));
+        // [step 09]
+        // after the bytes, where each file begins, if the corpus that wrote it knew
+        let end = header.saturating_add(train).saturating_add(heldout);
+        let (bytes, file_starts) = match bytes.get(end..) {
+            Some(trailer) if !trailer.is_empty() => (
+                &bytes[..end],
+                read_file_starts(trailer, train, heldout).map_err(|why| bad(&why))?,
+            ),
+            _ => (bytes, [Vec::new(), Vec::new()]),
+        };
+        let [train_file_starts, heldout_file_starts] = file_starts;
+        // [/step 09]
         if bytes.len() != header + train + heldout {
             return Err(bad(&format!(
                 "the header says {train} + {heldout} bytes but {} follow it",
@@ -277,6 +331,8 @@ impl Corpus {
             heldout: bytes[header + train..].to_vec(),
             train_files: n(2),
             heldout_files: n(3),
+            train_file_starts,   // [step 09]
+            heldout_file_starts, // [step 09]
         })
     }
 
@@ -308,6 +364,51 @@ impl Corpus {
         Ok(())
     }
 }
+
+// [step 09]
+/// The file starts that follow a token file's bytes ([`Corpus::save`]): for the training
+/// and then the held-out part, a count and that many offsets, each list increasing from 0
+/// and inside its part.
+fn read_file_starts(
+    trailer: &[u8],
+    train: usize,
+    heldout: usize,
+) -> Result<[Vec<usize>; 2], String> {
+    let mut words = trailer.chunks(8).map(|w| match <[u8; 8]>::try_from(w) {
+        Ok(w) => Ok(u64::from_le_bytes(w)),
+        Err(_) => Err("its file starts end inside a number".to_string()),
+    });
+    let mut part = |what: &str, len: usize| -> Result<Vec<usize>, String> {
+        let short = || format!("its {what} file starts end early");
+        let count = words.next().ok_or_else(short)??;
+        // each offset takes 8 bytes: a count larger than the file is refused before any
+        // allocation
+        if count > trailer.len() as u64 / 8 {
+            return Err(format!(
+                "it counts {count} {what} file starts in {} bytes",
+                trailer.len()
+            ));
+        }
+        let starts = (0..count)
+            .map(|_| Ok(words.next().ok_or_else(short)?? as usize))
+            .collect::<Result<Vec<usize>, String>>()?;
+        let ordered = starts.first() == Some(&0)
+            && starts.windows(2).all(|w| w[0] < w[1])
+            && starts.last().is_some_and(|&s| s < len);
+        if !ordered {
+            return Err(format!(
+                "its {what} file starts {starts:?} are not increasing from 0 below {len}"
+            ));
+        }
+        Ok(starts)
+    };
+    let starts = [part("training", train)?, part("held-out", heldout)?];
+    if words.next().is_some() {
+        return Err("bytes follow its file starts".into());
+    }
+    Ok(starts)
+}
+// [/step 09]
 
 /// `(name, version)` of every `[[package]]` of a `Cargo.lock` that comes from a registry.
 fn registry_packages(lock: &str) -> Vec<(String, String)> {
@@ -353,6 +454,11 @@ fn find_cargo_lock() -> Option<PathBuf> {
 pub struct Batch {
     pub inputs: Array2<u8>,
     pub targets: Array2<u8>,
+    // [step 09]
+    /// The file each input token came from (`train --documents`), `[batch, tokens]`; `None`:
+    /// the windows are attended causally across files.
+    pub documents: Option<Documents>,
+    // [/step 09]
 }
 
 impl Batch {
@@ -365,7 +471,11 @@ impl Batch {
                 targets[[b, t]] = data[start + t + 1];
             }
         }
-        Batch { inputs, targets }
+        Batch {
+            inputs,
+            targets,
+            documents: None, // [step 09]
+        }
     }
 }
 
@@ -448,3 +558,75 @@ pub fn windows(data: &[u8], starts: &[usize], tokens: usize) -> Vec<u8> {
     }
     out
 }
+// [step 09]
+
+// ANCHOR: window_documents
+/// The document of every token of windows of `tokens` bytes at `starts`, in a part of the
+/// corpus whose files begin at `file_starts` (increasing, from 0): `[windows, tokens]` ids
+/// for step 09's document mask, counted from 0 in each window. A token sees the earlier
+/// tokens of its own window that come from the same file, and no other.
+pub fn window_documents(
+    file_starts: &[usize],
+    starts: &[usize],
+    tokens: usize,
+) -> Documents {
+    // the files that have begun at or before byte `at`
+    let begun = |at: usize| file_starts.partition_point(|&f| f <= at);
+    let mut ids = Vec::with_capacity(starts.len() * tokens);
+    for &s in starts {
+        let first = begun(s);
+        ids.extend((0..tokens).map(|t| (begun(s + t) - first) as i32));
+    }
+    Documents::from_ids(starts.len(), tokens, ids)
+        .expect("a window's files are counted in order, so its ids never go down")
+}
+// ANCHOR_END: window_documents
+
+impl Corpus {
+    /// Checks that the corpus knows where its files begin, as `--documents` needs.
+    pub fn check_documents(&self) -> Result<(), TrainError> {
+        if self.train_file_starts.is_empty() || self.heldout_file_starts.is_empty() {
+            return Err(TrainError::Data(format!(
+                "--documents: {} does not say where its files begin (a token file written \
+                 before step 09 keeps the bytes only); accepted: --data with a text file, a \
+                 folder of files, a token file written by --save-tokens from one of them, or \
+                 the default corpus",
+                self.source
+            )));
+        }
+        Ok(())
+    }
+
+    /// The file of every token of [`train_batch`]'s windows, for `train --documents`.
+    pub fn train_documents(
+        &self,
+        batch: usize,
+        tokens: usize,
+        seed: u64,
+        step: usize,
+    ) -> Documents {
+        let starts = train_starts(self.train.len(), batch, tokens, seed, step);
+        window_documents(&self.train_file_starts, &starts, tokens)
+    }
+
+    /// [`heldout_batches`] with the file of every token, for `train --documents`.
+    pub fn heldout_batches_documents(
+        &self,
+        batch: usize,
+        tokens: usize,
+        count: usize,
+    ) -> Vec<Batch> {
+        heldout_starts(self.heldout.len(), batch, tokens, count)
+            .iter()
+            .map(|starts| Batch {
+                documents: Some(window_documents(
+                    &self.heldout_file_starts,
+                    starts,
+                    tokens,
+                )),
+                ..Batch::from_starts(&self.heldout, starts, tokens)
+            })
+            .collect()
+    }
+}
+// [/step 09]

@@ -45,6 +45,7 @@ use flash_core::Attention;
 use ndarray::{ArrayView2, ArrayView4, Axis};
 use rayon::prelude::*;
 use step02_online_softmax::{Isa, kernels::Kernels};
+use step09_masks::{Documents, Mask}; // [step 09]
 
 use crate::TrainError;
 use crate::data::{Batch, Corpus, train_batch};
@@ -409,6 +410,7 @@ fn slice_mut<D: ndarray::Dimension>(a: &mut ndarray::Array<f32, D>) -> &mut [f32
 fn forward(
     p: &Params<f32>,
     inputs: ArrayView2<u8>,
+    mask: Option<&Mask>, // [step 09]
     exp: Kernels,
     ws: &mut Workspace,
 ) -> Result<Dims, TrainError> {
@@ -440,7 +442,12 @@ fn forward(
         gather_heads(&qkv, n.qkv, 0, n, 1, &mut a.q);
         gather_heads(&qkv, n.qkv, c, n, group, &mut a.k);
         gather_heads(&qkv, n.qkv, c + kv, n, group, &mut a.v);
-        let att = f32::attention(view4(&a.q, n), view4(&a.k, n), view4(&a.v, n))?;
+        let att = f32::attention(
+            view4(&a.q, n),
+            view4(&a.k, n),
+            view4(&a.v, n),
+            mask, // [step 09]
+        )?;
         let out = att.out.as_slice().expect("a new array, in standard layout");
         a.att_rows = qkv;
         scatter_heads(out, zeros(&mut a.att_rows, n.rows * c), c, 0, n, 1);
@@ -528,6 +535,7 @@ fn backward(
     p: &Params<f32>,
     n: Dims,
     inputs: ArrayView2<u8>,
+    mask: Option<&Mask>, // [step 09]
     ws: &mut Workspace,
 ) -> Result<(), TrainError> {
     let (c, kv) = (n.c, n.kv_heads * n.head_dim);
@@ -618,6 +626,7 @@ fn backward(
             view4(&a.v, n),
             att,
             view4(&ws.d_heads, n),
+            mask, // [step 09]
         )?;
         let dqkv = zeros(&mut ws.d_qkv, n.rows * n.qkv);
         for (d, from, group) in [(&dq, 0, 1), (&dk, c, group), (&dv, c + kv, group)] {
@@ -683,6 +692,7 @@ fn shards<'s>(
     p: &Params<f32>,
     inputs: ArrayView2<u8>,
     targets: ArrayView2<u8>,
+    packed_documents: Option<&Documents>, // [step 09]
     spaces: &'s mut Vec<Workspace>,
     grads: bool,
 ) -> Result<(Vec<f64>, &'s mut [Workspace]), TrainError> {
@@ -697,11 +707,24 @@ fn shards<'s>(
         .map(|(&(from, to), ws)| {
             let inputs = inputs.slice_axis(Axis(0), (from..to).into());
             let targets = targets.slice_axis(Axis(0), (from..to).into());
-            let n = forward(p, inputs, exp, ws)?;
+            let mask = packed_documents.map(|d| shard_mask(d, from, to)); // [step 09]
+            let n = forward(
+                p,
+                inputs,
+                mask.as_ref(), // [step 09]
+                exp,
+                ws,
+            )?;
             let sum =
                 cross_entropy(&mut ws.logits, targets, n.vocab, batch_rows, grads, exp);
             if grads {
-                backward(p, n, inputs, ws)?;
+                backward(
+                    p,
+                    n,
+                    inputs,
+                    mask.as_ref(), // [step 09]
+                    ws,
+                )?;
             }
             Ok(sum)
         })
@@ -709,6 +732,20 @@ fn shards<'s>(
     let used = runs.len();
     Ok((sums, &mut spaces[..used]))
 }
+// [step 09]
+
+/// The document mask of sequences `from..to` of a batch packed as `documents`: a shard's
+/// rows of its ids.
+fn shard_mask(documents: &Documents, from: usize, to: usize) -> Mask {
+    if documents.rows() == 1 {
+        // every sequence packed alike
+        return Mask::Documents(documents.clone());
+    }
+    let t = documents.tokens();
+    let ids = documents.ids()[from * t..to * t].to_vec();
+    Mask::Documents(Documents::from_ids(to - from, t, ids).expect("rows of a valid table"))
+}
+// [/step 09]
 
 /// The mean cross-entropy of the batch and its gradient with respect to every weight:
 /// the readable model's [`crate::forward`], [`crate::loss`] and [`crate::backward`] in one
@@ -720,7 +757,28 @@ pub fn loss_and_grads(
     targets: ArrayView2<u8>,
     spaces: &mut Vec<Workspace>,
 ) -> Result<(f32, Params<f32>), TrainError> {
-    let (sums, shards) = shards(p, inputs, targets, spaces, true)?;
+    // [step 09]
+    loss_and_grads_documents(p, inputs, targets, None, spaces)
+}
+
+/// [`loss_and_grads`] with documents packed in each sequence (`train --documents`): each
+/// token attends to the earlier tokens of its own document only (`None`: causal).
+pub fn loss_and_grads_documents(
+    p: &Params<f32>,
+    inputs: ArrayView2<u8>,
+    targets: ArrayView2<u8>,
+    packed_documents: Option<&Documents>,
+    spaces: &mut Vec<Workspace>,
+) -> Result<(f32, Params<f32>), TrainError> {
+    // [/step 09]
+    let (sums, shards) = shards(
+        p,
+        inputs,
+        targets,
+        packed_documents, // [step 09]
+        spaces,
+        true,
+    )?;
     let mut grads = shards[0].grads.clone();
     for ws in &shards[1..] {
         let parts = grads.tensors_mut().into_iter().zip(ws.grads.tensors());
@@ -742,7 +800,27 @@ pub fn batch_loss(
     targets: ArrayView2<u8>,
     spaces: &mut Vec<Workspace>,
 ) -> Result<f32, TrainError> {
-    let (sums, _) = shards(p, inputs, targets, spaces, false)?;
+    // [step 09]
+    batch_loss_documents(p, inputs, targets, None, spaces)
+}
+
+/// [`batch_loss`] with documents packed in each sequence, as [`loss_and_grads_documents`].
+pub fn batch_loss_documents(
+    p: &Params<f32>,
+    inputs: ArrayView2<u8>,
+    targets: ArrayView2<u8>,
+    packed_documents: Option<&Documents>,
+    spaces: &mut Vec<Workspace>,
+) -> Result<f32, TrainError> {
+    // [/step 09]
+    let (sums, _) = shards(
+        p,
+        inputs,
+        targets,
+        packed_documents, // [step 09]
+        spaces,
+        false,
+    )?;
     Ok((sums.iter().sum::<f64>() / inputs.len() as f64) as f32)
 }
 
@@ -784,13 +862,27 @@ impl Learner for FastCpu<'_> {
     ) -> Result<StepRecord, TrainError> {
         let t = &mut *self.trainer;
         let started = Instant::now();
-        let Batch { inputs, targets } = train_batch(
+        let Batch {
+            inputs,
+            targets,
+            .. // [step 09]
+        } = train_batch(
             &corpus.train,
             settings.batch,
             settings.seq_len,
             settings.seed,
             t.step,
         );
+        // [step 09]
+        // --documents: the same windows, each token blind to the files before its own
+        let (batch, tokens, seed) = (settings.batch, settings.seq_len, settings.seed);
+        let documents = settings
+            .documents
+            .then(|| corpus.train_documents(batch, tokens, seed, t.step));
+        let loss_and_grads = |p, inputs, targets, spaces| {
+            loss_and_grads_documents(p, inputs, targets, documents.as_ref(), spaces)
+        };
+        // [/step 09]
         let (loss, mut grads) =
             loss_and_grads(&t.params, inputs.view(), targets.view(), &mut self.spaces)?;
         let grad_norm = clip_grad_norm(&mut grads, settings.clip);
@@ -812,6 +904,11 @@ impl Learner for FastCpu<'_> {
         let mut sum = 0.0;
         for b in batches {
             let p = &self.trainer.params;
+            // [step 09]
+            let batch_loss = |p, inputs, targets, spaces| {
+                batch_loss_documents(p, inputs, targets, b.documents.as_ref(), spaces)
+            };
+            // [/step 09]
             sum +=
                 batch_loss(p, b.inputs.view(), b.targets.view(), &mut self.spaces)? as f64;
         }
@@ -829,4 +926,10 @@ impl Learner for FastCpu<'_> {
     fn checkpoint(&self) -> Result<crate::Checkpoint, TrainError> {
         self.trainer.checkpoint()
     }
+    // [step 09]
+
+    fn packs_documents(&self) -> bool {
+        true
+    }
+    // [/step 09]
 }

@@ -18,6 +18,7 @@ use ndarray::{
     Array1, Array2, Array4, ArrayView1, ArrayView2, ArrayView4, ArrayViewMut1,
     ArrayViewMut2, Axis, NdFloat, Zip, s,
 };
+use step09_masks::{Mask, ScoreMod}; // [step 09]
 
 // ANCHOR: float
 /// The float type a model runs in: `f32` to train, `f64` to check the gradients.
@@ -30,10 +31,15 @@ pub trait Float: NdFloat {
     fn of(x: f64) -> Self;
 
     /// Causal attention on `[batch, heads, tokens, head_dim]`, scaled by `1/√head_dim`.
+    // [step 09]
+    /// With `mask` (step 09's), the keys it allows instead: `train --documents` gives a
+    /// document mask, causal within each file and blind across files.
+    // [/step 09]
     fn attention(
         q: ArrayView4<Self>,
         k: ArrayView4<Self>,
         v: ArrayView4<Self>,
+        mask: Option<&Mask>, // [step 09]
     ) -> Result<Self::Saved, AttnError>;
 
     /// The output of a forward.
@@ -46,6 +52,7 @@ pub trait Float: NdFloat {
         v: ArrayView4<Self>,
         saved: &Self::Saved,
         dout: ArrayView4<Self>,
+        mask: Option<&Mask>, // [step 09]
     ) -> Result<[Array4<Self>; 3], AttnError>;
 }
 
@@ -61,7 +68,16 @@ impl Float for f32 {
         q: ArrayView4<f32>,
         k: ArrayView4<f32>,
         v: ArrayView4<f32>,
+        mask: Option<&Mask>, // [step 09]
     ) -> Result<Attention, AttnError> {
+        // [step 09]
+        // step 09's online softmax over the block mask's tiles, where a tile of two files is
+        // never read; a batch of windows that each lie inside one file is causal attention,
+        // step 02's (the backward decides alike)
+        if let Some(mask) = mask.filter(|m| !is_causal(m)) {
+            return step09_masks::forward(q, k, v, mask, &ScoreMod::None);
+        }
+        // [/step 09]
         step02_online_softmax::attention(q, k, v)
     }
 
@@ -76,12 +92,34 @@ impl Float for f32 {
         v: ArrayView4<f32>,
         saved: &Attention,
         dout: ArrayView4<f32>,
+        mask: Option<&Mask>, // [step 09]
     ) -> Result<[Array4<f32>; 3], AttnError> {
+        // [step 09]
+        if let Some(mask) = mask.filter(|m| !is_causal(m)) {
+            let g = step09_masks::backward(q, k, v, saved, dout, mask, &ScoreMod::None)?;
+            return Ok([g.dq, g.dk, g.dv]);
+        }
+        // [/step 09]
         let g = step04_backward::backward(q, k, v, saved, dout)?;
         Ok([g.dq, g.dk, g.dv])
     }
 }
 // ANCHOR_END: float
+// [step 09]
+
+/// Whether `mask` is plain causal attention over each whole sequence: the causal mask, or
+/// documents of which each sequence holds one (ids never go down, so its first and last are
+/// the same).
+fn is_causal(mask: &Mask) -> bool {
+    match mask {
+        Mask::Documents(docs) => docs
+            .ids()
+            .chunks(docs.tokens().max(1))
+            .all(|row| row.first() == row.last()),
+        mask => mask.is_causal(),
+    }
+}
+// [/step 09]
 
 impl Float for f64 {
     type Saved = Reference;
@@ -95,7 +133,18 @@ impl Float for f64 {
         q: ArrayView4<f64>,
         k: ArrayView4<f64>,
         v: ArrayView4<f64>,
+        mask: Option<&Mask>, // [step 09]
     ) -> Result<Reference, AttnError> {
+        // [step 09]
+        // step 09's reference, the one its masked kernels are checked against
+        if let Some(mask) = mask {
+            let r = step09_masks::reference::attention_f64(q, k, v, mask, &ScoreMod::None)?;
+            return Ok(Reference {
+                out: r.out,
+                lse: r.lse,
+            });
+        }
+        // [/step 09]
         attention_f64(q, k, v)
     }
 
@@ -110,7 +159,21 @@ impl Float for f64 {
         v: ArrayView4<f64>,
         _saved: &Reference,
         dout: ArrayView4<f64>,
+        mask: Option<&Mask>, // [step 09]
     ) -> Result<[Array4<f64>; 3], AttnError> {
+        // [step 09]
+        if let Some(mask) = mask {
+            let g = step09_masks::reference::backward_f64(
+                q,
+                k,
+                v,
+                dout,
+                mask,
+                &ScoreMod::None,
+            )?;
+            return Ok([g.dq, g.dk, g.dv]);
+        }
+        // [/step 09]
         let g = step04_backward::reference::backward_f64(q, k, v, dout)?;
         Ok([g.dq, g.dk, g.dv])
     }

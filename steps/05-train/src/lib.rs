@@ -15,6 +15,12 @@
 //! references of steps 01 and 04 in place of our kernels, the same code gives the gradients
 //! that the `f32` model's are checked against, and finite differences of its loss check
 //! those.
+// [step 09]
+//!
+//! With `train --documents` (step 09) the files packed into a window stay apart: a token
+//! attends to the earlier tokens of its own file only, through step 09's document mask
+//! ([`data::window_documents`] gives each token its file), on both CPU paths.
+// [/step 09]
 //!
 //! ## Layout
 //!

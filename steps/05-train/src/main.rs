@@ -237,6 +237,13 @@ struct TrainArgs {
     #[arg(long, default_value_t = 1)]
     gpus: usize,
     // [/step 07]
+    // [step 09]
+    /// Documents packed without padding: a token attends to the earlier tokens of its own
+    /// file only, never across a file boundary inside its window (step 09's document mask;
+    /// on the CPU, either --cpu-path; not with a token file, which keeps no boundaries)
+    #[arg(long)]
+    documents: bool,
+    // [/step 09]
 }
 
 #[derive(Args)]
@@ -271,10 +278,24 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
                 .into(),
         ));
     }
+    // [step 09]
+    if args.documents && args.device == DeviceArg::Cuda {
+        return Err(TrainError::Config(
+            "--documents needs --device cpu: the GPU trainer's kernels attend causally across \
+             the whole window; accepted: --documents with --device cpu (either --cpu-path)"
+                .into(),
+        ));
+    }
+    // [/step 09]
     if args.device == DeviceArg::Cuda {
         // before the corpus loads: no GPU is said at once
         step03_cuda_forward::gpu::Gpu::shared().map_err(TrainError::Device)?;
     }
+    // [step 09]
+    if let Some(path) = &args.resume {
+        check_resumed_documents(path, args.documents)?;
+    }
+    // [/step 09]
     let resumed = args.resume.as_deref().map(Checkpoint::load).transpose()?;
     let config = match &resumed {
         Some(ckpt) => {
@@ -521,6 +542,7 @@ fn settings_of(args: &TrainArgs, config: &Config) -> Settings {
         eval_every: args.eval_every,
         eval_batches: args.eval_batches,
         max_seconds: args.max_seconds,
+        documents: args.documents, // [step 09]
     }
 }
 
@@ -625,6 +647,36 @@ fn resume_notes(path: &Path, now: &[(&str, String)]) -> Result<(), TrainError> {
     }
     Ok(())
 }
+// [step 09]
+
+/// With --resume: the checkpoint's run packed documents (`--documents`) exactly when this
+/// one does, since the steps that follow would otherwise train another model than the one
+/// saved. A checkpoint that does not say (from before step 09, or a peer's) was trained
+/// without.
+fn check_resumed_documents(path: &Path, documents: bool) -> Result<(), TrainError> {
+    let saved = Checkpoint::metadata(path)?;
+    let then = saved
+        .get("settings")
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(s).ok())
+        .and_then(|s| s.get("documents").and_then(serde_json::Value::as_bool))
+        .unwrap_or(false);
+    if then == documents {
+        return Ok(());
+    }
+    let (with, without) = ("with --documents", "without --documents");
+    let (then_how, now_how) = if then {
+        (with, without)
+    } else {
+        (without, with)
+    };
+    Err(TrainError::Config(format!(
+        "--resume {}: its run trained {then_how}, this one asks {now_how}; accepted: \
+         --resume {} {then_how}, as the run that saved it (or train anew)",
+        path.display(),
+        path.display()
+    )))
+}
+// [/step 09]
 
 /// Every field where two JSON values differ, by its path (`schedule.max: 0.003 then,
 /// 0.001 now`).

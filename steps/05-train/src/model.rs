@@ -31,6 +31,7 @@ use crate::layers::{
     split_qkv, to_heads,
 };
 use crate::layers::{repeat_kv, sum_groups}; // [step 08]
+use step09_masks::{Documents, Mask}; // [step 09]
 
 /// The shape of a model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -353,6 +354,11 @@ pub struct Activations<A: Float> {
     pub ln_f: Norm<A>,
     /// `[B·T, vocab]`: the model's distribution of the next token at every position.
     pub probs: Array2<A>,
+    // [step 09]
+    /// The keys each token's attention saw in every block, for the backward: `None` is
+    /// causal, a document mask each token's own file only (`train --documents`).
+    pub mask: Option<Mask>,
+    // [/step 09]
 }
 
 /// Checks that a batch of tokens fits the model: no longer than its context, every token
@@ -381,6 +387,21 @@ pub fn forward<A: Float>(
     p: &Params<A>,
     inputs: ArrayView2<u8>,
 ) -> Result<Activations<A>, TrainError> {
+    // [step 09]
+    forward_documents(p, inputs, None)
+}
+
+/// [`forward`] with documents packed in each sequence (`train --documents`): with
+/// `documents` (`[B, T]` ids, or one row for every sequence alike), a token attends to the
+/// earlier tokens of its own document only, through step 09's document mask; `None` is
+/// [`forward`]. The mask is kept for the backward.
+pub fn forward_documents<A: Float>(
+    p: &Params<A>,
+    inputs: ArrayView2<u8>,
+    documents: Option<&Documents>,
+) -> Result<Activations<A>, TrainError> {
+    let mask = documents.map(|d| Mask::Documents(d.clone()));
+    // [/step 09]
     let cfg = p.config;
     let (batch, tokens) = inputs.dim();
     check_inputs(&cfg, inputs)?;
@@ -406,7 +427,12 @@ pub fn forward<A: Float>(
         let groups = cfg.heads / cfg.kv_heads;
         let (k, v) = (repeat_kv(k, groups), repeat_kv(v, groups));
         // [/step 08]
-        let att = A::attention(q.view(), k.view(), v.view())?;
+        let att = A::attention(
+            q.view(),
+            k.view(),
+            v.view(),
+            mask.as_ref(), // [step 09]
+        )?;
         let att_rows = from_heads(A::attention_out(&att));
         let x_mid = &x + &linear(att_rows.view(), w.proj_w.view(), w.proj_b.view());
         let ln_2 = layernorm(x_mid.view(), w.ln_2_w.view(), w.ln_2_b.view());
@@ -440,6 +466,7 @@ pub fn forward<A: Float>(
         x_final: x,
         ln_f,
         probs,
+        mask, // [step 09]
     })
 }
 // ANCHOR_END: forward
@@ -521,8 +548,14 @@ pub fn backward<A: Float>(
             gw.proj_b.view_mut(),
         );
         let dout = to_heads(datt_rows.view(), batch, cfg.heads);
-        let [dq, dk, dv] =
-            A::attention_backward(a.q.view(), a.k.view(), a.v.view(), &a.att, dout.view())?;
+        let [dq, dk, dv] = A::attention_backward(
+            a.q.view(),
+            a.k.view(),
+            a.v.view(),
+            &a.att,
+            dout.view(),
+            acts.mask.as_ref(), // [step 09]
+        )?;
         // [step 08]
         let groups = cfg.heads / cfg.kv_heads;
         let (dk, dv) = (sum_groups(dk, groups), sum_groups(dv, groups));

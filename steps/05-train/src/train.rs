@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::TrainError;
 use crate::checkpoint::Checkpoint;
 use crate::data::{Batch, Corpus, heldout_batches, train_batch};
+use crate::model::forward_documents; // [step 09]
 use crate::model::{Config, Params, backward, forward, loss, next_token_probs};
 use crate::optim::{AdamW, AdamWSettings, Schedule, clip_grad_norm};
 
@@ -37,6 +38,13 @@ pub struct Settings {
     /// are not counted.
     #[serde(default)]
     pub max_seconds: Option<f64>,
+    // [step 09]
+    /// Documents packed without padding (`--documents`): a token attends to the earlier
+    /// tokens of its own file only, never across a file boundary inside its window. False
+    /// in a file from before step 09.
+    #[serde(default)]
+    pub documents: bool,
+    // [/step 09]
 }
 
 /// One step as the run prints and records it.
@@ -293,6 +301,13 @@ pub trait Learner {
     /// The weights, the optimizer's state and the step, on the host, to be saved (on the
     /// GPU, copied back).
     fn checkpoint(&self) -> Result<Checkpoint, TrainError>;
+    // [step 09]
+    /// Whether it honours `Settings::documents`, the mask of packed documents: the CPU's
+    /// two paths do; the GPU trainers' kernels are causal over the whole window.
+    fn packs_documents(&self) -> bool {
+        false
+    }
+    // [/step 09]
 }
 
 /// A model, its optimizer and how far it has trained, on the CPU.
@@ -323,13 +338,25 @@ impl Trainer {
         settings: &Settings,
     ) -> Result<StepRecord, TrainError> {
         let started = Instant::now();
-        let Batch { inputs, targets } = train_batch(
+        let Batch {
+            inputs,
+            targets,
+            .. // [step 09]
+        } = train_batch(
             &corpus.train,
             settings.batch,
             settings.seq_len,
             settings.seed,
             self.step,
         );
+        // [step 09]
+        // --documents: the same windows, each token blind to the files before its own
+        let (batch, tokens, seed) = (settings.batch, settings.seq_len, settings.seed);
+        let documents = settings
+            .documents
+            .then(|| corpus.train_documents(batch, tokens, seed, self.step));
+        let forward = |p, inputs| forward_documents(p, inputs, documents.as_ref());
+        // [/step 09]
         let acts = forward(&self.params, inputs.view())?;
         let loss = loss(&acts, targets.view());
         let mut grads = backward(&self.params, &acts, inputs.view(), targets.view())?;
@@ -353,6 +380,12 @@ impl Trainer {
     pub fn heldout_loss(&self, batches: &[Batch]) -> Result<f32, TrainError> {
         let mut sum = 0.0;
         for b in batches {
+            // [step 09]
+            let forward = |p, inputs| match &b.documents {
+                Some(documents) => forward_documents(p, inputs, Some(documents)),
+                None => forward(p, inputs),
+            };
+            // [/step 09]
             let acts = forward(&self.params, b.inputs.view())?;
             sum += loss(&acts, b.targets.view()) as f64;
         }
@@ -401,6 +434,12 @@ impl Learner for Trainer {
             step: self.step,
         })
     }
+    // [step 09]
+
+    fn packs_documents(&self) -> bool {
+        true
+    }
+    // [/step 09]
 }
 
 /// Checks the settings against the model and the corpus.
@@ -459,6 +498,23 @@ pub fn train_with<L: Learner + ?Sized>(
         settings.seq_len,
         settings.eval_batches,
     );
+    // [step 09]
+    let heldout = match settings.documents {
+        true => {
+            if !learner.packs_documents() {
+                return Err(TrainError::Config(format!(
+                    "--documents: {} attends causally across the whole window; accepted: \
+                     the CPU model (--device cpu, either --cpu-path)",
+                    learner.trainer()
+                )));
+            }
+            corpus.check_documents()?;
+            let (batch, tokens) = (settings.batch, settings.seq_len);
+            corpus.heldout_batches_documents(batch, tokens, settings.eval_batches)
+        }
+        false => heldout,
+    };
+    // [/step 09]
     let hw = learner.hardware();
     let mut run = RunRecord {
         config,

@@ -89,6 +89,7 @@ fn settings(batch: usize, steps: usize) -> Settings {
         eval_every: 10,
         eval_batches: 2,
         max_seconds: None,
+        documents: false, // [step 09]
     }
 }
 

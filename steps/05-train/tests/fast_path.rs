@@ -106,6 +106,8 @@ fn training_gives_the_readable_models_losses_step_by_step() {
         heldout: include_bytes!("../src/layers.rs").to_vec(),
         train_files: 1,
         heldout_files: 1,
+        train_file_starts: vec![0],   // [step 09]
+        heldout_file_starts: vec![0], // [step 09]
     };
     let settings = Settings {
         batch: 4,
@@ -123,6 +125,7 @@ fn training_gives_the_readable_models_losses_step_by_step() {
         eval_every: 3,
         eval_batches: 2,
         max_seconds: None,
+        documents: false, // [step 09]
     };
     let mut readable = Trainer::new(TINY, &settings).unwrap();
     let mut trainer = readable.clone();

@@ -303,6 +303,7 @@ fn a_short_gpu_run_learns_as_the_cpu_run_does() {
         eval_every: steps,
         eval_batches: 4,
         max_seconds: None,
+        documents: false, // [step 09]
     };
     let corpus = corpus();
     let mut cpu = Trainer::new(config, &settings).unwrap();
@@ -466,6 +467,7 @@ fn a_batch_that_does_not_fit_is_refused_before_anything_is_allocated() {
         eval_every: 1,
         eval_batches: 1,
         max_seconds: None,
+        documents: false, // [step 09]
     };
     let start = Trainer::new(config, &settings).unwrap();
     let message = match GpuTrainer::new(&start, 1000, 2048, AttentionKind::Flash, false) {

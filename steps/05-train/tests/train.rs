@@ -60,6 +60,7 @@ fn settings(steps: usize) -> Settings {
         eval_every: 100,
         eval_batches: 4,
         max_seconds: None,
+        documents: false, // [step 09]
     }
 }
 

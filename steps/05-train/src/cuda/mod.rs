@@ -1565,7 +1565,11 @@ impl Learner for GpuTrainer {
         settings: &Settings,
     ) -> Result<StepRecord, TrainError> {
         let started = Instant::now();
-        let Batch { inputs, targets } = train_batch(
+        let Batch {
+            inputs,
+            targets,
+            .. // [step 09]
+        } = train_batch(
             &corpus.train,
             settings.batch,
             settings.seq_len,

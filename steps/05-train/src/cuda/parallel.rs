@@ -281,7 +281,11 @@ impl Learner for DataParallel {
         let started = Instant::now();
         let step = self.steps_done();
         // the batch one GPU would take, split by rows
-        let Batch { inputs, targets } = train_batch(
+        let Batch {
+            inputs,
+            targets,
+            .. // [step 09]
+        } = train_batch(
             &corpus.train,
             settings.batch,
             settings.seq_len,

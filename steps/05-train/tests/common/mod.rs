@@ -21,19 +21,31 @@ pub fn corpus() -> Corpus {
         include_str!("../../src/layers.rs"),
         include_str!("../../src/train.rs"),
         include_str!("../../src/data.rs"),
-    ]
-    .concat();
+    ];
     let heldout = [
         include_str!("../../src/optim.rs"),
         include_str!("../../src/checkpoint.rs"),
-    ]
-    .concat();
+    ];
+    // [step 09]
+    // where each file begins in its part: the sums of the lengths before it
+    let starts = |files: &[&str]| {
+        let mut at = 0;
+        let mut starts = Vec::new();
+        for f in files {
+            starts.push(at);
+            at += f.len();
+        }
+        starts
+    };
+    // [/step 09]
     Corpus {
         source: "step05-train's sources".into(),
-        train: train.into_bytes(),
-        heldout: heldout.into_bytes(),
+        train: train.concat().into_bytes(),
+        heldout: heldout.concat().into_bytes(),
         train_files: 4,
         heldout_files: 2,
+        train_file_starts: starts(&train),     // [step 09]
+        heldout_file_starts: starts(&heldout), // [step 09]
     }
 }
 // [step 07]
