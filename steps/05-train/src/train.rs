@@ -40,9 +40,10 @@ pub struct Settings {
     pub max_seconds: Option<f64>,
     // [step 09]
     /// Documents packed without padding (`--documents`): a token attends to the earlier
-    /// tokens of its own file only, never across a file boundary inside its window. False
-    /// in a file from before step 09.
-    #[serde(default)]
+    /// tokens of its own file only, never across a file boundary inside its window. Written
+    /// only when true, so that a run without it reads as one from before step 09 (a
+    /// checkpoint's settings compare equal), and false in a file without it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub documents: bool,
     // [/step 09]
 }
