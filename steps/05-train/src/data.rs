@@ -364,8 +364,8 @@ impl Corpus {
         Ok(())
     }
 }
-
 // [step 09]
+
 /// The file starts that follow a token file's bytes ([`Corpus::save`]): for the training
 /// and then the held-out part, a count and that many offsets, each list increasing from 0
 /// and inside its part.
