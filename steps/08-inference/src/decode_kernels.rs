@@ -21,6 +21,11 @@
 //! exponent bits are not all ones, so the kernels keep the largest exponent field seen, an
 //! integer AND and MAX per register, off the path of the sums.
 //!
+//! The AVX-512 kernels also care how the block comes from memory: the first tile of rows,
+//! the one that brings it, reads each key and value whole and in order, and asks for the
+//! block after next to be brought into the L2 cache while it computes, so that enough
+//! lines are in flight to read memory at its speed while the multiply-adds run.
+//!
 //! All `unsafe` of the crate's CPU decoding is in this module: calling a
 //! `#[target_feature]` function, sound only after the CPU was seen to have the feature
 //! ([`DecodeKernels::new`] checks once, and a value stands for it), and raw-pointer loads
