@@ -161,8 +161,10 @@ pub fn read_runs(dir: &Path) -> Result<Vec<Run>, String> {
         let theirs = precision::is_precision_file(p);
         let theirs = theirs || parallel::is_dp_file(p); // [step 07]
         let theirs = theirs || kv_heads::is_kv_file(p); // [step 08]
+        // [step 09]
         // chapter 9's packed documents: measured against PyTorch, drawn nowhere
-        let theirs = theirs || is_named(p, "train-cpu-documents-"); // [step 09]
+        let theirs = theirs || is_named(p, "train-cpu-documents-");
+        // [/step 09]
         is_run_file(p) && !theirs
     })
 }
