@@ -104,24 +104,32 @@ __device__ __forceinline__ u64 visible_bits(int first_key, int r0, int lane,
 
 // The block's scores through the score function (in natural units, scaled by 1/√d:
 // FlexAttention's score_mod sees what the softmax would), then, in a partial block, the
-// mask: the rows' intervals, or the bits visible_bits found
+// mask: the rows' intervals, or the bits visible_bits found. A full block takes no mask at
+// all: one test a block, not one a score
 __device__ __forceinline__ void apply_mods(float (&sc)[64], bool partial, u64 bits,
                                            const RowKeys& keys, int first_key, int r0,
                                            int lane, float scale, const MaskArgs& a) {
+  if constexpr (!SCORE_MOD_IDENTITY) {
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < 16; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int key = first_key + 8 * j + 2 * (lane % 4) + (e % 2);
-      if constexpr (!SCORE_MOD_IDENTITY) {
+      for (int e = 0; e < 4; ++e) {
+        const int key = first_key + 8 * j + 2 * (lane % 4) + (e % 2);
         const int qp = r0 + 8 * (e / 2) + a.q_offset;
         sc[4 * j + e] = score_mod(sc[4 * j + e] * scale, a.b, a.h, qp, key);
       }
-      if constexpr (MASK_INTERVAL) {
-        if (partial && (key < keys.lo[e / 2] || key > keys.hi[e / 2]))
-          sc[4 * j + e] = -INFINITY;
-      } else {
-        if (!((bits >> (4 * j + e)) & 1)) sc[4 * j + e] = -INFINITY;
+    }
+  }
+  if (partial) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = first_key + 8 * j + 2 * (lane % 4) + (e % 2);
+        const bool seen = MASK_INTERVAL
+                              ? key >= keys.lo[e / 2] && key <= keys.hi[e / 2]
+                              : (bits >> (4 * j + e)) & 1;
+        if (!seen) sc[4 * j + e] = -INFINITY;
       }
     }
   }
