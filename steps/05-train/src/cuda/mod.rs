@@ -478,6 +478,34 @@ fn pool_attribute(
     }
 }
 
+/// Where a tensor of the [`Layout`] starts on the device, by its offset: in the f32
+/// weights, their bf16 copy, or the f32 gradients.
+#[derive(Clone, Copy)]
+struct Flat {
+    params: u64,
+    params16: u64,
+    grads: u64,
+}
+
+impl Flat {
+    fn w32(self, off: usize) -> u64 {
+        self.params + 4 * off as u64
+    }
+
+    fn w16(self, off: usize) -> u64 {
+        self.params16 + 2 * off as u64
+    }
+
+    fn g32(self, off: usize) -> u64 {
+        self.grads + 4 * off as u64
+    }
+
+    /// The bias gradient of the MLP's output projection in block `l` (0 for none).
+    fn fc_proj_b_grad(self, lay: &Layout, l: Option<usize>) -> u64 {
+        l.map_or(0, |l| self.g32(lay.blocks[l].fc_proj_b))
+    }
+}
+
 impl GpuTrainer {
     /// A trainer on GPU 0 that starts from `start` (its weights, AdamW's moments and step),
     /// for batches of `batch × seq_len` tokens. Fails, saying what is missing, without a
@@ -769,6 +797,15 @@ impl GpuTrainer {
         Ok(trainer)
     }
 
+    /// The flat buffers' device addresses.
+    fn flat(&self) -> Flat {
+        Flat {
+            params: self.params.ptr,
+            params16: self.params16.ptr,
+            grads: self.grads.ptr,
+        }
+    }
+
     /// Waits for the stream.
     fn sync(&self) -> Result<(), TrainError> {
         self.gpu
@@ -840,6 +877,241 @@ impl GpuTrainer {
     /// The forward pass over the uploaded batch, keeping what the backward needs; the mean
     /// loss lands in device memory. With `train`, also the logits' gradient.
     pub fn forward(&mut self, train: bool) -> Result<(), TrainError> {
+        self.forward_embedding()?;
+        for l in 0..self.layers.len() {
+            self.forward_layernorm_1(l)?;
+            self.forward_attention(l)?;
+            self.forward_mlp(l)?;
+        }
+        self.forward_logits(train)
+    }
+
+    /// The first block's input: each token's embedding plus its position's.
+    fn forward_embedding(&mut self) -> Result<(), TrainError> {
+        let f = self.flat();
+        let GpuTrainer {
+            gpu,
+            kernels: k,
+            config,
+            batch,
+            seq_len,
+            layout: lay,
+            layers,
+            batch_u8,
+            profiler: prof,
+            ..
+        } = self;
+        let (t, c) = (*seq_len, config.d_model);
+        let rows = *batch * t;
+        let tokens = batch_u8.ptr;
+        // SAFETY (every launch and product of the forward): each pointer is a buffer
+        // allocated in GpuTrainer::new for this batch shape, or an offset into the flat
+        // weights that the layout gives for a tensor of the size used
+        unsafe {
+            prof.mark(gpu, "start")?;
+            k.embed_forward(
+                tokens,
+                f.w32(lay.wte),
+                f.w32(lay.wpe),
+                layers[0].x.ptr,
+                rows,
+                t,
+                c,
+            )?;
+            prof.mark(gpu, "embedding")?;
+        }
+        Ok(())
+    }
+
+    /// Block `l`'s first LayerNorm, in which the residual connection of the block before
+    /// closes: its input `x` is the block before's `x_mid` plus its MLP's output.
+    fn forward_layernorm_1(&mut self, l: usize) -> Result<(), TrainError> {
+        let f = self.flat();
+        let GpuTrainer {
+            gpu,
+            kernels: k,
+            config,
+            batch,
+            seq_len,
+            layout: lay,
+            layers,
+            s,
+            profiler: prof,
+            ..
+        } = self;
+        let (rows, c) = (*batch * *seq_len, config.d_model);
+        let w = lay.blocks[l];
+        let (res, y, y_bias) = match l {
+            0 => (layers[0].x.ptr, 0, 0),
+            _ => (
+                layers[l - 1].x_mid.ptr,
+                s.y.ptr,
+                f.w32(lay.blocks[l - 1].fc_proj_b),
+            ),
+        };
+        let la = &layers[l];
+        // SAFETY: as in forward_embedding
+        unsafe {
+            k.layernorm_forward(
+                res,
+                y,
+                y_bias,
+                la.x.ptr,
+                (f.w32(w.ln_1_w), f.w32(w.ln_1_b)),
+                la.ln1.ptr,
+                (la.ln1_mean.ptr, la.ln1_rstd.ptr),
+                rows,
+                c,
+            )?;
+            prof.mark(gpu, "layernorm")?;
+        }
+        Ok(())
+    }
+
+    /// Block `l`'s attention, from its first LayerNorm `ln1`: the fused projection, then
+    /// attention, its output in rows (`att_rows`).
+    fn forward_attention(&mut self, l: usize) -> Result<(), TrainError> {
+        let f = self.flat();
+        let (ln1, att_rows) = (self.layers[l].ln1.ptr, self.layers[l].att_rows.ptr);
+        match &mut self.layers[l].attn {
+            // [step 06]
+            AttentionActs::Fused { qkv, lse } => {
+                let (qkv, lse) = (qkv.ptr, lse.ptr);
+                self.forward_attention_fused(l, qkv, lse)
+            }
+            // [/step 06]
+            AttentionActs::Heads { q, k: key, v, att } => {
+                let GpuTrainer {
+                    gpu,
+                    kernels: k,
+                    blas,
+                    config,
+                    batch,
+                    seq_len,
+                    attention,
+                    layout: lay,
+                    s,
+                    profiler: prof,
+                    ..
+                } = self;
+                let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
+                let rows = b * t;
+                let heads = (b, h, t, c / h);
+                let width = config.qkv_width();
+                let w = lay.blocks[l];
+                let stream = gpu.stream();
+                // SAFETY: as in forward_embedding
+                unsafe {
+                    blas.matmul(
+                        rows,
+                        width,
+                        c,
+                        plain(ln1),
+                        plain(f.w16(w.attn_w)),
+                        s.qkv.ptr,
+                        Out::Bf16,
+                        0.0,
+                    )?;
+                    prof.mark(gpu, "matmul: qkv")?;
+                    // q, k, v: the fused projection's three column blocks, each with its
+                    // bias
+                    let qkv = (
+                        dptr(&q.data, stream),
+                        dptr(&key.data, stream),
+                        dptr(&v.data, stream),
+                    );
+                    k.qkv_to_heads(s.qkv.ptr, f.w32(w.attn_b), qkv, heads, width)?;
+                    prof.mark(gpu, "qkv to heads")?;
+                    attention_forward(gpu, *attention, q, key, v, att)?;
+                    prof.mark(gpu, "attention")?;
+                    let out = &att.as_ref().expect("the forward wrote it").out;
+                    k.heads_rows(dptr(&out.data, stream), att_rows, true, heads)?;
+                    prof.mark(gpu, "heads to rows")?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    // [step 06]
+    /// [`GpuTrainer::forward_attention`] through step 06's kernel, writing block `l`'s
+    /// fused projection into `qkv` and its log-sum-exps into `lse`.
+    fn forward_attention_fused(
+        &mut self,
+        l: usize,
+        qkv: u64,
+        lse: u64,
+    ) -> Result<(), TrainError> {
+        let f = self.flat();
+        let GpuTrainer {
+            gpu,
+            blas,
+            config,
+            batch,
+            seq_len,
+            layout: lay,
+            layers,
+            profiler: prof,
+            ..
+        } = self;
+        let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
+        let rows = b * t;
+        let width = config.qkv_width();
+        let shape = Shape::new(b, h, t, c / h);
+        let w = lay.blocks[l];
+        let la = &layers[l];
+        // SAFETY: as in forward_embedding
+        unsafe {
+            // the bias added as cuBLASLt writes the product
+            blas.matmul_bias(
+                rows,
+                width,
+                c,
+                plain(la.ln1.ptr),
+                plain(f.w16(w.attn_w)),
+                f.w16(w.attn_b),
+                qkv,
+            )?;
+            prof.mark(gpu, "matmul: qkv")?;
+            let kernel = ForwardKernel::for_shape(shape, h);
+            let thirds = fused_thirds(qkv, shape);
+            // [step 08]
+            // grouped heads: k's and v's columns are fewer
+            let kv = config.kv_heads;
+            let (kernel, thirds) = match kv == h {
+                true => (kernel, thirds),
+                false => (
+                    ForwardKernel::for_shape(shape, kv),
+                    fused_grouped(qkv, shape, kv),
+                ),
+            };
+            // [/step 08]
+            // (inside this unsafe block) qkv holds rows · width bf16 values, each third's
+            // span (Layout::span) ends inside it; att_rows holds rows · C, lse rows · H f32,
+            // apart from qkv and each other
+            step06_hopper::forward::forward_into(
+                gpu,
+                kernel,
+                shape,
+                Dtype::Bf16,
+                thirds,
+                Strided {
+                    ptr: la.att_rows.ptr,
+                    layout: HeadLayout::rows(shape),
+                },
+                lse,
+            )?;
+            prof.mark(gpu, "attention")?;
+        }
+        Ok(())
+    }
+    // [/step 06]
+
+    /// Block `l`'s attention output projection, its second LayerNorm (the attention half's
+    /// residual connection closes in it) and its MLP; the MLP's output is left in `y`, for
+    /// the next LayerNorm to add to `x_mid`.
+    fn forward_mlp(&mut self, l: usize) -> Result<(), TrainError> {
+        let f = self.flat();
         let GpuTrainer {
             gpu,
             kernels: k,
@@ -847,10 +1119,80 @@ impl GpuTrainer {
             config,
             batch,
             seq_len,
-            attention,
             layout: lay,
-            params,
-            params16,
+            layers,
+            s,
+            profiler: prof,
+            ..
+        } = self;
+        let (rows, c) = (*batch * *seq_len, config.d_model);
+        let w = lay.blocks[l];
+        let la = &layers[l];
+        // SAFETY: as in forward_embedding
+        unsafe {
+            blas.matmul(
+                rows,
+                c,
+                c,
+                plain(la.att_rows.ptr),
+                plain(f.w16(w.proj_w)),
+                s.y.ptr,
+                Out::F32,
+                0.0,
+            )?;
+            prof.mark(gpu, "matmul: attention projection")?;
+            k.layernorm_forward(
+                la.x.ptr,
+                s.y.ptr,
+                f.w32(w.proj_b),
+                la.x_mid.ptr,
+                (f.w32(w.ln_2_w), f.w32(w.ln_2_b)),
+                la.ln2.ptr,
+                (la.ln2_mean.ptr, la.ln2_rstd.ptr),
+                rows,
+                c,
+            )?;
+            prof.mark(gpu, "layernorm")?;
+            blas.matmul(
+                rows,
+                4 * c,
+                c,
+                plain(la.ln2.ptr),
+                plain(f.w16(w.fc_w)),
+                la.fc.ptr,
+                Out::Bf16,
+                0.0,
+            )?;
+            prof.mark(gpu, "matmul: mlp up")?;
+            k.bias_gelu(la.fc.ptr, f.w32(w.fc_b), s.gelu.ptr, rows, 4 * c)?;
+            prof.mark(gpu, "bias + gelu")?;
+            blas.matmul(
+                rows,
+                c,
+                4 * c,
+                plain(s.gelu.ptr),
+                plain(f.w16(w.fc_proj_w)),
+                s.y.ptr,
+                Out::F32,
+                0.0,
+            )?;
+            prof.mark(gpu, "matmul: mlp down")?;
+        }
+        Ok(())
+    }
+
+    /// The last LayerNorm, the logits, and the mean cross-entropy loss into `scalars`; with
+    /// `train`, the logits' gradient too.
+    fn forward_logits(&mut self, train: bool) -> Result<(), TrainError> {
+        let f = self.flat();
+        let GpuTrainer {
+            gpu,
+            kernels: k,
+            blas,
+            config,
+            batch,
+            seq_len,
+            layout: lay,
             layers,
             x_final,
             lnf,
@@ -863,188 +1205,18 @@ impl GpuTrainer {
             profiler: prof,
             ..
         } = self;
-        let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
-        let (rows, d, vocab) = (b * t, c / h, config.vocab);
-        let heads = (b, h, t, d);
-        let width = config.qkv_width();
-        let shape = Shape::new(b, h, t, d); // [step 06]
-        let w32 = |off: usize| params.ptr + 4 * off as u64;
-        let w16 = |off: usize| params16.ptr + 2 * off as u64;
-        let stream = gpu.stream();
-        let (tokens, targets) = (batch_u8.ptr, batch_u8.ptr + rows as u64);
-        // SAFETY (every launch and product below): each pointer is a buffer allocated in
-        // GpuTrainer::new for this batch shape, or an offset into the flat weights that the
-        // layout gives for a tensor of the size used
+        let (rows, c, vocab) = (*batch * *seq_len, config.d_model, config.vocab);
+        let targets = batch_u8.ptr + rows as u64;
+        let last = layers.last().expect("at least one layer");
+        let fc_proj_b = f.w32(lay.blocks[layers.len() - 1].fc_proj_b);
+        // SAFETY: as in forward_embedding
         unsafe {
-            prof.mark(gpu, "start")?;
-            k.embed_forward(
-                tokens,
-                w32(lay.wte),
-                w32(lay.wpe),
-                layers[0].x.ptr,
-                rows,
-                t,
-                c,
-            )?;
-            prof.mark(gpu, "embedding")?;
-            for l in 0..layers.len() {
-                let w = lay.blocks[l];
-                // the residual connection of the block before closes in this LayerNorm
-                let (res, y, y_bias) = match l {
-                    0 => (layers[0].x.ptr, 0, 0),
-                    _ => (
-                        layers[l - 1].x_mid.ptr,
-                        s.y.ptr,
-                        w32(lay.blocks[l - 1].fc_proj_b),
-                    ),
-                };
-                let la = &mut layers[l];
-                k.layernorm_forward(
-                    res,
-                    y,
-                    y_bias,
-                    la.x.ptr,
-                    (w32(w.ln_1_w), w32(w.ln_1_b)),
-                    la.ln1.ptr,
-                    (la.ln1_mean.ptr, la.ln1_rstd.ptr),
-                    rows,
-                    c,
-                )?;
-                prof.mark(gpu, "layernorm")?;
-                match &mut la.attn {
-                    // [step 06]
-                    AttentionActs::Fused { qkv, lse } => {
-                        // the bias added as cuBLASLt writes the product
-                        blas.matmul_bias(
-                            rows,
-                            width,
-                            c,
-                            plain(la.ln1.ptr),
-                            plain(w16(w.attn_w)),
-                            w16(w.attn_b),
-                            qkv.ptr,
-                        )?;
-                        prof.mark(gpu, "matmul: qkv")?;
-                        let kernel = ForwardKernel::for_shape(shape, h);
-                        let thirds = fused_thirds(qkv.ptr, shape);
-                        // [step 08]
-                        // grouped heads: k's and v's columns are fewer
-                        let kv = config.kv_heads;
-                        let (kernel, thirds) = match kv == h {
-                            true => (kernel, thirds),
-                            false => (
-                                ForwardKernel::for_shape(shape, kv),
-                                fused_grouped(qkv.ptr, shape, kv),
-                            ),
-                        };
-                        // [/step 08]
-                        // (inside this unsafe block) qkv holds rows · width bf16 values,
-                        // each third's span (Layout::span) ends inside it; att_rows holds
-                        // rows · C, lse rows · H f32, apart from qkv and each other
-                        step06_hopper::forward::forward_into(
-                            gpu,
-                            kernel,
-                            shape,
-                            Dtype::Bf16,
-                            thirds,
-                            Strided {
-                                ptr: la.att_rows.ptr,
-                                layout: HeadLayout::rows(shape),
-                            },
-                            lse.ptr,
-                        )?;
-                        prof.mark(gpu, "attention")?;
-                    }
-                    // [/step 06]
-                    AttentionActs::Heads { q, k: key, v, att } => {
-                        blas.matmul(
-                            rows,
-                            width,
-                            c,
-                            plain(la.ln1.ptr),
-                            plain(w16(w.attn_w)),
-                            s.qkv.ptr,
-                            Out::Bf16,
-                            0.0,
-                        )?;
-                        prof.mark(gpu, "matmul: qkv")?;
-                        // q, k, v: the fused projection's three column blocks, each with
-                        // its bias
-                        let qkv = (
-                            dptr(&q.data, stream),
-                            dptr(&key.data, stream),
-                            dptr(&v.data, stream),
-                        );
-                        k.qkv_to_heads(s.qkv.ptr, w32(w.attn_b), qkv, heads, width)?;
-                        prof.mark(gpu, "qkv to heads")?;
-                        attention_forward(gpu, *attention, q, key, v, att)?;
-                        prof.mark(gpu, "attention")?;
-                        let out = &att.as_ref().expect("the forward wrote it").out;
-                        k.heads_rows(
-                            dptr(&out.data, stream),
-                            la.att_rows.ptr,
-                            true,
-                            heads,
-                        )?;
-                        prof.mark(gpu, "heads to rows")?;
-                    }
-                }
-                blas.matmul(
-                    rows,
-                    c,
-                    c,
-                    plain(la.att_rows.ptr),
-                    plain(w16(w.proj_w)),
-                    s.y.ptr,
-                    Out::F32,
-                    0.0,
-                )?;
-                prof.mark(gpu, "matmul: attention projection")?;
-                k.layernorm_forward(
-                    la.x.ptr,
-                    s.y.ptr,
-                    w32(w.proj_b),
-                    la.x_mid.ptr,
-                    (w32(w.ln_2_w), w32(w.ln_2_b)),
-                    la.ln2.ptr,
-                    (la.ln2_mean.ptr, la.ln2_rstd.ptr),
-                    rows,
-                    c,
-                )?;
-                prof.mark(gpu, "layernorm")?;
-                blas.matmul(
-                    rows,
-                    4 * c,
-                    c,
-                    plain(la.ln2.ptr),
-                    plain(w16(w.fc_w)),
-                    la.fc.ptr,
-                    Out::Bf16,
-                    0.0,
-                )?;
-                prof.mark(gpu, "matmul: mlp up")?;
-                k.bias_gelu(la.fc.ptr, w32(w.fc_b), s.gelu.ptr, rows, 4 * c)?;
-                prof.mark(gpu, "bias + gelu")?;
-                blas.matmul(
-                    rows,
-                    c,
-                    4 * c,
-                    plain(s.gelu.ptr),
-                    plain(w16(w.fc_proj_w)),
-                    s.y.ptr,
-                    Out::F32,
-                    0.0,
-                )?;
-                prof.mark(gpu, "matmul: mlp down")?;
-            }
-            let last = layers.last().expect("at least one layer");
-            let fc_proj_b = w32(lay.blocks[layers.len() - 1].fc_proj_b);
             k.layernorm_forward(
                 last.x_mid.ptr,
                 s.y.ptr,
                 fc_proj_b,
                 x_final.ptr,
-                (w32(lay.ln_f_w), w32(lay.ln_f_b)),
+                (f.w32(lay.ln_f_w), f.w32(lay.ln_f_b)),
                 lnf.ptr,
                 (lnf_mean.ptr, lnf_rstd.ptr),
                 rows,
@@ -1057,7 +1229,7 @@ impl GpuTrainer {
                 vocab,
                 c,
                 plain(lnf.ptr),
-                transposed(w16(lay.wte)),
+                transposed(f.w16(lay.wte)),
                 logits.ptr,
                 Out::F32,
                 0.0,
@@ -1075,8 +1247,22 @@ impl GpuTrainer {
 
     // ANCHOR: gpu_backward
     /// The backward pass: every weight's gradient into the flat gradient buffer, each
-    /// layer's backward in the reverse order of the forward.
+    /// layer's backward in the reverse order of the forward, one sublayer at a time.
     pub fn backward(&mut self) -> Result<(), TrainError> {
+        self.backward_logits()?;
+        for l in (0..self.layers.len()).rev() {
+            self.backward_mlp(l)?;
+            self.backward_attention_projection(l)?;
+            self.backward_attention(l)?;
+            self.backward_qkv(l)?;
+        }
+        self.backward_embedding()
+    }
+
+    /// The output layer and the last LayerNorm: the residual gradient `dres` that the last
+    /// block's backward starts from.
+    fn backward_logits(&mut self) -> Result<(), TrainError> {
+        let f = self.flat();
         let GpuTrainer {
             gpu,
             kernels: k,
@@ -1084,11 +1270,7 @@ impl GpuTrainer {
             config,
             batch,
             seq_len,
-            attention,
             layout: lay,
-            params,
-            params16,
-            grads,
             layers,
             x_final,
             lnf,
@@ -1096,21 +1278,10 @@ impl GpuTrainer {
             lnf_rstd,
             dlogits,
             s,
-            batch_i32,
             profiler: prof,
             ..
         } = self;
-        let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
-        let (rows, d, vocab) = (b * t, c / h, config.vocab);
-        let heads = (b, h, t, d);
-        let width = config.qkv_width();
-        let shape = Shape::new(b, h, t, d); // [step 06]
-        let w32 = |off: usize| params.ptr + 4 * off as u64;
-        let w16 = |off: usize| params16.ptr + 2 * off as u64;
-        let g32 = |off: usize| grads.ptr + 4 * off as u64;
-        let stream = gpu.stream();
-        // the bias gradient of the MLP's output projection in block l (0 for none)
-        let fc_proj_b = |l: Option<usize>| l.map_or(0, |l| g32(lay.blocks[l].fc_proj_b));
+        let (rows, c, vocab) = (*batch * *seq_len, config.d_model, config.vocab);
         let last = layers.len() - 1;
         // SAFETY: as in forward
         unsafe {
@@ -1122,7 +1293,7 @@ impl GpuTrainer {
                 rows,
                 transposed(dlogits.ptr),
                 plain(lnf.ptr),
-                g32(lay.wte),
+                f.g32(lay.wte),
                 Out::F32,
                 0.0,
             )?;
@@ -1131,7 +1302,7 @@ impl GpuTrainer {
                 c,
                 vocab,
                 plain(dlogits.ptr),
-                plain(w16(lay.wte)),
+                plain(f.w16(lay.wte)),
                 s.dln.ptr,
                 Out::F32,
                 0.0,
@@ -1142,258 +1313,416 @@ impl GpuTrainer {
             k.layernorm_backward(
                 s.dln.ptr,
                 x_final.ptr,
-                w32(lay.ln_f_w),
+                f.w32(lay.ln_f_w),
                 (lnf_mean.ptr, lnf_rstd.ptr),
                 0,
                 (s.dres.ptr, s.dres16.ptr),
                 s.ln_partial.ptr,
-                [g32(lay.ln_f_w), g32(lay.ln_f_b), fc_proj_b(Some(last))],
+                [
+                    f.g32(lay.ln_f_w),
+                    f.g32(lay.ln_f_b),
+                    f.fc_proj_b_grad(lay, Some(last)),
+                ],
                 rows,
                 c,
             )?;
             prof.mark(gpu, "backward: layernorm")?;
-            for l in (0..layers.len()).rev() {
-                let w = lay.blocks[l];
-                let la = &layers[l];
-                // dres: the gradient of the block's output. The MLP half: its output
-                // projection, GELU (with its input bias's gradient), its input projection,
-                // its LayerNorm (which adds the residual's share and gives dmid, the
-                // gradient of x_mid, whose column sums are the attention projection's bias
-                // gradient) the gradient of GELU's output first: the GELU backward then
-                // writes GELU's output again (not kept: see Scratch::gelu) in the pass that
-                // reads fc for the gradient through GELU, and the weight gradient reads it
-                // after that
-                blas.matmul(
-                    rows,
-                    4 * c,
-                    c,
-                    plain(s.dres16.ptr),
-                    transposed(w16(w.fc_proj_w)),
-                    s.dbig.ptr,
-                    Out::Bf16,
-                    0.0,
-                )?;
-                prof.mark(gpu, "backward: matmul mlp down")?;
-                k.gelu_backward(
-                    s.dbig.ptr,
-                    la.fc.ptr,
-                    w32(w.fc_b),
-                    s.gelu.ptr,
-                    s.col_partial.ptr,
-                    g32(w.fc_b),
-                    rows,
-                    4 * c,
-                )?;
-                prof.mark(gpu, "backward: gelu")?;
-                blas.matmul(
-                    4 * c,
-                    c,
-                    rows,
-                    transposed(s.gelu.ptr),
-                    plain(s.dres16.ptr),
-                    g32(w.fc_proj_w),
-                    Out::F32,
-                    0.0,
-                )?;
-                prof.mark(gpu, "backward: matmul mlp down")?;
-                blas.matmul(
-                    c,
-                    4 * c,
-                    rows,
-                    transposed(la.ln2.ptr),
-                    plain(s.dbig.ptr),
-                    g32(w.fc_w),
-                    Out::F32,
-                    0.0,
-                )?;
-                blas.matmul(
-                    rows,
-                    c,
-                    4 * c,
-                    plain(s.dbig.ptr),
-                    transposed(w16(w.fc_w)),
-                    s.dln.ptr,
-                    Out::F32,
-                    0.0,
-                )?;
-                prof.mark(gpu, "backward: matmul mlp up")?;
-                k.layernorm_backward(
-                    s.dln.ptr,
-                    la.x_mid.ptr,
-                    w32(w.ln_2_w),
-                    (la.ln2_mean.ptr, la.ln2_rstd.ptr),
-                    s.dres.ptr,
-                    (s.dmid.ptr, s.dmid16.ptr),
-                    s.ln_partial.ptr,
-                    [g32(w.ln_2_w), g32(w.ln_2_b), g32(w.proj_b)],
-                    rows,
-                    c,
-                )?;
-                prof.mark(gpu, "backward: layernorm")?;
-                // the attention half, the same way
-                blas.matmul(
-                    c,
-                    c,
-                    rows,
-                    transposed(la.att_rows.ptr),
-                    plain(s.dmid16.ptr),
-                    g32(w.proj_w),
-                    Out::F32,
-                    0.0,
-                )?;
-                blas.matmul(
-                    rows,
-                    c,
-                    c,
-                    plain(s.dmid16.ptr),
-                    transposed(w16(w.proj_w)),
-                    s.datt_rows.ptr,
-                    Out::Bf16,
-                    0.0,
-                )?;
-                prof.mark(gpu, "backward: matmul attention projection")?;
-                match &la.attn {
-                    // [step 06]
-                    AttentionActs::Fused { qkv, lse } => {
-                        // step 06's kernels read q, k, v where the forward's product wrote
-                        // them, the output and its gradient in rows, and write dq, dk and
-                        // dv straight into the fused projection's gradient: nothing to
-                        // move, only the bias's column sums to take
-                        let [q, key, v] = fused_thirds(qkv.ptr, shape);
-                        // [step 08]
-                        // grouped heads: k's and v's columns are fewer
-                        let grouped = config.kv_heads != h;
-                        let [q, key, v] = match grouped {
-                            false => [q, key, v],
-                            true => fused_grouped(qkv.ptr, shape, config.kv_heads),
-                        };
-                        // [/step 08]
-                        let in_rows = |ptr| Strided {
-                            ptr,
-                            layout: HeadLayout::rows(shape),
-                        };
-                        let inputs = step06_hopper::backward::BackwardInputs {
-                            q,
-                            k: key,
-                            v,
-                            out: in_rows(la.att_rows.ptr),
-                            dout: in_rows(s.datt_rows.ptr),
-                            lse: lse.ptr,
-                        };
-                        // two passes: a step's gradients the same bits every run, so that a
-                        // run can be repeated and resumed exactly (one pass adds dQ in
-                        // whatever order its blocks finish)
-                        let kernels =
-                            step06_hopper::kernel::BackwardKernels::two_passes(shape);
-                        let grads_at = s.dqkv.ptr;
-                        // [step 08]
-                        // and the kernels write dk and dv for every query head, as if k and
-                        // v had been repeated, in rows of 3C; each group's sum goes to dqkv
-                        // after
-                        let grads_at = if grouped { s.dqkv_heads.ptr } else { grads_at };
-                        // [/step 08]
-                        let grads = fused_thirds(grads_at, shape).map(|g| g.ptr);
-                        // (inside this unsafe block) grads_at holds rows · 3C bf16 values,
-                        // apart from every input, and each third's span ends inside it; the
-                        // thirds' columns are apart
-                        step06_hopper::backward::backward_into(
-                            gpu,
-                            kernels,
-                            shape,
-                            Dtype::Bf16,
-                            inputs,
-                            grads,
-                            HeadLayout::fused_rows(shape),
-                        )?;
-                        prof.mark(gpu, "backward: attention")?;
-                        // [step 08]
-                        if grouped {
-                            let heads = (h, config.kv_heads, d);
-                            k.sum_kv_groups(s.dqkv_heads.ptr, s.dqkv.ptr, rows, heads)?;
-                            prof.mark(gpu, "backward: sum kv groups")?;
-                        }
-                        // [/step 08]
-                        k.column_sums(
-                            s.dqkv.ptr,
-                            s.col_partial.ptr,
-                            g32(w.attn_b),
-                            rows,
-                            width,
-                        )?;
-                        prof.mark(gpu, "backward: qkv bias")?;
-                    }
-                    // [/step 06]
-                    AttentionActs::Heads { q, k: key, v, att } => {
-                        k.heads_rows(
-                            s.datt_rows.ptr,
-                            dptr(&s.dout.data, stream),
-                            false,
-                            heads,
-                        )?;
-                        prof.mark(gpu, "backward: rows to heads")?;
-                        let fwd = att.as_ref().expect("the forward ran");
-                        let g =
-                            attention_backward(gpu, *attention, q, key, v, fwd, &s.dout)?;
-                        prof.mark(gpu, "backward: attention")?;
-                        let dqkv = (
-                            dptr(&g.dq.data, stream),
-                            dptr(&g.dk.data, stream),
-                            dptr(&g.dv.data, stream),
-                        );
-                        k.heads_to_qkv(
-                            dqkv,
-                            s.dqkv.ptr,
-                            s.col_partial.ptr,
-                            g32(w.attn_b),
-                            heads,
-                            width,
-                        )?;
-                        // freed in stream order, after the kernel above has read them
-                        drop(g);
-                        prof.mark(gpu, "backward: heads to qkv")?;
-                    }
-                }
-                blas.matmul(
-                    c,
-                    width,
-                    rows,
-                    transposed(la.ln1.ptr),
-                    plain(s.dqkv.ptr),
-                    g32(w.attn_w),
-                    Out::F32,
-                    0.0,
-                )?;
-                blas.matmul(
-                    rows,
-                    c,
-                    width,
-                    plain(s.dqkv.ptr),
-                    transposed(w16(w.attn_w)),
-                    s.dln.ptr,
-                    Out::F32,
-                    0.0,
-                )?;
-                prof.mark(gpu, "backward: matmul qkv")?;
-                // the block's input is the block before's output: its residual gradient
-                // sums to that block's MLP output bias's gradient
-                k.layernorm_backward(
-                    s.dln.ptr,
-                    la.x.ptr,
-                    w32(w.ln_1_w),
-                    (la.ln1_mean.ptr, la.ln1_rstd.ptr),
-                    s.dmid.ptr,
-                    (s.dres.ptr, s.dres16.ptr),
-                    s.ln_partial.ptr,
-                    [g32(w.ln_1_w), g32(w.ln_1_b), fc_proj_b(l.checked_sub(1))],
-                    rows,
-                    c,
-                )?;
-                prof.mark(gpu, "backward: layernorm")?;
+        }
+        Ok(())
+    }
+
+    /// Block `l`'s MLP half, from `dres`, the gradient of the block's output: its output
+    /// projection, GELU (with its input bias's gradient), its input projection, its
+    /// LayerNorm (which adds the residual's share and gives dmid, the gradient of x_mid,
+    /// whose column sums are the attention projection's bias gradient).
+    fn backward_mlp(&mut self, l: usize) -> Result<(), TrainError> {
+        let f = self.flat();
+        let GpuTrainer {
+            gpu,
+            kernels: k,
+            blas,
+            config,
+            batch,
+            seq_len,
+            layout: lay,
+            layers,
+            s,
+            profiler: prof,
+            ..
+        } = self;
+        let (rows, c) = (*batch * *seq_len, config.d_model);
+        let w = lay.blocks[l];
+        let la = &layers[l];
+        // SAFETY: as in forward
+        unsafe {
+            // the gradient of GELU's output first: the GELU backward then writes GELU's
+            // output again (not kept: see Scratch::gelu) in the pass that reads fc for the
+            // gradient through GELU, and the weight gradient reads it after that
+            blas.matmul(
+                rows,
+                4 * c,
+                c,
+                plain(s.dres16.ptr),
+                transposed(f.w16(w.fc_proj_w)),
+                s.dbig.ptr,
+                Out::Bf16,
+                0.0,
+            )?;
+            prof.mark(gpu, "backward: matmul mlp down")?;
+            k.gelu_backward(
+                s.dbig.ptr,
+                la.fc.ptr,
+                f.w32(w.fc_b),
+                s.gelu.ptr,
+                s.col_partial.ptr,
+                f.g32(w.fc_b),
+                rows,
+                4 * c,
+            )?;
+            prof.mark(gpu, "backward: gelu")?;
+            blas.matmul(
+                4 * c,
+                c,
+                rows,
+                transposed(s.gelu.ptr),
+                plain(s.dres16.ptr),
+                f.g32(w.fc_proj_w),
+                Out::F32,
+                0.0,
+            )?;
+            prof.mark(gpu, "backward: matmul mlp down")?;
+            blas.matmul(
+                c,
+                4 * c,
+                rows,
+                transposed(la.ln2.ptr),
+                plain(s.dbig.ptr),
+                f.g32(w.fc_w),
+                Out::F32,
+                0.0,
+            )?;
+            blas.matmul(
+                rows,
+                c,
+                4 * c,
+                plain(s.dbig.ptr),
+                transposed(f.w16(w.fc_w)),
+                s.dln.ptr,
+                Out::F32,
+                0.0,
+            )?;
+            prof.mark(gpu, "backward: matmul mlp up")?;
+            k.layernorm_backward(
+                s.dln.ptr,
+                la.x_mid.ptr,
+                f.w32(w.ln_2_w),
+                (la.ln2_mean.ptr, la.ln2_rstd.ptr),
+                s.dres.ptr,
+                (s.dmid.ptr, s.dmid16.ptr),
+                s.ln_partial.ptr,
+                [f.g32(w.ln_2_w), f.g32(w.ln_2_b), f.g32(w.proj_b)],
+                rows,
+                c,
+            )?;
+            prof.mark(gpu, "backward: layernorm")?;
+        }
+        Ok(())
+    }
+
+    /// Block `l`'s attention half, the same way, starting with the attention's output
+    /// projection: its weight's gradient, and the attention output's gradient `datt_rows`.
+    fn backward_attention_projection(&mut self, l: usize) -> Result<(), TrainError> {
+        let f = self.flat();
+        let GpuTrainer {
+            gpu,
+            blas,
+            config,
+            batch,
+            seq_len,
+            layout: lay,
+            layers,
+            s,
+            profiler: prof,
+            ..
+        } = self;
+        let (rows, c) = (*batch * *seq_len, config.d_model);
+        let w = lay.blocks[l];
+        let la = &layers[l];
+        // SAFETY: as in forward
+        unsafe {
+            blas.matmul(
+                c,
+                c,
+                rows,
+                transposed(la.att_rows.ptr),
+                plain(s.dmid16.ptr),
+                f.g32(w.proj_w),
+                Out::F32,
+                0.0,
+            )?;
+            blas.matmul(
+                rows,
+                c,
+                c,
+                plain(s.dmid16.ptr),
+                transposed(f.w16(w.proj_w)),
+                s.datt_rows.ptr,
+                Out::Bf16,
+                0.0,
+            )?;
+            prof.mark(gpu, "backward: matmul attention projection")?;
+        }
+        Ok(())
+    }
+
+    /// Block `l`'s attention: from `datt_rows`, the fused projection's gradient `dqkv` and
+    /// its bias's gradient.
+    fn backward_attention(&mut self, l: usize) -> Result<(), TrainError> {
+        match &self.layers[l].attn {
+            // [step 06]
+            AttentionActs::Fused { qkv, lse } => {
+                let (qkv, lse) = (qkv.ptr, lse.ptr);
+                self.backward_attention_fused(l, qkv, lse)
             }
-            // dres is now the gradient of x = wte[token] + wpe[t]
-            let (order, offsets) = (batch_i32.ptr, batch_i32.ptr + 4 * rows as u64);
-            k.embed_backward_pos(s.dres.ptr, g32(lay.wpe), (b, t, c), config.context)?;
-            k.embed_backward_tok(s.dres.ptr, order, offsets, g32(lay.wte), vocab, c)?;
+            // [/step 06]
+            AttentionActs::Heads { q, k: key, v, att } => {
+                let f = self.flat();
+                let GpuTrainer {
+                    gpu,
+                    kernels: k,
+                    config,
+                    batch,
+                    seq_len,
+                    attention,
+                    layout: lay,
+                    s,
+                    profiler: prof,
+                    ..
+                } = self;
+                let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
+                let heads = (b, h, t, c / h);
+                let width = config.qkv_width();
+                let w = lay.blocks[l];
+                let stream = gpu.stream();
+                // SAFETY: as in forward
+                unsafe {
+                    k.heads_rows(
+                        s.datt_rows.ptr,
+                        dptr(&s.dout.data, stream),
+                        false,
+                        heads,
+                    )?;
+                    prof.mark(gpu, "backward: rows to heads")?;
+                    let fwd = att.as_ref().expect("the forward ran");
+                    let g = attention_backward(gpu, *attention, q, key, v, fwd, &s.dout)?;
+                    prof.mark(gpu, "backward: attention")?;
+                    let dqkv = (
+                        dptr(&g.dq.data, stream),
+                        dptr(&g.dk.data, stream),
+                        dptr(&g.dv.data, stream),
+                    );
+                    k.heads_to_qkv(
+                        dqkv,
+                        s.dqkv.ptr,
+                        s.col_partial.ptr,
+                        f.g32(w.attn_b),
+                        heads,
+                        width,
+                    )?;
+                    // freed in stream order, after the kernel above has read them
+                    drop(g);
+                    prof.mark(gpu, "backward: heads to qkv")?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    // [step 06]
+    /// [`GpuTrainer::backward_attention`] through step 06's kernels, from the forward's
+    /// fused projection `qkv` and log-sum-exps `lse` of block `l`.
+    fn backward_attention_fused(
+        &mut self,
+        l: usize,
+        qkv: u64,
+        lse: u64,
+    ) -> Result<(), TrainError> {
+        let f = self.flat();
+        let GpuTrainer {
+            gpu,
+            kernels: k,
+            config,
+            batch,
+            seq_len,
+            layout: lay,
+            layers,
+            s,
+            profiler: prof,
+            ..
+        } = self;
+        let (b, t, c, h) = (*batch, *seq_len, config.d_model, config.heads);
+        let (rows, d) = (b * t, c / h);
+        let width = config.qkv_width();
+        let shape = Shape::new(b, h, t, d);
+        let w = lay.blocks[l];
+        let la = &layers[l];
+        // step 06's kernels read q, k, v where the forward's product wrote them, the output
+        // and its gradient in rows, and write dq, dk and dv straight into the fused
+        // projection's gradient: nothing to move, only the bias's column sums to take
+        let [q, key, v] = fused_thirds(qkv, shape);
+        // [step 08]
+        // grouped heads: k's and v's columns are fewer
+        let grouped = config.kv_heads != h;
+        let [q, key, v] = match grouped {
+            false => [q, key, v],
+            true => fused_grouped(qkv, shape, config.kv_heads),
+        };
+        // [/step 08]
+        let in_rows = |ptr| Strided {
+            ptr,
+            layout: HeadLayout::rows(shape),
+        };
+        let inputs = step06_hopper::backward::BackwardInputs {
+            q,
+            k: key,
+            v,
+            out: in_rows(la.att_rows.ptr),
+            dout: in_rows(s.datt_rows.ptr),
+            lse,
+        };
+        // two passes: a step's gradients the same bits every run, so that a run can be
+        // repeated and resumed exactly (one pass adds dQ in whatever order its blocks
+        // finish)
+        let kernels = step06_hopper::kernel::BackwardKernels::two_passes(shape);
+        let grads_at = s.dqkv.ptr;
+        // [step 08]
+        // and the kernels write dk and dv for every query head, as if k and v had been
+        // repeated, in rows of 3C; each group's sum goes to dqkv after
+        let grads_at = if grouped { s.dqkv_heads.ptr } else { grads_at };
+        // [/step 08]
+        let grads = fused_thirds(grads_at, shape).map(|g| g.ptr);
+        // SAFETY: as in forward; grads_at holds rows · 3C bf16 values, apart from every
+        // input, and each third's span ends inside it; the thirds' columns are apart
+        unsafe {
+            step06_hopper::backward::backward_into(
+                gpu,
+                kernels,
+                shape,
+                Dtype::Bf16,
+                inputs,
+                grads,
+                HeadLayout::fused_rows(shape),
+            )?;
+            prof.mark(gpu, "backward: attention")?;
+            // [step 08]
+            if grouped {
+                let heads = (h, config.kv_heads, d);
+                k.sum_kv_groups(s.dqkv_heads.ptr, s.dqkv.ptr, rows, heads)?;
+                prof.mark(gpu, "backward: sum kv groups")?;
+            }
+            // [/step 08]
+            k.column_sums(s.dqkv.ptr, s.col_partial.ptr, f.g32(w.attn_b), rows, width)?;
+            prof.mark(gpu, "backward: qkv bias")?;
+        }
+        Ok(())
+    }
+    // [/step 06]
+
+    /// Block `l`'s fused projection and first LayerNorm, from `dqkv`: the block's input is
+    /// the block before's output, so the residual gradient `dres` written here sums to that
+    /// block's MLP output bias's gradient.
+    fn backward_qkv(&mut self, l: usize) -> Result<(), TrainError> {
+        let f = self.flat();
+        let GpuTrainer {
+            gpu,
+            kernels: k,
+            blas,
+            config,
+            batch,
+            seq_len,
+            layout: lay,
+            layers,
+            s,
+            profiler: prof,
+            ..
+        } = self;
+        let (rows, c) = (*batch * *seq_len, config.d_model);
+        let width = config.qkv_width();
+        let w = lay.blocks[l];
+        let la = &layers[l];
+        // SAFETY: as in forward
+        unsafe {
+            blas.matmul(
+                c,
+                width,
+                rows,
+                transposed(la.ln1.ptr),
+                plain(s.dqkv.ptr),
+                f.g32(w.attn_w),
+                Out::F32,
+                0.0,
+            )?;
+            blas.matmul(
+                rows,
+                c,
+                width,
+                plain(s.dqkv.ptr),
+                transposed(f.w16(w.attn_w)),
+                s.dln.ptr,
+                Out::F32,
+                0.0,
+            )?;
+            prof.mark(gpu, "backward: matmul qkv")?;
+            k.layernorm_backward(
+                s.dln.ptr,
+                la.x.ptr,
+                f.w32(w.ln_1_w),
+                (la.ln1_mean.ptr, la.ln1_rstd.ptr),
+                s.dmid.ptr,
+                (s.dres.ptr, s.dres16.ptr),
+                s.ln_partial.ptr,
+                [
+                    f.g32(w.ln_1_w),
+                    f.g32(w.ln_1_b),
+                    f.fc_proj_b_grad(lay, l.checked_sub(1)),
+                ],
+                rows,
+                c,
+            )?;
+            prof.mark(gpu, "backward: layernorm")?;
+        }
+        Ok(())
+    }
+
+    /// The embeddings' gradients: `dres` is now the gradient of x = wte[token] + wpe[t].
+    fn backward_embedding(&mut self) -> Result<(), TrainError> {
+        let f = self.flat();
+        let GpuTrainer {
+            gpu,
+            kernels: k,
+            config,
+            batch,
+            seq_len,
+            layout: lay,
+            s,
+            batch_i32,
+            profiler: prof,
+            ..
+        } = self;
+        let (b, t, c) = (*batch, *seq_len, config.d_model);
+        let rows = b * t;
+        let (order, offsets) = (batch_i32.ptr, batch_i32.ptr + 4 * rows as u64);
+        // SAFETY: as in forward
+        unsafe {
+            k.embed_backward_pos(s.dres.ptr, f.g32(lay.wpe), (b, t, c), config.context)?;
+            k.embed_backward_tok(
+                s.dres.ptr,
+                order,
+                offsets,
+                f.g32(lay.wte),
+                config.vocab,
+                c,
+            )?;
             prof.mark(gpu, "backward: embedding")?;
         }
         Ok(())
