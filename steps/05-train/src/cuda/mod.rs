@@ -288,6 +288,117 @@ struct Scratch {
     scalars: Buf<f32>,
 }
 
+impl LayerActs {
+    /// Layer `l`'s buffers for `config` at q's `shape`, with `attention`'s.
+    fn alloc(
+        gpu: &Gpu,
+        l: usize,
+        config: &Config,
+        shape: Shape,
+        attention: AttentionKind,
+    ) -> Result<LayerActs, TrainError> {
+        let rows = shape.batch * shape.tokens;
+        let c = config.d_model;
+        // k's and v's shape: q's
+        let kv_shape = shape;
+        // [step 08]
+        // or q's with fewer heads, each shared by a group of q's (grouped-query attention)
+        let kv_shape = Shape {
+            heads: config.kv_heads,
+            ..kv_shape
+        };
+        // [/step 08]
+        let what = |x: &str| format!("layer {l}'s {x}");
+        let f = |len: usize, x: &str| alloc::<f32>(gpu, len, &what(x));
+        let b16 = |len: usize, x: &str| alloc::<u16>(gpu, len, &what(x));
+        Ok(LayerActs {
+            x: f(rows * c, "input")?,
+            ln1: b16(rows * c, "first LayerNorm")?,
+            ln1_mean: f(rows, "first LayerNorm's means")?,
+            ln1_rstd: f(rows, "first LayerNorm's 1/σ")?,
+            attn: match attention {
+                // [step 06]
+                AttentionKind::Hopper => AttentionActs::Fused {
+                    qkv: b16(rows * config.qkv_width(), "q, k and v")?,
+                    lse: f(rows * shape.heads, "attention log-sum-exps")?,
+                },
+                // [/step 06]
+                AttentionKind::Flash | AttentionKind::ByHand => AttentionActs::Heads {
+                    q: tensor(gpu, shape, &what("q"))?,
+                    k: tensor(gpu, kv_shape, &what("k"))?,
+                    v: tensor(gpu, kv_shape, &what("v"))?,
+                    att: match attention {
+                        AttentionKind::Flash => Some(
+                            gpu.alloc_output(shape, Dtype::Bf16)
+                                .map_err(TrainError::Device)?,
+                        ),
+                        _ => None,
+                    },
+                },
+            },
+            att_rows: b16(rows * c, "attention output")?,
+            x_mid: f(rows * c, "residual stream between its halves")?,
+            ln2: b16(rows * c, "second LayerNorm")?,
+            ln2_mean: f(rows, "second LayerNorm's means")?,
+            ln2_rstd: f(rows, "second LayerNorm's 1/σ")?,
+            fc: b16(rows * 4 * c, "MLP pre-activation")?,
+        })
+    }
+}
+
+impl Scratch {
+    /// The step's buffers for `config` at q's `shape`.
+    fn alloc(
+        gpu: &Gpu,
+        config: &Config,
+        shape: Shape,
+        // [step 08]
+        attention: AttentionKind,
+        // [/step 08]
+    ) -> Result<Scratch, TrainError> {
+        let rows = shape.batch * shape.tokens;
+        let c = config.d_model;
+        let width = config.qkv_width();
+        Ok(Scratch {
+            qkv: alloc(gpu, rows * width, "the fused projection's output")?,
+            gelu: alloc(gpu, rows * 4 * c, "the GELU output")?,
+            y: alloc(gpu, rows * c, "a product's output")?,
+            dres: alloc(gpu, rows * c, "the residual stream's gradient")?,
+            dres16: alloc(gpu, rows * c, "the residual stream's gradient in bf16")?,
+            dmid: alloc(gpu, rows * c, "the residual stream's gradient")?,
+            dmid16: alloc(gpu, rows * c, "the residual stream's gradient in bf16")?,
+            dln: alloc(gpu, rows * c, "a LayerNorm's gradient")?,
+            dbig: alloc(gpu, rows * 4 * c, "the MLP's gradient")?,
+            datt_rows: alloc(gpu, rows * c, "the attention output's gradient")?,
+            dout: tensor(gpu, shape, "the attention output's gradient")?,
+            dqkv: alloc(gpu, rows * width, "the fused projection's gradient")?,
+            // [step 08]
+            dqkv_heads: alloc(
+                gpu,
+                match attention == AttentionKind::Hopper && config.kv_heads != shape.heads {
+                    true => rows * 3 * c,
+                    false => 0,
+                },
+                "the attention's gradients for every query head",
+            )?,
+            // [/step 08]
+            ln_partial: alloc(
+                gpu,
+                Kernels::ln_backward_blocks(rows) * 3 * c,
+                "LayerNorm gradients' partial sums",
+            )?,
+            col_partial: alloc(
+                gpu,
+                Kernels::colsum_parts(rows) * 4 * c,
+                "bias gradients' partial sums",
+            )?,
+            norm_partial: alloc(gpu, NORM_BLOCKS as usize, "the norm's partial sums")?,
+            losses: alloc(gpu, rows, "the losses")?,
+            scalars: alloc(gpu, 2, "the step's loss and norm")?,
+        })
+    }
+}
+
 /// CUDA events between the phases of a step, for `--profile`.
 struct Profiler {
     enabled: bool,
@@ -478,6 +589,113 @@ fn pool_attribute(
     }
 }
 
+/// That the trainer takes `config` at `batch × seq_len` tokens a step with `attention`;
+/// checked before the GPU is opened.
+fn check_shape(
+    config: &Config,
+    batch: usize,
+    seq_len: usize,
+    attention: AttentionKind,
+) -> Result<(), TrainError> {
+    config.check()?;
+    let (c, h) = (config.d_model, config.heads);
+    let d = c / h;
+    if seq_len > config.context || batch == 0 || seq_len == 0 {
+        return Err(TrainError::Config(format!(
+            "batch {batch} × seq_len {seq_len}: each must be at least 1, and seq_len at most the context {}",
+            config.context
+        )));
+    }
+    if !c.is_multiple_of(8) {
+        return Err(TrainError::Config(format!(
+            "d_model {c}: the GPU trainer takes a multiple of 8 (16-byte rows of bf16 for the products)"
+        )));
+    }
+    if !d.is_multiple_of(8) {
+        return Err(TrainError::Config(format!(
+            "head dim {d} (d_model {c} / heads {h}): the GPU trainer moves heads 8 values at a time, so it takes a multiple of 8"
+        )));
+    }
+    if attention == AttentionKind::Flash && !step04_backward::cuda::HEAD_DIMS.contains(&d) {
+        return Err(TrainError::Config(format!(
+            "head dim {d} (d_model {c} / heads {h}): step 04's backward kernels take head dims {:?}",
+            step04_backward::cuda::HEAD_DIMS
+        )));
+    }
+    // [step 06]
+    if attention == AttentionKind::Hopper && !step06_hopper::kernel::HEAD_DIMS.contains(&d)
+    {
+        return Err(TrainError::Config(format!(
+            "head dim {d} (d_model {c} / heads {h}): step 06's Hopper kernels take head dims {:?}",
+            step06_hopper::kernel::HEAD_DIMS
+        )));
+    }
+    // [/step 06]
+    check_heads(config, attention)?; // [step 08]
+    if Kernels::ln_backward_smem(c) > 200 * 1024 {
+        return Err(TrainError::Config(format!(
+            "d_model {c}: the LayerNorm backward's shared memory takes d_model up to 6400"
+        )));
+    }
+    Ok(())
+}
+
+/// Sets `gpu`'s stream and memory pool up for a trainer of `config` at `batch × seq_len`
+/// tokens a step, and returns the bytes it needs; an error, before anything is allocated,
+/// when they are more than the GPU has free.
+fn prepare_device(
+    gpu: &Gpu,
+    config: &Config,
+    batch: usize,
+    seq_len: usize,
+) -> Result<u64, TrainError> {
+    // SAFETY: everything here runs on one stream, in order, so cudarc need not record
+    // an event per buffer per launch to order streams
+    unsafe { gpu.context().disable_event_tracking() };
+    // memory the step's temporaries (the backward's dq, dk, dv, attention by hand's
+    // table) give back stays in the pool for the next step instead of going back to the
+    // driver
+    pool_attribute(
+        gpu,
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+        Some(u64::MAX),
+    )?;
+    // the high-water mark from here: what this trainer allocates
+    pool_attribute(
+        gpu,
+        CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+        Some(0),
+    )?;
+    let needed = bytes_needed(config, batch, seq_len);
+    let (free, total) = gpu
+        .context()
+        .mem_get_info()
+        .map_err(|e| TrainError::Device(device_error("reading free memory")(e)))?;
+    if needed > free as u64 {
+        // the most sequences a step that fit in what is free, for the error to suggest
+        let fits = (1..batch)
+            .rev()
+            .find(|&b| bytes_needed(config, b, seq_len) <= free as u64);
+        let suggestion = match fits {
+            Some(b) => {
+                format!("at most {b} sequences a step fit on this GPU at this length")
+            }
+            None => "not even one sequence fits on this GPU at this length".into(),
+        };
+        // a run that cannot be on this GPU: said before anything is allocated
+        return Err(TrainError::Config(format!(
+            "out of memory on the GPU: the trainer needs {:.1} GB for {config:?} with {batch} × \
+                     {seq_len} tokens a step (weights, gradients, AdamW's moments, every \
+                     layer's activations), and the GPU has {:.1} GB free of {:.1} GB; \
+                     {suggestion}",
+            needed as f64 / 1e9,
+            free as f64 / 1e9,
+            total as f64 / 1e9
+        )));
+    }
+    Ok(needed)
+}
+
 /// Where a tensor of the [`Layout`] starts on the device, by its offset: in the f32
 /// weights, their bf16 copy, or the f32 gradients.
 #[derive(Clone, Copy)]
@@ -546,114 +764,20 @@ impl GpuTrainer {
     ) -> Result<GpuTrainer, TrainError> {
         // [/step 07]
         let config = start.params.config;
-        config.check()?;
-        let (c, h) = (config.d_model, config.heads);
-        let d = c / h;
-        if seq_len > config.context || batch == 0 || seq_len == 0 {
-            return Err(TrainError::Config(format!(
-                "batch {batch} × seq_len {seq_len}: each must be at least 1, and seq_len at most the context {}",
-                config.context
-            )));
-        }
-        if !c.is_multiple_of(8) {
-            return Err(TrainError::Config(format!(
-                "d_model {c}: the GPU trainer takes a multiple of 8 (16-byte rows of bf16 for the products)"
-            )));
-        }
-        if !d.is_multiple_of(8) {
-            return Err(TrainError::Config(format!(
-                "head dim {d} (d_model {c} / heads {h}): the GPU trainer moves heads 8 values at a time, so it takes a multiple of 8"
-            )));
-        }
-        if attention == AttentionKind::Flash
-            && !step04_backward::cuda::HEAD_DIMS.contains(&d)
-        {
-            return Err(TrainError::Config(format!(
-                "head dim {d} (d_model {c} / heads {h}): step 04's backward kernels take head dims {:?}",
-                step04_backward::cuda::HEAD_DIMS
-            )));
-        }
-        // [step 06]
-        if attention == AttentionKind::Hopper
-            && !step06_hopper::kernel::HEAD_DIMS.contains(&d)
-        {
-            return Err(TrainError::Config(format!(
-                "head dim {d} (d_model {c} / heads {h}): step 06's Hopper kernels take head dims {:?}",
-                step06_hopper::kernel::HEAD_DIMS
-            )));
-        }
-        // [/step 06]
-        check_heads(&config, attention)?; // [step 08]
-        if Kernels::ln_backward_smem(c) > 200 * 1024 {
-            return Err(TrainError::Config(format!(
-                "d_model {c}: the LayerNorm backward's shared memory takes d_model up to 6400"
-            )));
-        }
+        check_shape(&config, batch, seq_len, attention)?;
         let gpu = Gpu::shared().map_err(TrainError::Device)?;
         // [step 07]
         // a replica on another GPU (GPU 0 is open already: the first replica's)
         let gpu = on.unwrap_or(gpu);
         // [/step 07]
-        // SAFETY: everything here runs on one stream, in order, so cudarc need not record
-        // an event per buffer per launch to order streams
-        unsafe { gpu.context().disable_event_tracking() };
-        // memory the step's temporaries (the backward's dq, dk, dv, attention by hand's
-        // table) give back stays in the pool for the next step instead of going back to the
-        // driver
-        pool_attribute(
-            gpu,
-            CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            Some(u64::MAX),
-        )?;
-        // the high-water mark from here: what this trainer allocates
-        pool_attribute(
-            gpu,
-            CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-            Some(0),
-        )?;
-        let needed = bytes_needed(&config, batch, seq_len);
-        let (free, total) = gpu
-            .context()
-            .mem_get_info()
-            .map_err(|e| TrainError::Device(device_error("reading free memory")(e)))?;
-        if needed > free as u64 {
-            // the most sequences a step that fit in what is free, for the error to suggest
-            let fits = (1..batch)
-                .rev()
-                .find(|&b| bytes_needed(&config, b, seq_len) <= free as u64);
-            let suggestion = match fits {
-                Some(b) => {
-                    format!("at most {b} sequences a step fit on this GPU at this length")
-                }
-                None => "not even one sequence fits on this GPU at this length".into(),
-            };
-            // a run that cannot be on this GPU: said before anything is allocated
-            return Err(TrainError::Config(format!(
-                "out of memory on the GPU: the trainer needs {:.1} GB for {config:?} with {batch} × \
-                     {seq_len} tokens a step (weights, gradients, AdamW's moments, every \
-                     layer's activations), and the GPU has {:.1} GB free of {:.1} GB; \
-                     {suggestion}",
-                needed as f64 / 1e9,
-                free as f64 / 1e9,
-                total as f64 / 1e9
-            )));
-        }
+        let needed = prepare_device(gpu, &config, batch, seq_len)?;
+        let c = config.d_model;
         let kernels = Kernels::load(gpu, c)?;
         let blas = Blas::new(gpu)?;
         let layout = Layout::new(config);
         let n = layout.len;
         let rows = batch * seq_len;
-        let width = config.qkv_width();
-        let shape = Shape::new(batch, h, seq_len, d);
-        // k's and v's shape: q's
-        let kv_shape = shape;
-        // [step 08]
-        // or q's with fewer heads, each shared by a group of q's (grouped-query attention)
-        let kv_shape = Shape {
-            heads: config.kv_heads,
-            ..kv_shape
-        };
-        // [/step 08]
+        let shape = Shape::new(batch, config.heads, seq_len, c / config.heads);
         let stream = gpu.stream();
         let upload = |x: &[f32], what: &str| -> Result<Buf<f32>, TrainError> {
             let b = alloc::<f32>(gpu, n, what)?;
@@ -671,84 +795,20 @@ impl GpuTrainer {
         let v = upload(&layout.pack(&start.opt.v), "AdamW's second moments")?;
         let params16 = alloc::<u16>(gpu, n, "the weights' bf16 copy")?;
         let grads = alloc::<f32>(gpu, n, "the gradients")?;
-        let layer = |l: usize| -> Result<LayerActs, TrainError> {
-            let what = |x: &str| format!("layer {l}'s {x}");
-            let f = |len: usize, x: &str| alloc::<f32>(gpu, len, &what(x));
-            let b16 = |len: usize, x: &str| alloc::<u16>(gpu, len, &what(x));
-            Ok(LayerActs {
-                x: f(rows * c, "input")?,
-                ln1: b16(rows * c, "first LayerNorm")?,
-                ln1_mean: f(rows, "first LayerNorm's means")?,
-                ln1_rstd: f(rows, "first LayerNorm's 1/σ")?,
-                attn: match attention {
-                    // [step 06]
-                    AttentionKind::Hopper => AttentionActs::Fused {
-                        qkv: b16(rows * width, "q, k and v")?,
-                        lse: f(rows * h, "attention log-sum-exps")?,
-                    },
-                    // [/step 06]
-                    AttentionKind::Flash | AttentionKind::ByHand => AttentionActs::Heads {
-                        q: tensor(gpu, shape, &what("q"))?,
-                        k: tensor(gpu, kv_shape, &what("k"))?,
-                        v: tensor(gpu, kv_shape, &what("v"))?,
-                        att: match attention {
-                            AttentionKind::Flash => Some(
-                                gpu.alloc_output(shape, Dtype::Bf16)
-                                    .map_err(TrainError::Device)?,
-                            ),
-                            _ => None,
-                        },
-                    },
-                },
-                att_rows: b16(rows * c, "attention output")?,
-                x_mid: f(rows * c, "residual stream between its halves")?,
-                ln2: b16(rows * c, "second LayerNorm")?,
-                ln2_mean: f(rows, "second LayerNorm's means")?,
-                ln2_rstd: f(rows, "second LayerNorm's 1/σ")?,
-                fc: b16(rows * 4 * c, "MLP pre-activation")?,
-            })
-        };
         let layers = (0..config.layers)
-            .map(layer)
+            .map(|l| LayerActs::alloc(gpu, l, &config, shape, attention))
             .collect::<Result<Vec<_>, _>>()?;
         let v_len = config.vocab;
-        let s = Scratch {
-            qkv: alloc(gpu, rows * width, "the fused projection's output")?,
-            gelu: alloc(gpu, rows * 4 * c, "the GELU output")?,
-            y: alloc(gpu, rows * c, "a product's output")?,
-            dres: alloc(gpu, rows * c, "the residual stream's gradient")?,
-            dres16: alloc(gpu, rows * c, "the residual stream's gradient in bf16")?,
-            dmid: alloc(gpu, rows * c, "the residual stream's gradient")?,
-            dmid16: alloc(gpu, rows * c, "the residual stream's gradient in bf16")?,
-            dln: alloc(gpu, rows * c, "a LayerNorm's gradient")?,
-            dbig: alloc(gpu, rows * 4 * c, "the MLP's gradient")?,
-            datt_rows: alloc(gpu, rows * c, "the attention output's gradient")?,
-            dout: tensor(gpu, shape, "the attention output's gradient")?,
-            dqkv: alloc(gpu, rows * width, "the fused projection's gradient")?,
+        // one argument a line: step 08 adds the last
+        #[rustfmt::skip]
+        let s = Scratch::alloc(
+            gpu,
+            &config,
+            shape,
             // [step 08]
-            dqkv_heads: alloc(
-                gpu,
-                match attention == AttentionKind::Hopper && config.kv_heads != h {
-                    true => rows * 3 * c,
-                    false => 0,
-                },
-                "the attention's gradients for every query head",
-            )?,
+            attention,
             // [/step 08]
-            ln_partial: alloc(
-                gpu,
-                Kernels::ln_backward_blocks(rows) * 3 * c,
-                "LayerNorm gradients' partial sums",
-            )?,
-            col_partial: alloc(
-                gpu,
-                Kernels::colsum_parts(rows) * 4 * c,
-                "bias gradients' partial sums",
-            )?,
-            norm_partial: alloc(gpu, NORM_BLOCKS as usize, "the norm's partial sums")?,
-            losses: alloc(gpu, rows, "the losses")?,
-            scalars: alloc(gpu, 2, "the step's loss and norm")?,
-        };
+        )?;
         let trainer = GpuTrainer {
             gpu,
             kernels,
