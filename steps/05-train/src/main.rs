@@ -271,47 +271,14 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
     // before anything loads: the GPUs asked for, and the batch's split over them
     let gpus = check_gpus(&args)?;
     // [/step 07]
-    if args.device == DeviceArg::Cuda && args.cpu_path.is_some() {
-        return Err(TrainError::Config(
-            "--cpu-path chooses the code that trains on the CPU: it needs --device cpu (the \
-             GPU trainer is one, src/cuda/)"
-                .into(),
-        ));
-    }
-    // [step 09]
-    if args.documents && args.device == DeviceArg::Cuda {
-        return Err(TrainError::Config(
-            "--documents needs --device cpu: the GPU trainer's kernels attend causally across \
-             the whole window; accepted: --documents with --device cpu (either --cpu-path)"
-                .into(),
-        ));
-    }
-    // [/step 09]
-    if args.device == DeviceArg::Cuda {
-        // before the corpus loads: no GPU is said at once
-        step03_cuda_forward::gpu::Gpu::shared().map_err(TrainError::Device)?;
-    }
+    check_device(&args)?;
     // [step 09]
     if let Some(path) = &args.resume {
         check_resumed_documents(path, args.documents)?;
     }
     // [/step 09]
     let resumed = args.resume.as_deref().map(Checkpoint::load).transpose()?;
-    let config = match &resumed {
-        Some(ckpt) => {
-            let want = args.model.config(ckpt.params.config);
-            ckpt.check_config(&want)?;
-            want
-        }
-        None => args.model.config(DEFAULT_MODEL),
-    };
-    config.check()?;
-    // [step 08]
-    // heads the GPU's attention cannot take: said before the corpus loads
-    if args.device == DeviceArg::Cuda && args.attention == AttentionArg::ByHand {
-        step05_train::cuda::check_heads(&config, AttentionKind::ByHand)?;
-    }
-    // [/step 08]
+    let config = model_config(&args, resumed.as_ref())?;
     let settings = settings_of(&args, &config);
     let corpus = load_corpus(&args)?;
     // what a checkpoint of this run keeps of it, and what a resumed run compares
@@ -319,33 +286,8 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
     if let Some(path) = &args.resume {
         resume_notes(path, &run_meta)?;
     }
-    let mut trainer = match resumed {
-        Some(ckpt) => {
-            let opt = ckpt.opt.ok_or_else(|| {
-                TrainError::Checkpoint(
-                    "the checkpoint has no optimizer state to resume".into(),
-                )
-            })?;
-            Trainer {
-                params: ckpt.params,
-                opt,
-                step: ckpt.step,
-            }
-        }
-        None => Trainer::new(config, &settings)?,
-    };
-    if let Some(path) = &args.dump_batches {
-        dump_batches(path, &corpus, &settings, trainer.step)?;
-    }
-    if let Some(path) = &args.save_init {
-        let init = Checkpoint {
-            params: trainer.params.clone(),
-            opt: None,
-            step: trainer.step,
-        };
-        init.save_with(path, &run_meta)?;
-        println!("initial weights written to {}", path.display());
-    }
+    let mut trainer = start_trainer(resumed, config, &settings)?;
+    write_before_training(&args, &corpus, &settings, &trainer, &run_meta)?;
     println!(
         "model: {config:?}, {} parameters; {} sequences × {} tokens a step",
         trainer.params.count(),
@@ -354,30 +296,9 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
     );
     let print_every = args.print_every.max(1);
     let trainer_start = trainer.step;
-    let report = |event: Event| {
-        match event {
-            Event::Step(s) if s.step % print_every == 0 || s.step == settings.steps => {
-                println!(
-                    "step {:>5}/{} | loss {:.4} | lr {:.2e} | norm {:.3} | {:.1} ms | {:.0} tokens/s | {}",
-                    s.step,
-                    settings.steps,
-                    s.loss,
-                    s.lr,
-                    s.grad_norm,
-                    s.ms,
-                    s.tokens_per_s,
-                    progress(s.step, s.train_seconds, &settings, trainer_start),
-                )
-            }
-            Event::Step(_) => {}
-            Event::Eval(e) => println!("step {:>5} | held-out loss {:.4}", e.step, e.loss),
-            Event::Saved(step) => {
-                let path = args.save.as_deref().expect("--save-every requires --save");
-                println!("step {step:>5} | checkpoint saved to {}", path.display());
-            }
-        }
-        let _ = std::io::stdout().flush();
-    };
+    let save = args.save.as_deref();
+    let report =
+        |event: Event| print_event(event, print_every, &settings, trainer_start, save);
     // the run's JSON before this one, continued if it ends where the checkpoint starts
     let earlier = earlier_record(&args, &config, &settings, trainer.step);
     // from here on, Ctrl-C and SIGTERM stop the run after its step, saved
@@ -403,93 +324,278 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
     };
     let (run, ckpt) = match args.device {
         DeviceArg::Cpu => {
-            if args.attention != AttentionArg::Flash {
-                let name = args
-                    .attention
-                    .to_possible_value()
-                    .expect("a value")
-                    .get_name()
-                    .to_string();
-                return Err(TrainError::Config(format!(
-                    "--attention {name} runs on the GPU only (--device cuda); the CPU model's \
-                     attention is steps 02 and 04's"
-                )));
-            }
-            if args.profile {
-                return Err(TrainError::Config(
-                    "--profile times the GPU's phases: it needs --device cuda".into(),
-                ));
-            }
-            let path = args.cpu_path.unwrap_or(CpuPathArg::Fast);
-            println!(
-                "device: cpu, {} threads, the {} path",
-                rayon::current_num_threads(),
-                path.to_possible_value().expect("a value").get_name()
-            );
-            let run = match path {
-                CpuPathArg::Fast => {
-                    let mut fast = FastCpu::new(&mut trainer);
-                    train_with(&mut fast, &corpus, &settings, control, report)?
-                }
-                CpuPathArg::Readable => {
-                    train_with(&mut trainer, &corpus, &settings, control, report)?
-                }
-            };
+            let run =
+                train_on_cpu(&args, &mut trainer, &corpus, &settings, control, report)?;
             (run, wanted(&trainer)?)
         }
         // [step 07]
         DeviceArg::Cuda if gpus.len() > 1 => {
-            let attention = attention_kind(args.attention);
-            let mut dp = DataParallel::new(
-                &trainer,
-                &gpus,
-                settings.batch,
-                settings.seq_len,
-                attention,
-                args.profile,
-            )?;
-            let first = &dp.replicas()[0];
-            println!(
-                "device: {} × {} ({} attention), {} sequences each, {:.2} GB allocated on each for weights, optimizer state and activations",
-                gpus.len(),
-                first.device_name(),
-                attention.name(),
-                first.batch,
-                first.bytes as f64 / 1e9
-            );
+            let mut dp = data_parallel(&args, &gpus, &trainer, &settings)?;
             let run = train_with(&mut dp, &corpus, &settings, control, report)?;
             (run, wanted(&dp)?)
         }
         // [/step 07]
         DeviceArg::Cuda => {
-            let attention = attention_kind(args.attention);
-            let mut gpu = GpuTrainer::new(
-                &trainer,
-                settings.batch,
-                settings.seq_len,
-                attention,
-                args.profile,
-            )?;
-            println!(
-                "device: {} ({} attention), {:.2} GB allocated for weights, optimizer state and activations",
-                gpu.device_name(),
-                attention.name(),
-                gpu.bytes as f64 / 1e9
-            );
+            let mut gpu = gpu_trainer(&args, &trainer, &settings)?;
             let run = train_with(&mut gpu, &corpus, &settings, control, report)?;
             (run, wanted(&gpu)?)
         }
     };
     let interrupted = stop.load(Ordering::SeqCst);
+    finish(
+        &args,
+        &run,
+        ckpt,
+        earlier.as_ref(),
+        &run_meta,
+        &settings,
+        interrupted,
+    )
+}
+
+/// The flags that depend on the device, before the corpus loads: the CPU's paths and
+/// documents need --device cpu, and --device cuda a GPU.
+fn check_device(args: &TrainArgs) -> Result<(), TrainError> {
+    if args.device == DeviceArg::Cuda && args.cpu_path.is_some() {
+        return Err(TrainError::Config(
+            "--cpu-path chooses the code that trains on the CPU: it needs --device cpu (the \
+             GPU trainer is one, src/cuda/)"
+                .into(),
+        ));
+    }
+    // [step 09]
+    if args.documents && args.device == DeviceArg::Cuda {
+        return Err(TrainError::Config(
+            "--documents needs --device cpu: the GPU trainer's kernels attend causally across \
+             the whole window; accepted: --documents with --device cpu (either --cpu-path)"
+                .into(),
+        ));
+    }
+    // [/step 09]
+    if args.device == DeviceArg::Cuda {
+        // before the corpus loads: no GPU is said at once
+        step03_cuda_forward::gpu::Gpu::shared().map_err(TrainError::Device)?;
+    }
+    Ok(())
+}
+
+/// The model's shape: the preset's, or the checkpoint's with what --model changes.
+fn model_config(
+    args: &TrainArgs,
+    resumed: Option<&Checkpoint>,
+) -> Result<Config, TrainError> {
+    let config = match resumed {
+        Some(ckpt) => {
+            let want = args.model.config(ckpt.params.config);
+            ckpt.check_config(&want)?;
+            want
+        }
+        None => args.model.config(DEFAULT_MODEL),
+    };
+    config.check()?;
+    // [step 08]
+    // heads the GPU's attention cannot take: said before the corpus loads
+    if args.device == DeviceArg::Cuda && args.attention == AttentionArg::ByHand {
+        step05_train::cuda::check_heads(&config, AttentionKind::ByHand)?;
+    }
+    // [/step 08]
+    Ok(config)
+}
+
+/// The weights, AdamW's state and the step to start from: the checkpoint's, or new ones.
+fn start_trainer(
+    resumed: Option<Checkpoint>,
+    config: Config,
+    settings: &Settings,
+) -> Result<Trainer, TrainError> {
+    let trainer = match resumed {
+        Some(ckpt) => {
+            let opt = ckpt.opt.ok_or_else(|| {
+                TrainError::Checkpoint(
+                    "the checkpoint has no optimizer state to resume".into(),
+                )
+            })?;
+            Trainer {
+                params: ckpt.params,
+                opt,
+                step: ckpt.step,
+            }
+        }
+        None => Trainer::new(config, settings)?,
+    };
+    Ok(trainer)
+}
+
+/// What the run writes before it trains: --dump-batches' windows and --save-init's weights.
+fn write_before_training(
+    args: &TrainArgs,
+    corpus: &Corpus,
+    settings: &Settings,
+    trainer: &Trainer,
+    run_meta: &[(&str, String)],
+) -> Result<(), TrainError> {
+    if let Some(path) = &args.dump_batches {
+        dump_batches(path, corpus, settings, trainer.step)?;
+    }
+    if let Some(path) = &args.save_init {
+        let init = Checkpoint {
+            params: trainer.params.clone(),
+            opt: None,
+            step: trainer.step,
+        };
+        init.save_with(path, run_meta)?;
+        println!("initial weights written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// Prints a step every `print_every` (and the last), each held-out loss and each
+/// checkpoint saved along the way (to `save`).
+fn print_event(
+    event: Event,
+    print_every: usize,
+    settings: &Settings,
+    trainer_start: usize,
+    save: Option<&Path>,
+) {
+    match event {
+        Event::Step(s) if s.step % print_every == 0 || s.step == settings.steps => {
+            println!(
+                "step {:>5}/{} | loss {:.4} | lr {:.2e} | norm {:.3} | {:.1} ms | {:.0} tokens/s | {}",
+                s.step,
+                settings.steps,
+                s.loss,
+                s.lr,
+                s.grad_norm,
+                s.ms,
+                s.tokens_per_s,
+                progress(s.step, s.train_seconds, settings, trainer_start),
+            )
+        }
+        Event::Step(_) => {}
+        Event::Eval(e) => println!("step {:>5} | held-out loss {:.4}", e.step, e.loss),
+        Event::Saved(step) => {
+            let path = save.expect("--save-every requires --save");
+            println!("step {step:>5} | checkpoint saved to {}", path.display());
+        }
+    }
+    let _ = std::io::stdout().flush();
+}
+
+/// Trains on the CPU, through --cpu-path's code.
+fn train_on_cpu(
+    args: &TrainArgs,
+    trainer: &mut Trainer,
+    corpus: &Corpus,
+    settings: &Settings,
+    control: Control,
+    report: impl FnMut(Event),
+) -> Result<RunRecord, TrainError> {
+    if args.attention != AttentionArg::Flash {
+        let name = args
+            .attention
+            .to_possible_value()
+            .expect("a value")
+            .get_name()
+            .to_string();
+        return Err(TrainError::Config(format!(
+            "--attention {name} runs on the GPU only (--device cuda); the CPU model's \
+             attention is steps 02 and 04's"
+        )));
+    }
+    if args.profile {
+        return Err(TrainError::Config(
+            "--profile times the GPU's phases: it needs --device cuda".into(),
+        ));
+    }
+    let path = args.cpu_path.unwrap_or(CpuPathArg::Fast);
+    println!(
+        "device: cpu, {} threads, the {} path",
+        rayon::current_num_threads(),
+        path.to_possible_value().expect("a value").get_name()
+    );
+    match path {
+        CpuPathArg::Fast => {
+            let mut fast = FastCpu::new(trainer);
+            train_with(&mut fast, corpus, settings, control, report)
+        }
+        CpuPathArg::Readable => train_with(trainer, corpus, settings, control, report),
+    }
+}
+
+// [step 07]
+/// The replicas of data parallelism on `gpus`, each with a share of the batch.
+fn data_parallel(
+    args: &TrainArgs,
+    gpus: &[&'static step03_cuda_forward::gpu::Gpu],
+    trainer: &Trainer,
+    settings: &Settings,
+) -> Result<DataParallel, TrainError> {
+    let attention = attention_kind(args.attention);
+    let dp = DataParallel::new(
+        trainer,
+        gpus,
+        settings.batch,
+        settings.seq_len,
+        attention,
+        args.profile,
+    )?;
+    let first = &dp.replicas()[0];
+    println!(
+        "device: {} × {} ({} attention), {} sequences each, {:.2} GB allocated on each for weights, optimizer state and activations",
+        gpus.len(),
+        first.device_name(),
+        attention.name(),
+        first.batch,
+        first.bytes as f64 / 1e9
+    );
+    Ok(dp)
+}
+// [/step 07]
+
+/// The trainer on GPU 0.
+fn gpu_trainer(
+    args: &TrainArgs,
+    trainer: &Trainer,
+    settings: &Settings,
+) -> Result<GpuTrainer, TrainError> {
+    let attention = attention_kind(args.attention);
+    let gpu = GpuTrainer::new(
+        trainer,
+        settings.batch,
+        settings.seq_len,
+        attention,
+        args.profile,
+    )?;
+    println!(
+        "device: {} ({} attention), {:.2} GB allocated for weights, optimizer state and activations",
+        gpu.device_name(),
+        attention.name(),
+        gpu.bytes as f64 / 1e9
+    );
+    Ok(gpu)
+}
+
+/// After training: the summary, the run's JSON, the checkpoint (saved where --save says,
+/// or to a fresh path), and on an interrupted run the command that resumes it.
+fn finish(
+    args: &TrainArgs,
+    run: &RunRecord,
+    ckpt: Option<Checkpoint>,
+    earlier: Option<&RunRecord>,
+    run_meta: &[(&str, String)],
+    settings: &Settings,
+    interrupted: bool,
+) -> Result<ExitCode, TrainError> {
     if interrupted {
         println!(
             "interrupted after step {}: saving",
             ckpt.as_ref().map_or(0, |c| c.step)
         );
     }
-    summary(&run);
+    summary(run);
     if let Some(path) = &args.out {
-        let run = continued(earlier.as_ref(), &run);
+        let run = continued(earlier, run);
         write_record(path, &run)?;
         println!(
             "run written to {} (steps {}..{})",
@@ -505,7 +611,7 @@ fn run_train(args: TrainArgs) -> Result<ExitCode, TrainError> {
         Some(path) => path.clone(),
         None => fresh_checkpoint_path(ckpt.step),
     };
-    ckpt.save_with(&path, &run_meta)?;
+    ckpt.save_with(&path, run_meta)?;
     println!("checkpoint written to {}", path.display());
     if !interrupted {
         return Ok(ExitCode::SUCCESS);
