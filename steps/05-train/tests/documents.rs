@@ -101,7 +101,8 @@ fn a_token_after_a_file_boundary_is_blind_to_the_file_before() {
     };
     let (masked, causal) = (moved(Some(&docs)), moved(None));
     eprintln!(
-        "the second file's predictions moved by {masked:.1e} with the mask, {causal:.1e} without"
+        "the second file's predictions moved by {masked:.1e} with the mask, \
+         {causal:.1e} without"
     );
     assert_eq!(
         masked, 0.0,
