@@ -116,9 +116,13 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
         device
     };
     // [/step 03]
-    let (commit, date) = (row::COMMIT.to_string(), row::utc_now());
+    let stamp = Stamp {
+        device,
+        commit: row::COMMIT.to_string(),
+        date: row::utc_now(),
+    };
 
-    println!("device: {device}");
+    println!("device: {}", stamp.device);
     if !cuda {
         println!("SIMD: {}", simd_level());
     }
@@ -138,24 +142,8 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
         );
     }
     // [/step 02]
-    println!(
-        "shape: batch {}, heads {}, head_dim {}, {}, causal; pass {}; median of {} runs after a warm-up",
-        args.batch,
-        args.heads,
-        args.head_dim,
-        args.dtype,
-        args.pass(),
-        args.runs
-    );
-    if !args.left_out.is_empty() {
-        println!("left out, no backward pass: {}", args.left_out.join(", "));
-    }
     let implementations: Vec<String> = chosen.iter().map(|m| m.implementation()).collect();
-    for (m, imp) in chosen.iter().zip(&implementations) {
-        println!("  {:<16} (step {}) {imp}", m.name(), m.step());
-    }
-    println!();
-    println!("{}", report::table_header(cuda));
+    print_sweep(args, &implementations, cuda);
 
     let total = chosen.len() * args.lengths.len();
     let mut rows = Vec::new();
@@ -173,25 +161,7 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
                 m.name(),
                 args.pass()
             );
-            let flops = shape.flops(args.pass());
-            // (inputs that cannot fit are reported at once, without an estimate)
-            let fits = cuda
-                || memory_and_swap()
-                    .is_none_or(|have| input_bytes(shape, args.pass()) <= have);
-            let estimate = fits
-                .then(|| estimate_s(m, shape, args, pace.get(m.name()).copied(), cuda))
-                .flatten();
-            if let Some(est) = estimate.filter(|&est| est > ANNOUNCE_AFTER_S) {
-                let memory = if cuda {
-                    String::new()
-                } else {
-                    format!(
-                        "; its inputs take {}",
-                        bytes(input_bytes(shape, args.pass()))
-                    )
-                };
-                eprintln!("      this row will take about {}{memory}", seconds(est));
-            }
+            let estimate = announce(m, shape, args, pace.get(m.name()).copied(), cuda);
             let started = Instant::now();
             let measured = with_progress(estimate, || {
                 // [step 03]
@@ -201,41 +171,19 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
                 // [/step 03]
                 measure_cpu(m, shape, args)
             });
-            let (ms, peak_bytes, error) = match measured {
-                Ok(Measured { ms, peak_bytes }) => {
-                    let seconds = started.elapsed().as_secs_f64();
-                    pace.insert(
-                        m.name(),
-                        Pace {
-                            seconds,
-                            flops,
-                            tokens,
-                        },
-                    );
-                    (Some(ms), peak_bytes, None)
-                }
-                Err(e) => (None, None, Some(e)),
-            };
-            let row = Row {
-                method: m.name().to_string(),
-                implementation: imp.clone(),
-                device: device.clone(),
-                device_kind: args.device,
-                tokens,
-                batch: args.batch,
-                heads: args.heads,
-                head_dim: args.head_dim,
-                dtype: args.dtype,
-                pass: args.pass(),
-                runs: args.runs,
-                ms,
-                tflops: ms.map(|ms| flops / (ms * 1e-3) / 1e12),
-                peak_bytes,
-                commit: commit.clone(),
-                date: date.clone(),
-                error,
-                gpus: args.gpus, // [step 07]
-            };
+            if measured.is_ok() {
+                let seconds = started.elapsed().as_secs_f64();
+                let flops = shape.flops(args.pass());
+                pace.insert(
+                    m.name(),
+                    Pace {
+                        seconds,
+                        flops,
+                        tokens,
+                    },
+                );
+            }
+            let row = new_row(args, m, imp, &stamp, shape, measured);
             // Ctrl-C reaches the peak's child too, which then fails: a row that failed
             // while the sweep was being stopped is not the method's failure
             if STOP.load(Ordering::SeqCst) && row.error.is_some() {
@@ -254,7 +202,109 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
         }
     }
     let stopped = STOP.load(Ordering::SeqCst);
-    match &rows_file {
+    finish_rows(rows_file.as_ref(), &rows, stopped)?;
+    Ok(Sweep { rows, stopped })
+}
+
+/// What every row of a sweep carries: the device it ran on, the commit and the date.
+struct Stamp {
+    device: String,
+    commit: String,
+    date: String,
+}
+
+/// The sweep's shape, the methods it runs and the table's header.
+fn print_sweep(args: &BenchArgs, implementations: &[String], cuda: bool) {
+    println!(
+        "shape: batch {}, heads {}, head_dim {}, {}, causal; pass {}; median of {} runs after a warm-up",
+        args.batch,
+        args.heads,
+        args.head_dim,
+        args.dtype,
+        args.pass(),
+        args.runs
+    );
+    if !args.left_out.is_empty() {
+        println!("left out, no backward pass: {}", args.left_out.join(", "));
+    }
+    for (m, imp) in args.methods.iter().zip(implementations) {
+        println!("  {:<16} (step {}) {imp}", m.name(), m.step());
+    }
+    println!();
+    println!("{}", report::table_header(cuda));
+}
+
+/// The row's estimate, said when the row will be long (with its inputs' size on the CPU).
+fn announce(
+    m: &dyn Method,
+    shape: Shape,
+    args: &BenchArgs,
+    pace: Option<Pace>,
+    cuda: bool,
+) -> Option<f64> {
+    // (inputs that cannot fit are reported at once, without an estimate)
+    let fits = cuda
+        || memory_and_swap().is_none_or(|have| input_bytes(shape, args.pass()) <= have);
+    let estimate = fits
+        .then(|| estimate_s(m, shape, args, pace, cuda))
+        .flatten();
+    if let Some(est) = estimate.filter(|&est| est > ANNOUNCE_AFTER_S) {
+        let memory = if cuda {
+            String::new()
+        } else {
+            format!(
+                "; its inputs take {}",
+                bytes(input_bytes(shape, args.pass()))
+            )
+        };
+        eprintln!("      this row will take about {}{memory}", seconds(est));
+    }
+    estimate
+}
+
+/// The row of method `m` (described as `imp`) at `shape`, from what was measured.
+fn new_row(
+    args: &BenchArgs,
+    m: &dyn Method,
+    imp: &str,
+    stamp: &Stamp,
+    shape: Shape,
+    measured: Result<Measured, String>,
+) -> Row {
+    let (ms, peak_bytes, error) = match measured {
+        Ok(Measured { ms, peak_bytes }) => (Some(ms), peak_bytes, None),
+        Err(e) => (None, None, Some(e)),
+    };
+    let flops = shape.flops(args.pass());
+    Row {
+        method: m.name().to_string(),
+        implementation: imp.to_string(),
+        device: stamp.device.clone(),
+        device_kind: args.device,
+        tokens: shape.tokens,
+        batch: args.batch,
+        heads: args.heads,
+        head_dim: args.head_dim,
+        dtype: args.dtype,
+        pass: args.pass(),
+        runs: args.runs,
+        ms,
+        tflops: ms.map(|ms| flops / (ms * 1e-3) / 1e12),
+        peak_bytes,
+        commit: stamp.commit.clone(),
+        date: stamp.date.clone(),
+        error,
+        gpus: args.gpus, // [step 07]
+    }
+}
+
+/// `--out` at the end of the sweep: written whole, or, after Ctrl-C, left as it was.
+fn finish_rows(
+    rows_file: Option<&RowsFile>,
+    rows: &[Row],
+    stopped: bool,
+) -> Result<(), String> {
+    match rows_file {
         Some(file) if stopped => {
             let kept = if !rows.is_empty() && file.partial().exists() {
                 format!(
@@ -273,14 +323,14 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
         Some(file) => {
             let measured = rows.iter().any(|r| r.ms.is_some());
             let said = file
-                .finish(&row::to_json(&rows), rows.len(), measured)
+                .finish(&row::to_json(rows), rows.len(), measured)
                 .map_err(|e| e.to_string())?;
             println!("\n{said}");
         }
         None if stopped => println!("\nstopped by Ctrl-C after {} rows", rows.len()),
         None => {}
     }
-    Ok(Sweep { rows, stopped })
+    Ok(())
 }
 
 /// A row whose estimate is longer than this is announced, with the estimate.
