@@ -9,6 +9,7 @@
 //! `ring-scaling [--gpus N] [--tokens-per-gpu 65536] [--batch 4] [--heads 12] [--runs 5]
 //! [--out FILE]`
 
+use std::collections::HashMap;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -147,66 +148,115 @@ fn run(args: &Args) -> Result<Report, AttnError> {
     } else {
         vec![Pass::Forward]
     };
-    let (q, k, v, dout) = (
+    let inputs = (
         input(shape, 1),
         input(shape, 2),
         input(shape, 3),
         input(shape, 4),
     );
-    let mut timings = Vec::new();
-    let mut longest = Vec::new();
     let total_mem = gpu0
         .context()
         .total_mem()
         .map_err(device_error("reading the GPU's memory"))? as f64;
-    let tensor_bytes = |t: usize| (args.batch * args.heads * t * args.head_dim * 2) as u64;
-    let mut t1 = std::collections::HashMap::new();
+    let (mut timings, t1) = time_one_gpu(args, gpu0, shape, &passes, &inputs)?;
+    let (ring_timings, longest) =
+        time_ring(args, n, shape, &passes, inputs, &t1, total_mem)?;
+    timings.extend(ring_timings);
+    print_longest(&longest, total_mem);
+    Ok(Report {
+        device,
+        commit: flash_core::row::COMMIT.into(),
+        date: flash_core::row::utc_now(),
+        batch: args.batch,
+        heads: args.heads,
+        head_dim: args.head_dim,
+        dtype: dtype.name().into(),
+        tokens_per_gpu: per,
+        runs: args.runs,
+        timings,
+        longest,
+    })
+}
 
-    // one GPU: the single-GPU kernels over the whole sequence
-    {
-        let up = |x: &Array4<f32>| gpu0.upload(x.view(), dtype);
-        let (qd, kd, vd, dd) = (up(&q)?, up(&k)?, up(&v)?, up(&dout)?);
-        let mut out = gpu0.alloc_output(shape, dtype)?;
-        for &pass in &passes {
-            let ms = match pass {
-                Pass::Forward => timed(args.runs, || {
-                    gpu0.time_ms(|| gpu0.forward_into(&qd, &kd, &vd, &mut out))
-                })?,
-                _ => timed(args.runs, || {
-                    gpu0.time_ms(|| {
-                        let fwd = gpu0.forward(&qd, &kd, &vd)?;
-                        backward(gpu0, &qd, &kd, &vd, &fwd, &dd)
-                    })
-                })?,
-            };
-            let peak = match pass {
-                Pass::Forward => gpu0.peak_allocated(|| gpu0.forward(&qd, &kd, &vd))?.1,
-                _ => {
-                    gpu0.peak_allocated(|| {
-                        let fwd = gpu0.forward(&qd, &kd, &vd)?;
-                        backward(gpu0, &qd, &kd, &vd, &fwd, &dd)
-                    })?
-                    .1
-                }
-            };
-            t1.insert(pass.name(), ms);
-            let inputs = tensor_bytes(tokens) * if pass == Pass::Forward { 3 } else { 4 };
-            print_row("one GPU", 1, pass, shape, ms, None, peak);
-            timings.push(Timing {
-                what: "one GPU".into(),
-                gpus: 1,
-                pass: pass.name().into(),
-                tokens,
-                ms,
-                tflops: shape.flops(pass) / (ms * 1e-3) / 1e12,
-                efficiency: None,
-                peak_bytes_per_gpu: peak,
-                input_bytes_per_gpu: inputs,
-            });
-        }
+/// q, k, v and dout on the host, `[B, H, T, D]` each.
+type Inputs = (Array4<f32>, Array4<f32>, Array4<f32>, Array4<f32>);
+
+/// Bytes of one bf16 tensor of `t` tokens.
+fn tensor_bytes(args: &Args, t: usize) -> u64 {
+    (args.batch * args.heads * t * args.head_dim * 2) as u64
+}
+
+/// One GPU: the single-GPU kernels over the whole sequence, each pass's timing and its
+/// milliseconds (the efficiency's t1) by pass.
+fn time_one_gpu(
+    args: &Args,
+    gpu0: &Gpu,
+    shape: Shape,
+    passes: &[Pass],
+    (q, k, v, dout): &Inputs,
+) -> Result<(Vec<Timing>, HashMap<&'static str, f64>), AttnError> {
+    let dtype = Dtype::Bf16;
+    let tokens = shape.tokens;
+    let mut timings = Vec::new();
+    let mut t1 = HashMap::new();
+    let up = |x: &Array4<f32>| gpu0.upload(x.view(), dtype);
+    let (qd, kd, vd, dd) = (up(q)?, up(k)?, up(v)?, up(dout)?);
+    let mut out = gpu0.alloc_output(shape, dtype)?;
+    for &pass in passes {
+        let ms = match pass {
+            Pass::Forward => timed(args.runs, || {
+                gpu0.time_ms(|| gpu0.forward_into(&qd, &kd, &vd, &mut out))
+            })?,
+            _ => timed(args.runs, || {
+                gpu0.time_ms(|| {
+                    let fwd = gpu0.forward(&qd, &kd, &vd)?;
+                    backward(gpu0, &qd, &kd, &vd, &fwd, &dd)
+                })
+            })?,
+        };
+        let peak = match pass {
+            Pass::Forward => gpu0.peak_allocated(|| gpu0.forward(&qd, &kd, &vd))?.1,
+            _ => {
+                gpu0.peak_allocated(|| {
+                    let fwd = gpu0.forward(&qd, &kd, &vd)?;
+                    backward(gpu0, &qd, &kd, &vd, &fwd, &dd)
+                })?
+                .1
+            }
+        };
+        t1.insert(pass.name(), ms);
+        let inputs = tensor_bytes(args, tokens) * if pass == Pass::Forward { 3 } else { 4 };
+        print_row("one GPU", 1, pass, shape, ms, None, peak);
+        timings.push(Timing {
+            what: "one GPU".into(),
+            gpus: 1,
+            pass: pass.name().into(),
+            tokens,
+            ms,
+            tflops: shape.flops(pass) / (ms * 1e-3) / 1e12,
+            efficiency: None,
+            peak_bytes_per_gpu: peak,
+            input_bytes_per_gpu: inputs,
+        });
     }
+    Ok((timings, t1))
+}
 
-    // the ring: every part, its blocks alone, its transfers alone
+/// The ring on `n` GPUs: every part, its blocks alone, its transfers alone; the timings,
+/// and from the whole ring's memory per token the longest sequence that would fit.
+fn time_ring(
+    args: &Args,
+    n: usize,
+    shape: Shape,
+    passes: &[Pass],
+    (q, k, v, dout): Inputs,
+    t1: &HashMap<&'static str, f64>,
+    total_mem: f64,
+) -> Result<(Vec<Timing>, Vec<Longest>), AttnError> {
+    let dtype = Dtype::Bf16;
+    let (per, tokens) = (args.tokens_per_gpu, shape.tokens);
+    let mut timings = Vec::new();
+    let mut longest = Vec::new();
     let mut ring = RingAttention::new(Ranks::Gpus(n), shape, dtype)?;
     let scatter = |ring: &RingAttention, x: &Array4<f32>| ring.scatter(x.view());
     let (qs, ks, vs, ds) = (
@@ -216,7 +266,7 @@ fn run(args: &Args) -> Result<Report, AttnError> {
         scatter(&ring, &dout)?,
     );
     drop((q, k, v, dout));
-    for &pass in &passes {
+    for &pass in passes {
         let call = |ring: &RingAttention,
                     qs: &[Shard],
                     ks: &[Shard],
@@ -245,7 +295,8 @@ fn run(args: &Args) -> Result<Report, AttnError> {
             } else {
                 (None, None)
             };
-            let inputs = tensor_bytes(per) * if pass == Pass::Forward { 3 } else { 4 };
+            let inputs =
+                tensor_bytes(args, per) * if pass == Pass::Forward { 3 } else { 4 };
             print_row(what, n, pass, shape, ms, efficiency, peak);
             if let Some(peak) = peak {
                 let per_token = (inputs + peak) as f64 / per as f64;
@@ -273,8 +324,13 @@ fn run(args: &Args) -> Result<Report, AttnError> {
             });
         }
     }
+    Ok((timings, longest))
+}
+
+/// The longest sequences the measured memory per token allows, computed and not run.
+fn print_longest(longest: &[Longest], total_mem: f64) {
     println!();
-    for l in &longest {
+    for l in longest {
         println!(
             "computed, not run: {} {}: {:.0} bytes per token per GPU; longest sequence that fits in 95% of {:.0} GB per GPU: {} tokens over {} GPU(s)",
             l.pass,
@@ -285,19 +341,6 @@ fn run(args: &Args) -> Result<Report, AttnError> {
             l.gpus
         );
     }
-    Ok(Report {
-        device,
-        commit: flash_core::row::COMMIT.into(),
-        date: flash_core::row::utc_now(),
-        batch: args.batch,
-        heads: args.heads,
-        head_dim: args.head_dim,
-        dtype: dtype.name().into(),
-        tokens_per_gpu: per,
-        runs: args.runs,
-        timings,
-        longest,
-    })
 }
 
 fn print_row(
