@@ -9,7 +9,7 @@ use step03_cuda_forward::DeviceAttention;
 use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, alloc_error, device_error};
 use step04_backward::cuda::{DeviceGrads, check_backward_device};
 
-use crate::forward::{self, check_hopper, tensor_map};
+use crate::forward::{self, TensorMap, check_hopper, tensor_map};
 use crate::kernel::{BackwardKernel, BackwardKernels, BackwardPass};
 use crate::layout::{Layout, Strided, TmaRank};
 
@@ -219,45 +219,24 @@ unsafe fn launch_passes(
 
     let scale = 1.0 / (d as f32).sqrt();
     let scale_log2 = shape.scale_log2();
-    // a kernel's function, with the register check of its producer warpgroup, its launch
-    // shape, and the maps of q, k, v and dO, in boxes of `qdo_rows` rows (q, dO) and
-    // `kv_rows` rows (k, v)
-    let prepare = |k: BackwardKernel, qdo_rows: usize, kv_rows: usize| {
-        let f = function(k, k.pass.entry())?;
-        k.check_registers(&f)?;
-        let config = LaunchConfig {
-            grid_dim: k.grid(shape)?,
-            block_dim: (k.threads(), 1, 1),
-            shared_mem_bytes: k.smem_bytes(d),
-        };
-        // SAFETY: the caller's promise
-        let maps = unsafe {
-            [
-                tensor_map(i.q, dtype, shape, qdo_rows, rank)?,
-                tensor_map(i.k, dtype, kv, kv_rows, rank)?,
-                tensor_map(i.v, dtype, kv, kv_rows, rank)?,
-                tensor_map(i.dout, dtype, shape, qdo_rows, rank)?,
-            ]
-        };
-        Ok::<_, AttnError>((f, config, maps))
+    // SAFETY: the caller's promise
+    let prepare = |k: BackwardKernel, qdo_rows: usize, kv_rows: usize| unsafe {
+        prepare_pass(
+            function(k, k.pass.entry())?,
+            k,
+            dtype,
+            rank,
+            i,
+            [shape, kv],
+            [qdo_rows, kv_rows],
+        )
     };
 
     // dK and dV (and with one pass dQ's sums): the block's keys and values, the queries and
     // dO streamed
     let k = kernels.dkdv;
     let (f, config, maps) = prepare(k, k.stream, k.block_rows())?;
-    // the one pass's f32 dQ sums, starting at zero
-    let dq_accum = match k.pass {
-        BackwardPass::OnePass => {
-            let n = k.dq_accum_len(shape);
-            Some(
-                stream
-                    .alloc_zeros::<f32>(n)
-                    .map_err(alloc_error("the backward's f32 dq sums", n as u128 * 4))?,
-            )
-        }
-        _ => None,
-    };
+    let dq_accum = dq_sums(gpu, k, shape)?;
     let mut launch = stream.launch_builder(&f);
     for map in &maps {
         launch.arg(map);
@@ -313,6 +292,56 @@ unsafe fn launch_passes(
         unsafe { launch.launch(config) }.map_err(device_error("launching hopper_dq"))?;
     }
     Ok(())
+}
+
+/// A kernel's function `f`, with the register check of its producer warpgroup, its launch
+/// shape, and the maps of q, k, v and dO (q's `shape` and k's and v's `kv`), in boxes of
+/// `qdo_rows` rows (q, dO) and `kv_rows` rows (k, v).
+///
+/// # Safety
+/// As [`backward_into`], for `i`.
+unsafe fn prepare_pass(
+    f: CudaFunction,
+    k: BackwardKernel,
+    dtype: Dtype,
+    rank: TmaRank,
+    i: BackwardInputs,
+    [shape, kv]: [Shape; 2],
+    [qdo_rows, kv_rows]: [usize; 2],
+) -> Result<(CudaFunction, LaunchConfig, [TensorMap; 4]), AttnError> {
+    k.check_registers(&f)?;
+    let config = LaunchConfig {
+        grid_dim: k.grid(shape)?,
+        block_dim: (k.threads(), 1, 1),
+        shared_mem_bytes: k.smem_bytes(shape.head_dim),
+    };
+    // SAFETY: the caller's promise
+    let maps = unsafe {
+        [
+            tensor_map(i.q, dtype, shape, qdo_rows, rank)?,
+            tensor_map(i.k, dtype, kv, kv_rows, rank)?,
+            tensor_map(i.v, dtype, kv, kv_rows, rank)?,
+            tensor_map(i.dout, dtype, shape, qdo_rows, rank)?,
+        ]
+    };
+    Ok((f, config, maps))
+}
+
+/// The one pass's f32 dQ sums, starting at zero (None for two passes).
+fn dq_sums(
+    gpu: &Gpu,
+    k: BackwardKernel,
+    shape: Shape,
+) -> Result<Option<CudaSlice<f32>>, AttnError> {
+    match k.pass {
+        BackwardPass::OnePass => {
+            let n = k.dq_accum_len(shape);
+            Ok(Some(gpu.stream().alloc_zeros::<f32>(n).map_err(
+                alloc_error("the backward's f32 dq sums", n as u128 * 4),
+            )?))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// δ = Σ_d dO·O for every row (`hopper_delta`, `f`, of a backward module): the forward's
