@@ -211,6 +211,18 @@ fn print_text(prompt: &[u8], text: &[u8]) {
 }
 
 fn run(cli: Cli) -> Result<(), TrainError> {
+    check_flags(&cli)?;
+    let (params, name) = load_model(&cli)?;
+    println!("  {:?}, {} parameters", params.config, params.count());
+    let prompt = prompt_of(&cli)?;
+    match cli.device {
+        Device::Cpu => run_cpu(&cli, &params, name, &prompt),
+        Device::Cuda => run_cuda(&cli, &params, name, &prompt),
+    }
+}
+
+/// Before the model loads or anything is timed: what the flags ask for can be done.
+fn check_flags(cli: &Cli) -> Result<(), TrainError> {
     // before the model loads or anything is timed: --out can be written, and what is
     // there already is a list of rows to add to
     if let Some(path) = &cli.out {
@@ -225,7 +237,13 @@ fn run(cli: Cli) -> Result<(), TrainError> {
                 .into(),
         ));
     }
-    let (params, name): (Params<f32>, String) = match &cli.checkpoint {
+    Ok(())
+}
+
+/// The model: the checkpoint's, or a preset's with random weights; and its name for the
+/// report.
+fn load_model(cli: &Cli) -> Result<(Params<f32>, String), TrainError> {
+    let model = match &cli.checkpoint {
         Some(path) => {
             let ckpt = Checkpoint::load(path)?;
             println!("model: {}, trained {} steps", path.display(), ckpt.step);
@@ -244,9 +262,12 @@ fn run(cli: Cli) -> Result<(), TrainError> {
             (Params::init(config, INIT_SEED)?, name)
         }
     };
-    let config = params.config;
-    println!("  {config:?}, {} parameters", params.count());
-    let prompt: Vec<u8> = match cli.prompt_len {
+    Ok(model)
+}
+
+/// The prompt's bytes: --prompt, or --prompt-len bytes of it repeated.
+fn prompt_of(cli: &Cli) -> Result<Vec<u8>, TrainError> {
+    let prompt = match cli.prompt_len {
         Some(0) => {
             return Err(TrainError::Config(
                 "--prompt-len 0: the model needs at least one byte to go on from".into(),
@@ -262,112 +283,118 @@ fn run(cli: Cli) -> Result<(), TrainError> {
         Some(n) => cli.prompt.bytes().cycle().take(n).collect(),
         None => cli.prompt.clone().into_bytes(),
     };
+    Ok(prompt)
+}
+
+/// On the CPU: step 08's cache against step 05's `sample`.
+fn run_cpu(
+    cli: &Cli,
+    params: &Params<f32>,
+    name: String,
+    prompt: &[u8],
+) -> Result<(), TrainError> {
     let (count, t, seed) = (cli.count, cli.temperature, cli.seed);
     let both = cli.compare || cli.out.is_some();
-    match cli.device {
-        Device::Cpu => {
-            let cached = || generate(&params, &prompt, count, t, seed);
-            let uncached = || sample(&params, &prompt, count, t, seed);
-            let prefill_only = || prefill(&params, &prompt).map(|_| Vec::new());
-            let cache_bytes = |text: &[u8]| -> Result<usize, TrainError> {
-                // the cache as the last token left it: the prompt and every new token but
-                // the last
-                let (mut cache, _) = prefill(&params, &prompt)?;
-                for &token in &text[..count.saturating_sub(1)] {
-                    step(&params, &mut cache, token)?;
-                }
-                Ok(cache.bytes())
-            };
-            let calls = Calls {
-                cached: &cached,
-                graph: None,
-                uncached: &uncached,
-                prefill: &prefill_only,
-                uncached_is: "step 05's sample",
-            };
-            report(
-                &cli,
-                &params,
-                name,
-                &prompt,
-                cpu_description(),
-                calls,
-                both,
-                &cache_bytes,
-            )
+    let cached = || generate(params, prompt, count, t, seed);
+    let uncached = || sample(params, prompt, count, t, seed);
+    let prefill_only = || prefill(params, prompt).map(|_| Vec::new());
+    let cache_bytes = |text: &[u8]| -> Result<usize, TrainError> {
+        // the cache as the last token left it: the prompt and every new token but
+        // the last
+        let (mut cache, _) = prefill(params, prompt)?;
+        for &token in &text[..count.saturating_sub(1)] {
+            step(params, &mut cache, token)?;
         }
-        Device::Cuda => {
-            let model = RefCell::new(GpuModel::new(&params)?);
-            let start = Trainer {
-                params: params.clone(),
-                opt: step05_train::AdamW::new(config, Default::default()),
-                step: 0,
-            };
-            // the fastest attention step 05's trainer has on this GPU: step 06's on Hopper
-            let attention = match model.borrow().arch() {
-                "sm_90" | "sm_90a" => AttentionKind::Hopper,
-                _ => AttentionKind::Flash,
-            };
-            let trainer = if cli.no_cache || both {
-                Some(RefCell::new(GpuTrainer::new(
-                    &start,
-                    1,
-                    config.context,
-                    attention,
-                    false,
-                )?))
-            } else {
-                None
-            };
-            let device = model.borrow().device_name();
-            // with the cache, each step's kernels launched one by one or as one graph
-            let with_graphs = |graphs: bool| {
-                let mut model = model.borrow_mut();
-                model.graphs = graphs;
-                generate_gpu(&mut model, &prompt, count, t, seed)
-            };
-            let cached = || with_graphs(!cli.no_graph && !both);
-            let graphs = || with_graphs(true);
-            let uncached = || match &trainer {
-                Some(trainer) => {
-                    sample_gpu(&mut trainer.borrow_mut(), &prompt, count, t, seed)
-                }
-                None => unreachable!("made for --no-cache and for both"),
-            };
-            let prefill_only = || {
-                let mut model = model.borrow_mut();
-                model.reset()?;
-                model.prefill(&prompt)?;
-                Ok(Vec::new())
-            };
-            let cache_bytes = |text: &[u8]| -> Result<usize, TrainError> {
-                let mut model = model.borrow_mut();
-                generate_gpu(&mut model, &prompt, text.len(), t, seed)?;
-                Ok(model.cache_bytes())
-            };
-            let calls = Calls {
-                cached: &cached,
-                graph: if cli.no_graph { None } else { Some(&graphs) },
-                uncached: &uncached,
-                prefill: &prefill_only,
-                uncached_is: "step 05's GPU forward over the window",
-            };
-            let device = format!(
-                "{device} ({} attention without the cache)",
-                attention.name()
-            );
-            report(
-                &cli,
-                &params,
-                name,
-                &prompt,
-                device,
-                calls,
-                both,
-                &cache_bytes,
-            )
-        }
-    }
+        Ok(cache.bytes())
+    };
+    let calls = Calls {
+        cached: &cached,
+        graph: None,
+        uncached: &uncached,
+        prefill: &prefill_only,
+        uncached_is: "step 05's sample",
+    };
+    report(
+        cli,
+        params,
+        name,
+        prompt,
+        cpu_description(),
+        calls,
+        both,
+        &cache_bytes,
+    )
+}
+
+/// On the GPU: step 08's cached model (by launches or as graphs) against step 05's GPU
+/// trainer's forward over the window.
+fn run_cuda(
+    cli: &Cli,
+    params: &Params<f32>,
+    name: String,
+    prompt: &[u8],
+) -> Result<(), TrainError> {
+    let config = params.config;
+    let (count, t, seed) = (cli.count, cli.temperature, cli.seed);
+    let both = cli.compare || cli.out.is_some();
+    let model = RefCell::new(GpuModel::new(params)?);
+    let start = Trainer {
+        params: params.clone(),
+        opt: step05_train::AdamW::new(config, Default::default()),
+        step: 0,
+    };
+    // the fastest attention step 05's trainer has on this GPU: step 06's on Hopper
+    let attention = match model.borrow().arch() {
+        "sm_90" | "sm_90a" => AttentionKind::Hopper,
+        _ => AttentionKind::Flash,
+    };
+    let trainer = if cli.no_cache || both {
+        Some(RefCell::new(GpuTrainer::new(
+            &start,
+            1,
+            config.context,
+            attention,
+            false,
+        )?))
+    } else {
+        None
+    };
+    let device = model.borrow().device_name();
+    // with the cache, each step's kernels launched one by one or as one graph
+    let with_graphs = |graphs: bool| {
+        let mut model = model.borrow_mut();
+        model.graphs = graphs;
+        generate_gpu(&mut model, prompt, count, t, seed)
+    };
+    let cached = || with_graphs(!cli.no_graph && !both);
+    let graphs = || with_graphs(true);
+    let uncached = || match &trainer {
+        Some(trainer) => sample_gpu(&mut trainer.borrow_mut(), prompt, count, t, seed),
+        None => unreachable!("made for --no-cache and for both"),
+    };
+    let prefill_only = || {
+        let mut model = model.borrow_mut();
+        model.reset()?;
+        model.prefill(prompt)?;
+        Ok(Vec::new())
+    };
+    let cache_bytes = |text: &[u8]| -> Result<usize, TrainError> {
+        let mut model = model.borrow_mut();
+        generate_gpu(&mut model, prompt, text.len(), t, seed)?;
+        Ok(model.cache_bytes())
+    };
+    let calls = Calls {
+        cached: &cached,
+        graph: if cli.no_graph { None } else { Some(&graphs) },
+        uncached: &uncached,
+        prefill: &prefill_only,
+        uncached_is: "step 05's GPU forward over the window",
+    };
+    let device = format!(
+        "{device} ({} attention without the cache)",
+        attention.name()
+    );
+    report(cli, params, name, prompt, device, calls, both, &cache_bytes)
 }
 
 /// What `report` times: generation with and without the cache, and the prefill alone.
