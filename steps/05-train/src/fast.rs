@@ -42,7 +42,7 @@ use std::time::Instant;
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
 use flash_core::Attention;
-use ndarray::{ArrayView2, ArrayView4, Axis};
+use ndarray::{Array4, ArrayView2, ArrayView4, Axis};
 use rayon::prelude::*;
 use step02_online_softmax::{Isa, kernels::Kernels};
 use step09_masks::{Documents, Mask}; // [step 09]
@@ -50,7 +50,7 @@ use step09_masks::{Documents, Mask}; // [step 09]
 use crate::TrainError;
 use crate::data::{Batch, Corpus, train_batch};
 use crate::layers::{Float, LAYERNORM_EPS};
-use crate::model::{Config, Params, check_inputs};
+use crate::model::{Block, Config, Params, check_inputs};
 use crate::optim::clip_grad_norm;
 use crate::train::{Hardware, Learner, Settings, StepRecord, Trainer};
 
@@ -151,6 +151,12 @@ pub struct Workspace {
     /// `[rows, vocab]`: the logits, then their gradient.
     logits: Vec<f32>,
     grads: Params<f32>,
+    d: ActGrads,
+}
+
+/// The gradients of the activations on the way back through the blocks.
+#[derive(Default)]
+struct ActGrads {
     dx: Vec<f32>,
     d_rows: Vec<f32>, // [rows, C]: the gradient of a LayerNorm's output or the attention's
     d_fc: Vec<f32>,   // [rows, 4C]
@@ -167,11 +173,7 @@ impl Workspace {
             ln_f: Norm::default(),
             logits: Vec::new(),
             grads: Params::zeros(config),
-            dx: Vec::new(),
-            d_rows: Vec::new(),
-            d_fc: Vec::new(),
-            d_heads: Vec::new(),
-            d_qkv: Vec::new(),
+            d: ActGrads::default(),
         }
     }
 }
@@ -538,12 +540,12 @@ fn backward(
     mask: Option<&Mask>, // [step 09]
     ws: &mut Workspace,
 ) -> Result<(), TrainError> {
-    let (c, kv) = (n.c, n.kv_heads * n.head_dim);
-    let group = n.heads / n.kv_heads;
+    let c = n.c;
     let g = &mut ws.grads;
     for (_, mut t) in g.tensors_mut() {
         t.fill(0.0);
     }
+    let d = &mut ws.d;
     let dlogits = &ws.logits;
     // logits = h · wteᵀ: dwte += dlogitsᵀ · h, dh = dlogits · wte
     add_product(
@@ -551,15 +553,15 @@ fn backward(
         mat(dlogits, n.vocab).transpose(),
         mat(&ws.ln_f.out, c),
     );
-    let dln_f = sized(&mut ws.d_rows, n.rows * c);
+    let dln_f = sized(&mut d.d_rows, n.rows * c);
     set_product(
         mat_mut(dln_f, c),
         mat(dlogits, n.vocab),
         mat(slice(&p.wte), c),
     );
-    let dx = zeros(&mut ws.dx, n.rows * c);
+    let dx = zeros(&mut d.dx, n.rows * c);
     layernorm_backward(
-        &ws.d_rows,
+        &d.d_rows,
         &ws.x_final,
         slice(&p.ln_f_w),
         &ws.ln_f,
@@ -567,95 +569,22 @@ fn backward(
         slice_mut(&mut g.ln_f_w),
         slice_mut(&mut g.ln_f_b),
     );
-    let dx = &mut ws.dx;
     for ((w, a), gw) in p.blocks.iter().zip(&ws.blocks).zip(&mut g.blocks).rev() {
-        // dx: the gradient of the block's output; the residual passes it straight through
-        // to x_mid, and the MLP adds its own share
-        add_product(
-            mat_mut(slice_mut(&mut gw.fc_proj_w), c),
-            mat(&a.fc_gelu, 4 * c).transpose(),
-            mat(dx, c),
-        );
-        add_column_sums(slice_mut(&mut gw.fc_proj_b), dx);
-        let dfc = sized(&mut ws.d_fc, n.rows * 4 * c);
-        set_product(
-            mat_mut(dfc, 4 * c),
-            mat(dx, c),
-            mat(slice(&w.fc_proj_w), c).transpose(),
-        );
-        gelu_backward(dfc, &a.fc, &a.fc_tanh);
-        add_product(
-            mat_mut(slice_mut(&mut gw.fc_w), 4 * c),
-            mat(&a.ln_2.out, c).transpose(),
-            mat(dfc, 4 * c),
-        );
-        add_column_sums(slice_mut(&mut gw.fc_b), dfc);
-        let dln_2 = sized(&mut ws.d_rows, n.rows * c);
-        set_product(
-            mat_mut(dln_2, c),
-            mat(dfc, 4 * c),
-            mat(slice(&w.fc_w), 4 * c).transpose(),
-        );
-        layernorm_backward(
-            dln_2,
-            &a.x_mid,
-            slice(&w.ln_2_w),
-            &a.ln_2,
-            dx,
-            slice_mut(&mut gw.ln_2_w),
-            slice_mut(&mut gw.ln_2_b),
-        );
-        // the attention's half, the same way: the residual, then the projection
-        add_product(
-            mat_mut(slice_mut(&mut gw.proj_w), c),
-            mat(&a.att_rows, c).transpose(),
-            mat(dx, c),
-        );
-        add_column_sums(slice_mut(&mut gw.proj_b), dx);
-        let datt_rows = sized(&mut ws.d_rows, n.rows * c);
-        set_product(
-            mat_mut(datt_rows, c),
-            mat(dx, c),
-            mat(slice(&w.proj_w), c).transpose(),
-        );
-        gather_heads(datt_rows, c, 0, n, 1, &mut ws.d_heads);
+        mlp_backward(w, a, gw, n, d);
+        projection_backward(w, a, gw, n, d);
         let att = a.att.as_ref().expect("the forward's attention, kept");
-        let [dq, dk, dv] = f32::attention_backward(
+        let dqkv = f32::attention_backward(
             view4(&a.q, n),
             view4(&a.k, n),
             view4(&a.v, n),
             att,
-            view4(&ws.d_heads, n),
+            view4(&d.d_heads, n),
             mask, // [step 09]
         )?;
-        let dqkv = zeros(&mut ws.d_qkv, n.rows * n.qkv);
-        for (d, from, group) in [(&dq, 0, 1), (&dk, c, group), (&dv, c + kv, group)] {
-            let d = d.as_slice().expect("a new array, in standard layout");
-            scatter_heads(d, dqkv, n.qkv, from, n, group);
-        }
-        add_product(
-            mat_mut(slice_mut(&mut gw.attn_w), n.qkv),
-            mat(&a.ln_1.out, c).transpose(),
-            mat(dqkv, n.qkv),
-        );
-        add_column_sums(slice_mut(&mut gw.attn_b), dqkv);
-        let dln_1 = sized(&mut ws.d_rows, n.rows * c);
-        set_product(
-            mat_mut(dln_1, c),
-            mat(dqkv, n.qkv),
-            mat(slice(&w.attn_w), n.qkv).transpose(),
-        );
-        layernorm_backward(
-            dln_1,
-            &a.x,
-            slice(&w.ln_1_w),
-            &a.ln_1,
-            dx,
-            slice_mut(&mut gw.ln_1_w),
-            slice_mut(&mut gw.ln_1_b),
-        );
+        qkv_backward(w, a, gw, n, dqkv, d);
     }
     // x[b·T + t] = wte[token] + wpe[t]
+    let dx = &d.dx;
     let (dwte, dwpe) = (slice_mut(&mut g.wte), slice_mut(&mut g.wpe));
     for ((b, t), &tok) in inputs.indexed_iter() {
         let row = &dx[(b * n.tokens + t) * c..][..c];
@@ -665,6 +594,119 @@ fn backward(
         pos.iter_mut().zip(row).for_each(|(p, d)| *p += d);
     }
     Ok(())
+}
+
+/// A block's MLP half, from `dx`, the gradient of the block's output: the residual passes
+/// it straight through to x_mid, and the MLP adds its own share.
+fn mlp_backward(
+    w: &Block<f32>,
+    a: &BlockActs,
+    gw: &mut Block<f32>,
+    n: Dims,
+    d: &mut ActGrads,
+) {
+    let c = n.c;
+    let dx = &mut d.dx;
+    add_product(
+        mat_mut(slice_mut(&mut gw.fc_proj_w), c),
+        mat(&a.fc_gelu, 4 * c).transpose(),
+        mat(dx, c),
+    );
+    add_column_sums(slice_mut(&mut gw.fc_proj_b), dx);
+    let dfc = sized(&mut d.d_fc, n.rows * 4 * c);
+    set_product(
+        mat_mut(dfc, 4 * c),
+        mat(dx, c),
+        mat(slice(&w.fc_proj_w), c).transpose(),
+    );
+    gelu_backward(dfc, &a.fc, &a.fc_tanh);
+    add_product(
+        mat_mut(slice_mut(&mut gw.fc_w), 4 * c),
+        mat(&a.ln_2.out, c).transpose(),
+        mat(dfc, 4 * c),
+    );
+    add_column_sums(slice_mut(&mut gw.fc_b), dfc);
+    let dln_2 = sized(&mut d.d_rows, n.rows * c);
+    set_product(
+        mat_mut(dln_2, c),
+        mat(dfc, 4 * c),
+        mat(slice(&w.fc_w), 4 * c).transpose(),
+    );
+    layernorm_backward(
+        dln_2,
+        &a.x_mid,
+        slice(&w.ln_2_w),
+        &a.ln_2,
+        dx,
+        slice_mut(&mut gw.ln_2_w),
+        slice_mut(&mut gw.ln_2_b),
+    );
+}
+
+/// The attention's half, the same way: the residual, then the projection, its gradient
+/// into `d_heads` for the attention's backward.
+fn projection_backward(
+    w: &Block<f32>,
+    a: &BlockActs,
+    gw: &mut Block<f32>,
+    n: Dims,
+    d: &mut ActGrads,
+) {
+    let c = n.c;
+    let dx = &d.dx;
+    add_product(
+        mat_mut(slice_mut(&mut gw.proj_w), c),
+        mat(&a.att_rows, c).transpose(),
+        mat(dx, c),
+    );
+    add_column_sums(slice_mut(&mut gw.proj_b), dx);
+    let datt_rows = sized(&mut d.d_rows, n.rows * c);
+    set_product(
+        mat_mut(datt_rows, c),
+        mat(dx, c),
+        mat(slice(&w.proj_w), c).transpose(),
+    );
+    gather_heads(datt_rows, c, 0, n, 1, &mut d.d_heads);
+}
+
+/// From the attention's `[dq, dk, dv]`: the fused projection's gradients and the first
+/// LayerNorm's, whose input gradient `dx` is the block before's output gradient.
+fn qkv_backward(
+    w: &Block<f32>,
+    a: &BlockActs,
+    gw: &mut Block<f32>,
+    n: Dims,
+    [dq, dk, dv]: [Array4<f32>; 3],
+    d: &mut ActGrads,
+) {
+    let (c, kv) = (n.c, n.kv_heads * n.head_dim);
+    let group = n.heads / n.kv_heads;
+    let dqkv = zeros(&mut d.d_qkv, n.rows * n.qkv);
+    for (grad, from, group) in [(&dq, 0, 1), (&dk, c, group), (&dv, c + kv, group)] {
+        let grad = grad.as_slice().expect("a new array, in standard layout");
+        scatter_heads(grad, dqkv, n.qkv, from, n, group);
+    }
+    add_product(
+        mat_mut(slice_mut(&mut gw.attn_w), n.qkv),
+        mat(&a.ln_1.out, c).transpose(),
+        mat(dqkv, n.qkv),
+    );
+    add_column_sums(slice_mut(&mut gw.attn_b), dqkv);
+    let dln_1 = sized(&mut d.d_rows, n.rows * c);
+    set_product(
+        mat_mut(dln_1, c),
+        mat(dqkv, n.qkv),
+        mat(slice(&w.attn_w), n.qkv).transpose(),
+    );
+    layernorm_backward(
+        dln_1,
+        &a.x,
+        slice(&w.ln_1_w),
+        &a.ln_1,
+        &mut d.dx,
+        slice_mut(&mut gw.ln_1_w),
+        slice_mut(&mut gw.ln_1_b),
+    );
 }
 
 /// The batch's sequences in `shards` runs, as even as they can be: `from..to` of each.
