@@ -228,6 +228,9 @@ struct KvGrads {
     dv: [CudaSlice<f32>; 2],
 }
 
+/// A rank's f32 sums of dq, one a chunk of its queries.
+type DqSums = [CudaSlice<f32>; 2];
+
 /// A ring of ranks for one shape and dtype.
 pub struct RingAttention {
     split: ZigZag,
@@ -853,22 +856,7 @@ impl RingAttention {
         }
         self.check_attention(fwd)?;
         let n = self.ranks();
-        let len = self.chunk.len();
-        let mut acc_dq = Vec::with_capacity(n);
-        // per rank, two sums of dk and dv: the one added to at this step, and the one the
-        // previous rank's arrives in
-        let mut travel: Vec<[KvGrads; 2]> = Vec::with_capacity(n);
-        for r in 0..n {
-            let f32s = || self.alloc_f32(r, len, "allocating a gradient sum");
-            acc_dq.push([f32s()?, f32s()?]);
-            let sums = || -> Result<KvGrads, AttnError> {
-                Ok(KvGrads {
-                    dk: [f32s()?, f32s()?],
-                    dv: [f32s()?, f32s()?],
-                })
-            };
-            travel.push([sums()?, sums()?]);
-        }
+        let (mut acc_dq, mut travel) = self.alloc_sums()?;
         // δ of each chunk of queries, once, from the merged output
         let deltas = (0..n)
             .map(|r| {
@@ -963,6 +951,41 @@ impl RingAttention {
             // ANCHOR_END: dkdv_return
             arrived = next_arrived;
         }
+        let result = self.round_gradients(&acc_dq, &travel, &grads_arrived)?;
+        self.join_transfers()?;
+        Ok(result)
+    }
+
+    /// Per rank, the f32 sums of its dq (one a chunk), and two sums of dk and dv: the one
+    /// added to at this step, and the one the previous rank's arrives in.
+    fn alloc_sums(&self) -> Result<(Vec<DqSums>, Vec<[KvGrads; 2]>), AttnError> {
+        let n = self.ranks();
+        let len = self.chunk.len();
+        let mut acc_dq = Vec::with_capacity(n);
+        let mut travel: Vec<[KvGrads; 2]> = Vec::with_capacity(n);
+        for r in 0..n {
+            let f32s = || self.alloc_f32(r, len, "allocating a gradient sum");
+            acc_dq.push([f32s()?, f32s()?]);
+            let sums = || -> Result<KvGrads, AttnError> {
+                Ok(KvGrads {
+                    dk: [f32s()?, f32s()?],
+                    dv: [f32s()?, f32s()?],
+                })
+            };
+            travel.push([sums()?, sums()?]);
+        }
+        Ok((acc_dq, travel))
+    }
+
+    /// Each rank's gradients in the ring's dtype, from its dq sums and the dk and dv sums
+    /// that came home (after the last hop's `grads_arrived`).
+    fn round_gradients(
+        &self,
+        acc_dq: &[DqSums],
+        travel: &[[KvGrads; 2]],
+        grads_arrived: &[Option<CudaEvent>],
+    ) -> Result<Vec<ShardGrads>, AttnError> {
+        let n = self.ranks();
         let home = if n > 1 { n % 2 } else { 0 };
         let mut result = Vec::with_capacity(n);
         for r in 0..n {
@@ -982,7 +1005,6 @@ impl RingAttention {
                 dv: round2(&sums.dv)?,
             });
         }
-        self.join_transfers()?;
         Ok(result)
     }
     // ANCHOR_END: ring_backward
