@@ -114,13 +114,17 @@ fn percent(f: Option<f64>) -> String {
     f.map_or(String::new(), |f| format!("{:.0}%", f * 100.0))
 }
 
-/// The table of one head dim.
+/// The table of one head dim: the shape, then PyTorch's time over ours, so that the ratio
+/// stays in view where the table scrolls on a phone, then the measurements. A shape ours
+/// could not run says so in a word, and why under the table: a sentence in a cell would
+/// stretch its row to a column of words.
 fn table(d: &Decoding, head_dim: usize) -> String {
     let mut t = String::from(
-        "| kv heads | batch | context | splits | ours, µs | GB/s | of the read kernel | paged, \
-         of the read kernel | read kernel, GB/s | PyTorch SDPA, µs | its time ÷ ours |\n\
+        "| kv heads | batch | context | PyTorch's time ÷ ours | splits | ours, µs | GB/s | of the \
+         read kernel | paged, of the read kernel | read kernel, GB/s | PyTorch SDPA, µs |\n\
          | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
+    let mut not_run = Vec::new();
     // grouped heads (fewer kv heads) first, as the chapter reads them
     for kv in d.values(|r| r.kv_heads) {
         for batch in d.values(|r| r.batch) {
@@ -134,13 +138,18 @@ fn table(d: &Decoding, head_dim: usize) -> String {
                 let Some(us) = ours.us else {
                     let why = ours.error.as_deref().unwrap_or("no time");
                     let pt = pt.map_or("does not fit".into(), |p| number(p, 1));
-                    t += &format!("{head} | {why} | | | | | {pt} | |\n");
+                    t += &format!("{head} | | not run | | | | | {pt} |\n");
+                    not_run.push(format!(
+                        "{kv} kv heads, batch {batch}, {} tokens: {why}",
+                        number(context as f64, 0)
+                    ));
                     continue;
                 };
                 let paged = d.ours("decode_paged", key).and_then(|r| r.fraction_of_read);
                 let read = d.ours("read", key).and_then(|r| r.gb_s);
                 t += &format!(
                     "{head} {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    pt.map_or(String::new(), |p| format!("{:.2}×", p / us)),
                     ours.splits.map_or(String::new(), |s| s.to_string()),
                     number(us, 1),
                     ours.gb_s.map_or(String::new(), |g| number(g, 0)),
@@ -148,10 +157,12 @@ fn table(d: &Decoding, head_dim: usize) -> String {
                     percent(paged),
                     read.map_or(String::new(), |g| number(g, 0)),
                     pt.map_or(String::new(), |p| number(p, 1)),
-                    pt.map_or(String::new(), |p| format!("{:.2}×", p / us)),
                 );
             }
         }
+    }
+    if !not_run.is_empty() {
+        t += &format!("\n*Not run*: {}.\n", not_run.join("; "));
     }
     t
 }
@@ -312,5 +323,45 @@ mod tests {
             "H100"
         );
         assert_eq!(on(None).gpu(), "GPU");
+    }
+
+    #[test]
+    fn the_table_puts_the_ratio_after_the_shape_and_a_shape_not_run_under_it() {
+        let pytorch = DecodeRow {
+            method: "pytorch_sdpa".into(),
+            us: Some(12.6),
+            ..row(None)
+        };
+        let too_big = DecodeRow {
+            context: 8192,
+            us: None,
+            error: Some("the cache needs 137.4 GB and the GPU has 80.8 GB free".into()),
+            ..row(None)
+        };
+        let d = Decoding {
+            ours: vec![row(None), too_big],
+            pytorch: vec![pytorch],
+        };
+        let t = table(&d, 128);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(
+            lines[0].starts_with("| kv heads | batch | context | PyTorch's time ÷ ours |"),
+            "{t}"
+        );
+        // 12.6 µs over 8.4 µs, then the splits and our time
+        assert!(
+            lines[2].starts_with("| 8 | 1 | 1,024 | 1.50× | 8 | 8.4 |"),
+            "{t}"
+        );
+        // every row has the header's cells: the one not run says so in a word
+        let cells = |l: &str| l.matches('|').count();
+        assert_eq!(cells(lines[3]), cells(lines[0]), "{t}");
+        assert!(lines[3].contains("| not run |"), "{t}");
+        assert!(
+            t.contains(
+                "*Not run*: 8 kv heads, batch 1, 8,192 tokens: the cache needs 137.4 GB"
+            ),
+            "{t}"
+        );
     }
 }

@@ -678,18 +678,27 @@ fn table(rows: &[&Row]) -> String {
     md.push_str(".\n\n");
     let heads: Vec<String> = looks.iter().map(|l| l.short.clone()).collect();
     let vs_heads: Vec<String> = versus.iter().map(|(a, b)| vs(a, b)).collect();
+    // the ratios next to the length: a table wider than a phone's column scrolls, and what
+    // it is there to say stays in view
     md.push_str(&format!(
-        "| tokens | {} |{}\n| ---: |{}{}\n",
-        heads.join(" | "),
+        "| tokens |{} {} |\n| ---: |{}{}\n",
         vs_heads
             .iter()
             .map(|h| format!(" {h} |"))
             .collect::<String>(),
-        " ---: |".repeat(heads.len()),
+        heads.join(" | "),
         " ---: |".repeat(vs_heads.len()),
+        " ---: |".repeat(heads.len()),
     ));
     for &t in &lengths {
         md.push_str(&format!("| {t} |"));
+        for (a, b) in &versus {
+            let ms = |m: &str| find(m, t).and_then(|r| r.ms).filter(|v| *v > 0.0);
+            let cell = ms(a)
+                .zip(ms(b))
+                .map_or("–".to_string(), |(a, b)| format!("{:.2}×", b / a));
+            md.push_str(&format!(" {cell} |"));
+        }
         for m in &methods {
             let cell = match find(m, t) {
                 None => "–".to_string(),
@@ -704,13 +713,6 @@ fn table(rows: &[&Row]) -> String {
                     (None, None) => "–".to_string(),
                 },
             };
-            md.push_str(&format!(" {cell} |"));
-        }
-        for (a, b) in &versus {
-            let ms = |m: &str| find(m, t).and_then(|r| r.ms).filter(|v| *v > 0.0);
-            let cell = ms(a)
-                .zip(ms(b))
-                .map_or("–".to_string(), |(a, b)| format!("{:.2}×", b / a));
             md.push_str(&format!(" {cell} |"));
         }
         md.push('\n');
@@ -1163,6 +1165,25 @@ mod tests {
         }
         row::from_json(&format!("[{}]", items.join(",")), "sample").unwrap()
     }
+
+    // [step 02]
+    #[test]
+    fn the_ratio_to_the_peer_comes_right_after_the_length() {
+        let mut items = Vec::new();
+        for t in [1024u64, 2048] {
+            items.push(row("online", "cpu", "fwd", t, Some(2.0)));
+            items.push(row("pytorch_sdpa", "cpu", "fwd", t, Some(5.0)));
+        }
+        let rows = row::from_json(&format!("[{}]", items.join(",")), "sample").unwrap();
+        let md = table(&rows.iter().collect::<Vec<_>>());
+        // a table wider than a phone's column scrolls: the ratio is what stays in view
+        assert!(
+            md.contains("| tokens | vs PyTorch SDPA | online | PyTorch SDPA |"),
+            "{md}"
+        );
+        assert!(md.contains("| 1024 | 2.50× | 2.00<br>"), "{md}");
+    }
+    // [/step 02]
 
     #[test]
     fn same_rows_give_byte_identical_charts() {
