@@ -799,8 +799,10 @@ impl GpuTrainer {
             .map(|l| LayerActs::alloc(gpu, l, &config, shape, attention))
             .collect::<Result<Vec<_>, _>>()?;
         let v_len = config.vocab;
-        // one argument a line: step 08 adds the last
+        // [step 08]
+        // one argument a line, so that the stages before step 08 leave its argument out
         #[rustfmt::skip]
+        // [/step 08]
         let s = Scratch::alloc(
             gpu,
             &config,
