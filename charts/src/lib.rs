@@ -930,97 +930,10 @@ const LEGEND_FONT: u32 = 21;
 type Series = (Look, String, Vec<(f64, f64)>);
 
 fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
-    let pass = rows[0].pass;
-    let title = format!(
-        "{}, causal {}",
-        q.title(),
-        if pass == Pass::Forward {
-            "forward"
-        } else {
-            "forward + backward"
-        }
-    );
-    let subtitle = format!(
-        "{} · batch {}, heads {}, head dim {} · {}",
-        // the machine's name; the table under each chart carries the full descriptions
-        distinct(rows, |r| r
-            .device
-            .split(" (")
-            .next()
-            .unwrap_or(&r.device)
-            .to_string()),
-        distinct(rows, |r| r.batch.to_string()),
-        distinct(rows, |r| r.heads.to_string()),
-        distinct(rows, |r| r.head_dim.to_string()),
-        distinct(rows, |r| r.dtype.to_string()),
-    );
-
-    // one series per method; failed lengths noted in the legend
-    let methods = method_order(rows);
-    // each method's look, legend and points (log2 of the length, value)
-    let series: Vec<Series> = methods
-        .iter()
-        .map(|&m| {
-            let mine: Vec<&&Row> = rows.iter().filter(|r| r.method == m).collect();
-            let l = look(m, mine[0].device_kind);
-            let mut points: Vec<(f64, f64)> = mine
-                .iter()
-                .filter(|r| r.error.is_none())
-                .filter_map(|r| q.value(r).map(|v| ((r.tokens as f64).log2(), v)))
-                .collect();
-            points.sort_by(|a, b| a.0.total_cmp(&b.0));
-            let failed: BTreeSet<usize> = mine
-                .iter()
-                .filter(|r| r.error.is_some())
-                .map(|r| r.tokens)
-                .collect();
-            let words = l.label(pass);
-            let label = match failed.first() {
-                Some(t)
-                    if mine.iter().any(|r| {
-                        r.error
-                            .as_deref()
-                            .is_some_and(|e| e.contains("out of memory"))
-                    }) =>
-                {
-                    format!("{words} (out of memory at {t} tokens)")
-                }
-                Some(t) => format!("{words} (failed at {t} tokens)"),
-                None => words,
-            };
-            (l, label, points)
-        })
-        .collect();
-
-    let xs: Vec<f64> = rows.iter().map(|r| (r.tokens as f64).log2()).collect();
-    let (x_lo, x_hi) = (
-        xs.iter().copied().fold(f64::INFINITY, f64::min) - 0.25,
-        xs.iter().copied().fold(f64::NEG_INFINITY, f64::max) + 0.25,
-    );
-    let ys: Vec<f64> = series
-        .iter()
-        .flat_map(|(_, _, p)| p.iter().map(|&(_, y)| y))
-        .collect();
-    let (mut y_lo, mut y_hi) = (
-        ys.iter().copied().fold(f64::INFINITY, f64::min),
-        ys.iter().copied().fold(f64::NEG_INFINITY, f64::max),
-    );
-    if ys.is_empty() {
-        (y_lo, y_hi) = (1.0, 10.0);
-    }
-
-    // the legend under the plot, in two columns when the labels are short enough (a label's
-    // width estimated at 9 pixels a character, about half the font's size)
-    let longest = series
-        .iter()
-        .map(|(_, l, _)| l.chars().count())
-        .max()
-        .unwrap_or(0) as u32;
-    let columns: u32 = if 30 + 48 + longest * 9 <= WIDTH / 2 {
-        2
-    } else {
-        1
-    };
+    let (title, subtitle) = titles(rows, q);
+    let series = series(rows, q);
+    let ((x_lo, x_hi), (y_lo, y_hi)) = ranges(rows, &series);
+    let columns = legend_columns(&series);
     let legend_rows = (series.len() as u32).div_ceil(columns);
     let height = 62 + PLOT_HEIGHT + 10 + legend_rows * LEGEND_ROW + 10;
 
@@ -1118,18 +1031,134 @@ fn render(rows: &[&Row], q: Quantity) -> Result<String, String> {
             }
         }
 
-        // the legend: a stretch of the line with the marker on it, then the words
-        let (legend_x, legend_y) = legend.get_base_pixel();
-        let column_width = WIDTH as i32 / columns as i32;
-        for (i, (l, label, _)) in series.iter().enumerate() {
-            let (row, column) = (i as u32 / columns, i as u32 % columns);
-            let x = legend_x + 30 + column as i32 * column_width;
-            let y = legend_y + 10 + (row * LEGEND_ROW + LEGEND_ROW / 2) as i32;
-            draw_legend_entry(&root, l, label, (x, y))?;
-        }
+        draw_legend(&root, &legend, &series, columns)?;
         root.present().map_err(|x| e(&x))?;
     }
     Ok(scalable(svg))
+}
+
+/// A chart's title (the quantity and the pass) and subtitle (the machine and the shape).
+fn titles(rows: &[&Row], q: Quantity) -> (String, String) {
+    let pass = rows[0].pass;
+    let title = format!(
+        "{}, causal {}",
+        q.title(),
+        if pass == Pass::Forward {
+            "forward"
+        } else {
+            "forward + backward"
+        }
+    );
+    let subtitle = format!(
+        "{} · batch {}, heads {}, head dim {} · {}",
+        // the machine's name; the table under each chart carries the full descriptions
+        distinct(rows, |r| r
+            .device
+            .split(" (")
+            .next()
+            .unwrap_or(&r.device)
+            .to_string()),
+        distinct(rows, |r| r.batch.to_string()),
+        distinct(rows, |r| r.heads.to_string()),
+        distinct(rows, |r| r.head_dim.to_string()),
+        distinct(rows, |r| r.dtype.to_string()),
+    );
+    (title, subtitle)
+}
+
+/// One series per method, in the methods' order: its look, its legend (failed lengths
+/// noted) and its points (log2 of the length, value).
+fn series(rows: &[&Row], q: Quantity) -> Vec<Series> {
+    let pass = rows[0].pass;
+    let methods = method_order(rows);
+    methods
+        .iter()
+        .map(|&m| {
+            let mine: Vec<&&Row> = rows.iter().filter(|r| r.method == m).collect();
+            let l = look(m, mine[0].device_kind);
+            let mut points: Vec<(f64, f64)> = mine
+                .iter()
+                .filter(|r| r.error.is_none())
+                .filter_map(|r| q.value(r).map(|v| ((r.tokens as f64).log2(), v)))
+                .collect();
+            points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let failed: BTreeSet<usize> = mine
+                .iter()
+                .filter(|r| r.error.is_some())
+                .map(|r| r.tokens)
+                .collect();
+            let words = l.label(pass);
+            let label = match failed.first() {
+                Some(t)
+                    if mine.iter().any(|r| {
+                        r.error
+                            .as_deref()
+                            .is_some_and(|e| e.contains("out of memory"))
+                    }) =>
+                {
+                    format!("{words} (out of memory at {t} tokens)")
+                }
+                Some(t) => format!("{words} (failed at {t} tokens)"),
+                None => words,
+            };
+            (l, label, points)
+        })
+        .collect()
+}
+
+/// The plot's ranges: the lengths' (log2), a quarter step either side, and the values'.
+fn ranges(rows: &[&Row], series: &[Series]) -> ((f64, f64), (f64, f64)) {
+    let xs: Vec<f64> = rows.iter().map(|r| (r.tokens as f64).log2()).collect();
+    let (x_lo, x_hi) = (
+        xs.iter().copied().fold(f64::INFINITY, f64::min) - 0.25,
+        xs.iter().copied().fold(f64::NEG_INFINITY, f64::max) + 0.25,
+    );
+    let ys: Vec<f64> = series
+        .iter()
+        .flat_map(|(_, _, p)| p.iter().map(|&(_, y)| y))
+        .collect();
+    let (mut y_lo, mut y_hi) = (
+        ys.iter().copied().fold(f64::INFINITY, f64::min),
+        ys.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    );
+    if ys.is_empty() {
+        (y_lo, y_hi) = (1.0, 10.0);
+    }
+    ((x_lo, x_hi), (y_lo, y_hi))
+}
+
+/// The legend under the plot, in two columns when the labels are short enough (a label's
+/// width estimated at 9 pixels a character, about half the font's size).
+fn legend_columns(series: &[Series]) -> u32 {
+    let longest = series
+        .iter()
+        .map(|(_, l, _)| l.chars().count())
+        .max()
+        .unwrap_or(0) as u32;
+    if 30 + 48 + longest * 9 <= WIDTH / 2 {
+        2
+    } else {
+        1
+    }
+}
+
+/// The legend in `area`: for each series a stretch of the line with the marker on it, then
+/// the words, in `columns` columns.
+fn draw_legend(
+    root: &DrawingArea<SVGBackend, Shift>,
+    area: &DrawingArea<SVGBackend, Shift>,
+    series: &[Series],
+    columns: u32,
+) -> Result<(), String> {
+    let (legend_x, legend_y) = area.get_base_pixel();
+    let column_width = WIDTH as i32 / columns as i32;
+    for (i, (l, label, _)) in series.iter().enumerate() {
+        let (row, column) = (i as u32 / columns, i as u32 % columns);
+        let x = legend_x + 30 + column as i32 * column_width;
+        let y = legend_y + 10 + (row * LEGEND_ROW + LEGEND_ROW / 2) as i32;
+        draw_legend_entry(root, l, label, (x, y))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
