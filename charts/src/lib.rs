@@ -631,12 +631,7 @@ fn table(rows: &[&Row]) -> String {
         .copied()
         .filter(|(a, b)| methods.contains(a) && methods.contains(b))
         .collect();
-    let short = |m: &str| {
-        methods
-            .iter()
-            .position(|x| *x == m)
-            .map_or(m.to_string(), |i| looks[i].short.clone())
-    };
+    let short = |m: &str| short_name(&methods, &looks, m);
     // with two of ours compared, a column names both sides: `Hopper vs cuDNN`
     let several = versus.iter().any(|(a, _)| *a != versus[0].0);
     let vs = |a: &str, b: &str| {
@@ -718,8 +713,30 @@ fn table(rows: &[&Row]) -> String {
         md.push('\n');
     }
 
-    // the memory as in the memory charts: a method that allocates exactly what another does
-    // is left out, and said so
+    md.push_str(&memory_table(rows, &methods, &looks, &lengths));
+    md.push_str(&column_meanings(&looks, pass));
+    md
+}
+
+/// A column head's short name for method `m` (its name when it is not among `methods`).
+fn short_name(methods: &[&str], looks: &[Look], m: &str) -> String {
+    methods
+        .iter()
+        .position(|x| *x == m)
+        .map_or(m.to_string(), |i| looks[i].short.clone())
+}
+
+/// The peak memory's table, as in the memory charts: a method that allocates exactly what
+/// another does is left out, and said so.
+fn memory_table(
+    rows: &[&Row],
+    methods: &[&str],
+    looks: &[Look],
+    lengths: &[usize],
+) -> String {
+    let find = |m: &str, t: usize| rows.iter().find(|r| r.method == m && r.tokens == t);
+    let short = |m: &str| short_name(methods, looks, m);
+    let mut md = String::new();
     let memory: Vec<usize> = (0..methods.len())
         .filter(|&i| looks[i].same_memory_as.is_none())
         .collect();
@@ -751,11 +768,11 @@ fn table(rows: &[&Row]) -> String {
         "| tokens |{}\n| ---: |{}\n",
         memory
             .iter()
-            .map(|&i| format!(" {} |", heads[i]))
+            .map(|&i| format!(" {} |", looks[i].short))
             .collect::<String>(),
         " ---: |".repeat(memory.len())
     ));
-    for &t in &lengths {
+    for &t in lengths {
         md.push_str(&format!("| {t} |"));
         for &i in &memory {
             let cell = match find(methods[i], t) {
@@ -770,16 +787,21 @@ fn table(rows: &[&Row]) -> String {
         }
         md.push('\n');
     }
-    // what the short column heads stand for, where they are not the words themselves
+    md
+}
+
+/// What the short column heads stand for, where they are not the words themselves (empty
+/// when none).
+fn column_meanings(looks: &[Look], pass: Pass) -> String {
     let heads_meaning: Vec<String> = looks
         .iter()
         .filter(|l| l.short != l.label(pass))
         .map(|l| format!("*{}*: {}", l.short, l.label(pass)))
         .collect();
-    if !heads_meaning.is_empty() {
-        md.push_str(&format!("\nColumns: {}.\n", heads_meaning.join("; ")));
+    match heads_meaning.is_empty() {
+        true => String::new(),
+        false => format!("\nColumns: {}.\n", heads_meaning.join("; ")),
     }
-    md
 }
 
 /// The distinct values of a field, in first-seen order, joined for a title.
