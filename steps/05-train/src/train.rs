@@ -516,35 +516,7 @@ pub fn train_with<L: Learner + ?Sized>(
         false => heldout,
     };
     // [/step 09]
-    let hw = learner.hardware();
-    let mut run = RunRecord {
-        config,
-        settings: *settings,
-        params: learner.params_count(),
-        corpus: corpus.source.clone(),
-        train_bytes: corpus.train.len(),
-        heldout_bytes: corpus.heldout.len(),
-        train_files: corpus.train_files,
-        heldout_files: corpus.heldout_files,
-        threads: rayon::current_num_threads(),
-        started_at_step: learner.steps_done(),
-        steps: Vec::new(),
-        evals: Vec::new(),
-        seconds: 0.0,
-        trainer: learner.trainer().into(),
-        device: hw.device,
-        device_name: hw.device_name,
-        attention: hw.attention,
-        precision: hw.precision,
-        tokens_per_step: settings.batch * settings.seq_len,
-        tokens_per_s: 0.0,
-        peak_memory_bytes: None,
-        commit: flash_core::row::COMMIT.into(),
-        date: flash_core::row::utc_now(),
-        profile: Vec::new(),
-        gpus: learner.gpus(),     // [step 07]
-        allreduce_ms: Vec::new(), // [step 07]
-    };
+    let mut run = new_record(learner, corpus, settings);
     let mut train_seconds = 0.0;
     let eval = |learner: &mut L, train_seconds: f64| -> Result<EvalRecord, TrainError> {
         Ok(EvalRecord {
@@ -603,6 +575,44 @@ pub fn train_with<L: Learner + ?Sized>(
     run.profile = learner.profile();
     run.allreduce_ms = learner.allreduce_ms(); // [step 07]
     Ok(run)
+}
+
+/// A run's record before its first step: the model, the settings, the corpus and the
+/// hardware, with no step, evaluation or timing yet.
+fn new_record<L: Learner + ?Sized>(
+    learner: &L,
+    corpus: &Corpus,
+    settings: &Settings,
+) -> RunRecord {
+    let hw = learner.hardware();
+    RunRecord {
+        config: learner.config(),
+        settings: *settings,
+        params: learner.params_count(),
+        corpus: corpus.source.clone(),
+        train_bytes: corpus.train.len(),
+        heldout_bytes: corpus.heldout.len(),
+        train_files: corpus.train_files,
+        heldout_files: corpus.heldout_files,
+        threads: rayon::current_num_threads(),
+        started_at_step: learner.steps_done(),
+        steps: Vec::new(),
+        evals: Vec::new(),
+        seconds: 0.0,
+        trainer: learner.trainer().into(),
+        device: hw.device,
+        device_name: hw.device_name,
+        attention: hw.attention,
+        precision: hw.precision,
+        tokens_per_step: settings.batch * settings.seq_len,
+        tokens_per_s: 0.0,
+        peak_memory_bytes: None,
+        commit: flash_core::row::COMMIT.into(),
+        date: flash_core::row::utc_now(),
+        profile: Vec::new(),
+        gpus: learner.gpus(),     // [step 07]
+        allreduce_ms: Vec::new(), // [step 07]
+    }
 }
 
 /// A step's failure on numbers that are no longer finite said as what it is: the run
