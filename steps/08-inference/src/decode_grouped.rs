@@ -31,7 +31,8 @@ use crate::decode::{DecodeShape, check_sizes};
 use crate::decode_kernels::{DecodeKernels, Tile};
 
 /// Keys per block: a block's keys and values (64 · 128 · 4 bytes each at head dim 128) stay
-/// in the L2 cache between the pass that reads them from memory and the row products.
+/// in the L2 cache between the first tile of rows, which reads them from memory, and the
+/// others.
 pub const BLOCK_KEYS: usize = 64;
 
 /// The fewest keys [`plan_chunk`] gives a chunk: a task's start and its merge cost about
