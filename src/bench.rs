@@ -105,7 +105,14 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
         .map(|out| RowsFile::check("--out", out))
         .transpose()
         .map_err(|e| e.to_string())?;
-    let chosen = &args.methods;
+    let chosen: &[&dyn Method] = &args.methods;
+    // [step 09]
+    // with a mask, step 09's masked attention runs once a length, in the methods' place
+    let chosen = match &args.mask {
+        Some(_) => &chosen[..chosen.len().min(1)],
+        None => chosen,
+    };
+    // [/step 09]
     stop_on_ctrl_c();
     let cuda = args.device != Device::Cpu;
     let device = cpu_description();
@@ -143,6 +150,12 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
     }
     // [/step 02]
     let implementations: Vec<String> = chosen.iter().map(|m| m.implementation()).collect();
+    // [step 09]
+    let implementations = match &args.mask {
+        Some(_) => vec![masked_implementation(args)],
+        None => implementations,
+    };
+    // [/step 09]
     print_sweep(args, &implementations, cuda);
 
     let total = chosen.len() * args.lengths.len();
@@ -155,15 +168,28 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
                 break 'sweep;
             }
             let shape = Shape::new(args.batch, args.heads, tokens, args.head_dim);
+            let name = m.name();
+            // [step 09]
+            let name = if args.mask.is_some() { MASKED } else { name };
+            // [/step 09]
             eprintln!(
-                "[{}/{total}] {} at {tokens} tokens ({}) ...",
+                "[{}/{total}] {name} at {tokens} tokens ({}) ...",
                 rows.len() + 1,
-                m.name(),
                 args.pass()
             );
             let estimate = announce(m, shape, args, pace.get(m.name()).copied(), cuda);
+            // [step 09]
+            let masked = args.mask.as_ref().map(|spec| Masked::new(spec, shape));
+            // [/step 09]
             let started = Instant::now();
             let measured = with_progress(estimate, || {
+                // [step 09]
+                match &masked {
+                    Some(Ok(masked)) => return masked.measure(shape, args),
+                    Some(Err(e)) => return Err(e.clone()),
+                    None => {}
+                }
+                // [/step 09]
                 // [step 03]
                 if cuda {
                     return measure_gpu(m, shape, args);
@@ -184,6 +210,12 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
                 );
             }
             let row = new_row(args, m, imp, &stamp, shape, measured);
+            // [step 09]
+            let row = match &masked {
+                Some(Ok(masked)) => masked.mark(row, args.pass()),
+                _ => row,
+            };
+            // [/step 09]
             // Ctrl-C reaches the peak's child too, which then fails: a row that failed
             // while the sweep was being stopped is not the method's failure
             if STOP.load(Ordering::SeqCst) && row.error.is_some() {
@@ -215,8 +247,15 @@ struct Stamp {
 
 /// The sweep's shape, the methods it runs and the table's header.
 fn print_sweep(args: &BenchArgs, implementations: &[String], cuda: bool) {
+    let pattern = "causal".to_string();
+    // [step 09]
+    let pattern = match &args.mask {
+        Some(spec) => format!("mask {}", spec.text()),
+        None => pattern,
+    };
+    // [/step 09]
     println!(
-        "shape: batch {}, heads {}, head_dim {}, {}, causal; pass {}; median of {} runs after a warm-up",
+        "shape: batch {}, heads {}, head_dim {}, {}, {pattern}; pass {}; median of {} runs after a warm-up",
         args.batch,
         args.heads,
         args.head_dim,
@@ -224,6 +263,14 @@ fn print_sweep(args: &BenchArgs, implementations: &[String], cuda: bool) {
         args.pass(),
         args.runs
     );
+    // [step 09]
+    if args.mask.is_some() {
+        println!("  {MASKED:<16} (step 09) {}", implementations[0]);
+        println!();
+        println!("{}", report::table_header(cuda));
+        return;
+    }
+    // [/step 09]
     if !args.left_out.is_empty() {
         println!("left out, no backward pass: {}", args.left_out.join(", "));
     }
@@ -295,6 +342,10 @@ fn new_row(
         date: stamp.date.clone(),
         error,
         gpus: args.gpus, // [step 07]
+        // [step 09]
+        mask: None,
+        density: None,
+        // [/step 09]
     }
 }
 
@@ -373,6 +424,12 @@ fn estimate_s(
         };
         return Some(last.seconds * scale);
     }
+    // [step 09]
+    // a probe would time the method, not the masked attention that runs in its place
+    if args.mask.is_some() {
+        return None;
+    }
+    // [/step 09]
     let small = Shape::new(1, shape.heads.min(12), PROBE_TOKENS, shape.head_dim);
     // a row no larger than the probe is quick, and the GPU's first call compiles
     if cuda || flops <= 4.0 * small.flops(pass) {
@@ -526,9 +583,27 @@ pub fn check_result(
     let rows = sample_rows(shape);
     let want = reference::rows_f64(q.view(), k.view(), v.view(), &rows)
         .map_err(|e| e.to_string())?;
+    compare_rows(&rows, &want, got, dtype)
+}
+
+/// The check's verdict on `rows` of `got` against `want`, their reference outputs and
+/// log-sum-exps: the largest error over the outputs and log-sum-exps, at most
+/// [`allowed_error`].
+fn compare_rows(
+    rows: &[(usize, usize, usize)],
+    want: &[(Vec<f64>, f64)],
+    got: &Attention,
+    dtype: Dtype,
+) -> Result<(), String> {
     let (mut worst, mut at) = (0.0f64, rows[0]);
-    for (&(b, h, i), (o, lse)) in rows.iter().zip(&want) {
-        let mut err = (f64::from(got.lse[[b, h, i]]) - lse).abs();
+    for (&(b, h, i), (o, lse)) in rows.iter().zip(want) {
+        let got_lse = f64::from(got.lse[[b, h, i]]);
+        // a row that sees no key has a log-sum-exp of −∞ both ways
+        let mut err = if got_lse == *lse {
+            0.0
+        } else {
+            (got_lse - lse).abs()
+        };
         for (d, o) in o.iter().enumerate() {
             err = err.max((f64::from(got.out[[b, h, i, d]]) - o).abs());
         }
@@ -652,6 +727,172 @@ pub fn measure_gpu(
     })
 }
 // [/step 03]
+
+// [step 09]
+/// The method name of a masked row.
+pub const MASKED: &str = "masked";
+
+/// The masked row's implementation line.
+fn masked_implementation(args: &BenchArgs) -> String {
+    let pass = match args.pass() {
+        Pass::Forward => "forward",
+        Pass::ForwardBackward => "forward and backward",
+    };
+    format!(
+        "step 09's blockwise {pass} in f32 over the block mask's non-empty 64 × 64 tiles, \
+         {} threads; peak memory not measured",
+        rayon::current_num_threads()
+    )
+}
+
+/// `--mask` at one length: its mask as a block mask of this shape (made once, not timed,
+/// as the GPU's is) and its score function.
+struct Masked {
+    text: String,
+    block: step09_masks::BlockMask,
+    score: step09_masks::ScoreMod,
+}
+
+impl Masked {
+    fn new(spec: &step09_masks::MaskSpec, shape: Shape) -> Result<Masked, String> {
+        let failed = |e: String| format!("--mask {:?}: {e}", spec.text());
+        let (mask, score) = spec
+            .resolve(shape.batch, shape.heads, shape.tokens)
+            .map_err(|e| e.to_string())?;
+        let dims = (shape.batch, shape.heads, shape.tokens, shape.tokens);
+        let block = step09_masks::BlockMask::new(&mask, dims, Default::default())
+            .map_err(|e| failed(e.to_string()))?;
+        Ok(Masked {
+            text: spec.text().to_string(),
+            block,
+            score,
+        })
+    }
+
+    /// One call of the pass: the masked forward, and the backward after it for `fwd+bwd`.
+    fn call_once(
+        &self,
+        [q, k, v]: &[Array4<f32>; 3],
+        dout: Option<&Array4<f32>>,
+    ) -> Result<Box<dyn std::any::Any>, AttnError> {
+        let (q, k, v) = (q.view(), k.view(), v.view());
+        let (fwd, _) = step09_masks::forward_with(q, k, v, &self.block, &self.score)?;
+        if let Some(dout) = dout {
+            let (grads, _) = step09_masks::backward_with(
+                q,
+                k,
+                v,
+                &fwd,
+                dout.view(),
+                &self.block,
+                &self.score,
+            )?;
+            return Ok(Box::new((fwd, grads)));
+        }
+        Ok(Box::new(fwd))
+    }
+
+    /// The row: one call checked against step 09's reference by the rule of the other CPU
+    /// rows ([`allowed_error`]), then the median of the timed runs. No peak: the child that
+    /// measures one takes a method, not a mask.
+    fn measure(&self, shape: Shape, args: &BenchArgs) -> Result<Measured, String> {
+        let need = input_bytes(shape, args.pass());
+        if let Some(have) = memory_and_swap().filter(|&have| need > have) {
+            return Err(format!(
+                "out of memory: the inputs alone take {}, and this machine has {} of memory \
+                 and swap",
+                bytes(need),
+                bytes(have)
+            ));
+        }
+        let (qkv, dout) = cpu_inputs(shape, args.pass());
+        let [q, k, v] = &qkv;
+        let (first, _) = step09_masks::forward_with(
+            q.view(),
+            k.view(),
+            v.view(),
+            &self.block,
+            &self.score,
+        )
+        .map_err(|e| describe_error(&e))?;
+        let rows = sample_rows(shape);
+        let want = masked_rows_f64(&qkv, self.block.mask(), &self.score, &rows);
+        compare_rows(&rows, &want, &first, args.dtype)?;
+        drop(first);
+        let ms = cpu_median_ms(Warmup::Calls(0), args.runs, || {
+            self.call_once(&qkv, dout.as_ref())
+        })
+        .map_err(|e| describe_error(&e))?;
+        Ok(Measured {
+            ms,
+            peak_bytes: None,
+        })
+    }
+
+    /// `row` as a masked row: named [`MASKED`], with the mask and its density, and TFLOP/s
+    /// over the kept scores only (4·head_dim FLOPs each forward, 3.5 times that forward and
+    /// backward, as step 09's mask-bench counts them).
+    fn mark(&self, row: Row, pass: Pass) -> Row {
+        let per_score = 4.0
+            * row.head_dim as f64
+            * match pass {
+                Pass::Forward => 1.0,
+                Pass::ForwardBackward => 3.5,
+            };
+        let flops = per_score * self.block.visible() as f64;
+        Row {
+            method: MASKED.to_string(),
+            tflops: row.ms.map(|ms| flops / (ms * 1e-3) / 1e12),
+            mask: Some(self.text.clone()),
+            density: Some(self.block.density()),
+            ..row
+        }
+    }
+}
+
+/// Step 09's reference on a few rows `(batch, head, token)`, q, k and v of one shape: the
+/// keys the mask lets the row see, the score function on each scaled score, the softmax,
+/// in `f64` (steps/09-masks/src/reference.rs computes every row the same way). A row that
+/// sees no key: output 0, log-sum-exp −∞.
+fn masked_rows_f64(
+    [q, k, v]: &[Array4<f32>; 3],
+    mask: &step09_masks::Mask,
+    score: &step09_masks::ScoreMod,
+    rows: &[(usize, usize, usize)],
+) -> Vec<(Vec<f64>, f64)> {
+    let (tokens, d) = (k.dim().2, q.dim().3);
+    let scale = 1.0 / (d as f64).sqrt();
+    rows.iter()
+        .map(|&(b, h, i)| {
+            let seen: Vec<(usize, f64)> = (0..tokens)
+                .filter(|&j| mask.allows(b, h, i, j))
+                .map(|j| {
+                    let dot: f64 = (0..d)
+                        .map(|c| f64::from(q[[b, h, i, c]]) * f64::from(k[[b, h, j, c]]))
+                        .sum();
+                    (j, score.apply(dot * scale, b, h, i, j))
+                })
+                .collect();
+            if seen.is_empty() {
+                return (vec![0.0; d], f64::NEG_INFINITY);
+            }
+            let max = seen.iter().map(|x| x.1).fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = seen.iter().map(|x| (x.1 - max).exp()).collect();
+            let sum: f64 = p.iter().sum();
+            let o = (0..d)
+                .map(|c| {
+                    seen.iter()
+                        .zip(&p)
+                        .map(|(&(j, _), p)| p * f64::from(v[[b, h, j, c]]))
+                        .sum::<f64>()
+                        / sum
+                })
+                .collect();
+            (o, max + sum.ln())
+        })
+        .collect()
+}
+// [/step 09]
 
 /// Why a peak could not be measured.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -979,6 +1220,10 @@ mod tests {
                 date: String::new(),
                 error: Some(err),
                 gpus: 1, // [step 07]
+                // [step 09]
+                mask: None,
+                density: None,
+                // [/step 09]
             };
             assert_eq!(exit_status(&[row]), 4);
         }
@@ -1026,6 +1271,51 @@ mod tests {
         // a short call under with_progress prints nothing and returns what it returned
         assert_eq!(with_progress(Some(100.0), || 7), 7);
     }
+
+    // [step 09]
+    /// The masked row's check: its reference rows are step 09's reference, a result with the
+    /// right mask passes and is timed, and one with the wrong mask (causal where a window of
+    /// 16 was asked for: rows past 16 tokens see too much) is caught before it is timed.
+    #[test]
+    fn a_masked_result_is_checked_against_step_09_s_reference_before_it_is_timed() {
+        let args =
+            args("--mask sliding:16,alibi --lengths 100 --heads 2 --head-dim 16 --runs 1");
+        let shape = Shape::new(1, 2, 100, 16);
+        let masked = Masked::new(args.mask.as_ref().unwrap(), shape).unwrap();
+        let (qkv, _) = cpu_inputs(shape, Pass::Forward);
+        let [q, k, v] = &qkv;
+        let rows = sample_rows(shape);
+        let (mask, score) = (masked.block.mask(), &masked.score);
+        let want = masked_rows_f64(&qkv, mask, score, &rows);
+        let whole = step09_masks::reference::attention_f64(
+            q.view(),
+            k.view(),
+            v.view(),
+            mask,
+            score,
+        )
+        .unwrap();
+        for (&(b, h, i), (o, lse)) in rows.iter().zip(&want) {
+            assert!((whole.lse[[b, h, i]] - lse).abs() < 1e-12, "{b} {h} {i}");
+            for (d, o) in o.iter().enumerate() {
+                assert!(
+                    (whole.out[[b, h, i, d]] - o).abs() < 1e-12,
+                    "{b} {h} {i} {d}"
+                );
+            }
+        }
+        assert!(
+            masked.measure(shape, &args).is_ok_and(|m| m.ms >= 0.0),
+            "the right mask passes"
+        );
+        let causal = step01_naive::attention(q.view(), k.view(), v.view()).unwrap();
+        let err = compare_rows(&rows, &want, &causal, Dtype::F32).unwrap_err();
+        assert!(
+            err.starts_with(WRONG_RESULT) && err.contains("max abs error"),
+            "{err}"
+        );
+    }
+    // [/step 09]
 
     #[test]
     #[cfg_attr(

@@ -114,6 +114,15 @@ struct BenchFlags {
     #[arg(long, default_value_t = 1, hide_default_value = true, allow_negative_numbers = true, value_parser = at_least_one)]
     gpus: usize,
     // [/step 07]
+    // [step 09]
+    /// Time step 09's masked attention on the CPU with this mask and score function, as
+    /// attend --mask takes them (sliding:1024, documents:FILE, prefix:1024, softcap:30...),
+    /// one row a length named masked, in the place of the CPU methods; its result is
+    /// checked against step 09's f64 reference first, the row gives the mask's density (the
+    /// fraction of scores it keeps), and GFLOP/s count only the scores kept
+    #[arg(long, value_name = "SPEC", value_parser = parse_mask)]
+    mask: Option<String>,
+    // [/step 09]
     /// Also write the rows as JSON (charts/data/ feeds the charts): checked before any
     /// work, written whole at the end (over an earlier file only if a row was measured);
     /// meanwhile the rows so far are kept in FILE.partial.json
@@ -184,6 +193,48 @@ fn parse_mask(s: &str) -> Result<String, String> {
         .map(|_| s.to_string())
         .map_err(|e| e.to_string())
 }
+
+/// The benchmark's `--mask`: step 09's masked attention runs on the CPU in the place of the
+/// CPU methods, so a GPU or a decoder is refused; the mask and the score function are
+/// resolved and checked at every length before any work (a documents file must add up to
+/// each length, a mask from a `.cu` file has no CPU twin).
+fn check_bench_mask(
+    text: &str,
+    names: &[String],
+    args: &BenchArgs,
+) -> Result<step09_masks::MaskSpec, String> {
+    let on_cpu = "the benchmark's masked attention runs on the CPU (step 09's blockwise \
+                  forward and backward); on a GPU, step 09's mask-bench measures the masked \
+                  kernels (cargo run --release -p step09-masks --bin mask-bench)";
+    if args.device != Device::Cpu {
+        return Err(format!(
+            "--mask with --device {}: {on_cpu}",
+            args.device.name()
+        ));
+    }
+    for name in names {
+        match methods::resolve(name)? {
+            Entry::Decoder(d) => return Err(masked_decoder(d.name())),
+            Entry::Method(m) if m.device() != Device::Cpu => {
+                return Err(format!(
+                    "--mask: method {name:?} runs on {}; {on_cpu}",
+                    m.device().name()
+                ));
+            }
+            Entry::Method(_) => {}
+        }
+    }
+    let spec = step09_masks::MaskSpec::parse(text).map_err(|e| e.to_string())?;
+    for &tokens in &args.lengths {
+        let (mask, score) = spec
+            .resolve(args.batch, args.heads, tokens)
+            .map_err(|e| format!("{e} (at --lengths {tokens})"))?;
+        mask.check(args.batch, tokens)
+            .and_then(|()| score.check(args.heads))
+            .map_err(|e| format!("--mask {text:?} at --lengths {tokens}: {e}"))?;
+    }
+    Ok(spec)
+}
 // [/step 09]
 
 fn parse_device(s: &str) -> Result<Device, String> {
@@ -235,6 +286,11 @@ pub struct BenchArgs {
     pub backward: bool,
     // [/step 04]
     pub gpus: usize, // [step 07]
+    // [step 09]
+    /// `--mask`, parsed: step 09's masked attention runs on the CPU in the methods' place,
+    /// checked against each length before any work.
+    pub mask: Option<step09_masks::MaskSpec>,
+    // [/step 09]
     pub out: Option<PathBuf>,
 }
 
@@ -497,8 +553,14 @@ fn bench_args(b: BenchFlags) -> Result<BenchArgs, String> {
         backward: b.backward,
         // [/step 04]
         gpus: b.gpus, // [step 07]
+        mask: None,   // [step 09]
         out: b.out,
     };
+    // [step 09]
+    if let Some(text) = &b.mask {
+        args.mask = Some(check_bench_mask(text, &b.methods, &args)?);
+    }
+    // [/step 09]
     args.methods = choose(&b.methods, &args)?;
     if b.methods.is_empty() {
         args.left_out = methods::all()

@@ -30,8 +30,22 @@ pub fn table_line(row: &Row, cuda: bool, peak_gflops: Option<f64>) -> String {
             }
         })
         .unwrap_or_else(|| "-".into());
+    let note = match (&row.error, row.tflops, peak_gflops) {
+        (Some(e), _, _) => e.clone(),
+        (None, Some(t), Some(peak)) => {
+            format!("{:.0}% of the f32 peak", 100.0 * t * 1e3 / peak)
+        }
+        _ => String::new(),
+    };
+    // [step 09]
+    // a masked row's rate counts only the scores its mask keeps: the note gives their share
+    let note = match row.density {
+        Some(density) => format!("density {density:.3}; {note}"),
+        None => note,
+    };
+    // [/step 09]
     format!(
-        "{:<16} {:<8} {:>7} {:>11} {:>10} {:>12}  {}",
+        "{:<16} {:<8} {:>7} {:>11} {:>10} {:>12}  {note}",
         row.method,
         row.pass,
         row.tokens,
@@ -39,11 +53,5 @@ pub fn table_line(row: &Row, cuda: bool, peak_gflops: Option<f64>) -> String {
         rate,
         row.peak_bytes
             .map_or("-".into(), |b| format!("{:.1}", b as f64 / 1e6)),
-        match (&row.error, row.tflops, peak_gflops) {
-            (Some(e), _, _) => e.clone(),
-            (None, Some(t), Some(peak)) =>
-                format!("{:.0}% of the f32 peak", 100.0 * t * 1e3 / peak),
-            _ => String::new(),
-        }
     )
 }

@@ -81,6 +81,16 @@ fn benchmark_prints_a_table_and_writes_every_key() {
     assert_eq!((r.tokens, r.heads), (512, 12));
     assert_eq!((r.dtype, r.pass), (Dtype::F32, Pass::Forward));
     assert_eq!(r.error, None);
+    // [step 09]
+    // a row without a mask leaves the mask's fields out: files from before step 09 read and
+    // write as they did
+    let json = fs::read_to_string(&out).unwrap();
+    assert!(
+        !json.contains("\"mask\"") && !json.contains("\"density\""),
+        "{json}"
+    );
+    assert!(rows.iter().all(|r| r.mask.is_none() && r.density.is_none()));
+    // [/step 09]
     let ms = r.ms.unwrap();
     let tflops = r.tflops.unwrap();
     let expected = r.shape().flops(Pass::Forward) / (ms * 1e-3) / 1e12;
@@ -1053,6 +1063,139 @@ fn attend_refuses_a_bad_mask_with_what_is_accepted_and_writes_nothing() {
         says: "\"decode\" is a decoder",
     });
     check_bad_inputs(cases, &[&dir.join("out")]);
+    fs::remove_dir_all(dir).unwrap();
+}
+
+/// The benchmark with `--mask SPEC` on the CPU, and what a row says: the rows are step 09's
+/// masked attention (`masked`), checked and timed, each with the mask and its density, the
+/// fraction of the scores the mask keeps, counted here pair by pair; the rate counts the
+/// kept scores only (4·head_dim FLOPs each, 3.5 times that forward and backward).
+#[test]
+fn benchmark_with_a_mask_times_it_and_writes_the_mask_and_its_density() {
+    let dir = temp_dir("bench-mask");
+    // documents of 40, 24 and 36 tokens: 100, the second length
+    fs::write(dir.join("lengths.txt"), "40 24 36\n").unwrap();
+    let documents = format!("documents:{}", dir.join("lengths.txt").display());
+    let (heads, head_dim) = (2, 16);
+    for (spec, lengths, backward) in [
+        ("sliding:16,softcap:30", "64,100", false),
+        (documents.as_str(), "100", true),
+    ] {
+        let (mask, _) = step09_masks::MaskSpec::parse(spec)
+            .unwrap()
+            .resolve(1, heads, 100)
+            .unwrap();
+        let out = dir.join("rows.json");
+        let mut args = vec![
+            "--mask",
+            spec,
+            "--lengths",
+            lengths,
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--runs",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if backward {
+            args.push("--backward");
+        }
+        let o = run(&args);
+        let (stdout, stderr) = text(&o);
+        assert!(o.status.success(), "{spec}\n{stdout}\n{stderr}");
+        assert!(stdout.contains(&format!("mask {spec}")), "{stdout}");
+        let rows = row::from_json(&fs::read_to_string(&out).unwrap(), "rows.json").unwrap();
+        let lengths: Vec<usize> = lengths.split(',').map(|t| t.parse().unwrap()).collect();
+        assert_eq!(rows.iter().map(|r| r.tokens).collect::<Vec<_>>(), lengths);
+        for r in &rows {
+            let t = r.tokens;
+            let kept = (0..t)
+                .flat_map(|q| (0..t).map(move |k| (q, k)))
+                .filter(|&(q, k)| mask.allows(0, 0, q, k))
+                .count();
+            let density = kept as f64 / (t * t) as f64;
+            assert_eq!(r.method, "masked", "{spec}");
+            assert_eq!(r.mask.as_deref(), Some(spec));
+            assert_eq!(r.error, None, "{spec}");
+            assert!(
+                r.density.is_some_and(|d| (d - density).abs() < 1e-12),
+                "{spec} at {t}: {:?}, counted {density}",
+                r.density
+            );
+            let pass = if backward {
+                Pass::ForwardBackward
+            } else {
+                Pass::Forward
+            };
+            assert_eq!(r.pass, pass);
+            let per_score = 4.0 * head_dim as f64 * if backward { 3.5 } else { 1.0 };
+            let flops = per_score * (heads * kept) as f64;
+            let want = flops / (r.ms.unwrap() * 1e-3) / 1e12;
+            let tflops = r.tflops.unwrap();
+            assert!((tflops / want - 1.0).abs() < 1e-9, "{tflops} vs {want}");
+            // the table's line gives the density too
+            assert!(
+                stdout.lines().any(|l| l.starts_with("masked")
+                    && l.contains(&format!(" {t} "))
+                    && l.contains(&format!("density {density:.3}"))),
+                "{stdout}"
+            );
+        }
+    }
+    fs::remove_dir_all(dir).unwrap();
+}
+
+/// `--mask` refused before any work, with status 2 and nothing written: a spec the parser
+/// refuses (its own message), a documents file that is missing or does not add up to a
+/// length, a GPU method, a GPU device, a decoder.
+#[test]
+fn benchmark_refuses_a_bad_mask_with_status_2_and_writes_nothing() {
+    let dir = temp_dir("bench-bad-mask");
+    let out = dir.join("rows.json");
+    fs::write(dir.join("lengths.txt"), "40 20\n").unwrap();
+    let documents = format!("documents:{}", dir.join("lengths.txt").display());
+    let missing = format!("documents:{}", dir.join("missing.txt").display());
+    let bench = |mask: &str, more: &[&str]| -> Vec<String> {
+        let mut args = vec!["--mask", mask, "--lengths", "64", "--runs", "1"];
+        args.extend(more);
+        args.extend(["--out", out.to_str().unwrap()]);
+        args.into_iter().map(String::from).collect()
+    };
+    let mut cases = Vec::new();
+    for (args, says) in [
+        (
+            bench("bogus", &[]),
+            "unknown term \"bogus\"; accepted: comma-separated terms",
+        ),
+        (bench("sliding:0", &[]), "a window of 0 keys"),
+        (bench(&missing, &[]), "missing.txt: cannot read it"),
+        (
+            bench(&documents, &[]),
+            "the documents add up to 60 tokens, but k and v hold 64",
+        ),
+        (
+            bench("causal", &["--device", "cuda"]),
+            "--mask with --device cuda",
+        ),
+        (
+            bench("causal", &["--methods", "cuda_flash"]),
+            "method \"cuda_flash\" runs on cuda",
+        ),
+        (
+            bench("causal", &["--methods", "decode"]),
+            "\"decode\" is a decoder",
+        ),
+    ] {
+        cases.push(BadInput {
+            args,
+            status: 2,
+            says,
+        });
+    }
+    check_bad_inputs(cases, &[&out]);
     fs::remove_dir_all(dir).unwrap();
 }
 // [/step 09]

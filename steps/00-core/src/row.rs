@@ -47,6 +47,16 @@ pub struct Row {
     #[serde(default = "one_gpu", skip_serializing_if = "is_one_gpu")]
     pub gpus: usize,
     // [/step 07]
+    // [step 09]
+    /// The mask and score function (`--mask`, step 09) the row ran with; with one, `tflops`
+    /// counts only the scores the mask keeps. Left out of the file when there is none, so
+    /// an unmasked row reads and writes as before step 09.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask: Option<String>,
+    /// The fraction of the `batch·heads·tokens²` scores the mask keeps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub density: Option<f64>,
+    // [/step 09]
 }
 
 // [step 07]
