@@ -110,15 +110,31 @@ impl Variant {
             ..Variant::used(name, ptx)
         }
     }
+}
 
-    /// A variant the library launches with the spills it is known to have: (entry point,
-    /// bytes stored, bytes loaded).
-    pub fn with_spills(self, spills: &[(&'static str, u64, u64)]) -> Variant {
-        Variant {
-            expected_spills: spills.to_vec(),
-            ..self
+/// `kernels` with the spills `listed` knows of, each as (variant, entry point, bytes stored,
+/// bytes loaded), given to the variants of that name; a name the list gives and no variant
+/// has fails the check, so the list never outlives the kernels it speaks of.
+pub fn with_listed_spills(
+    mut kernels: Vec<Variant>,
+    listed: &[(&str, &'static str, u64, u64)],
+) -> Vec<Variant> {
+    for k in &mut kernels {
+        k.expected_spills = listed
+            .iter()
+            .filter(|s| s.0 == k.name)
+            .map(|s| (s.1, s.2, s.3))
+            .collect();
+    }
+    for (name, ..) in listed {
+        if !kernels.iter().any(|k| k.name == *name) {
+            let what =
+                "a kernel the list of expected spills names and the check does not compile";
+            let ptx = Err(AttnError::Unsupported { what: what.into() });
+            kernels.push(Variant::used(name.to_string(), ptx));
         }
     }
+    kernels
 }
 
 /// What is wrong with an entry point's spills, given what its variant lists: `None` when
@@ -302,5 +318,21 @@ ptxas info    : Used 255 registers, used 1 barriers, 33280 bytes smem
         assert!(spill_fault(&report("dkdv", 8, 16), &listed).is_some());
         assert!(spill_fault(&report("dkdv", 0, 0), &listed).is_some());
         assert!(spill_fault(&report("dq", 4, 4), &listed).is_some());
+    }
+
+    #[test]
+    fn a_list_gives_its_spills_by_name_and_fails_on_a_name_no_variant_has() {
+        let unbuilt = || Err(AttnError::Unsupported { what: "x".into() });
+        let kernels = vec![
+            Variant::used("a".into(), unbuilt()),
+            Variant::used("b".into(), unbuilt()),
+        ];
+        let listed = [("b", "dkdv", 8, 12), ("gone", "dkdv", 4, 4)];
+        let v = with_listed_spills(kernels, &listed);
+        assert_eq!(v.len(), 3);
+        assert!(v[0].expected_spills.is_empty());
+        assert_eq!(v[1].expected_spills, vec![("dkdv", 8, 12)]);
+        assert_eq!(v[2].name, "gone");
+        assert!(v[2].used && v[2].ptx.is_err());
     }
 }

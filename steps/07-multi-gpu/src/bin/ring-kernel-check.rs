@@ -11,9 +11,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use flash_core::AttnError;
 use step03_cuda_forward::ForwardConfig;
-use step03_cuda_forward::gpu::cudarc::nvrtc::Ptx;
 use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::kernel::{ForwardKernel, HEAD_DIMS};
 use step03_cuda_forward::ptxas::{self, Variant};
@@ -55,7 +53,7 @@ fn main() -> ExitCode {
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for head_dim in HEAD_DIMS {
                 let tag = format!("{}_d{head_dim}", dtype.name());
-                kernels.push(launched(
+                kernels.push(Variant::used(
                     format!("flash_forward_full_{tag}"),
                     compile(
                         &ForwardKernel {
@@ -79,38 +77,20 @@ fn main() -> ExitCode {
                 };
                 let backward = compile(&full, arch);
                 let name = format!("flash_backward_full_{tag}");
-                kernels.push(launched(name, backward));
+                kernels.push(Variant::used(name, backward));
                 for causal in [true, false] {
                     let what = if causal { "causal" } else { "full" };
                     let name = format!("flash_backward_accumulate_{what}_{tag}");
                     let ptx =
                         compile(&accumulating_backward(dtype, head_dim, causal), arch);
-                    kernels.push(launched(name, ptx));
+                    kernels.push(Variant::used(name, ptx));
                 }
-                kernels.push(launched(
+                kernels.push(Variant::used(
                     format!("ring_{tag}"),
                     compile(&ring_kernel(dtype, head_dim), arch),
                 ));
             }
         }
-        // a listed kernel this check no longer compiles fails it: the list stays true
-        for (name, ..) in EXPECTED_SPILLS {
-            if !kernels.iter().any(|k| k.name == *name) {
-                let what = "a kernel EXPECTED_SPILLS lists and this check does not compile";
-                let ptx = Err(AttnError::Unsupported { what: what.into() });
-                kernels.push(Variant::used(name.to_string(), ptx));
-            }
-        }
-        kernels
+        ptxas::with_listed_spills(kernels, EXPECTED_SPILLS)
     })
-}
-
-/// A variant the ring launches, with its spills if [`EXPECTED_SPILLS`] lists any.
-fn launched(name: String, ptx: Result<Ptx, AttnError>) -> Variant {
-    let spills: Vec<_> = EXPECTED_SPILLS
-        .iter()
-        .filter(|s| s.0 == name)
-        .map(|s| (s.1, s.2, s.3))
-        .collect();
-    Variant::used(name, ptx).with_spills(&spills)
 }

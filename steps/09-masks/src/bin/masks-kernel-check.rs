@@ -7,10 +7,8 @@
 //! `cargo run -p step09-masks --bin masks-kernel-check [-- --ptxas PATH]`
 
 use clap::Parser;
-use flash_core::AttnError;
 use flash_core::Shape;
 use std::process::ExitCode;
-use step03_cuda_forward::gpu::cudarc::nvrtc::Ptx;
 use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::ptxas::{self, Variant};
 use step06_hopper::layout::TmaRank;
@@ -45,16 +43,6 @@ const EXPECTED_SPILLS: &[(&str, &str, u64, u64)] = &[
     ("forward_bf16_d64_sliding_rung4",           "masked_forward", 4,  4),
     ("forward_bf16_d64_documents_rung4",         "masked_forward", 4,  4),
 ];
-
-/// A variant the masked kernels launch, with its spills if [`EXPECTED_SPILLS`] lists any.
-fn launched(name: String, ptx: Result<Ptx, AttnError>) -> Variant {
-    let spills: Vec<_> = EXPECTED_SPILLS
-        .iter()
-        .filter(|s| s.0 == name)
-        .map(|s| (s.1, s.2, s.3))
-        .collect();
-    Variant::used(name, ptx).with_spills(&spills)
-}
 
 fn masks() -> Vec<(&'static str, Mask, ScoreMod)> {
     let docs = Documents::from_lengths(&[100, 200, 724]).expect("lengths of at least 1");
@@ -131,7 +119,7 @@ fn main() -> ExitCode {
                             rank,
                         };
                         let fname = format!("forward_{tag}_rung{}", fk.rung.number());
-                        kernels.push(launched(fname, compile(&forward, arch)));
+                        kernels.push(Variant::used(fname, compile(&forward, arch)));
                         if t != 4096 {
                             continue;
                         }
@@ -143,19 +131,11 @@ fn main() -> ExitCode {
                             rank,
                         };
                         let bname = format!("backward_{tag}");
-                        kernels.push(launched(bname, compile(&backward, arch)));
+                        kernels.push(Variant::used(bname, compile(&backward, arch)));
                     }
                 }
             }
         }
-        // a listed kernel this check no longer compiles fails it: the list stays true
-        for (name, ..) in EXPECTED_SPILLS {
-            if !kernels.iter().any(|k| k.name == *name) {
-                let what = "a kernel EXPECTED_SPILLS lists and this check does not compile";
-                let ptx = Err(AttnError::Unsupported { what: what.into() });
-                kernels.push(Variant::used(name.to_string(), ptx));
-            }
-        }
-        kernels
+        ptxas::with_listed_spills(kernels, EXPECTED_SPILLS)
     })
 }
