@@ -822,8 +822,9 @@ fn render_bars(
 }
 
 /// The runs as the book's table: a row per run, its speed against ours (our flash attention
-/// on the same device), its memory, its last held-out loss and how far its losses are from
-/// ours.
+/// on the same device) right after its name, so that on a phone the ratio is in view before
+/// the table scrolls, then its speed, its memory, its last held-out loss and how far its
+/// losses are from ours.
 fn table(runs: &[Run]) -> String {
     let reference = runs.iter().find(|r| r.is_ours() && r.attention == "flash");
     let mut md = format!(
@@ -833,7 +834,7 @@ fn table(runs: &[Run]) -> String {
     // a column of peak memory where a run measured it (the GPU's runs)
     let memory = runs.iter().any(|r| r.peak_memory_bytes.is_some());
     md.push_str(&format!(
-        "| run | steps | tokens/s | ms a step | vs ours |{} held-out loss | loss vs ours |\n\
+        "| run | vs ours | steps | tokens/s | ms a step |{} held-out loss | loss vs ours |\n\
          | :--- | ---: | ---: | ---: | ---: |{} ---: | ---: |\n",
         if memory { " peak memory, GB |" } else { "" },
         if memory { " ---: |" } else { "" },
@@ -868,6 +869,7 @@ fn table(runs: &[Run]) -> String {
         md.push_str(&format!(
             "| {} | {} | {} | {} | {} |{peak} {} | {} |\n",
             r.label(),
+            versus,
             r.steps.len(),
             if speed > 0.0 {
                 super::three_digits(speed)
@@ -875,7 +877,6 @@ fn table(runs: &[Run]) -> String {
                 "–".into()
             },
             r.median_ms().map_or("–".into(), super::three_digits),
-            versus,
             held_out,
             difference,
         ));
@@ -1051,7 +1052,7 @@ mod tests {
         // 450,000 tokens/s against our 400,000, 512 tokens in 1.14 ms; losses 1e-6 apart
         assert!(
             md.contains(
-                "| FlashAttention-2 via PyTorch | 20 | 450,000 | 1.14 | 1.12× | 25.0 |"
+                "| FlashAttention-2 via PyTorch | 1.12× | 20 | 450,000 | 1.14 | 25.0 |"
             ),
             "{md}"
         );
@@ -1059,7 +1060,7 @@ mod tests {
         let cpu = &charts.iter().find(|(n, _)| n == "train-cpu.md").unwrap().1;
         // the old record: two steps, the second alone timed, 512 tokens in 1 ms
         assert!(
-            cpu.contains("| ours, readable model: online softmax, SIMD (steps 02 and 04) | 2 | 512,000 | 1.00 | 1.00× | 5.5000 (step 0) | – |"),
+            cpu.contains("| ours, readable model: online softmax, SIMD (steps 02 and 04) | 1.00× | 2 | 512,000 | 1.00 | 5.5000 (step 0) | – |"),
             "{cpu}"
         );
     }
@@ -1074,14 +1075,14 @@ mod tests {
         let rows: Vec<&str> = cpu.lines().filter(|l| l.starts_with("| ours")).collect();
         assert!(
             rows[0].starts_with(
-                "| ours: fast path: a shard per core, faer's products (step 05) | 20 | 16,000 |"
-            ) && rows[0].contains("| 1.00× |"),
+                "| ours: fast path: a shard per core, faer's products (step 05) | 1.00× | 20 | 16,000 |"
+            ),
             "{cpu}"
         );
         // PyTorch's 8,000 tokens/s against the fast path's 16,000
         assert!(
             cpu.contains(
-                "| PyTorch SDPA (CPU flash attention) | 20 | 8,000 | 64.0 | 0.50× |"
+                "| PyTorch SDPA (CPU flash attention) | 0.50× | 20 | 8,000 | 64.0 |"
             ),
             "{cpu}"
         );
@@ -1119,7 +1120,7 @@ mod tests {
         let charts = render_all(&runs).unwrap();
         let md = &charts.iter().find(|(n, _)| n == "train-gpu.md").unwrap().1;
         assert!(
-            md.contains("| FlashAttention-2 via PyTorch | 20 | 450,000 | 1.14 | 1.12× | 25.0 | 3.5000 (step 20) | other settings |"),
+            md.contains("| FlashAttention-2 via PyTorch | 1.12× | 20 | 450,000 | 1.14 | 25.0 | 3.5000 (step 20) | other settings |"),
             "{md}"
         );
     }

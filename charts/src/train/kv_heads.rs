@@ -131,12 +131,13 @@ fn last(evals: &[Eval]) -> Option<&Eval> {
     evals.iter().max_by_key(|e| e.step)
 }
 
-/// A row per run: kv heads, the group, weights, cache a token, the last held-out loss and
-/// its difference from the run with a kv head per query head.
+/// A row per run: kv heads, the last held-out loss's difference from the run with a kv head
+/// per query head (in view on a phone before the table scrolls), the group, weights, cache
+/// a token and the last held-out loss.
 fn table(runs: &[(KvRun, usize)], subtitle: &str) -> String {
     let mut md = format!(
         "<!-- written by `cargo run -p charts` from charts/data/train-kv-heads-*.json: {subtitle} -->\n\n\
-         | kv heads | query heads a kv head | weights | cache a token, bytes | steps | held-out loss | against one kv head a query head |\n\
+         | kv heads | against one kv head a query head | query heads a kv head | weights | cache a token, bytes | steps | held-out loss |\n\
          | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
     );
     let plain = runs
@@ -153,7 +154,7 @@ fn table(runs: &[(KvRun, usize)], subtitle: &str) -> String {
             _ => "–".into(),
         };
         md.push_str(&format!(
-            "| {kv} | {} | {} | {} | {} | {} | {against} |\n",
+            "| {kv} | {against} | {} | {} | {} | {} | {} |\n",
             heads / kv.max(&1),
             three_digits(r.params as f64),
             three_digits(cache_bytes(&r.run, *kv) as f64),
@@ -195,12 +196,12 @@ mod tests {
         let rows: Vec<&str> = md.lines().filter(|l| l.starts_with("| 4 |")).collect();
         assert_eq!(rows.len(), 1, "{md}");
         assert!(
-            rows[0].contains("| 4,096 |") && rows[0].ends_with("| – |"),
+            rows[0].contains("| 4,096 |") && rows[0].starts_with("| 4 | – |"),
             "{md}"
         );
         let grouped = md.lines().find(|l| l.starts_with("| 1 |")).unwrap();
         assert!(
-            grouped.contains("| 1,024 |") && grouped.contains("+10.00%"),
+            grouped.contains("| 1,024 |") && grouped.starts_with("| 1 | +10.00% |"),
             "{md}"
         );
         assert!(

@@ -252,11 +252,12 @@ fn render_bars(bars: &[(&DpRun, f64)], subtitle: &str) -> Result<String, String>
     )
 }
 
-/// The runs as the book's table.
+/// The runs as the book's table: the scaling efficiency right after the run's name, so that
+/// on a phone it is in view before the table scrolls.
 fn table(runs: &[DpRun], subtitle: &str) -> String {
     let mut md = format!(
         "<!-- written by `cargo run -p charts` from charts/data/train-dp-*.json: {subtitle} -->\n\n\
-         | run | steps | tokens/s | scaling efficiency | ms a step | all-reduce, ms a step | peak memory per GPU, GB | held-out loss | loss vs one GPU |\n\
+         | run | scaling efficiency | steps | tokens/s | ms a step | all-reduce, ms a step | peak memory per GPU, GB | held-out loss | loss vs one GPU |\n\
          | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
     );
     let dash = || "–".to_string();
@@ -282,7 +283,7 @@ fn table(runs: &[DpRun], subtitle: &str) -> String {
             _ => dash(),
         };
         md.push_str(&format!(
-            "| {} | {} | {} | {eff} | {} | {allreduce} | {} | {} | {difference} |\n",
+            "| {} | {eff} | {} | {} | {} | {allreduce} | {} | {} | {difference} |\n",
             r.label(),
             r.run.steps.len(),
             if speed > 0.0 {
@@ -365,12 +366,11 @@ mod tests {
         reversed.reverse();
         assert_eq!(charts, render_all(&reversed).unwrap());
         let md = &charts[2].1;
-        // 950,000 over 2 × 500,000
+        // 950,000 over 2 × 500,000, right after the run's name
         assert!(
-            md.contains("| 2 GPUs, 12 sequences each (24 a step) |"),
+            md.contains("| 2 GPUs, 12 sequences each (24 a step) | 95.0% |"),
             "{md}"
         );
-        assert!(md.contains("| 95.0% |"), "{md}");
         assert!(md.contains("| 0.90 to 1.50 |"), "{md}");
         // the losses 0.01 apart at loss 3.5 at most: 0.29%
         assert!(md.contains("0.29% over 20 steps"), "{md}");

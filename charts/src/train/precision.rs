@@ -139,8 +139,9 @@ pub fn render_all(runs: &[Run]) -> Result<Vec<(String, String)>, String> {
     ])
 }
 
-/// The runs as the book's table: where each rounds, its held-out losses at our run's
-/// held-out steps, and its largest difference from ours.
+/// The runs as the book's table: its largest difference from ours right after the run's
+/// name (in view on a phone before the table scrolls), where it rounds, and its held-out
+/// losses at our run's held-out steps.
 fn table(runs: &[Run], ours: usize, pairs: &[(usize, usize)], subtitle: &str) -> String {
     let steps: Vec<usize> = runs[ours]
         .evals
@@ -150,21 +151,16 @@ fn table(runs: &[Run], ours: usize, pairs: &[(usize, usize)], subtitle: &str) ->
         .collect();
     let mut md = format!(
         "<!-- written by `cargo run -p charts` from charts/data/train-precision-*.json: \
-         {subtitle} -->\n\n| run | rounds to bf16 |"
+         {subtitle} -->\n\n| run | loss vs ours | rounds to bf16 |"
     );
     for s in &steps {
         md.push_str(&format!(" held-out loss, step {s} |"));
     }
-    md.push_str(" loss vs ours |\n| :--- | :--- |");
-    md.push_str(&" ---: |".repeat(steps.len() + 1));
+    md.push_str("\n| :--- | ---: | :--- |");
+    md.push_str(&" ---: |".repeat(steps.len()));
     md.push('\n');
     for (i, r) in runs.iter().enumerate() {
         let rounding = Rounding::of(r);
-        md.push_str(&format!("| {} | {} |", rounding.label(), rounding.rounds()));
-        for s in &steps {
-            let loss = r.evals.iter().find(|e| e.step == *s);
-            md.push_str(&loss.map_or(" – |".into(), |e| format!(" {:.4} |", e.loss)));
-        }
         let difference = if i == ours {
             "–".to_string()
         } else if pairs.iter().any(|&(_, j)| j == i) {
@@ -175,7 +171,16 @@ fn table(runs: &[Run], ours: usize, pairs: &[(usize, usize)], subtitle: &str) ->
         } else {
             "other settings".to_string()
         };
-        md.push_str(&format!(" {difference} |\n"));
+        md.push_str(&format!(
+            "| {} | {difference} | {} |",
+            rounding.label(),
+            rounding.rounds()
+        ));
+        for s in &steps {
+            let loss = r.evals.iter().find(|e| e.step == *s);
+            md.push_str(&loss.map_or(" – |".into(), |e| format!(" {:.4} |", e.loss)));
+        }
+        md.push('\n');
     }
     md.push_str(
         "\n*rounds to bf16*: where the run's numbers are rounded to bf16 (every run keeps its \
@@ -229,16 +234,20 @@ mod tests {
             .collect();
         // the header, then ours first, then PyTorch as ours rounds, autocast, f32
         assert!(rows[0].contains("held-out loss, step 10 | held-out loss, step 20 |"));
-        assert!(rows[1].starts_with("| ours |"), "{md}");
-        assert!(
-            rows[2].starts_with("| PyTorch, rounded where ours rounds |"),
-            "{md}"
-        );
+        assert!(rows[1].starts_with("| ours | – |"), "{md}");
         assert!(rows[3].starts_with("| PyTorch, bf16 autocast |"), "{md}");
         assert!(rows[4].starts_with("| PyTorch in f32, no bf16 |"), "{md}");
-        // 0.01 over the smallest loss of 3.5: 0.29%; 0.1 over 3.5: 2.86%
-        assert!(rows[2].ends_with("| 0.29% over 20 steps |"), "{md}");
-        assert!(rows[4].ends_with("| 2.86% over 20 steps |"), "{md}");
+        // 0.01 over the smallest loss of 3.5: 0.29%; 0.1 over 3.5: 2.86%; right after the name
+        assert!(
+            rows[2].starts_with(
+                "| PyTorch, rounded where ours rounds | 0.29% over 20 steps |"
+            ),
+            "{md}"
+        );
+        assert!(
+            rows[4].starts_with("| PyTorch in f32, no bf16 | 2.86% over 20 steps |"),
+            "{md}"
+        );
         assert!(charts[0].1.starts_with("<svg width=\"100%\""));
     }
 
