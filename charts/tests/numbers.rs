@@ -1,7 +1,8 @@
 //! The book's measured numbers cannot drift from the measurements: every claim of
 //! `book/numbers.toml` names a chapter, the words of its prose that hold a number, and where
-//! that number is in `charts/data/*.json`; this test formats the JSON's value as the claim
-//! says and fails unless the claim's words hold it and the chapter holds the words.
+//! that number is in `charts/data/*.json` (or in another committed record: a lab's JSON, a
+//! profiler's output); this test formats the record's value as the claim says and fails
+//! unless the claim's words hold it and the chapter holds the words.
 //!
 //! A claim's keys (the file's header says the same for its writers):
 //!
@@ -9,6 +10,10 @@
 //! - `text`: the chapter's words, exactly, that hold the number (line breaks and runs of
 //!   spaces count as one space, as they do in the rendered page);
 //! - `data`: the JSON file under `charts/data/`, or a path from the repository's root;
+//!   with `after`, a text file from the repository's root (a lab log, a profiler's output);
+//! - `after` (optional, instead of `row`, `rows` and `field`): the strings that lead to the
+//!   number in a text file, each found after the one before it (a kernel's section, then a
+//!   metric's name); the number is the first one after the last string, on its line;
 //! - `row`: in a file that is a list, the values that pick the row (`{ method = "online",
 //!   tokens = 1024, pass = "fwd" }`); left out for a file that is one object;
 //! - `rows` (optional): the key of the list `row` picks from, in a file that is an object;
@@ -154,8 +159,61 @@ fn at_path(json: &Json, path: &str, skip_null: bool) -> Result<Vec<f64>, String>
         .collect()
 }
 
+/// The number that follows the strings of `after` in `text`: each string found after the
+/// one before it, then the first number after the last one, on the same line (digits,
+/// thousands commas between digits, a point and more digits). A number the line does not
+/// hold is refused rather than taken from the next line, where another metric's value is.
+fn number_after(text: &str, after: &[&str]) -> Result<f64, String> {
+    let mut at = 0;
+    for (i, s) in after.iter().enumerate() {
+        let found = text[at..].find(s).ok_or_else(|| match i {
+            0 => format!("no {s:?} in the file"),
+            _ => format!("no {s:?} after {:?}", after[i - 1]),
+        })?;
+        at += found + s.len();
+    }
+    let rest = &text[at..];
+    let line = &rest[..rest.find('\n').unwrap_or(rest.len())];
+    let start = line
+        .find(|c: char| c.is_ascii_digit())
+        .ok_or_else(|| format!("no number on the line after {:?}", after.last()))?;
+    let bytes = line.as_bytes();
+    let mut end = start;
+    let mut point = false;
+    while end < bytes.len() {
+        let c = bytes[end];
+        let digit_next = bytes.get(end + 1).is_some_and(u8::is_ascii_digit);
+        if c.is_ascii_digit() || (c == b',' && !point && digit_next) {
+            end += 1;
+        } else if c == b'.' && !point && digit_next {
+            point = true;
+            end += 1;
+        } else {
+            break;
+        }
+    }
+    let digits: String = line[start..end].chars().filter(|&c| c != ',').collect();
+    digits
+        .parse()
+        .map_err(|e| format!("{:?} after {:?}: {e}", &line[start..end], after.last()))
+}
+
+/// `after`'s strings: one string, or a list of them.
+fn after_strings(after: &Toml) -> Result<Vec<&str>, String> {
+    let strings = match after {
+        Toml::String(s) => vec![s.as_str()],
+        Toml::Array(items) => items.iter().filter_map(Toml::as_str).collect(),
+        _ => Vec::new(),
+    };
+    let count = after.as_array().map_or(1, Vec::len);
+    if strings.is_empty() || strings.len() != count {
+        return Err("`after` is a string or a list of strings".into());
+    }
+    Ok(strings)
+}
+
 /// Every number a claim (or its `over`) names: in its file, of the rows it picks, at its
-/// field.
+/// field; or in a text file, after the strings of `after`.
 fn values(spec: &Table, data: &str) -> Result<Vec<f64>, String> {
     // a bare name is a measurement of charts/data; a path names another committed record
     let path = if data.contains('/') {
@@ -164,6 +222,19 @@ fn values(spec: &Table, data: &str) -> Result<Vec<f64>, String> {
         root().join("charts/data").join(data)
     };
     let text = fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    if let Some(after) = spec.get("after") {
+        if let Some(key) = ["row", "rows", "field"]
+            .iter()
+            .find(|k| spec.contains_key(**k))
+        {
+            return Err(format!(
+                "`after` reads a text file: give no `{key}`, which picks from JSON"
+            ));
+        }
+        return number_after(&text, &after_strings(after)?)
+            .map(|n| vec![n])
+            .map_err(|e| format!("{data}: {e}"));
+    }
     let json: Json =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let field = get_str(spec, "field")?;
@@ -288,8 +359,9 @@ const KEYS: &[&str] = &[
     "over",
     "difference",
     "pick",
+    "after",
 ];
-const OVER_KEYS: &[&str] = &["data", "row", "rows", "field"];
+const OVER_KEYS: &[&str] = &["data", "row", "rows", "field", "after"];
 
 /// Checks one claim against its JSON and its chapter; `Err` says what disagrees.
 fn check(claim: &Table) -> Result<(), String> {
@@ -315,7 +387,7 @@ fn check(claim: &Table) -> Result<(), String> {
     let text = squash(text);
     if !shown.iter().any(|s| holds_number(&text, s)) {
         return Err(format!(
-            "the JSON gives {} ({number}), which \"{text}\" does not hold",
+            "the record gives {} ({number}), which \"{text}\" does not hold",
             shown[0]
         ));
     }
@@ -324,7 +396,7 @@ fn check(claim: &Table) -> Result<(), String> {
         fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     if !squash(&prose).contains(&text) {
         return Err(format!(
-            "book/src/{chapter} does not hold \"{text}\" (the JSON gives {})",
+            "book/src/{chapter} does not hold \"{text}\" (the record gives {})",
             shown[0]
         ));
     }
@@ -376,7 +448,7 @@ fn every_number_the_prose_quotes_is_the_json_s() {
         .collect();
     assert!(
         failures.is_empty(),
-        "{} of {} claims of book/numbers.toml disagree with charts/data:\n{}",
+        "{} of {} claims of book/numbers.toml disagree with the records they quote:\n{}",
         failures.len(),
         claims.len(),
         failures.join("\n")
@@ -393,6 +465,26 @@ fn a_number_is_found_whole_and_in_either_grouping() {
     assert!(holds_number("3.4, 6.6, 13.0 and 25.8 MB", "6.6"));
     assert!(!holds_number("1,224 tokens", "224"));
     assert!(holds_number("2.06× as fast", "2.06"));
+}
+
+#[test]
+fn a_number_in_a_text_file_is_the_first_after_its_strings_on_their_line() {
+    let log = "$ ncu --metrics a.sum,b.sum run\n  rung_3 (96, 1, 1)\n    a.sum   inst   42,172,416\n    \
+               b.sum   %   12.34\n  rung_4 (96, 1, 1)\n    a.sum   inst   0\n    b.sum\n    c   9\n";
+    // the command line names the metrics too: the kernel's line comes first
+    assert_eq!(number_after(log, &["rung_3 (", "a.sum"]), Ok(42_172_416.0));
+    assert_eq!(number_after(log, &["rung_3 (", "b.sum"]), Ok(12.34));
+    assert_eq!(number_after(log, &["rung_4 (", "a.sum"]), Ok(0.0));
+    // b.sum of rung 4 has no value on its line: c's 9 is not taken for it
+    assert!(number_after(log, &["rung_4 (", "b.sum"]).is_err());
+    assert!(
+        number_after(log, &["rung_5 ("])
+            .unwrap_err()
+            .contains("rung_5")
+    );
+    // a sentence's full stop and a list's comma end the number
+    assert_eq!(number_after("took 47 ms. Then 3,0", &["took"]), Ok(47.0));
+    assert_eq!(number_after("x: 1.5, 2", &["x:"]), Ok(1.5));
 }
 
 #[test]
