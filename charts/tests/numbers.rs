@@ -13,7 +13,8 @@
 //!   with `after`, a text file from the repository's root (a lab log, a profiler's output);
 //! - `after` (optional, instead of `row`, `rows` and `field`): the strings that lead to the
 //!   number in a text file, each found after the one before it (a kernel's section, then a
-//!   metric's name); the number is the first one after the last string, on its line;
+//!   metric's name); the number is the first one after the last string, on its line; a
+//!   list of such lists takes one number each (for `pick = "sum"`);
 //! - `row`: in a file that is a list, the values that pick the row (`{ method = "online",
 //!   tokens = 1024, pass = "fwd" }`); left out for a file that is one object;
 //! - `rows` (optional): the key of the list `row` picks from, in a file that is an object;
@@ -27,9 +28,10 @@
 //! - `over` (optional): a second value `{ data, row, field }` (`data` defaults to the
 //!   claim's) that the first is divided by, a ratio; or, with `difference = true`, the
 //!   relative difference `|a - b| / |b|`; item by item where both are lists;
-//! - `pick` (optional): `"min"`, `"max"`, `"mean"` or `"median"` of what `row` and `field`
-//!   take, for a range's ends, a worst case or an average (rows whose value is null, shapes
-//!   that did not run, left out).
+//! - `pick` (optional): `"min"`, `"max"`, `"mean"`, `"median"` or `"sum"` of what `row` and
+//!   `field` (or `after`'s lists) take, for a range's ends, a worst case, an average or a
+//!   total of a profile's lines (rows whose value is null, shapes that did not run, left
+//!   out).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -198,18 +200,27 @@ fn number_after(text: &str, after: &[&str]) -> Result<f64, String> {
         .map_err(|e| format!("{:?} after {:?}: {e}", &line[start..end], after.last()))
 }
 
-/// `after`'s strings: one string, or a list of them.
-fn after_strings(after: &Toml) -> Result<Vec<&str>, String> {
-    let strings = match after {
-        Toml::String(s) => vec![s.as_str()],
-        Toml::Array(items) => items.iter().filter_map(Toml::as_str).collect(),
-        _ => Vec::new(),
-    };
-    let count = after.as_array().map_or(1, Vec::len);
-    if strings.is_empty() || strings.len() != count {
-        return Err("`after` is a string or a list of strings".into());
+/// `after`'s lists of strings, one a number: a string, a list of strings, or a list of
+/// such lists.
+fn after_lists(after: &Toml) -> Result<Vec<Vec<&str>>, String> {
+    fn strings(t: &Toml) -> Option<Vec<&str>> {
+        match t {
+            Toml::String(s) => Some(vec![s.as_str()]),
+            Toml::Array(items) if !items.is_empty() => {
+                items.iter().map(Toml::as_str).collect()
+            }
+            _ => None,
+        }
     }
-    Ok(strings)
+    let lists = match after {
+        Toml::Array(items) if items.first().is_some_and(Toml::is_array) => {
+            items.iter().map(strings).collect()
+        }
+        _ => strings(after).map(|s| vec![s]),
+    };
+    lists.ok_or_else(|| {
+        "`after` is a string, a list of strings or a list of such lists".into()
+    })
 }
 
 /// Every number a claim (or its `over`) names: in its file, of the rows it picks, at its
@@ -231,9 +242,10 @@ fn values(spec: &Table, data: &str) -> Result<Vec<f64>, String> {
                 "`after` reads a text file: give no `{key}`, which picks from JSON"
             ));
         }
-        return number_after(&text, &after_strings(after)?)
-            .map(|n| vec![n])
-            .map_err(|e| format!("{data}: {e}"));
+        return after_lists(after)?
+            .iter()
+            .map(|strings| number_after(&text, strings).map_err(|e| format!("{data}: {e}")))
+            .collect();
     }
     let json: Json =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -328,18 +340,19 @@ fn number(claim: &Table) -> Result<f64, String> {
     match (pick.transpose()?, numbers.len()) {
         (None, 1) => Ok(numbers[0] * scale),
         (None, n) => Err(format!(
-            "{n} values match: name more of the row, or `pick` \"min\", \"max\", \"mean\" or \"median\""
+            "{n} values match: name more of the row, or `pick` \"min\", \"max\", \"mean\", \"median\" or \"sum\""
         )),
         (Some("min"), _) => Ok(all.fold(f64::INFINITY, f64::min)),
         (Some("max"), _) => Ok(all.fold(f64::NEG_INFINITY, f64::max)),
         (Some("mean"), n) => Ok(all.sum::<f64>() / n as f64),
+        (Some("sum"), _) => Ok(all.sum()),
         (Some("median"), n) => {
             let mut sorted: Vec<f64> = all.collect();
             sorted.sort_by(f64::total_cmp);
             Ok((sorted[(n - 1) / 2] + sorted[n / 2]) / 2.0)
         }
         (Some(other), _) => Err(format!(
-            "`pick` is \"min\", \"max\", \"mean\" or \"median\", not {other:?}"
+            "`pick` is \"min\", \"max\", \"mean\", \"median\" or \"sum\", not {other:?}"
         )),
     }
 }
@@ -485,6 +498,14 @@ fn a_number_in_a_text_file_is_the_first_after_its_strings_on_their_line() {
     // a sentence's full stop and a list's comma end the number
     assert_eq!(number_after("took 47 ms. Then 3,0", &["took"]), Ok(47.0));
     assert_eq!(number_after("x: 1.5, 2", &["x:"]), Ok(1.5));
+    // a list of lists takes a number a list, which `pick = "sum"` adds
+    let profile: Table = "after = [[\"rung_3 (\", \"a.sum\"], [\"rung_3 (\", \"b.sum\"]]"
+        .parse()
+        .unwrap();
+    let lists = after_lists(&profile["after"]).unwrap();
+    let sum: f64 = lists.iter().map(|l| number_after(log, l).unwrap()).sum();
+    assert_eq!(sum, 42_172_416.0 + 12.34);
+    assert!(after_lists(&Toml::Integer(3)).is_err());
 }
 
 #[test]
