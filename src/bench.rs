@@ -115,48 +115,7 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
     // [/step 09]
     stop_on_ctrl_c();
     let cuda = args.device != Device::Cpu;
-    let device = cpu_description();
-    // [step 03]
-    let device = if cuda {
-        chosen[0].describe_device().map_err(|e| e.to_string())?
-    } else {
-        device
-    };
-    // [/step 03]
-    let stamp = Stamp {
-        device,
-        commit: row::COMMIT.to_string(),
-        date: row::utc_now(),
-    };
-
-    println!("device: {}", stamp.device);
-    if !cuda {
-        println!("SIMD: {}", simd_level());
-    }
-    // the GFLOP/s of a CPU row as a share of what this machine's cores can do at most
-    let peak_gflops: Option<f64> = None;
-    // [step 02]
-    let peak_gflops = match cuda {
-        true => peak_gflops,
-        false => step02_online_softmax::peak::f32_peak_gflops(
-            step02_online_softmax::Isa::detect(),
-        ),
-    };
-    if let Some(peak) = peak_gflops {
-        println!(
-            "f32 peak: {peak:.0} GFLOP/s, measured with multiply-add chains on every thread \
-             (a row's note gives its share)"
-        );
-    }
-    // [/step 02]
-    let implementations: Vec<String> = chosen.iter().map(|m| m.implementation()).collect();
-    // [step 09]
-    let implementations = match &args.mask {
-        Some(_) => vec![masked_implementation(args)],
-        None => implementations,
-    };
-    // [/step 09]
-    print_sweep(args, &implementations, cuda);
+    let (stamp, peak_gflops, implementations) = open_sweep(args, chosen, cuda)?;
 
     let total = chosen.len() * args.lengths.len();
     let mut rows = Vec::new();
@@ -236,6 +195,59 @@ pub fn run(args: &BenchArgs) -> Result<Sweep, String> {
     let stopped = STOP.load(Ordering::SeqCst);
     finish_rows(rows_file.as_ref(), &rows, stopped)?;
     Ok(Sweep { rows, stopped })
+}
+
+/// The sweep's opening: the device described and printed (on the CPU with its SIMD level
+/// and f32 peak, which each CPU row's note compares with), then the shape and the methods;
+/// returns the stamp every row carries, that peak, and each method's implementation.
+fn open_sweep(
+    args: &BenchArgs,
+    chosen: &[&dyn Method],
+    cuda: bool,
+) -> Result<(Stamp, Option<f64>, Vec<String>), String> {
+    let device = cpu_description();
+    // [step 03]
+    let device = if cuda {
+        chosen[0].describe_device().map_err(|e| e.to_string())?
+    } else {
+        device
+    };
+    // [/step 03]
+    let stamp = Stamp {
+        device,
+        commit: row::COMMIT.to_string(),
+        date: row::utc_now(),
+    };
+
+    println!("device: {}", stamp.device);
+    if !cuda {
+        println!("SIMD: {}", simd_level());
+    }
+    // the GFLOP/s of a CPU row as a share of what this machine's cores can do at most
+    let peak_gflops: Option<f64> = None;
+    // [step 02]
+    let peak_gflops = match cuda {
+        true => peak_gflops,
+        false => step02_online_softmax::peak::f32_peak_gflops(
+            step02_online_softmax::Isa::detect(),
+        ),
+    };
+    if let Some(peak) = peak_gflops {
+        println!(
+            "f32 peak: {peak:.0} GFLOP/s, measured with multiply-add chains on every thread \
+             (a row's note gives its share)"
+        );
+    }
+    // [/step 02]
+    let implementations: Vec<String> = chosen.iter().map(|m| m.implementation()).collect();
+    // [step 09]
+    let implementations = match &args.mask {
+        Some(_) => vec![masked_implementation(args)],
+        None => implementations,
+    };
+    // [/step 09]
+    print_sweep(args, &implementations, cuda);
+    Ok((stamp, peak_gflops, implementations))
 }
 
 /// What every row of a sweep carries: the device it ran on, the commit and the date.

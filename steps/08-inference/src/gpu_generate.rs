@@ -389,24 +389,9 @@ impl GpuModel {
     /// cache as they are made. The same as a [`GpuModel::step`] a token, in one pass over
     /// the weights instead of one a token.
     pub fn prefill(&mut self, prompt: &[u8]) -> Result<Array1<f32>, TrainError> {
+        self.check_prompt(prompt)?;
         let cfg = self.config;
         let n = prompt.len();
-        if !self.is_empty() || n == 0 || n > cfg.context {
-            return Err(TrainError::Config(format!(
-                "a prefill of {n} tokens into a cache of {}: a prefill reads 1 to {} \
-                 tokens (the model's context) into an empty cache; tokens after those go \
-                 in with step",
-                self.len(),
-                cfg.context
-            )));
-        }
-        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= cfg.vocab) {
-            return Err(TrainError::Config(format!(
-                "token {t} is outside the model's vocabulary of {}: tokens 0..{} are \
-                 accepted",
-                cfg.vocab, cfg.vocab
-            )));
-        }
         let (c, heads, d) = (cfg.d_model, cfg.heads, cfg.head_dim());
         let (width, kv_heads) = (cfg.qkv_width(), cfg.kv_heads);
         let gpu = &self.gpu;
@@ -513,6 +498,30 @@ impl GpuModel {
         self.read_logits("the prefill")
     }
     // ANCHOR_END: gpu_prefill
+
+    /// The refusals of [`GpuModel::prefill`], before anything is allocated: a prompt of 1
+    /// to `context` tokens of the vocabulary, into an empty cache.
+    fn check_prompt(&self, prompt: &[u8]) -> Result<(), TrainError> {
+        let cfg = self.config;
+        let n = prompt.len();
+        if !self.is_empty() || n == 0 || n > cfg.context {
+            return Err(TrainError::Config(format!(
+                "a prefill of {n} tokens into a cache of {}: a prefill reads 1 to {} \
+                 tokens (the model's context) into an empty cache; tokens after those go \
+                 in with step",
+                self.len(),
+                cfg.context
+            )));
+        }
+        if let Some(&t) = prompt.iter().find(|&&t| t as usize >= cfg.vocab) {
+            return Err(TrainError::Config(format!(
+                "token {t} is outside the model's vocabulary of {}: tokens 0..{} are \
+                 accepted",
+                cfg.vocab, cfg.vocab
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// The embedding of the token in `at` at the position there into `x`.

@@ -9,7 +9,9 @@
 //! take it with q, k and v.
 
 use cudarc::driver::PushKernelArg;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+};
 use std::borrow::Cow;
 use std::hash::{Hash, Hasher};
 
@@ -51,6 +53,18 @@ pub enum MaskRows {
     One,
     PerSequence,
     PerHead,
+}
+
+impl MaskRows {
+    /// The rows of a block mask for `batch` sequences of `heads` heads, and the strides
+    /// that take a sequence and a head to their row (`b · row_b + h · row_h`).
+    fn strides(self, batch: usize, heads: usize) -> (usize, i32, i32) {
+        match self {
+            MaskRows::One => (1, 0, 0),
+            MaskRows::PerSequence => (batch, 1, 0),
+            MaskRows::PerHead => (batch * heads, heads as i32, 1),
+        }
+    }
 }
 
 /// A mask and a score function as the GPU takes them: CUDA source defining `mask_mod`,
@@ -378,11 +392,7 @@ impl DeviceMask {
         check_data(mask, batch, tk)?;
         let q_shape = Shape::new(batch, heads, tq, d);
         let wgs = forward_kernel(q_shape, heads, mask.weight).warpgroups;
-        let (rows, row_b, row_h) = match mask.rows {
-            MaskRows::One => (1, 0, 0),
-            MaskRows::PerSequence => (batch, 1, 0),
-            MaskRows::PerHead => (batch * heads, heads as i32, 1),
-        };
+        let (rows, row_b, row_h) = mask.rows.strides(batch, heads);
         let (q_tiles, k_blocks) = (tq.div_ceil(TILE_Q), tk.div_ceil(TILE_K));
         let fwd_blocks = q_tiles.div_ceil(wgs);
         if rows * q_tiles > 65_535 {
@@ -395,14 +405,7 @@ impl DeviceMask {
             });
         }
         let stream = gpu.stream();
-        let data = match &mask.data {
-            Some(ids) => Some(
-                stream
-                    .clone_htod(ids)
-                    .map_err(alloc_error("the mask's data", ids.len() as u128 * 4))?,
-            ),
-            None => None,
-        };
+        let data = upload_data(gpu, mask)?;
         let ints = |n: usize, what: &str| {
             stream
                 .alloc_zeros::<i32>(n)
@@ -426,52 +429,38 @@ impl DeviceMask {
         let module = |entry: &str| gpu.kernel(&spec, entry, 0);
         let (tq32, tk32) = (tq as i32, tk as i32);
         let data_ptr = data.as_ref().map_or(0u64, |d| d.device_ptr(stream).0);
-        {
-            let f = module("classify")?;
-            let mut launch = stream.launch_builder(&f);
-            launch
-                .arg(&mut classes)
-                .arg(&mut visible)
-                .arg(&data_ptr)
-                .arg(&tq32)
-                .arg(&tk32)
-                .arg(&row_b)
-                .arg(&row_h);
-            let config = LaunchConfig {
-                grid_dim: (k_blocks as u32, q_tiles as u32, rows as u32),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: classes holds rows × q_tiles × k_blocks bytes, one a block of the
-            // grid; the data, where there is some, batch × tk ids (checked above), read
-            // by mask_mod at positions below tk only
-            unsafe { launch.launch(config) }.map_err(device_error("launching classify"))?;
+        let grid = (rows, q_tiles, k_blocks);
+        // SAFETY: classes holds rows × q_tiles × k_blocks bytes and visible one count; the
+        // data, where there is some, batch × tk ids (check_data)
+        unsafe {
+            launch_classify(
+                gpu,
+                &module("classify")?,
+                (&mut classes, &mut visible),
+                data_ptr,
+                (tq32, tk32),
+                (row_b, row_h),
+                grid,
+            )?;
         }
         let f = module("block_lists")?;
-        let (rows32, qt32, kb32) = (rows as i32, q_tiles as i32, k_blocks as i32);
         for (forward, count, index, blocks) in [
-            (1i32, &mut fwd_count, &mut fwd_index, fwd_blocks),
-            (0i32, &mut bwd_count, &mut bwd_index, k_blocks),
+            (true, &mut fwd_count, &mut fwd_index, fwd_blocks),
+            (false, &mut bwd_count, &mut bwd_index, k_blocks),
         ] {
-            let mut launch = stream.launch_builder(&f);
-            launch
-                .arg(&classes)
-                .arg(count)
-                .arg(index)
-                .arg(&rows32)
-                .arg(&qt32)
-                .arg(&kb32)
-                .arg(&forward);
-            let threads = rows * blocks;
-            let config = LaunchConfig {
-                grid_dim: (threads.div_ceil(128) as u32, 1, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
+            // SAFETY: count holds rows × blocks counts and index rows × blocks × others
+            // entries (others: k_blocks for the forward's lists, q_tiles for the
+            // backward's), as allocated above
+            unsafe {
+                launch_block_lists(
+                    gpu,
+                    &f,
+                    &classes,
+                    (count, index),
+                    (forward, blocks),
+                    grid,
+                )?
             };
-            // SAFETY: one thread a (row, block), below rows × blocks; each writes its count
-            // and at most `others` entries of its own row of the index, as allocated
-            unsafe { launch.launch(config) }
-                .map_err(device_error("launching block_lists"))?;
         }
         let visible = stream
             .clone_dtoh(&visible)
@@ -572,6 +561,87 @@ impl DeviceMask {
     }
 }
 
+/// Launches `classify`: one block of 256 threads a tile of each block-mask row, `grid`
+/// being (rows, query tiles, key blocks), each writing its tile's class (empty, partial,
+/// full) and adding its visible scores to the count in `visible`.
+///
+/// # Safety
+///
+/// `classes` holds rows × query tiles × key blocks bytes and `visible` one count; `data`
+/// is 0 or the mask's data, its ids for every position below tk of each sequence its rows
+/// read (`row_b`, `row_h`).
+unsafe fn launch_classify(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    (classes, visible): (&mut CudaSlice<u8>, &mut CudaSlice<u64>),
+    data: u64,
+    (tq, tk): (i32, i32),
+    (row_b, row_h): (i32, i32),
+    (rows, q_tiles, k_blocks): (usize, usize, usize),
+) -> Result<(), AttnError> {
+    let mut launch = gpu.stream().launch_builder(f);
+    launch
+        .arg(classes)
+        .arg(visible)
+        .arg(&data)
+        .arg(&tq)
+        .arg(&tk)
+        .arg(&row_b)
+        .arg(&row_h);
+    let config = LaunchConfig {
+        grid_dim: (k_blocks as u32, q_tiles as u32, rows as u32),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: classes holds rows × q_tiles × k_blocks bytes, one a block of the grid; the
+    // data, where there is some, batch × tk ids (the caller's promise), read by mask_mod at
+    // positions below tk only
+    unsafe { launch.launch(config) }.map_err(device_error("launching classify"))?;
+    Ok(())
+}
+
+/// Launches `block_lists` on the classes `classify` wrote: one thread a (row, block) of
+/// `blocks` a row writes the count and the list of the blocks that block visits, the
+/// forward's (a block of queries' key blocks) or the backward's (a block of keys' query
+/// tiles).
+///
+/// # Safety
+///
+/// `classes` holds rows × query tiles × key blocks bytes (`grid`); `count` holds rows ×
+/// blocks values and `index` rows × blocks × others, where others are the key blocks for
+/// the forward's lists and the query tiles for the backward's.
+unsafe fn launch_block_lists(
+    gpu: &Gpu,
+    f: &CudaFunction,
+    classes: &CudaSlice<u8>,
+    (count, index): (&mut CudaSlice<i32>, &mut CudaSlice<i32>),
+    (forward, blocks): (bool, usize),
+    (rows, q_tiles, k_blocks): (usize, usize, usize),
+) -> Result<(), AttnError> {
+    let (rows32, qt32, kb32) = (rows as i32, q_tiles as i32, k_blocks as i32);
+    let forward = forward as i32;
+    let mut launch = gpu.stream().launch_builder(f);
+    launch
+        .arg(classes)
+        .arg(count)
+        .arg(index)
+        .arg(&rows32)
+        .arg(&qt32)
+        .arg(&kb32)
+        .arg(&forward);
+    let threads = rows * blocks;
+    let config = LaunchConfig {
+        grid_dim: (threads.div_ceil(128) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: one thread a (row, block), below rows × blocks; each writes its count and at
+    // most `others` entries of its own row of the index, as allocated (the caller's
+    // promise)
+    unsafe { launch.launch(config) }.map_err(device_error("launching block_lists"))?;
+    Ok(())
+}
+
 /// That a mask's data fits `batch` sequences of `tk` keys: document ids and starts, a row
 /// of each for every sequence, or one row all share.
 fn check_data(mask: &GpuMask, batch: usize, tk: usize) -> Result<(), AttnError> {
@@ -589,6 +659,18 @@ fn check_data(mask: &GpuMask, batch: usize, tk: usize) -> Result<(), AttnError> 
             })
         }
         _ => Ok(()),
+    }
+}
+
+/// The mask's data (document ids and starts) on the device, where it has some.
+fn upload_data(gpu: &Gpu, mask: &GpuMask) -> Result<Option<CudaSlice<i32>>, AttnError> {
+    match &mask.data {
+        Some(ids) => Ok(Some(
+            gpu.stream()
+                .clone_htod(ids)
+                .map_err(alloc_error("the mask's data", ids.len() as u128 * 4))?,
+        )),
+        None => Ok(None),
     }
 }
 
@@ -788,20 +870,8 @@ pub fn backward(
     check_hopper(gpu)?;
     let kv = check_qkv(q, k, v)?;
     mask.check_shape(q.shape, kv)?;
+    check_backward_inputs(q, fwd, dout)?;
     let shape = q.shape;
-    for (x, name) in [(&fwd.out, "the forward's output"), (dout, "dout")] {
-        if x.shape != shape || x.dtype != q.dtype || x.data.len() != shape.len() {
-            return Err(AttnError::ShapeMismatch {
-                what: format!("{name} is {} {}, q {shape}", x.shape, x.dtype.name()),
-            });
-        }
-    }
-    let rows = shape.batch * shape.heads * shape.tokens;
-    if fwd.lse.len() != rows {
-        return Err(AttnError::ShapeMismatch {
-            what: format!("the forward's lse holds {}; q needs {rows}", fwd.lse.len()),
-        });
-    }
     let (dtype, d) = (q.dtype, shape.head_dim);
     // dK and dV for every query head (k's length), summed over each group at the end
     let per_q = Shape {
@@ -809,21 +879,7 @@ pub fn backward(
         ..shape
     };
     let stream = gpu.stream();
-    let zeros = |s: Shape, what: &str| {
-        stream
-            .alloc_zeros::<u16>(s.len())
-            .map(|data| DeviceTensor {
-                data,
-                shape: s,
-                dtype,
-            })
-            .map_err(alloc_error(what, s.len() as u128 * 2))
-    };
-    let mut grads = DeviceGrads {
-        dq: zeros(shape, "dq")?,
-        dk: zeros(per_q, "dk")?,
-        dv: zeros(per_q, "dv")?,
-    };
+    let mut grads = zero_grads(gpu, shape, per_q, dtype)?;
     if shape.is_empty() || kv.is_empty() {
         return Ok(grads);
     }
@@ -903,14 +959,89 @@ pub fn backward(
         // of the listed query blocks (dq_accum_len values for q's shape)
         unsafe { launch.launch(config) }.map_err(device_error("launching masked_dkdv"))?;
     }
+    let convert = function("hopper_dq_convert")?;
+    // SAFETY: dq_accum holds the one pass's sums for q's shape (dq_accum_len); zero_grads
+    // allocated grads.dq for q's shape
+    unsafe { finish_grads(gpu, &convert, &dq_accum, grads, kv, scale) }
+}
+// ANCHOR_END: backward
+
+/// That the forward's output and log-sum-exp and dout are q's shape and dtype: what the
+/// backward reads besides q, k and v (checked by [`check_qkv`]), before any allocation.
+fn check_backward_inputs(
+    q: &DeviceTensor,
+    fwd: &DeviceAttention,
+    dout: &DeviceTensor,
+) -> Result<(), AttnError> {
+    let shape = q.shape;
+    for (x, name) in [(&fwd.out, "the forward's output"), (dout, "dout")] {
+        if x.shape != shape || x.dtype != q.dtype || x.data.len() != shape.len() {
+            return Err(AttnError::ShapeMismatch {
+                what: format!("{name} is {} {}, q {shape}", x.shape, x.dtype.name()),
+            });
+        }
+    }
+    let rows = shape.batch * shape.heads * shape.tokens;
+    if fwd.lse.len() != rows {
+        return Err(AttnError::ShapeMismatch {
+            what: format!("the forward's lse holds {}; q needs {rows}", fwd.lse.len()),
+        });
+    }
+    Ok(())
+}
+
+/// Zeroed gradients: dq of q's `shape`, dk and dv of `per_q` (k's length for every query
+/// head), since the one pass writes a query head's dK and dV before groups are summed.
+fn zero_grads(
+    gpu: &Gpu,
+    shape: Shape,
+    per_q: Shape,
+    dtype: Dtype,
+) -> Result<DeviceGrads, AttnError> {
+    let stream = gpu.stream();
+    let zeros = |s: Shape, what: &str| {
+        stream
+            .alloc_zeros::<u16>(s.len())
+            .map(|data| DeviceTensor {
+                data,
+                shape: s,
+                dtype,
+            })
+            .map_err(alloc_error(what, s.len() as u128 * 2))
+    };
+    Ok(DeviceGrads {
+        dq: zeros(shape, "dq")?,
+        dk: zeros(per_q, "dk")?,
+        dv: zeros(per_q, "dv")?,
+    })
+}
+
+/// The backward's last stage: dq from the one pass's f32 sums in q's dtype (step 06's
+/// conversion, which also scales), and with grouped heads each group's dk and dv summed
+/// into its head of k and v (`kv` is k's shape).
+///
+/// # Safety
+///
+/// `dq_accum` holds the one pass's sums for `grads.dq`'s shape (`dq_accum_len` values),
+/// and `grads.dq` holds that shape's values.
+unsafe fn finish_grads(
+    gpu: &Gpu,
+    convert: &CudaFunction,
+    dq_accum: &CudaSlice<f32>,
+    mut grads: DeviceGrads,
+    kv: Shape,
+    scale: f32,
+) -> Result<DeviceGrads, AttnError> {
+    let shape = grads.dq.shape;
     {
-        let (dq, _dq) = grads.dq.data.device_ptr_mut(stream);
+        let (dq, _dq) = grads.dq.data.device_ptr_mut(gpu.stream());
         // SAFETY: dq_accum holds the one pass's sums for q's shape; dq was allocated for it
+        // (the caller's promise)
         unsafe {
             launch_dq_convert(
                 gpu,
-                &function("hopper_dq_convert")?,
-                &dq_accum,
+                convert,
+                dq_accum,
                 dq,
                 Layout::heads(shape),
                 shape,
@@ -925,4 +1056,3 @@ pub fn backward(
     }
     Ok(grads)
 }
-// ANCHOR_END: backward

@@ -219,8 +219,9 @@ fn the_cuda_text_writes_the_parameters_in() {
     assert_eq!(Mask::Custom(with).cuda().unwrap(), "bool mask_mod(...)");
 }
 
+/// A mask text the parser cannot take names the value and lists what is accepted.
 #[test]
-fn bad_input_is_refused_naming_the_value_and_what_is_accepted() {
+fn a_bad_mask_text_is_refused_naming_the_value_and_what_is_accepted() {
     let accepted = "accepted:";
     for (text, names) in [
         ("sliding:0", "sliding:0"),
@@ -239,6 +240,11 @@ fn bad_input_is_refused_naming_the_value_and_what_is_accepted() {
         let e = parse_err(text);
         assert!(e.contains(names) && e.contains(accepted), "{text}: {e}");
     }
+}
+
+/// Documents that cannot be a sequence's (ids, cu_seqlens, lengths, a file) say why.
+#[test]
+fn bad_documents_are_refused_naming_what_is_wrong() {
     // documents: ids going down, cu_seqlens that do not add up, lengths of 0, a file that
     // does not match the tokens, a file that is not lengths
     let e = Documents::from_ids(1, 4, vec![0, 1, 0, 2])
@@ -277,6 +283,11 @@ fn bad_input_is_refused_naming_the_value_and_what_is_accepted() {
         e.contains("/no/such/file.txt") && e.contains("cannot read"),
         "{e}"
     );
+}
+
+/// A user's `.cu` file must define mask_mod or score_mod, and score_mod with its derivative.
+#[test]
+fn a_cuda_file_without_its_functions_is_refused() {
     // a .cu file that defines neither function, or a score function without its derivative
     let neither = temp_file("neither.cu", "__device__ int f(int x) { return x; }");
     let e = parse_err(&format!("cuda:{}", neither.display()));
@@ -302,6 +313,11 @@ fn bad_input_is_refused_naming_the_value_and_what_is_accepted() {
     );
     let e = parse_err(&format!("cuda:{}", half.display()));
     assert!(e.contains("defines no score_mod_grad"), "{e}");
+}
+
+/// The CPU forward refuses a mask or score function that does not fit q, k and v.
+#[test]
+fn a_forward_refuses_a_bad_mask_or_shape_naming_the_cause() {
     // through a forward: the error is an AttnError that names the cause
     let x = Array4::<f32>::zeros((1, 2, 4, 8));
     let run =

@@ -275,6 +275,45 @@ fn main() -> ExitCode {
 }
 
 fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
+    check_args(args)?;
+    let gpu = Gpu::shared()?;
+    let device = gpu.describe();
+    print_header(args, &device);
+    let date = utc_now();
+    let mut rows: Vec<DecodeRow> = Vec::new();
+    let mut sums = gpu
+        .stream()
+        .alloc_zeros::<u32>(1 << 16)
+        .map_err(device_error("allocating the read kernel's sums"))?;
+    for &head_dim in &args.head_dims {
+        for &kv_heads in &args.kv_heads {
+            for &batch in &args.batch {
+                for &context in &args.contexts {
+                    let shape = DecodeShape::new(
+                        batch,
+                        args.q_heads,
+                        kv_heads,
+                        args.q_rows,
+                        context,
+                        head_dim,
+                    );
+                    let stamp = (device.as_str(), date.as_str());
+                    let [decode, paged, read] =
+                        shape_rows(gpu, args, shape, stamp, &mut sums);
+                    print_line(shape, &decode, &paged, &read);
+                    rows.extend([decode, paged, read]);
+                    keep_so_far(out, &rows);
+                }
+            }
+        }
+    }
+    write_out(out, &rows, rows.iter().any(|r| r.us.is_some()))?;
+    Ok(())
+}
+
+/// The refusals of the arguments that need no GPU: kv heads that divide the query heads,
+/// head dims and page sizes the kernel builds for, contexts at least as long as the rows.
+fn check_args(args: &Args) -> Result<(), Box<dyn Error>> {
     for &kv in &args.kv_heads {
         if !args.q_heads.is_multiple_of(kv) {
             return Err(AttnError::Unsupported {
@@ -302,8 +341,11 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
         }
         .into());
     }
-    let gpu = Gpu::shared()?;
-    let device = gpu.describe();
+    Ok(())
+}
+
+/// The device, what every row shares, and the table's header.
+fn print_header(args: &Args, device: &str) {
     println!("device: {device}");
     println!(
         "{} query heads, {} row(s) each, {}; pages of {} tokens; median of {} runs after \
@@ -332,85 +374,68 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
         "read us",
         "GB/s"
     );
-    let date = utc_now();
-    let mut rows: Vec<DecodeRow> = Vec::new();
-    let mut sums = gpu
-        .stream()
-        .alloc_zeros::<u32>(1 << 16)
-        .map_err(device_error("allocating the read kernel's sums"))?;
-    for &head_dim in &args.head_dims {
-        for &kv_heads in &args.kv_heads {
-            for &batch in &args.batch {
-                for &context in &args.contexts {
-                    let shape = DecodeShape::new(
-                        batch,
-                        args.q_heads,
-                        kv_heads,
-                        args.q_rows,
-                        context,
-                        head_dim,
-                    );
-                    let row = |method: &str, what: String| DecodeRow {
-                        method: method.into(),
-                        implementation: what,
-                        device: device.clone(),
-                        commit: COMMIT.into(),
-                        date: date.clone(),
-                        batch,
-                        q_heads: args.q_heads,
-                        kv_heads,
-                        q_rows: args.q_rows,
-                        context,
-                        head_dim,
-                        dtype: args.dtype.name().into(),
-                        page_size: None,
-                        splits: None,
-                        runs: args.runs,
-                        us: None,
-                        bytes: shape.cache_bytes(2),
-                        gb_s: None,
-                        fraction_of_read: None,
-                        error: None,
-                    };
-                    let found = measure_shape(gpu, args, shape, &mut sums);
-                    let mut decode = row("decode", implementation(args, shape, 0));
-                    let mut paged =
-                        row("decode_paged", implementation(args, shape, args.page_size));
-                    paged.page_size = Some(args.page_size);
-                    let mut read = row(
-                        "read",
-                        "kernels/read.cu: every byte of k and v read \
-                                                 once, 16 at a time, summed"
-                            .into(),
-                    );
-                    for (r, m) in [
-                        (&mut read, found.read),
-                        (&mut decode, found.decode),
-                        (&mut paged, found.paged),
-                    ] {
-                        match m {
-                            Some(Ok(m)) => {
-                                r.us = Some(m.us);
-                                r.splits = m.splits;
-                                r.gb_s = Some(r.bytes as f64 / (m.us * 1e-6) / 1e9);
-                            }
-                            Some(Err(e)) => r.error = Some(e),
-                            None => {}
-                        }
-                    }
-                    let read_gb_s = read.gb_s;
-                    for r in [&mut decode, &mut paged, &mut read] {
-                        r.fraction_of_read = r.gb_s.zip(read_gb_s).map(|(a, b)| a / b);
-                    }
-                    print_line(shape, &decode, &paged, &read);
-                    rows.extend([decode, paged, read]);
-                    keep_so_far(out, &rows);
-                }
+}
+
+/// One shape measured ([`measure_shape`]) as its three rows, the contiguous cache's, the
+/// paged one's and the read kernel's, each speed also as a fraction of the read kernel's;
+/// `stamp` is the device and the date every row carries.
+fn shape_rows(
+    gpu: &Gpu,
+    args: &Args,
+    shape: DecodeShape,
+    (device, date): (&str, &str),
+    sums: &mut CudaSlice<u32>,
+) -> [DecodeRow; 3] {
+    let row = |method: &str, what: String| DecodeRow {
+        method: method.into(),
+        implementation: what,
+        device: device.into(),
+        commit: COMMIT.into(),
+        date: date.into(),
+        batch: shape.batch,
+        q_heads: args.q_heads,
+        kv_heads: shape.kv_heads,
+        q_rows: args.q_rows,
+        context: shape.context,
+        head_dim: shape.head_dim,
+        dtype: args.dtype.name().into(),
+        page_size: None,
+        splits: None,
+        runs: args.runs,
+        us: None,
+        bytes: shape.cache_bytes(2),
+        gb_s: None,
+        fraction_of_read: None,
+        error: None,
+    };
+    let found = measure_shape(gpu, args, shape, sums);
+    let mut decode = row("decode", implementation(args, shape, 0));
+    let mut paged = row("decode_paged", implementation(args, shape, args.page_size));
+    paged.page_size = Some(args.page_size);
+    let mut read = row(
+        "read",
+        "kernels/read.cu: every byte of k and v read once, 16 at a time, summed".into(),
+    );
+    for (r, m) in [
+        (&mut read, found.read),
+        (&mut decode, found.decode),
+        (&mut paged, found.paged),
+    ] {
+        match m {
+            Some(Ok(m)) => {
+                r.us = Some(m.us);
+                r.splits = m.splits;
+                r.gb_s = Some(r.bytes as f64 / (m.us * 1e-6) / 1e9);
             }
+            Some(Err(e)) => r.error = Some(e),
+            None => {}
         }
     }
-    write_out(out, &rows, rows.iter().any(|r| r.us.is_some()))?;
-    Ok(())
+    let read_gb_s = read.gb_s;
+    for r in [&mut decode, &mut paged, &mut read] {
+        r.fraction_of_read = r.gb_s.zip(read_gb_s).map(|(a, b)| a / b);
+    }
+    [decode, paged, read]
 }
 
 fn implementation(args: &Args, shape: DecodeShape, page_size: usize) -> String {
