@@ -15,6 +15,8 @@
 //!   number in a text file, each found after the one before it (a kernel's section, then a
 //!   metric's name); the number is the first one after the last string, on its line; a
 //!   list of such lists takes one number each (for `pick = "sum"`);
+//! - `nth` (optional, with `after`): the number's place on its line, from 1 (a table's
+//!   column);
 //! - `row`: in a file that is a list, the values that pick the row (`{ method = "online",
 //!   tokens = 1024, pass = "fwd" }`); left out for a file that is one object;
 //! - `rows` (optional): the key of the list `row` picks from, in a file that is an object;
@@ -161,11 +163,12 @@ fn at_path(json: &Json, path: &str, skip_null: bool) -> Result<Vec<f64>, String>
         .collect()
 }
 
-/// The number that follows the strings of `after` in `text`: each string found after the
-/// one before it, then the first number after the last one, on the same line (digits,
-/// thousands commas between digits, a point and more digits). A number the line does not
-/// hold is refused rather than taken from the next line, where another metric's value is.
-fn number_after(text: &str, after: &[&str]) -> Result<f64, String> {
+/// The `nth` number (from 1) that follows the strings of `after` in `text`: each string
+/// found after the one before it, then the numbers after the last one, on the same line
+/// (digits, thousands commas between digits, a point and more digits). A number the line
+/// does not hold is refused rather than taken from the next line, where another metric's
+/// value is.
+fn number_after(text: &str, after: &[&str], nth: usize) -> Result<f64, String> {
     let mut at = 0;
     for (i, s) in after.iter().enumerate() {
         let found = text[at..].find(s).ok_or_else(|| match i {
@@ -175,29 +178,35 @@ fn number_after(text: &str, after: &[&str]) -> Result<f64, String> {
         at += found + s.len();
     }
     let rest = &text[at..];
-    let line = &rest[..rest.find('\n').unwrap_or(rest.len())];
-    let start = line
-        .find(|c: char| c.is_ascii_digit())
-        .ok_or_else(|| format!("no number on the line after {:?}", after.last()))?;
-    let bytes = line.as_bytes();
-    let mut end = start;
-    let mut point = false;
-    while end < bytes.len() {
-        let c = bytes[end];
-        let digit_next = bytes.get(end + 1).is_some_and(u8::is_ascii_digit);
-        if c.is_ascii_digit() || (c == b',' && !point && digit_next) {
-            end += 1;
-        } else if c == b'.' && !point && digit_next {
-            point = true;
-            end += 1;
-        } else {
-            break;
+    let mut line = &rest[..rest.find('\n').unwrap_or(rest.len())];
+    for count in 1.. {
+        let start = line.find(|c: char| c.is_ascii_digit()).ok_or_else(|| {
+            format!("no number {count} on the line after {:?}", after.last())
+        })?;
+        let bytes = line.as_bytes();
+        let mut end = start;
+        let mut point = false;
+        while end < bytes.len() {
+            let c = bytes[end];
+            let digit_next = bytes.get(end + 1).is_some_and(u8::is_ascii_digit);
+            if c.is_ascii_digit() || (c == b',' && !point && digit_next) {
+                end += 1;
+            } else if c == b'.' && !point && digit_next {
+                point = true;
+                end += 1;
+            } else {
+                break;
+            }
         }
+        if count == nth.max(1) {
+            let digits: String = line[start..end].chars().filter(|&c| c != ',').collect();
+            return digits.parse().map_err(|e| {
+                format!("{:?} after {:?}: {e}", &line[start..end], after.last())
+            });
+        }
+        line = &line[end..];
     }
-    let digits: String = line[start..end].chars().filter(|&c| c != ',').collect();
-    digits
-        .parse()
-        .map_err(|e| format!("{:?} after {:?}: {e}", &line[start..end], after.last()))
+    unreachable!("the loop returns or fails at the line's end")
 }
 
 /// `after`'s lists of strings, one a number: a string, a list of strings, or a list of
@@ -242,9 +251,19 @@ fn values(spec: &Table, data: &str) -> Result<Vec<f64>, String> {
                 "`after` reads a text file: give no `{key}`, which picks from JSON"
             ));
         }
+        let nth = match spec.get("nth") {
+            None => 1,
+            Some(n) => n
+                .as_integer()
+                .and_then(|n| usize::try_from(n).ok())
+                .filter(|&n| n >= 1)
+                .ok_or("`nth` is a count from 1")?,
+        };
         return after_lists(after)?
             .iter()
-            .map(|strings| number_after(&text, strings).map_err(|e| format!("{data}: {e}")))
+            .map(|strings| {
+                number_after(&text, strings, nth).map_err(|e| format!("{data}: {e}"))
+            })
             .collect();
     }
     let json: Json =
@@ -373,8 +392,9 @@ const KEYS: &[&str] = &[
     "difference",
     "pick",
     "after",
+    "nth",
 ];
-const OVER_KEYS: &[&str] = &["data", "row", "rows", "field", "after"];
+const OVER_KEYS: &[&str] = &["data", "row", "rows", "field", "after", "nth"];
 
 /// Checks one claim against its JSON and its chapter; `Err` says what disagrees.
 fn check(claim: &Table) -> Result<(), String> {
@@ -481,29 +501,37 @@ fn a_number_is_found_whole_and_in_either_grouping() {
 }
 
 #[test]
-fn a_number_in_a_text_file_is_the_first_after_its_strings_on_their_line() {
+fn a_number_in_a_text_file_is_read_after_its_strings_on_their_line() {
     let log = "$ ncu --metrics a.sum,b.sum run\n  rung_3 (96, 1, 1)\n    a.sum   inst   42,172,416\n    \
                b.sum   %   12.34\n  rung_4 (96, 1, 1)\n    a.sum   inst   0\n    b.sum\n    c   9\n";
     // the command line names the metrics too: the kernel's line comes first
-    assert_eq!(number_after(log, &["rung_3 (", "a.sum"]), Ok(42_172_416.0));
-    assert_eq!(number_after(log, &["rung_3 (", "b.sum"]), Ok(12.34));
-    assert_eq!(number_after(log, &["rung_4 (", "a.sum"]), Ok(0.0));
+    assert_eq!(
+        number_after(log, &["rung_3 (", "a.sum"], 1),
+        Ok(42_172_416.0)
+    );
+    assert_eq!(number_after(log, &["rung_3 (", "b.sum"], 1), Ok(12.34));
+    assert_eq!(number_after(log, &["rung_4 (", "a.sum"], 1), Ok(0.0));
     // b.sum of rung 4 has no value on its line: c's 9 is not taken for it
-    assert!(number_after(log, &["rung_4 (", "b.sum"]).is_err());
+    assert!(number_after(log, &["rung_4 (", "b.sum"], 1).is_err());
     assert!(
-        number_after(log, &["rung_5 ("])
+        number_after(log, &["rung_5 ("], 1)
             .unwrap_err()
             .contains("rung_5")
     );
     // a sentence's full stop and a list's comma end the number
-    assert_eq!(number_after("took 47 ms. Then 3,0", &["took"]), Ok(47.0));
-    assert_eq!(number_after("x: 1.5, 2", &["x:"]), Ok(1.5));
+    assert_eq!(number_after("took 47 ms. Then 3,0", &["took"], 1), Ok(47.0));
+    assert_eq!(number_after("x: 1.5, 2", &["x:"], 1), Ok(1.5));
+    // a table's columns: the nth number on the line, and none past its end
+    let table = "   T   fwd ms  dq ms\n 16384   5.183   7.020   forward 318.2\n";
+    assert_eq!(number_after(table, &["\n 16384"], 2), Ok(7.02));
+    assert_eq!(number_after(table, &["\n 16384"], 3), Ok(318.2));
+    assert!(number_after(table, &["\n 16384"], 4).is_err());
     // a list of lists takes a number a list, which `pick = "sum"` adds
     let profile: Table = "after = [[\"rung_3 (\", \"a.sum\"], [\"rung_3 (\", \"b.sum\"]]"
         .parse()
         .unwrap();
     let lists = after_lists(&profile["after"]).unwrap();
-    let sum: f64 = lists.iter().map(|l| number_after(log, l).unwrap()).sum();
+    let sum: f64 = lists.iter().map(|l| number_after(log, l, 1).unwrap()).sum();
     assert_eq!(sum, 42_172_416.0 + 12.34);
     assert!(after_lists(&Toml::Integer(3)).is_err());
 }
