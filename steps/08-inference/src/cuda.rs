@@ -714,8 +714,9 @@ pub fn occupancy(gpu: &Gpu, kernel: DecodeKernel) -> Result<Occupancy, AttnError
 /// Decoding planned once for a cache and a count of query rows, as FlashInfer's `plan()`:
 /// the kernel's build, what the split is chosen from on this GPU, and the output's room;
 /// then [`DecodePlan::run`] for each layer and step. The split is chosen at each run for
-/// the cache's longest sequence then ([`plan_splits`]), or fixed
-/// ([`DecodePlan::with_splits`]), as a CUDA graph's launches must be.
+/// the cache's longest sequence then ([`plan_splits`]), or, for a CUDA graph, whose
+/// launches must be the same at every length, once for a full cache
+/// ([`DecodePlan::for_graph`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecodePlan {
     /// q's and the cache's sizes, `context` the cache's `max_len`.
@@ -782,9 +783,21 @@ impl DecodePlan {
         })
     }
 
-    /// The same plan with the keys always cut into `splits` splits (as near as a multiple
-    /// of a block's keys allows) of a full cache, whatever the lengths: to measure the
-    /// choice, or for a graph.
+    /// The same plan with the split of a full cache at every length, as a CUDA graph's
+    /// launches must be: a full cache's splits cover every shorter cache's keys, and
+    /// splits past a sequence's end find none.
+    pub fn for_graph(self) -> DecodePlan {
+        let fixed = self.split(self.shape.context);
+        DecodePlan {
+            fixed: Some(fixed),
+            ..self
+        }
+    }
+
+    /// Tests' and the lab's: the keys always cut into `splits` splits of a full cache (as
+    /// near as a multiple of a block's keys allows), whatever the plan would choose. The
+    /// plan gives a short cache one split; the tests take it through the merge this way.
+    #[doc(hidden)]
     pub fn with_splits(self, splits: usize) -> DecodePlan {
         let fixed = fixed_splits(self.shape.context, splits, self.kernel.block_keys());
         DecodePlan {
@@ -1047,9 +1060,36 @@ pub fn attend_with_kvcache(
 
 /// Decoding on the GPU from host arrays: q, k and v rounded to `dtype` and copied over, k
 /// and v appended to an empty cache laid out as `layout` (its free pages shuffled, so
-/// that a sequence's pages lie out of order in the pool), the keys cut in `splits` splits
-/// or as the plan chooses; the output widened back to `f32`.
+/// that a sequence's pages lie out of order in the pool), the keys split as the plan
+/// chooses; the output widened back to `f32`.
 pub fn decode(
+    gpu: &Gpu,
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dtype: Dtype,
+    layout: CacheLayout,
+) -> Result<Attention, AttnError> {
+    decode_from_host(gpu, q, k, v, dtype, layout, None)
+}
+
+/// Tests': [`decode`] with the keys cut into `splits` splits whatever the plan would
+/// choose ([`DecodePlan::with_splits`]), to take a short cache through the merge.
+#[doc(hidden)]
+pub fn decode_with_splits(
+    gpu: &Gpu,
+    q: ArrayView4<f32>,
+    k: ArrayView4<f32>,
+    v: ArrayView4<f32>,
+    dtype: Dtype,
+    layout: CacheLayout,
+    splits: usize,
+) -> Result<Attention, AttnError> {
+    decode_from_host(gpu, q, k, v, dtype, layout, Some(splits))
+}
+
+/// [`decode`], the split the plan's or `splits` where given.
+fn decode_from_host(
     gpu: &Gpu,
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,

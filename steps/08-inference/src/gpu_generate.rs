@@ -138,7 +138,7 @@ impl GpuModel {
         };
         let cache = PagedKvCache::new(&gpu, spec).map_err(device)?;
         let plan = DecodePlan::new(&gpu, &cache, heads, 1).map_err(device)?;
-        let graph_plan = plan.clone().with_splits(plan.split(config.context).splits);
+        let graph_plan = plan.clone().for_graph();
         // the output has room for the most splits the plan gives at any length, a graph's
         // (a full cache's) among them
         let att = plan.alloc_output(&gpu).map_err(device)?;

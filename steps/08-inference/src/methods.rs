@@ -134,7 +134,7 @@ impl Decoder for FlashDecode {
         dtype: Dtype,
     ) -> Result<Attention, AttnError> {
         let gpu = Gpu::shared()?;
-        crate::cuda::decode(gpu, q, k, v, dtype, self.layout, None)
+        crate::cuda::decode(gpu, q, k, v, dtype, self.layout)
     }
 }
 

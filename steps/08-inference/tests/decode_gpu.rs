@@ -12,8 +12,8 @@ use step03_cuda_forward::host::round_array;
 use step08_inference::DecodeShape;
 use step08_inference::cuda::{
     CacheLayout, CacheSpec, DecodeOutput, DecodePlan, NewKv, Occupancy, PagedKvCache,
-    attend_with_kvcache, cache_value, decode, fill_cache, fixed_splits, most_splits,
-    plan_splits, read_bytes,
+    attend_with_kvcache, cache_value, decode, decode_with_splits, fill_cache, fixed_splits,
+    most_splits, plan_splits, read_bytes,
 };
 use step08_inference::pages::check_table;
 use step08_inference::reference::{by_hand_rows_low_precision, decode_f64};
@@ -35,6 +35,8 @@ fn inputs(shape: DecodeShape, seed: u64) -> [Array4<f32>; 3] {
 }
 
 // ANCHOR: check_decode_gpu
+/// `shape` decoded on the GPU, the split the plan's (`None`) or forced to `splits`, held
+/// to the rule against the f64 reference.
 fn check(
     gpu: &Gpu,
     shape: DecodeShape,
@@ -44,8 +46,12 @@ fn check(
 ) {
     let [q, k, v] = inputs(shape, shape.context as u64 + shape.q_rows as u64);
     let name = format!("{shape} {} {layout:?} splits {splits:?}", dtype.name());
-    let got = decode(gpu, q.view(), k.view(), v.view(), dtype, layout, splits)
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let (q, k, v) = (q.view(), k.view(), v.view());
+    let got = match splits {
+        None => decode(gpu, q, k, v, dtype, layout),
+        Some(n) => decode_with_splits(gpu, q, k, v, dtype, layout, n),
+    }
+    .unwrap_or_else(|e| panic!("{name}: {e}"));
     // the reference sees exactly the values the GPU saw
     let (q, k, v) = (
         round_array(q.view(), dtype),
@@ -489,7 +495,7 @@ fn paged_and_contiguous_give_the_same_bits() {
     let gpu = Gpu::shared().expect("a GPU");
     let shape = DecodeShape::new(2, 16, 4, 2, 1234, 128);
     let [q, k, v] = inputs(shape, 3);
-    let run = |layout| decode(gpu, q.view(), k.view(), v.view(), Dtype::Bf16, layout, None);
+    let run = |layout| decode(gpu, q.view(), k.view(), v.view(), Dtype::Bf16, layout);
     let a = run(CacheLayout::Contiguous).unwrap();
     let b = run(CacheLayout::Paged { page_size: 64 }).unwrap();
     assert_eq!(a.out, b.out);
@@ -696,7 +702,7 @@ fn the_registrys_gpu_decoders_are_the_host_calls() {
         (&FLASH_DECODE_PAGED, paged),
     ] {
         let got = decoder.decode(q, k, v, Dtype::Bf16).unwrap();
-        let host = decode(gpu, q, k, v, Dtype::Bf16, layout, None).unwrap();
+        let host = decode(gpu, q, k, v, Dtype::Bf16, layout).unwrap();
         assert_eq!(got.out, host.out, "{}", decoder.name());
         assert_eq!(got.lse, host.lse, "{}", decoder.name());
     }

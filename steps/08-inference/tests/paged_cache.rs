@@ -179,7 +179,7 @@ const H200_D128: Occupancy = Occupancy {
 
 // ANCHOR: plan_test
 #[test]
-fn a_plan_chooses_the_split_for_the_longest_sequence_or_keeps_a_fixed_one() {
+fn a_plan_chooses_the_split_for_the_longest_sequence_or_a_full_cache_for_a_graph() {
     let paged = CacheLayout::Paged { page_size: 64 };
     let spec = CacheSpec::new(1, 8, 131_072, 128, Dtype::Bf16, paged);
     let plan = DecodePlan::with_occupancy(spec, 32, 1, H200_D128).unwrap();
@@ -190,7 +190,13 @@ fn a_plan_chooses_the_split_for_the_longest_sequence_or_keeps_a_fixed_one() {
     }
     // an output has room for the most splits of any length
     assert_eq!(plan.most_splits(), most_splits(8, 131_072, H200_D128));
-    // a fixed split covers a full cache at every length, as a graph's must
+    // a graph's plan keeps a full cache's split at every length
+    let graph = plan.clone().for_graph();
+    for keys in [1, 1000, 131_072] {
+        assert_eq!(graph.split(keys), plan.split(131_072), "{keys}");
+    }
+    assert_eq!(graph.most_splits(), plan.split(131_072).splits);
+    // a forced count (the tests' way through the merge) covers a full cache at every length
     let fixed = plan.clone().with_splits(3);
     let split = fixed.split(10);
     assert_eq!(split, fixed.split(131_072));

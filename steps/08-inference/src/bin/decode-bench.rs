@@ -93,10 +93,6 @@ struct Args {
     /// Milliseconds of the kernel's own time to warm up each kernel for (3 to 200 calls)
     #[arg(long, default_value_t = 50.0)]
     warmup_ms: f64,
-    /// Cut the keys into this many splits rather than as plan_splits chooses (as near as
-    /// a multiple of a block's keys allows): to measure the choice
-    #[arg(long, value_parser = at_least_one)]
-    splits: Option<usize>,
     /// Write the rows as JSON, one row a line (e.g. charts/data/decode.json): checked
     /// before any work, written whole at the end; meanwhile the rows so far are kept in
     /// FILE.partial.json
@@ -212,11 +208,7 @@ fn measure_decode(
     want: &[Expected],
 ) -> Result<Measured, String> {
     let text = |e: AttnError| e.to_string();
-    let mut plan =
-        DecodePlan::new(gpu, cache, shape.q_heads, shape.q_rows).map_err(text)?;
-    if let Some(n) = args.splits {
-        plan = plan.with_splits(n);
-    }
+    let plan = DecodePlan::new(gpu, cache, shape.q_heads, shape.q_rows).map_err(text)?;
     let mut result = plan.alloc_output(gpu).map_err(text)?;
     let split = plan.run(gpu, cache, 0, q, &mut result).map_err(text)?;
     check(gpu, shape, &result, want)?;
