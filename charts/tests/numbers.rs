@@ -18,7 +18,8 @@
 //! - `nth` (optional, with `after`): the number's place on its line, from 1 (a table's
 //!   column);
 //! - `row`: in a file that is a list, the values that pick the row (`{ method = "online",
-//!   tokens = 1024, pass = "fwd" }`); left out for a file that is one object;
+//!   tokens = 1024, pass = "fwd" }`), a list for any of its values (`mask = ["causal",
+//!   "full"]`); left out for a file that is one object;
 //! - `rows` (optional): the key of the list `row` picks from, in a file that is an object;
 //! - `field`: the value's path in the row, dot-separated: a negative index counts from the
 //!   end, `*` takes every item of a list and `N:M` items N to M - 1, like Python's slice
@@ -96,9 +97,11 @@ fn get_str<'a>(claim: &'a Table, key: &str) -> Result<&'a str, String> {
         .ok_or_else(|| format!("`{key}` is not a string"))
 }
 
-/// Whether a TOML value of a `row` selector equals the JSON's.
+/// Whether a TOML value of a `row` selector equals the JSON's; a list matches any of its
+/// values (`mask = ["causal", "full"]`).
 fn same(want: &Toml, have: &Json) -> bool {
     match (want, have) {
+        (Toml::Array(any), _) => any.iter().any(|w| same(w, have)),
         (Toml::String(w), Json::String(h)) => w == h,
         (Toml::Integer(w), Json::Number(h)) => h.as_i64() == Some(*w),
         (Toml::Float(w), Json::Number(h)) => h.as_f64() == Some(*w),
@@ -534,6 +537,25 @@ fn a_number_in_a_text_file_is_read_after_its_strings_on_their_line() {
     let sum: f64 = lists.iter().map(|l| number_after(log, l, 1).unwrap()).sum();
     assert_eq!(sum, 42_172_416.0 + 12.34);
     assert!(after_lists(&Toml::Integer(3)).is_err());
+}
+
+#[test]
+fn a_list_in_a_row_picks_any_of_its_values() {
+    let rows: Json = serde_json::from_str(
+        r#"[{"mask": "causal", "ms": 1.0}, {"mask": "full", "ms": 2.0}, {"mask": "documents", "ms": 4.0}]"#,
+    )
+    .unwrap();
+    let want: Toml =
+        "m = [\"causal\", \"documents\"]".parse::<Table>().unwrap()["m"].clone();
+    let picked: Vec<f64> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| same(&want, &r["mask"]))
+        .map(|r| r["ms"].as_f64().unwrap())
+        .collect();
+    assert_eq!(picked, [1.0, 4.0]);
+    assert!(!same(&Toml::Array(Vec::new()), &rows[0]["mask"]));
 }
 
 #[test]
