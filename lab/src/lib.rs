@@ -12,6 +12,7 @@
 //! - [`forward_shapes`], [`backward_shapes`]: the tile shapes compared with the defaults of
 //!   step 03's forward kernel and step 04's backward kernels, default first.
 //! - [`hopper_shapes`]: the shapes of step 06's rungs that `hopper-check` compares.
+//! - [`patch`]: the steps' kernel sources with other sizes set, which the shapes compile.
 //! - [`probe`]: one `wgmma` tile, which pins down the shared-memory descriptors' encoding.
 //! - [`tool`]: what the timing tools share (the GPU, inputs, a median of timed calls).
 //! - `src/bin/forward-tune.rs`, `src/bin/backward-tune.rs`: on a GPU, time every shape of a
@@ -28,5 +29,6 @@
 pub mod backward_shapes;
 pub mod forward_shapes;
 pub mod hopper_shapes;
+pub mod patch;
 pub mod probe;
 pub mod tool;

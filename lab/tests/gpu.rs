@@ -34,7 +34,7 @@ fn every_forward_shape_matches_the_reference() {
                     let up = |x: &Array4<f32>| gpu.upload(x.view(), dtype).unwrap();
                     let (dq, dk, dv) = (up(&q), up(&k), up(&v));
                     let mut result = gpu.alloc_output(shape, dtype).unwrap();
-                    gpu.forward_with(config, &dq, &dk, &dv, &mut result)
+                    forward_shapes::forward(&gpu, config, &dq, &dk, &dv, &mut result)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
                     let got = gpu.download_attention(&result).unwrap();
                     // the reference sees exactly the values the GPU saw

@@ -1,6 +1,6 @@
 //! Times the forward kernel in several tile shapes on the tutorial's GPU shape (4
 //! sequences, 12 heads, head dim 64 or another, bf16, causal) and checks that they all give
-//! the same output: the measurements behind step 03's `ForwardConfig::for_head_dim`. The
+//! the same output: the measurements behind step 03's tile (`kernels/flash_forward.cu`). The
 //! shapes are [`forward_shapes::candidates`](flash_lab::forward_shapes::candidates).
 //!
 //! `cargo run --release -p flash-lab --bin forward-tune -- [--lengths 1024,4096,16384]
@@ -11,8 +11,8 @@ use std::process::ExitCode;
 use clap::Parser;
 use flash_core::Shape;
 use flash_lab::forward_shapes;
+use flash_lab::forward_shapes::ForwardShape;
 use flash_lab::tool::{Tool, at_least_one, median_ms, random_input};
-use step03_cuda_forward::ForwardConfig;
 use step03_cuda_forward::gpu::Dtype;
 use step03_cuda_forward::kernel::HEAD_DIMS;
 
@@ -20,9 +20,8 @@ use step03_cuda_forward::kernel::HEAD_DIMS;
 /// after checking that they all give the same output. Needs a CUDA GPU.
 ///
 /// Prints, per length, each tile shape's TFLOP/s and milliseconds (the median of --runs
-/// timed launches after 3 untimed ones): the measurements behind
-/// `ForwardConfig::for_head_dim`. The first column is the shape the library uses for the
-/// head dim.
+/// timed launches after 3 untimed ones): the measurements behind step 03's tile. The first
+/// column is the shape the kernel has at the head dim.
 #[derive(Parser, Debug)]
 #[command(name = "forward-tune")]
 struct Args {
@@ -67,7 +66,7 @@ fn main() -> ExitCode {
     if args.default_only {
         configs.truncate(1);
     } else if !args.only.is_empty() {
-        let labels: Vec<String> = configs.iter().map(ForwardConfig::label).collect();
+        let labels: Vec<String> = configs.iter().map(ForwardShape::label).collect();
         if let Some(unknown) = args
             .only
             .iter()
@@ -79,7 +78,7 @@ fn main() -> ExitCode {
             );
             return ExitCode::from(2);
         }
-        let keep = |(i, c): &(usize, &ForwardConfig)| {
+        let keep = |(i, c): &(usize, &ForwardShape)| {
             *i == 0 || args.only.iter().any(|l| l.trim() == c.label())
         };
         configs = configs
@@ -89,7 +88,7 @@ fn main() -> ExitCode {
             .map(|(_, &c)| c)
             .collect();
     }
-    let configs: &[ForwardConfig] = &configs;
+    let configs: &[ForwardShape] = &configs;
     let tool = match Tool::start("forward-tune", args.lengths, args.runs) {
         Ok(tool) => tool,
         Err(code) => return code,
@@ -104,7 +103,7 @@ fn main() -> ExitCode {
     let mut first = None;
     for &config in configs {
         let mut r = gpu.alloc_output(shape, Dtype::Bf16).unwrap();
-        gpu.forward_with(config, &q, &k, &v, &mut r).unwrap();
+        forward_shapes::forward(gpu, config, &q, &k, &v, &mut r).unwrap();
         let out = gpu.download(&r.out).unwrap();
         match &first {
             None => first = Some(out),
@@ -136,12 +135,12 @@ fn main() -> ExitCode {
         let mut r = gpu.alloc_output(shape, Dtype::Bf16).unwrap();
         print!("{tokens:>7}");
         for (&config, w) in configs.iter().zip(&widths) {
-            let ms =
-                match median_ms(gpu, runs, || gpu.forward_with(config, &q, &k, &v, &mut r))
-                {
-                    Ok(ms) => ms,
-                    Err(code) => return code,
-                };
+            let ms = match median_ms(gpu, runs, || {
+                forward_shapes::forward(gpu, config, &q, &k, &v, &mut r)
+            }) {
+                Ok(ms) => ms,
+                Err(code) => return code,
+            };
             let cell = format!("{:.1} {:>7.3}ms", shape.forward_flops() / ms / 1e9, ms);
             print!(" {cell:>w$}");
         }

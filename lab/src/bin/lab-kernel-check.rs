@@ -2,17 +2,18 @@
 //! with NVRTC for `sm_90` and assembles it with `ptxas -v`, printing registers, shared
 //! memory and spills, so that the lab's candidates cannot rot. Exits non-zero on a failed
 //! compile or assembly, or on a spill in a default (the library's own checks compile those
-//! too); a candidate's spill is reported. Needs no GPU: CI runs it with NVRTC and ptxas
-//! from PyPI, as step 03's `kernel-check`. Shapes that differ only in the heads scheduled
-//! together (a launch parameter) are one kernel, compiled once.
+//! too); a candidate's spill is reported, and the forward kernel's own shape, as the lab
+//! patches it, must give the kernel's own PTX. Needs no GPU: CI runs it with NVRTC and
+//! ptxas from PyPI, as step 03's `kernel-check`.
 //!
 //! `cargo run -p flash-lab --bin lab-kernel-check [-- --arch sm_90] [--ptxas PATH]`
 
 use std::process::ExitCode;
 
 use clap::Parser;
+use flash_core::AttnError;
+use flash_lab::forward_shapes::{ForwardShape, ForwardShapeKernel};
 use flash_lab::{backward_shapes, forward_shapes};
-use step03_cuda_forward::ForwardConfig;
 use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::kernel::{ForwardKernel, HEAD_DIMS};
 use step03_cuda_forward::ptxas::{self, Variant};
@@ -38,24 +39,34 @@ fn main() -> ExitCode {
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for head_dim in HEAD_DIMS {
                 let name = format!("flash_forward_{}_d{head_dim}", dtype.name());
-                let mut compiled = Vec::new();
-                for config in forward_shapes::candidates(head_dim) {
-                    // the heads scheduled together are a launch parameter: the same kernel
-                    let kernel = ForwardConfig {
-                        head_group: 0,
-                        ..config
+                for shape in forward_shapes::candidates(head_dim) {
+                    let build = ForwardShapeKernel {
+                        dtype,
+                        head_dim,
+                        shape,
                     };
-                    if compiled.contains(&kernel) {
+                    let ptx = compile(&build, arch);
+                    let label = shape.label().replace(' ', "_");
+                    if shape != ForwardShape::kernel(head_dim) {
+                        kernels.push(Variant::candidate(format!("{name}_{label}"), ptx));
                         continue;
                     }
-                    compiled.push(kernel);
-                    let ptx = compile(&ForwardKernel::new(dtype, head_dim, kernel), arch);
-                    let label = kernel.label().replace(' ', "_");
-                    kernels.push(if kernel == ForwardConfig::for_head_dim(head_dim) {
-                        Variant::used(format!("{name}_{label}"), ptx)
-                    } else {
-                        Variant::candidate(format!("{name}_{label}"), ptx)
-                    });
+                    // the kernel's own shape, set by the lab's patch, is the kernel
+                    let taught = compile(&ForwardKernel::new(dtype, head_dim), arch);
+                    let same = match (&ptx, &taught) {
+                        (Ok(a), Ok(b)) => a.to_src() == b.to_src(),
+                        _ => true,
+                    };
+                    kernels.push(Variant::used(
+                        format!("{name}_{label}"),
+                        if same {
+                            ptx
+                        } else {
+                            Err(AttnError::Unsupported {
+                                what: "the lab's patch for the kernel's own shape gives other PTX than the kernel: forward_shapes no longer sets what flash_forward.cu fixes".into(),
+                            })
+                        },
+                    ));
                 }
                 let name = format!("flash_backward_{}_d{head_dim}", dtype.name());
                 for config in backward_shapes::candidates(head_dim) {

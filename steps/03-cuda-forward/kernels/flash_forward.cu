@@ -9,15 +9,9 @@
 // is ever stored.
 //
 // Compile-time parameters, every one given to NVRTC as a -D option by src/kernel.rs's
-// ForwardKernel (a missing one is a compile error; the file holds no defaults):
+// ForwardKernel (a missing one is a compile error):
 //   HEAD_DIM     32, 64 or 128
 //   IS_BF16      1 for bf16 inputs and output, 0 for f16
-//   WARPS        warps per block
-//   M_TILES      16-row tiles of queries per warp (BLOCK_M = WARPS x M_TILES x 16)
-//   BLOCK_N      keys per block, copied into shared memory together
-//   SUB_N        keys per step of the products and the softmax within a block (BLOCK_N,
-//                or a divisor of it: fewer scores in registers at once)
-//   MIN_BLOCKS   blocks per multiprocessor the register budget must allow
 // [step 07]
 //   CAUSAL       1: each query sees the keys up to its own position; 0: every key below T
 //                (step 07's ring computes blocks of keys that lie wholly before their
@@ -27,10 +21,22 @@
 // src/kernel.rs prepends tensor_cores.cuh (the types, the swizzle and the tensor-core
 // instructions this file uses) before NVRTC compiles it.
 
-static_assert(WARPS >= 1 && M_TILES >= 1, "WARPS warps of M_TILES tiles of 16 query rows");
+// The tile, the one measured fastest at each head dim (lab/logs/03-cuda-forward/): 4 warps
+// of 32 query rows; up to head dim 64, 128 keys a block, all at once (FlashAttention-2's
+// tile); at 128, where the output alone takes 128 registers a thread, 64 keys a block taken
+// 32 at a time. src/kernel.rs launches it with the same sizes (a test there reads them
+// here).
+// (Macros, not constexpr variables: NVRTC would give each a global in the PTX.)
+#define WARPS 4    // warps per block
+#define M_TILES 2  // 16-row tiles of queries per warp
+// keys per block, copied into shared memory together
+#define BLOCK_N (HEAD_DIM <= 64 ? 128 : 64)
+// keys per step of the products and the softmax within a block: fewer scores in registers
+// at once, with the copies and barriers of BLOCK_N keys
+#define SUB_N (HEAD_DIM <= 64 ? BLOCK_N : 32)
+#define MIN_BLOCKS 1  // blocks per multiprocessor the register budget must allow
 static_assert(BLOCK_N % SUB_N == 0 && SUB_N % 16 == 0,
               "SUB_N keys a step, a multiple of 16 that divides BLOCK_N");
-static_assert(MIN_BLOCKS >= 1, "MIN_BLOCKS blocks a multiprocessor");
 // [step 07]
 static_assert(CAUSAL == 0 || CAUSAL == 1,
               "CAUSAL: 1 for the causal mask, 0 for every key below T");

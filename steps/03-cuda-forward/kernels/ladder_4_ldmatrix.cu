@@ -14,7 +14,7 @@
 // 5 (flash_forward.cu) changes both.
 //
 // Compile-time parameters, every one given to NVRTC as a -D option by src/ladder.rs (the
-// values of ForwardConfig::for_head_dim, the final kernel's tile, as rung 3's):
+// final kernel's tile as src/kernel.rs gives it for the head dim, as rung 3's):
 //   HEAD_DIM  32, 64 or 128
 //   IS_BF16   1 for bf16 inputs and output, 0 for f16
 //   WARPS     warps per block

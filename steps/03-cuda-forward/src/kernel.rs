@@ -1,6 +1,6 @@
 //! The kernel sources and their typed descriptions: each kernel this step launches is one
 //! value of a type that implements [`KernelSpec`] (for the forward kernel a
-//! [`ForwardKernel`]: dtype, head dim and tile shape), which says which source it is, the
+//! [`ForwardKernel`]: dtype and head dim), which says which source it is, the
 //! `-D` set it is compiled with, its name and its limits; [`compile`](crate::gpu::compile)
 //! turns it into PTX for the launcher and for the register and spill check.
 
@@ -29,154 +29,92 @@ pub const CAUSAL_SOFTMAX: &str = "causal_softmax";
 /// The head dims the forward kernel is compiled for.
 pub const HEAD_DIMS: [usize; 3] = [32, 64, 128];
 
-/// The forward kernel's tile shape and register budget, set at compile time: the sizes that
-/// may change without changing what the kernel computes (other sizes sum in another order).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ForwardConfig {
-    /// Warps per thread block (`WARPS` in the source).
-    pub warps: u32,
-    /// 16-row tiles of queries per warp (`M_TILES`): each fragment of k and v read from
-    /// shared memory serves this many tiles.
-    pub m_tiles: u32,
-    /// Keys per block, copied into shared memory together (`BLOCK_N`).
-    pub block_n: u32,
-    /// Keys per step of the products and the softmax within a block of `block_n` (`SUB_N`),
-    /// a multiple of 16 that divides `block_n`; 0 for all of them at once. Fewer scores in
-    /// registers at a time, with the copies and barriers of `block_n` keys.
-    pub sub_n: u32,
-    /// Heads whose blocks are scheduled together, longest query blocks first; 0 for all
-    /// heads (measured fastest on the H200). Fewer keeps fewer heads' keys and values in
-    /// flight at once. A launch parameter, not a compile-time one.
-    pub head_group: u32,
-    /// Thread blocks per multiprocessor the register budget must allow (`MIN_BLOCKS`, in
-    /// `__launch_bounds__`).
-    pub min_blocks: u32,
+// The tile `kernels/flash_forward.cu` fixes (its `WARPS`, `M_TILES`, `BLOCK_N` and `SUB_N`),
+// as its launch and rungs 3 and 4 of the ladder need it; a test below reads them in the
+// source.
+
+/// Warps per thread block of the forward kernel (`WARPS`).
+pub const WARPS: u32 = 4;
+/// 16-row tiles of queries per warp (`M_TILES`): each fragment of k and v read from shared
+/// memory serves this many tiles.
+pub const M_TILES: u32 = 2;
+/// Queries per thread block (`BLOCK_M`): [`WARPS`] warps of [`M_TILES`] tiles of 16 rows.
+pub const BLOCK_M: usize = (WARPS * M_TILES * 16) as usize;
+/// Threads per thread block.
+pub const THREADS: u32 = WARPS * 32;
+
+/// Keys per block at a head dim, copied into shared memory together (`BLOCK_N`). The tile
+/// measured fastest (the tuning log, `lab/logs/03-cuda-forward/README.md`): up to head dim
+/// 64, 128 keys a block (FlashAttention-2's tile for this head dim). At 128
+/// FlashAttention-2's tile, 64 keys a block: the output alone takes 128 registers a thread,
+/// so the scores of 64 keys at once would spill, and the block's keys go through the
+/// products and the softmax 32 at a time ([`sub_n`]; run 14: 207.0, 291.7, 308.1 and 286.2
+/// TFLOP/s at 1k, 4k, 8k and 16k, against 182.9, 247.8, 260.5 and 265.6 for the 8 warps of
+/// 16 rows before it). At that head dim the kernel holds one ldmatrix offset register for
+/// each operand (`Offsets<HEAD_DIM == 128>` in `flash_forward.cu`; run 16: 229.5, 338.8,
+/// 358.5 and 352.0 against 226.2, 328.8, 349.0 and 335.3).
+pub fn block_n(head_dim: usize) -> usize {
+    if head_dim <= 64 { 128 } else { 64 }
 }
 
-impl ForwardConfig {
-    /// The tile shape measured fastest for a head dim (the tuning log,
-    /// `lab/logs/03-cuda-forward/README.md`): up to head dim 64, 4 warps of 32 rows and 128
-    /// keys a step (FlashAttention-2's tile for this head dim). At 128 FlashAttention-2's
-    /// tile, 4 warps of 32 rows and 64 keys a block: the output alone takes 128 registers a
-    /// thread, so the scores of 64 keys at once would spill, and the block's keys go
-    /// through the products and the softmax 32 at a time (run 14: 207.0, 291.7, 308.1 and
-    /// 286.2 TFLOP/s at 1k, 4k, 8k and 16k, against 182.9, 247.8, 260.5 and 265.6 for the 8
-    /// warps of 16 rows before it). At that head dim the kernel holds one ldmatrix offset
-    /// register for each operand (`Offsets<HEAD_DIM == 128>` in `flash_forward.cu`; run 16:
-    /// 229.5,
-    /// 338.8, 358.5 and 352.0 against 226.2, 328.8, 349.0 and 335.3).
+/// Keys per step of the products and the softmax within a block of [`block_n`] keys
+/// (`SUB_N`): all of them up to head dim 64, 32 at 128.
+pub fn sub_n(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        block_n(head_dim)
+    } else {
+        32
+    }
+}
+
+/// Shared memory the kernel needs at a head dim: a tile of q and two stages each of k and
+/// v.
+pub fn smem_bytes(head_dim: usize) -> u32 {
+    ((BLOCK_M + 4 * block_n(head_dim)) * head_dim * 2) as u32
+}
+
+/// The tile in words, for the method's description.
+pub fn describe(head_dim: usize) -> String {
+    let (block_n, sub_n) = (block_n(head_dim), sub_n(head_dim));
+    let mut s = format!(
+        "{BLOCK_M}x{block_n} tiles, {WARPS} warps of {} rows",
+        M_TILES * 16
+    );
+    if sub_n != block_n {
+        s += &format!(", {sub_n} keys a step");
+    }
+    s
+}
+
+/// How a build of the forward kernel is launched: the threads and queries of a thread block
+/// and the dynamic shared memory it takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ForwardLaunch {
+    pub threads: u32,
+    /// Queries per thread block: the grid has one block per this many of each head.
+    pub block_m: usize,
+    pub smem_bytes: u32,
+}
+
+impl ForwardLaunch {
+    /// The launch of `kernels/flash_forward.cu` at a head dim.
     pub fn for_head_dim(head_dim: usize) -> Self {
-        if head_dim <= 64 {
-            ForwardConfig {
-                warps: 4,
-                m_tiles: 2,
-                block_n: 128,
-                sub_n: 0,
-                head_group: 0,
-                min_blocks: 1,
-            }
-        } else {
-            ForwardConfig {
-                warps: 4,
-                m_tiles: 2,
-                block_n: 64,
-                sub_n: 32,
-                head_group: 0,
-                min_blocks: 1,
-            }
+        ForwardLaunch {
+            threads: THREADS,
+            block_m: BLOCK_M,
+            smem_bytes: smem_bytes(head_dim),
         }
-    }
-
-    /// A short name for tables: `w<warps>x<m-tiles> n<keys per block>` and what else is
-    /// set.
-    pub fn label(&self) -> String {
-        let mut s = format!("w{}x{} n{}", self.warps, self.m_tiles, self.block_n);
-        if self.sub_n != 0 && self.sub_n != self.block_n {
-            s += &format!(" sub{}", self.sub_n);
-        }
-        if self.head_group != 0 {
-            s += &format!(" g{}", self.head_group);
-        }
-        if self.min_blocks != 1 {
-            s += &format!(" b{}", self.min_blocks);
-        }
-        s
-    }
-
-    /// Keys per step of the products and the softmax (`SUB_N` in the source).
-    pub fn keys_per_step(&self) -> u32 {
-        match self.sub_n {
-            0 => self.block_n,
-            n => n,
-        }
-    }
-
-    /// Whether the kernel can be compiled with this shape, or what is wrong with it.
-    pub fn check(&self) -> Result<(), AttnError> {
-        let n = self.keys_per_step();
-        let ok = matches!(self.warps, 1..=16)
-            && matches!(self.m_tiles, 1..=4)
-            && self.block_n.is_multiple_of(16)
-            && n.is_multiple_of(16)
-            && (16..=self.block_n).contains(&n)
-            && self.block_n.is_multiple_of(n)
-            && matches!(self.min_blocks, 1..=8);
-        if ok {
-            Ok(())
-        } else {
-            Err(AttnError::Unsupported {
-                what: format!(
-                    "{self:?}: the forward kernel takes 1-16 warps of 1-4 tiles of 16 rows, a multiple of 16 keys a block, steps of a multiple of 16 keys that divide it, 1-8 blocks a multiprocessor"
-                ),
-            })
-        }
-    }
-
-    /// Rows of queries one thread block owns (`BLOCK_M` in the source).
-    pub fn block_m(&self) -> usize {
-        (self.warps * self.m_tiles) as usize * 16
-    }
-
-    pub fn threads(&self) -> u32 {
-        self.warps * 32
-    }
-
-    /// Shared memory the kernel needs: a tile of q and two stages each of k and v.
-    pub fn smem_bytes(&self, head_dim: usize) -> u32 {
-        ((self.block_m() + 4 * self.block_n as usize) * head_dim * 2) as u32
-    }
-
-    /// How many heads to schedule together: `head_group`, or all of them when it is 0.
-    pub fn head_group(&self, heads: usize) -> u32 {
-        match self.head_group {
-            0 => heads.max(1) as u32,
-            g => g.min(heads.max(1) as u32),
-        }
-    }
-
-    pub fn describe(&self) -> String {
-        let mut s = format!(
-            "{}x{} tiles, {} warps of {} rows",
-            self.block_m(),
-            self.block_n,
-            self.warps,
-            self.m_tiles * 16
-        );
-        if self.keys_per_step() != self.block_n {
-            s += &format!(", {} keys a step", self.keys_per_step());
-        }
-        s
     }
 }
 
 /// One build of the forward kernel: everything its `-D` options say. It alone turns a
-/// dtype, a head dim and a tile shape into those options ([`KernelSpec::defines`]), a
-/// module name and the checks they must pass; `kernels/flash_forward.cu` holds no defaults.
+/// dtype and a head dim into those options ([`KernelSpec::defines`]), a module name and the
+/// checks they must pass; `kernels/flash_forward.cu` holds no defaults (its tile is
+/// constants of the head dim).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ForwardKernel {
     pub dtype: Dtype,
     pub head_dim: usize,
-    pub config: ForwardConfig,
     // [step 07]
     /// Each query sees the keys up to its own position (`CAUSAL`); without the mask, every
     /// key.
@@ -185,12 +123,11 @@ pub struct ForwardKernel {
 }
 
 impl ForwardKernel {
-    /// The causal kernel for a dtype, head dim and tile shape.
-    pub fn new(dtype: Dtype, head_dim: usize, config: ForwardConfig) -> Self {
+    /// The causal kernel for a dtype and head dim.
+    pub fn new(dtype: Dtype, head_dim: usize) -> Self {
         ForwardKernel {
             dtype,
             head_dim,
-            config,
             causal: true, // [step 07]
         }
     }
@@ -198,16 +135,15 @@ impl ForwardKernel {
 
 // ANCHOR: compile
 impl KernelSpec for ForwardKernel {
-    /// The module's name: the kernel, the dtype, the head dim and the tile shape.
+    /// The module's name: the kernel, the dtype and the head dim.
     fn name(&self) -> String {
         let (dtype, head_dim) = (self.dtype.name(), self.head_dim);
-        let tile = self.config.label().replace(' ', "_");
         // [step 07]
         if !self.causal {
-            return format!("{FLASH_FORWARD}_full_{dtype}_d{head_dim}_{tile}.cu");
+            return format!("{FLASH_FORWARD}_full_{dtype}_d{head_dim}.cu");
         }
         // [/step 07]
-        format!("{FLASH_FORWARD}_{dtype}_d{head_dim}_{tile}.cu")
+        format!("{FLASH_FORWARD}_{dtype}_d{head_dim}.cu")
     }
 
     fn source(&self) -> Cow<'_, str> {
@@ -217,25 +153,19 @@ impl KernelSpec for ForwardKernel {
     /// The `-D` options that specialise `kernels/flash_forward.cu`, one for each of its
     /// parameters.
     fn defines(&self) -> Vec<String> {
-        let c = self.config;
         vec![
             format!("-DHEAD_DIM={}", self.head_dim),
             format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
-            format!("-DWARPS={}", c.warps),
-            format!("-DM_TILES={}", c.m_tiles),
-            format!("-DBLOCK_N={}", c.block_n),
-            format!("-DSUB_N={}", c.keys_per_step()),
-            format!("-DMIN_BLOCKS={}", c.min_blocks),
             format!("-DCAUSAL={}", self.causal as u8), // [step 07]
         ]
     }
 
-    /// A head dim the kernel is compiled for, and a tile shape it can be compiled with.
+    /// A head dim the kernel is compiled for.
     fn check(&self) -> Result<(), AttnError> {
         if !HEAD_DIMS.contains(&self.head_dim) {
             return Err(unsupported_head_dim(self.head_dim));
         }
-        self.config.check()
+        Ok(())
     }
 }
 // ANCHOR_END: compile
@@ -302,5 +232,51 @@ pub fn unsupported_head_dim(head_dim: usize) -> AttnError {
     AttnError::UnsupportedHeadDim {
         head_dim,
         supported: HEAD_DIMS.map(|d| d.to_string()).join(", "),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `#define NAME ...` gives NAME in `source`, without its comment.
+    fn defined<'a>(source: &'a str, name: &str) -> Vec<&'a str> {
+        let start = format!("#define {name} ");
+        source
+            .lines()
+            .filter_map(|l| l.strip_prefix(&start))
+            .map(|v| v.split("//").next().unwrap_or(v).trim())
+            .collect()
+    }
+
+    /// The sizes the launch uses are the ones `flash_forward.cu` fixes: its lines for the
+    /// tile, as the constants and functions above write them.
+    #[test]
+    fn the_launch_uses_the_tile_the_kernel_fixes() {
+        let (small, large) = (HEAD_DIMS[0], HEAD_DIMS[HEAD_DIMS.len() - 1]);
+        assert_eq!(block_n(small), block_n(64));
+        assert_eq!(sub_n(small), block_n(small));
+        let tile = [
+            ("WARPS", WARPS.to_string()),
+            ("M_TILES", M_TILES.to_string()),
+            (
+                "BLOCK_N",
+                format!("(HEAD_DIM <= 64 ? {} : {})", block_n(64), block_n(large)),
+            ),
+            (
+                "SUB_N",
+                format!("(HEAD_DIM <= 64 ? BLOCK_N : {})", sub_n(large)),
+            ),
+            ("BLOCK_M", "(WARPS * WARP_ROWS)".into()),
+            ("WARP_ROWS", "(M_TILES * 16)".into()),
+            ("THREADS", "(WARPS * 32)".into()),
+        ];
+        for (name, value) in tile {
+            assert_eq!(
+                defined(FLASH_FORWARD_CU, name),
+                [value.as_str()],
+                "kernels/flash_forward.cu's {name}"
+            );
+        }
     }
 }

@@ -28,7 +28,7 @@ use flash_core::{Attention, AttnError, check_qkv};
 use ndarray::ArrayView4;
 
 use crate::gpu::{self, DeviceTensor, Dtype, Gpu, KernelSpec, device_error};
-use crate::kernel::{self, ForwardConfig, ForwardKernel};
+use crate::kernel::{self, BLOCK_M, ForwardKernel, ForwardLaunch, M_TILES, THREADS, WARPS};
 use crate::{DeviceAttention, check_device, check_output};
 
 /// Rung 1's source (with `tensor_cores.cuh` in front, for the 16-bit conversions and
@@ -187,15 +187,14 @@ impl Rung {
         match self {
             Rung::Rows | Rung::Shared => (ROWS_BLOCK_M as u32, ROWS_BLOCK_M, 0),
             Rung::Mma | Rung::Ldmatrix => {
-                let c = ForwardConfig::for_head_dim(head_dim);
                 // a tile of q and one stage of k and v (rung 5 keeps two), of the keys rung
                 // 5 computes on at a time
-                let smem = (c.block_m() + 2 * c.keys_per_step() as usize) * head_dim * 2;
-                (c.threads(), c.block_m(), smem as u32)
+                let smem = (BLOCK_M + 2 * kernel::sub_n(head_dim)) * head_dim * 2;
+                (THREADS, BLOCK_M, smem as u32)
             }
             Rung::Flash => {
-                let c = ForwardConfig::for_head_dim(head_dim);
-                (c.threads(), c.block_m(), c.smem_bytes(head_dim))
+                let launch = ForwardLaunch::for_head_dim(head_dim);
+                (launch.threads, launch.block_m, launch.smem_bytes)
             }
         }
     }
@@ -224,8 +223,7 @@ impl Rung {
             Some(source) => self.compile_source(source, dtype, head_dim, arch),
             None => {
                 self.check_head_dim(head_dim)?;
-                let config = ForwardConfig::for_head_dim(head_dim);
-                gpu::compile(&ForwardKernel::new(dtype, head_dim, config), arch)
+                gpu::compile(&ForwardKernel::new(dtype, head_dim), arch)
             }
         }
     }
@@ -296,11 +294,10 @@ impl KernelSpec for LadderKernel<'_> {
                 // read fragments, how they copy and in what order: rungs 3 and 4 copy the
                 // keys rung 5 computes on at a time (all of a block up to head dim 64, half
                 // of one at 128)
-                let c = ForwardConfig::for_head_dim(self.head_dim);
                 vec![
-                    format!("-DWARPS={}", c.warps),
-                    format!("-DM_TILES={}", c.m_tiles),
-                    format!("-DBLOCK_N={}", c.keys_per_step()),
+                    format!("-DWARPS={WARPS}"),
+                    format!("-DM_TILES={M_TILES}"),
+                    format!("-DBLOCK_N={}", kernel::sub_n(self.head_dim)),
                 ]
             }
         };

@@ -39,8 +39,8 @@
 //!
 //! - This file: the forward on the GPU runtime's [`Gpu`]: [`Gpu::forward`] on device
 //!   tensors into a [`DeviceAttention`], [`Gpu::attention`] on host arrays,
-//!   [`Gpu::forward_with`] in another tile shape, and the checks before a launch
-//!   ([`check_device`]).
+//!   [`Gpu::forward_built`] with a build of the kernel compiled apart (the lab's other
+//!   tiles), and the checks before a launch ([`check_device`]).
 //! - [`gpu`]: the GPU runtime this step brings and every later step's kernels run on: the
 //!   device and its stream ([`Gpu`]), tensors in its memory ([`DeviceTensor`]), one NVRTC
 //!   compile for every kernel's typed description ([`KernelSpec`](gpu::KernelSpec),
@@ -48,10 +48,10 @@
 //! - [`ladder`]: the rungs ([`Rung`]), run by [`Gpu::ladder_forward_into`] on device
 //!   tensors and [`Gpu::ladder_attention`] on host arrays.
 //! - [`kernel`]: the `.cu` sources (with `kernels/tensor_cores.cuh`, the helpers every
-//!   kernel shares, in front) and their typed descriptions: [`ForwardConfig`], the tile
-//!   shape ([`ForwardConfig::for_head_dim`] the one each head dim runs), and
-//!   [`ForwardKernel`](kernel::ForwardKernel), which alone turns a dtype, a head dim and a
-//!   shape into the kernel's `-D` options; `flash_forward.cu` holds no defaults of its own.
+//!   kernel shares, in front) and their typed descriptions:
+//!   [`ForwardKernel`](kernel::ForwardKernel), which alone turns a dtype and a head dim
+//!   into the kernel's `-D` options, and the tile `flash_forward.cu` fixes for each head
+//!   dim, as its launch needs it ([`ForwardLaunch`](kernel::ForwardLaunch)).
 //! - [`host`]: rounding to bf16/f16 and back, and attention by hand in those precisions on
 //!   the CPU (the yardstick of the GPU tests).
 //! - [`by_hand`]: attention by hand on the GPU (cuBLAS and `kernels/causal_softmax.cu`).
@@ -82,7 +82,6 @@ pub mod ptxas;
 pub mod rule;
 pub mod tool;
 
-pub use kernel::ForwardConfig;
 pub use ladder::Rung;
 pub use methods::{CudaFlash, CudaNaive, Ladder, methods};
 
@@ -93,7 +92,7 @@ use ndarray::{Array3, ArrayView4};
 use gpu::{
     DeviceTensor, Dtype, Gpu, alloc_error, cudarc, device_error, grid_blocks, half_dtype,
 };
-use kernel::{ForwardKernel, SoftmaxKernel};
+use kernel::{ForwardKernel, ForwardLaunch, SoftmaxKernel};
 
 /// What the forward kernel writes: the output and each row's natural log-sum-exp.
 pub struct DeviceAttention {
@@ -107,12 +106,11 @@ impl Gpu {
         &self,
         dtype: Dtype,
         head_dim: usize,
-        config: ForwardConfig,
     ) -> Result<CudaFunction, AttnError> {
         self.kernel(
-            &ForwardKernel::new(dtype, head_dim, config),
+            &ForwardKernel::new(dtype, head_dim),
             kernel::FLASH_FORWARD,
-            config.smem_bytes(head_dim),
+            kernel::smem_bytes(head_dim),
         )
     }
 
@@ -171,19 +169,23 @@ impl Gpu {
         v: &DeviceTensor,
         result: &mut DeviceAttention,
     ) -> Result<(), AttnError> {
-        self.forward_with(
-            ForwardConfig::for_head_dim(q.shape.head_dim),
-            q,
-            k,
-            v,
-            result,
-        )
+        let shape = check_device(q, k, v)?;
+        check_output(shape, q.dtype, result)?;
+        if shape.is_empty() {
+            return Ok(());
+        }
+        let f = self.forward_kernel(q.dtype, shape.head_dim)?;
+        let launch = ForwardLaunch::for_head_dim(shape.head_dim);
+        self.launch_forward(&f, launch, q, k, v, result)
     }
+    // ANCHOR_END: forward
 
-    /// [`Gpu::forward_into`] with a kernel of another tile shape (for tuning).
-    pub fn forward_with(
+    /// [`Gpu::forward_into`] with a build of the kernel compiled apart, of the same entry
+    /// point and arguments, launched as `launch` says: the lab's builds of other tiles.
+    pub fn forward_built(
         &self,
-        config: ForwardConfig,
+        f: &CudaFunction,
+        launch: ForwardLaunch,
         q: &DeviceTensor,
         k: &DeviceTensor,
         v: &DeviceTensor,
@@ -194,17 +196,14 @@ impl Gpu {
         if shape.is_empty() {
             return Ok(());
         }
-        let f = self.forward_kernel(q.dtype, shape.head_dim, config)?;
-        self.launch_forward(&f, config, q, k, v, result)
+        self.launch_forward(f, launch, q, k, v, result)
     }
-    // ANCHOR_END: forward
 
     // [step 07]
-    /// [`Gpu::forward_with`] without the causal mask: every query sees every key. Step 07's
+    /// [`Gpu::forward_into`] without the causal mask: every query sees every key. Step 07's
     /// ring computes so the blocks of keys that lie wholly before their queries.
-    pub fn forward_full_with(
+    pub fn forward_full_into(
         &self,
-        config: ForwardConfig,
         q: &DeviceTensor,
         k: &DeviceTensor,
         v: &DeviceTensor,
@@ -218,10 +217,11 @@ impl Gpu {
         let head_dim = shape.head_dim;
         let full = ForwardKernel {
             causal: false,
-            ..ForwardKernel::new(q.dtype, head_dim, config)
+            ..ForwardKernel::new(q.dtype, head_dim)
         };
-        let f = self.kernel(&full, kernel::FLASH_FORWARD, config.smem_bytes(head_dim))?;
-        self.launch_forward(&f, config, q, k, v, result)
+        let launch = ForwardLaunch::for_head_dim(head_dim);
+        let f = self.kernel(&full, kernel::FLASH_FORWARD, launch.smem_bytes)?;
+        self.launch_forward(&f, launch, q, k, v, result)
     }
     // [/step 07]
 
@@ -230,7 +230,7 @@ impl Gpu {
     fn launch_forward(
         &self,
         f: &CudaFunction,
-        config: ForwardConfig,
+        launch: ForwardLaunch,
         q: &DeviceTensor,
         k: &DeviceTensor,
         v: &DeviceTensor,
@@ -238,22 +238,22 @@ impl Gpu {
     ) -> Result<(), AttnError> {
         let shape = q.shape;
         let heads = shape.batch * shape.heads;
-        let blocks = grid_blocks(shape, config.block_m())?;
+        let blocks = grid_blocks(shape, launch.block_m)?;
         let launch_config = LaunchConfig {
             grid_dim: (blocks, 1, 1),
-            block_dim: (config.threads(), 1, 1),
-            shared_mem_bytes: config.smem_bytes(shape.head_dim),
+            block_dim: (launch.threads, 1, 1),
+            shared_mem_bytes: launch.smem_bytes,
         };
         let (tokens, heads_arg) = (shape.tokens as i32, heads as i32);
-        let head_group = config.head_group(heads) as i32;
+        // every head's longest blocks first: all heads in one group
+        let head_group = heads_arg;
         let scale_log2 = shape.scale_log2();
         // [step 08]
         // query heads a head of k and v serves (1 unless they are grouped)
         let q_per_kv = (shape.heads / k.shape.heads) as i32;
         // [/step 08]
-        let mut launch = self.stream().launch_builder(f);
-        launch
-            .arg(&q.data)
+        let mut args = self.stream().launch_builder(f);
+        args.arg(&q.data)
             .arg(&k.data)
             .arg(&v.data)
             .arg(&mut result.out.data)
@@ -272,7 +272,7 @@ impl Gpu {
         // With grouped heads, k and v hold batch·(heads / q_per_kv)·tokens·head_dim values
         // and query head bh reads their head bh / q_per_kv.
         // [/step 08]
-        unsafe { launch.launch(launch_config) }
+        unsafe { args.launch(launch_config) }
             .map_err(device_error("launching flash_forward"))?;
         Ok(())
     }
@@ -384,7 +384,7 @@ pub fn check_device(
 ) -> Result<Shape, AttnError> {
     let shape = gpu::check_tensors(q, k, v)?;
     check_head_dim(shape.head_dim)?;
-    grid_blocks(shape, ForwardConfig::for_head_dim(shape.head_dim).block_m())?;
+    grid_blocks(shape, kernel::BLOCK_M)?;
     Ok(shape)
 }
 
@@ -416,7 +416,7 @@ mod tests {
 
     #[test]
     fn grid_limits_name_the_block_the_kernel_uses() {
-        let block_m = ForwardConfig::for_head_dim(64).block_m();
+        let block_m = kernel::BLOCK_M;
         assert_eq!(
             grid_blocks(Shape::new(4, 12, 1000, 64), block_m),
             Ok(4 * 12 * 8)

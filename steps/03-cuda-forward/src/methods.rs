@@ -12,7 +12,7 @@ use flash_core::{
 use ndarray::ArrayView4;
 
 use crate::gpu::{DeviceTensor, Gpu, half_dtype};
-use crate::{DeviceAttention, ForwardConfig, Rung};
+use crate::{DeviceAttention, Rung};
 
 /// This step's methods, as the benchmark and the cross-step tests run them: the ladder of
 /// kernels that leads to the FlashAttention kernel, attention by hand, then the kernel
@@ -127,10 +127,9 @@ impl Describe for CudaFlash {
 impl Method for CudaFlash {
     /// The kernel, its tiles for head dim 64, how it loads.
     fn implementation(&self) -> String {
-        let c = ForwardConfig::for_head_dim(64);
         format!(
             "flash_forward.cu: {} (head dim 64), mma.sync m16n8k16, cp.async two stages, NVRTC",
-            c.describe()
+            crate::kernel::describe(64)
         )
     }
     fn forward(

@@ -38,12 +38,12 @@ use cudarc::nccl::safe::{Comm, group_end, group_start};
 use flash_core::method::Grads;
 use flash_core::{Attention, AttnError, Shape, check_qkv, check_same};
 use ndarray::{Array3, Array4, ArrayView4, s};
+use step03_cuda_forward::DeviceAttention;
 use step03_cuda_forward::by_hand::warp_per_row;
 use step03_cuda_forward::gpu::{
     DeviceTensor, Dtype, Gpu, alloc_error, device_error, half_dtype,
 };
 use step03_cuda_forward::kernel::{HEAD_DIMS, SimpleKernel, unsupported_head_dim};
-use step03_cuda_forward::{DeviceAttention, ForwardConfig};
 use step04_backward::cuda::{BackwardConfig, BackwardKernel, delta};
 
 use crate::comm::{communicators, gpus, nccl_error};
@@ -629,7 +629,6 @@ impl RingAttention {
         let mut recv = self.alloc_receives()?;
         self.start_transfers()?;
         let mut filled = vec![[false; 2]; n];
-        let config = ForwardConfig::for_head_dim(self.shape.head_dim);
         // events: compute done with step s - 1's keys (their buffer may be overwritten),
         // and step s's keys arrived
         let mut free: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
@@ -659,7 +658,7 @@ impl RingAttention {
                 if self.parts.compute() {
                     let (hk, hv) = held(&recv[r], s, &k[r], &v[r], self.parts);
                     for p in pairs(&self.split, r, s) {
-                        self.forward_block(r, config, p, &q[r], hk, hv, &mut part[r])?;
+                        self.forward_block(r, p, &q[r], hk, hv, &mut part[r])?;
                         let qi = p.query;
                         let (o, l) = (&mut acc_out[r][qi], &mut acc_lse[r][qi]);
                         self.merge(r, o, l, &part[r], !filled[r][qi])?;
@@ -693,11 +692,9 @@ impl RingAttention {
 
     /// One block of the forward: the diagonal with the causal mask, a block wholly in the
     /// past without it; `part` gets its output and log-sum-exp.
-    #[allow(clippy::too_many_arguments)]
     fn forward_block(
         &self,
         r: usize,
-        config: ForwardConfig,
         p: Pair,
         q: &Shard,
         k: &[DeviceTensor; 2],
@@ -707,8 +704,8 @@ impl RingAttention {
         let (gpu, q) = (self.gpus[r], &q.chunks[p.query]);
         let (k, v) = (&k[p.key], &v[p.key]);
         match p.how {
-            Visibility::Diagonal => gpu.forward_with(config, q, k, v, part),
-            Visibility::Full => gpu.forward_full_with(config, q, k, v, part),
+            Visibility::Diagonal => gpu.forward_into(q, k, v, part),
+            Visibility::Full => gpu.forward_full_into(q, k, v, part),
             Visibility::None => unreachable!("pairs() lists visible blocks only"),
         }
     }

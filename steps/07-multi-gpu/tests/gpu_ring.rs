@@ -15,7 +15,6 @@ use flash_core::method::Grads;
 use flash_core::reference::{Reference, attention_f64, error};
 use flash_core::{Attention, AttnError, Shape};
 use ndarray::{Array2, Array3, Array4, ArrayView2, s};
-use step03_cuda_forward::ForwardConfig;
 use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step04_backward::cuda::{backward_by_hand_low_precision, backward_full};
@@ -89,14 +88,7 @@ fn unmasked_kernels_match_unmasked_attention_in_f64() {
             let up = |x: &Array4<f32>| gpu.upload(x.view(), dtype).unwrap();
             let (qd, kd, vd, dd) = (up(&q), up(&k), up(&v), up(&dout));
             let mut fwd = gpu.alloc_output(shape, dtype).unwrap();
-            gpu.forward_full_with(
-                ForwardConfig::for_head_dim(head_dim),
-                &qd,
-                &kd,
-                &vd,
-                &mut fwd,
-            )
-            .unwrap();
+            gpu.forward_full_into(&qd, &kd, &vd, &mut fwd).unwrap();
             let g = backward_full(&gpu, &qd, &kd, &vd, &fwd, &dd).unwrap();
             let got = gpu.download_attention(&fwd).unwrap();
             let got_grads = [&g.dq, &g.dk, &g.dv].map(|x| gpu.download(x).unwrap());

@@ -11,12 +11,12 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use step03_cuda_forward::Rung;
 use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::kernel::{
     ForwardKernel, HEAD_DIMS, SoftmaxKernel, TENSOR_CORES_CUH,
 };
 use step03_cuda_forward::ptxas::{self, Variant};
-use step03_cuda_forward::{ForwardConfig, Rung};
 
 /// Compiles every kernel the library launches (bf16 and f16, every head dim) with NVRTC and
 /// assembles it with `ptxas -v`, printing registers, shared memory and spills per kernel.
@@ -49,14 +49,7 @@ fn main() -> ExitCode {
             for head_dim in HEAD_DIMS {
                 kernels.push(Variant::used(
                     format!("flash_forward_{}_d{head_dim}", dtype.name()),
-                    compile(
-                        &ForwardKernel::new(
-                            dtype,
-                            head_dim,
-                            ForwardConfig::for_head_dim(head_dim),
-                        ),
-                        arch,
-                    ),
+                    compile(&ForwardKernel::new(dtype, head_dim), arch),
                 ));
             }
             kernels.push(Variant::used(

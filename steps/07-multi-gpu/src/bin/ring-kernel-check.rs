@@ -11,7 +11,6 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use step03_cuda_forward::ForwardConfig;
 use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::kernel::{ForwardKernel, HEAD_DIMS};
 use step03_cuda_forward::ptxas::{self, Variant};
@@ -58,11 +57,7 @@ fn main() -> ExitCode {
                     compile(
                         &ForwardKernel {
                             causal: false,
-                            ..ForwardKernel::new(
-                                dtype,
-                                head_dim,
-                                ForwardConfig::for_head_dim(head_dim),
-                            )
+                            ..ForwardKernel::new(dtype, head_dim)
                         },
                         arch,
                     ),
