@@ -134,13 +134,22 @@ impl ForwardShape {
 /// The source the shapes patch.
 const FILE: &str = "steps/03-cuda-forward/kernels/flash_forward.cu";
 
-/// Where the kernel's block order starts: step 03 launches it with all heads in one group.
-const BLOCK_ORDER: &str = "    const int q_blocks = (T + BLOCK_M - 1) / BLOCK_M;
+/// The kernel's block order: every head's blocks, longest first.
+const BLOCK_ORDER: &str = "    const int bh = blockIdx.x % heads;
+    const int q_block = q_blocks - 1 - blockIdx.x / heads;
 ";
 
 /// The block order in groups of `group` heads, each group's longest blocks first.
 fn grouped_order(group: u32) -> String {
-    format!("{BLOCK_ORDER}    head_group = min({group}, heads);\n")
+    format!(
+        "    const int head_group = min({group}, heads);
+    const int group = blockIdx.x / (q_blocks * head_group);
+    const int in_group = blockIdx.x - group * (q_blocks * head_group);
+    const int group_heads = min(head_group, heads - group * head_group);
+    const int bh = group * head_group + in_group % group_heads;
+    const int q_block = q_blocks - 1 - in_group / group_heads;
+"
+    )
 }
 
 /// Step 03's causal forward kernel in a tile shape, for a dtype and head dim.
@@ -295,6 +304,8 @@ mod tests {
         let source = shape.source().unwrap();
         assert!(source.contains("\n#define WARPS 8\n"));
         assert!(!FLASH_FORWARD_CU.contains("\n#define WARPS 8\n"));
-        assert!(source.contains("head_group = min(2, heads);"));
+        assert!(
+            source.contains("head_group = min(2, heads);") && !source.contains(BLOCK_ORDER)
+        );
     }
 }

@@ -95,7 +95,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     float* __restrict__ lse,     // [B*H, T] natural log-sum-exp of each row's scaled scores
     int T,                       // tokens per sequence
     int heads,                   // B*H
-    int head_group,              // heads scheduled together, 1..heads (see block_order)
     int q_per_kv,                // query heads per head of k, v (B*H/q_per_kv) // [step 08]
     float scale_log2             // log2(e)/sqrt(HEAD_DIM): scores in base-2 units
 ) {
@@ -109,14 +108,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     // Which (head, query block) this block computes. The grid is one-dimensional and blocks
     // start roughly in index order, so the order is a choice: the longest query blocks (the
     // most keys to see) of every head come first, the shortest last, so the short ones fill
-    // the tail of the grid. Heads go in groups of head_group (all of them by default, the
-    // fastest on the H200); smaller groups keep fewer heads' keys and values in flight.
+    // the tail of the grid.
     const int q_blocks = (T + BLOCK_M - 1) / BLOCK_M;
-    const int group = blockIdx.x / (q_blocks * head_group);
-    const int in_group = blockIdx.x - group * (q_blocks * head_group);
-    const int group_heads = min(head_group, heads - group * head_group);
-    const int bh = group * head_group + in_group % group_heads;
-    const int q_block = q_blocks - 1 - in_group / group_heads;
+    const int bh = blockIdx.x % heads;
+    const int q_block = q_blocks - 1 - blockIdx.x / heads;
     // ANCHOR_END: block_order
     const int q0 = q_block * BLOCK_M;
     const long long head = (long long)bh * T * HEAD_DIM;

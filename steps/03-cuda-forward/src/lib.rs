@@ -245,8 +245,6 @@ impl Gpu {
             shared_mem_bytes: launch.smem_bytes,
         };
         let (tokens, heads_arg) = (shape.tokens as i32, heads as i32);
-        // every head's longest blocks first: all heads in one group
-        let head_group = heads_arg;
         let scale_log2 = shape.scale_log2();
         // [step 08]
         // query heads a head of k and v serves (1 unless they are grouped)
@@ -260,7 +258,6 @@ impl Gpu {
             .arg(&mut result.lse)
             .arg(&tokens)
             .arg(&heads_arg)
-            .arg(&head_group)
             .arg(&q_per_kv) // [step 08]
             .arg(&scale_log2);
         // SAFETY: check_device proved q, k, v hold batch·heads·tokens·head_dim values of
