@@ -11,7 +11,6 @@ use ndarray::Array4;
 use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step03_cuda_forward::host::{by_hand_low_precision, round_array};
 use step03_cuda_forward::kernel::HEAD_DIMS;
-use step04_backward::cuda::backward_with;
 
 /// A margin for the case where both errors are (nearly) zero.
 const MARGIN: f64 = 1e-5;
@@ -75,7 +74,7 @@ fn every_backward_shape_gives_the_same_gradients() {
         let (q, k, v, dout) = (up(&q), up(&k), up(&v), up(&dout));
         let fwd = gpu.forward(&q, &k, &v).unwrap();
         let grads = |config| {
-            let g = backward_with(&gpu, config, &q, &k, &v, &fwd, &dout)
+            let g = backward_shapes::backward(&gpu, config, &q, &k, &v, &fwd, &dout)
                 .unwrap_or_else(|e| panic!("{config:?}: {e}"));
             [g.dq, g.dk, g.dv].map(|t| gpu.download(&t).unwrap())
         };

@@ -17,9 +17,10 @@ use cudarc::driver::sys::CUevent_flags;
 use flash_core::Shape;
 use flash_core::timing::median;
 use flash_lab::backward_shapes;
+use flash_lab::backward_shapes::{BackwardShape, backward, backward_marked};
 use flash_lab::tool::{Tool, at_least_one, median_ms, random_input};
 use step03_cuda_forward::gpu::{Gpu, cudarc};
-use step04_backward::cuda::{BackwardConfig, HEAD_DIMS, backward_marked, backward_with};
+use step04_backward::cuda::HEAD_DIMS;
 
 /// Times the backward kernels in several tile shapes (4 sequences, 12 heads, bf16, causal)
 /// after checking that they all give the same gradients. Needs a CUDA GPU.
@@ -78,7 +79,7 @@ fn main() -> ExitCode {
     let fwd = gpu.forward(&q, &k, &v).unwrap();
     let mut first = None;
     for &config in &configs {
-        let g = backward_with(gpu, config, &q, &k, &v, &fwd, &dout).unwrap();
+        let g = backward(gpu, config, &q, &k, &v, &fwd, &dout).unwrap();
         let got = [&g.dq, &g.dk, &g.dv].map(|t| gpu.download(t).unwrap());
         match &first {
             None => first = Some(got),
@@ -114,7 +115,7 @@ fn main() -> ExitCode {
         print!("{tokens:>7}");
         for (&config, w) in configs.iter().zip(&widths) {
             let ms = match median_ms(gpu, runs, || {
-                backward_with(gpu, config, &q, &k, &v, &fwd, &dout)
+                backward(gpu, config, &q, &k, &v, &fwd, &dout)
             }) {
                 Ok(ms) => ms,
                 Err(code) => return code,
@@ -130,8 +131,9 @@ fn main() -> ExitCode {
 /// Median milliseconds of the forward and of the three backward kernels, each between
 /// events.
 fn split(gpu: &Gpu, lengths: &[usize], runs: usize, head_dim: usize) {
-    let config = BackwardConfig::for_head_dim(head_dim);
-    println!("{}", config.describe());
+    // the kernels' own shape, built by the lab so that each launch can be marked
+    let tile = BackwardShape::kernels(head_dim);
+    println!("{}", tile.config.describe());
     println!(
         "{:>7} {:>9} {:>9} {:>9} {:>9}   TFLOP/s of the products each kernel does (forward 2, dK/dV 4, dQ 3)",
         "T", "fwd ms", "delta ms", "dkdv ms", "dq ms"
@@ -152,7 +154,7 @@ fn split(gpu: &Gpu, lengths: &[usize], runs: usize, head_dim: usize) {
             marks[0].record(gpu.stream()).unwrap();
             let fwd = gpu.forward(&q, &k, &v).unwrap();
             let mut next = 1;
-            let g = backward_marked(gpu, config, &q, &k, &v, &fwd, &dout, &mut || {
+            let g = backward_marked(gpu, tile, &q, &k, &v, &fwd, &dout, &mut || {
                 // the first mark (before δ) ends the forward and the allocations
                 marks[next].record(gpu.stream()).unwrap();
                 next += 1;

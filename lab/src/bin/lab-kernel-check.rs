@@ -10,14 +10,17 @@
 
 use std::process::ExitCode;
 
+use cudarc::nvrtc::Ptx;
+
 use clap::Parser;
 use flash_core::AttnError;
+use flash_lab::backward_shapes::{BackwardShape, BackwardShapeKernel};
 use flash_lab::forward_shapes::{ForwardShape, ForwardShapeKernel};
 use flash_lab::{backward_shapes, forward_shapes};
 use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::kernel::{ForwardKernel, HEAD_DIMS};
 use step03_cuda_forward::ptxas::{self, Variant};
-use step04_backward::cuda::{BackwardConfig, BackwardKernel};
+use step04_backward::cuda::BackwardKernel;
 
 /// Compiles every tile shape of the lab's forward and backward candidates (bf16 and f16,
 /// every head dim) with NVRTC and assembles it with `ptxas -v`, printing registers, shared
@@ -51,35 +54,59 @@ fn main() -> ExitCode {
                         kernels.push(Variant::candidate(format!("{name}_{label}"), ptx));
                         continue;
                     }
-                    // the kernel's own shape, set by the lab's patch, is the kernel
                     let taught = compile(&ForwardKernel::new(dtype, head_dim), arch);
-                    let same = match (&ptx, &taught) {
-                        (Ok(a), Ok(b)) => a.to_src() == b.to_src(),
-                        _ => true,
-                    };
                     kernels.push(Variant::used(
                         format!("{name}_{label}"),
-                        if same {
-                            ptx
-                        } else {
-                            Err(AttnError::Unsupported {
-                                what: "the lab's patch for the kernel's own shape gives other PTX than the kernel: forward_shapes no longer sets what flash_forward.cu fixes".into(),
-                            })
-                        },
+                        same_as_taught(ptx, &taught, "forward_shapes", "flash_forward.cu"),
                     ));
                 }
                 let name = format!("flash_backward_{}_d{head_dim}", dtype.name());
-                for config in backward_shapes::candidates(head_dim) {
-                    let ptx = compile(&BackwardKernel::new(dtype, head_dim, config), arch);
-                    let label = config.label().replace([' ', '/'], "_");
-                    kernels.push(if config == BackwardConfig::for_head_dim(head_dim) {
-                        Variant::used(format!("{name}_{label}"), ptx)
-                    } else {
-                        Variant::candidate(format!("{name}_{label}"), ptx)
-                    });
+                for shape in backward_shapes::candidates(head_dim) {
+                    let build = BackwardShapeKernel {
+                        dtype,
+                        head_dim,
+                        shape,
+                    };
+                    let ptx = compile(&build, arch);
+                    let label = shape.label().replace([' ', '/'], "_");
+                    if shape != BackwardShape::kernels(head_dim) {
+                        kernels.push(Variant::candidate(format!("{name}_{label}"), ptx));
+                        continue;
+                    }
+                    let taught =
+                        compile(&BackwardKernel::new(dtype, head_dim, shape.config), arch);
+                    kernels.push(Variant::used(
+                        format!("{name}_{label}"),
+                        same_as_taught(
+                            ptx,
+                            &taught,
+                            "backward_shapes",
+                            "flash_backward.cu",
+                        ),
+                    ));
                 }
             }
         }
         kernels
     })
+}
+
+/// The lab's build of a kernel's own shape (`ptx`), which must be the kernel (`taught`):
+/// else an error saying that the lab's `module` no longer sets what `file` fixes.
+fn same_as_taught(
+    ptx: Result<Ptx, AttnError>,
+    taught: &Result<Ptx, AttnError>,
+    module: &str,
+    file: &str,
+) -> Result<Ptx, AttnError> {
+    match (ptx, taught) {
+        (Ok(ptx), Ok(taught)) if ptx.to_src() != taught.to_src() => {
+            Err(AttnError::Unsupported {
+                what: format!(
+                    "the lab's build of the kernels' own shape gives other PTX than the kernels: {module} no longer sets what {file} fixes"
+                ),
+            })
+        }
+        (ptx, _) => ptx,
+    }
 }

@@ -19,15 +19,11 @@
 // warps own 16 rows each (M_TILES 1), and eight of them make a block of 128 rows.
 //
 // Compile-time parameters, every one given to NVRTC as a -D option by src/cuda.rs's
-// BackwardKernel (a missing one is a compile error; the file holds no defaults):
+// BackwardKernel (a missing one is a compile error):
 //   HEAD_DIM         32, 64 or 128
 //   IS_BF16          1 for bf16, 0 for f16
 //   WARPS            warps per block
 //   M_TILES          16-row tiles per warp
-//   DKDV_STREAM      queries streamed past dkdv's keys per stage
-//   DQ_STREAM        keys streamed past dq's queries per stage
-//   DKDV_SUB         queries per step of dkdv's inner loop
-//   DQ_SUB           keys per step of dq's inner loop
 //   DKDV_MIN_BLOCKS  dkdv's blocks per multiprocessor (the register budget)
 //   DQ_MIN_BLOCKS    dq's blocks per multiprocessor (the register budget)
 // [step 07]
@@ -41,6 +37,16 @@
 // src/cuda.rs prepends step 03's tensor_cores.cuh (types, swizzle, cp.async, ldmatrix,
 // mma).
 
+// The streams and steps, the ones measured fastest at every head dim
+// (lab/logs/04-backward/): src/cuda.rs sizes the shared memory for the same streams (a test
+// there reads them here). Macros, not constexpr variables: NVRTC would give each a global in
+// the PTX.
+// queries streamed past dkdv's keys per stage (at head dim 128 the tuning log's run 6:
+// 220.4 and 236.8 TFLOP/s at 4k and 16k, against 209.6 and 224.3 with 64)
+#define DKDV_STREAM 128
+#define DQ_STREAM 64     // keys streamed past dq's queries per stage
+#define DKDV_SUB 16      // queries per step of dkdv's inner loop
+#define DQ_SUB 32        // keys per step of dq's inner loop
 static_assert(WARPS >= 1 && M_TILES >= 1, "WARPS warps of M_TILES tiles of 16 rows");
 static_assert(DKDV_STREAM % DKDV_SUB == 0 && DQ_STREAM % DQ_SUB == 0,
               "steps that divide the stages");

@@ -34,11 +34,19 @@ fn supported_head_dims() -> String {
 /// A grid's largest second dimension: the blocks of rows of one head.
 const MAX_GRID_Y: usize = 65_535;
 
-/// The tile shape of the backward kernels: the sizes that may change without changing the
-/// result's meaning (other sizes sum in another order). [`BackwardConfig::for_head_dim`] is
-/// the fastest measured on the H200 (the tuning log, `lab/logs/04-backward/README.md`).
-/// Each field is a `-D` option of `kernels/flash_backward.cu`
-/// ([`KernelSpec::defines`]).
+/// Queries streamed past `backward_dkdv`'s keys per stage (`DKDV_STREAM`, fixed in
+/// `kernels/flash_backward.cu`, as are the steps of both inner loops; a test below reads it
+/// there).
+pub const DKDV_STREAM: usize = 128;
+/// Keys streamed past `backward_dq`'s queries per stage (`DQ_STREAM`).
+pub const DQ_STREAM: usize = 64;
+
+/// The backward kernels' thread blocks at a head dim: the sizes that may change without
+/// changing the result's meaning (other sizes sum in another order).
+/// [`BackwardConfig::for_head_dim`] is the fastest measured on the H200 (the tuning log,
+/// `lab/logs/04-backward/README.md`). Each field is a `-D` option of
+/// `kernels/flash_backward.cu` ([`KernelSpec::defines`]); the streams and steps, the same at
+/// every head dim, are the file's own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackwardConfig {
     /// Warps per thread block (`WARPS`): 4 or 8.
@@ -47,14 +55,6 @@ pub struct BackwardConfig {
     /// fragment read from shared memory feeds two `mma`, or 1, where 32 rows of two
     /// operands and two gradients would not fit in a warp's registers (head dim 128).
     pub m_tiles: usize,
-    /// Queries streamed past `backward_dkdv`'s keys per stage (`DKDV_STREAM`): 64 or 128.
-    pub dkdv_stream: usize,
-    /// Keys streamed past `backward_dq`'s queries per stage (`DQ_STREAM`): 64 or 128.
-    pub dq_stream: usize,
-    /// Queries per step of `backward_dkdv`'s inner loop (`DKDV_SUB`): 16 or 32.
-    pub dkdv_sub: usize,
-    /// Keys per step of `backward_dq`'s inner loop (`DQ_SUB`): 16, 32 or 64.
-    pub dq_sub: usize,
     /// The blocks of `backward_dkdv` each multiprocessor must fit (`DKDV_MIN_BLOCKS`, the
     /// register budget): 1 or 2.
     pub dkdv_min_blocks: usize,
@@ -64,32 +64,24 @@ pub struct BackwardConfig {
 
 impl BackwardConfig {
     // ANCHOR: backward_for_head_dim
-    /// The tile shape for a head dim. Up to 64: four warps of 32 rows, the forward's shape,
-    /// the fastest measured. At 128 a warp's 32 rows of k and v (128 registers a thread)
-    /// and of dK and dV (256) would not fit in 255 registers: eight warps of 16 rows, the
-    /// same 128 rows a block, one block a multiprocessor.
+    /// The thread blocks for a head dim. Up to 64: four warps of 32 rows, the forward's
+    /// shape, the fastest measured. At 128 a warp's 32 rows of k and v (128 registers a
+    /// thread) and of dK and dV (256) would not fit in 255 registers: eight warps of 16
+    /// rows, the same 128 rows a block, one block a multiprocessor.
     pub fn for_head_dim(head_dim: usize) -> BackwardConfig {
-        let base = BackwardConfig {
-            warps: 4,
-            m_tiles: 2,
-            dkdv_stream: 128,
-            dq_stream: 64,
-            dkdv_sub: 16,
-            dq_sub: 32,
-            dkdv_min_blocks: 2,
-            dq_min_blocks: 2,
-        };
         if head_dim <= 64 {
-            base
+            BackwardConfig {
+                warps: 4,
+                m_tiles: 2,
+                dkdv_min_blocks: 2,
+                dq_min_blocks: 2,
+            }
         } else {
-            // 8 warps of 16 rows, 128 queries a stage for dK/dV (the tuning log's run 6:
-            // 220.4 and 236.8 TFLOP/s at 4k and 16k, against 209.6 and 224.3 with 64)
             BackwardConfig {
                 warps: 8,
                 m_tiles: 1,
                 dkdv_min_blocks: 1,
                 dq_min_blocks: 1,
-                ..base
             }
         }
     }
@@ -108,41 +100,30 @@ impl BackwardConfig {
     /// Dynamic shared memory of `backward_dkdv`: its own rows of k and v, and two stages of
     /// queries' q and dO with their log-sum-exp and δ.
     pub fn dkdv_smem_bytes(&self, head_dim: usize) -> u32 {
-        ((2 * self.block_rows() + 4 * self.dkdv_stream) * head_dim * 2
-            + 4 * self.dkdv_stream * 4) as u32
+        ((2 * self.block_rows() + 4 * DKDV_STREAM) * head_dim * 2 + 4 * DKDV_STREAM * 4)
+            as u32
     }
 
     /// Dynamic shared memory of `backward_dq`: its own rows of q and dO, and two stages of
     /// keys' k and v.
     pub fn dq_smem_bytes(&self, head_dim: usize) -> u32 {
-        ((2 * self.block_rows() + 4 * self.dq_stream) * head_dim * 2) as u32
+        ((2 * self.block_rows() + 4 * DQ_STREAM) * head_dim * 2) as u32
     }
 
     /// A line for reports: the blocks and streams of both kernels.
     pub fn describe(&self) -> String {
         let rows = self.block_rows();
         format!(
-            "dK/dV per {rows} keys with {} queries a stage, dQ per {rows} queries with {} keys a stage, {} warps of {} rows",
-            self.dkdv_stream,
-            self.dq_stream,
+            "dK/dV per {rows} keys with {DKDV_STREAM} queries a stage, dQ per {rows} queries with {DQ_STREAM} keys a stage, {} warps of {} rows",
             self.warps,
             self.m_tiles * 16
         )
     }
 
-    /// A short name for tables: `w<warps>x<m-tiles> s<dK/dV stream>/<dQ stream>
-    /// sub<dK/dV step>/<dQ step>`, then the blocks a multiprocessor of each kernel where
-    /// that caps its registers below 255.
+    /// A short name for tables: `w<warps>x<m-tiles>`, then the blocks a multiprocessor of
+    /// each kernel where that caps its registers below 255.
     pub fn label(&self) -> String {
-        let mut s = format!(
-            "w{}x{} s{}/{} sub{}/{}",
-            self.warps,
-            self.m_tiles,
-            self.dkdv_stream,
-            self.dq_stream,
-            self.dkdv_sub,
-            self.dq_sub
-        );
+        let mut s = format!("w{}x{}", self.warps, self.m_tiles);
         let capped = |blocks: usize| blocks * self.threads() as usize > 256;
         if capped(self.dkdv_min_blocks) {
             s += &format!(" kb{}", self.dkdv_min_blocks);
@@ -157,10 +138,6 @@ impl BackwardConfig {
     pub fn check(&self) -> Result<(), AttnError> {
         let ok = matches!(self.warps, 4 | 8)
             && matches!(self.m_tiles, 1 | 2)
-            && matches!(self.dkdv_stream, 64 | 128)
-            && matches!(self.dq_stream, 64 | 128)
-            && matches!(self.dkdv_sub, 16 | 32)
-            && matches!(self.dq_sub, 16 | 32 | 64)
             && matches!(self.dkdv_min_blocks, 1 | 2)
             && matches!(self.dq_min_blocks, 1 | 2);
         if ok {
@@ -168,7 +145,7 @@ impl BackwardConfig {
         } else {
             Err(AttnError::Unsupported {
                 what: format!(
-                    "{self:?}: warps must be 4 or 8, m_tiles 1 or 2, streams 64 or 128, dkdv_sub 16 or 32, dq_sub 16, 32 or 64, and each kernel's blocks a multiprocessor 1 or 2"
+                    "{self:?}: warps must be 4 or 8, m_tiles 1 or 2, and each kernel's blocks a multiprocessor 1 or 2"
                 ),
             })
         }
@@ -237,10 +214,6 @@ impl KernelSpec for BackwardKernel {
             format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
             format!("-DWARPS={}", c.warps),
             format!("-DM_TILES={}", c.m_tiles),
-            format!("-DDKDV_STREAM={}", c.dkdv_stream),
-            format!("-DDQ_STREAM={}", c.dq_stream),
-            format!("-DDKDV_SUB={}", c.dkdv_sub),
-            format!("-DDQ_SUB={}", c.dq_sub),
             format!("-DDKDV_MIN_BLOCKS={}", c.dkdv_min_blocks),
             format!("-DDQ_MIN_BLOCKS={}", c.dq_min_blocks),
             format!("-DCAUSAL={}", self.causal as u8), // [step 07]
@@ -354,30 +327,52 @@ pub fn backward(
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
-    let config = BackwardConfig::for_head_dim(q.shape.head_dim);
-    backward_with(gpu, config, q, k, v, fwd, dout)
+    let (dtype, head_dim) = (q.dtype, q.shape.head_dim);
+    let config = BackwardConfig::for_head_dim(head_dim);
+    let kernels = |entry: &str, smem| kernel(gpu, dtype, head_dim, config, entry, smem);
+    let launch = BackwardLaunch::for_head_dim(head_dim);
+    launch_backward(gpu, launch, &kernels, q, k, v, fwd, dout, &mut || Ok(()))
+}
+// ANCHOR_END: backward_gpu
+
+/// How the backward's kernels are launched: the threads and rows (keys or queries) of a
+/// thread block, and each kernel's dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BackwardLaunch {
+    pub threads: u32,
+    /// Keys (`backward_dkdv`) or queries (`backward_dq`) per thread block.
+    pub block_rows: usize,
+    pub dkdv_smem_bytes: u32,
+    pub dq_smem_bytes: u32,
 }
 
-/// [`backward`] with the given tile shape.
-pub fn backward_with(
-    gpu: &Gpu,
-    config: BackwardConfig,
-    q: &DeviceTensor,
-    k: &DeviceTensor,
-    v: &DeviceTensor,
-    fwd: &DeviceAttention,
-    dout: &DeviceTensor,
-) -> Result<DeviceGrads, AttnError> {
-    backward_marked(gpu, config, q, k, v, fwd, dout, &mut || Ok(()))
+impl BackwardLaunch {
+    /// The launch of `kernels/flash_backward.cu` at a head dim.
+    pub fn for_head_dim(head_dim: usize) -> Self {
+        BackwardLaunch::of(BackwardConfig::for_head_dim(head_dim), head_dim)
+    }
+
+    /// The launch of `kernels/flash_backward.cu` compiled with `config`.
+    pub fn of(config: BackwardConfig, head_dim: usize) -> Self {
+        BackwardLaunch {
+            threads: config.threads(),
+            block_rows: config.block_rows(),
+            dkdv_smem_bytes: config.dkdv_smem_bytes(head_dim),
+            dq_smem_bytes: config.dq_smem_bytes(head_dim),
+        }
+    }
 }
 
-/// [`backward_with`], calling `mark` before the first launch and after each of the three
-/// (to record an event on the stream there, say: the lab's `backward-tune --split` times
+/// [`backward`] with a build of the kernels compiled apart, of the same entry points and
+/// arguments: `kernels(entry, shared memory)` gives each, launched as `launch` says; `mark`
+/// is called before the first launch and after each of the three (to record an event on the
+/// stream there, say). The lab's builds of other tiles (its `backward-tune --split` times
 /// each kernel so).
 #[allow(clippy::too_many_arguments)]
-pub fn backward_marked(
+pub fn backward_built(
     gpu: &Gpu,
-    config: BackwardConfig,
+    launch: BackwardLaunch,
+    kernels: &dyn Fn(&str, u32) -> Result<cudarc::driver::CudaFunction, AttnError>,
     q: &DeviceTensor,
     k: &DeviceTensor,
     v: &DeviceTensor,
@@ -385,11 +380,8 @@ pub fn backward_marked(
     dout: &DeviceTensor,
     mark: &mut dyn FnMut() -> Result<(), AttnError>,
 ) -> Result<DeviceGrads, AttnError> {
-    let (dtype, head_dim) = (q.dtype, q.shape.head_dim);
-    let kernels = |entry: &str, smem| kernel(gpu, dtype, head_dim, config, entry, smem);
-    launch_backward(gpu, config, &kernels, q, k, v, fwd, dout, mark)
+    launch_backward(gpu, launch, kernels, q, k, v, fwd, dout, mark)
 }
-// ANCHOR_END: backward_gpu
 
 // [step 07]
 /// [`backward`] without the causal mask: the gradients of a block of queries that sees
@@ -411,7 +403,8 @@ pub fn backward_full(
         ..BackwardKernel::new(q.dtype, head_dim, config)
     };
     let kernels = |entry: &str, smem| gpu.kernel(&full, entry, smem);
-    launch_backward(gpu, config, &kernels, q, k, v, fwd, dout, &mut || Ok(()))
+    let launch = BackwardLaunch::for_head_dim(head_dim);
+    launch_backward(gpu, launch, &kernels, q, k, v, fwd, dout, &mut || Ok(()))
 }
 // [/step 07]
 
@@ -473,7 +466,7 @@ fn launch_delta(
 #[allow(clippy::too_many_arguments)]
 fn launch_backward(
     gpu: &Gpu,
-    config: BackwardConfig,
+    launch: BackwardLaunch,
     kernels: &dyn Fn(&str, u32) -> Result<cudarc::driver::CudaFunction, AttnError>,
     q: &DeviceTensor,
     k: &DeviceTensor,
@@ -489,9 +482,8 @@ fn launch_backward(
             supported: supported_head_dims(),
         });
     }
-    config.check()?;
     // the grid is (heads, blocks of rows): its second dimension stops at 65,535
-    let block = config.block_rows();
+    let block = launch.block_rows;
     if shape.tokens.div_ceil(block) > MAX_GRID_Y
         || shape.batch * shape.heads > i32::MAX as usize
     {
@@ -528,30 +520,25 @@ fn launch_backward(
     // the head is blockIdx.x, so the longest blocks of every head go first
     let cfg = |grid_y, smem| LaunchConfig {
         grid_dim: (heads, grid_y, 1),
-        block_dim: (config.threads(), 1, 1),
+        block_dim: (launch.threads, 1, 1),
         shared_mem_bytes: smem,
     };
-    let (dkdv_smem, dq_smem) = (
-        config.dkdv_smem_bytes(shape.head_dim),
-        config.dq_smem_bytes(shape.head_dim),
-    );
+    let (dkdv_smem, dq_smem) = (launch.dkdv_smem_bytes, launch.dq_smem_bytes);
     {
         let f = kernels("backward_dkdv", dkdv_smem)?;
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(&q.data)
+        let mut args = stream.launch_builder(&f);
+        args.arg(&q.data)
             .arg(&k.data)
             .arg(&v.data)
             .arg(&dout.data)
             .arg(&fwd.lse)
             .arg(&delta);
-        launch
-            .arg(&mut grads.dk.data)
+        args.arg(&mut grads.dk.data)
             .arg(&mut grads.dv.data)
             .arg(&q_per_kv) // [step 08]
             .arg(&t)
             .arg(&scale);
-        unsafe { launch.launch(cfg(blocks, dkdv_smem)) }
+        unsafe { args.launch(cfg(blocks, dkdv_smem)) }
             .map_err(device_error("launching backward_dkdv"))?;
     }
     // [step 08]
@@ -563,20 +550,18 @@ fn launch_backward(
     mark()?;
     {
         let f = kernels("backward_dq", dq_smem)?;
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(&q.data)
+        let mut args = stream.launch_builder(&f);
+        args.arg(&q.data)
             .arg(&k.data)
             .arg(&v.data)
             .arg(&dout.data)
             .arg(&fwd.lse)
             .arg(&delta);
-        launch
-            .arg(&mut grads.dq.data)
+        args.arg(&mut grads.dq.data)
             .arg(&q_per_kv) // [step 08]
             .arg(&t)
             .arg(&scale);
-        unsafe { launch.launch(cfg(blocks, dq_smem)) }
+        unsafe { args.launch(cfg(blocks, dq_smem)) }
             .map_err(device_error("launching backward_dq"))?;
     }
     mark()?;
@@ -785,4 +770,27 @@ pub fn backward_by_hand_low_precision(
         }
     }
     grads
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The streams the shared memory is sized for are the ones `flash_backward.cu` fixes.
+    #[test]
+    fn the_shared_memory_is_for_the_streams_the_kernels_fix() {
+        for (name, value) in [("DKDV_STREAM", DKDV_STREAM), ("DQ_STREAM", DQ_STREAM)] {
+            let start = format!("#define {name} ");
+            let defined: Vec<&str> = FLASH_BACKWARD_CU
+                .lines()
+                .filter_map(|l| l.strip_prefix(&start))
+                .map(|v| v.split("//").next().unwrap_or(v).trim())
+                .collect();
+            assert_eq!(
+                defined,
+                [value.to_string()],
+                "kernels/flash_backward.cu's {name}"
+            );
+        }
+    }
 }
