@@ -22,7 +22,7 @@ use flash_core::inputs::random_qkv;
 use flash_core::reference::{attention_f64, error};
 use flash_core::timing::{Warmup, median_ms};
 use flash_core::{AttnError, Shape};
-use flash_lab::hopper_shapes;
+use flash_lab::hopper_shapes::{self, HopperForward};
 use step03_cuda_forward::gpu::{Dtype, Gpu, compile};
 use step04_backward::cuda as step04;
 use step06_hopper::backward;
@@ -77,10 +77,11 @@ impl Args {
     }
 
     /// The forward kernels at head dim `d` to check and time.
-    fn forward_kernels(&self, d: usize) -> Vec<ForwardKernel> {
+    fn forward_kernels(&self, d: usize) -> Vec<HopperForward> {
         // at chapter 6's 4 × 12 heads
-        let launched =
-            [1, 1 << 14].map(|t| ForwardKernel::for_shape(Shape::new(4, 12, t, d), 12));
+        let launched = [1, 1 << 14].map(|t| {
+            HopperForward::of(ForwardKernel::for_shape(Shape::new(4, 12, t, d), 12))
+        });
         hopper_shapes::forward(d)
             .into_iter()
             .filter(|k| launched.contains(k) || self.takes(&k.name()))
@@ -257,7 +258,9 @@ fn check_forward(gpu: &Gpu, head_dims: &[usize], args: &Args) -> Result<bool, At
             let tf = |ms: f64| shape.forward_flops() / ms / 1e9;
             for config in args.forward_kernels(d) {
                 let hopper = median_ms(Warmup::Millis(300.0), 20, || {
-                    gpu.time_ms(|| forward::forward_with(gpu, config, &q, &k, &v, &mut out))
+                    gpu.time_ms(|| {
+                        hopper_shapes::run_forward(gpu, config, &q, &k, &v, &mut out)
+                    })
                 })?;
                 println!(
                     "| {t} | {} | {hopper:.3} | {:.1} | {flash:.3} | {:.1} | {:.2} |",
@@ -276,8 +279,8 @@ fn check_shape(
     gpu: &Gpu,
     shape: Shape,
     dtype: Dtype,
-    configs: &[ForwardKernel],
-) -> Result<Vec<(ForwardKernel, bool, String)>, AttnError> {
+    configs: &[HopperForward],
+) -> Result<Vec<(HopperForward, bool, String)>, AttnError> {
     let [q, k, v] = random_qkv(shape, 11);
     let reference = attention_f64(q.view(), k.view(), v.view())?;
     let ours = gpu.attention(q.view(), k.view(), v.view(), dtype)?;
@@ -290,7 +293,7 @@ fn check_shape(
     let mut lines = Vec::new();
     for config in configs.iter().copied() {
         let mut out = gpu.alloc_output(shape, dtype)?;
-        forward::forward_with(gpu, config, &dq, &dk, &dv, &mut out)?;
+        hopper_shapes::run_forward(gpu, config, &dq, &dk, &dv, &mut out)?;
         let hopper = gpu.download_attention(&out)?;
         let e_h = error(&hopper.out, &reference.out).max_abs;
         let l_h = error(&hopper.lse, &reference.lse).max_abs;

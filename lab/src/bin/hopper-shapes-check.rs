@@ -10,12 +10,10 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use flash_core::Shape;
-use flash_lab::hopper_shapes;
+use flash_lab::hopper_shapes::{self, HopperForward};
 use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::ptxas::{self, Variant};
-use step06_hopper::kernel::{
-    BackwardKernels, BackwardRung, ForwardKernel, ForwardRung, HEAD_DIMS,
-};
+use step06_hopper::kernel::{BackwardKernels, BackwardRung, ForwardRung, HEAD_DIMS};
 use step06_hopper::layout::TmaRank;
 
 /// Compiles every forward and backward shape `hopper-check` compares, at both head dims, in
@@ -37,10 +35,10 @@ fn main() -> ExitCode {
         for d in HEAD_DIMS {
             let lengths = [1, 4097, 8193, 1 << 14];
             // in both block orders: which one runs depends on the batch and heads as well
-            let launched_f: Vec<ForwardKernel> = lengths
+            let launched_f: Vec<HopperForward> = lengths
                 .iter()
                 .flat_map(|&t| ForwardRung::ALL.map(|r| r.shape(Shape::new(1, 1, t, d), 1)))
-                .flat_map(|k| [k, k.other_order()])
+                .flat_map(|k| [k, k.other_order()].map(HopperForward::of))
                 .collect();
             let launched_b: Vec<BackwardKernels> = lengths
                 .iter()
@@ -52,11 +50,13 @@ fn main() -> ExitCode {
                 .collect();
             for k in hopper_shapes::forward(d) {
                 let name = format!("forward_d{d}_{}", k.name().replace(' ', "_"));
-                let ptx = compile(&k.build(Dtype::Bf16, d, TmaRank::Three), arch);
                 kernels.push(if launched_f.contains(&k) {
-                    Variant::used(name, ptx)
+                    // as the step builds it
+                    let build = k.kernel.build(Dtype::Bf16, d, TmaRank::Three);
+                    Variant::used(name, compile(&build, arch))
                 } else {
-                    Variant::candidate(name, ptx)
+                    let build = k.build(Dtype::Bf16, d, TmaRank::Three);
+                    Variant::candidate(name, compile(&build, arch))
                 });
             }
             let mut seen = Vec::new();

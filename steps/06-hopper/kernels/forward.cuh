@@ -4,12 +4,13 @@
 //
 // A thread block takes BLOCK_M = 64·WGS queries of one head: WGS consumer warpgroups of 64
 // rows each, and a producer that brings q once and each block of BLOCK_N keys and values
-// with TMA. Every rung is compiled with WGS, STAGES (buffers of keys and values in flight),
-// MIN_BLOCKS (blocks a multiprocessor must fit), THREADS (the block's threads) and
-// LONGEST_FIRST (the grid's order), from src/kernel.rs's ForwardKernel.
+// with TMA. Every rung is compiled with WGS, MIN_BLOCKS (blocks a multiprocessor must fit),
+// THREADS (the block's threads) and LONGEST_FIRST (the grid's order), from src/kernel.rs's
+// ForwardKernel.
 
 #define BLOCK_M (64 * WGS)
 #define BLOCK_N 128
+#define STAGES 2  // buffers of keys and values in flight
 
 // ANCHOR: block_order
 // Which (head, query block) this block computes, a head of any sequence of the batch.

@@ -6,7 +6,9 @@ use cudarc::driver::sys::{
     CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
     cuTensorMapEncodeTiled,
 };
-use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use flash_core::{AttnError, Shape};
 use step03_cuda_forward::DeviceAttention;
 use step03_cuda_forward::gpu::{
@@ -190,10 +192,42 @@ pub fn forward(
     Ok(result)
 }
 
+/// The compiled kernel for a dtype, a head dim and a rank of the tensor maps, and the
+/// dynamic shared memory it takes.
+pub type BuildFn<'a> =
+    &'a dyn Fn(Dtype, usize, TmaRank) -> Result<(CudaFunction, u32), AttnError>;
+
+/// `kernel` as this step builds it: its [`Build`](crate::kernel::Build) compiled, with
+/// [`ForwardKernel::smem_bytes`].
+fn build_of(
+    gpu: &Gpu,
+    kernel: ForwardKernel,
+) -> impl Fn(Dtype, usize, TmaRank) -> Result<(CudaFunction, u32), AttnError> {
+    move |dtype, d, rank| {
+        let smem = kernel.smem_bytes(d);
+        let f = gpu.kernel(&kernel.build(dtype, d, rank), "hopper_forward", smem)?;
+        Ok((f, smem))
+    }
+}
+
 /// [`forward`] into buffers allocated before, with the kernel given.
 pub fn forward_with(
     gpu: &Gpu,
     kernel: ForwardKernel,
+    q: &DeviceTensor,
+    k: &DeviceTensor,
+    v: &DeviceTensor,
+    result: &mut DeviceAttention,
+) -> Result<(), AttnError> {
+    forward_built(gpu, kernel, &build_of(gpu, kernel), q, k, v, result)
+}
+
+/// [`forward_with`] with a build of the kernel compiled apart by `build`, of the same entry
+/// point and arguments, its thread blocks as `kernel` says: the lab's builds of other sizes.
+pub fn forward_built(
+    gpu: &Gpu,
+    kernel: ForwardKernel,
+    build: BuildFn,
     q: &DeviceTensor,
     k: &DeviceTensor,
     v: &DeviceTensor,
@@ -233,6 +267,7 @@ pub fn forward_with(
         launch(
             gpu,
             kernel,
+            build,
             shape,
             q.dtype,
             [tensor(q), tensor(k), tensor(v)],
@@ -280,8 +315,9 @@ pub unsafe fn forward_into(
     if shape.is_empty() {
         return Ok(());
     }
+    let build = build_of(gpu, kernel);
     // SAFETY: the caller's promise, and the layouts checked above
-    unsafe { launch(gpu, kernel, shape, dtype, [q, k, v], out, lse) }
+    unsafe { launch(gpu, kernel, &build, shape, dtype, [q, k, v], out, lse) }
 }
 
 /// That the log-sum-exps' address can hold f32 values.
@@ -299,9 +335,11 @@ pub(crate) fn check_lse(lse: u64) -> Result<(), AttnError> {
 ///
 /// # Safety
 /// As [`forward_into`].
+#[allow(clippy::too_many_arguments)]
 unsafe fn launch(
     gpu: &Gpu,
     kernel: ForwardKernel,
+    build: BuildFn,
     shape: Shape,
     dtype: Dtype,
     [q, k, v]: [Strided; 3],
@@ -311,8 +349,7 @@ unsafe fn launch(
     let d = shape.head_dim;
     let grid = kernel.grid(shape)?;
     let rank = TmaRank::of(&[q.layout, k.layout, v.layout], shape);
-    let smem = kernel.smem_bytes(d);
-    let f = gpu.kernel(&kernel.build(dtype, d, rank), "hopper_forward", smem)?;
+    let (f, smem) = build(dtype, d, rank)?;
     kernel.check_registers(&f)?;
     let block_m = kernel.block_m();
     // k's and v's shape: q's

@@ -2,7 +2,9 @@
 //! [`ForwardKernel`] or [`BackwardKernel`], which says which source it is, the `-D` set it
 //! is compiled with, its name, and what it needs of the GPU. The `.cu` files hold no
 //! defaults: a parameter left out of the `-D` set is a compile error, so nothing here can
-//! disagree with them.
+//! disagree with them. What no shape changes is the kernels' own: the forward's keys a step
+//! and buffers in flight are `forward.cuh`'s ([`BLOCK_N`], [`STAGES`], which a test reads
+//! there).
 //!
 //! The forward is a ladder of four rungs ([`ForwardRung`]), each a whole kernel in a file
 //! of its own, each adding one idea to the one before; the backward two ([`BackwardRung`]).
@@ -26,6 +28,9 @@ pub const BACKWARD_CUH: &str = include_str!("../kernels/backward.cuh");
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
 /// Keys per step of the forward (`BLOCK_N` in `forward.cuh`).
 pub const BLOCK_N: usize = 128;
+/// Buffers of keys and values in flight in the forward (`STAGES` in `forward.cuh`): the
+/// producer copies the next block while the consumers compute on this one.
+pub const STAGES: usize = 2;
 
 /// A multiprocessor's shared memory on sm_90, and the most one thread block may take.
 pub const SMEM_PER_SM: usize = 228 * 1024;
@@ -136,7 +141,6 @@ impl ForwardRung {
         ForwardKernel {
             rung: self,
             warpgroups,
-            stages: 2,
             min_blocks,
             longest_first,
         }
@@ -165,8 +169,6 @@ pub struct ForwardKernel {
     pub rung: ForwardRung,
     /// Consumer warpgroups per thread block (`WGS`), 64 query rows each.
     pub warpgroups: usize,
-    /// Buffers of keys and values in flight (`STAGES`).
-    pub stages: usize,
     /// Thread blocks each multiprocessor must fit (`MIN_BLOCKS`, the register budget); 1
     /// with a producer warpgroup, whose registers go to its own block's consumers.
     pub min_blocks: usize,
@@ -212,10 +214,10 @@ impl ForwardKernel {
         (128 * self.warpgroups + producer) as u32
     }
 
-    /// Dynamic shared memory at head dim `d`: q's tile and `stages` tiles of k and v, and
-    /// room to align them on the swizzle's 1,024 bytes.
+    /// Dynamic shared memory at head dim `d`: q's tile and [`STAGES`] tiles of k and v,
+    /// and room to align them on the swizzle's 1,024 bytes.
     pub fn smem_bytes(&self, d: usize) -> u32 {
-        ((self.block_m() + 2 * self.stages * BLOCK_N) * d * 2 + 1024) as u32
+        ((self.block_m() + 2 * STAGES * BLOCK_N) * d * 2 + 1024) as u32
     }
 
     /// The registers a producer warpgroup keeps and each consumer thread may take, where
@@ -243,10 +245,9 @@ impl ForwardKernel {
         if !HEAD_DIMS.contains(&d) {
             return unsupported(format!("head dim {d}; it takes 64 and 128"));
         }
-        if !(1..=3).contains(&self.warpgroups) || self.stages < 2 || self.min_blocks < 1 {
+        if !(1..=3).contains(&self.warpgroups) || self.min_blocks < 1 {
             return unsupported(
-                "1 to 3 warpgroups, 2 or more stages, 1 or more blocks a multiprocessor"
-                    .into(),
+                "1 to 3 warpgroups, 1 or more blocks a multiprocessor".into(),
             );
         }
         if smem > SMEM_PER_BLOCK || self.min_blocks * (smem + 1024) > SMEM_PER_SM {
@@ -272,10 +273,9 @@ impl ForwardKernel {
     /// a multiprocessor, and "longest first".
     pub fn name(&self) -> String {
         format!(
-            "rung {} {}x{}x{}{}",
+            "rung {} {}x{STAGES}x{}{}",
             self.rung.number(),
             self.warpgroups,
-            self.stages,
             self.min_blocks,
             if self.longest_first {
                 " longest first"
@@ -290,7 +290,6 @@ impl ForwardKernel {
         let mut defines = common_defines(dtype, d, rank);
         defines.extend([
             format!("-DWGS={}", self.warpgroups),
-            format!("-DSTAGES={}", self.stages),
             format!("-DMIN_BLOCKS={}", self.min_blocks),
             format!("-DTHREADS={}", self.threads()),
             format!("-DLONGEST_FIRST={}", self.longest_first as u8),
@@ -910,6 +909,20 @@ mod tests {
         }
     }
 
+    /// The sizes the forward's launch takes are the ones `forward.cuh` fixes.
+    #[test]
+    fn the_forward_launch_takes_the_sizes_forward_cuh_fixes() {
+        for (name, value) in [("BLOCK_N", BLOCK_N), ("STAGES", STAGES)] {
+            let start = format!("#define {name} ");
+            let defined: Vec<&str> = FORWARD_CUH
+                .lines()
+                .filter_map(|l| l.strip_prefix(&start))
+                .map(|v| v.split("//").next().unwrap_or(v).trim())
+                .collect();
+            assert_eq!(defined, [value.to_string()], "forward.cuh's {name}");
+        }
+    }
+
     /// What the limits refuse is an error that says why.
     #[test]
     fn a_kernel_the_gpu_cannot_run_is_an_error_naming_the_limit() {
@@ -920,8 +933,8 @@ mod tests {
         let e = turns_alone.check(64).unwrap_err().to_string();
         assert!(e.contains("two or more warpgroups"), "{e}");
         let big = ForwardKernel {
-            stages: 8,
-            ..ForwardRung::Overlap.shape(Shape::new(4, 12, 8192, 128), 12)
+            min_blocks: 3,
+            ..ForwardRung::Wgmma.shape(Shape::new(4, 12, 8192, 128), 12)
         };
         let e = big.check(128).unwrap_err().to_string();
         assert!(e.contains("shared memory"), "{e}");
