@@ -1,5 +1,6 @@
-// What the masked kernels add to step 06's, after hopper.cuh and the user's mask source
-// (mask_mod, score_mod, score_mod_grad, from src/mask.rs or a user's file): the block
+// What the masked kernels add to step 06's (and to steps 03's and 04's, on any GPU from
+// Ampere: masked_ampere_*.cu), after hopper.cuh (tensor_cores.cuh) and the user's mask
+// source (mask_mod, score_mod, score_mod_grad, from src/mask.rs or a user's file): the block
 // lists they walk, the mask and the score function applied to a block of scores in
 // registers, and an end that gives a row that sees no key an output of 0 and a log-sum-exp
 // of −∞.
@@ -7,6 +8,11 @@
 // The mask's source defines SCORE_MOD_IDENTITY as 1 when the score function is the
 // identity: the scores then stay in base-2 units, as in step 06, and no call is made.
 
+// (step 03's tensor_cores.cuh, before it in the Ampere kernels, defines neither)
+typedef unsigned long long u64;
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 #ifndef SCORE_MOD_IDENTITY
 #define SCORE_MOD_IDENTITY 0
 #endif
@@ -136,7 +142,44 @@ __device__ __forceinline__ void apply_mods(float (&sc)[64], bool partial, u64 bi
 }
 // ANCHOR_END: apply_mods
 
+// apply_mods for N column tiles of mma.sync's accumulators (the Ampere kernels, step 03's
+// tensor_cores.cuh): s[n][e] is row r0 + 8·(e/2), key first_key + 8n + 2·(lane%4) + e%2,
+// wgmma's layout 8 keys at a time, so register 4j+e above is s[j][e] here; `bits` starts
+// at this step's first key (visible_bits of its block, shifted)
+template <int N>
+__device__ __forceinline__ void apply_mods_mma(float (&s)[N][4], bool partial, u64 bits,
+                                               const RowKeys& keys, int first_key, int r0,
+                                               int lane, float scale, const MaskArgs& a) {
+  if constexpr (!SCORE_MOD_IDENTITY) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = first_key + 8 * j + 2 * (lane % 4) + (e % 2);
+        const int qp = r0 + 8 * (e / 2) + a.q_offset;
+        s[j][e] = score_mod(s[j][e] * scale, a.b, a.h, qp, key);
+      }
+    }
+  }
+  if (partial) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = first_key + 8 * j + 2 * (lane % 4) + (e % 2);
+        const bool seen = MASK_INTERVAL
+                              ? key >= keys.lo[e / 2] && key <= keys.hi[e / 2]
+                              : (bits >> (4 * j + e)) & 1;
+        if (!seen) s[j][e] = -INFINITY;
+      }
+    }
+  }
+}
 
+
+// (the Hopper forwards' end, in hopper.cuh's layout of the output: step 03's copies end
+// their own way, masked_ampere_forward.cu)
+#ifdef HALVES
 // Step 06's end, where a row that saw no key (its sum 0) is written as 0 with a
 // log-sum-exp of −∞, as step 07's merge reads an empty part; `tokens` is tq
 __device__ __forceinline__ void
@@ -167,3 +210,4 @@ store_masked_output(const float (&o)[HALVES][32], const float (&m)[2], const flo
     }
   }
 }
+#endif

@@ -6,7 +6,8 @@
 //! shape and one kernel shape, the lists of blocks each block of queries visits (the
 //! forward) and each block of keys meets (the backward), with every entry marked full or
 //! partial, and the mask's data (document ids) on the device. [`forward`] and [`backward`]
-//! take it with q, k and v.
+//! take it with q, k and v, and run the kernels it was made for: these, or on a GPU other
+//! than a Hopper steps 03's and 04's ([`cuda_ampere`](crate::cuda_ampere)).
 
 use cudarc::driver::PushKernelArg;
 use cudarc::driver::{
@@ -30,6 +31,7 @@ use step06_hopper::kernel::{
 };
 use step06_hopper::layout::{Layout, Strided, TmaRank};
 
+use crate::cuda_ampere::{self, Kernels};
 use crate::mask::{Mask, ScoreMod, kernel_source};
 
 /// The lists' block mask, the forward, and the backward, in CUDA.
@@ -135,7 +137,7 @@ pub fn check_mask(
 /// integers (32 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-struct BlockList {
+pub(crate) struct BlockList {
     count: u64,
     index: u64,
     blocks: i32,
@@ -152,6 +154,8 @@ const _: () = assert!(std::mem::size_of::<BlockList>() == 32);
 /// queries) and of the backward (blocks of 128 keys), and the mask's data, on the device.
 pub struct DeviceMask {
     mask: GpuMask,
+    /// the kernels the lists were made for (their blocks of queries)
+    kernels: Kernels,
     batch: usize,
     heads: usize,
     tq: usize,
@@ -203,6 +207,16 @@ pub enum Weight {
     Heavy,
 }
 
+/// The warpgroups of the forward's blocks of queries (64 queries each), which the forward's
+/// lists are made for: [`forward_kernel`]'s on Hopper, two on Ampere (step 03's blocks of
+/// 128 queries).
+fn warpgroups(kernels: Kernels, q: Shape, kv_heads: usize, weight: Weight) -> usize {
+    match kernels {
+        Kernels::Hopper => forward_kernel(q, kv_heads, weight).warpgroups,
+        Kernels::Ampere => cuda_ampere::BLOCK_ROWS / TILE_Q,
+    }
+}
+
 /// The backward kernel the masked backward is built on: step 06's one pass.
 pub fn backward_kernels(q: Shape) -> BackwardKernels {
     BackwardKernels::for_shape(q)
@@ -226,10 +240,6 @@ impl KernelSpec for BlockMaskKernel<'_> {
 
     fn defines(&self) -> Vec<String> {
         vec![format!("-DWGS={}", self.wgs)]
-    }
-
-    fn arch(&self, _device: &'static str) -> &'static str {
-        "sm_90a"
     }
 
     /// The mask's key (its names and a hash of its text) and the block shape.
@@ -377,8 +387,9 @@ pub fn backward_source(
 
 impl DeviceMask {
     /// The block mask of `mask` for `batch` sequences of `heads` query heads, `tq` queries
-    /// against `tk` keys at head dim `d`: every tile classified on the GPU, then the lists
-    /// made there too. Computed once and reused by every call of that shape.
+    /// against `tk` keys at head dim `d`, for the kernels this GPU runs
+    /// ([`Kernels::for_gpu`]): every tile classified on the GPU, then the lists made there
+    /// too. Computed once and reused by every call of that shape.
     pub fn new(
         gpu: &Gpu,
         mask: &GpuMask,
@@ -388,10 +399,24 @@ impl DeviceMask {
         tk: usize,
         d: usize,
     ) -> Result<DeviceMask, AttnError> {
+        let q = Shape::new(batch, heads, tq, d);
+        DeviceMask::with_kernels(gpu, mask, Kernels::for_gpu(gpu)?, q, tk)
+    }
+
+    /// [`DeviceMask::new`] for queries of shape `q` against `tk` keys, for the kernels
+    /// asked: the Ampere kernels run on a Hopper GPU too, so that they can be tested there.
+    pub fn with_kernels(
+        gpu: &Gpu,
+        mask: &GpuMask,
+        kernels: Kernels,
+        q: Shape,
+        tk: usize,
+    ) -> Result<DeviceMask, AttnError> {
+        kernels.check(gpu)?;
+        let (batch, heads, tq) = (q.batch, q.heads, q.tokens);
         check_lengths(tq, tk)?;
         check_data(mask, batch, tk)?;
-        let q_shape = Shape::new(batch, heads, tq, d);
-        let wgs = forward_kernel(q_shape, heads, mask.weight).warpgroups;
+        let wgs = warpgroups(kernels, q, heads, mask.weight);
         let (rows, row_b, row_h) = mask.rows.strides(batch, heads);
         let (q_tiles, k_blocks) = (tq.div_ceil(TILE_Q), tk.div_ceil(TILE_K));
         let fwd_blocks = q_tiles.div_ceil(wgs);
@@ -468,6 +493,7 @@ impl DeviceMask {
         let tiles = count_tiles(gpu, &classes)?;
         Ok(DeviceMask {
             mask: mask.clone(),
+            kernels,
             batch,
             heads,
             tq,
@@ -509,7 +535,12 @@ impl DeviceMask {
         &self.mask
     }
 
-    fn list(&self, forward: bool, gpu: &Gpu) -> BlockList {
+    /// The kernels the lists were made for, which [`forward`] and [`backward`] run.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    pub(crate) fn list(&self, forward: bool, gpu: &Gpu) -> BlockList {
         let stream = gpu.stream();
         let (count, index, blocks, others) = if forward {
             (
@@ -536,15 +567,15 @@ impl DeviceMask {
         }
     }
 
-    fn data_ptr(&self, gpu: &Gpu) -> u64 {
+    pub(crate) fn data_ptr(&self, gpu: &Gpu) -> u64 {
         self.data
             .as_ref()
             .map_or(0, |d| d.device_ptr(gpu.stream()).0)
     }
 
     /// That q, k and v are the shape this block mask was made for.
-    fn check_shape(&self, q: Shape, kv: Shape) -> Result<(), AttnError> {
-        let wgs = forward_kernel(q, kv.heads, self.mask.weight).warpgroups;
+    pub(crate) fn check_shape(&self, q: Shape, kv: Shape) -> Result<(), AttnError> {
+        let wgs = warpgroups(self.kernels, q, kv.heads, self.mask.weight);
         if (q.batch, q.heads, q.tokens, kv.tokens, wgs)
             != (self.batch, self.heads, self.tq, self.tk, self.wgs)
         {
@@ -784,6 +815,9 @@ pub fn forward(
     v: &DeviceTensor,
     mask: &DeviceMask,
 ) -> Result<DeviceAttention, AttnError> {
+    if mask.kernels == Kernels::Ampere {
+        return cuda_ampere::forward(gpu, q, k, v, mask);
+    }
     check_hopper(gpu)?;
     let kv = check_qkv(q, k, v)?;
     mask.check_shape(q.shape, kv)?;
@@ -867,6 +901,9 @@ pub fn backward(
     dout: &DeviceTensor,
     mask: &DeviceMask,
 ) -> Result<DeviceGrads, AttnError> {
+    if mask.kernels == Kernels::Ampere {
+        return cuda_ampere::backward(gpu, q, k, v, fwd, dout, mask);
+    }
     check_hopper(gpu)?;
     let kv = check_qkv(q, k, v)?;
     mask.check_shape(q.shape, kv)?;
@@ -968,7 +1005,7 @@ pub fn backward(
 
 /// That the forward's output and log-sum-exp and dout are q's shape and dtype: what the
 /// backward reads besides q, k and v (checked by [`check_qkv`]), before any allocation.
-fn check_backward_inputs(
+pub(crate) fn check_backward_inputs(
     q: &DeviceTensor,
     fwd: &DeviceAttention,
     dout: &DeviceTensor,
@@ -992,7 +1029,7 @@ fn check_backward_inputs(
 
 /// Zeroed gradients: dq of q's `shape`, dk and dv of `per_q` (k's length for every query
 /// head), since the one pass writes a query head's dK and dV before groups are summed.
-fn zero_grads(
+pub(crate) fn zero_grads(
     gpu: &Gpu,
     shape: Shape,
     per_q: Shape,

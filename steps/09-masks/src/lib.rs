@@ -28,6 +28,10 @@
 //!   one-pass backward (`masked_backward.cu`), with `masked.cuh`; the block mask computed
 //!   on the GPU (`kernels/block_mask.cu`) as a [`DeviceMask`](cuda::DeviceMask);
 //!   [`cuda::forward`] and [`cuda::backward`].
+//! - [`cuda_ampere`]: the same on any GPU from Ampere, through copies of steps 03's and
+//!   04's kernels (`kernels/masked_ampere_forward.cu`, `masked_ampere_backward.cu`) that walk
+//!   the same block mask; [`Kernels`](cuda_ampere::Kernels) picks them by compute
+//!   capability (Hopper's on 9.0), or as asked.
 //! - [`rule`]: FlashAttention's rule on the GPU, attention by hand in 16 bits with the same
 //!   mask and score function as its baseline.
 //! - [`exercise`]: chapter 9's CPU exercise, a dilated sliding window written by the reader
@@ -37,6 +41,7 @@
 pub mod block;
 pub mod cpu;
 pub mod cuda;
+pub mod cuda_ampere;
 pub mod dilated;
 pub mod exercise;
 pub mod mask;

@@ -1,8 +1,9 @@
 //! Compiles the masked kernels with every built-in mask and score function through NVRTC
-//! for `sm_90a` and assembles each with `ptxas -v`, printing registers, shared memory and
-//! spills; exits non-zero on a failed compile or a spill that is not on the list below.
-//! Needs no GPU: CI runs it with NVRTC and ptxas from PyPI, as step 06's
-//! `hopper-kernel-check`.
+//! and assembles each with `ptxas -v`, printing registers, shared memory and spills; exits
+//! non-zero on a failed compile or a spill that is not on the list below. For `--arch`
+//! (`sm_90`, as `sm_90a`, by default) the Hopper kernels and the Ampere ones, then for
+//! `sm_80` the Ampere ones and the block mask again: the Ampere kernels run on both. Needs
+//! no GPU: CI runs it with NVRTC and ptxas from PyPI, as step 06's `hopper-kernel-check`.
 //!
 //! `cargo run -p step09-masks --bin masks-kernel-check [-- --ptxas PATH]`
 
@@ -15,6 +16,9 @@ use step06_hopper::layout::TmaRank;
 use step09_masks::cuda::{
     BlockMaskKernel, GpuMask, MaskedBackwardKernel, MaskedForwardKernel, backward_kernels,
     forward_kernel,
+};
+use step09_masks::cuda_ampere::{
+    BLOCK_ROWS, HEAD_DIMS, MaskedAmpereBackwardKernel, MaskedAmpereForwardKernel,
 };
 use step09_masks::exercise::DILATED_CU;
 use step09_masks::{CustomMask, Documents, Mask, ScoreMod};
@@ -71,71 +75,157 @@ fn main() -> ExitCode {
     if flags.arch == "sm_90" {
         flags.arch = "sm_90a".into();
     }
-    ptxas::main(flags, |arch| {
-        let mut kernels = Vec::new();
-        for (name, mask, score) in masks() {
-            let gm = match GpuMask::new(&mask, &score) {
-                Ok(gm) => gm,
-                Err(e) => {
-                    kernels.push(Variant::used(format!("mask_{name}"), Err(e)));
+    let hopper = flags.arch == "sm_90a";
+    let ampere = ptxas::Flags {
+        arch: "sm_80".into(),
+        ptxas: flags.ptxas.clone(),
+        verbose: flags.verbose,
+    };
+    let first = ptxas::main(flags, |arch| {
+        let mut kernels = if hopper {
+            hopper_kernels(arch)
+        } else {
+            Vec::new()
+        };
+        kernels.extend(ampere_kernels(arch));
+        kernels
+    });
+    if !hopper {
+        return first;
+    }
+    // the Ampere kernels for Ampere too, whatever the first pass found
+    let second = ptxas::main(ampere, ampere_kernels);
+    if first == ExitCode::SUCCESS {
+        second
+    } else {
+        first
+    }
+}
+
+/// The Ampere kernels for every mask, in bf16 at both head dims, the causal mask also in
+/// f16, and the block mask's kernels for their blocks of 128 queries (two warpgroups' worth).
+fn ampere_kernels(arch: &'static str) -> Vec<Variant> {
+    let mut kernels = Vec::new();
+    for (name, mask, score) in masks() {
+        let gm = match GpuMask::new(&mask, &score) {
+            Ok(gm) => gm,
+            Err(e) => {
+                kernels.push(Variant::used(format!("ampere_mask_{name}"), Err(e)));
+                continue;
+            }
+        };
+        let wgs = BLOCK_ROWS / 64;
+        kernels.push(Variant::used(
+            format!("ampere_block_mask_{name}_wgs{wgs}"),
+            compile(&BlockMaskKernel { mask: &gm, wgs }, arch),
+        ));
+        let dtypes: &[Dtype] = if name == "causal" {
+            &[Dtype::Bf16, Dtype::F16]
+        } else {
+            &[Dtype::Bf16]
+        };
+        for &dtype in dtypes {
+            for head_dim in HEAD_DIMS {
+                let tag = format!("{}_d{head_dim}_{name}", dtype.name());
+                let forward = MaskedAmpereForwardKernel {
+                    mask: &gm,
+                    dtype,
+                    head_dim,
+                };
+                let backward = MaskedAmpereBackwardKernel {
+                    mask: &gm,
+                    dtype,
+                    head_dim,
+                };
+                kernels.push(Variant::used(
+                    format!("ampere_forward_{tag}"),
+                    compile(&forward, arch),
+                ));
+                kernels.push(Variant::used(
+                    format!("ampere_backward_{tag}"),
+                    compile(&backward, arch),
+                ));
+            }
+        }
+    }
+    let listed: Vec<_> = EXPECTED_SPILLS
+        .iter()
+        .filter(|s| s.0.starts_with("ampere_"))
+        .copied()
+        .collect();
+    ptxas::with_listed_spills(kernels, &listed)
+}
+
+/// Step 06's masked kernels for every mask (sm_90a only).
+fn hopper_kernels(arch: &'static str) -> Vec<Variant> {
+    let mut kernels = Vec::new();
+    for (name, mask, score) in masks() {
+        let gm = match GpuMask::new(&mask, &score) {
+            Ok(gm) => gm,
+            Err(e) => {
+                kernels.push(Variant::used(format!("mask_{name}"), Err(e)));
+                continue;
+            }
+        };
+        let variants: &[(Dtype, TmaRank)] = if name == "causal" {
+            &[
+                (Dtype::Bf16, TmaRank::Three),
+                (Dtype::F16, TmaRank::Three),
+                (Dtype::Bf16, TmaRank::Four),
+            ]
+        } else {
+            &[(Dtype::Bf16, TmaRank::Three)]
+        };
+        let mut seen = Vec::new();
+        for d in [64, 128] {
+            // both lengths: at head dim 64 the causal forward changes rung past 4,096
+            for t in [4096, 16384] {
+                let q = Shape::new(4, 12, t, d);
+                let fk = forward_kernel(q, 12, gm.weight);
+                if seen.contains(&(d, fk)) {
                     continue;
                 }
-            };
-            let variants: &[(Dtype, TmaRank)] = if name == "causal" {
-                &[
-                    (Dtype::Bf16, TmaRank::Three),
-                    (Dtype::F16, TmaRank::Three),
-                    (Dtype::Bf16, TmaRank::Four),
-                ]
-            } else {
-                &[(Dtype::Bf16, TmaRank::Three)]
-            };
-            let mut seen = Vec::new();
-            for d in [64, 128] {
-                // both lengths: at head dim 64 the causal forward changes rung past 4,096
-                for t in [4096, 16384] {
-                    let q = Shape::new(4, 12, t, d);
-                    let fk = forward_kernel(q, 12, gm.weight);
-                    if seen.contains(&(d, fk)) {
+                seen.push((d, fk));
+                let wgs = fk.warpgroups;
+                kernels.push(Variant::used(
+                    format!("block_mask_{name}_d{d}_wgs{wgs}"),
+                    compile(&BlockMaskKernel { mask: &gm, wgs }, arch),
+                ));
+                for &(dtype, rank) in variants {
+                    let tag = format!(
+                        "{}_d{d}_{name}{}",
+                        dtype.name(),
+                        if rank == TmaRank::Four { "_rank4" } else { "" }
+                    );
+                    let forward = MaskedForwardKernel {
+                        mask: &gm,
+                        kernel: fk,
+                        dtype,
+                        head_dim: d,
+                        rank,
+                    };
+                    let fname = format!("forward_{tag}_rung{}", fk.rung.number());
+                    kernels.push(Variant::used(fname, compile(&forward, arch)));
+                    if t != 4096 {
                         continue;
                     }
-                    seen.push((d, fk));
-                    let wgs = fk.warpgroups;
-                    kernels.push(Variant::used(
-                        format!("block_mask_{name}_d{d}_wgs{wgs}"),
-                        compile(&BlockMaskKernel { mask: &gm, wgs }, arch),
-                    ));
-                    for &(dtype, rank) in variants {
-                        let tag = format!(
-                            "{}_d{d}_{name}{}",
-                            dtype.name(),
-                            if rank == TmaRank::Four { "_rank4" } else { "" }
-                        );
-                        let forward = MaskedForwardKernel {
-                            mask: &gm,
-                            kernel: fk,
-                            dtype,
-                            head_dim: d,
-                            rank,
-                        };
-                        let fname = format!("forward_{tag}_rung{}", fk.rung.number());
-                        kernels.push(Variant::used(fname, compile(&forward, arch)));
-                        if t != 4096 {
-                            continue;
-                        }
-                        let backward = MaskedBackwardKernel {
-                            mask: &gm,
-                            kernels: backward_kernels(q),
-                            dtype,
-                            head_dim: d,
-                            rank,
-                        };
-                        let bname = format!("backward_{tag}");
-                        kernels.push(Variant::used(bname, compile(&backward, arch)));
-                    }
+                    let backward = MaskedBackwardKernel {
+                        mask: &gm,
+                        kernels: backward_kernels(q),
+                        dtype,
+                        head_dim: d,
+                        rank,
+                    };
+                    let bname = format!("backward_{tag}");
+                    kernels.push(Variant::used(bname, compile(&backward, arch)));
                 }
             }
         }
-        ptxas::with_listed_spills(kernels, EXPECTED_SPILLS)
-    })
+    }
+    let listed: Vec<_> = EXPECTED_SPILLS
+        .iter()
+        .filter(|s| !s.0.starts_with("ampere_"))
+        .copied()
+        .collect();
+    ptxas::with_listed_spills(kernels, &listed)
 }
