@@ -18,6 +18,7 @@ use step03_cuda_forward::host::{round, round_array};
 
 use crate::block::{BlockMask, BlockSizes};
 use crate::cuda::{self, DeviceMask, GpuMask};
+use crate::cuda_ampere::Kernels;
 use crate::mask::{Mask, ScoreMod};
 use crate::reference::{attention_f64, backward_f64};
 use crate::shape::check_masked;
@@ -276,7 +277,27 @@ pub fn check_on_gpu(
     dtype: Dtype,
     seed: u64,
 ) -> Result<(), String> {
-    let what = format!("{c:?} {} {} {}", mask.name(), score.name(), dtype.name());
+    let kernels = Kernels::for_gpu(gpu).map_err(|e| e.to_string())?;
+    check_on_gpu_with(gpu, kernels, c, mask, score, dtype, seed)
+}
+
+/// [`check_on_gpu`] with the kernels asked: the Ampere kernels on a Hopper GPU too.
+pub fn check_on_gpu_with(
+    gpu: &Gpu,
+    kernels: Kernels,
+    c: GpuCase,
+    mask: &Mask,
+    score: &ScoreMod,
+    dtype: Dtype,
+    seed: u64,
+) -> Result<(), String> {
+    let what = format!(
+        "{c:?} {} {} {} {}",
+        kernels.name(),
+        mask.name(),
+        score.name(),
+        dtype.name()
+    );
     let qs = Shape::new(c.batch, c.heads, c.tq, c.d);
     let ks = Shape::new(c.batch, c.kv_heads, c.tk, c.d);
     let q = random_normal(qs, seed);
@@ -284,7 +305,7 @@ pub fn check_on_gpu(
     let v = random_normal(ks, seed + 2);
     let dout = random_normal(qs, seed + 3);
     let gm = GpuMask::new(mask, score).map_err(|e| format!("{what}: {e}"))?;
-    let dm = DeviceMask::new(gpu, &gm, c.batch, c.heads, c.tq, c.tk, c.d)
+    let dm = DeviceMask::with_kernels(gpu, &gm, kernels, qs, c.tk)
         .map_err(|e| format!("{what}: {e}"))?;
     // the GPU's block mask lets through as many scores as the CPU's
     let cpu_blocks = BlockMask::new(

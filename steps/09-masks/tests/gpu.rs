@@ -1,16 +1,19 @@
 //! The masked Hopper kernels against the `f64` reference with FlashAttention's rule: every
 //! built-in mask and score function, a user's mask given as CUDA, grouped-query attention,
 //! fewer queries than keys, rows that see no key, bf16 and f16, forward and backward; and
-//! the block mask the GPU computes against the one the CPU computes.
+//! the block mask the GPU computes against the one the CPU computes. The same for the
+//! Ampere kernels (steps 03's and 04's), asked for by name so that a Hopper runs them too.
 //!
 //! Ignored without a GPU: `cargo test -p step09-masks --test gpu -- --include-ignored` on a
-//! Hopper.
+//! Hopper (the Ampere kernels' tests alone, on any GPU from Ampere: `-- --include-ignored
+//! ampere`).
 
 use flash_core::Shape;
 use flash_core::inputs::random_normal;
 use step03_cuda_forward::gpu::{Dtype, Gpu};
 use step09_masks::cuda::{self, DeviceMask, GpuMask};
-use step09_masks::rule::{GpuCase, check_on_gpu};
+use step09_masks::cuda_ampere::Kernels;
+use step09_masks::rule::{GpuCase, check_on_gpu, check_on_gpu_with};
 use step09_masks::{CustomMask, Documents, Mask, ScoreMod, Varies};
 
 const CASES: [GpuCase; 4] = [
@@ -96,10 +99,9 @@ fn masks(c: GpuCase) -> Vec<(Mask, ScoreMod)> {
     ]
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU (a Hopper)"]
-fn every_mask_and_score_function_keeps_the_rule_forward_and_backward() {
-    let gpu = Gpu::shared().expect("a GPU");
+/// Every case of [`CASES`] with every mask of [`masks`], mostly in bf16 and a quarter in
+/// f16, on the kernels `kernels` (`None`: the ones this GPU runs by default).
+fn check_every_mask(gpu: &Gpu, kernels: Option<Kernels>) {
     let mut failures = Vec::new();
     let mut checked = 0;
     for (i, c) in CASES.into_iter().enumerate() {
@@ -109,7 +111,12 @@ fn every_mask_and_score_function_keeps_the_rule_forward_and_backward() {
             } else {
                 Dtype::Bf16
             };
-            match check_on_gpu(gpu, c, &mask, &score, dtype, 100 * i as u64 + j as u64) {
+            let seed = 100 * i as u64 + j as u64;
+            let checked_one = match kernels {
+                Some(k) => check_on_gpu_with(gpu, k, c, &mask, &score, dtype, seed),
+                None => check_on_gpu(gpu, c, &mask, &score, dtype, seed),
+            };
+            match checked_one {
                 Ok(()) => checked += 1,
                 Err(e) => failures.push(e),
             }
@@ -123,6 +130,46 @@ fn every_mask_and_score_function_keeps_the_rule_forward_and_backward() {
         failures.join("\n")
     );
     assert_eq!(checked, CASES.len() * 8);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (a Hopper)"]
+fn every_mask_and_score_function_keeps_the_rule_forward_and_backward() {
+    check_every_mask(Gpu::shared().expect("a GPU"), None);
+}
+
+// ANCHOR: ampere_test
+/// Steps 03's and 04's kernels with the masks, asked for by name: on a Hopper they run
+/// instead of step 06's, with the same cases and the same rule.
+#[test]
+#[ignore = "needs a CUDA GPU (Ampere or newer)"]
+fn the_ampere_kernels_keep_the_rule_for_every_mask_and_score_function() {
+    check_every_mask(Gpu::shared().expect("a GPU"), Some(Kernels::Ampere));
+}
+// ANCHOR_END: ampere_test
+
+/// A GPU of compute capability 9.0 runs step 06's kernels unless asked, any other steps
+/// 03's and 04's; a block mask says which it was made for, and the call runs those.
+#[test]
+#[ignore = "needs a CUDA GPU (Ampere or newer)"]
+fn the_kernels_follow_the_compute_capability_unless_asked() {
+    let gpu = Gpu::shared().expect("a GPU");
+    let cc = gpu.context().compute_capability().unwrap();
+    let default = Kernels::for_gpu(gpu).unwrap();
+    assert_eq!(
+        default == Kernels::Hopper,
+        cc == (9, 0),
+        "{cc:?}: {default:?}"
+    );
+    let gm = GpuMask::new(&Mask::Causal, &ScoreMod::None).unwrap();
+    let q = Shape::new(1, 2, 128, 64);
+    let dm = DeviceMask::with_kernels(gpu, &gm, Kernels::Ampere, q, 128).unwrap();
+    assert_eq!(dm.kernels(), Kernels::Ampere);
+    let hopper = DeviceMask::with_kernels(gpu, &gm, Kernels::Hopper, q, 128);
+    match hopper {
+        Ok(dm) => assert_eq!((dm.kernels(), cc), (Kernels::Hopper, (9, 0))),
+        Err(e) => assert!(e.to_string().contains("compute capability 9.0"), "{e}"),
+    }
 }
 
 #[test]

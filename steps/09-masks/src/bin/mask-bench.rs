@@ -2,7 +2,8 @@
 //! the GPU, the forward's output checked on sampled rows against the `f64` reference
 //! (FlashAttention's rule: at most twice the error of attention by hand in the same
 //! precision), then the forward and the forward and backward timed with CUDA events after a
-//! warm-up, the median of `--runs`. For the causal mask, step 06's `cuda_hopper` beside it.
+//! warm-up, the median of `--runs`. For the causal mask, step 06's `cuda_hopper` beside it
+//! (with `--kernels ampere`, steps 03's and 04's masked copies, step 03's `cuda_flash`).
 //! TFLOP/s count only the scores the mask lets through (4 · head_dim FLOPs each forward,
 //! 3.5 times that forward and backward). Writes one JSON row per measurement (`--out`)
 //! and prints a table.
@@ -20,6 +21,7 @@ use ndarray::Array4;
 use serde::Serialize;
 use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, parse_half_dtype};
 use step09_masks::cuda::{self, DeviceMask, GpuMask};
+use step09_masks::cuda_ampere::Kernels;
 use step09_masks::rule::row_both_ways;
 use step09_masks::{Documents, Mask, MaskSpec, ScoreMod};
 
@@ -56,12 +58,19 @@ struct Args {
     /// Write the rows here as JSON (whole or not at all)
     #[arg(long, value_name = "FILE")]
     out: Option<std::path::PathBuf>,
+    /// The masked kernels to time: `hopper` (step 06's, compute capability 9.0) or
+    /// `ampere` (steps 03's and 04's, any GPU from 8.0) [default: hopper on 9.0, else
+    /// ampere]
+    #[arg(long)]
+    kernels: Option<Kernels>,
 }
 
 /// One measurement, as `charts/data/masks*.json` holds it.
 #[derive(Serialize, Clone, Debug)]
 struct MaskRow {
-    /// `masked` (this step's kernels) or `cuda_hopper` (step 06's, causal only)
+    /// `masked` (this step's Hopper kernels), `masked_ampere` (its Ampere kernels),
+    /// `cuda_hopper` (step 06's, causal only) or `cuda_flash` (steps 03's and 04's, causal
+    /// only, beside `masked_ampere`)
     method: String,
     device: String,
     commit: String,
@@ -155,6 +164,7 @@ fn time(
 fn measure(
     gpu: &Gpu,
     args: &Args,
+    kernels: Kernels,
     d: usize,
     t: usize,
     spec: &str,
@@ -165,7 +175,12 @@ fn measure(
     let (mask, score) = resolve(spec, args.batch, args.heads, t)?;
     cuda::check_mask(&mask, &score, args.batch, args.heads, t)?;
     let gm = GpuMask::new(&mask, &score)?;
-    let dm = DeviceMask::new(gpu, &gm, args.batch, args.heads, t, t, d)?;
+    let q_shape = Shape::new(args.batch, args.heads, t, d);
+    let dm = DeviceMask::with_kernels(gpu, &gm, kernels, q_shape, t)?;
+    let (masked, peer) = match kernels {
+        Kernels::Hopper => ("masked", "cuda_hopper"),
+        Kernels::Ampere => ("masked_ampere", "cuda_flash"),
+    };
     let row = |method: &str, pass: &str, ms: Option<f64>, error: Option<String>| {
         let flops = 4.0
             * d as f64
@@ -196,28 +211,38 @@ fn measure(
     let out = gpu.download(&fwd.out)?;
     drop(fwd);
     if let Err(e) = check_rows(host, &out, &mask, &score, args.dtype) {
-        rows.push(row("masked", "fwd", None, Some(e)));
+        rows.push(row(masked, "fwd", None, Some(e)));
         return Ok(());
     }
     let ms = time(gpu, args.runs, || {
         cuda::forward(gpu, q, k, v, &dm).map(drop)
     })?;
-    rows.push(row("masked", "fwd", Some(ms), None));
+    rows.push(row(masked, "fwd", Some(ms), None));
     let ms = time(gpu, args.runs, || {
         let fwd = cuda::forward(gpu, q, k, v, &dm)?;
         cuda::backward(gpu, q, k, v, &fwd, dout, &dm).map(drop)
     })?;
-    rows.push(row("masked", "fwd+bwd", Some(ms), None));
+    rows.push(row(masked, "fwd+bwd", Some(ms), None));
     if mask.is_causal() && score.is_identity() {
+        // the unmasked causal kernels the masked ones are built on
+        let forward = |gpu: &Gpu| match kernels {
+            Kernels::Hopper => step06_hopper::forward::forward(gpu, q, k, v),
+            Kernels::Ampere => gpu.forward(q, k, v),
+        };
+        let ms = time(gpu, args.runs, || forward(gpu).map(drop))?;
+        rows.push(row(peer, "fwd", Some(ms), None));
         let ms = time(gpu, args.runs, || {
-            step06_hopper::forward::forward(gpu, q, k, v).map(drop)
+            let fwd = forward(gpu)?;
+            match kernels {
+                Kernels::Hopper => {
+                    step06_hopper::backward::backward(gpu, q, k, v, &fwd, dout).map(drop)
+                }
+                Kernels::Ampere => {
+                    step04_backward::cuda::backward(gpu, q, k, v, &fwd, dout).map(drop)
+                }
+            }
         })?;
-        rows.push(row("cuda_hopper", "fwd", Some(ms), None));
-        let ms = time(gpu, args.runs, || {
-            let fwd = step06_hopper::forward::forward(gpu, q, k, v)?;
-            step06_hopper::backward::backward(gpu, q, k, v, &fwd, dout).map(drop)
-        })?;
-        rows.push(row("cuda_hopper", "fwd+bwd", Some(ms), None));
+        rows.push(row(peer, "fwd+bwd", Some(ms), None));
     }
     Ok(())
 }
@@ -259,6 +284,17 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let kernels = match args.kernels.map_or_else(|| Kernels::for_gpu(gpu), Ok) {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Err(e) = kernels.check(gpu) {
+        eprintln!("error: --kernels {}: {e}", kernels.name());
+        return ExitCode::FAILURE;
+    }
     println!("{}", gpu.describe());
     println!(
         "{:<12} {:<26} {:>4} {:>6} {:>7} {:>6} {:>9} {:>8}",
@@ -293,6 +329,7 @@ fn main() -> ExitCode {
                 if let Err(e) = measure(
                     gpu,
                     &args,
+                    kernels,
                     d,
                     t,
                     spec.trim(),
