@@ -90,15 +90,21 @@ impl Kernels {
     /// The kernels for this GPU: Hopper's on compute capability 9.0, Ampere's on the others
     /// (the GPU runtime opens 8.0 and newer only).
     pub fn for_gpu(gpu: &Gpu) -> Result<Kernels, AttnError> {
-        let cc = gpu
+        let (major, minor) = gpu
             .context()
             .compute_capability()
             .map_err(device_error("reading the compute capability"))?;
-        Ok(if cc == (9, 0) {
+        Ok(Kernels::for_capability(major, minor))
+    }
+
+    /// [`Kernels::for_gpu`] for compute capability `major.minor`: `wgmma` and TMA as step 06
+    /// uses them exist on 9.0 alone (`sm_90a`), `mma.sync` on every GPU from 8.0.
+    pub fn for_capability(major: i32, minor: i32) -> Kernels {
+        if (major, minor) == (9, 0) {
             Kernels::Hopper
         } else {
             Kernels::Ampere
-        })
+        }
     }
 
     /// That this GPU runs these kernels: the Hopper kernels need compute capability 9.0.
@@ -496,6 +502,14 @@ mod tests {
                 [value.as_str()],
                 "kernels/masked_ampere_backward.cu's {name}"
             );
+        }
+    }
+
+    #[test]
+    fn only_compute_capability_9_0_runs_the_hopper_kernels() {
+        assert_eq!(Kernels::for_capability(9, 0), Kernels::Hopper);
+        for (major, minor) in [(8, 0), (8, 6), (8, 9), (10, 0), (12, 0)] {
+            assert_eq!(Kernels::for_capability(major, minor), Kernels::Ampere);
         }
     }
 
