@@ -270,7 +270,8 @@ fn decode(
 /// head_dim]`, `tq ≤ tk` (q's rows are the last `tq` of the `tk` positions) and `kv_heads`
 /// dividing `heads`; the mask and score function of `spec`, resolved against that shape.
 /// Step 09's masked attention runs on `device`: on the CPU its blockwise forward and
-/// backward, on the GPU its Hopper kernels. Writes `out.npy` and `lse.npy` (q's rows), and
+/// backward, on the GPU its Hopper kernels on a Hopper and the ones made from steps 03 and
+/// 04's on any other GPU from Ampere. Writes `out.npy` and `lse.npy` (q's rows), and
 /// with `--dout` (q's shape) `dq.npy` of q's shape and `dk.npy`, `dv.npy` of k's.
 fn masked(
     device: methods::Device,

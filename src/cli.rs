@@ -171,8 +171,9 @@ fn mask_help() -> String {
     format!(
         "A mask and a score function (step 09): step 09's masked attention runs in the \
          method's place on its device (the CPU's blockwise forward and backward, or the GPU's \
-         Hopper kernels), and k and v may have more tokens than q (q's rows are the last \
-         positions) and fewer heads (grouped-query attention); {}",
+         kernels: step 06's on a Hopper, steps 03's and 04's on other GPUs from Ampere), and \
+         k and v may have more tokens than q (q's rows are the last positions) and fewer \
+         heads (grouped-query attention); {}",
         step09_masks::mask::ACCEPTED
     )
 }
