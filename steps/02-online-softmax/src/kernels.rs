@@ -1,6 +1,6 @@
 //! The micro-kernels of the fast version: the two matrix products of one block pair and the
-//! softmax between them, each in three instruction sets (AVX-512F, AVX2 with FMA, and plain
-//! Rust), chosen at run time.
+//! softmax between them, each in the instruction sets of two architectures (AVX-512F and
+//! AVX2 with FMA on x86-64, NEON on aarch64) and in plain Rust, chosen at run time.
 //!
 //! The SIMD lanes run along the *queries* of a block. The block's queries are stored
 //! transposed once per block, and the scores come out transposed too, one row per key:
@@ -48,12 +48,15 @@ pub enum Isa {
     Avx2,
     /// 512-bit AVX-512F.
     Avx512,
+    /// 128-bit NEON (Advanced SIMD) of aarch64, with fused multiply-add. Checked against
+    /// the scalar path under an emulator (qemu); no speed of it has been measured here.
+    Neon,
 }
 
 impl Isa {
     /// The widest instruction set this CPU has.
     pub fn detect() -> Isa {
-        [Isa::Avx512, Isa::Avx2]
+        [Isa::Avx512, Isa::Avx2, Isa::Neon]
             .into_iter()
             .find(|isa| isa.is_available())
             .unwrap_or(Isa::Scalar)
@@ -69,7 +72,8 @@ impl Isa {
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => is_x86_feature_detected!("avx512f"),
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             _ => false,
         }
     }
@@ -135,6 +139,7 @@ impl Kernels {
             Isa::Scalar => 1,
             Isa::Avx2 => 8,
             Isa::Avx512 => LANES,
+            Isa::Neon => 4,
         };
         let sum = match self.isa {
             #[cfg(target_arch = "x86_64")]
@@ -143,6 +148,9 @@ impl Kernels {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above
             Isa::Avx2 => unsafe { avx2::fma_chains(iters) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: as above
+            Isa::Neon => unsafe { neon::fma_chains(iters) },
             _ => scalar::fma_chains(iters),
         };
         let flops = 2.0 * (lanes * PEAK_CHAINS) as f64 * iters as f64;
@@ -180,6 +188,9 @@ impl Kernels {
             // SAFETY: as above, for AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::scores(qt, k, st, keys, scale, n) },
+            // SAFETY: as above, for NEON.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::scores(qt, k, st, keys, scale, n) },
             _ => scalar::scores(qt, k, st, 0, keys, scale, n),
         }
     }
@@ -219,6 +230,9 @@ impl Kernels {
             // SAFETY: as above, for AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 if fast_exp => unsafe { avx2::softmax::<FOLDED>(st, m, l, alpha, n) },
+            // SAFETY: as above, for NEON.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon if fast_exp => unsafe { neon::softmax::<FOLDED>(st, m, l, alpha, n) },
             _ => scalar::softmax::<FOLDED>(st, m, l, alpha, n),
         }
     }
@@ -245,6 +259,10 @@ impl Kernels {
             // SAFETY: as above, for AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::pv(pt, v, o, alpha, keys, n) },
+            // SAFETY: as above, for NEON (v's last, partial register is copied, not read
+            // past d).
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::pv(pt, v, o, alpha, keys, n) },
             _ => scalar::pv(pt, v, o, alpha, keys, n),
         }
     }
@@ -262,6 +280,9 @@ impl Kernels {
             // SAFETY: as above, for AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::exp2_shifted(x, shift, scale) },
+            // SAFETY: as above, for NEON.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::exp2_shifted(x, shift, scale) },
             _ => scalar::exp2_shifted(x, shift, scale),
         }
     }
@@ -971,6 +992,275 @@ mod avx2 {
     }
 }
 
+/// The AVX2 kernels' tiles in NEON's 128-bit registers, four floats each: 32 of them, so
+/// the tiles keep AVX2's shape (4 keys or queries × 16 columns, 16 accumulators). NEON has
+/// no masked load; the last, partial register of a row of `v` is copied into a zeroed one.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::{Dims, EXP2_MIN, EXP2_POLY, PEAK_CHAINS, scalar};
+    use std::arch::aarch64::*;
+
+    /// Floats in one NEON register.
+    const W: usize = 4;
+    /// Registers a tile row: 16 columns, as the x86 tiles.
+    const C: usize = 4;
+    /// Keys per scores tile, queries per output tile.
+    const R: usize = 4;
+
+    #[target_feature(enable = "neon")]
+    /// SAFETY (caller): the CPU has NEON.
+    pub unsafe fn fma_chains(iters: usize) -> f32 {
+        let (a, b) = (
+            vdupq_n_f32(std::hint::black_box(0.999_999)),
+            vdupq_n_f32(std::hint::black_box(1e-7)),
+        );
+        let mut acc = [vdupq_n_f32(0.0); PEAK_CHAINS];
+        for _ in 0..iters {
+            for x in &mut acc {
+                // x·a + b, as the x86 chains
+                *x = vfmaq_f32(b, *x, a);
+            }
+        }
+        acc.iter().map(|&x| vaddvq_f32(x)).sum()
+    }
+
+    /// `2^x` for 4 lanes, `x ≤ 0`; exactly 0 for `x < −126.5` (−∞ included): `avx2::exp2`.
+    #[target_feature(enable = "neon")]
+    fn exp2(x: float32x4_t) -> float32x4_t {
+        let x = vmaxq_f32(x, vdupq_n_f32(EXP2_MIN));
+        // to the nearest integer, ties to even, as _MM_FROUND_TO_NEAREST_INT
+        let n = vrndnq_f32(x);
+        let f = vsubq_f32(x, n);
+        let mut p = vdupq_n_f32(EXP2_POLY[0]);
+        for &c in &EXP2_POLY[1..] {
+            p = vfmaq_f32(vdupq_n_f32(c), p, f);
+        }
+        p = vfmaq_f32(vdupq_n_f32(1.0), p, f);
+        let n = vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127));
+        vmulq_f32(p, vreinterpretq_f32_s32(vshlq_n_s32::<23>(n)))
+    }
+
+    #[target_feature(enable = "neon")]
+    /// SAFETY (caller): the CPU has NEON.
+    pub unsafe fn exp2_shifted(x: &mut [f32], shift: f32, scale: f32) {
+        let (a, b) = (vdupq_n_f32(scale), vdupq_n_f32(shift));
+        let mut chunks = x.chunks_exact_mut(W);
+        for c in &mut chunks {
+            // SAFETY: `c` holds W floats
+            unsafe {
+                let v = vsubq_f32(vld1q_f32(c.as_ptr()), b);
+                vst1q_f32(c.as_mut_ptr(), exp2(vmulq_f32(v, a)));
+            }
+        }
+        scalar::exp2_shifted(chunks.into_remainder(), shift, scale);
+    }
+
+    /// 4 keys × 16 queries, the sum over d in order, one fused multiply-add at a time (as
+    /// `matrixmultiply` sums on aarch64, so the scores are step 01's). SAFETY (caller): 4
+    /// rows of k and of st, 16 columns of qt and st left; the CPU has NEON.
+    #[target_feature(enable = "neon")]
+    unsafe fn scores_tile(
+        qt: *const f32,
+        k: *const f32,
+        st: *mut f32,
+        scale: f32,
+        n: Dims,
+    ) {
+        let mut acc = [[vdupq_n_f32(0.0); C]; R];
+        for d in 0..n.d {
+            // SAFETY: d < n.d rows, 16 columns left
+            let q: [float32x4_t; C] =
+                std::array::from_fn(|c| unsafe { vld1q_f32(qt.add(d * n.br + W * c)) });
+            for j in 0..R {
+                // SAFETY: j < 4 rows left, d < n.d
+                let k_jd = unsafe { *k.add(j * n.d + d) };
+                for c in 0..C {
+                    acc[j][c] = vfmaq_n_f32(acc[j][c], q[c], k_jd);
+                }
+            }
+        }
+        for j in 0..R {
+            for c in 0..C {
+                // SAFETY: j < 4 rows, 16 columns left
+                unsafe {
+                    vst1q_f32(st.add(j * n.br + W * c), vmulq_n_f32(acc[j][c], scale))
+                };
+            }
+        }
+    }
+
+    /// SAFETY (caller): the CPU has NEON; `Kernels::scores`' asserts hold.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn scores(
+        qt: &[f32],
+        k: &[f32],
+        st: &mut [f32],
+        keys: usize,
+        scale: f32,
+        n: Dims,
+    ) {
+        let full = keys - keys % R;
+        for j0 in (0..full).step_by(R) {
+            for c0 in (0..n.br).step_by(C * W) {
+                // SAFETY: j0 + 4 ≤ keys ≤ bc, c0 + 16 ≤ br (a multiple of 16); the slices
+                // hold d·br, keys·d and bc·br values (asserted by the caller)
+                unsafe {
+                    scores_tile(
+                        qt.as_ptr().add(c0),
+                        k.as_ptr().add(j0 * n.d),
+                        st.as_mut_ptr().add(j0 * n.br + c0),
+                        scale,
+                        n,
+                    )
+                };
+            }
+        }
+        // the last keys % 4 keys, in the same order of sums
+        scalar::scores(qt, k, st, full, keys, scale, n);
+    }
+
+    /// SAFETY (caller): the CPU has NEON; `Kernels::softmax`' asserts hold.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn softmax<const FOLDED: bool>(
+        st: &mut [f32],
+        m: &mut [f32],
+        l: &mut [f32],
+        alpha: &mut [f32],
+        n: Dims,
+    ) {
+        let log2e = vdupq_n_f32(std::f32::consts::LOG2_E);
+        for c in (0..n.br).step_by(W) {
+            // SAFETY: c + 4 ≤ br ≤ the lengths of m, l, alpha, and every row j < bc of st
+            // has br values (asserted by the caller)
+            unsafe {
+                let st = st.as_mut_ptr().add(c);
+                let m_old = vld1q_f32(m.as_ptr().add(c));
+                let mut m_new = m_old;
+                for j in 0..n.bc {
+                    m_new = vmaxq_f32(m_new, vld1q_f32(st.add(j * n.br)));
+                }
+                // as `avx512::softmax`
+                let (mm_old, mm_new) = (vmulq_f32(m_old, log2e), vmulq_f32(m_new, log2e));
+                let x = if FOLDED {
+                    vsubq_f32(mm_old, mm_new)
+                } else {
+                    vmulq_f32(vsubq_f32(m_old, m_new), log2e)
+                };
+                let a = exp2(x);
+                let mut sum = vdupq_n_f32(0.0);
+                for j in 0..n.bc {
+                    let s = vld1q_f32(st.add(j * n.br));
+                    let x = if FOLDED {
+                        // s·log2 e − M with one rounding: −(M − s·log2 e), negation exact
+                        vnegq_f32(vfmsq_f32(mm_new, s, log2e))
+                    } else {
+                        vmulq_f32(vsubq_f32(s, m_new), log2e)
+                    };
+                    let p = exp2(x);
+                    vst1q_f32(st.add(j * n.br), p);
+                    sum = vaddq_f32(sum, p);
+                }
+                let l_new = vfmaq_f32(sum, a, vld1q_f32(l.as_ptr().add(c)));
+                vst1q_f32(l.as_mut_ptr().add(c), l_new);
+                vst1q_f32(m.as_mut_ptr().add(c), m_new);
+                vst1q_f32(alpha.as_mut_ptr().add(c), a);
+            }
+        }
+    }
+
+    /// The 4 floats of `x` from column `c`, zeros past `d`: a whole register where `c + 4 ≤
+    /// d`, else the tail copied (NEON has no masked load). SAFETY (caller): `x..x + d` is
+    /// readable; the CPU has NEON.
+    #[target_feature(enable = "neon")]
+    unsafe fn load_upto(x: *const f32, c: usize, d: usize) -> float32x4_t {
+        if c + W <= d {
+            // SAFETY: c + 4 ≤ d
+            unsafe { vld1q_f32(x.add(c)) }
+        } else {
+            let mut tail = [0.0f32; W];
+            for (i, t) in tail.iter_mut().enumerate().take(d.saturating_sub(c)) {
+                // SAFETY: c + i < d
+                *t = unsafe { *x.add(c + i) };
+            }
+            // SAFETY: `tail` holds 4 floats
+            unsafe { vld1q_f32(tail.as_ptr()) }
+        }
+    }
+
+    /// 4 queries × 16 dims of o. SAFETY (caller): 4 rows of o with 16 columns left from
+    /// `c0` (inside dp), `keys` rows of v of `n.d` values, 4 columns of pt and alpha left;
+    /// the CPU has NEON.
+    #[target_feature(enable = "neon")]
+    unsafe fn pv_tile(
+        pt: *const f32,
+        v: *const f32,
+        o: *mut f32,
+        alpha: *const f32,
+        c0: usize,
+        keys: usize,
+        n: Dims,
+    ) {
+        let mut acc = [[vdupq_n_f32(0.0); C]; R];
+        for i in 0..R {
+            // SAFETY: i < 4 rows, 16 columns of o left
+            unsafe {
+                let a = *alpha.add(i);
+                for c in 0..C {
+                    acc[i][c] = vmulq_n_f32(vld1q_f32(o.add(i * n.dp + W * c)), a);
+                }
+            }
+        }
+        for j in 0..keys {
+            // SAFETY: j < keys rows of v; nothing at or past d is read
+            let vj: [float32x4_t; C] = std::array::from_fn(|c| unsafe {
+                load_upto(v.add(j * n.d), c0 + W * c, n.d)
+            });
+            for i in 0..R {
+                // SAFETY: j < keys rows, i < 4 columns left
+                let p_ij = unsafe { *pt.add(j * n.br + i) };
+                for c in 0..C {
+                    acc[i][c] = vfmaq_n_f32(acc[i][c], vj[c], p_ij);
+                }
+            }
+        }
+        for i in 0..R {
+            for c in 0..C {
+                // SAFETY: as for the loads of o
+                unsafe { vst1q_f32(o.add(i * n.dp + W * c), acc[i][c]) };
+            }
+        }
+    }
+
+    /// SAFETY (caller): the CPU has NEON; `Kernels::pv`'s asserts hold.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn pv(
+        pt: &[f32],
+        v: &[f32],
+        o: &mut [f32],
+        alpha: &[f32],
+        keys: usize,
+        n: Dims,
+    ) {
+        for i0 in (0..n.br).step_by(R) {
+            for c0 in (0..n.dp).step_by(C * W) {
+                // SAFETY: i0 + 4 ≤ br, c0 + 16 ≤ dp; v is read below d only; the slices
+                // hold bc·br, keys·d, br·dp and br values (asserted by the caller)
+                unsafe {
+                    pv_tile(
+                        pt.as_ptr().add(i0),
+                        v.as_ptr(),
+                        o.as_mut_ptr().add(i0 * n.dp + c0),
+                        alpha.as_ptr().add(i0),
+                        c0,
+                        keys,
+                        n,
+                    )
+                };
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -989,7 +1279,7 @@ mod tests {
     }
 
     fn simd() -> Vec<Kernels> {
-        [Isa::Avx512, Isa::Avx2]
+        [Isa::Avx512, Isa::Avx2, Isa::Neon]
             .into_iter()
             .filter_map(|isa| Kernels::new(isa).ok())
             .collect()
@@ -1017,7 +1307,7 @@ mod tests {
     #[test]
     fn unavailable_instruction_sets_are_refused_and_scalar_always_works() {
         assert!(Kernels::new(Isa::Scalar).is_ok());
-        for isa in [Isa::Avx2, Isa::Avx512] {
+        for isa in [Isa::Avx2, Isa::Avx512, Isa::Neon] {
             assert_eq!(Kernels::new(isa).is_ok(), isa.is_available());
         }
         println!("detected: {:?}", Isa::detect());

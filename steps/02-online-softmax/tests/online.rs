@@ -92,7 +92,7 @@ fn every_instruction_set_agrees_with_the_scalar_path() {
         isa: Isa::Scalar,
         ..Config::default()
     };
-    let simd: Vec<Isa> = [Isa::Avx512, Isa::Avx2]
+    let simd: Vec<Isa> = [Isa::Avx512, Isa::Avx2, Isa::Neon]
         .into_iter()
         .filter(|isa| isa.is_available())
         .collect();
@@ -237,7 +237,7 @@ fn bad_input_is_an_error_that_says_what_is_accepted() {
         let err = attention_with(a.view(), a.view(), a.view(), cfg).unwrap_err();
         assert!(err.to_string().contains("at least 1"), "{err}");
     }
-    for isa in [Isa::Avx2, Isa::Avx512] {
+    for isa in [Isa::Avx2, Isa::Avx512, Isa::Neon] {
         let cfg = Config {
             isa,
             ..Config::default()

@@ -52,7 +52,7 @@ proptest! {
         (shape, seed) in shapes(),
         block_q in 1usize..80,
         block_k in 1usize..80,
-        isa in prop::sample::select(vec![Isa::Scalar, Isa::Avx2, Isa::Avx512]),
+        isa in prop::sample::select(vec![Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon]),
     ) {
         prop_assume!(isa.is_available());
         let [q, k, v] = random_qkv(shape, seed);
