@@ -5,7 +5,7 @@
 //! | rung | method | what it adds |
 //! | --- | --- | --- |
 //! | 1 | [`decode`](crate::decode()) | step 02's loop, one query row at a time, rows in parallel |
-//! | 2 | [`decode_grouped`] | a kv head's `g · n` rows together, keys in blocks: each key and value read from memory once for all of them, the finiteness check folded into that read; plain Rust |
+//! | 2 | [`decode_grouped`] | a kv head's `g · n` rows together, keys in blocks: each key and value read from memory once for all of them, the finiteness check read from the products' results; plain Rust |
 //! | 3 | [`decode_simd`] | rung 2 with its two products in AVX-512 or AVX2 registers, chosen at run time |
 //! | 4 | [`decode_threads`] | rung 3 with the keys split over the threads when there are fewer (sequence, kv head) pairs than threads can share, merged through the log-sum-exps |
 //!
@@ -44,7 +44,8 @@ pub const MIN_CHUNK: usize = 4 * BLOCK_KEYS;
 /// `out` (`R × d`) normalised by each row's own sum, `lse` (`R`) its log-sum-exp, `(0,
 /// −∞)` for a row that sees none of them. `q` holds the rows (`R × d`), `k` and `v` the kv
 /// head's whole cache (`context × d`). Row `r` is query row `r mod n` of its head and sees
-/// keys up to [`DecodeShape::last_key`]. True when every key and value read was finite.
+/// keys up to [`DecodeShape::last_key`]. False when a key or value read was not finite
+/// (or a score or output overflowed: [`DecodeKernels::scores`]).
 #[allow(clippy::too_many_arguments)]
 pub fn group_partial(
     kernels: DecodeKernels,
@@ -82,7 +83,7 @@ pub fn group_partial(
             if seen == 0 {
                 continue;
             }
-            let m_new = m[r].max(lanes(p, f32::NEG_INFINITY, f32::max));
+            let m_new = m[r].max(lanes(p, f32::NEG_INFINITY, max));
             exp.exp2_shifted(p, m_new, LOG2_E);
             // what was summed so far moves to the new maximum; e^(−∞) = 0 on the first
             // block
@@ -170,8 +171,9 @@ pub fn plan_chunk(shape: DecodeShape, threads: usize) -> usize {
 /// products ([`DecodeKernels`]; an error if this CPU lacks it), `chunk` keys a task (`None`:
 /// the whole cache). Every (sequence, kv head, chunk) is one task on rayon's threads; a
 /// pair's chunks are merged through their log-sum-exps by step 07's [`merge_row`]. The
-/// cache is checked for values that are not finite in the pass that reads it, and only
-/// when one was seen is it searched again, for the message that names it.
+/// cache is checked for values that are not finite through what the products wrote (row
+/// 0's scores and outputs, [`DecodeKernels`]), with no pass of its own, and only when one
+/// was seen is it searched again, for the message that names it.
 pub fn decode_grouped_with(
     q: ArrayView4<f32>,
     k: ArrayView4<f32>,
@@ -267,17 +269,35 @@ pub fn decode_grouped_with(
 }
 // ANCHOR_END: decode_grouped_with
 
-/// `x` folded by `f` (a maximum, a sum) in 16 independent lanes, then the lanes folded:
-/// sixteen chains the compiler can put in SIMD registers, where one fold over `x` would
-/// wait on each step's result before the next.
+/// `x` folded by `f` (a maximum, a sum) in 16 independent lanes, then the lanes folded in
+/// halves: sixteen chains the compiler can put in SIMD registers, where one fold over `x`
+/// would wait on each step's result before the next, and four steps to fold them rather
+/// than sixteen in a row.
 fn lanes(x: &[f32], init: f32, f: impl Fn(f32, f32) -> f32) -> f32 {
     let mut acc = [init; 16];
-    for c in x.chunks(16) {
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
         for (a, &x) in acc.iter_mut().zip(c) {
             *a = f(*a, x);
         }
     }
-    acc.into_iter().fold(init, f)
+    for (a, &x) in acc.iter_mut().zip(tail) {
+        *a = f(*a, x);
+    }
+    for half in [8, 4, 2, 1] {
+        for i in 0..half {
+            acc[i] = f(acc[i], acc[i + half]);
+        }
+    }
+    acc[0]
+}
+
+/// The larger of `a` and `b`, as one SIMD instruction computes it (`f32::max` also
+/// chooses the number when the other is NaN, which costs the compiler a comparison and a
+/// blend on every lane).
+fn max(a: f32, b: f32) -> f32 {
+    if a > b { a } else { b }
 }
 
 /// The numbers of a standard-layout array, in order.

@@ -15,11 +15,16 @@
 //! - `s`: `R × bc`, row `r`'s scores of the block at `s[r·bc ..]`, then its probabilities;
 //! - `o`: `R × d`, the running (unnormalised) outputs.
 //!
-//! Each kernel also reports whether every value it read from the cache was finite, the
-//! check folded into the pass that reads the cache (a second pass over a cache that does
-//! not fit in the caches costs as much as the attention). A value is finite when its
-//! exponent bits are not all ones, so the kernels keep the largest exponent field seen, an
-//! integer AND and MAX per register, off the path of the sums.
+//! Each product also reports whether the block's keys (values) were finite, without a
+//! pass of its own over the cache (a second pass over a cache that does not fit in the
+//! caches costs as much as the attention) and without a look at each value it loads (an
+//! integer AND and MAX a register loaded, competing with the multiply-adds for the SIMD
+//! units): it looks at what it wrote. q is finite (checked before), so a key with a value that is
+//! not finite gives every row a score that is not finite (`x·∞` is ±∞, `0·∞` is NaN), and a
+//! value that is not finite leaves every row's output so for good (a probability, even 0,
+//! times it is ±∞ or NaN, and sums and products keep it). Row 0's scores of the block and
+//! its output row are enough. A score or a sum that overflows reads as not finite too: the
+//! caller then searches the cache, finds it finite and goes on.
 //!
 //! The AVX-512 kernels also care how the block comes from memory: the first tile of rows,
 //! the one that brings it, reads each key and value whole and in order, and asks for the
@@ -83,8 +88,8 @@ impl DecodeKernels {
     // ANCHOR: block_scores
     /// `s[r·bc + j] = (q_r · k_j)·scale` for every row `r` and key `j < t.keys`: each key
     /// loaded from memory once and multiplied by all `R` rows while it is in the L1 cache,
-    /// the small matrix product `Q Kᵀ` of the block. True when every value of the block's
-    /// keys is finite.
+    /// the small matrix product `Q Kᵀ` of the block. True when the block's keys are finite
+    /// (row 0's scores are), false also for a score that overflowed.
     pub fn scores(self, q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> bool {
         assert!(
             t.d > 0
@@ -94,7 +99,7 @@ impl DecodeKernels {
                 && s.len() >= t.rows * t.bc,
             "{t:?}: d ≥ 1, keys ≤ bc, q R·d, k keys·d and s R·bc long"
         );
-        let seen = match self.isa {
+        match self.isa {
             // SAFETY: `self` exists only if the CPU has AVX-512F (`DecodeKernels::new`);
             // the asserts above bound every pointer (rows < R, keys < t.keys, dims < d).
             #[cfg(target_arch = "x86_64")]
@@ -103,15 +108,15 @@ impl DecodeKernels {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::scores(q, k, s, t, scale) },
             _ => scalar::scores(q, k, s, t, scale),
-        };
-        seen != EXPONENT
+        }
+        t.rows == 0 || finite(&s[..t.keys])
     }
     // ANCHOR_END: block_scores
 
     // ANCHOR: block_values
     /// `o_r += Σ_j p[r·bc + j]·v_j` for every row `r`, keys `j < t.keys`: each value loaded
-    /// from memory once and added into all `R` running outputs. True when every value of the
-    /// block's values is finite.
+    /// from memory once and added into all `R` running outputs. True when the block's values
+    /// are finite (row 0's output is), false also for an output that overflowed.
     pub fn values(self, p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> bool {
         assert!(
             t.d > 0
@@ -121,7 +126,7 @@ impl DecodeKernels {
                 && o.len() >= t.rows * t.d,
             "{t:?}: d ≥ 1, keys ≤ bc, p R·bc, v keys·d and o R·d long"
         );
-        let seen = match self.isa {
+        match self.isa {
             // SAFETY: `self` proves AVX-512F; the asserts above bound every pointer (rows
             // < R, keys < t.keys, dims < d).
             #[cfg(target_arch = "x86_64")]
@@ -130,38 +135,34 @@ impl DecodeKernels {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::values(p, v, o, t) },
             _ => scalar::values(p, v, o, t),
-        };
-        seen != EXPONENT
+        }
+        t.rows == 0 || finite(&o[..t.d])
     }
     // ANCHOR_END: block_values
+}
+
+/// Whether every number of `x` is finite, in one pass the compiler vectorises: a value is
+/// finite when its exponent field is not all ones, and the largest field says it for all.
+fn finite(x: &[f32]) -> bool {
+    x.iter().fold(0, |m, x| m.max(x.to_bits() & EXPONENT)) != EXPONENT
 }
 
 /// The portable path, plain Rust: correct on every CPU, the reference the SIMD paths are
 /// tested against. The compiler vectorises its loops for the target's baseline (SSE2 on
 /// x86-64, NEON on aarch64, where NEON is always there).
 mod scalar {
-    use super::{EXPONENT, Tile};
+    use super::Tile;
 
-    /// The largest exponent field of `x`: `EXPONENT` when a value is not finite.
-    fn exponents(x: &[f32]) -> u32 {
-        x.iter().fold(0, |m, x| m.max(x.to_bits() & EXPONENT))
-    }
-
-    pub fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> u32 {
-        let mut seen = 0;
+    pub fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) {
         for (j, k_j) in k.chunks_exact(t.d).take(t.keys).enumerate() {
-            seen = seen.max(exponents(k_j));
             for (r, q_r) in q.chunks_exact(t.d).take(t.rows).enumerate() {
                 s[r * t.bc + j] = crate::decode::dot(q_r, k_j) * scale;
             }
         }
-        seen
     }
 
-    pub fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> u32 {
-        let mut seen = 0;
+    pub fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
         for (j, v_j) in v.chunks_exact(t.d).take(t.keys).enumerate() {
-            seen = seen.max(exponents(v_j));
             for (r, o_r) in o.chunks_exact_mut(t.d).take(t.rows).enumerate() {
                 let p_rj = p[r * t.bc + j];
                 for (o, &x) in o_r.iter_mut().zip(v_j) {
@@ -169,13 +170,12 @@ mod scalar {
                 }
             }
         }
-        seen
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{EXPONENT, Tile};
+    use super::Tile;
     use std::arch::x86_64::*;
 
     const LANES: usize = 16;
@@ -184,26 +184,6 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     fn tail_mask(d: usize) -> __mmask16 {
         ((1u32 << (d % LANES)) - 1) as __mmask16
-    }
-
-    /// SAFETY (caller): the CPU has AVX-512F; `x..x + d` is readable.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn exponents(x: *const f32, d: usize, seen: __m512i) -> __m512i {
-        let e = _mm512_set1_epi32(EXPONENT as i32);
-        let mut seen = seen;
-        let mut c = 0;
-        while c + LANES <= d {
-            // SAFETY: c + 16 ≤ d
-            let x = unsafe { _mm512_loadu_ps(x.add(c)) };
-            seen = _mm512_max_epi32(seen, _mm512_and_si512(_mm512_castps_si512(x), e));
-            c += LANES;
-        }
-        if c < d {
-            // SAFETY: the masked lanes are not read
-            let x = unsafe { _mm512_maskz_loadu_ps(tail_mask(d), x.add(c)) };
-            seen = _mm512_max_epi32(seen, _mm512_and_si512(_mm512_castps_si512(x), e));
-        }
-        seen
     }
 
     /// A head dim of at most `W` registers: a query row, or an output row, held in
@@ -225,7 +205,7 @@ mod avx512 {
 
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> u32 {
+    pub unsafe fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) {
         if t.d > 8 * LANES {
             // SAFETY: the caller's conditions
             return unsafe { scores_any(q, k, s, t, scale) };
@@ -259,6 +239,44 @@ mod avx512 {
         _mm512_castps512_ps128(_mm512_permutexvar_ps(first, y))
     }
 
+    /// The sums of sixteen registers, `a[r][u]` for four rows `r` and four keys `u`: lane `r`
+    /// (128 bits) of the result holds row `r`'s four sums, `[Σ a[r][0], …, Σ a[r][3]]`, as
+    /// the row's four scores lie in `s`. Halving the sixteen together (256 bits, 128, then
+    /// within each lane of 128) takes 45 shuffles and additions where [`sum4`] on each row
+    /// takes 56, and no constant to load.
+    #[target_feature(enable = "avx512f")]
+    fn sum4x4(a: [[__m512; 4]; 4]) -> __m512 {
+        // two rows of a key: halves of 256 bits, each summed
+        let halves = |x, y| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y),
+            )
+        };
+        // lanes of 128 bits: lane r row r's partial sums
+        let quarters = |x, y| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y),
+            )
+        };
+        let y: [__m512; 4] = std::array::from_fn(|u| {
+            quarters(halves(a[0][u], a[1][u]), halves(a[2][u], a[3][u]))
+        });
+        // within each lane: two keys' two partial sums, then element u key u's sum
+        let pairs = |x, y| {
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b01_00_01_00>(x, y),
+                _mm512_shuffle_ps::<0b11_10_11_10>(x, y),
+            )
+        };
+        let (z01, z23) = (pairs(y[0], y[1]), pairs(y[2], y[3]));
+        _mm512_add_ps(
+            _mm512_shuffle_ps::<0b10_00_10_00>(z01, z23),
+            _mm512_shuffle_ps::<0b11_01_11_01>(z01, z23),
+        )
+    }
+
     /// Asks for the row at `x[at..]` of the block after next (`2 · bc` keys on, the next
     /// block's keys and values being read meanwhile) to be brought into the L2 cache, one
     /// request a line of 16 values. The products' own loads, spread among their
@@ -274,19 +292,11 @@ mod avx512 {
         }
     }
 
-    /// `seen` with the exponent fields of `x` folded in: its largest in each lane.
-    #[target_feature(enable = "avx512f")]
-    fn fold_exponents(seen: __m512i, x: __m512) -> __m512i {
-        let e = _mm512_set1_epi32(EXPONENT as i32);
-        _mm512_max_epi32(seen, _mm512_and_si512(_mm512_castps_si512(x), e))
-    }
-
     /// Rows four at a time (then one at a time), each group of four keys multiplied by the
     /// four rows register by register: a register of a key serves four rows and a register
     /// of a row four keys, so the sixteen sums need eight loads for sixteen multiply-adds
     /// rather than one load each, and the four sums of a row are halved together into
-    /// four scores. The first tile of rows also keeps the keys' largest exponent field, from
-    /// the registers the products load: the check costs no load of its own.
+    /// four scores: for four rows, the sixteen sums halved together ([`sum4x4`]).
     ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold;
     /// `d ≤ 16 · W`.
@@ -297,21 +307,17 @@ mod avx512 {
         s: &mut [f32],
         t: Tile,
         scale: f32,
-    ) -> u32 {
+    ) {
         if t.rows == 0 {
-            return 0;
+            return;
         }
         // SAFETY (all four calls): rows r .. r + RB < R; the caller's conditions
-        let (seen, mut r) = if t.rows >= 4 {
-            (
-                unsafe { scores_tile::<W, 4, true>(q, k, s, t, scale, 0) },
-                4,
-            )
+        let mut r = if t.rows >= 4 {
+            unsafe { scores_tile::<W, 4, true>(q, k, s, t, scale, 0) };
+            4
         } else {
-            (
-                unsafe { scores_tile::<W, 1, true>(q, k, s, t, scale, 0) },
-                1,
-            )
+            unsafe { scores_tile::<W, 1, true>(q, k, s, t, scale, 0) };
+            1
         };
         while r + 4 <= t.rows {
             unsafe { scores_tile::<W, 4, false>(q, k, s, t, scale, r) };
@@ -321,22 +327,21 @@ mod avx512 {
             unsafe { scores_tile::<W, 1, false>(q, k, s, t, scale, r) };
             r += 1;
         }
-        _mm512_reduce_max_epi32(seen) as u32
     }
 
-    /// Rows `r0 .. r0 + RB` against every key of the block; with `CHECK`, the largest
-    /// exponent field of each lane of the keys, else zeros.
+    /// Rows `r0 .. r0 + RB` against every key of the block; with `FIRST` (the tile that
+    /// brings the block from memory), the block after next asked for.
     ///
     /// SAFETY (caller): as [`scores_rows`], and `r0 + RB ≤ R`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn scores_tile<const W: usize, const RB: usize, const CHECK: bool>(
+    unsafe fn scores_tile<const W: usize, const RB: usize, const FIRST: bool>(
         q: &[f32],
         k: &[f32],
         s: &mut [f32],
         t: Tile,
         scale: f32,
         r0: usize,
-    ) -> __m512i {
+    ) {
         let d = t.d;
         // lanes of register c inside a row: all of them but in the last, partial one
         let mask = |c: usize| {
@@ -352,11 +357,11 @@ mod avx512 {
         };
         let row = |r: usize| q[(r0 + r) * d..].as_ptr();
         let key = |j: usize| k[j * d..].as_ptr();
-        let scale4 = _mm_set1_ps(scale);
-        let mut seen = _mm512_setzero_si512();
+        let (scale4, scale16) = (_mm_set1_ps(scale), _mm512_set1_ps(scale));
+        let base = s.as_mut_ptr();
         let mut j = 0;
         while j + 4 <= t.keys {
-            if CHECK {
+            if FIRST {
                 for u in 0..4 {
                     prefetch_ahead::<W>(k, (j + u) * d, t);
                 }
@@ -369,11 +374,6 @@ mod avx512 {
                     load(key(j + 2), c),
                     load(key(j + 3), c),
                 ];
-                if CHECK {
-                    for x in keys {
-                        seen = fold_exponents(seen, x);
-                    }
-                }
                 for r in 0..RB {
                     let x = load(row(r), c);
                     for u in 0..4 {
@@ -381,19 +381,27 @@ mod avx512 {
                     }
                 }
             }
-            for r in 0..RB {
-                let sums = _mm_mul_ps(sum4(acc[r]), scale4);
-                // SAFETY: row r0 + r < R and keys j .. j + 4 ≤ t.keys ≤ bc: inside s
-                unsafe { _mm_storeu_ps(s.as_mut_ptr().add((r0 + r) * t.bc + j), sums) };
+            // row r's scores of keys j .. j + 4: inside s, as r0 + r < R and j + 4 ≤ bc
+            let at = |r: usize| base.wrapping_add((r0 + r) * t.bc + j);
+            if RB == 4 {
+                let sums = _mm512_mul_ps(sum4x4(std::array::from_fn(|r| acc[r])), scale16);
+                // SAFETY: at(r) .. at(r) + 4 lies in s (above)
+                unsafe {
+                    _mm_storeu_ps(at(0), _mm512_castps512_ps128(sums));
+                    _mm_storeu_ps(at(1), _mm512_extractf32x4_ps::<1>(sums));
+                    _mm_storeu_ps(at(2), _mm512_extractf32x4_ps::<2>(sums));
+                    _mm_storeu_ps(at(3), _mm512_extractf32x4_ps::<3>(sums));
+                }
+            } else {
+                for r in 0..RB {
+                    let sums = _mm_mul_ps(sum4(acc[r]), scale4);
+                    // SAFETY: at(r) .. at(r) + 4 lies in s (above)
+                    unsafe { _mm_storeu_ps(at(r), sums) };
+                }
             }
             j += 4;
         }
         while j < t.keys {
-            for c in 0..W {
-                if CHECK {
-                    seen = fold_exponents(seen, load(key(j), c));
-                }
-            }
             for r in 0..RB {
                 let mut a = _mm512_setzero_ps();
                 for c in 0..W {
@@ -403,12 +411,11 @@ mod avx512 {
             }
             j += 1;
         }
-        seen
     }
 
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> u32 {
+    pub unsafe fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
         if t.d > 8 * LANES {
             // SAFETY: the caller's conditions
             return unsafe { values_any(p, v, o, t) };
@@ -423,25 +430,18 @@ mod avx512 {
     /// once a key, serves its registers. Stored once at the end. A tile reads each value
     /// whole, so that the first one, which brings the block from memory, reads it in
     /// order, as the hardware's prefetcher expects (two passes over halves of each value
-    /// leave the second half to miss again); it also keeps the values' largest exponent
-    /// field.
+    /// leave the second half to miss again).
     ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold; `d ≤
     /// 16 · W`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn values_rows<const W: usize>(
-        p: &[f32],
-        v: &[f32],
-        o: &mut [f32],
-        t: Tile,
-    ) -> u32 {
+    unsafe fn values_rows<const W: usize>(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
         // SAFETY (both calls): the caller's conditions
-        let seen = if W <= 4 {
+        if W <= 4 {
             unsafe { values_tiles::<W, 4>(p, v, o, t) }
         } else {
             unsafe { values_tiles::<W, 2>(p, v, o, t) }
-        };
-        _mm512_reduce_max_epi32(seen) as u32
+        }
     }
 
     /// [`values_rows`] in tiles of `RB` rows, then one at a time.
@@ -453,15 +453,17 @@ mod avx512 {
         v: &[f32],
         o: &mut [f32],
         t: Tile,
-    ) -> __m512i {
+    ) {
         if t.rows == 0 {
-            return _mm512_setzero_si512();
+            return;
         }
         // SAFETY (all four calls): rows r .. r + RB < R; the caller's conditions
-        let (seen, mut r) = if t.rows >= RB {
-            (unsafe { values_tile::<W, RB, true>(p, v, o, t, 0) }, RB)
+        let mut r = if t.rows >= RB {
+            unsafe { values_tile::<W, RB, true>(p, v, o, t, 0) };
+            RB
         } else {
-            (unsafe { values_tile::<W, 1, true>(p, v, o, t, 0) }, 1)
+            unsafe { values_tile::<W, 1, true>(p, v, o, t, 0) };
+            1
         };
         while r + RB <= t.rows {
             unsafe { values_tile::<W, RB, false>(p, v, o, t, r) };
@@ -471,21 +473,21 @@ mod avx512 {
             unsafe { values_tile::<W, 1, false>(p, v, o, t, r) };
             r += 1;
         }
-        seen
     }
 
     /// Rows `r0 .. r0 + RB`, every value of the block added into their outputs; with
-    /// `CHECK`, the largest exponent field of each lane of the values, else zeros.
+    /// `FIRST` (the tile that brings the block from memory), the block after next asked
+    /// for.
     ///
     /// SAFETY (caller): as [`values_rows`], and `r0 + RB ≤ R`.
     #[target_feature(enable = "avx512f")]
-    unsafe fn values_tile<const W: usize, const RB: usize, const CHECK: bool>(
+    unsafe fn values_tile<const W: usize, const RB: usize, const FIRST: bool>(
         p: &[f32],
         v: &[f32],
         o: &mut [f32],
         t: Tile,
         r0: usize,
-    ) -> __m512i {
+    ) {
         let d = t.d;
         let mask = |c: usize| {
             if c + 1 < W || d.is_multiple_of(LANES) {
@@ -501,7 +503,6 @@ mod avx512 {
         let base = o.as_mut_ptr();
         // SAFETY: row r0 + r < R, o holds R · d values
         let out = |r: usize| unsafe { base.add((r0 + r) * d) };
-        let mut seen = _mm512_setzero_si512();
         let mut acc = [[_mm512_setzero_ps(); W]; RB];
         for r in 0..RB {
             for c in 0..W {
@@ -509,7 +510,7 @@ mod avx512 {
             }
         }
         for j in 0..t.keys {
-            if CHECK {
+            if FIRST {
                 prefetch_ahead::<W>(v, j * d, t);
             }
             let mut pr = [_mm512_setzero_ps(); RB];
@@ -519,9 +520,6 @@ mod avx512 {
             let value = v[j * d..].as_ptr();
             for c in 0..W {
                 let x = load(value, c);
-                if CHECK {
-                    seen = fold_exponents(seen, x);
-                }
                 for r in 0..RB {
                     acc[r][c] = _mm512_fmadd_ps(pr[r], x, acc[r][c]);
                 }
@@ -533,21 +531,18 @@ mod avx512 {
                 unsafe { _mm512_mask_storeu_ps(out(r).add(c * LANES), mask(c), acc[r][c]) };
             }
         }
-        seen
     }
 
     /// Any head dim: the key's registers loaded again for each row.
     ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold.
     #[target_feature(enable = "avx512f")]
-    unsafe fn scores_any(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> u32 {
+    unsafe fn scores_any(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) {
         let d = t.d;
         let (full, mask) = (d / LANES * LANES, tail_mask(d));
-        let mut seen = _mm512_setzero_si512();
         for j in 0..t.keys {
             // SAFETY: key j < t.keys, k holds t.keys · d values
             let k_j = unsafe { k.as_ptr().add(j * d) };
-            seen = unsafe { exponents(k_j, d, seen) };
             for r in 0..t.rows {
                 let q_r = unsafe { q.as_ptr().add(r * d) };
                 // two sums, so that consecutive multiply-adds do not wait for each other
@@ -592,21 +587,18 @@ mod avx512 {
                 s[r * t.bc + j] = _mm512_reduce_add_ps(_mm512_add_ps(a, b)) * scale;
             }
         }
-        _mm512_reduce_max_epi32(seen) as u32
     }
 
     /// Any head dim: the outputs loaded and stored for each key.
     ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold.
     #[target_feature(enable = "avx512f")]
-    unsafe fn values_any(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> u32 {
+    unsafe fn values_any(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
         let d = t.d;
         let (full, mask) = (d / LANES * LANES, tail_mask(d));
-        let mut seen = _mm512_setzero_si512();
         for j in 0..t.keys {
             // SAFETY: value j < t.keys, v holds t.keys · d values
             let v_j = unsafe { v.as_ptr().add(j * d) };
-            seen = unsafe { exponents(v_j, d, seen) };
             for r in 0..t.rows {
                 let p_rj = _mm512_set1_ps(p[r * t.bc + j]);
                 // SAFETY: row r < R, o holds R · d values
@@ -637,13 +629,12 @@ mod avx512 {
                 }
             }
         }
-        _mm512_reduce_max_epi32(seen) as u32
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{EXPONENT, Tile};
+    use super::Tile;
     use std::arch::x86_64::*;
 
     const LANES: usize = 8;
@@ -663,43 +654,14 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)))
     }
 
-    #[target_feature(enable = "avx2")]
-    fn max(x: __m256i) -> u32 {
-        let x = _mm_max_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256::<1>(x));
-        let x = _mm_max_epi32(x, _mm_shuffle_epi32::<0b01_00_11_10>(x));
-        _mm_cvtsi128_si32(_mm_max_epi32(x, _mm_shuffle_epi32::<0b10_11_00_01>(x))) as u32
-    }
-
-    /// SAFETY (caller): the CPU has AVX2; `x..x + d` is readable.
-    #[target_feature(enable = "avx2")]
-    unsafe fn exponents(x: *const f32, d: usize, seen: __m256i) -> __m256i {
-        let e = _mm256_set1_epi32(EXPONENT as i32);
-        let mut seen = seen;
-        let mut c = 0;
-        while c + LANES <= d {
-            // SAFETY: c + 8 ≤ d
-            let x = unsafe { _mm256_loadu_ps(x.add(c)) };
-            seen = _mm256_max_epi32(seen, _mm256_and_si256(_mm256_castps_si256(x), e));
-            c += LANES;
-        }
-        if c < d {
-            // SAFETY: the masked lanes are not read
-            let x = unsafe { _mm256_maskload_ps(x.add(c), tail_mask(d)) };
-            seen = _mm256_max_epi32(seen, _mm256_and_si256(_mm256_castps_si256(x), e));
-        }
-        seen
-    }
-
     /// SAFETY (caller): the CPU has AVX2 and FMA; `DecodeKernels::scores`' asserts hold.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) -> u32 {
+    pub unsafe fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) {
         let d = t.d;
         let (full, mask) = (d / LANES * LANES, tail_mask(d));
-        let mut seen = _mm256_setzero_si256();
         for j in 0..t.keys {
             // SAFETY: key j < t.keys, k holds t.keys · d values
             let k_j = unsafe { k.as_ptr().add(j * d) };
-            seen = unsafe { exponents(k_j, d, seen) };
             for r in 0..t.rows {
                 let q_r = unsafe { q.as_ptr().add(r * d) };
                 let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
@@ -743,19 +705,16 @@ mod avx2 {
                 s[r * t.bc + j] = sum(_mm256_add_ps(a, b)) * scale;
             }
         }
-        max(seen)
     }
 
     /// SAFETY (caller): the CPU has AVX2 and FMA; `DecodeKernels::values`' asserts hold.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) -> u32 {
+    pub unsafe fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
         let d = t.d;
         let (full, mask) = (d / LANES * LANES, tail_mask(d));
-        let mut seen = _mm256_setzero_si256();
         for j in 0..t.keys {
             // SAFETY: value j < t.keys, v holds t.keys · d values
             let v_j = unsafe { v.as_ptr().add(j * d) };
-            seen = unsafe { exponents(v_j, d, seen) };
             for r in 0..t.rows {
                 let p_rj = _mm256_set1_ps(p[r * t.bc + j]);
                 // SAFETY: row r < R, o holds R · d values
@@ -786,6 +745,5 @@ mod avx2 {
                 }
             }
         }
-        max(seen)
     }
 }

@@ -15,10 +15,10 @@
 //!   [`check_decode`]'s refusals of bad input. [`decode()`] is rung 1 of CPU decoding.
 //! - [`decode_grouped`](mod@decode_grouped): rungs 2 to 4, at the memory's speed: each kv
 //!   head's rows together over blocks of keys, each key and value read once for all of them
-//!   and checked for finiteness in that read ([`decode_grouped()`]), the block's products in
-//!   SIMD registers ([`decode_simd`]), the keys split over the threads when the kv heads are
-//!   few ([`decode_threads`]); [`decode_kernels`] holds the products in AVX-512, AVX2 and
-//!   plain Rust, chosen at run time.
+//!   and checked for finiteness through the products' results ([`decode_grouped()`]), the
+//!   block's products in SIMD registers ([`decode_simd`]), the keys split over the threads
+//!   when the kv heads are few ([`decode_threads`]); [`decode_kernels`] holds the products
+//!   in AVX-512, AVX2 and plain Rust, chosen at run time.
 //! - [`reference`](mod@reference): the `f64` reference on the expanded heads (each kv head
 //!   repeated, the queries at the end of the sequence: step 01's causal attention), the
 //!   same row by row for long caches, and attention by hand in 16 bits for the

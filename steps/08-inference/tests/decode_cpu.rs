@@ -164,7 +164,7 @@ fn the_split_is_made_only_when_the_pairs_are_too_few_for_the_threads() {
 
 #[test]
 fn the_grouped_rungs_refuse_what_decode_refuses_with_the_same_words() {
-    // the cache's finiteness is checked in the pass that reads it: a value that is not
+    // the cache's finiteness is checked without a pass of its own: a value that is not
     // finite in the first block, in the last partial one, in k or in v, in the second kv
     // head, is still named by its place
     let shape = DecodeShape::new(1, 4, 2, 2, 150, 20);
@@ -213,15 +213,16 @@ fn the_grouped_rungs_refuse_what_decode_refuses_with_the_same_words() {
 
 #[test]
 fn the_products_see_a_value_that_is_not_finite_at_every_tile_of_rows() {
-    // the AVX-512 products check the registers they load, in the first tile of rows only:
-    // a tile of four rows, of two (values past 4 registers a row), of one; 1, 3 and 5 rows
-    // a kv head; head dims of 2, 5 and 8 registers; the value in a key's or a value's
-    // last register, in the last partial block
+    // the products check what they wrote (row 0's scores and outputs), whichever tile of
+    // rows wrote them: a tile of four rows, of two (values past 4 registers a row), of one;
+    // 1, 3 and 5 rows a kv head; head dims of 2, 5 and 8 registers; the value in a key's or
+    // a value's last register, in the last partial block; −∞ in a key, which gives some rows
+    // a score of −∞, a probability of 0 and no trace in the output
     for d in [20, 72, 128] {
         for (heads, kv) in [(2, 2), (3, 1), (5, 1)] {
             let shape = DecodeShape::new(1, heads, kv, 1, 150, d);
             let [q, k, v] = inputs(shape, 7);
-            for x in [f32::NAN, f32::INFINITY] {
+            for x in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
                 let mut bad = k.clone();
                 bad[[0, kv - 1, 149, d - 1]] = x;
                 for (k, v) in [(&bad, &v), (&k, &bad)] {
