@@ -1,7 +1,9 @@
 //! The micro-kernels of the grouped rungs of CPU decoding ([`decode_grouped`],
 //! [`decode_simd`], [`decode_threads`]): one block of keys against the `R` query rows that
-//! share a kv head, in three instruction sets (AVX-512F, AVX2 with FMA, and plain Rust),
-//! chosen at run time as step 02's [`Isa`] chooses them.
+//! share a kv head, in the instruction sets of two architectures (AVX-512F and AVX2 with
+//! FMA on x86-64, NEON on aarch64) and in plain Rust, chosen at run time as step 02's
+//! [`Isa`] chooses them. The NEON kernels are checked against plain Rust under an emulator;
+//! no speed of theirs has been measured here.
 //!
 //! The SIMD lanes run along the *head dim*: a key, a value, a query row and an output row
 //! are each `d` contiguous numbers, loaded `LANES` at a time (the last, partial load
@@ -107,6 +109,9 @@ impl DecodeKernels {
             // SAFETY: as above, for AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::scores(q, k, s, t, scale) },
+            // SAFETY: as above, for NEON.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::scores(q, k, s, t, scale) },
             _ => scalar::scores(q, k, s, t, scale),
         }
         t.rows == 0 || finite(&s[..t.keys])
@@ -134,6 +139,9 @@ impl DecodeKernels {
             // SAFETY: as above, for AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::values(p, v, o, t) },
+            // SAFETY: as above, for NEON.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::values(p, v, o, t) },
             _ => scalar::values(p, v, o, t),
         }
         t.rows == 0 || finite(&o[..t.d])
@@ -742,6 +750,126 @@ mod avx2 {
                         );
                         _mm256_maskstore_ps(o_r.add(full), mask, x);
                     }
+                }
+            }
+        }
+    }
+}
+
+/// The AVX2 kernels in NEON's 128-bit registers: a key against each row in two chains of
+/// four lanes, a value into each output row. NEON has no masked load or store, so the last,
+/// partial register of a row goes through a zeroed copy.
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::Tile;
+    use std::arch::aarch64::*;
+
+    const LANES: usize = 4;
+
+    /// The 4 floats of `x` from `c`, zeros past `d`: a whole register where `c + 4 ≤ d`,
+    /// else the tail copied.
+    ///
+    /// SAFETY (caller): the CPU has NEON; `x..x + d` is readable.
+    #[target_feature(enable = "neon")]
+    unsafe fn load_upto(x: *const f32, c: usize, d: usize) -> float32x4_t {
+        if c + LANES <= d {
+            // SAFETY: c + 4 ≤ d
+            unsafe { vld1q_f32(x.add(c)) }
+        } else {
+            let mut tail = [0.0f32; LANES];
+            for (i, t) in tail.iter_mut().enumerate().take(d.saturating_sub(c)) {
+                // SAFETY: c + i < d
+                *t = unsafe { *x.add(c + i) };
+            }
+            // SAFETY: `tail` holds 4 floats
+            unsafe { vld1q_f32(tail.as_ptr()) }
+        }
+    }
+
+    /// SAFETY (caller): the CPU has NEON; `DecodeKernels::scores`' asserts hold.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) {
+        let d = t.d;
+        let full = d / LANES * LANES;
+        for j in 0..t.keys {
+            // SAFETY: key j < t.keys, k holds t.keys · d values
+            let k_j = unsafe { k.as_ptr().add(j * d) };
+            for r in 0..t.rows {
+                // SAFETY: row r < R, q holds R · d values
+                let q_r = unsafe { q.as_ptr().add(r * d) };
+                // two sums, so that consecutive multiply-adds do not wait for each other
+                let (mut a, mut b) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+                let mut c = 0;
+                while c + 2 * LANES <= full {
+                    // SAFETY: c + 8 ≤ d, in q_r and k_j
+                    unsafe {
+                        a = vfmaq_f32(a, vld1q_f32(q_r.add(c)), vld1q_f32(k_j.add(c)));
+                        b = vfmaq_f32(
+                            b,
+                            vld1q_f32(q_r.add(c + LANES)),
+                            vld1q_f32(k_j.add(c + LANES)),
+                        );
+                    }
+                    c += 2 * LANES;
+                }
+                if c < d {
+                    // SAFETY: q_r and k_j hold d values; nothing past d is read
+                    unsafe {
+                        a = vfmaq_f32(a, load_upto(q_r, c, d), load_upto(k_j, c, d));
+                    }
+                    if c + LANES < d {
+                        // SAFETY: as above
+                        unsafe {
+                            b = vfmaq_f32(
+                                b,
+                                load_upto(q_r, c + LANES, d),
+                                load_upto(k_j, c + LANES, d),
+                            );
+                        }
+                    }
+                }
+                s[r * t.bc + j] = vaddvq_f32(vaddq_f32(a, b)) * scale;
+            }
+        }
+    }
+
+    /// SAFETY (caller): the CPU has NEON; `DecodeKernels::values`' asserts hold.
+    #[target_feature(enable = "neon")]
+    pub unsafe fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
+        let d = t.d;
+        let full = d / LANES * LANES;
+        for j in 0..t.keys {
+            // SAFETY: value j < t.keys, v holds t.keys · d values
+            let v_j = unsafe { v.as_ptr().add(j * d) };
+            for r in 0..t.rows {
+                let p_rj = p[r * t.bc + j];
+                let o_r = &mut o[r * d..(r + 1) * d];
+                let mut c = 0;
+                while c < full {
+                    // SAFETY: c + 4 ≤ d, in o_r and v_j
+                    unsafe {
+                        let x = vfmaq_n_f32(
+                            vld1q_f32(o_r.as_ptr().add(c)),
+                            vld1q_f32(v_j.add(c)),
+                            p_rj,
+                        );
+                        vst1q_f32(o_r.as_mut_ptr().add(c), x);
+                    }
+                    c += LANES;
+                }
+                if full < d {
+                    // SAFETY: o_r and v_j hold d values; nothing past d is read
+                    let x = unsafe {
+                        vfmaq_n_f32(
+                            load_upto(o_r.as_ptr(), full, d),
+                            load_upto(v_j, full, d),
+                            p_rj,
+                        )
+                    };
+                    let mut tail = [0.0f32; LANES];
+                    // SAFETY: `tail` holds 4 floats
+                    unsafe { vst1q_f32(tail.as_mut_ptr(), x) };
+                    o_r[full..].copy_from_slice(&tail[..d - full]);
                 }
             }
         }

@@ -33,7 +33,7 @@ const RUNGS: [(&str, Decoder); 4] = [
 /// The instruction sets of the grouped rungs' kernels that this CPU has: plain Rust always,
 /// so that the portable path is tested on every machine, and each SIMD one it can run.
 fn isas() -> Vec<Isa> {
-    [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+    [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon]
         .into_iter()
         .filter(|isa| isa.is_available())
         .collect()
