@@ -219,12 +219,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) masked_forward
             // the score function on every block, the mask on the partial ones only (where
             // step 03 masked the diagonal); the step's bits start (kv − the block's first
             // key) / 8 tiles of 4 into its block's
+            const int shift = ((j % STEPS) * BLOCK_N + sub * SUB_N) / 2;
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
-                apply_mods_mma<SUB_N / 8>(s[mt], partial,
-                                          bits[mt] >> (((j % STEPS) * BLOCK_N + sub * SUB_N) / 2),
-                                          keys[mt], kv, row0 + mt * 16 + g, lane, scale,
-                                          args);
+                apply_mods_mma<SUB_N / 8>(s[mt], partial, bits[mt] >> shift, keys[mt], kv,
+                                          row0 + mt * 16 + g, lane, scale, args);
             // ANCHOR_END: ampere_mods
 
 #pragma unroll
