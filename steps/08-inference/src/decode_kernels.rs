@@ -149,10 +149,21 @@ impl DecodeKernels {
     // ANCHOR_END: block_values
 }
 
-/// Whether every number of `x` is finite, in one pass the compiler vectorises: a value is
-/// finite when its exponent field is not all ones, and the largest field says it for all.
+/// Whether every number of `x` is finite, in one pass of integer additions and ORs that any
+/// SIMD unit has: a value is finite when its exponent field is not all ones, and only an
+/// all-ones field carries into the sign bit when the lowest exponent bit is added to it.
 fn finite(x: &[f32]) -> bool {
-    x.iter().fold(0, |m, x| m.max(x.to_bits() & EXPONENT)) != EXPONENT
+    let carry = |x: &f32| (x.to_bits() & EXPONENT) + (1 << 23);
+    let mut acc = [0u32; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, x) in acc.iter_mut().zip(c) {
+            *a |= carry(x);
+        }
+    }
+    let all = acc.iter().fold(0, |a, b| a | b) | tail.iter().fold(0, |a, x| a | carry(x));
+    all & (1 << 31) == 0
 }
 
 /// The portable path, plain Rust: correct on every CPU, the reference the SIMD paths are
