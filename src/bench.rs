@@ -671,17 +671,22 @@ pub fn measure_cpu(
             bytes(have)
         ));
     }
-    let peak_bytes = match peak_in_child(m, shape, args.pass()) {
-        Ok(bytes) => Some(bytes),
-        Err(PeakError::OutOfMemory(why)) => return Err(why),
-        Err(PeakError::Failed(why)) => return Err(why),
-        Err(PeakError::Unavailable(why)) => {
-            eprintln!("      peak memory not measured: {why}");
-            None
-        }
-    };
+    let peak_bytes = peak_or_unmeasured(peak_in_child(m, shape, args.pass()))?;
     let ms = check_then_time_cpu(m, shape, args)?;
     Ok(Measured { ms, peak_bytes })
+}
+
+/// A row's peak from its child: a child that ran out of memory or failed fails the row; a
+/// platform that cannot measure a peak leaves it out, and the row goes on.
+fn peak_or_unmeasured(peak: Result<u64, PeakError>) -> Result<Option<u64>, String> {
+    match peak {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(PeakError::OutOfMemory(why) | PeakError::Failed(why)) => Err(why),
+        Err(PeakError::Unavailable(why)) => {
+            eprintln!("      peak memory not measured: {why}");
+            Ok(None)
+        }
+    }
 }
 
 /// The part of a CPU row that runs in this process: one call checked against the reference
@@ -752,7 +757,7 @@ fn masked_implementation(args: &BenchArgs) -> String {
     };
     format!(
         "step 09's blockwise {pass} in f32 over the block mask's non-empty 64 × 64 tiles, \
-         {} threads; peak memory not measured",
+         {} threads",
         rayon::current_num_threads()
     )
 }
@@ -804,9 +809,8 @@ impl Masked {
         Ok(Box::new(fwd))
     }
 
-    /// The row: one call checked against step 09's reference by the rule of the other CPU
-    /// rows ([`allowed_error`]), then the median of the timed runs. No peak: the child that
-    /// measures one takes a method, not a mask.
+    /// The row as every CPU row is measured ([`measure_cpu`]): the peak in a fresh process
+    /// first, given the mask, then [`Masked::check_then_time`] here.
     fn measure(&self, shape: Shape, args: &BenchArgs) -> Result<Measured, String> {
         let need = input_bytes(shape, args.pass());
         if let Some(have) = memory_and_swap().filter(|&have| need > have) {
@@ -817,6 +821,23 @@ impl Masked {
                 bytes(have)
             ));
         }
+        let peak_bytes = peak_or_unmeasured(self.peak_in_child(shape, args.pass()))?;
+        let ms = self.check_then_time(shape, args)?;
+        Ok(Measured { ms, peak_bytes })
+    }
+
+    /// The hidden child measuring one masked call's peak: the mask's text as it was given,
+    /// so a `documents:FILE` is read again by the same path from the same working folder
+    /// (the child inherits it), and checked against the length again as here.
+    fn peak_in_child(&self, shape: Shape, pass: Pass) -> Result<u64, PeakError> {
+        let mut cmd = peak_command(shape, pass)?;
+        cmd.args(["--mask", &self.text]);
+        run_peak_child(cmd)
+    }
+
+    /// One call checked against step 09's reference by the rule of the other CPU rows
+    /// ([`allowed_error`]), then the median of the timed runs, in milliseconds.
+    fn check_then_time(&self, shape: Shape, args: &BenchArgs) -> Result<f64, String> {
         let (qkv, dout) = cpu_inputs(shape, args.pass());
         let [q, k, v] = &qkv;
         let (first, _) = step09_masks::forward_with(
@@ -831,14 +852,10 @@ impl Masked {
         let want = masked_rows_f64(&qkv, self.block.mask(), &self.score, &rows);
         compare_rows(&rows, &want, &first, args.dtype)?;
         drop(first);
-        let ms = cpu_median_ms(Warmup::Calls(0), args.runs, || {
+        cpu_median_ms(Warmup::Calls(0), args.runs, || {
             self.call_once(&qkv, dout.as_ref())
         })
-        .map_err(|e| describe_error(&e))?;
-        Ok(Measured {
-            ms,
-            peak_bytes: None,
-        })
+        .map_err(|e| describe_error(&e))
     }
 
     /// `row` as a masked row: named [`MASKED`], with the mask and its density, and TFLOP/s
@@ -904,6 +921,26 @@ fn masked_rows_f64(
         })
         .collect()
 }
+
+/// The hidden child of a masked row: one masked call's peak at the one length. The block
+/// mask is made before the reset, with the inputs: the parent makes it once a shape and
+/// does not time it either.
+fn masked_peak_child(spec: &step09_masks::MaskSpec, args: &BenchArgs) -> i32 {
+    let [tokens] = args.lengths[..] else {
+        eprintln!("{PEAK_CHILD} takes one length");
+        return 2;
+    };
+    let shape = Shape::new(args.batch, args.heads, tokens, args.head_dim);
+    let masked = match Masked::new(spec, shape) {
+        Ok(masked) => masked,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    let (qkv, dout) = cpu_inputs(shape, args.pass());
+    peak_of(|| masked.call_once(&qkv, dout.as_ref()))
+}
 // [/step 09]
 
 /// Why a peak could not be measured.
@@ -919,12 +956,18 @@ pub enum PeakError {
 
 /// Runs the benchmark's own executable as a fresh child measuring one call's peak.
 pub fn peak_in_child(m: &dyn Method, shape: Shape, pass: Pass) -> Result<u64, PeakError> {
+    let mut cmd = peak_command(shape, pass)?;
+    cmd.args(["--methods", m.name()]);
+    run_peak_child(cmd)
+}
+
+/// The hidden child's command line for one call of `pass` at `shape`, without what runs.
+fn peak_command(shape: Shape, pass: Pass) -> Result<Command, PeakError> {
     let exe = std::env::current_exe().map_err(|e| {
         PeakError::Unavailable(format!("cannot find our own executable: {e}"))
     })?;
     let mut cmd = Command::new(exe);
     cmd.arg(PEAK_CHILD)
-        .args(["--methods", m.name()])
         .args(["--lengths", &shape.tokens.to_string()])
         .args(["--batch", &shape.batch.to_string()])
         .args(["--heads", &shape.heads.to_string()])
@@ -935,6 +978,11 @@ pub fn peak_in_child(m: &dyn Method, shape: Shape, pass: Pass) -> Result<u64, Pe
     }
     // [/step 04]
     let _ = pass;
+    Ok(cmd)
+}
+
+/// Runs the child `cmd` and reads the peak it prints, or why it has none.
+fn run_peak_child(mut cmd: Command) -> Result<u64, PeakError> {
     // the child's last line is its message: no backtrace after it
     let output = cmd
         .env("RUST_BACKTRACE", "0")
@@ -1002,6 +1050,11 @@ const EXIT_UNAVAILABLE: i32 = 4;
 /// The hidden child: makes the inputs, resets the high-water mark, runs one call and prints
 /// the growth in bytes. Returns the process's exit code.
 pub fn peak_child(args: &BenchArgs) -> i32 {
+    // [step 09]
+    if let Some(spec) = &args.mask {
+        return masked_peak_child(spec, args);
+    }
+    // [/step 09]
     let (m, tokens) = match (args.methods.as_slice(), args.lengths.as_slice()) {
         ([m], [tokens]) => (*m, *tokens),
         _ => {
@@ -1011,6 +1064,12 @@ pub fn peak_child(args: &BenchArgs) -> i32 {
     };
     let shape = Shape::new(args.batch, args.heads, tokens, args.head_dim);
     let (qkv, dout) = cpu_inputs(shape, args.pass());
+    peak_of(|| call_once(m, &qkv, dout.as_ref(), args.dtype))
+}
+
+/// The child's measurement once its inputs are made: resets the high-water mark, makes
+/// `call` once, prints the growth in bytes and returns the exit code.
+fn peak_of(call: impl FnOnce() -> Result<Box<dyn std::any::Any>, AttnError>) -> i32 {
     // start the thread pool before the reset: its stacks are not the method's memory
     rayon::broadcast(|_| ());
     let before = match reset_and_read_hwm() {
@@ -1020,7 +1079,7 @@ pub fn peak_child(args: &BenchArgs) -> i32 {
             return EXIT_UNAVAILABLE;
         }
     };
-    let result = call_once(m, &qkv, dout.as_ref(), args.dtype);
+    let result = call();
     // read while the result is alive: the output and the log-sum-exp are part of the cost
     let after = read_hwm();
     match (result, after) {
@@ -1317,7 +1376,9 @@ mod tests {
             }
         }
         assert!(
-            masked.measure(shape, &args).is_ok_and(|m| m.ms >= 0.0),
+            masked
+                .check_then_time(shape, &args)
+                .is_ok_and(|ms| ms >= 0.0),
             "the right mask passes"
         );
         let causal = step01_naive::attention(q.view(), k.view(), v.view()).unwrap();

@@ -1198,4 +1198,73 @@ fn benchmark_refuses_a_bad_mask_with_status_2_and_writes_nothing() {
     check_bad_inputs(cases, &[&out]);
     fs::remove_dir_all(dir).unwrap();
 }
+
+/// A masked row's peak memory is measured as every CPU row's, in a fresh process, which is
+/// given the mask: a `documents:FILE` named relative to the working folder reaches it too.
+/// The figure is in the JSON row and in the table's peak MB column, and covers at least the
+/// result the call returns (out and lse, and dq, dk, dv with `--backward`), alive when the
+/// peak is read.
+#[test]
+fn benchmark_with_a_mask_measures_its_peak_in_a_fresh_process() {
+    let dir = temp_dir("bench-mask-peak");
+    fs::write(dir.join("lengths.txt"), "300 724\n").unwrap();
+    let (heads, tokens, head_dim) = (2, 1024, 32);
+    for (spec, backward) in [("sliding:64", false), ("documents:lengths.txt", true)] {
+        let mut args = vec![
+            "--mask",
+            spec,
+            "--lengths",
+            "1024",
+            "--heads",
+            "2",
+            "--head-dim",
+            "32",
+            "--runs",
+            "1",
+            "--out",
+            "rows.json",
+        ];
+        if backward {
+            args.push("--backward");
+        }
+        let o = Command::new(binary())
+            .args(&args)
+            .current_dir(&dir)
+            .output()
+            .expect("the benchmark binary runs");
+        let (stdout, stderr) = text(&o);
+        assert!(o.status.success(), "{spec}\n{stdout}\n{stderr}");
+        let json = fs::read_to_string(dir.join("rows.json")).unwrap();
+        let rows = row::from_json(&json, "rows.json").unwrap();
+        let [r] = &rows[..] else {
+            panic!("{spec}: one row, got {rows:?}")
+        };
+        assert_eq!((r.method.as_str(), r.error.as_deref()), ("masked", None));
+        let column = stdout
+            .lines()
+            .find(|l| l.starts_with("masked"))
+            .and_then(|l| l.split_whitespace().nth(5))
+            .unwrap_or_else(|| panic!("{spec}: no masked line\n{stdout}"));
+        if !Path::new("/proc/self/clear_refs").exists() {
+            assert_eq!((r.peak_bytes, column), (None, "-"), "{spec}");
+            continue;
+        }
+        let peak = r
+            .peak_bytes
+            .unwrap_or_else(|| panic!("{spec}: no peak\n{json}"));
+        let out = heads * tokens * head_dim * 4;
+        let result = heads * tokens * 4 + if backward { 4 * out } else { out };
+        assert!(
+            peak >= result as u64,
+            "{spec}: peak {peak}, result {result}"
+        );
+        assert!(json.contains(&format!("\"peak_bytes\": {peak}")), "{json}");
+        assert_eq!(
+            column,
+            format!("{:.1}", peak as f64 / 1e6),
+            "{spec}\n{stdout}"
+        );
+    }
+    fs::remove_dir_all(dir).unwrap();
+}
 // [/step 09]
