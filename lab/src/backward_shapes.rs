@@ -1,9 +1,10 @@
 //! The tile shapes `backward-tune` times against step 04's kernels, one head dim at a time,
-//! each one change of the kernels' shape (or of the shape before it at head dim 128). A
-//! [`BackwardShape`] is a [`BackwardConfig`], the thread blocks step 04 compiles its kernels
-//! with as `-D` options, and the streams and steps `flash_backward.cu` fixes as its own
-//! (`DKDV_STREAM`, `DQ_STREAM`, `DKDV_SUB`, `DQ_SUB`), set by [`BackwardShapeKernel`] in
-//! step 04's source and launched by step 04's [`backward_built`].
+//! each one change of the kernels' shape (or of the shape before it at head dim 128). Step
+//! 04's `flash_backward.cu` fixes its thread blocks as macros of the head dim (`WARPS`,
+//! `M_TILES`, `DKDV_MIN_BLOCKS`, `DQ_MIN_BLOCKS`) and its streams and steps as constants
+//! (`DKDV_STREAM`, `DQ_STREAM`, `DKDV_SUB`, `DQ_SUB`); a [`BackwardShape`] is those kernels
+//! with other values, set by [`BackwardShapeKernel`] in step 04's source and launched by
+//! step 04's [`backward_built`].
 
 use std::borrow::Cow;
 
@@ -13,7 +14,7 @@ use step03_cuda_forward::DeviceAttention;
 use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, KernelSpec};
 use step03_cuda_forward::kernel::TENSOR_CORES_CUH;
 use step04_backward::cuda::{
-    BackwardConfig, BackwardKernel, BackwardLaunch, DKDV_STREAM, DQ_STREAM, DeviceGrads,
+    self, BackwardKernel, BackwardLaunch, DKDV_STREAM, DQ_STREAM, DeviceGrads,
     FLASH_BACKWARD_CU, backward_built,
 };
 
@@ -25,8 +26,15 @@ const FILE: &str = "steps/04-backward/kernels/flash_backward.cu";
 /// A tile shape of step 04's backward kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackwardShape {
-    /// The thread blocks: warps, rows a warp, blocks a multiprocessor.
-    pub config: BackwardConfig,
+    /// Warps per thread block (`WARPS`): 4 or 8.
+    pub warps: usize,
+    /// 16-row tiles of keys (dK/dV) or queries (dQ) per warp (`M_TILES`): 1 or 2.
+    pub m_tiles: usize,
+    /// The blocks of `backward_dkdv` each multiprocessor must fit (`DKDV_MIN_BLOCKS`, the
+    /// register budget): 1 or 2.
+    pub dkdv_min_blocks: usize,
+    /// The blocks of `backward_dq` each multiprocessor must fit (`DQ_MIN_BLOCKS`): 1 or 2.
+    pub dq_min_blocks: usize,
     /// Queries streamed past `backward_dkdv`'s keys per stage (`DKDV_STREAM`): 64 or 128.
     pub dkdv_stream: usize,
     /// Keys streamed past `backward_dq`'s queries per stage (`DQ_STREAM`): 64 or 128.
@@ -38,11 +46,16 @@ pub struct BackwardShape {
 }
 
 impl BackwardShape {
-    /// The shape step 04's kernels have at a head dim (the steps as `flash_backward.cu`
-    /// fixes them; `lab-kernel-check` fails where this shape's build is not the kernels').
+    /// The shape step 04's kernels have at a head dim (the blocks a multiprocessor and the
+    /// steps as `flash_backward.cu` fixes them; `lab-kernel-check` fails where this shape's
+    /// build is not the kernels').
     pub fn kernels(head_dim: usize) -> Self {
+        let blocks = if head_dim <= 64 { 2 } else { 1 };
         BackwardShape {
-            config: BackwardConfig::for_head_dim(head_dim),
+            warps: cuda::warps(head_dim),
+            m_tiles: cuda::m_tiles(head_dim),
+            dkdv_min_blocks: blocks,
+            dq_min_blocks: blocks,
             dkdv_stream: DKDV_STREAM,
             dq_stream: DQ_STREAM,
             dkdv_sub: 16,
@@ -52,24 +65,56 @@ impl BackwardShape {
 
     /// A short name for tables: `w<warps>x<m-tiles> s<dK/dV stream>/<dQ stream>
     /// sub<dK/dV step>/<dQ step>`, then the blocks a multiprocessor of each kernel where
-    /// that caps its registers below 255 (as [`BackwardConfig::label`]).
+    /// that caps its registers below 255 (`kb<dK/dV blocks>`, `b<dQ blocks>`).
     pub fn label(&self) -> String {
-        let blocks = self.config.label();
-        let (warps, capped) = blocks.split_once(' ').unwrap_or((&blocks, ""));
         let mut s = format!(
-            "{warps} s{}/{} sub{}/{}",
-            self.dkdv_stream, self.dq_stream, self.dkdv_sub, self.dq_sub
+            "w{}x{} s{}/{} sub{}/{}",
+            self.warps,
+            self.m_tiles,
+            self.dkdv_stream,
+            self.dq_stream,
+            self.dkdv_sub,
+            self.dq_sub
         );
-        if !capped.is_empty() {
-            s += &format!(" {capped}");
+        let capped = |blocks: usize| blocks * self.threads() as usize > 256;
+        if capped(self.dkdv_min_blocks) {
+            s += &format!(" kb{}", self.dkdv_min_blocks);
+        }
+        if capped(self.dq_min_blocks) {
+            s += &format!(" b{}", self.dq_min_blocks);
         }
         s
     }
 
+    /// A line for reports: the blocks and streams of both kernels.
+    pub fn describe(&self) -> String {
+        let rows = self.block_rows();
+        format!(
+            "dK/dV per {rows} keys with {} queries a stage, dQ per {rows} queries with {} keys a stage, {} warps of {} rows",
+            self.dkdv_stream,
+            self.dq_stream,
+            self.warps,
+            self.m_tiles * 16
+        )
+    }
+
+    /// Rows (keys or queries) per thread block (`BLOCK_ROWS` in the source).
+    pub fn block_rows(&self) -> usize {
+        self.warps * self.m_tiles * 16
+    }
+
+    /// Threads per block of `backward_dkdv` and `backward_dq`.
+    pub fn threads(&self) -> u32 {
+        (self.warps * 32) as u32
+    }
+
     /// Whether the kernels can be compiled with this shape, or what is wrong with it.
     pub fn check(&self) -> Result<(), AttnError> {
-        self.config.check()?;
-        let ok = matches!(self.dkdv_stream, 64 | 128)
+        let ok = matches!(self.warps, 4 | 8)
+            && matches!(self.m_tiles, 1 | 2)
+            && matches!(self.dkdv_min_blocks, 1 | 2)
+            && matches!(self.dq_min_blocks, 1 | 2)
+            && matches!(self.dkdv_stream, 64 | 128)
             && matches!(self.dq_stream, 64 | 128)
             && matches!(self.dkdv_sub, 16 | 32)
             && matches!(self.dq_sub, 16 | 32 | 64);
@@ -78,28 +123,33 @@ impl BackwardShape {
         } else {
             Err(AttnError::Unsupported {
                 what: format!(
-                    "{self:?}: streams must be 64 or 128, dkdv_sub 16 or 32, dq_sub 16, 32 or 64"
+                    "{self:?}: warps must be 4 or 8, m_tiles 1 or 2, each kernel's blocks a multiprocessor 1 or 2, streams 64 or 128, dkdv_sub 16 or 32, dq_sub 16, 32 or 64"
                 ),
             })
         }
     }
 
-    /// How a build of this shape is launched at a head dim: the thread blocks of its
-    /// config, the shared memory of its streams (as step 04 sizes it for its own).
+    /// How a build of this shape is launched at a head dim: its thread blocks, the shared
+    /// memory of its streams (as step 04 sizes it for its own).
     pub fn launch(&self, head_dim: usize) -> BackwardLaunch {
-        let rows = self.config.block_rows();
+        let rows = self.block_rows();
         BackwardLaunch {
+            threads: self.threads(),
+            block_rows: rows,
             dkdv_smem_bytes: ((2 * rows + 4 * self.dkdv_stream) * head_dim * 2
                 + 4 * self.dkdv_stream * 4) as u32,
             dq_smem_bytes: ((2 * rows + 4 * self.dq_stream) * head_dim * 2) as u32,
-            ..BackwardLaunch::of(self.config, head_dim)
         }
     }
 
-    /// Step 04's kernels with this shape's streams and steps set.
+    /// Step 04's kernels with this shape's thread blocks, streams and steps set.
     pub fn source(&self) -> Result<String, AttnError> {
         let mut source = FLASH_BACKWARD_CU.to_string();
         for (name, value) in [
+            ("WARPS", self.warps),
+            ("M_TILES", self.m_tiles),
+            ("DKDV_MIN_BLOCKS", self.dkdv_min_blocks),
+            ("DQ_MIN_BLOCKS", self.dq_min_blocks),
             ("DKDV_STREAM", self.dkdv_stream),
             ("DQ_STREAM", self.dq_stream),
             ("DKDV_SUB", self.dkdv_sub),
@@ -122,7 +172,7 @@ pub struct BackwardShapeKernel {
 impl BackwardShapeKernel {
     /// The build of step 04 this one changes: its `-D` set and its checks.
     fn taught(&self) -> BackwardKernel {
-        BackwardKernel::new(self.dtype, self.head_dim, self.shape.config)
+        BackwardKernel::new(self.dtype, self.head_dim)
     }
 }
 
@@ -233,11 +283,11 @@ pub fn candidates(head_dim: usize) -> Vec<BackwardShape> {
             ..base
         };
         // 64-row blocks of four warps, two blocks a multiprocessor
-        let four_warps = BackwardConfig {
+        let four_warps = |shape| BackwardShape {
             warps: 4,
             dkdv_min_blocks: 2,
             dq_min_blocks: 2,
-            ..base.config
+            ..shape
         };
         vec![
             base,
@@ -248,14 +298,8 @@ pub fn candidates(head_dim: usize) -> Vec<BackwardShape> {
             },
             BackwardShape { dq_sub: 16, ..old },
             BackwardShape { dq_sub: 64, ..old },
-            BackwardShape {
-                config: four_warps,
-                ..old
-            },
-            BackwardShape {
-                config: four_warps,
-                ..base
-            },
+            four_warps(old),
+            four_warps(base),
         ]
     }
 }

@@ -1,6 +1,6 @@
 //! Times the backward kernels in several tile shapes on the tutorial's GPU shape (4
 //! sequences, 12 heads, head dim 64 or another, bf16, causal) and checks that they all give
-//! the same gradients: the measurements behind step 04's `BackwardConfig::for_head_dim`.
+//! the same gradients: the measurements behind the tile of step 04's `flash_backward.cu`.
 //! The shapes are [`backward_shapes::candidates`](flash_lab::backward_shapes::candidates).
 //!
 //! `cargo run --release -p flash-lab --bin backward-tune -- [--lengths 4096,16384] [--runs
@@ -25,9 +25,9 @@ use step04_backward::cuda::HEAD_DIMS;
 /// Times the backward kernels in several tile shapes (4 sequences, 12 heads, bf16, causal)
 /// after checking that they all give the same gradients. Needs a CUDA GPU.
 ///
-/// Prints, per length, each candidate `BackwardConfig`'s backward TFLOP/s (2.5 x the
+/// Prints, per length, each candidate `BackwardShape`'s backward TFLOP/s (2.5 x the
 /// forward's FLOPs) and milliseconds (the median of --runs timed calls after 3 untimed
-/// ones): the measurements behind `BackwardConfig::for_head_dim`. The first column is the
+/// ones): the measurements behind step 04's tile. The first column is the
 /// shape the library uses for the head dim.
 #[derive(Parser, Debug)]
 #[command(name = "backward-tune")]
@@ -133,7 +133,7 @@ fn main() -> ExitCode {
 fn split(gpu: &Gpu, lengths: &[usize], runs: usize, head_dim: usize) {
     // the kernels' own shape, built by the lab so that each launch can be marked
     let tile = BackwardShape::kernels(head_dim);
-    println!("{}", tile.config.describe());
+    println!("{}", tile.describe());
     println!(
         "{:>7} {:>9} {:>9} {:>9} {:>9}   TFLOP/s of the products each kernel does (forward 2, dK/dV 4, dQ 3)",
         "T", "fwd ms", "delta ms", "dkdv ms", "dq ms"

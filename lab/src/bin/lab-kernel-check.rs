@@ -73,8 +73,7 @@ fn main() -> ExitCode {
                         kernels.push(Variant::candidate(format!("{name}_{label}"), ptx));
                         continue;
                     }
-                    let taught =
-                        compile(&BackwardKernel::new(dtype, head_dim, shape.config), arch);
+                    let taught = compile(&BackwardKernel::new(dtype, head_dim), arch);
                     kernels.push(Variant::used(
                         format!("{name}_{label}"),
                         same_as_taught(

@@ -22,10 +22,6 @@
 // BackwardKernel (a missing one is a compile error):
 //   HEAD_DIM         32, 64 or 128
 //   IS_BF16          1 for bf16, 0 for f16
-//   WARPS            warps per block
-//   M_TILES          16-row tiles per warp
-//   DKDV_MIN_BLOCKS  dkdv's blocks per multiprocessor (the register budget)
-//   DQ_MIN_BLOCKS    dq's blocks per multiprocessor (the register budget)
 // [step 07]
 //   CAUSAL           1: each query sees the keys up to its own position; 0: every key below
 //                    T (step 07's ring computes blocks of keys that lie wholly before their
@@ -37,10 +33,21 @@
 // src/cuda.rs prepends step 03's tensor_cores.cuh (types, swizzle, cp.async, ldmatrix,
 // mma).
 
+// The thread blocks, the ones measured fastest at each head dim (lab/logs/04-backward/; why
+// eight warps of 16 rows at 128: above). src/cuda.rs launches them with the same sizes (a
+// test there reads them here). Macros, not constexpr variables, as are the streams and
+// steps below: NVRTC would give each a global in the PTX.
+// ANCHOR: thread_blocks
+#define WARPS (HEAD_DIM <= 64 ? 4 : 8)    // warps per block
+#define M_TILES (HEAD_DIM <= 64 ? 2 : 1)  // 16-row tiles per warp
+// each kernel's blocks per multiprocessor, the register budget: 255 a thread either way
+#define DKDV_MIN_BLOCKS (HEAD_DIM <= 64 ? 2 : 1)
+#define DQ_MIN_BLOCKS (HEAD_DIM <= 64 ? 2 : 1)
+// ANCHOR_END: thread_blocks
+
 // The streams and steps, the ones measured fastest at every head dim
 // (lab/logs/04-backward/): src/cuda.rs sizes the shared memory for the same streams (a test
-// there reads them here). Macros, not constexpr variables: NVRTC would give each a global in
-// the PTX.
+// there reads them here).
 // queries streamed past dkdv's keys per stage (at head dim 128 the tuning log's run 6:
 // 220.4 and 236.8 TFLOP/s at 4k and 16k, against 209.6 and 224.3 with 64)
 #define DKDV_STREAM 128

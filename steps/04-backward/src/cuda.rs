@@ -1,9 +1,9 @@
 //! The backward pass on the GPU: `kernels/flash_backward.cu`, compiled by NVRTC through
 //! step 03's [`Gpu`] and launched after the same kind of checks. Three launches: δ for
 //! every row, then dK and dV with one block per 128 keys, then dQ with one block per 128
-//! queries (four warps of 32 rows up to head dim 64, eight of 16 at 128:
-//! [`BackwardConfig::for_head_dim`]). Each block writes only its own rows: no atomics, the
-//! same bits on every run.
+//! queries (four warps of 32 rows up to head dim 64, eight of 16 at 128: [`warps`] and
+//! [`m_tiles`]). Each block writes only its own rows: no atomics, the same bits on every
+//! run.
 
 use std::borrow::Cow;
 
@@ -41,126 +41,34 @@ pub const DKDV_STREAM: usize = 128;
 /// Keys streamed past `backward_dq`'s queries per stage (`DQ_STREAM`).
 pub const DQ_STREAM: usize = 64;
 
-/// The backward kernels' thread blocks at a head dim: the sizes that may change without
-/// changing the result's meaning (other sizes sum in another order).
-/// [`BackwardConfig::for_head_dim`] is the fastest measured on the H200 (the tuning log,
-/// `lab/logs/04-backward/README.md`). Each field is a `-D` option of
-/// `kernels/flash_backward.cu` ([`KernelSpec::defines`]); the streams and steps, the same at
-/// every head dim, are the file's own.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct BackwardConfig {
-    /// Warps per thread block (`WARPS`): 4 or 8.
-    pub warps: usize,
-    /// 16-row tiles of keys (dK/dV) or queries (dQ) per warp (`M_TILES`): 2, so that each B
-    /// fragment read from shared memory feeds two `mma`, or 1, where 32 rows of two
-    /// operands and two gradients would not fit in a warp's registers (head dim 128).
-    pub m_tiles: usize,
-    /// The blocks of `backward_dkdv` each multiprocessor must fit (`DKDV_MIN_BLOCKS`, the
-    /// register budget): 1 or 2.
-    pub dkdv_min_blocks: usize,
-    /// The blocks of `backward_dq` each multiprocessor must fit (`DQ_MIN_BLOCKS`): 1 or 2.
-    pub dq_min_blocks: usize,
+/// Warps per thread block at a head dim (`WARPS`, a macro of the head dim in
+/// `kernels/flash_backward.cu`, as are `M_TILES` and each kernel's blocks a multiprocessor;
+/// a test below reads them there): four up to head dim 64, eight at 128. The fastest
+/// measured on the H200 (the tuning log, `lab/logs/04-backward/README.md`).
+pub fn warps(head_dim: usize) -> usize {
+    if head_dim <= 64 { 4 } else { 8 }
 }
 
-impl BackwardConfig {
-    // ANCHOR: backward_for_head_dim
-    /// The thread blocks for a head dim. Up to 64: four warps of 32 rows, the forward's
-    /// shape, the fastest measured. At 128 a warp's 32 rows of k and v (128 registers a
-    /// thread) and of dK and dV (256) would not fit in 255 registers: eight warps of 16
-    /// rows, the same 128 rows a block, one block a multiprocessor.
-    pub fn for_head_dim(head_dim: usize) -> BackwardConfig {
-        if head_dim <= 64 {
-            BackwardConfig {
-                warps: 4,
-                m_tiles: 2,
-                dkdv_min_blocks: 2,
-                dq_min_blocks: 2,
-            }
-        } else {
-            BackwardConfig {
-                warps: 8,
-                m_tiles: 1,
-                dkdv_min_blocks: 1,
-                dq_min_blocks: 1,
-            }
-        }
-    }
-    // ANCHOR_END: backward_for_head_dim
+/// 16-row tiles of keys (dK/dV) or queries (dQ) per warp at a head dim (`M_TILES`): 2 up to
+/// head dim 64, so that each B fragment read from shared memory feeds two `mma`; 1 at 128,
+/// where 32 rows of two operands and two gradients would not fit in a warp's registers.
+pub fn m_tiles(head_dim: usize) -> usize {
+    if head_dim <= 64 { 2 } else { 1 }
+}
 
-    /// Rows (keys or queries) per thread block (`BLOCK_ROWS` in the source).
-    pub fn block_rows(&self) -> usize {
-        self.warps * self.m_tiles * 16
-    }
-
-    /// Threads per block of `backward_dkdv` and `backward_dq`.
-    pub fn threads(&self) -> u32 {
-        (self.warps * 32) as u32
-    }
-
-    /// Dynamic shared memory of `backward_dkdv`: its own rows of k and v, and two stages of
-    /// queries' q and dO with their log-sum-exp and δ.
-    pub fn dkdv_smem_bytes(&self, head_dim: usize) -> u32 {
-        ((2 * self.block_rows() + 4 * DKDV_STREAM) * head_dim * 2 + 4 * DKDV_STREAM * 4)
-            as u32
-    }
-
-    /// Dynamic shared memory of `backward_dq`: its own rows of q and dO, and two stages of
-    /// keys' k and v.
-    pub fn dq_smem_bytes(&self, head_dim: usize) -> u32 {
-        ((2 * self.block_rows() + 4 * DQ_STREAM) * head_dim * 2) as u32
-    }
-
-    /// A line for reports: the blocks and streams of both kernels.
-    pub fn describe(&self) -> String {
-        let rows = self.block_rows();
-        format!(
-            "dK/dV per {rows} keys with {DKDV_STREAM} queries a stage, dQ per {rows} queries with {DQ_STREAM} keys a stage, {} warps of {} rows",
-            self.warps,
-            self.m_tiles * 16
-        )
-    }
-
-    /// A short name for tables: `w<warps>x<m-tiles>`, then the blocks a multiprocessor of
-    /// each kernel where that caps its registers below 255.
-    pub fn label(&self) -> String {
-        let mut s = format!("w{}x{}", self.warps, self.m_tiles);
-        let capped = |blocks: usize| blocks * self.threads() as usize > 256;
-        if capped(self.dkdv_min_blocks) {
-            s += &format!(" kb{}", self.dkdv_min_blocks);
-        }
-        if capped(self.dq_min_blocks) {
-            s += &format!(" b{}", self.dq_min_blocks);
-        }
-        s
-    }
-
-    /// Whether the kernels can be compiled with this shape, or what is wrong with it.
-    pub fn check(&self) -> Result<(), AttnError> {
-        let ok = matches!(self.warps, 4 | 8)
-            && matches!(self.m_tiles, 1 | 2)
-            && matches!(self.dkdv_min_blocks, 1 | 2)
-            && matches!(self.dq_min_blocks, 1 | 2);
-        if ok {
-            Ok(())
-        } else {
-            Err(AttnError::Unsupported {
-                what: format!(
-                    "{self:?}: warps must be 4 or 8, m_tiles 1 or 2, and each kernel's blocks a multiprocessor 1 or 2"
-                ),
-            })
-        }
-    }
+/// Rows (keys or queries) per thread block at a head dim (`BLOCK_ROWS`): 128 at each.
+pub fn block_rows(head_dim: usize) -> usize {
+    warps(head_dim) * m_tiles(head_dim) * 16
 }
 
 /// One build of the backward kernels: everything their `-D` options say. It alone turns a
-/// dtype, a head dim and a tile shape into those options ([`KernelSpec::defines`]), a
-/// module name and the checks they must pass; `kernels/flash_backward.cu` holds no
-/// defaults.
+/// dtype and a head dim into those options ([`KernelSpec::defines`]), a module name and the
+/// checks they must pass; `kernels/flash_backward.cu` holds no defaults (its thread blocks
+/// are macros of the head dim, its streams and steps constants).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackwardKernel {
     pub dtype: Dtype,
     pub head_dim: usize,
-    pub config: BackwardConfig,
     // [step 07]
     /// Each query sees the keys up to its own position (`CAUSAL`); without the mask, every
     /// key.
@@ -172,12 +80,11 @@ pub struct BackwardKernel {
 }
 
 impl BackwardKernel {
-    /// The causal kernels, writing 16-bit gradients, for a dtype, head dim and tile shape.
-    pub fn new(dtype: Dtype, head_dim: usize, config: BackwardConfig) -> Self {
+    /// The causal kernels, writing 16-bit gradients, for a dtype and head dim.
+    pub fn new(dtype: Dtype, head_dim: usize) -> Self {
         BackwardKernel {
             dtype,
             head_dim,
-            config,
             causal: true,      // [step 07]
             accumulate: false, // [step 07]
         }
@@ -185,11 +92,10 @@ impl BackwardKernel {
 }
 
 impl KernelSpec for BackwardKernel {
-    /// The module's name: the kernels, what the build changes about them, the dtype, the
-    /// head dim and the tile shape.
+    /// The module's name: the kernels, what the build changes about them, the dtype and the
+    /// head dim.
     fn name(&self) -> String {
-        let tile = self.config.label().replace([' ', '/'], "_");
-        let build = format!("{}_d{}_{tile}.cu", self.dtype.name(), self.head_dim);
+        let build = format!("{}_d{}.cu", self.dtype.name(), self.head_dim);
         // [step 07]
         if !self.causal || self.accumulate {
             let full = if self.causal { "" } else { "_full" };
@@ -208,20 +114,15 @@ impl KernelSpec for BackwardKernel {
     /// The `-D` options that specialise `kernels/flash_backward.cu`, one for each of its
     /// parameters.
     fn defines(&self) -> Vec<String> {
-        let c = self.config;
         vec![
             format!("-DHEAD_DIM={}", self.head_dim),
             format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
-            format!("-DWARPS={}", c.warps),
-            format!("-DM_TILES={}", c.m_tiles),
-            format!("-DDKDV_MIN_BLOCKS={}", c.dkdv_min_blocks),
-            format!("-DDQ_MIN_BLOCKS={}", c.dq_min_blocks),
             format!("-DCAUSAL={}", self.causal as u8), // [step 07]
             format!("-DACCUMULATE={}", self.accumulate as u8), // [step 07]
         ]
     }
 
-    /// A head dim the kernels are compiled for, and a tile shape they can be compiled with.
+    /// A head dim the kernels are compiled for.
     fn check(&self) -> Result<(), AttnError> {
         if !HEAD_DIMS.contains(&self.head_dim) {
             return Err(AttnError::UnsupportedHeadDim {
@@ -229,7 +130,7 @@ impl KernelSpec for BackwardKernel {
                 supported: supported_head_dims(),
             });
         }
-        self.config.check()
+        Ok(())
     }
 }
 
@@ -244,11 +145,10 @@ fn kernel(
     gpu: &Gpu,
     dtype: Dtype,
     head_dim: usize,
-    config: BackwardConfig,
     entry: &str,
     smem: u32,
 ) -> Result<cudarc::driver::CudaFunction, AttnError> {
-    gpu.kernel(&BackwardKernel::new(dtype, head_dim, config), entry, smem)
+    gpu.kernel(&BackwardKernel::new(dtype, head_dim), entry, smem)
 }
 
 impl DeviceGrads {
@@ -328,8 +228,7 @@ pub fn backward(
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
     let (dtype, head_dim) = (q.dtype, q.shape.head_dim);
-    let config = BackwardConfig::for_head_dim(head_dim);
-    let kernels = |entry: &str, smem| kernel(gpu, dtype, head_dim, config, entry, smem);
+    let kernels = |entry: &str, smem| kernel(gpu, dtype, head_dim, entry, smem);
     let launch = BackwardLaunch::for_head_dim(head_dim);
     launch_backward(gpu, launch, &kernels, q, k, v, fwd, dout, &mut || Ok(()))
 }
@@ -347,18 +246,18 @@ pub struct BackwardLaunch {
 }
 
 impl BackwardLaunch {
-    /// The launch of `kernels/flash_backward.cu` at a head dim.
+    /// The launch of `kernels/flash_backward.cu` at a head dim: `backward_dkdv`'s shared
+    /// memory holds its own rows of k and v, and two stages of queries' q and dO with their
+    /// log-sum-exp and δ; `backward_dq`'s its own rows of q and dO, and two stages of keys'
+    /// k and v.
     pub fn for_head_dim(head_dim: usize) -> Self {
-        BackwardLaunch::of(BackwardConfig::for_head_dim(head_dim), head_dim)
-    }
-
-    /// The launch of `kernels/flash_backward.cu` compiled with `config`.
-    pub fn of(config: BackwardConfig, head_dim: usize) -> Self {
+        let rows = block_rows(head_dim);
         BackwardLaunch {
-            threads: config.threads(),
-            block_rows: config.block_rows(),
-            dkdv_smem_bytes: config.dkdv_smem_bytes(head_dim),
-            dq_smem_bytes: config.dq_smem_bytes(head_dim),
+            threads: (warps(head_dim) * 32) as u32,
+            block_rows: rows,
+            dkdv_smem_bytes: ((2 * rows + 4 * DKDV_STREAM) * head_dim * 2
+                + 4 * DKDV_STREAM * 4) as u32,
+            dq_smem_bytes: ((2 * rows + 4 * DQ_STREAM) * head_dim * 2) as u32,
         }
     }
 }
@@ -397,10 +296,9 @@ pub fn backward_full(
     dout: &DeviceTensor,
 ) -> Result<DeviceGrads, AttnError> {
     let head_dim = q.shape.head_dim;
-    let config = BackwardConfig::for_head_dim(head_dim);
     let full = BackwardKernel {
         causal: false,
-        ..BackwardKernel::new(q.dtype, head_dim, config)
+        ..BackwardKernel::new(q.dtype, head_dim)
     };
     let kernels = |entry: &str, smem| gpu.kernel(&full, entry, smem);
     let launch = BackwardLaunch::for_head_dim(head_dim);
@@ -409,7 +307,7 @@ pub fn backward_full(
 // [/step 07]
 
 /// δ = rowsum(dO ∘ O) for every row, the backward's first launch, with its kernel
-/// from the default tile shape's module (any shape's computes the same): for a backward of
+/// from the kernels' module (any build's computes the same): for a backward of
 /// other kernels that starts from it (step 07's ring, from the merged output).
 pub fn delta(
     gpu: &Gpu,
@@ -417,8 +315,7 @@ pub fn delta(
     dout: &DeviceTensor,
 ) -> Result<CudaSlice<f32>, AttnError> {
     let (dtype, head_dim) = (dout.dtype, dout.shape.head_dim);
-    let config = BackwardConfig::for_head_dim(head_dim);
-    let f = kernel(gpu, dtype, head_dim, config, "backward_delta", 0)?;
+    let f = kernel(gpu, dtype, head_dim, "backward_delta", 0)?;
     launch_delta(gpu, &f, fwd, dout)
 }
 
@@ -572,16 +469,14 @@ fn launch_backward(
 // [step 08]
 /// Grouped-query attention's dk or dv: the gradient of each query head (`per_q`, q's
 /// shape) summed over the query heads of each group, into a tensor of `kv`'s shape, with
-/// `backward_group_sum` from the module of the default tile shape (step 06's backward
-/// sums its groups so).
+/// `backward_group_sum` from the kernels' module (step 06's backward sums its groups so).
 pub fn sum_groups(
     gpu: &Gpu,
     per_q: &DeviceTensor,
     kv: Shape,
 ) -> Result<DeviceTensor, AttnError> {
     let (dtype, head_dim) = (per_q.dtype, per_q.shape.head_dim);
-    let config = BackwardConfig::for_head_dim(head_dim);
-    let f = kernel(gpu, dtype, head_dim, config, "backward_group_sum", 0)?;
+    let f = kernel(gpu, dtype, head_dim, "backward_group_sum", 0)?;
     group_sum(gpu, &f, per_q, kv)
 }
 
@@ -776,19 +671,38 @@ pub fn backward_by_hand_low_precision(
 mod tests {
     use super::*;
 
-    /// The streams the shared memory is sized for are the ones `flash_backward.cu` fixes.
+    /// What `#define NAME ...` gives NAME in `kernels/flash_backward.cu`, without its
+    /// comment.
+    fn defined(name: &str) -> Vec<&'static str> {
+        let start = format!("#define {name} ");
+        FLASH_BACKWARD_CU
+            .lines()
+            .filter_map(|l| l.strip_prefix(&start))
+            .map(|v| v.split("//").next().unwrap_or(v).trim())
+            .collect()
+    }
+
+    /// The launch uses the thread blocks and streams `flash_backward.cu` fixes: its lines
+    /// for them, as the functions and constants above write them.
     #[test]
-    fn the_shared_memory_is_for_the_streams_the_kernels_fix() {
-        for (name, value) in [("DKDV_STREAM", DKDV_STREAM), ("DQ_STREAM", DQ_STREAM)] {
-            let start = format!("#define {name} ");
-            let defined: Vec<&str> = FLASH_BACKWARD_CU
-                .lines()
-                .filter_map(|l| l.strip_prefix(&start))
-                .map(|v| v.split("//").next().unwrap_or(v).trim())
-                .collect();
+    fn the_launch_uses_the_blocks_and_streams_the_kernels_fix() {
+        let (small, large) = (HEAD_DIMS[0], HEAD_DIMS[HEAD_DIMS.len() - 1]);
+        assert_eq!((warps(small), m_tiles(small)), (warps(64), m_tiles(64)));
+        let of_head_dim =
+            |f: fn(usize) -> usize| format!("(HEAD_DIM <= 64 ? {} : {})", f(64), f(large));
+        let sizes = [
+            ("WARPS", of_head_dim(warps)),
+            ("M_TILES", of_head_dim(m_tiles)),
+            ("THREADS", "(WARPS * 32)".into()),
+            ("WARP_ROWS", "(M_TILES * 16)".into()),
+            ("BLOCK_ROWS", "(WARPS * WARP_ROWS)".into()),
+            ("DKDV_STREAM", DKDV_STREAM.to_string()),
+            ("DQ_STREAM", DQ_STREAM.to_string()),
+        ];
+        for (name, value) in sizes {
             assert_eq!(
-                defined,
-                [value.to_string()],
+                defined(name),
+                [value.as_str()],
                 "kernels/flash_backward.cu's {name}"
             );
         }

@@ -48,11 +48,11 @@
 //!
 //! - [`cuda`]: the backward on the GPU, `kernels/flash_backward.cu` (δ, then dK and dV per
 //!   block of keys, then dQ per block of queries), through step 03's
-//!   [`Gpu`](step03_cuda_forward::gpu::Gpu); its thread blocks,
-//!   [`BackwardConfig`](cuda::BackwardConfig) (`for_head_dim`: the one each head dim runs),
-//!   and [`BackwardKernel`](cuda::BackwardKernel), which alone turns a dtype, a head dim
-//!   and a shape into the kernels' `-D` options (the `.cu` file holds no defaults; its
-//!   streams and steps, the same at every head dim, are its own).
+//!   [`Gpu`](step03_cuda_forward::gpu::Gpu); [`BackwardKernel`](cuda::BackwardKernel),
+//!   which alone turns a dtype and a head dim into the kernels' `-D` options (the `.cu`
+//!   file holds no defaults; its thread blocks are macros of the head dim, which
+//!   [`warps`](cuda::warps) and [`m_tiles`](cuda::m_tiles) mirror for the launch, and its
+//!   streams and steps, the same at every head dim, are constants).
 //!   `src/bin/backward-kernel-check.rs` compiles every kernel the library launches (and the
 //!   exercise's template) with NVRTC and ptxas and fails on any spill (no GPU needed); the
 //!   search that chose the shapes is the lab's (`lab/notes/04-backward.md`: what did not

@@ -44,7 +44,7 @@ use step03_cuda_forward::gpu::{
     DeviceTensor, Dtype, Gpu, alloc_error, device_error, half_dtype,
 };
 use step03_cuda_forward::kernel::{HEAD_DIMS, SimpleKernel, unsupported_head_dim};
-use step04_backward::cuda::{BackwardConfig, BackwardKernel, delta};
+use step04_backward::cuda::{BackwardKernel, BackwardLaunch, block_rows, delta};
 
 use crate::comm::{communicators, gpus, nccl_error};
 use crate::schedule::{Pair, Visibility, ZigZag, pairs};
@@ -65,18 +65,17 @@ pub fn ring_kernel(dtype: Dtype, head_dim: usize) -> SimpleKernel {
     }
 }
 
-/// Step 04's backward kernels in their tile shape for `head_dim`, adding into `f32` sums,
-/// with the causal mask (the diagonal) or without it (a block wholly in the past).
+/// Step 04's backward kernels at `head_dim`, adding into `f32` sums, with the causal mask
+/// (the diagonal) or without it (a block wholly in the past).
 pub fn accumulating_backward(
     dtype: Dtype,
     head_dim: usize,
     causal: bool,
 ) -> BackwardKernel {
-    let config = BackwardConfig::for_head_dim(head_dim);
     BackwardKernel {
         causal,
         accumulate: true,
-        ..BackwardKernel::new(dtype, head_dim, config)
+        ..BackwardKernel::new(dtype, head_dim)
     }
 }
 
@@ -276,7 +275,7 @@ impl RingAttention {
         shape.checked_len()?;
         let split = ZigZag::new(shape.tokens, ranks);
         // the backward's grid: blocks of 128 rows of a chunk along its second dimension
-        let rows = BackwardConfig::for_head_dim(shape.head_dim).block_rows();
+        let rows = block_rows(shape.head_dim);
         let chunk = shape.tokens / split.chunks();
         if chunk.div_ceil(rows) > 65_535 || shape.batch * shape.heads > i32::MAX as usize {
             return Err(AttnError::Unsupported {
@@ -745,15 +744,15 @@ impl RingAttention {
             Visibility::None => unreachable!("pairs() lists visible blocks only"),
         };
         let (shape, head_dim) = (self.chunk, self.chunk.head_dim);
-        let config = BackwardConfig::for_head_dim(head_dim);
+        let sizes = BackwardLaunch::for_head_dim(head_dim);
         let (t, scale) = (shape.tokens as i32, 1.0 / (head_dim as f32).sqrt());
         let grid = LaunchConfig {
             grid_dim: (
                 (shape.batch * shape.heads) as u32,
-                shape.tokens.div_ceil(config.block_rows()) as u32,
+                shape.tokens.div_ceil(sizes.block_rows) as u32,
                 1,
             ),
-            block_dim: (config.threads(), 1, 1),
+            block_dim: (sizes.threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let stream = self.gpus[r].stream();
@@ -764,7 +763,7 @@ impl RingAttention {
         // on one stream run in order; the grid's second dimension was checked by
         // RingAttention::check; the shared memory is what Gpu::kernel allowed.
         if let Some(dq) = dq {
-            let smem = config.dq_smem_bytes(head_dim);
+            let smem = sizes.dq_smem_bytes;
             let f = self.backward_kernel(r, "backward_dq", causal, smem)?;
             let mut launch = stream.launch_builder(&f);
             launch
@@ -786,7 +785,7 @@ impl RingAttention {
             unsafe { launch.launch(cfg) }.map_err(device_error("launching backward_dq"))?;
         }
         if let Some((dk, dv)) = dkdv {
-            let smem = config.dkdv_smem_bytes(head_dim);
+            let smem = sizes.dkdv_smem_bytes;
             let f = self.backward_kernel(r, "backward_dkdv", causal, smem)?;
             let mut launch = stream.launch_builder(&f);
             launch

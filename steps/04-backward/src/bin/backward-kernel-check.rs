@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::ptxas::{self, Variant};
-use step04_backward::cuda::{BackwardConfig, BackwardKernel, HEAD_DIMS};
+use step04_backward::cuda::{BackwardKernel, HEAD_DIMS};
 use step04_backward::cuda_by_hand::ByHandBackwardKernel;
 
 /// Chapter 4's exercise as it stands in the crate's folder: the template, or a reader's
@@ -38,10 +38,9 @@ fn main() -> ExitCode {
         let mut kernels = Vec::new();
         for dtype in [Dtype::Bf16, Dtype::F16] {
             for head_dim in HEAD_DIMS {
-                let config = BackwardConfig::for_head_dim(head_dim);
                 kernels.push(Variant::used(
                     format!("flash_backward_{}_d{head_dim}", dtype.name()),
-                    compile(&BackwardKernel::new(dtype, head_dim, config), arch),
+                    compile(&BackwardKernel::new(dtype, head_dim), arch),
                 ));
             }
         }

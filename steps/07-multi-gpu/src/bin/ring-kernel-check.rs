@@ -14,7 +14,7 @@ use clap::Parser;
 use step03_cuda_forward::gpu::{Dtype, compile};
 use step03_cuda_forward::kernel::{ForwardKernel, HEAD_DIMS};
 use step03_cuda_forward::ptxas::{self, Variant};
-use step04_backward::cuda::{BackwardConfig, BackwardKernel};
+use step04_backward::cuda::BackwardKernel;
 use step07_multi_gpu::gpu::{accumulating_backward, ring_kernel};
 
 /// Compiles the ring's kernels (the unmasked forward and backward, and ring.cu's merge,
@@ -64,11 +64,7 @@ fn main() -> ExitCode {
                 ));
                 let full = BackwardKernel {
                     causal: false,
-                    ..BackwardKernel::new(
-                        dtype,
-                        head_dim,
-                        BackwardConfig::for_head_dim(head_dim),
-                    )
+                    ..BackwardKernel::new(dtype, head_dim)
                 };
                 let backward = compile(&full, arch);
                 let name = format!("flash_backward_full_{tag}");
