@@ -319,8 +319,9 @@ pub fn delta(
     launch_delta(gpu, &f, fwd, dout)
 }
 
-/// One launch of `backward_delta` (`f`): a warp per row.
-fn launch_delta(
+/// One launch of `backward_delta` (`f`, from this step's kernel file or a copy of it): a
+/// warp per row.
+pub fn launch_delta(
     gpu: &Gpu,
     f: &cudarc::driver::CudaFunction,
     fwd: &DeviceAttention,

@@ -176,6 +176,29 @@ __device__ __forceinline__ void apply_mods_mma(float (&s)[N][4], bool partial, u
   }
 }
 
+// Which of a thread's 32 scores of a partial tile of the backward's dK/dV pass (64 queries
+// from q0, the block mask's tile, by its keys kr0 and kr0 + 8) the mask lets through, a bit
+// each: bit 4j+e is key kr0 + 8·(e/2), query q0 + 8j + 2·(lane%4) + e%2 (the accumulators
+// are transposed: their rows are keys). Asked before the tile's products are issued, while
+// only dK and dV hold registers: beside Sᵀ and dPᵀ a mask that reads memory (documents)
+// would leave the products too few
+__device__ __forceinline__ u32 visible_bits_t(int q0, int kr0, int lane,
+                                              const MaskArgs& a) {
+  u32 bits = 0;
+#pragma unroll
+  for (int j = 0; j < 64 / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = kr0 + 8 * (e / 2);
+      const int qp = q0 + 8 * j + 2 * (lane % 4) + (e % 2) + a.q_offset;
+      // past the ends mask_mod is not asked: its data holds the tk positions only
+      if (key < a.tk && qp < a.tk && mask_mod(a.b, a.h, qp, key, a.data))
+        bits |= 1u << (4 * j + e);
+    }
+  }
+  return bits;
+}
+
 
 // (the Hopper forwards' end, in hopper.cuh's layout of the output: step 03's copies end
 // their own way, masked_ampere_forward.cu)

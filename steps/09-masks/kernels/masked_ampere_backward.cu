@@ -39,6 +39,8 @@ static_assert(DKDV_STREAM % DKDV_SUB == 0 && DQ_STREAM % DQ_SUB == 0,
 // the forward list's blocks of keys (block_mask.cu's TILE_K), DQ_STREAM a stage
 #define LIST_N 128
 #define DQ_STEPS (LIST_N / DQ_STREAM)
+static_assert(DKDV_STREAM == 64, "a stage of queries is one of the block mask's tiles, "
+                                  "visible_bits_t's 64 queries");
 static_assert(BLOCK_ROWS == 128,
               "128 keys a block (the backward list's), 128 queries (the forward list's)");
 
@@ -198,27 +200,6 @@ __device__ __forceinline__ void load_queries(u16* sq, u16* sdo, float* slse, flo
         slse[i] = lse_base2(lse, q0 + i, tq);
         sdelta[i] = valid ? delta[q0 + i] : 0.f;
     }
-}
-
-// Which of a thread's 32 scores of a partial tile of 64 queries from q0 the mask lets
-// through, for its keys kr0 and kr0 + 8: bit 4j+e is key kr0 + 8·(e/2), query q0 + 8j +
-// 2·(lane%4) + e%2 (masked_backward.cu's visible_bits_t, for step 04's transposed
-// accumulators: dkdv's rows are keys). Asked once a tile, before its products
-__device__ __forceinline__ u32 visible_bits_t(int q0, int kr0, int lane,
-                                              const MaskArgs& a) {
-    u32 bits = 0;
-#pragma unroll
-    for (int j = 0; j < DKDV_STREAM / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = kr0 + 8 * (e / 2);
-            const int qp = q0 + 8 * j + 2 * (lane % 4) + (e % 2) + a.q_offset;
-            // past the ends mask_mod is not asked: its data holds the tk positions only
-            if (key < a.tk && qp < a.tk && mask_mod(a.b, a.h, qp, key, a.data))
-                bits |= 1u << (4 * j + e);
-        }
-    }
-    return bits;
 }
 
 // pT = e^(score_mod(sT/√d) − lse) for a warp's keys and DKDV_SUB queries from column c0 of

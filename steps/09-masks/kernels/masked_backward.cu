@@ -85,29 +85,11 @@ __device__ __noinline__ void add_dq_listed(float* dq_accum, unsigned char* sdq, 
   if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
-// ANCHOR: probabilities_masked
-// Which of a thread's 32 scores of a partial block the mask lets through, a bit each (bit
-// 4j+e: key kr0 + 8·(e/2), query q0 + 8j + 2·(lane%4) + e%2). Asked before the block's
-// products are issued, while only dK and dV hold registers: beside Sᵀ and dPᵀ a mask that
-// reads memory (documents) would leave the products too few
-__device__ __forceinline__ u32 visible_bits_t(int q0, int kr0, int lane,
-                                              const MaskArgs& a) {
-  u32 bits = 0;
-#pragma unroll
-  for (int j = 0; j < STREAM / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int key = kr0 + 8 * (e / 2);
-      const int qp = q0 + 8 * j + 2 * (lane % 4) + (e % 2) + a.q_offset;
-      // past the ends mask_mod is not asked: its data holds the tk positions only
-      if (key < a.tk && qp < a.tk && mask_mod(a.b, a.h, qp, key, a.data))
-        bits |= 1u << (4 * j + e);
-    }
-  }
-  return bits;
-}
+static_assert(STREAM == 64, "a listed block of queries is one of the block mask's tiles, "
+                             "visible_bits_t's 64 queries");
 
-// Pᵀ from Sᵀ (register 4j+e as above), through the score function, with the mask's bits
+// ANCHOR: probabilities_masked
+// Pᵀ from Sᵀ (register 4j+e as in masked.cuh's visible_bits_t), through the score function, with the mask's bits
 // (all ones in a full block): packed into pf for dV = Pᵀ·dO, and left in st times the score
 // function's derivative there, for dS (the derivative is then needed nowhere else)
 __device__ __forceinline__ void probabilities_masked(float (&st)[STREAM / 2],

@@ -20,11 +20,9 @@ use std::borrow::Cow;
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use flash_core::{AttnError, Shape};
 use step03_cuda_forward::DeviceAttention;
-use step03_cuda_forward::gpu::{
-    DeviceTensor, Dtype, Gpu, KernelSpec, alloc_error, device_error,
-};
+use step03_cuda_forward::gpu::{DeviceTensor, Dtype, Gpu, KernelSpec, device_error};
 use step03_cuda_forward::kernel::TENSOR_CORES_CUH;
-use step04_backward::cuda::DeviceGrads;
+use step04_backward::cuda::{DeviceGrads, launch_delta};
 use step06_hopper::forward::check_hopper;
 
 use crate::cuda::{
@@ -139,28 +137,22 @@ impl std::str::FromStr for Kernels {
     }
 }
 
-/// The masked forward on step 03's kernel, for a dtype and a head dim.
+/// Which of the two Ampere kernel files a build compiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    /// The masked forward on step 03's kernel.
+    Forward,
+    /// The masked backward on step 04's kernels (δ, dK/dV, dQ).
+    Backward,
+}
+
+/// One of the masked Ampere kernel files, for a mask, a dtype and a head dim.
 #[derive(Clone, Copy, Debug)]
-pub struct MaskedAmpereForwardKernel<'a> {
+pub struct MaskedAmpereKernel<'a> {
+    pub pass: Pass,
     pub mask: &'a GpuMask,
     pub dtype: Dtype,
     pub head_dim: usize,
-}
-
-/// The masked backward on step 04's kernels (δ, dK/dV, dQ), for a dtype and a head dim.
-#[derive(Clone, Copy, Debug)]
-pub struct MaskedAmpereBackwardKernel<'a> {
-    pub mask: &'a GpuMask,
-    pub dtype: Dtype,
-    pub head_dim: usize,
-}
-
-/// The `-D` set both take: the head dim and the dtype.
-fn defines(dtype: Dtype, head_dim: usize) -> Vec<String> {
-    vec![
-        format!("-DHEAD_DIM={head_dim}"),
-        format!("-DIS_BF16={}", (dtype == Dtype::Bf16) as u8),
-    ]
 }
 
 /// A head dim the kernels are compiled for.
@@ -175,22 +167,32 @@ fn check_head_dim(head_dim: usize) -> Result<(), AttnError> {
     }
 }
 
-/// Step 03's tensor-core helpers, the mask's functions, masked.cuh, then `body`.
-fn source(mask: &GpuMask, body: &str) -> String {
-    format!("{TENSOR_CORES_CUH}\n{}\n{MASKED_CUH}\n{body}", mask.source)
-}
-
-impl KernelSpec for MaskedAmpereForwardKernel<'_> {
+impl KernelSpec for MaskedAmpereKernel<'_> {
     fn name(&self) -> String {
-        "masked_ampere_forward.cu".into()
+        match self.pass {
+            Pass::Forward => "masked_ampere_forward.cu",
+            Pass::Backward => "masked_ampere_backward.cu",
+        }
+        .into()
     }
 
     fn source(&self) -> Cow<'_, str> {
-        source(self.mask, MASKED_AMPERE_FORWARD_CU).into()
+        let body = match self.pass {
+            Pass::Forward => MASKED_AMPERE_FORWARD_CU,
+            Pass::Backward => MASKED_AMPERE_BACKWARD_CU,
+        };
+        format!(
+            "{TENSOR_CORES_CUH}\n{}\n{MASKED_CUH}\n{body}",
+            self.mask.source
+        )
+        .into()
     }
 
     fn defines(&self) -> Vec<String> {
-        defines(self.dtype, self.head_dim)
+        vec![
+            format!("-DHEAD_DIM={}", self.head_dim),
+            format!("-DIS_BF16={}", (self.dtype == Dtype::Bf16) as u8),
+        ]
     }
 
     fn check(&self) -> Result<(), AttnError> {
@@ -199,32 +201,12 @@ impl KernelSpec for MaskedAmpereForwardKernel<'_> {
 
     /// The mask's key and everything the build changes.
     fn key(&self) -> String {
+        let pass = match self.pass {
+            Pass::Forward => "forward",
+            Pass::Backward => "backward",
+        };
         let (mask, dtype, d) = (&self.mask.key, self.dtype, self.head_dim);
-        format!("masked ampere forward {mask} {dtype:?} d{d}")
-    }
-}
-
-impl KernelSpec for MaskedAmpereBackwardKernel<'_> {
-    fn name(&self) -> String {
-        "masked_ampere_backward.cu".into()
-    }
-
-    fn source(&self) -> Cow<'_, str> {
-        source(self.mask, MASKED_AMPERE_BACKWARD_CU).into()
-    }
-
-    fn defines(&self) -> Vec<String> {
-        defines(self.dtype, self.head_dim)
-    }
-
-    fn check(&self) -> Result<(), AttnError> {
-        check_head_dim(self.head_dim)
-    }
-
-    /// The mask's key and everything the build changes.
-    fn key(&self) -> String {
-        let (mask, dtype, d) = (&self.mask.key, self.dtype, self.head_dim);
-        format!("masked ampere backward {mask} {dtype:?} d{d}")
+        format!("masked ampere {pass} {mask} {dtype:?} d{d}")
     }
 }
 
@@ -260,7 +242,8 @@ pub fn forward(
         i32::MAX as usize,
         "the masked forward's blocks of 128 queries",
     )?;
-    let spec = MaskedAmpereForwardKernel {
+    let spec = MaskedAmpereKernel {
+        pass: Pass::Forward,
         mask: mask.mask(),
         dtype,
         head_dim: d,
@@ -335,40 +318,15 @@ pub fn backward(
     let what = "the masked backward's blocks of 128";
     let k_blocks = check_grid(kv.tokens.div_ceil(BLOCK_ROWS), 65_535, what)?;
     let q_blocks = check_grid(shape.tokens.div_ceil(BLOCK_ROWS), 65_535, what)?;
-    let spec = MaskedAmpereBackwardKernel {
+    let spec = MaskedAmpereKernel {
+        pass: Pass::Backward,
         mask: mask.mask(),
         dtype,
         head_dim: d,
     };
     let stream = gpu.stream();
-    let rows = shape.batch * shape.heads * shape.tokens;
-    let mut delta = stream
-        .alloc_zeros::<f32>(rows)
-        .map_err(alloc_error("the backward's δ", rows as u128 * 4))?;
-    {
-        let f = gpu.kernel(&spec, "backward_delta", 0)?;
-        let rows64 = rows as i64;
-        let mut launch = stream.launch_builder(&f);
-        launch
-            .arg(&fwd.out.data)
-            .arg(&dout.data)
-            .arg(&mut delta)
-            .arg(&rows64);
-        // four rows a block of 128 threads, one warp a row
-        let config = LaunchConfig {
-            grid_dim: (
-                check_grid(rows.div_ceil(4), i32::MAX as usize, "δ's rows")?,
-                1,
-                1,
-            ),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the output and dO were checked to hold q's shape (rows × d values); delta
-        // holds one value a row
-        unsafe { launch.launch(config) }
-            .map_err(device_error("launching backward_delta"))?;
-    }
+    // δ by step 04's launch of the kernel file's copy of its backward_delta
+    let delta = launch_delta(gpu, &gpu.kernel(&spec, "backward_delta", 0)?, fwd, dout)?;
     let list_k = mask.list(false, gpu);
     let list_q = mask.list(true, gpu);
     let data = mask.data_ptr(gpu);

@@ -17,9 +17,7 @@ use step09_masks::cuda::{
     BlockMaskKernel, GpuMask, MaskedBackwardKernel, MaskedForwardKernel, backward_kernels,
     forward_kernel,
 };
-use step09_masks::cuda_ampere::{
-    BLOCK_ROWS, HEAD_DIMS, MaskedAmpereBackwardKernel, MaskedAmpereForwardKernel,
-};
+use step09_masks::cuda_ampere::{BLOCK_ROWS, HEAD_DIMS, MaskedAmpereKernel, Pass};
 use step09_masks::exercise::DILATED_CU;
 use step09_masks::{CustomMask, Documents, Mask, ScoreMod};
 
@@ -127,12 +125,14 @@ fn ampere_kernels(arch: &'static str) -> Vec<Variant> {
         for &dtype in dtypes {
             for head_dim in HEAD_DIMS {
                 let tag = format!("{}_d{head_dim}_{name}", dtype.name());
-                let forward = MaskedAmpereForwardKernel {
+                let forward = MaskedAmpereKernel {
+                    pass: Pass::Forward,
                     mask: &gm,
                     dtype,
                     head_dim,
                 };
-                let backward = MaskedAmpereBackwardKernel {
+                let backward = MaskedAmpereKernel {
+                    pass: Pass::Backward,
                     mask: &gm,
                     dtype,
                     head_dim,
