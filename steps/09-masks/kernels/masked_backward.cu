@@ -89,9 +89,10 @@ static_assert(STREAM == 64, "a listed block of queries is one of the block mask'
                              "visible_bits_t's 64 queries");
 
 // ANCHOR: probabilities_masked
-// Pᵀ from Sᵀ (register 4j+e as in masked.cuh's visible_bits_t), through the score function, with the mask's bits
-// (all ones in a full block): packed into pf for dV = Pᵀ·dO, and left in st times the score
-// function's derivative there, for dS (the derivative is then needed nowhere else)
+// Pᵀ from Sᵀ (register 4j+e as in masked.cuh's visible_bits_t), through the score
+// function, with the mask's bits (all ones in a full block): packed into pf for dV = Pᵀ·dO,
+// and left in st times the score function's derivative there, for dS (the derivative is
+// then needed nowhere else)
 __device__ __forceinline__ void probabilities_masked(float (&st)[STREAM / 2],
                                                      u32 (&pf)[STREAM / 4],
                                                      const float* lse2, int q0, int kr0,
