@@ -37,14 +37,43 @@
 #define MIN_BLOCKS 1  // blocks per multiprocessor the register budget must allow
 static_assert(BLOCK_N % SUB_N == 0 && SUB_N % 16 == 0,
               "SUB_N keys a step, a multiple of 16 that divides BLOCK_N");
-// [step 07]
-static_assert(CAUSAL == 0 || CAUSAL == 1,
-              "CAUSAL: 1 for the causal mask, 0 for every key below T");
-// [/step 07]
 // query rows per warp: M_TILES tiles of 16
 #define WARP_ROWS (M_TILES * 16)
 #define BLOCK_M (WARPS * WARP_ROWS)
 #define THREADS (WARPS * 32)
+
+// ANCHOR: causal
+// The causal mask, as the four questions the kernel's loops ask of it. A query sees the
+// keys up to its own position; T, the end of the sequence, needs no test of its own, as
+// every key at or past it comes after every row before it. (Macros rather than functions,
+// so that the kernel compiles to the code that was measured: NVVM simplifies a function
+// before it inlines it, and the comparisons then come out in other forms.)
+// [step 07]
+static_assert(CAUSAL == 0 || CAUSAL == 1,
+              "CAUSAL: 1 for the causal mask, 0 for every key below T");
+#if CAUSAL
+// [/step 07]
+// queries q0 .. q0 + BLOCK_M - 1 see keys 0 .. KEYS_SEEN - 1: the key blocks past the
+// diagonal are never loaded
+#define KEYS_SEEN(q0, T) min((q0) + BLOCK_M, (T))
+// rows row0 .. row0 + WARP_ROWS - 1 see none of the keys from kv on: all come before it
+#define ROWS_SEE_NONE(kv, row0, T) ((kv) > (row0) + WARP_ROWS - 1)
+// the step of keys kv .. kv + SUB_N - 1 reaches past row row0, the warp's first: some of
+// its keys come after some of the warp's rows
+#define NEEDS_MASK(kv, row0, T) ((kv) + SUB_N - 1 > (row0))
+// row `row` does not see key `key`
+#define HIDDEN(key, row, T) ((key) > (row))
+// [step 07]
+#else
+// Every query sees every key below T (step 07's ring computes blocks of keys that lie
+// wholly before their queries): only the keys past the end of a partial tile are left out.
+#define KEYS_SEEN(q0, T) (T)
+#define ROWS_SEE_NONE(kv, row0, T) ((kv) >= (T))
+#define NEEDS_MASK(kv, row0, T) ((kv) + SUB_N > (T))
+#define HIDDEN(key, row, T) ((key) >= (T))
+#endif
+// [/step 07]
+// ANCHOR_END: causal
 
 // ROWS rows of a [T, HEAD_DIM] matrix from row `row0` into a swizzled tile; rows past T are
 // 0 (load_rows in tensor_cores.cuh)
@@ -133,13 +162,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
     const int row0 = q0 + warp * WARP_ROWS;   // this warp's first query row
 
     // ANCHOR: causal_blocks
-    // keys 0 .. min(q0 + BLOCK_M, T) - 1 are all this block's rows may see: the key blocks
-    // past the diagonal are never loaded.
-#if CAUSAL // [step 07]
-    const int n_blocks = (min(q0 + BLOCK_M, T) + BLOCK_N - 1) / BLOCK_N;
-#else // [step 07]
-    const int n_blocks = (T + BLOCK_N - 1) / BLOCK_N; // [step 07]
-#endif // [step 07]
+    // the blocks of the keys this block's rows may see, and no more
+    const int n_blocks = (KEYS_SEEN(q0, T) + BLOCK_N - 1) / BLOCK_N;
     // ANCHOR_END: causal_blocks
 
     // ANCHOR: pipeline_start
@@ -203,11 +227,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
         for (int sub = 0; sub < BLOCK_N / SUB_N; ++sub) {
             const int kv = kv0 + sub * SUB_N;  // this step's first key
             // a warp whose rows all come before this step's first key has nothing to add
-#if CAUSAL // [step 07]
-            if (kv > row0 + WARP_ROWS - 1) continue;
-#else // [step 07]
-            if (kv >= T) continue;  // keys past T (the branch keeps the steps apart) // [step 07]
-#endif // [step 07]
+            if (ROWS_SEE_NONE(kv, row0, T)) continue;
             const u32 ks =
                 sk_addr + stage * (BLOCK_N * HEAD_DIM * 2) + sub * (SUB_N * HEAD_DIM * 2);
             const u32 vs =
@@ -249,11 +269,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
             // ANCHOR: diagonal_mask
             // only blocks that reach past this warp's first row need the mask; there, keys
             // after the row (and so every key at or past T) get -inf
-#if CAUSAL // [step 07]
-            if (kv + SUB_N - 1 > row0) {
-#else // [step 07]
-            if (kv + SUB_N > T) { // [step 07]
-#endif // [step 07]
+            if (NEEDS_MASK(kv, row0, T)) {
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -262,11 +278,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) flash_forward(
                         for (int e = 0; e < 4; ++e) {
                             int key = kv + n * 8 + 2 * t + (e & 1);
                             int row = row0 + mt * 16 + g + (e >> 1) * 8;
-#if CAUSAL // [step 07]
-                            if (key > row) s[mt][n][e] = NEG_INF;
-#else // [step 07]
-                            if (key >= T) s[mt][n][e] = NEG_INF; // [step 07]
-#endif // [step 07]
+                            if (HIDDEN(key, row, T)) s[mt][n][e] = NEG_INF;
                         }
             }
             // ANCHOR_END: diagonal_mask
