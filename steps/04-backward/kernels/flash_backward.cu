@@ -58,17 +58,52 @@ static_assert(WARPS >= 1 && M_TILES >= 1, "WARPS warps of M_TILES tiles of 16 ro
 static_assert(DKDV_STREAM % DKDV_SUB == 0 && DQ_STREAM % DQ_SUB == 0,
               "steps that divide the stages");
 static_assert(DKDV_MIN_BLOCKS >= 1 && DQ_MIN_BLOCKS >= 1, "blocks a multiprocessor");
-// [step 07]
-static_assert(CAUSAL == 0 || CAUSAL == 1,
-              "CAUSAL: 1 for the causal mask, 0 for every key below T");
-static_assert(ACCUMULATE == 0 || ACCUMULATE == 1, "ACCUMULATE: 1 to add into f32 sums");
-// [/step 07]
 #define THREADS (WARPS * 32)
 #define WARP_ROWS (M_TILES * 16)           // keys (dkdv) or queries (dq) per warp
 #define BLOCK_ROWS (WARPS * WARP_ROWS)     // keys (dkdv) or queries (dq) per thread block
 #define ROW_BYTES (HEAD_DIM * 2)
 #define LOG2E 1.4426950408889634f
 #define POS_INF __int_as_float(0x7f800000)
+
+// ANCHOR: causal
+// The causal mask, as the questions the two kernels' loops ask of it: a query sees the keys
+// up to its own position. (Macros rather than functions, as in the forward kernel: as
+// functions they change the compiled code.)
+// [step 07]
+static_assert(CAUSAL == 0 || CAUSAL == 1,
+              "CAUSAL: 1 for the causal mask, 0 for every key below T");
+static_assert(ACCUMULATE == 0 || ACCUMULATE == 1, "ACCUMULATE: 1 to add into f32 sums");
+#if CAUSAL
+// [/step 07]
+// dkdv: the first block of DKDV_STREAM queries that sees keys kv0 ..; the queries before
+// it come before every one of those keys
+#define FIRST_QUERY_BLOCK(kv0) ((kv0) / DKDV_STREAM)
+// dkdv: queries qs0 .. qs0 + DKDV_SUB - 1 see none of the warp's keys key0 ..: they all
+// come before them
+#define QUERIES_SEE_NONE(qs0, key0, T) ((qs0) + DKDV_SUB - 1 < (key0))
+// dkdv: the step reaches a query before one of the warp's keys key0 .. key0 + WARP_ROWS - 1
+#define DKDV_NEEDS_MASK(qs0, key0) ((qs0) < (key0) + WARP_ROWS - 1)
+// dq: queries q0 .. q0 + BLOCK_ROWS - 1 see keys 0 .. KEYS_SEEN - 1
+#define KEYS_SEEN(q0, T) min((q0) + BLOCK_ROWS, (T))
+// dq: rows row0 .. row0 + WARP_ROWS - 1 see none of the keys from ks0 on: they all come
+// after them
+#define ROWS_SEE_NONE(ks0, row0, T) ((ks0) > (row0) + WARP_ROWS - 1)
+// dq: the step of keys ks0 .. ks0 + DQ_SUB - 1 reaches a key after one of the warp's rows
+#define DQ_NEEDS_MASK(ks0, row0) ((ks0) + DQ_SUB - 1 > (row0))
+// [step 07]
+#else
+// Every query sees every key below T (step 07's ring computes blocks of keys that lie
+// wholly before their queries). No step needs the mask: a query past T has lse = +inf, so
+// its p is 0, and a key past T loads as zeros, so it adds nothing to dQ.
+#define FIRST_QUERY_BLOCK(kv0) 0
+#define QUERIES_SEE_NONE(qs0, key0, T) ((qs0) >= (T))
+#define DKDV_NEEDS_MASK(qs0, key0) false
+#define KEYS_SEEN(q0, T) (T)
+#define ROWS_SEE_NONE(ks0, row0, T) ((ks0) >= (T))
+#define DQ_NEEDS_MASK(ks0, row0) false
+#endif
+// [/step 07]
+// ANCHOR_END: causal
 
 __device__ __forceinline__ float lo16(u32 x) {
     if constexpr (IS_BF16) {
@@ -301,11 +336,8 @@ dkdv_block(int bh, int kb, const u16* __restrict__ q, const u16* __restrict__ k,
     const BOffsets off(lane);
 
     // queries kv0 .. T-1 see these keys (a query sees the keys up to itself)
-#if CAUSAL // [step 07]
-    const int first = kv0 / DKDV_STREAM, q_blocks = (T + DKDV_STREAM - 1) / DKDV_STREAM;
-#else // [step 07]
-    const int first = 0, q_blocks = (T + DKDV_STREAM - 1) / DKDV_STREAM; // [step 07]
-#endif // [step 07]
+    const int first = FIRST_QUERY_BLOCK(kv0),
+              q_blocks = (T + DKDV_STREAM - 1) / DKDV_STREAM;
     load_tile<BLOCK_ROWS>(sk, k, kv0, T);
     load_tile<BLOCK_ROWS>(sv, v, kv0, T);
     cp_async_commit();
@@ -341,14 +373,8 @@ dkdv_block(int bh, int kb, const u16* __restrict__ q, const u16* __restrict__ k,
 #pragma unroll
         for (int sub = 0; sub < DKDV_STREAM / DKDV_SUB; ++sub) {
             const int c0 = sub * DKDV_SUB, qs0 = q0 + c0;
-#if CAUSAL // [step 07]
-            if (qs0 + DKDV_SUB - 1 < key0)
+            if (QUERIES_SEE_NONE(qs0, key0, T))
                 continue;  // these queries all come before this warp's keys
-#else // [step 07]
-            // [step 07]
-            if (qs0 >= T) continue;  // queries past T (the branch keeps the steps apart)
-            // [/step 07]
-#endif // [step 07]
             // sT = k·qᵀ (this warp's keys x DKDV_SUB queries) and dpT = v·dOᵀ
             float p[M_TILES][DKDV_SUB / 8][4], dp[M_TILES][DKDV_SUB / 8][4];
             zero(p);
@@ -356,11 +382,9 @@ dkdv_block(int bh, int kb, const u16* __restrict__ q, const u16* __restrict__ k,
             mma_abt<DKDV_SUB>(p, kf, tq, c0, off);
             mma_abt<DKDV_SUB>(dp, vf, tdo, c0, off);
             // only steps that reach a query before one of this warp's keys need the mask
-#if CAUSAL // [step 07]
-            if (qs0 < key0 + WARP_ROWS - 1)
+            if (DKDV_NEEDS_MASK(qs0, key0))
                 dkdv_probabilities<true>(p, dp, tl, td, c0, q0 - key0, scale_log2, g, t);
             else
-#endif // [step 07]
                 dkdv_probabilities<false>(p, dp, tl, td, c0, q0 - key0, scale_log2, g, t);
             mma_pb<DKDV_SUB>(dv_acc, p, tdo, c0, off);  // dV += pT · dO
             mma_pb<DKDV_SUB>(dk_acc, dp, tq, c0,
@@ -445,13 +469,8 @@ __device__ __forceinline__ void dq_block(int bh, int qb, const u16* __restrict__
     const int q0 = qb * BLOCK_ROWS, row0 = q0 + warp * WARP_ROWS;
     const float scale_log2 = scale * LOG2E;
     const BOffsets off(lane);
-    // keys 0 .. min(q0 + BLOCK_ROWS, T) - 1 are all this block's rows may see
-#if CAUSAL // [step 07]
-    const int kv_blocks = (min(q0 + BLOCK_ROWS, T) + DQ_STREAM - 1) / DQ_STREAM;
-#else // [step 07]
-    // every key: those past T load as zeros and add nothing to dQ // [step 07]
-    const int kv_blocks = (T + DQ_STREAM - 1) / DQ_STREAM; // [step 07]
-#endif // [step 07]
+    // the blocks of the keys this block's rows may see, and no more
+    const int kv_blocks = (KEYS_SEEN(q0, T) + DQ_STREAM - 1) / DQ_STREAM;
 
     load_tile<BLOCK_ROWS>(sq, q, q0, T);
     load_tile<BLOCK_ROWS>(sdo, dout, q0, T);
@@ -495,25 +514,17 @@ __device__ __forceinline__ void dq_block(int bh, int qb, const u16* __restrict__
 #pragma unroll
         for (int sub = 0; sub < DQ_STREAM / DQ_SUB; ++sub) {
             const int c0 = sub * DQ_SUB, ks0 = kv0 + c0;
-#if CAUSAL // [step 07]
-            if (ks0 > row0 + WARP_ROWS - 1)
+            if (ROWS_SEE_NONE(ks0, row0, T))
                 continue;  // these keys all come after this warp's rows
-#else // [step 07]
-            // [step 07]
-            if (ks0 >= T) continue;  // keys past T (the branch keeps the steps apart)
-            // [/step 07]
-#endif // [step 07]
             float s[M_TILES][DQ_SUB / 8][4], dp[M_TILES][DQ_SUB / 8][4];
             zero(s);
             zero(dp);
             mma_abt<DQ_SUB>(s, qf, tk, c0, off);    // s = q·kᵀ
             mma_abt<DQ_SUB>(dp, dof, tv, c0, off);  // dp = dO·vᵀ
             // only steps that reach a key after one of this warp's rows need the mask
-#if CAUSAL // [step 07]
-            if (ks0 + DQ_SUB - 1 > row0)
+            if (DQ_NEEDS_MASK(ks0, row0))
                 dq_probabilities<true>(s, dp, lse2, dl, ks0 - row0, scale_log2, g, t);
             else
-#endif // [step 07]
                 dq_probabilities<false>(s, dp, lse2, dl, ks0 - row0, scale_log2, g, t);
             mma_pb<DQ_SUB>(dq_acc, s, tk, c0, off);  // dQ += ds · k   (· scale at the end)
         }
