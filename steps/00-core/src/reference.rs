@@ -27,7 +27,8 @@ pub fn attention_f64<A: Copy + Into<f64>>(
 ) -> Result<Reference, AttnError> {
     let shape = check_qkv(&q, &k, &v)?;
     // widened once here, so that the loops below are not generic: they are compiled in
-    // this crate, optimized in every build, rather than in each test at its own level
+    // this crate, where the workspace's `[profile.dev.package.flash-core]` optimizes them in
+    // test builds too, rather than in each test at its own level
     let widen = |x: ArrayView4<A>| x.mapv(Into::<f64>::into);
     Ok(causal_f64(
         shape,

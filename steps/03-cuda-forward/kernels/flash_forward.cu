@@ -45,9 +45,8 @@ static_assert(BLOCK_N % SUB_N == 0 && SUB_N % 16 == 0,
 // ANCHOR: causal
 // The causal mask, as the four questions the kernel's loops ask of it. A query sees the
 // keys up to its own position; T, the end of the sequence, needs no test of its own, as
-// every key at or past it comes after every row before it. (Macros rather than functions,
-// so that the kernel compiles to the code that was measured: NVVM simplifies a function
-// before it inlines it, and the comparisons then come out in other forms.)
+// every key at or past it comes after every row before it. (Macros: as inlined functions
+// the comparisons compile to other instructions than the ones measured.)
 // [step 07]
 static_assert(CAUSAL == 0 || CAUSAL == 1,
               "CAUSAL: 1 for the causal mask, 0 for every key below T");

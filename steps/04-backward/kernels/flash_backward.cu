@@ -65,14 +65,15 @@ static_assert(DKDV_MIN_BLOCKS >= 1 && DQ_MIN_BLOCKS >= 1, "blocks a multiprocess
 #define LOG2E 1.4426950408889634f
 #define POS_INF __int_as_float(0x7f800000)
 
+static_assert(ACCUMULATE == 0 || ACCUMULATE == 1, "ACCUMULATE: 1 to add into f32 sums"); // [step 07]
+
 // ANCHOR: causal
 // The causal mask, as the questions the two kernels' loops ask of it: a query sees the keys
-// up to its own position. (Macros rather than functions, as in the forward kernel: as
-// functions they change the compiled code.)
+// up to its own position. T, the end of the sequence, needs no test of its own: every key
+// at or past it comes after every query before it. (Macros, as in the forward kernel.)
 // [step 07]
 static_assert(CAUSAL == 0 || CAUSAL == 1,
               "CAUSAL: 1 for the causal mask, 0 for every key below T");
-static_assert(ACCUMULATE == 0 || ACCUMULATE == 1, "ACCUMULATE: 1 to add into f32 sums");
 #if CAUSAL
 // [/step 07]
 // dkdv: the first block of DKDV_STREAM queries that sees keys kv0 ..; the queries before
