@@ -37,7 +37,9 @@
 //! The AVX-512 kernels also care how the block comes from memory: the first tile of rows,
 //! the one that brings it, reads each key and value whole and in order, and asks for the
 //! block after next to be brought into the L2 cache while it computes, so that enough
-//! lines are in flight to read memory at its speed while the multiply-adds run.
+//! lines are in flight to read memory at its speed while the multiply-adds run. With fewer
+//! than four rows a kv head there is no tile to share a key among: each key and value is
+//! read whole, one after the other, and the hardware's prefetcher streams them.
 //!
 //! All `unsafe` of the crate's CPU decoding is in this module: calling a
 //! `#[target_feature]` function, sound only after the CPU was seen to have the feature
@@ -205,6 +207,14 @@ mod avx512 {
 
     const LANES: usize = 16;
 
+    /// The fewest rows worth a register tile. A tile pays by sharing each loaded key or
+    /// value among its rows; with one row a key (plain multi-head attention) there is
+    /// nothing to share, and reading the block four keys at once, register by register,
+    /// and asking for lines ahead only stream it from memory more slowly than a loop that
+    /// reads one key after the other, whole, and leaves the hardware's prefetcher to see
+    /// the stream.
+    const TILE_ROWS: usize = 4;
+
     /// The lanes of the last, partial register of a row of `d`.
     #[target_feature(enable = "avx512f")]
     fn tail_mask(d: usize) -> __mmask16 {
@@ -228,10 +238,13 @@ mod avx512 {
         };
     }
 
+    /// Fewer than [`TILE_ROWS`] rows, or a head dim past eight registers: one key at a
+    /// time, whole and in order ([`scores_any`]); otherwise the tiles of [`scores_rows`].
+    ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) {
-        if t.d > 8 * LANES {
+        if t.d > 8 * LANES || t.rows < TILE_ROWS {
             // SAFETY: the caller's conditions
             return unsafe { scores_any(q, k, s, t, scale) };
         }
@@ -324,7 +337,7 @@ mod avx512 {
     /// four scores: for four rows, the sixteen sums halved together ([`sum4x4`]).
     ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold;
-    /// `d ≤ 16 · W`.
+    /// `d ≤ 16 · W`; `R ≥ 4`.
     #[target_feature(enable = "avx512f")]
     unsafe fn scores_rows<const W: usize>(
         q: &[f32],
@@ -333,17 +346,9 @@ mod avx512 {
         t: Tile,
         scale: f32,
     ) {
-        if t.rows == 0 {
-            return;
-        }
-        // SAFETY (all four calls): rows r .. r + RB < R; the caller's conditions
-        let mut r = if t.rows >= 4 {
-            unsafe { scores_tile::<W, 4, true>(q, k, s, t, scale, 0) };
-            4
-        } else {
-            unsafe { scores_tile::<W, 1, true>(q, k, s, t, scale, 0) };
-            1
-        };
+        // SAFETY (all three calls): rows r .. r + RB ≤ R; the caller's conditions
+        unsafe { scores_tile::<W, 4, true>(q, k, s, t, scale, 0) };
+        let mut r = 4;
         while r + 4 <= t.rows {
             unsafe { scores_tile::<W, 4, false>(q, k, s, t, scale, r) };
             r += 4;
@@ -438,10 +443,13 @@ mod avx512 {
         }
     }
 
+    /// As [`scores`]: [`values_any`] for fewer than [`TILE_ROWS`] rows or a head dim past
+    /// eight registers, the tiles of [`values_rows`] otherwise.
+    ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
-        if t.d > 8 * LANES {
+        if t.d > 8 * LANES || t.rows < TILE_ROWS {
             // SAFETY: the caller's conditions
             return unsafe { values_any(p, v, o, t) };
         }
@@ -458,7 +466,7 @@ mod avx512 {
     /// leave the second half to miss again).
     ///
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold; `d ≤
-    /// 16 · W`.
+    /// 16 · W`; `R ≥ 4`.
     #[target_feature(enable = "avx512f")]
     unsafe fn values_rows<const W: usize>(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
         // SAFETY (both calls): the caller's conditions
@@ -479,17 +487,9 @@ mod avx512 {
         o: &mut [f32],
         t: Tile,
     ) {
-        if t.rows == 0 {
-            return;
-        }
-        // SAFETY (all four calls): rows r .. r + RB < R; the caller's conditions
-        let mut r = if t.rows >= RB {
-            unsafe { values_tile::<W, RB, true>(p, v, o, t, 0) };
-            RB
-        } else {
-            unsafe { values_tile::<W, 1, true>(p, v, o, t, 0) };
-            1
-        };
+        // SAFETY (all three calls): rows r .. r + RB ≤ R; the caller's conditions
+        unsafe { values_tile::<W, RB, true>(p, v, o, t, 0) };
+        let mut r = RB;
         while r + RB <= t.rows {
             unsafe { values_tile::<W, RB, false>(p, v, o, t, r) };
             r += RB;
