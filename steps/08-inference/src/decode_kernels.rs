@@ -35,11 +35,11 @@
 //! caller then searches the cache, finds it finite and goes on.
 //!
 //! The AVX-512 kernels also care how the block comes from memory: the first tile of rows,
-//! the one that brings it, reads each key and value whole and in order, and asks for the
-//! block after next to be brought into the L2 cache while it computes, so that enough
-//! lines are in flight to read memory at its speed while the multiply-adds run. With fewer
-//! than four rows a kv head there is no tile to share a key among: each key and value is
-//! read whole, one after the other, and the hardware's prefetcher streams them.
+//! the one that brings it, reads each value whole and in order (the keys four at a time,
+//! register by register), and asks for the block after next to be brought into the L2
+//! cache while it computes, so that enough lines are in flight to read memory at its speed
+//! while the multiply-adds run. With fewer than four rows a kv head there is no tile: each
+//! key and value is read whole, one after the other.
 //!
 //! All `unsafe` of the crate's CPU decoding is in this module: calling a
 //! `#[target_feature]` function, sound only after the CPU was seen to have the feature
@@ -207,13 +207,15 @@ mod avx512 {
 
     const LANES: usize = 16;
 
-    /// The fewest rows worth a register tile. A tile pays by sharing each loaded key or
-    /// value among its rows; with one row a key (plain multi-head attention) there is
-    /// nothing to share, and reading the block four keys at once, register by register,
-    /// and asking for lines ahead only stream it from memory more slowly than a loop that
-    /// reads one key after the other, whole, and leaves the hardware's prefetcher to see
-    /// the stream.
+    /// The fewest rows given to the register tiles, which pay by sharing each loaded key
+    /// or value among their rows. With one row a key (plain multi-head attention) there is
+    /// nothing to share, and with two or three the tiles' leftover rows went one at a time
+    /// anyway; there a loop that takes one key after the other, whole ([`scores_any`],
+    /// [`values_any`]), read a cache from memory as fast as plain Rust, and the tiles did
+    /// not. The tiles' first call takes four rows ([`scores_rows`]): soundness needs at
+    /// least that many.
     const TILE_ROWS: usize = 4;
+    const _: () = assert!(TILE_ROWS >= 4, "scores_rows' first tile takes four rows");
 
     /// The lanes of the last, partial register of a row of `d`.
     #[target_feature(enable = "avx512f")]
@@ -248,7 +250,8 @@ mod avx512 {
             // SAFETY: the caller's conditions
             return unsafe { scores_any(q, k, s, t, scale) };
         }
-        // SAFETY: the caller's conditions, and d ≤ W · 16 for the W chosen
+        // SAFETY: the caller's conditions, d ≤ W · 16 for the W chosen, and R ≥ TILE_ROWS
+        // ≥ 4
         unsafe { by_width!(scores_rows, t.d, q, k, s, t, scale) }
     }
 
@@ -453,7 +456,8 @@ mod avx512 {
             // SAFETY: the caller's conditions
             return unsafe { values_any(p, v, o, t) };
         }
-        // SAFETY: the caller's conditions, and d ≤ W · 16 for the W chosen
+        // SAFETY: the caller's conditions, d ≤ W · 16 for the W chosen, and R ≥ TILE_ROWS
+        // ≥ 4
         unsafe { by_width!(values_rows, t.d, p, v, o, t) }
     }
 

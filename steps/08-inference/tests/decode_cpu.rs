@@ -122,11 +122,17 @@ fn every_instruction_set_and_split_of_the_grouped_rungs_matches_the_reference() 
 fn the_simd_kernels_give_the_plain_rust_answer() {
     // the same sums in another order: equal up to a few units in the last place; head dims
     // of 5 registers, the last partial (72), of 8 with 5 rows a kv head (tiles of two rows
-    // and one left), and past the 8 registers in which the AVX-512 kernels hold a row (144)
+    // and one left), of 7 with 7 rows (three left), past the 8 registers in which the
+    // AVX-512 kernels hold a row (144), and 1 to 3 rows a kv head, a key at a time, at head
+    // dims 64, 72 and 128
     for shape in [
         DecodeShape::new(1, 8, 2, 3, 1000, 72),
         DecodeShape::new(1, 5, 1, 1, 300, 128),
+        DecodeShape::new(1, 7, 1, 1, 200, 100),
         DecodeShape::new(1, 6, 1, 1, 200, 144),
+        DecodeShape::new(1, 4, 4, 1, 300, 64),
+        DecodeShape::new(1, 3, 1, 1, 300, 72),
+        DecodeShape::new(1, 4, 2, 1, 200, 128),
     ] {
         let [q, k, v] = inputs(shape, 11);
         let plain =
@@ -213,9 +219,9 @@ fn the_grouped_rungs_refuse_what_decode_refuses_with_the_same_words() {
 
 #[test]
 fn the_products_see_a_value_that_is_not_finite_at_every_tile_of_rows() {
-    // the products check what they wrote (row 0's scores and outputs), whichever tile of
-    // rows wrote them: a tile of four rows, of two (values past 4 registers a row), of one;
-    // 1, 3 and 5 rows a kv head; head dims of 2, 5 and 8 registers; the value in a key's or
+    // the products check what they wrote (row 0's scores and outputs), whichever kernel
+    // wrote them: a tile of four rows, of two (values past 4 registers a row), a row a key
+    // (fewer than four rows); 1, 3 and 5 rows a kv head; head dims of 2, 5 and 8 registers; the value in a key's or
     // a value's last register, in the last partial block; −∞ in a key, which gives some rows
     // a score of −∞, a probability of 0 and no trace in the output
     for d in [20, 72, 128] {
