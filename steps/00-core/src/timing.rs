@@ -62,15 +62,49 @@ pub fn median_ms<E>(
 pub fn cpu_median_ms<T, E>(
     warmup: Warmup,
     runs: usize,
-    mut call: impl FnMut() -> Result<T, E>,
+    call: impl FnMut() -> Result<T, E>,
 ) -> Result<f64, E> {
-    median_ms(warmup, runs, || {
+    median_ms(warmup, runs, on_cpu_clock(call))
+}
+
+/// `call` as a run that measures itself on this thread's clock, in milliseconds, for
+/// [`median_ms`] or [`medians_in_turn`]; what it returns is dropped after the clock stops.
+pub fn on_cpu_clock<T, E>(
+    mut call: impl FnMut() -> Result<T, E>,
+) -> impl FnMut() -> Result<f64, E> {
+    move || {
         let start = Instant::now();
         let result = call();
         let ms = start.elapsed().as_secs_f64() * 1e3;
         drop(result?);
         Ok(ms)
-    })
+    }
+}
+
+/// A run that measures itself, in milliseconds ([`on_cpu_clock`]).
+pub type Run<'a, E> = Box<dyn FnMut() -> Result<f64, E> + 'a>;
+
+/// The median milliseconds of each of `runs`, timed in turn: each one's `warmup` calls,
+/// then `times` rounds that call each once, in order. A slow spell of a machine shared with
+/// others falls on all of them alike, so their ratios hold better than when each is timed
+/// in a block of its own.
+pub fn medians_in_turn<E>(
+    warmup: usize,
+    times: usize,
+    runs: &mut [Run<'_, E>],
+) -> Result<Vec<f64>, E> {
+    for run in runs.iter_mut() {
+        for _ in 0..warmup {
+            run()?;
+        }
+    }
+    let mut each = vec![Vec::with_capacity(times.max(1)); runs.len()];
+    for _ in 0..times.max(1) {
+        for (run, ms) in runs.iter_mut().zip(&mut each) {
+            ms.push(run()?);
+        }
+    }
+    Ok(each.into_iter().map(median).collect())
 }
 
 #[cfg(test)]
@@ -100,6 +134,28 @@ mod tests {
         });
         // three runs of 4 ms pass 10 ms of warm-up, the fourth is timed
         assert_eq!((ms, calls), (Ok(4.0), 4));
+    }
+
+    #[test]
+    fn runs_in_turn_each_get_their_own_median() {
+        let order = std::cell::RefCell::new(Vec::new());
+        let run = |name: char, ms: [f64; 4]| -> Run<'_, ()> {
+            let (order, mut i) = (&order, 0);
+            Box::new(move || {
+                order.borrow_mut().push(name);
+                i += 1;
+                Ok(ms[i - 1])
+            })
+        };
+        // one warm-up call each, a then b, then three rounds of a, b in turn
+        let mut runs = [
+            run('a', [9.0, 1.0, 5.0, 3.0]),
+            run('b', [9.0, 2.0, 2.0, 7.0]),
+        ];
+        let ms = medians_in_turn(1, 3, &mut runs);
+        drop(runs);
+        assert_eq!(ms, Ok(vec![3.0, 2.0]));
+        assert_eq!(order.into_inner(), "abababab".chars().collect::<Vec<_>>());
     }
 
     #[test]

@@ -16,7 +16,7 @@ use clap::Parser;
 use flash_core::inputs::random_normal;
 use flash_core::reference::error;
 use flash_core::row::{COMMIT, RowsFile, utc_now};
-use flash_core::timing::{Warmup, cpu_median_ms};
+use flash_core::timing::{Run, medians_in_turn, on_cpu_clock};
 use flash_core::{AttnError, Shape, memory_and_swap};
 use rayon::prelude::*;
 use step03_cuda_forward::gpu::Dtype;
@@ -99,9 +99,10 @@ impl Method {
 ///
 /// For every combination of the lists below it makes q, k and v (normal, seeded), checks
 /// the result against the f64 reference (FlashAttention's rule in f32: at most twice the
-/// error of attention by hand in f32), then times it (the median of --runs after --warmup
-/// calls) and reports milliseconds, the bytes of k and v, GB/s, and that speed as a
-/// fraction of the read loop's over the same bytes.
+/// error of attention by hand in f32), then times the rungs and the read loop in turn, run
+/// by run (each one's median of --runs after --warmup calls), and reports milliseconds, the
+/// bytes of k and v, GB/s, and that speed as a fraction of the read loop's over the same
+/// bytes.
 #[derive(Parser, Debug)]
 #[command(name = "decode-cpu")]
 struct Args {
@@ -339,15 +340,19 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
                     let q = random_normal(Shape::new(batch, args.q_heads, 1, head_dim), 1);
                     let kv_shape = Shape::new(batch, kv_heads, context, head_dim);
                     let (k, v) = (random_normal(kv_shape, 2), random_normal(kv_shape, 3));
-                    let warmup = Warmup::Calls(args.warmup);
+                    // the rungs whose result passes its check, then the read loop: timed in
+                    // turn, run by run, so a slow spell of a shared machine falls on all
+                    let mut timed: Vec<&mut Row> = Vec::new();
+                    let mut runs: Vec<Run<'_, AttnError>> = Vec::new();
                     for (&method, ours) in args.methods.iter().zip(&mut ours) {
                         match check(method, &q, &k, &v) {
                             Err(e) => ours.error = Some(e),
                             Ok(()) => {
-                                let ms = cpu_median_ms(warmup, args.runs, || {
-                                    method.run(q.view(), k.view(), v.view())
-                                })?;
-                                ours.us = Some(ms * 1e3);
+                                let (q, k, v) = (q.view(), k.view(), v.view());
+                                runs.push(Box::new(on_cpu_clock(move || {
+                                    method.run(q, k, v)
+                                })));
+                                timed.push(ours);
                             }
                         }
                     }
@@ -355,10 +360,15 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
                         k.as_slice().expect("standard"),
                         v.as_slice().expect("standard"),
                     );
-                    let ms = cpu_median_ms(warmup, args.runs, || {
-                        Ok::<_, AttnError>(std::hint::black_box(read_all(ks, vs)))
-                    })?;
-                    read.us = Some(ms * 1e3);
+                    runs.push(Box::new(on_cpu_clock(|| {
+                        Ok(std::hint::black_box(read_all(ks, vs)))
+                    })));
+                    timed.push(&mut read);
+                    let ms = medians_in_turn(args.warmup, args.runs, &mut runs)?;
+                    drop(runs);
+                    for (row, ms) in timed.into_iter().zip(ms) {
+                        row.us = Some(ms * 1e3);
+                    }
                     for r in ours.iter_mut().chain([&mut read]) {
                         r.gb_s = r.us.map(|us| r.bytes as f64 / (us * 1e-6) / 1e9);
                     }
