@@ -340,42 +340,7 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
                     let q = random_normal(Shape::new(batch, args.q_heads, 1, head_dim), 1);
                     let kv_shape = Shape::new(batch, kv_heads, context, head_dim);
                     let (k, v) = (random_normal(kv_shape, 2), random_normal(kv_shape, 3));
-                    // the rungs whose result passes its check, then the read loop: timed in
-                    // turn, run by run, so a slow spell of a shared machine falls on all
-                    let mut timed: Vec<&mut Row> = Vec::new();
-                    let mut runs: Vec<Run<'_, AttnError>> = Vec::new();
-                    for (&method, ours) in args.methods.iter().zip(&mut ours) {
-                        match check(method, &q, &k, &v) {
-                            Err(e) => ours.error = Some(e),
-                            Ok(()) => {
-                                let (q, k, v) = (q.view(), k.view(), v.view());
-                                runs.push(Box::new(on_cpu_clock(move || {
-                                    method.run(q, k, v)
-                                })));
-                                timed.push(ours);
-                            }
-                        }
-                    }
-                    let (ks, vs) = (
-                        k.as_slice().expect("standard"),
-                        v.as_slice().expect("standard"),
-                    );
-                    runs.push(Box::new(on_cpu_clock(|| {
-                        Ok(std::hint::black_box(read_all(ks, vs)))
-                    })));
-                    timed.push(&mut read);
-                    let ms = medians_in_turn(args.warmup, args.runs, &mut runs)?;
-                    drop(runs);
-                    for (row, ms) in timed.into_iter().zip(ms) {
-                        row.us = Some(ms * 1e3);
-                    }
-                    for r in ours.iter_mut().chain([&mut read]) {
-                        r.gb_s = r.us.map(|us| r.bytes as f64 / (us * 1e-6) / 1e9);
-                    }
-                    let read_gb_s = read.gb_s;
-                    for r in ours.iter_mut().chain([&mut read]) {
-                        r.fraction_of_read = r.gb_s.zip(read_gb_s).map(|(a, b)| a / b);
-                    }
+                    time_in_turn(args, [&q, &k, &v], &mut ours, &mut read)?;
                     print_line(shape, &ours, &read);
                     rows.extend(ours);
                     rows.push(read);
@@ -390,6 +355,48 @@ fn run(args: &Args, out: Option<&RowsFile>) -> Result<(), Box<dyn Error>> {
             what: format!("a result failed its check ({bad}); its rows have no time"),
         }
         .into());
+    }
+    Ok(())
+}
+
+/// Checks each rung's result (a failure is kept in its row) and times the rungs that pass
+/// and the read loop in turn, run by run, so that a slow spell of a shared machine falls on
+/// all of them; then each row's GB/s and share of the read loop's.
+fn time_in_turn(
+    args: &Args,
+    [q, k, v]: [&ndarray::Array4<f32>; 3],
+    ours: &mut [Row],
+    read: &mut Row,
+) -> Result<(), AttnError> {
+    let mut timed: Vec<&mut Row> = Vec::new();
+    let mut runs: Vec<Run<'_, AttnError>> = Vec::new();
+    for (&method, row) in args.methods.iter().zip(ours.iter_mut()) {
+        match check(method, q, k, v) {
+            Err(e) => row.error = Some(e),
+            Ok(()) => {
+                let (q, k, v) = (q.view(), k.view(), v.view());
+                runs.push(Box::new(on_cpu_clock(move || method.run(q, k, v))));
+                timed.push(row);
+            }
+        }
+    }
+    let (ks, vs) = (
+        k.as_slice().expect("standard"),
+        v.as_slice().expect("standard"),
+    );
+    runs.push(Box::new(on_cpu_clock(|| {
+        Ok(std::hint::black_box(read_all(ks, vs)))
+    })));
+    timed.push(read);
+    let ms = medians_in_turn(args.warmup, args.runs, &mut runs)?;
+    drop(runs);
+    for (row, ms) in timed.into_iter().zip(ms) {
+        row.us = Some(ms * 1e3);
+        row.gb_s = Some(row.bytes as f64 / (ms * 1e-3) / 1e9);
+    }
+    let read_gb_s = read.gb_s;
+    for r in ours.iter_mut().chain([read]) {
+        r.fraction_of_read = r.gb_s.zip(read_gb_s).map(|(a, b)| a / b);
     }
     Ok(())
 }
