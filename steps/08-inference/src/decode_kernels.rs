@@ -217,6 +217,12 @@ mod avx512 {
     const TILE_ROWS: usize = 4;
     const _: () = assert!(TILE_ROWS >= 4, "scores_rows' first tile takes four rows");
 
+    /// Whether a block goes to the register tiles: [`TILE_ROWS`] rows or more, and a row
+    /// that fits in eight registers. The rule of both products.
+    fn tiled(t: Tile) -> bool {
+        t.rows >= TILE_ROWS && t.d <= 8 * LANES
+    }
+
     /// The lanes of the last, partial register of a row of `d`.
     #[target_feature(enable = "avx512f")]
     fn tail_mask(d: usize) -> __mmask16 {
@@ -246,7 +252,7 @@ mod avx512 {
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::scores`' asserts hold.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn scores(q: &[f32], k: &[f32], s: &mut [f32], t: Tile, scale: f32) {
-        if t.d > 8 * LANES || t.rows < TILE_ROWS {
+        if !tiled(t) {
             // SAFETY: the caller's conditions
             return unsafe { scores_any(q, k, s, t, scale) };
         }
@@ -452,7 +458,7 @@ mod avx512 {
     /// SAFETY (caller): the CPU has AVX-512F; `DecodeKernels::values`' asserts hold.
     #[target_feature(enable = "avx512f")]
     pub unsafe fn values(p: &[f32], v: &[f32], o: &mut [f32], t: Tile) {
-        if t.d > 8 * LANES || t.rows < TILE_ROWS {
+        if !tiled(t) {
             // SAFETY: the caller's conditions
             return unsafe { values_any(p, v, o, t) };
         }

@@ -221,9 +221,10 @@ fn the_grouped_rungs_refuse_what_decode_refuses_with_the_same_words() {
 fn the_products_see_a_value_that_is_not_finite_at_every_tile_of_rows() {
     // the products check what they wrote (row 0's scores and outputs), whichever kernel
     // wrote them: a tile of four rows, of two (values past 4 registers a row), a row a key
-    // (fewer than four rows); 1, 3 and 5 rows a kv head; head dims of 2, 5 and 8 registers; the value in a key's or
-    // a value's last register, in the last partial block; −∞ in a key, which gives some rows
-    // a score of −∞, a probability of 0 and no trace in the output
+    // (fewer than four rows); 1, 3 and 5 rows a kv head; head dims of 2, 5 and 8
+    // registers; the value in a key's or a value's last register, in the last partial
+    // block; −∞ in a key, which gives some rows a score of −∞, a probability of 0 and no
+    // trace in the output
     for d in [20, 72, 128] {
         for (heads, kv) in [(2, 2), (3, 1), (5, 1)] {
             let shape = DecodeShape::new(1, heads, kv, 1, 150, d);

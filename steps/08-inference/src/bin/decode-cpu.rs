@@ -389,7 +389,6 @@ fn time_in_turn(
     })));
     timed.push(read);
     let ms = medians_in_turn(args.warmup, args.runs, &mut runs)?;
-    drop(runs);
     for (row, ms) in timed.into_iter().zip(ms) {
         row.us = Some(ms * 1e3);
         row.gb_s = Some(row.bytes as f64 / (ms * 1e-3) / 1e9);
